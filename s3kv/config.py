@@ -1,0 +1,224 @@
+"""Settings: one URL plus optional knobs, from env vars or a config file.
+
+Every setting has an env var ``S3KV_<NAME>`` and a key ``<name>`` in the optional
+config file named by ``S3KV_CONFIG_FILE`` (JSON, or TOML on Python >= 3.11). Env
+wins over the file; explicit keyword overrides win over both. Invalid values fail
+at start-up with a ``ConfigError`` that names the setting and what it accepts.
+AWS credentials, region and endpoints come from boto3's own chain
+(``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL_S3``, profiles, instance roles …).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting is missing or invalid; the message names it."""
+
+
+_SCHEMES = ("s3://", "file://", "memory://")
+
+
+@dataclass(frozen=True)
+class Settings:
+    #: Where the cache lives: s3://bucket/prefix, file:///dir, memory://name, or any fsspec URL.
+    url: str = ""
+    #: Blocks per stored object; 0 = choose from page size (objects of ~target_object_mib).
+    blocks_per_object: int = 0
+    target_object_mib: int = 32
+    max_blocks_per_object: int = 64
+    #: "async": parked request, reported from get_finished; "sync": finished inside start_load_kv.
+    load_mode: str = "async"
+    #: Save blocks filled by generation (multi-turn reuse of answers).
+    save_decode: bool = True
+    #: "window": sliding groups store only the tails a future hit can use; "all": every block.
+    storage_policy: str = "window"
+    #: Sliding-group tails are also stored at multiples of this many tokens (rounded to objects).
+    checkpoint_tokens: int = 4096
+    #: Extra blocks a sliding group must hold before the window (the engine may retain more).
+    window_margin_blocks: int = 1
+    #: Smallest hit worth a load, in blocks.
+    min_hit_blocks: int = 1
+    #: Model identity in the namespace; default is llm_args.model.
+    model_id: str = ""
+    #: Host staging pool for saves and loads.
+    staging_mib: int = 1024
+    pinned: bool = True
+    upload_threads: int = 4
+    download_threads: int = 8
+    max_concurrency: int = 32
+    #: Lookup: strided probe size of the first HEAD wave.
+    lookup_probe_budget: int = 128
+    index_max_entries: int = 1_000_000
+    index_ttl_s: float = 600.0
+    negative_ttl_s: float = 2.0
+    connect_timeout_s: float = 3.0
+    read_timeout_s: float = 10.0
+    retry_deadline_s: float = 20.0
+    max_attempts: int = 6
+    #: Deadline for a promised load; past it the request fails with a named error.
+    load_timeout_s: float = 60.0
+    multipart_threshold_mib: int = 16
+    multipart_part_mib: int = 8
+    #: "", "AES256" or "aws:kms".
+    sse: str = ""
+    sse_kms_key_id: str = ""
+    breaker_failures: int = 5
+    breaker_reset_s: float = 10.0
+    #: Serve Prometheus metrics on this port (0 = off).
+    metrics_port: int = 0
+    #: Check at start-up that the bucket/prefix is reachable and readable.
+    check_access: bool = True
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def staging_bytes(self) -> int:
+        return self.staging_mib * 1024 * 1024
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+
+def _env_name(field: str) -> str:
+    return "S3KV_" + field.upper()
+
+
+_BOOL_TRUE = {"1", "true", "yes", "on"}
+_BOOL_FALSE = {"0", "false", "no", "off", ""}
+
+
+def _convert(name: str, raw: Any, target: type | str) -> Any:
+    t = target if isinstance(target, str) else target.__name__
+    where = f"{_env_name(name)} / {name}"
+    if t == "bool":
+        if isinstance(raw, bool):
+            return raw
+        s = str(raw).strip().lower()
+        if s in _BOOL_TRUE:
+            return True
+        if s in _BOOL_FALSE:
+            return False
+        raise ConfigError(f"{where}: expected a boolean (true/false/1/0), got {raw!r}")
+    if t == "int":
+        try:
+            return int(str(raw).strip())
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {raw!r}") from None
+    if t == "float":
+        try:
+            return float(str(raw).strip())
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {raw!r}") from None
+    return str(raw)
+
+
+def validate(s: Settings) -> None:
+    def need(cond: bool, name: str, accepted: str, value: Any) -> None:
+        if not cond:
+            raise ConfigError(f"{_env_name(name)} / {name}: {accepted}, got {value!r}")
+
+    if s.url:
+        need(
+            "://" in s.url,
+            "url",
+            "expected a URL such as s3://bucket/prefix or file:///path",
+            s.url,
+        )
+    need(s.blocks_per_object >= 0, "blocks_per_object", "must be >= 0 (0 = automatic)", s.blocks_per_object)
+    need(s.target_object_mib > 0, "target_object_mib", "must be > 0", s.target_object_mib)
+    need(s.max_blocks_per_object > 0, "max_blocks_per_object", "must be > 0", s.max_blocks_per_object)
+    need(s.load_mode in ("async", "sync"), "load_mode", "accepted values: async, sync", s.load_mode)
+    need(s.storage_policy in ("window", "all"), "storage_policy", "accepted values: window, all", s.storage_policy)
+    need(s.checkpoint_tokens > 0, "checkpoint_tokens", "must be > 0", s.checkpoint_tokens)
+    need(s.window_margin_blocks >= 0, "window_margin_blocks", "must be >= 0", s.window_margin_blocks)
+    need(s.min_hit_blocks >= 1, "min_hit_blocks", "must be >= 1", s.min_hit_blocks)
+    need(s.staging_mib > 0, "staging_mib", "must be > 0", s.staging_mib)
+    for name in ("upload_threads", "download_threads", "max_concurrency", "lookup_probe_budget", "max_attempts"):
+        need(getattr(s, name) > 0, name, "must be > 0", getattr(s, name))
+    need(s.index_max_entries >= 0, "index_max_entries", "must be >= 0", s.index_max_entries)
+    for name in (
+        "index_ttl_s",
+        "negative_ttl_s",
+        "connect_timeout_s",
+        "read_timeout_s",
+        "retry_deadline_s",
+        "load_timeout_s",
+        "breaker_reset_s",
+    ):
+        need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))
+    need(s.multipart_part_mib >= 5, "multipart_part_mib", "must be >= 5 (S3's minimum part size)", s.multipart_part_mib)
+    need(s.multipart_threshold_mib > 0, "multipart_threshold_mib", "must be > 0", s.multipart_threshold_mib)
+    need(s.sse in ("", "AES256", "aws:kms"), "sse", "accepted values: '' (none), AES256, aws:kms", s.sse)
+    need(s.breaker_failures > 0, "breaker_failures", "must be > 0", s.breaker_failures)
+    need(0 <= s.metrics_port < 65536, "metrics_port", "must be a TCP port or 0", s.metrics_port)
+
+
+def _read_file(path: str) -> Mapping[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"S3KV_CONFIG_FILE: no such file {path!r}")
+    text = p.read_text()
+    try:
+        if p.suffix == ".toml":
+            import tomllib  # Python >= 3.11
+
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - report any parse error the same way
+        raise ConfigError(f"S3KV_CONFIG_FILE: cannot parse {path!r}: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"S3KV_CONFIG_FILE: {path!r} must hold a table/object of settings")
+    data = data.get("s3kv", data)
+    return data
+
+
+def load_settings(
+    env: Mapping[str, str] | None = None, *, require_url: bool = True, **overrides: Any
+) -> Settings:
+    """Settings from (file < env < overrides). Unknown keys in the file are errors."""
+    env = os.environ if env is None else env
+    known = {f.name: f for f in fields(Settings)}
+    values: dict[str, Any] = {}
+    cfg_path = env.get("S3KV_CONFIG_FILE")
+    if cfg_path:
+        for k, v in _read_file(cfg_path).items():
+            if k not in known:
+                raise ConfigError(f"S3KV_CONFIG_FILE: unknown setting {k!r}; known: {', '.join(sorted(known))}")
+            values[k] = v
+    for name in known:
+        ev = env.get(_env_name(name))
+        if ev is not None:
+            values[name] = ev
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    for k in list(values):
+        if k not in known:
+            raise ConfigError(f"unknown setting {k!r}")
+        values[k] = _convert(k, values[k], known[k].type if not isinstance(known[k].type, str) else known[k].type)
+    settings = Settings(**values)
+    if require_url and not settings.url:
+        raise ConfigError(
+            "S3KV_URL / url: not set. Point it at the cache, e.g. S3KV_URL=s3://my-bucket/kv "
+            "(also file:///path or any fsspec URL)"
+        )
+    return settings
+
+
+def auto_blocks_per_object(page_bytes: int, settings: Settings) -> int:
+    """Objects of about ``target_object_mib``: fewer requests (PUTs cost 12x GETs) but bounded size."""
+    if settings.blocks_per_object:
+        return settings.blocks_per_object
+    target = settings.target_object_mib * 1024 * 1024
+    return max(1, min(settings.max_blocks_per_object, target // max(1, page_bytes)))
+
+
+Converter = Callable[[str], Any]

@@ -1,0 +1,193 @@
+"""The one narrow object-store interface everything in s3kv talks to.
+
+Implementations: ``memory`` (tests), ``s3`` (boto3), ``fsspec`` (``file://`` and
+any fsspec URL). Wrappers that take an ``ObjectStore`` and are one themselves:
+``faults`` (failure injection), ``throttle`` (latency / bandwidth), ``instrument``
+(request and byte counters). Nothing above this layer knows which store it has.
+
+Error model: every failure surfaces as a subclass of :class:`StoreError`. Callers
+above the store treat a failed lookup as a miss and a failed save as a dropped
+save; only a *promised* load turns a store error into a request failure.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+Buffer = bytes | bytearray | memoryview
+
+
+class StoreError(Exception):
+    """Base of every store failure. ``key`` names the object when there is one."""
+
+    def __init__(self, message: str, *, key: str | None = None):
+        super().__init__(message if key is None else f"{message} (object {key!r})")
+        self.key = key
+
+
+class NotFound(StoreError):
+    """The object does not exist (404)."""
+
+
+class TransientError(StoreError):
+    """Throttling, 5xx, connection reset, timeout: worth retrying."""
+
+
+class PermissionDenied(StoreError):
+    """403 / access denied: retrying will not help; usually a setup problem."""
+
+
+class BucketNotFound(StoreError):
+    """The bucket itself is missing."""
+
+
+class DeadlineExceeded(StoreError):
+    """Retries ran out of time; carries the last underlying error as __cause__."""
+
+
+class IntegrityError(StoreError):
+    """Bytes came back that do not match what the store promised (short read, etc.)."""
+
+
+class StoreConfigError(StoreError, ValueError):
+    """The store location or its settings are unusable: bad URL, unknown scheme, unreachable endpoint.
+
+    Raised at start-up (``open_store`` / ``check_access``); the message names the setting to fix.
+    Also a ValueError so config-validation code can catch it with other bad-value errors.
+    """
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+    metadata: Mapping[str, str] = field(default_factory=dict)
+    last_modified: float | None = None  # POSIX seconds
+
+
+@dataclass(frozen=True)
+class HeadBatch:
+    """Outcome of a batched HEAD: every asked key lands in exactly one of the three."""
+
+    found: Mapping[str, ObjectInfo]
+    missing: frozenset[str]
+    failed: Mapping[str, StoreError]
+
+
+@dataclass(frozen=True)
+class ByteRange:
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 0:
+            raise ValueError(f"invalid byte range offset={self.offset} length={self.length}")
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+
+class ObjectStore(abc.ABC):
+    """Keys are full object keys (bucket-relative, prefix included by the caller's key scheme)."""
+
+    #: Human-readable location, e.g. ``s3://bucket/prefix`` (for logs and errors).
+    url: str = ""
+
+    @abc.abstractmethod
+    def head_many(self, keys: Sequence[str]) -> HeadBatch:
+        """Existence, size and metadata of many keys, in parallel where the store allows."""
+
+    def head(self, key: str) -> ObjectInfo | None:
+        batch = self.head_many([key])
+        if key in batch.failed:
+            raise batch.failed[key]
+        return batch.found.get(key)
+
+    @abc.abstractmethod
+    def put(self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None) -> bool:
+        """Write once. ``data`` may be several buffers, written back to back (no join copy needed).
+
+        Returns True if this call created the object, False if it already existed
+        (a concurrent or earlier writer won; that is success, never an overwrite).
+        """
+
+    @abc.abstractmethod
+    def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
+        """Bytes of each range, in order. Raises NotFound if the object is gone."""
+
+    def get(self, key: str) -> bytes:
+        info = self.head(key)
+        if info is None:
+            raise NotFound("no such object", key=key)
+        return self.get_ranges(key, [ByteRange(0, info.size)])[0]
+
+    @abc.abstractmethod
+    def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete keys (missing keys are fine)."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object under ``prefix`` (metadata may be empty: listing does not return it)."""
+
+    def check_access(self) -> None:
+        """Fail fast at start-up with one clear error if the location is unusable.
+
+        Default: a HEAD of a key that should not exist must answer "missing", not
+        "denied" or "no bucket".
+        """
+        self.head(self._probe_key())
+
+    def _probe_key(self) -> str:
+        return "s3kv-access-probe/does-not-exist"
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections and threads."""
+
+    def __enter__(self) -> ObjectStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StoreWrapper(ObjectStore):
+    """Forwards everything to ``inner``; wrappers override what they change."""
+
+    def __init__(self, inner: ObjectStore):
+        self.inner = inner
+        self.url = inner.url
+
+    def head_many(self, keys: Sequence[str]) -> HeadBatch:
+        return self.inner.head_many(keys)
+
+    def put(self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None) -> bool:
+        return self.inner.put(key, data, metadata)
+
+    def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
+        return self.inner.get_ranges(key, ranges)
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        self.inner.delete_many(keys)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        return self.inner.list(prefix)
+
+    def check_access(self) -> None:
+        self.inner.check_access()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def as_buffers(data: Buffer | Sequence[Buffer]) -> list[memoryview]:
+    """Normalise ``put`` input into a list of byte views without copying."""
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        return [memoryview(data).cast("B")]
+    return [memoryview(d).cast("B") for d in data]
+
+
+def total_size(data: Buffer | Sequence[Buffer]) -> int:
+    return sum(b.nbytes for b in as_buffers(data))

@@ -1,0 +1,192 @@
+"""TensorRT-LLM's connector types: the real ones when importable, faithful stand-ins otherwise.
+
+s3kv must import (and its simulator must run) on machines without TensorRT-LLM.
+The stand-ins follow ../shared/trtllm-connector-api.md field for field, so the
+adapter code is the same either way. ``HAVE_TRTLLM`` says which ones are in use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+HAVE_TRTLLM = False
+
+try:  # The V2 layout API (merged ~2026-09) lives under connectors/.
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector import (  # type: ignore
+        KvCacheConnectorScheduler,
+        KvCacheConnectorWorker,
+        RequestData,
+        SchedulerOutput,
+    )
+
+    HAVE_TRTLLM = True
+except Exception:  # pragma: no cover - depends on the environment
+    try:  # Older releases: flat API only.
+        from tensorrt_llm._torch.pyexecutor.kv_cache_connector import (  # type: ignore
+            KvCacheConnectorScheduler,
+            KvCacheConnectorWorker,
+            RequestData,
+            SchedulerOutput,
+        )
+
+        HAVE_TRTLLM = True
+    except Exception:
+        pass
+
+try:
+    from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout import (  # type: ignore
+        KvCacheBufferRef,
+        KvCacheLayerGroupLayout,
+        KvCacheLayout,
+        KvCacheRegion,
+        valid_page_slots,
+    )
+
+    HAVE_TRTLLM_LAYOUT = True
+except Exception:
+    HAVE_TRTLLM_LAYOUT = False
+
+
+if not HAVE_TRTLLM:
+
+    @dataclass
+    class RequestData:  # type: ignore[no-redef]
+        request_id: int
+        new_tokens: list[int]
+        new_block_ids: list[int]
+        computed_position: int
+        num_scheduled_tokens: int = 0
+        block_hashes: list[int] = field(default_factory=list)
+        priorities: Any = None
+        cache_salt: str | None = None
+        new_block_ids_by_layer_group: list[list[int]] = field(default_factory=list)
+
+    @dataclass
+    class SchedulerOutput:  # type: ignore[no-redef]
+        new_requests: list[RequestData] = field(default_factory=list)
+        cached_requests: list[RequestData] = field(default_factory=list)
+        attention_dp_rank: int | None = None
+
+    class KvCacheConnectorScheduler:  # type: ignore[no-redef]
+        supports_attention_dp = False
+
+        def __init__(self, llm_args: Any):
+            self._llm_args = llm_args
+
+    class KvCacheConnectorWorker:  # type: ignore[no-redef]
+        def __init__(self, llm_args: Any):
+            self._llm_args = llm_args
+            self._metadata: Any = None
+
+        def bind_connector_meta(self, metadata: Any) -> None:
+            self._metadata = metadata
+
+        def get_connector_meta(self) -> Any:
+            return self._metadata
+
+        def _clear_connector_meta(self) -> None:
+            self._metadata = None
+
+        def register_forward_pass_callable(self) -> Any:
+            return None
+
+
+if not HAVE_TRTLLM_LAYOUT:
+
+    def valid_page_slots(page_indices: Iterable[int]) -> Iterator[tuple[int, int]]:  # type: ignore[no-redef]
+        for ordinal, slot in enumerate(page_indices):
+            if slot >= 0:
+                yield ordinal, slot
+
+    @dataclass(frozen=True)
+    class KvCacheBufferRef:  # type: ignore[no-redef]
+        layer_id: int
+        role: str
+        expansion: int = 1
+
+    @dataclass(frozen=True)
+    class KvCacheRegion:  # type: ignore[no-redef]
+        """Slot ``i`` lives at ``base + stride*i``, ``size`` bytes.
+
+        The real class addresses raw device memory; the stand-in keeps the tensor
+        that backs it (``storage``, uint8, 1-D) so views can be made safely. ``base``
+        is then an offset into that tensor.
+        """
+
+        base: int
+        size: int
+        stride: int
+        num_slots: int
+        buffers: tuple[KvCacheBufferRef, ...] = ()
+        storage: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+        def address_of(self, slot_id: int) -> int:
+            if not 0 <= slot_id < self.num_slots:
+                raise IndexError(f"slot {slot_id} outside [0, {self.num_slots})")
+            return self.base + self.stride * slot_id
+
+        def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+            assert self.storage is not None
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            view = self.storage[self.base : self.base + self.stride * self.num_slots]
+            rows = view.view(self.num_slots, self.stride)[:, : self.size]
+            return rows.view(dtype) if dtype != torch.uint8 else rows.reshape(self.num_slots, self.size // itemsize)
+
+        def slot_tensor(self, slot_id: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+            start = self.address_of(slot_id)
+            assert self.storage is not None
+            t = self.storage[start : start + self.size]
+            return t if dtype == torch.uint8 else t.view(dtype)
+
+    @dataclass(frozen=True)
+    class KvCacheLayerGroupLayout:  # type: ignore[no-redef]
+        layer_group_id: int
+        layer_ids: tuple[int, ...]
+        window_size: int | None
+        regions: tuple[KvCacheRegion, ...]
+
+        @property
+        def bytes_per_page(self) -> int:
+            return sum(r.size for r in self.regions)
+
+    @dataclass(frozen=True)
+    class KvCacheLayout:  # type: ignore[no-redef]
+        tokens_per_block: int
+        groups: tuple[KvCacheLayerGroupLayout, ...]
+        dtype: torch.dtype = torch.uint8
+
+        def group(self, layer_group_id: int) -> KvCacheLayerGroupLayout:
+            for g in self.groups:
+                if g.layer_group_id == layer_group_id:
+                    return g
+            raise KeyError(layer_group_id)
+
+        def group_of_layer(self, layer_id: int) -> KvCacheLayerGroupLayout:
+            for g in self.groups:
+                if layer_id in g.layer_ids:
+                    return g
+            raise KeyError(layer_id)
+
+        def as_single_pool_tensor(self) -> torch.Tensor | None:
+            if len(self.groups) == 1 and len(self.groups[0].regions) == 1:
+                return self.groups[0].regions[0].as_tensor()
+            return None
+
+
+__all__ = [
+    "HAVE_TRTLLM",
+    "HAVE_TRTLLM_LAYOUT",
+    "KvCacheBufferRef",
+    "KvCacheConnectorScheduler",
+    "KvCacheConnectorWorker",
+    "KvCacheLayerGroupLayout",
+    "KvCacheLayout",
+    "KvCacheRegion",
+    "RequestData",
+    "SchedulerOutput",
+    "valid_page_slots",
+]
