@@ -14,9 +14,9 @@ Save path, in three op kinds, so the leader alone decides object composition:
   an object named by the chain digest of its last block and upload it
   (write-once). ``close`` frees the buffer; a seal with ``close=False`` uploads a
   snapshot (e.g. at the prompt's end) while later blocks still fill the buffer.
-* ``FinishOp`` — a request whose pages the engine holds for us
-  (``request_finished`` returned True); report it from ``get_finished`` once its
-  stage copies are done.
+* ``releases`` — free a buffer whose last seal already went out.
+* ``finishing_ids`` — requests the engine holds for us (``request_finished``
+  returned True); report each from ``get_finished`` once its stage copies are done.
 
 Load path: ``LoadOp`` reads the pages ``ordinals`` of one object into ``slots``.
 """
@@ -79,9 +79,11 @@ class ConnectorMetadata:
     seals: tuple[SealOp, ...] = ()
     #: Requests held by request_finished -> True, to report once their stages are copied.
     finishing_ids: frozenset[int] = frozenset()
+    #: Buffers to free without (another) upload: their last seal already went out.
+    releases: tuple[BufferId, ...] = ()
     #: Requests whose open buffers are dropped without upload (replayed or aborted).
     discard_ids: frozenset[int] = frozenset()
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.stages or self.seals or self.finishing_ids or self.discard_ids)
+        return not (self.loads or self.stages or self.seals or self.finishing_ids or self.discard_ids or self.releases)

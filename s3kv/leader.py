@@ -1,0 +1,558 @@
+"""Scheduler-side logic: what a request can be served, and what gets saved when.
+
+``LeaderCore`` speaks in plain values (token lists, ordinal->slot lists,
+``RequestData``-shaped reports) and emits ``plan.ConnectorMetadata``. The
+TensorRT-LLM adapter only translates engine objects into these calls. The only
+I/O is the lookup's HEAD waves, through the store and the local index.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .config import Settings, auto_blocks_per_object
+from .errors import PlanMismatch
+from .hitrule import Span, required_range
+from .index import MISSING, KeyIndex
+from .keys import Chain, KeyScheme, NotCacheable, chain_root, namespace_digest
+from .layout import CacheGeometry
+from .lookup import Ask, LookupParams, LookupResult, find_hit
+from .objects import ObjectFormatError, ObjectIdentity, span_from_metadata
+from .plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
+from .policy import StoragePolicy
+from .store.base import ObjectStore, StoreError
+
+log = logging.getLogger("s3kv.leader")
+
+
+@dataclass
+class _Buffer:
+    bid: BufferId
+    count: int = 0  # pages staged
+    sealed: int = 0  # pages covered by the last seal
+
+
+@dataclass
+class _Request:
+    request_id: int
+    root: bytes | None  # None: not cacheable
+    chain: Chain | None
+    tokens: list[int]
+    prompt_len: int
+    d_blocks: int = 0
+    h_blocks: int = 0  # served history after honour (device match + connector)
+    offered_blocks: int = 0
+    load_async: bool = False
+    coverage: dict[tuple[int, int], dict[int, Span]] = field(default_factory=dict)
+    slots: list[list[int]] = field(default_factory=list)
+    reported: bool = False
+    completed: int = 0  # blocks whose completion has been planned
+    save_from: int = 0
+    open: dict[int, _Buffer] = field(default_factory=dict)
+    pending_loads: list[LoadOp] = field(default_factory=list)
+    pending_stages: list[StageOp] = field(default_factory=list)
+    pending_seals: list[SealOp] = field(default_factory=list)
+    pending_releases: list[BufferId] = field(default_factory=list)
+    finishing: bool = False
+
+
+@dataclass
+class LeaderStats:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_tokens: int = 0
+    lookup_waves: int = 0
+    lookup_asks: int = 0
+    lookup_errors: int = 0
+    foreign_objects: int = 0
+    not_cacheable: int = 0
+    honoured_less: int = 0
+    planned_pages_saved: int = 0
+    planned_objects: int = 0
+    planned_pages_loaded: int = 0
+    #: Per group id: blocks a hit needed from that group (its in-window tail for sliding groups).
+    hit_blocks_by_group: dict[int, int] = field(default_factory=dict)
+
+
+class LeaderCore:
+    def __init__(
+        self,
+        settings: Settings,
+        store: ObjectStore,
+        key_prefix: str,
+        *,
+        tp_size: int,
+        model_id: str,
+        kv_dtype: str,
+        index: KeyIndex | None = None,
+        geometry: CacheGeometry | Callable[[], CacheGeometry | None] | None = None,
+        on_lookup: Callable[[int, LookupResult], None] | None = None,
+    ):
+        self.settings = settings
+        self.store = store
+        self.key_prefix = key_prefix
+        self.tp_size = tp_size
+        self.model_id = model_id
+        self.kv_dtype = kv_dtype
+        self.index = index if index is not None else KeyIndex(
+            settings.index_max_entries, settings.index_ttl_s, settings.negative_ttl_s
+        )
+        self._geometry_source = geometry
+        self._geometry: CacheGeometry | None = None
+        self._requests: dict[int, _Request] = {}
+        self._discards: set[int] = set()
+        self._iteration = 0
+        self._lock = threading.Lock()
+        self._on_lookup = on_lookup
+        self.stats = LeaderStats()
+
+    # ------------------------------------------------------------------ geometry
+    @property
+    def geometry(self) -> CacheGeometry | None:
+        if self._geometry is None:
+            src = self._geometry_source
+            g = src() if callable(src) else src
+            if g is not None:
+                self._set_geometry(g)
+        return self._geometry
+
+    def _set_geometry(self, g: CacheGeometry) -> None:
+        if g.tp_size != self.tp_size:
+            raise ValueError(f"geometry tp_size {g.tp_size} != leader tp_size {self.tp_size}")
+        self._geometry = g
+        self.namespace = namespace_digest(g)
+        self.scheme = KeyScheme(self.key_prefix, self.namespace, g.tp_size)
+        self.bpo = auto_blocks_per_object(g.max_page_bytes, self.settings)
+        cp_blocks = max(1, self.settings.checkpoint_tokens // g.tokens_per_block)
+        cp_blocks = -(-cp_blocks // self.bpo) * self.bpo  # round up to whole objects
+        self.policy = StoragePolicy(g, self.bpo, cp_blocks, self.settings.storage_policy, self.settings.window_margin_blocks)
+        self.params = LookupParams(
+            blocks_per_object=self.bpo,
+            checkpoint_blocks=cp_blocks,
+            margin=self.settings.window_margin_blocks,
+            budget=self.settings.lookup_probe_budget,
+        )
+        self._identities = {
+            (grp.group_id, s): ObjectIdentity(
+                self.namespace, grp.fingerprint, s, g.tp_size, g.tokens_per_block, grp.page_bytes
+            )
+            for grp in g.groups
+            for s in range(g.tp_size)
+        }
+        log.info(
+            "s3kv geometry: %d groups (%s), tpb=%d, tp=%d, %d blocks/object, checkpoints every %d blocks, ns=%s",
+            g.num_groups,
+            ", ".join(f"g{x.group_id}:w={x.window or 'full'},{x.page_bytes}B" for x in g.groups),
+            g.tokens_per_block,
+            g.tp_size,
+            self.bpo,
+            cp_blocks,
+            self.namespace.hex()[:12],
+        )
+
+    # ------------------------------------------------------------------ lookup
+    def get_num_new_matched_tokens(
+        self,
+        request_id: int,
+        tokens: Sequence[int],
+        prompt_len: int,
+        num_computed_tokens: int,
+        *,
+        cache_salt: Any = None,
+        lora_id: int | None = None,
+        multimodal_hashes: Sequence[Any] | None = None,
+        has_multimodal: bool = False,
+        store_available: bool = True,
+    ) -> tuple[int, bool]:
+        with self._lock:
+            old = self._requests.pop(request_id, None)
+            if old is not None:
+                # A replay: the engine re-allocates from scratch; whatever we staged is stale.
+                self._discards.add(request_id)
+            g = self.geometry
+            prompt = list(tokens[:prompt_len])
+            if g is None:
+                log.warning("s3kv: no KV cache layout registered yet; request %s is a miss", request_id)
+                self._requests[request_id] = _Request(request_id, None, None, prompt, prompt_len)
+                return 0, False
+            try:
+                root = chain_root(
+                    self.namespace,
+                    cache_salt=cache_salt,
+                    lora_id=lora_id,
+                    multimodal_hashes=multimodal_hashes,
+                    has_multimodal=has_multimodal,
+                )
+            except NotCacheable as e:
+                self.stats.not_cacheable += 1
+                log.info("s3kv: request %s not cached: %s", request_id, e)
+                self._requests[request_id] = _Request(request_id, None, None, prompt, prompt_len)
+                return 0, False
+            chain = Chain(root, g.tokens_per_block)
+            chain.extend_to(prompt)
+            st = _Request(request_id, root, chain, prompt, prompt_len)
+            self._requests[request_id] = st
+            tpb = g.tokens_per_block
+            st.d_blocks = num_computed_tokens // tpb
+            st.h_blocks = st.d_blocks
+            self.stats.lookups += 1
+            if num_computed_tokens % tpb or not store_available:
+                # A device match that ends mid-block leaves nothing whole to append to.
+                self.stats.misses += 1
+                return 0, False
+            hmax = (prompt_len - 1) // tpb
+            result = find_hit(
+                g,
+                self.params,
+                st.d_blocks,
+                prompt_len // tpb,
+                hmax,
+                lambda asks: self._probe(st, asks),
+                count_wave=lambda asks: self._last_probe_used_network,
+            )
+            self.stats.lookup_waves += result.waves
+            self.stats.lookup_asks += result.asks
+            if self._on_lookup:
+                self._on_lookup(request_id, result)
+            gain = result.h_blocks - st.d_blocks
+            if gain < self.settings.min_hit_blocks:
+                self.stats.misses += 1
+                return 0, False
+            st.coverage = result.coverage
+            st.offered_blocks = gain
+            st.load_async = self.settings.load_mode == "async"
+            self.stats.hits += 1
+            log.debug(
+                "s3kv: request %s hit %d of %d tokens (%d waves, %d asks)",
+                request_id, gain * tpb, prompt_len, result.waves, result.asks,
+            )
+            return gain * tpb, st.load_async
+
+    _last_probe_used_network = False
+
+    def _probe(self, st: _Request, asks: set[Ask]) -> dict[Ask, Span | None]:
+        assert st.chain is not None
+        out: dict[Ask, Span | None] = {}
+        todo: dict[str, Ask] = {}
+        for a in asks:
+            grp, shard, end = a
+            key = self.scheme.object_key(self._geometry.groups[grp].fingerprint, shard, st.chain.digests[end - 1])  # type: ignore[union-attr]
+            v = self.index.get(key)
+            if v is MISSING:
+                out[a] = None
+            elif v is not None:
+                out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
+            else:
+                todo[key] = a
+        self._last_probe_used_network = bool(todo)
+        if not todo:
+            return out
+        try:
+            batch = self.store.head_many(list(todo))
+        except StoreError as e:
+            # A store error during lookup is a miss, never an exception.
+            self.stats.lookup_errors += 1
+            log.warning("s3kv: lookup HEAD wave failed (%s); treating as miss", e)
+            return {**out, **{a: None for a in todo.values()}}
+        for key, a in todo.items():
+            info = batch.found.get(key)
+            if info is not None:
+                try:
+                    span = span_from_metadata(self._identities[(a[0], a[1])], info.metadata, info.size, key)
+                except ObjectFormatError as e:
+                    self.stats.foreign_objects += 1
+                    log.warning("s3kv: ignoring object: %s", e)
+                    out[a] = None
+                    continue
+                self.index.put_present(key, span)
+                out[a] = Span(span.first, span.end)
+            elif key in batch.failed:
+                self.stats.lookup_errors += 1
+                out[a] = None
+            else:
+                self.index.put_missing(key)
+                out[a] = None
+        return out
+
+    # ------------------------------------------------------------------ allocation
+    def update_state_after_alloc(
+        self, request_id: int, block_ids_by_group: Sequence[Sequence[int]], honoured_tokens: int | None = None
+    ) -> None:
+        with self._lock:
+            st = self._requests.get(request_id)
+            g = self._geometry
+            if st is None or g is None or st.root is None or st.offered_blocks == 0:
+                return
+            tpb = g.tokens_per_block
+            honoured = st.offered_blocks * tpb if honoured_tokens is None else int(honoured_tokens)
+            h = st.d_blocks + max(0, honoured) // tpb
+            if h < st.d_blocks + st.offered_blocks:
+                self.stats.honoured_less += 1
+            st.h_blocks = h
+            if h <= st.d_blocks:
+                return
+            if len(block_ids_by_group) != g.num_groups:
+                raise PlanMismatch(
+                    f"request {request_id}: engine reports {len(block_ids_by_group)} layer groups, "
+                    f"the registered layout has {g.num_groups}"
+                )
+            st.pending_loads = self._plan_loads(st, block_ids_by_group)
+
+    def _plan_loads(self, st: _Request, lists: Sequence[Sequence[int]]) -> list[LoadOp]:
+        g = self._geometry
+        assert g is not None and st.chain is not None
+        tpb = g.tokens_per_block
+        ops: list[LoadOp] = []
+        for grp in g.groups:
+            gid = grp.group_id
+            slots = lists[gid]
+            lo, _hi = required_range(grp, tpb, st.d_blocks, st.h_blocks, self.settings.window_margin_blocks)
+            by_end: dict[int, list[tuple[int, int]]] = {}
+            for o in range(st.d_blocks, st.h_blocks):
+                slot = slots[o] if o < len(slots) else -1
+                if slot < 0:
+                    if o >= lo and not grp.is_sliding:
+                        raise PlanMismatch(
+                            f"request {st.request_id}: full-attention group {gid} has no page for ordinal {o} "
+                            f"inside the served history [{st.d_blocks}, {st.h_blocks})"
+                        )
+                    continue
+                end = self._covering_end(st, gid, o)
+                if end is None:
+                    # The engine gave a page the plan cannot fill (e.g. it retains
+                    # more than the window). Filling it with anything would be a
+                    # wrong answer; fail the request loudly instead.
+                    raise PlanMismatch(
+                        f"request {st.request_id}: group {gid} (window {grp.window}) got a page for ordinal {o} "
+                        f"that no verified object covers; raise S3KV_WINDOW_MARGIN_BLOCKS"
+                    )
+                by_end.setdefault(end, []).append((o, slot))
+            for end, pairs in sorted(by_end.items()):
+                spans = tuple(
+                    (st.coverage[(gid, s)][end].first, st.coverage[(gid, s)][end].end - st.coverage[(gid, s)][end].first)
+                    for s in range(g.tp_size)
+                )
+                ref = ObjectRef(gid, st.chain.digests[end - 1], spans)
+                ops.append(LoadOp(st.request_id, ref, tuple(o for o, _ in pairs), tuple(s for _, s in pairs)))
+                self.stats.planned_pages_loaded += len(pairs)
+            needed = sum(1 for o in range(st.d_blocks, st.h_blocks) if o < len(slots) and slots[o] >= 0)
+            self.stats.hit_blocks_by_group[gid] = self.stats.hit_blocks_by_group.get(gid, 0) + needed
+        self.stats.hit_tokens += (st.h_blocks - st.d_blocks) * tpb
+        return ops
+
+    def _covering_end(self, st: _Request, gid: int, o: int) -> int | None:
+        """The smallest object end whose object holds ordinal ``o`` on every shard."""
+        g = self._geometry
+        assert g is not None
+        ends = None
+        for s in range(g.tp_size):
+            cov = st.coverage.get((gid, s), {})
+            here = {e for e, sp in cov.items() if sp.first <= o < sp.end}
+            ends = here if ends is None else ends & here
+        return min(ends) if ends else None
+
+    # ------------------------------------------------------------------ per iteration
+    def build_connector_meta(self, new_requests: Sequence[Any], cached_requests: Sequence[Any]) -> ConnectorMetadata:
+        """``new_requests``/``cached_requests`` hold RequestData-shaped objects."""
+        with self._lock:
+            self._iteration += 1
+            for rd in new_requests:
+                self._on_report(rd, first=True)
+            for rd in cached_requests:
+                self._on_report(rd, first=False)
+            loads: list[LoadOp] = []
+            async_ids: set[int] = set()
+            stages: list[StageOp] = []
+            seals: list[SealOp] = []
+            releases: list[BufferId] = []
+            finishing: set[int] = set()
+            done: list[int] = []
+            for rid, st in self._requests.items():
+                if st.pending_loads:
+                    loads.extend(st.pending_loads)
+                    if st.load_async:
+                        async_ids.add(rid)
+                    st.pending_loads = []
+                stages.extend(st.pending_stages)
+                seals.extend(st.pending_seals)
+                releases.extend(st.pending_releases)
+                st.pending_stages, st.pending_seals, st.pending_releases = [], [], []
+                if st.finishing:
+                    finishing.add(rid)
+                    done.append(rid)
+            for rid in done:
+                del self._requests[rid]
+            discards = frozenset(self._discards)
+            self._discards.clear()
+            self.stats.planned_pages_saved += len(stages)
+            self.stats.planned_objects += len(seals)
+            return ConnectorMetadata(
+                iteration=self._iteration,
+                loads=tuple(loads),
+                async_load_ids=frozenset(async_ids),
+                stages=tuple(stages),
+                seals=tuple(seals),
+                finishing_ids=frozenset(finishing),
+                discard_ids=discards,
+                releases=tuple(releases),
+            )
+
+    def _on_report(self, rd: Any, *, first: bool) -> None:
+        rid = rd.request_id
+        st = self._requests.get(rid)
+        g = self._geometry
+        if st is None:
+            if not first or g is None:
+                return
+            # Reported without a lookup (e.g. the engine skipped the connector):
+            # we can still save it, but never load.
+            st = self._new_unlooked(rd)
+            if st is None:
+                return
+        if st.root is None or g is None:
+            return
+        tpb = g.tokens_per_block
+        by_group = list(getattr(rd, "new_block_ids_by_layer_group", None) or [])
+        if not by_group and g.num_groups == 1:
+            by_group = [list(rd.new_block_ids)]
+        if first:
+            if not st.reported:
+                st.tokens = list(rd.new_tokens) if rd.new_tokens else st.tokens
+            st.slots = [list(x) for x in by_group] if by_group else [[] for _ in g.groups]
+            loaded_end = max(st.h_blocks, rd.computed_position // tpb)
+            st.save_from = (loaded_end // self.bpo) * self.bpo
+            st.completed = st.save_from
+            st.reported = True
+        else:
+            st.tokens.extend(rd.new_tokens)
+            for gi, delta in enumerate(by_group):
+                if gi < len(st.slots):
+                    st.slots[gi].extend(delta)
+        if len(st.slots) < g.num_groups:
+            st.slots += [[] for _ in range(g.num_groups - len(st.slots))]
+        upto = min(rd.computed_position + rd.num_scheduled_tokens, max(st.prompt_len, rd.computed_position + 1))
+        upto = min(upto, len(st.tokens))
+        self._plan_saves(st, upto // tpb)
+
+    def _new_unlooked(self, rd: Any) -> _Request | None:
+        assert self._geometry is not None
+        try:
+            root = chain_root(self.namespace, cache_salt=getattr(rd, "cache_salt", None))
+        except NotCacheable:
+            return None
+        tokens = list(rd.new_tokens)
+        st = _Request(rd.request_id, root, Chain(root, self._geometry.tokens_per_block), tokens, len(tokens))
+        st.d_blocks = st.h_blocks = rd.computed_position // self._geometry.tokens_per_block
+        self._requests[rd.request_id] = st
+        return st
+
+    # ------------------------------------------------------------------ saves
+    def _plan_saves(self, st: _Request, complete_blocks: int) -> None:
+        g = self._geometry
+        assert g is not None and st.chain is not None
+        if complete_blocks <= st.completed:
+            return
+        prompt_blocks = st.prompt_len // g.tokens_per_block
+        if not self.settings.save_decode:
+            complete_blocks = min(complete_blocks, prompt_blocks)
+            if complete_blocks <= st.completed:
+                return
+        st.chain.extend_to(st.tokens)
+        for o in range(st.completed, complete_blocks):
+            for grp in g.groups:
+                gid = grp.group_id
+                slot = st.slots[gid][o] if o < len(st.slots[gid]) else -1
+                if slot >= 0 and self.policy.keeps(gid, o, prompt_blocks):
+                    self._stage(st, gid, o, slot)
+                else:
+                    self._close(st, gid)
+                buf = st.open.get(gid)
+                if buf is None:
+                    continue
+                if o + 1 == buf.bid.first + buf.bid.capacity:
+                    self._seal(st, gid, close=True)
+                elif o + 1 == prompt_blocks:
+                    # Prompt-end snapshot: exact repeats hit here even though the
+                    # object keeps filling with generated blocks.
+                    self._seal(st, gid, close=not self.policy.keeps(gid, o + 1, prompt_blocks))
+        st.completed = complete_blocks
+
+    def _stage(self, st: _Request, gid: int, o: int, slot: int) -> None:
+        buf = st.open.get(gid)
+        if buf is not None and o != buf.bid.first + buf.count:
+            self._close(st, gid)
+            buf = None
+        if buf is None:
+            cap = self.policy.chunk_end(o) - o
+            buf = _Buffer(BufferId(st.request_id, gid, o, cap))
+            st.open[gid] = buf
+        st.pending_stages.append(StageOp(buf.bid, o, slot))
+        buf.count += 1
+
+    def _seal(self, st: _Request, gid: int, *, close: bool) -> None:
+        buf = st.open[gid]
+        assert st.chain is not None
+        if buf.count > buf.sealed:
+            last = buf.bid.first + buf.count - 1
+            st.pending_seals.append(SealOp(buf.bid, buf.count, st.chain.digests[last], close))
+            buf.sealed = buf.count
+        elif close:
+            st.pending_releases.append(buf.bid)
+        if close:
+            del st.open[gid]
+
+    def _close(self, st: _Request, gid: int) -> None:
+        if gid in st.open:
+            self._seal(st, gid, close=True)
+
+    # ------------------------------------------------------------------ finish
+    def request_finished(self, request_id: int, block_ids_by_group: Sequence[Sequence[int]]) -> bool:
+        """Plan the final seals (and the sliding tails still on the device).
+
+        Returns True while the engine must keep the request: its live sliding
+        pages are about to be staged, or final seals still have to be handed
+        to the workers in the next iteration's metadata.
+        """
+        with self._lock:
+            st = self._requests.get(request_id)
+            g = self._geometry
+            if st is None or g is None or st.root is None or st.chain is None:
+                self._requests.pop(request_id, None)
+                return False
+            e = st.completed
+            prompt_blocks = st.prompt_len // g.tokens_per_block
+            for grp in g.groups:
+                gid = grp.group_id
+                if self.policy.stores_everything(gid) or not self.settings.save_decode or e <= prompt_blocks:
+                    self._close(st, gid)
+                    continue
+                # Sliding group, history beyond the prompt: stage the live tail
+                # that a continuation of this conversation would need.
+                self._close(st, gid)
+                lo, hi = self.policy.tail(gid, e)
+                live = block_ids_by_group[gid] if gid < len(block_ids_by_group) else []
+                for o in range(max(lo, st.save_from), hi):
+                    slot = live[o] if o < len(live) else -1
+                    if slot < 0:
+                        self._close(st, gid)
+                        continue
+                    self._stage(st, gid, o, slot)
+                    buf = st.open[gid]
+                    if o + 1 == buf.bid.first + buf.bid.capacity or o + 1 == hi:
+                        self._seal(st, gid, close=True)
+            busy = bool(st.pending_stages or st.pending_seals or st.pending_releases)
+            if busy:
+                st.finishing = True
+            else:
+                del self._requests[request_id]
+            return busy
+
+    # ------------------------------------------------------------------ introspection
+    def active_requests(self) -> int:
+        with self._lock:
+            return len(self._requests)

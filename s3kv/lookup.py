@@ -1,0 +1,200 @@
+"""Finding the largest servable prefix in few round trips. Pure logic over a probe callback.
+
+Objects hold aligned runs of ``bpo`` blocks ("chunks"), named by the chain digest
+of their last block, so "does an object end at ordinal e" is one HEAD. A
+full-attention group stores every block, so its objects alone say how long the
+stored prefix is; that group is the *spine*. Three waves of parallel HEADs:
+
+1. **probe** the spine (shard 0) at chunk ends -- all of them when there are at
+   most ``budget``, else ``budget`` evenly strided ones -- plus the prompt's own
+   last full block (a previous request's prompt-end snapshot);
+2. **fill in** the gap after the highest probe that has every lower probe
+   present: its chunk ends and every block end in between (a previous turn's
+   history ended mid-chunk);
+3. **verify** every group x shard the hit rule needs for the best candidate and
+   for a few fallbacks (the checkpoints just below it), since sliding groups
+   hold only tails at checkpoint, prompt-end and history-end boundaries.
+
+A hole found by the verify wave (an object deleted from the middle) costs one
+more wave for the candidates below the hole; otherwise the answer is final.
+Probes answered by the local index cost no round trip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from .hitrule import Span, object_ends_needed, required_range, servable
+from .layout import CacheGeometry
+
+#: (group, shard, end ordinal of the object)
+Ask = tuple[int, int, int]
+#: One wave: answers every ask with the object's span, or None (missing, failed or foreign).
+Prober = Callable[[set[Ask]], dict[Ask, Span | None]]
+
+
+@dataclass(frozen=True)
+class LookupParams:
+    blocks_per_object: int
+    checkpoint_blocks: int
+    margin: int = 0
+    budget: int = 128
+    fallbacks: int = 2
+
+
+@dataclass
+class LookupResult:
+    h_blocks: int
+    #: (group, shard) -> {end: span} of every object seen present.
+    coverage: dict[tuple[int, int], dict[int, Span]] = field(default_factory=dict)
+    waves: int = 0
+    asks: int = 0
+
+
+def _strided(ends: list[int], budget: int) -> list[int]:
+    if len(ends) <= budget:
+        return list(ends)
+    step = len(ends) / budget
+    picked = {ends[min(len(ends) - 1, int(i * step))] for i in range(budget)}
+    picked.add(ends[-1])
+    return sorted(picked)
+
+
+def find_hit(
+    geometry: CacheGeometry,
+    params: LookupParams,
+    d_blocks: int,
+    full_blocks: int,
+    hmax_blocks: int,
+    probe: Prober,
+    *,
+    count_wave: Callable[[set[Ask]], bool] | None = None,
+) -> LookupResult:
+    """Largest ``h`` (blocks) with ``d < h <= hmax`` servable from the store, or ``d`` (no hit).
+
+    ``full_blocks`` is how many full blocks the prompt has (objects may end
+    there); ``hmax_blocks`` the most the engine lets us serve (< prompt length).
+    ``count_wave(asks)`` says whether a wave went to the network (the index may
+    answer it all); defaults to "every non-empty wave counts".
+    """
+    bpo = params.blocks_per_object
+    result = LookupResult(h_blocks=d_blocks)
+    if hmax_blocks <= d_blocks:
+        return result
+    spine = geometry.spine_group
+    known: dict[Ask, Span | None] = {}
+
+    def run(asks: Iterable[Ask]) -> None:
+        todo = {a for a in asks if a not in known}
+        if not todo:
+            return
+        answers = probe(todo)
+        if count_wave is None or count_wave(todo):
+            result.waves += 1
+        result.asks += len(todo)
+        for a in todo:
+            span = answers.get(a)
+            known[a] = span
+            if span is not None:
+                result.coverage.setdefault((a[0], a[1]), {})[a[2]] = span
+
+    def found(end: int, shard: int = 0, group: int = spine) -> bool:
+        return known.get((group, shard, end)) is not None
+
+    top = min(full_blocks, max(hmax_blocks, d_blocks))
+    chunk_ends = [e for e in range((d_blocks // bpo + 1) * bpo, top + 1, bpo)]
+    if not chunk_ends or chunk_ends[-1] != top:
+        chunk_ends.append(top)
+
+    # Wave 1: strided probe of the spine.
+    probes = _strided(chunk_ends, params.budget)
+    run((spine, 0, e) for e in probes)
+
+    # The highest probe below which every probe was found (the spine stores
+    # every block, so presence is a prefix until proven otherwise).
+    low = d_blocks
+    nxt = None
+    for e in probes:
+        if found(e):
+            low = e
+        else:
+            nxt = e
+            break
+    upper = nxt if nxt is not None else top + 1
+    if low < top:
+        # Wave 2: fill in every block end in (low, upper) -- chunk ends and
+        # mid-chunk ends (a previous prompt or conversation ended there).
+        run((spine, 0, e) for e in range(low + 1, min(upper, top + 1)))
+
+    spine_ends = sorted(e for (g, s, e), v in known.items() if g == spine and s == 0 and v is not None)
+    if geometry.groups[spine].is_sliding:
+        # No full-attention group: the spine holds tails only, so its highest
+        # object end is the candidate and the verify wave decides.
+        best = max(spine_ends, default=d_blocks)
+    else:
+        # Unprobed chunk ends between strided probes are assumed present here;
+        # the verify wave checks every one of them.
+        best = max([low] + [e for e in spine_ends if low < e < upper])
+    best = min(best, hmax_blocks)
+
+    def candidates(upper: int) -> list[int]:
+        cands = [upper] if upper > d_blocks else []
+        cp = params.checkpoint_blocks
+        c = (upper - 1) // cp * cp if upper > 0 else 0
+        while c > d_blocks and len(cands) < 1 + params.fallbacks:
+            cands.append(c)
+            c -= cp
+        return cands
+
+    def needed(h: int) -> set[Ask]:
+        asks: set[Ask] = set()
+        for g in geometry.groups:
+            lo, hi = required_range(g, geometry.tokens_per_block, d_blocks, h, params.margin)
+            ends = object_ends_needed(lo, hi, bpo)
+            if ends and hi < top:
+                # An object ending a little past h covers it too: the prompt-end
+                # snapshot, or the chunk that h falls inside.
+                ends += [top, min(top, (hi // bpo + 1) * bpo)]
+            for e in ends:
+                for shard in range(geometry.tp_size):
+                    asks.add((g.group_id, shard, e))
+        return asks
+
+    tried: set[int] = set()
+    for _attempt in range(2):
+        cands = [h for h in candidates(best) if h not in tried]
+        if not cands:
+            break
+        wave: set[Ask] = set()
+        for h in cands:
+            wave |= needed(h)
+        run(wave)  # Wave 3 (and at most one more after a hole).
+        tried.update(cands)
+        for h in cands:
+            if servable(geometry, result.coverage, d_blocks, h, params.margin):
+                result.h_blocks = h
+                return result
+        # A hole: fall back to what is contiguous on every shard of the spine.
+        hole_best = min(
+            _contiguous_end(result.coverage.get((spine, s), {}), d_blocks) for s in range(geometry.tp_size)
+        )
+        hole_best = min(hole_best, hmax_blocks)
+        if hole_best >= best or hole_best <= d_blocks:
+            # Contiguous spine but a sliding tail is missing: try lower checkpoints.
+            best = max(d_blocks, (best - 1) // params.checkpoint_blocks * params.checkpoint_blocks)
+        else:
+            best = hole_best
+        if best <= d_blocks:
+            break
+    return result
+
+
+def _contiguous_end(spans_by_end: dict[int, Span], d_blocks: int) -> int:
+    """How far from ``d_blocks`` the spans cover without a gap."""
+    pos = d_blocks
+    for s in sorted(spans_by_end.values(), key=lambda s: (s.first, s.end)):
+        if s.first > pos:
+            break
+        pos = max(pos, s.end)
+    return pos
