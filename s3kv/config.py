@@ -42,8 +42,10 @@ class Settings:
     storage_policy: str = "window"
     #: Sliding-group tails are also stored at multiples of this many tokens (rounded to objects).
     checkpoint_tokens: int = 4096
-    #: Extra blocks a sliding group must hold before the window (the engine may retain more).
-    window_margin_blocks: int = 1
+    #: Extra blocks below the window a sliding group must supply. 0 trusts the engine's exact page
+    #: rule (a page outside the plan still fails loudly); raise it where the engine retains more
+    #: than the window (speculative decoding). History-end tails then cannot serve (pages gone).
+    window_margin_blocks: int = 0
     #: Smallest hit worth a load, in blocks.
     min_hit_blocks: int = 1
     #: Model identity in the namespace; default is llm_args.model.

@@ -33,5 +33,6 @@ module "s3kv_bucket" {
   force_destroy   = var.force_destroy
   expiration_days = var.expiration_days
   kms_key_arn     = var.kms_key_arn
+  allow_delete    = var.allow_delete
   role_names      = var.role_names
 }

@@ -33,6 +33,12 @@ variable "kms_key_arn" {
   default     = null
 }
 
+variable "allow_delete" {
+  description = "Grant s3:DeleteObject on the prefix (needed by `s3kv gc`)."
+  type        = bool
+  default     = true
+}
+
 variable "role_names" {
   description = "Existing IAM roles to attach the s3kv access policy to."
   type        = list(string)

@@ -1,0 +1,373 @@
+"""Apply infra/terraform for real against a local moto server.
+
+The example root module (``infra/terraform/examples/basic``) is copied to a temp
+dir together with the module it uses, initialised, format-checked, validated,
+applied with its S3/IAM/STS/KMS endpoints pointed at an in-process moto server,
+inspected through boto3, updated (SSE-KMS, no delete, role attachment), checked
+for drift and destroyed.
+
+Provider source: if a filesystem mirror exists (``$S3KV_TF_PLUGIN_MIRROR``,
+default ``/opt/tf-plugins``) terraform installs ``hashicorp/*`` only from it and
+never touches the network; otherwise (e.g. GitHub Actions) it installs from the
+registry. Either way the CLI config is written by the test, so a stray
+``TF_CLI_CONFIG_FILE`` or ``~/.terraformrc`` cannot change what runs.
+
+Run time is dominated by the AWS provider itself: creating a lifecycle
+configuration waits ~55 s for 10 consecutive consistent reads, whatever the
+backend.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import urllib.parse
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+INFRA = REPO / "infra"
+TF_ROOT = INFRA / "terraform"
+EXAMPLE_REL = Path("examples") / "basic"
+
+TERRAFORM = shutil.which("terraform")
+pytestmark = [
+    pytest.mark.skipif(TERRAFORM is None, reason="terraform binary not found on PATH"),
+    # Each terraform call has its own timeout; this only bounds the whole test.
+    pytest.mark.timeout(900),
+]
+
+MIRROR = Path(os.environ.get("S3KV_TF_PLUGIN_MIRROR", "/opt/tf-plugins"))
+REGION = "us-east-1"
+PREFIX = "fleet-a/s3kv"  # nested on purpose: exercises ARN and condition building
+EXPIRATION_DAYS = 14  # not the module default, so the test proves the plumbing
+
+# Per-command limits (seconds). apply includes the provider's ~55 s lifecycle wait.
+T_SHORT = 120
+T_INIT = 300
+T_APPLY = 420
+
+
+def _cli_config(path: Path) -> Path:
+    if MIRROR.is_dir():
+        body = f"""provider_installation {{
+  filesystem_mirror {{
+    path    = {json.dumps(str(MIRROR))}
+    include = ["registry.terraform.io/hashicorp/*"]
+  }}
+  direct {{
+    exclude = ["registry.terraform.io/*/*"]
+  }}
+}}
+"""
+    else:
+        body = "provider_installation {\n  direct {}\n}\n"
+    path.write_text(body)
+    return path
+
+
+class Terraform:
+    """Runs terraform in one working dir with a controlled environment."""
+
+    def __init__(self, workdir: Path, cli_config: Path, endpoint: str) -> None:
+        self.workdir = workdir
+        self.endpoint = endpoint
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("TF_", "AWS_", "CHECKPOINT_"))}
+        env.update(
+            TF_CLI_CONFIG_FILE=str(cli_config),
+            TF_IN_AUTOMATION="1",
+            TF_INPUT="0",
+            CHECKPOINT_DISABLE="1",
+            AWS_EC2_METADATA_DISABLED="true",
+            NO_PROXY=",".join(filter(None, ["127.0.0.1,localhost", env.get("NO_PROXY")])),
+        )
+        self.env = env
+
+    def run(self, *args: str, timeout: int = T_SHORT, check: bool = True, cwd: Path | None = None):
+        cmd = [str(TERRAFORM), *args]
+        try:
+            proc = subprocess.run(
+                cmd,
+                cwd=cwd or self.workdir,
+                env=self.env,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            pytest.fail(f"`terraform {' '.join(args)}` timed out after {timeout}s:\n{out[-4000:]}")
+        if check and proc.returncode != 0:
+            pytest.fail(
+                f"`terraform {' '.join(args)}` exited {proc.returncode}\n"
+                f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+            )
+        return proc
+
+    def var_args(self, **extra: Any) -> list[str]:
+        values: dict[str, Any] = {
+            "region": REGION,
+            "s3_endpoint": self.endpoint,
+            "iam_endpoint": self.endpoint,
+            "sts_endpoint": self.endpoint,
+            "kms_endpoint": self.endpoint,
+            **extra,
+        }
+        args = []
+        for k, v in values.items():
+            if isinstance(v, (list, bool, int)):
+                v = json.dumps(v)
+            args += ["-var", f"{k}={v}"]
+        return args
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def moto_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def tf(tmp_path_factory: pytest.TempPathFactory, moto_endpoint: str) -> Terraform:
+    base = tmp_path_factory.mktemp("tf")
+    # Copy the whole terraform tree so the example's "../../modules/..." source resolves.
+    shutil.copytree(
+        TF_ROOT,
+        base / "terraform",
+        ignore=shutil.ignore_patterns(".terraform", "*.tfstate*", ".terraform.lock.hcl"),
+    )
+    t = Terraform(base / "terraform" / EXAMPLE_REL, _cli_config(base / "cli.tfrc"), moto_endpoint)
+    t.run("init", "-input=false", "-no-color", timeout=T_INIT)
+    t.run("validate", "-no-color")
+    return t
+
+
+def _clients(endpoint: str) -> dict[str, Any]:
+    import boto3
+
+    kw = dict(
+        endpoint_url=endpoint,
+        region_name=REGION,
+        aws_access_key_id="test",
+        aws_secret_access_key="test",
+    )
+    return {name: boto3.client(name, **kw) for name in ("s3", "iam", "kms")}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _as_list(v: str | list[str]) -> list[str]:
+    return [v] if isinstance(v, str) else list(v)
+
+
+def _policy_document(iam: Any, policy_arn: str) -> dict[str, Any]:
+    policy = iam.get_policy(PolicyArn=policy_arn)["Policy"]
+    doc = iam.get_policy_version(PolicyArn=policy_arn, VersionId=policy["DefaultVersionId"])["PolicyVersion"][
+        "Document"
+    ]
+    if isinstance(doc, str):  # boto3 usually decodes it; be tolerant
+        doc = json.loads(urllib.parse.unquote(doc))
+    return doc
+
+
+def _statements(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    st = doc["Statement"]
+    return [st] if isinstance(st, dict) else st
+
+
+def _allowed(doc: dict[str, Any], resource: str) -> set[str]:
+    out: set[str] = set()
+    for st in _statements(doc):
+        if st["Effect"] == "Allow" and resource in _as_list(st["Resource"]):
+            out |= set(_as_list(st["Action"]))
+    return out
+
+
+def _outputs(tf: Terraform) -> dict[str, Any]:
+    raw = json.loads(tf.run("output", "-json", "-no-color").stdout)
+    return {k: v["value"] for k, v in raw.items()}
+
+
+def _check_iam_policy(iam: Any, policy_arn: str, bucket: str, *, delete: bool, kms_key: str | None):
+    doc = _policy_document(iam, policy_arn)
+    bucket_arn = f"arn:aws:s3:::{bucket}"
+    objects_arn = f"{bucket_arn}/{PREFIX}/*"
+
+    object_actions = {
+        "s3:GetObject",
+        "s3:PutObject",
+        "s3:AbortMultipartUpload",
+        "s3:ListMultipartUploadParts",
+    } | ({"s3:DeleteObject"} if delete else set())
+    assert _allowed(doc, objects_arn) == object_actions, doc
+    # Nothing may reach outside the prefix.
+    for st in _statements(doc):
+        for res in _as_list(st["Resource"]):
+            assert res in (bucket_arn, objects_arn, kms_key), f"unexpected resource {res!r}"
+            assert "*" not in _as_list(st["Action"]), st
+
+    list_st = [st for st in _statements(doc) if "s3:ListBucket" in _as_list(st["Action"])]
+    assert len(list_st) == 1, doc
+    assert _as_list(list_st[0]["Resource"]) == [bucket_arn]
+    assert list_st[0]["Condition"] == {"StringLike": {"s3:prefix": f"{PREFIX}/*"}}, list_st[0]
+    assert "s3:ListBucketMultipartUploads" in _allowed(doc, bucket_arn)
+
+    kms_st = [st for st in _statements(doc) if any(a.startswith("kms:") for a in _as_list(st["Action"]))]
+    if kms_key is None:
+        assert kms_st == [], doc
+    else:
+        assert len(kms_st) == 1, doc
+        assert set(_as_list(kms_st[0]["Action"])) == {"kms:Encrypt", "kms:Decrypt", "kms:GenerateDataKey"}
+        assert _as_list(kms_st[0]["Resource"]) == [kms_key]
+        assert kms_st[0]["Condition"] == {"StringEquals": {"kms:ViaService": f"s3.{REGION}.amazonaws.com"}}
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_terraform_fmt(tmp_path: Path) -> None:
+    t = Terraform(tmp_path, _cli_config(tmp_path / "cli.tfrc"), endpoint="unused")
+    proc = t.run("fmt", "-check", "-recursive", "-diff", "-no-color", "infra", cwd=REPO, check=False)
+    assert proc.returncode == 0, f"terraform fmt -check found unformatted files:\n{proc.stdout}{proc.stderr}"
+
+
+def test_module_rejects_bad_variables(tf: Terraform) -> None:
+    proc = tf.run(
+        "plan",
+        "-input=false",
+        "-no-color",
+        "-lock=false",
+        *tf.var_args(bucket_name="s3kv-bad-vars", prefix="/s3kv/", expiration_days=0),
+        check=False,
+    )
+    assert proc.returncode != 0
+    err = " ".join((proc.stdout + proc.stderr).split())  # terraform wraps long lines
+    assert "prefix must be non-empty, must not start or end with '/'" in err, err
+    assert "expiration_days must be a whole number greater than 0" in err, err
+
+
+def test_apply_inspect_update_destroy(tf: Terraform, moto_endpoint: str) -> None:
+    c = _clients(moto_endpoint)
+    s3, iam, kms = c["s3"], c["iam"], c["kms"]
+    bucket = f"s3kv-tf-{uuid.uuid4().hex[:12]}"
+    base_vars = dict(bucket_name=bucket, prefix=PREFIX, expiration_days=EXPIRATION_DAYS)
+
+    # ---- apply with defaults (SSE-S3, delete allowed, no role) -------------------
+    tf.run("apply", "-auto-approve", "-input=false", "-no-color", *tf.var_args(**base_vars), timeout=T_APPLY)
+
+    out = _outputs(tf)
+    assert out["s3kv_url"] == f"s3://{bucket}/{PREFIX}"
+    assert out["bucket_arn"] == f"arn:aws:s3:::{bucket}"
+    policy_arn = out["policy_arn"]
+    assert policy_arn.startswith("arn:aws:iam::") and policy_arn.endswith(f":policy/s3kv-{bucket}")
+
+    # Lifecycle: one rule on "<prefix>/" with expiry + abort-multipart.
+    rules = s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
+    assert len(rules) == 1, rules
+    rule = rules[0]
+    assert rule["Status"] == "Enabled"
+    assert rule["Filter"] == {"Prefix": f"{PREFIX}/"}, rule
+    assert rule["Expiration"] == {"Days": EXPIRATION_DAYS}, rule
+    assert rule["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 1}, rule
+
+    # Encryption: SSE-S3 by default.
+    sse = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
+    assert sse[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256", sse
+    assert "KMSMasterKeyID" not in sse[0]["ApplyServerSideEncryptionByDefault"], sse
+
+    # Public access block: all four on. Ownership: ACLs disabled.
+    pab = s3.get_public_access_block(Bucket=bucket)["PublicAccessBlockConfiguration"]
+    assert pab == {
+        "BlockPublicAcls": True,
+        "IgnorePublicAcls": True,
+        "BlockPublicPolicy": True,
+        "RestrictPublicBuckets": True,
+    }, pab
+    own = s3.get_bucket_ownership_controls(Bucket=bucket)["OwnershipControls"]["Rules"]
+    assert own == [{"ObjectOwnership": "BucketOwnerEnforced"}], own
+
+    # Bucket policy: deny everything over plain HTTP, on the bucket and its objects.
+    bp = json.loads(s3.get_bucket_policy(Bucket=bucket)["Policy"])
+    deny = [
+        st
+        for st in _statements(bp)
+        if st["Effect"] == "Deny"
+        and st.get("Condition", {}).get("Bool", {}).get("aws:SecureTransport") in ("false", False)
+    ]
+    assert len(deny) == 1, bp
+    assert deny[0]["Principal"] in ("*", {"AWS": "*"}), deny
+    assert _as_list(deny[0]["Action"]) == ["s3:*"], deny
+    assert set(_as_list(deny[0]["Resource"])) == {f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"}
+
+    # IAM policy: exactly what s3kv needs, on the prefix only.
+    _check_iam_policy(iam, policy_arn, bucket, delete=True, kms_key=None)
+
+    # ---- no drift: a fresh plan against moto finds nothing to change --------------
+    plan = tf.run(
+        "plan", "-detailed-exitcode", "-input=false", "-no-color", *tf.var_args(**base_vars), check=False
+    )
+    assert plan.returncode == 0, (
+        f"unexpected drift after apply (rc={plan.returncode}):\n{plan.stdout[-6000:]}"
+    )
+
+    # ---- update: SSE-KMS, no delete, attach to a role -----------------------------
+    key_arn = kms.create_key(Description="s3kv terraform test")["KeyMetadata"]["Arn"]
+    role = "s3kv-inference-node"
+    iam.create_role(
+        RoleName=role,
+        AssumeRolePolicyDocument=json.dumps(
+            {
+                "Version": "2012-10-17",
+                "Statement": [
+                    {
+                        "Effect": "Allow",
+                        "Principal": {"Service": "ec2.amazonaws.com"},
+                        "Action": "sts:AssumeRole",
+                    }
+                ],
+            }
+        ),
+    )
+    upd_vars = dict(base_vars, kms_key_arn=key_arn, allow_delete=False, role_names=[role])
+    tf.run("apply", "-auto-approve", "-input=false", "-no-color", *tf.var_args(**upd_vars), timeout=T_APPLY)
+
+    sse = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
+    assert sse[0]["ApplyServerSideEncryptionByDefault"] == {
+        "SSEAlgorithm": "aws:kms",
+        "KMSMasterKeyID": key_arn,
+    }, sse
+    assert sse[0]["BucketKeyEnabled"] is True, sse
+    _check_iam_policy(iam, policy_arn, bucket, delete=False, kms_key=key_arn)
+    attached = iam.list_attached_role_policies(RoleName=role)["AttachedPolicies"]
+    assert [p["PolicyArn"] for p in attached] == [policy_arn], attached
+
+    # ---- destroy: bucket, policy and attachment are gone --------------------------
+    tf.run("destroy", "-auto-approve", "-input=false", "-no-color", *tf.var_args(**upd_vars), timeout=T_APPLY)
+
+    names = [b["Name"] for b in s3.list_buckets().get("Buckets", [])]
+    assert bucket not in names, names
+    with pytest.raises(s3.exceptions.ClientError) as ei:
+        s3.head_bucket(Bucket=bucket)
+    assert ei.value.response["Error"]["Code"] in ("404", "NoSuchBucket"), ei.value.response
+    with pytest.raises(iam.exceptions.NoSuchEntityException):
+        iam.get_policy(PolicyArn=policy_arn)
+    assert iam.list_attached_role_policies(RoleName=role)["AttachedPolicies"] == []
+    state = tf.run("state", "list", "-no-color").stdout.strip()
+    assert state == "", state
