@@ -102,7 +102,10 @@ def find_hit(
     def found(end: int, shard: int = 0, group: int = spine) -> bool:
         return known.get((group, shard, end)) is not None
 
-    top = min(full_blocks, max(hmax_blocks, d_blocks))
+    # Objects may end anywhere up to the prompt's last full block. For a
+    # block-aligned prompt that is hmax + 1: its own prompt-end object is the
+    # only one covering the last servable blocks, so it must be probed too.
+    top = full_blocks
     chunk_ends = [e for e in range((d_blocks // bpo + 1) * bpo, top + 1, bpo)]
     if not chunk_ends or chunk_ends[-1] != top:
         chunk_ends.append(top)

@@ -1,0 +1,813 @@
+"""The engine simulator: drives a connector leader and one worker per rank in TensorRT-LLM's call order.
+
+One iteration (trtllm-connector-api.md, "Per-iteration call order"):
+  1. allocation for newly admitted requests: ``get_num_new_matched_tokens`` ->
+     honour -> ``py_num_connector_matched_tokens`` -> pages by the V2 rule ->
+     ``update_state_after_alloc[_by_layer_group]``;
+  2. ``SchedulerOutput`` -> leader ``build_connector_meta`` -> pickle round trip
+     (it is broadcast under TP) -> every worker ``bind_connector_meta``;
+  3. every worker ``start_load_kv``;
+  4. per layer, per rank: ``wait_for_layer_load`` -> [checker] -> model writes
+     the layer -> ``save_kv_layer``; then the forward-pass callables;
+  5. every worker ``wait_for_save``;
+  6. every worker ``get_finished`` -> resume / release ids every rank returned;
+  7. history advances, tokens are sampled, sliding pages that left the window
+     are freed (and junked);
+  8. ``request_finished[_by_layer_group]`` for requests that finished generating.
+
+Everything runs in one process and one thread; the leader is rank 0's.
+"""
+
+from __future__ import annotations
+
+import enum
+import pickle
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..trtllm_api import RequestData, SchedulerOutput
+from .checker import KvChecker, PageCheck
+from .config import GroupSpec, SimCacheConfig, SimModel, layer_groups, sliding_cutoff
+from .llm_args import SimLlmArgs, make_llm_args
+from .model import KvModel, PrefixHasher, next_token, request_root
+from .pools import GroupAllocator, RankPool, SimError
+from .report import RequestReport, SimReport
+from .request import SimLlmRequest, SimRequestSpec
+
+Honour = Callable[[int], int]
+# (request_id, context chunks done in this attempt, attempt) -> preempt now?
+PreemptHook = Callable[[int, int, int], bool]
+# (request_id, attempt) -> discard this async load's result and recompute?
+DiscardHook = Callable[[int, int], bool]
+
+
+class SimHang(SimError):
+    """A run did not finish within its iteration cap; ``stuck`` maps request id -> what it waits for."""
+
+    def __init__(self, message: str, stuck: Mapping[int, str]):
+        super().__init__(message)
+        self.stuck = dict(stuck)
+
+
+class SimContractError(SimError):
+    """A connector broke the API contract (the real engine would fail the request or hang)."""
+
+
+class _Phase(enum.Enum):
+    WAITING = "waiting for admission"
+    PARKED = "parked: async load"
+    RUNNING = "running"
+    SAVING = "finished: pages held for async save"
+    DONE = "done"
+
+
+@dataclass(eq=False)
+class _Req:
+    """Engine-side state of one request (mutable; never shown to a connector)."""
+
+    spec: SimRequestSpec
+    req: SimLlmRequest
+    hasher: PrefixHasher
+    seq: int  # position in the workload: admission and scheduling order
+    phase: _Phase = _Phase.WAITING
+    attempt: int = 0
+    order: int = -1  # admission counter of the current attempt
+    device_match: int = 0
+    offered: int = 0
+    honoured: int = 0
+    is_async: bool = False
+    ever_async: bool = False
+    discarded: bool = False
+    computed: int = 0  # tokens whose KV is in the pages (loaded tokens count once honoured)
+    prefill_start: int = 0  # where the model's own prefill began in this attempt
+    blocks: list[list[int]] = field(default_factory=list)  # per group: ordinal -> slot or -1
+    reserved: list[int] = field(default_factory=list)  # per group: pages promised, not yet allocated
+    reported: list[int] = field(default_factory=list)  # per group: entries already sent in RequestData
+    reported_tokens: int = 0
+    needs_first_report: bool = True
+    check_pending: bool = False
+    chunks_done: int = 0
+    generated: int = 0
+    gen_done: bool = False
+    waiting_ranks: set[int] = field(default_factory=set)
+    t_admit: float = 0.0
+    t_first_token: float = 0.0
+    t_done: float = 0.0
+    it_admit: int = -1
+    it_done: int = -1
+
+    @property
+    def rid(self) -> int:
+        return self.spec.request_id
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.req._tokens  # the engine owns the token list; connectors get copies
+
+
+class SimEngine:
+    """Simulated TensorRT-LLM engine around a connector.
+
+    ``leader_cls`` / ``worker_cls`` are classes or factories called as
+    ``cls(llm_args, **connector_kwargs)`` (rank 0's llm_args for the leader).
+    ``honour(offer) -> honoured`` models V2 honouring fewer tokens than offered.
+    ``preempt_hook`` / ``discard_hook`` inject replays (see the type aliases).
+    ``extra_retained_blocks`` keeps sliding pages that many blocks longer before
+    freeing them; ``extra_allocated_blocks`` gives that many more blocks below
+    the window real pages at allocation (a retained window larger than
+    configured, as with speculative decoding). ``flat`` drives the flat
+    (single group) leader callbacks and ``RequestData.new_block_ids``.
+    ``idle_worker_hooks`` False skips ``start_load_kv`` / ``wait_for_save`` in
+    iterations that schedule nothing (metadata is still built and bound, and
+    ``get_finished`` still called): whether the real executor calls them then is
+    not settled, so a connector must not *need* them to make progress.
+    """
+
+    def __init__(
+        self,
+        model: SimModel,
+        config: SimCacheConfig,
+        leader_cls: Callable[..., Any],
+        worker_cls: Callable[..., Any],
+        *,
+        tp_size: int = 1,
+        device: str | torch.device = "cpu",
+        chunk_size: int | None = None,
+        max_batch: int = 4,
+        honour: Honour | None = None,
+        preempt_hook: PreemptHook | None = None,
+        discard_hook: DiscardHook | None = None,
+        extra_retained_blocks: int = 0,
+        extra_allocated_blocks: int = 0,
+        flat: bool = False,
+        idle_worker_hooks: bool = True,
+        connector_kwargs: Mapping[str, Any] | None = None,
+        max_mismatch_details: int = 200,
+    ):
+        model.heads_per_shard(tp_size)  # validates tp_size
+        if chunk_size is not None and chunk_size <= 0:
+            raise ValueError("chunk_size must be positive or None")
+        if max_batch <= 0:
+            raise ValueError("max_batch must be positive")
+        if extra_retained_blocks < 0 or extra_allocated_blocks < 0:
+            raise ValueError("extra blocks must be >= 0")
+        self.model = model
+        self.config = config
+        self.tp_size = tp_size
+        self.device = torch.device(device)
+        self.chunk_size = chunk_size
+        self.max_batch = max_batch
+        self.honour = honour or (lambda offer: offer)
+        self.preempt_hook = preempt_hook
+        self.discard_hook = discard_hook
+        self.extra_retained_blocks = extra_retained_blocks
+        self.extra_allocated_blocks = extra_allocated_blocks
+        self.flat = flat
+        self.idle_worker_hooks = idle_worker_hooks
+        self.tpb = config.tokens_per_block
+        self.groups: tuple[GroupSpec, ...] = layer_groups(model, config.max_seq_len)
+        self._group_of_layer = {layer: g for g in self.groups for layer in g.layer_ids}
+        if flat and (len(self.groups) != 1 or self.groups[0].sliding or model.regions_per_group != 1):
+            raise ValueError("flat mode needs one full-attention group with one region")
+
+        max_blocks = -(-config.max_seq_len // self.tpb)
+        num_slots = config.pages_per_group or (max_batch + 1) * max_blocks + 8
+        self.allocators = tuple(GroupAllocator(g.group_id, num_slots, config.seed) for g in self.groups)
+        self.pools = tuple(
+            RankPool(r, self.groups, model, config, tp_size, num_slots, self.device) for r in range(tp_size)
+        )
+        self.kv = KvModel(
+            num_layers=model.num_layers,
+            tp_size=tp_size,
+            region_bytes=model.region_bytes_per_layer(self.tpb, tp_size),
+            device=self.device,
+            seed=config.seed,
+        )
+        self.checker = KvChecker(
+            self.kv,
+            self.pools,
+            self.groups,
+            junk_byte=config.junk_byte,
+            audit=config.audit,
+            max_details=max_mismatch_details,
+        )
+
+        self._hook_seconds: dict[str, float] = {}
+        kwargs = dict(connector_kwargs or {})
+        self.llm_args: tuple[SimLlmArgs, ...] = tuple(
+            make_llm_args(model, config, tp_size, r) for r in range(tp_size)
+        )
+        self.leader = leader_cls(self.llm_args[0], **kwargs)
+        self.workers = tuple(worker_cls(self.llm_args[r], **kwargs) for r in range(tp_size))
+        self._check_bring_up()
+        # The cache is created (and registered) before the first request is scheduled.
+        for pool, worker in zip(self.pools, self.workers, strict=True):
+            self._register(worker, pool)
+        self._forward_callables = [
+            cb
+            for cb in (getattr(w, "register_forward_pass_callable", lambda: None)() for w in self.workers)
+            if cb
+        ]
+
+        self._ids_seen: set[int] = set()
+        self._done_ids: set[int] = set()
+        self._admissions = 0
+        # Per rank: ids handed to get_finished and not yet returned by that rank.
+        self._out_load: list[set[int]] = [set() for _ in range(tp_size)]
+        self._out_save: list[set[int]] = [set() for _ in range(tp_size)]
+        self._handover_saving: list[int] = []
+
+    # ------------------------------------------------------------------ bring-up
+
+    def _check_bring_up(self) -> None:
+        need = (
+            ("update_state_after_alloc", "request_finished")
+            if self.flat
+            else ("update_state_after_alloc_by_layer_group", "request_finished_by_layer_group")
+        )
+        for name in ("get_num_new_matched_tokens", "build_connector_meta", *need):
+            if not callable(getattr(self.leader, name, None)):
+                raise SimContractError(f"bring-up fails: the connector scheduler has no {name}()")
+        for name in (
+            "bind_connector_meta",
+            "start_load_kv",
+            "wait_for_layer_load",
+            "save_kv_layer",
+            "wait_for_save",
+            "get_finished",
+        ):
+            if not callable(getattr(self.workers[0], name, None)):
+                raise SimContractError(f"bring-up fails: the connector worker has no {name}()")
+
+    def _register(self, worker: Any, pool: RankPool) -> None:
+        if callable(getattr(worker, "register_kv_cache_layout", None)):
+            self._timed("register_kv_cache_layout", worker.register_kv_cache_layout, pool.layout)
+            return
+        flat_tensor = pool.layout.as_single_pool_tensor()
+        if flat_tensor is None or not callable(getattr(worker, "register_kv_caches", None)):
+            raise SimContractError(
+                "bring-up fails: the worker cannot take this layout (no register_kv_cache_layout)"
+            )
+        # V1 shape: [num_blocks, num_layers, kv_factor, block_bytes].
+        view = flat_tensor.view(flat_tensor.shape[0], self.model.num_layers, 2, -1)
+        self._timed("register_kv_caches", worker.register_kv_caches, view)
+
+    def shutdown(self) -> None:
+        """Call the connectors' optional ``shutdown()`` hooks."""
+        for obj in (self.leader, *self.workers):
+            fn = getattr(obj, "shutdown", None)
+            if callable(fn):
+                fn()
+
+    def __enter__(self) -> SimEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ public
+
+    @property
+    def layouts(self) -> tuple:
+        return tuple(p.layout for p in self.pools)
+
+    def run(
+        self,
+        specs: Iterable[SimRequestSpec],
+        *,
+        max_iterations: int | None = None,
+    ) -> SimReport:
+        """Run ``specs`` to completion and report; raises :class:`SimHang` past ``max_iterations``.
+
+        May be called repeatedly on one engine (the connectors keep their state,
+        the device cache does not keep pages between runs: device reuse is only
+        what ``device_match_tokens`` asks for). Request ids must be unique per engine.
+        """
+        specs = list(specs)
+        states = [self._new_state(s, i) for i, s in enumerate(specs)]
+        if max_iterations is None:
+            chunk = self.chunk_size or self.config.max_seq_len
+            work = sum(-(-len(s.prompt) // chunk) + s.max_new_tokens + 1 for s in specs)
+            max_iterations = 2 * work + 2000
+        self.checker.reset()
+        self._hook_seconds = {}
+        forward_wall: list[float] = []
+        waiting = list(states)
+        live: list[_Req] = []
+        t_start = time.perf_counter()
+        idle = 0
+        it = 0
+        while any(st.phase is not _Phase.DONE for st in states):
+            if it >= max_iterations:
+                raise self._hang(states, f"run did not finish within {max_iterations} iterations")
+            progressed, fwd = self._iteration(it, waiting, live)
+            if fwd is not None:
+                forward_wall.append(fwd)
+            it += 1
+            if progressed:
+                idle = 0
+            else:
+                if not live and waiting:
+                    raise self._hang(
+                        states, "nothing can be admitted (pool too small or a dependency never finishes)"
+                    )
+                # Only connector-side waits remain: back off a little so background threads can run.
+                idle += 1
+                time.sleep(min(0.002, 0.0001 * idle))
+        guard = sum(p.guard_violations() for p in self.pools)
+        leaked = {a.group_id: a.in_use for a in self.allocators if a.in_use}
+        if leaked:
+            raise SimError(f"pages still allocated after every request finished: {leaked}")
+        return SimReport(
+            requests=tuple(self._request_report(st) for st in states),
+            iterations=it,
+            kv_mismatches=self.checker.kv_mismatches,
+            mismatches=tuple(self.checker.details),
+            pages_checked=self.checker.pages_checked,
+            pages_audited=self.checker.pages_audited,
+            guard_violations=guard,
+            forward_wall_s=tuple(forward_wall),
+            hook_seconds=dict(self._hook_seconds),
+            check_seconds=self.checker.seconds,
+            wall_s=time.perf_counter() - t_start,
+        )
+
+    # ------------------------------------------------------------------ one iteration
+
+    def _iteration(self, it: int, waiting: list[_Req], live: list[_Req]) -> tuple[bool, float | None]:
+        progressed = False
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+        # 1. Allocation for newly admitted requests.
+        started_loading: list[int] = []
+        for st in list(waiting):
+            if sum(1 for x in live if x.phase in (_Phase.PARKED, _Phase.RUNNING)) >= self.max_batch:
+                break
+            if not all(dep in self._done_ids for dep in st.spec.after):
+                continue
+            if not self._reserve(st):
+                continue
+            waiting.remove(st)
+            live.append(st)
+            self._allocate(st, it, started_loading)
+            progressed = True
+
+        # 2. Scheduler output -> metadata -> broadcast -> bind.
+        running = sorted((x for x in live if x.phase is _Phase.RUNNING), key=lambda x: x.order)
+        scheduled: list[tuple[_Req, int, bool]] = []
+        out = SchedulerOutput(new_requests=[], cached_requests=[])
+        for st in running:
+            is_ctx = st.computed < st.req.prompt_len
+            n = min(self.chunk_size or st.req.prompt_len, st.req.prompt_len - st.computed) if is_ctx else 1
+            self._ensure_pages(st, -(-(st.computed + n) // self.tpb))
+            rd = self._request_data(st, n, is_ctx)
+            (out.new_requests if rd[1] else out.cached_requests).append(rd[0])
+            scheduled.append((st, n, is_ctx))
+        meta = self._timed("build_connector_meta", self.leader.build_connector_meta, out)
+        try:
+            blob = pickle.dumps(meta)
+        except Exception as e:
+            raise SimContractError(
+                f"connector metadata is not picklable (it is broadcast under TP): {e}"
+            ) from e
+        for w in self.workers:
+            self._timed("bind_connector_meta", w.bind_connector_meta, pickle.loads(blob))
+
+        # 3-5. The forward.
+        fwd: float | None = None
+        t0 = time.perf_counter()
+        check0 = self.checker.seconds
+        hooks = bool(scheduled) or self.idle_worker_hooks
+        for w in self.workers:
+            if hooks:
+                self._timed("start_load_kv", w.start_load_kv, stream)
+        if scheduled:
+            progressed = True
+            self._forward(scheduled, stream)
+        for w in self.workers:
+            if hooks:
+                self._timed("wait_for_save", w.wait_for_save, stream)
+        if scheduled:
+            fwd = time.perf_counter() - t0 - (self.checker.seconds - check0)
+
+        # 6. get_finished on every rank.
+        finished_gen, self._handover_saving = self._handover_saving, []
+        for rank, w in enumerate(self.workers):
+            self._out_save[rank].update(finished_gen)
+            self._out_load[rank].update(started_loading)
+            ret = self._timed("get_finished", w.get_finished, list(finished_gen), list(started_loading))
+            saved, loaded = self._parse_finished(rank, ret)
+            for rid in saved:
+                progressed |= self._rank_returned(live, rid, rank, saving=True)
+            for rid in loaded:
+                progressed |= self._rank_returned(live, rid, rank, saving=False)
+
+        # 7. Advance history, sample, free pages that left the window; 8. finish.
+        finished: list[_Req] = []
+        for st, n, is_ctx in scheduled:
+            self._advance(st, n, is_ctx, it, finished, waiting, live)
+        for st in finished:
+            self._finish(st, it, live)
+        return progressed, fwd
+
+    # ------------------------------------------------------------------ admission and allocation
+
+    def _new_state(self, spec: SimRequestSpec, seq: int) -> _Req:
+        rid = spec.request_id
+        if rid in self._ids_seen:
+            raise ValueError(f"request id {rid} was already used on this engine")
+        self._ids_seen.add(rid)
+        plen = len(spec.prompt)
+        if plen + spec.max_new_tokens > self.config.max_seq_len:
+            raise ValueError(
+                f"request {rid}: prompt + max_new_tokens exceeds max_seq_len {self.config.max_seq_len}"
+            )
+        d = spec.device_match_tokens
+        if d < 0 or d % self.tpb or d > plen - 1:
+            raise ValueError(f"request {rid}: device_match_tokens {d} must be block-aligned and < prompt_len")
+        nonce = rid if spec.multimodal_positions and not spec.multimodal_hashes else None
+        root = request_root(
+            cache_salt=spec.cache_salt,
+            lora_task_id=spec.lora_task_id,
+            multimodal_hashes=spec.multimodal_hashes,
+            unhashed_multimodal_nonce=nonce,
+            salt_changes_kv=self.config.salt_changes_kv,
+        )
+        return _Req(spec=spec, req=SimLlmRequest(spec), hasher=PrefixHasher(root, self.tpb), seq=seq)
+
+    def _reserve(self, st: _Req) -> bool:
+        """Promise the request its worst case of pages in every group, or leave it waiting."""
+        need = -(-(len(st.spec.prompt) + st.spec.max_new_tokens) // self.tpb)
+        if any(a.available < need for a in self.allocators):
+            return False
+        for a in self.allocators:
+            a.reserve(need)
+        st.reserved = [need] * len(self.groups)
+        return True
+
+    def _allocate(self, st: _Req, it: int, started_loading: list[int]) -> None:
+        req, tpb = st.req, self.tpb
+        d = st.spec.device_match_tokens
+        req.py_num_connector_matched_tokens = 0
+        ret = self._timed("get_num_new_matched_tokens", self.leader.get_num_new_matched_tokens, req, d)
+        try:
+            offer, is_async = int(ret[0]), bool(ret[1])
+        except Exception as e:
+            raise SimContractError(f"get_num_new_matched_tokens must return (int, bool), got {ret!r}") from e
+        rid = st.rid
+        if offer == 0 and is_async:
+            raise SimContractError(f"request {rid}: get_num_new_matched_tokens returned (0, True)")
+        if offer < 0 or (d + offer) % tpb or d + offer > req.prompt_len - 1:
+            raise SimContractError(
+                f"request {rid}: offer {offer} on top of device match {d} must be >= 0, end on a block "
+                f"boundary and leave the last prompt token (prompt_len {req.prompt_len})"
+            )
+        honoured = int(self.honour(offer))
+        if not 0 <= honoured <= offer or honoured % tpb:
+            raise SimError(
+                f"honour({offer}) returned {honoured}: must be a whole number of blocks <= the offer"
+            )
+        req.py_num_connector_matched_tokens = honoured
+        h = d + honoured
+        st.device_match, st.offered, st.honoured, st.is_async = d, offer, honoured, is_async
+        st.ever_async |= is_async
+        st.discarded = False
+        st.computed = st.prefill_start = h
+        st.order = self._admissions
+        self._admissions += 1
+        if st.attempt == 0:
+            st.t_admit, st.it_admit = time.perf_counter(), it
+        # V2: pages cover the first chunk; a sliding group gives no page to ordinals left of its window at h.
+        first = min(self.chunk_size or req.prompt_len, req.prompt_len - h)
+        upto = -(-(h + first) // tpb)
+        st.blocks = []
+        for g in self.groups:
+            cut = min(upto, sliding_cutoff(h, g.window, tpb, self.extra_allocated_blocks))
+            lst = [-1] * cut
+            st.blocks.append(lst)
+        self._ensure_pages(st, upto)
+        self._prefill_device_match(st)
+        lists = [list(b) for b in st.blocks]
+        if self.flat:
+            self._timed("update_state_after_alloc", self.leader.update_state_after_alloc, req, lists[0])
+        else:
+            self._timed(
+                "update_state_after_alloc_by_layer_group",
+                self.leader.update_state_after_alloc_by_layer_group,
+                req,
+                lists,
+            )
+        st.reported = [0] * len(self.groups)
+        st.reported_tokens = 0
+        st.needs_first_report = True
+        st.chunks_done = 0
+        if is_async:
+            st.phase = _Phase.PARKED
+            st.waiting_ranks = set(range(self.tp_size))
+            started_loading.append(rid)
+        else:
+            st.phase = _Phase.RUNNING
+            st.check_pending = True
+
+    def _ensure_pages(self, st: _Req, upto: int) -> None:
+        for gi, g in enumerate(self.groups):
+            lst = st.blocks[gi]
+            while len(lst) < upto:
+                if st.reserved[gi] <= 0:
+                    raise SimError(f"request {st.rid}: group {g.group_id} needs more pages than reserved")
+                st.reserved[gi] -= 1
+                lst.append(self.allocators[gi].alloc())
+
+    def _prefill_device_match(self, st: _Req) -> None:
+        """The device's own prefix cache: correct KV for every real page below the device match."""
+        for o in range(st.device_match // self.tpb):
+            digest = st.hasher.digest(st.tokens, (o + 1) * self.tpb)
+            for gi, g in enumerate(self.groups):
+                slot = st.blocks[gi][o]
+                if slot < 0:
+                    continue
+                for rank, pool in enumerate(self.pools):
+                    for layer in g.layer_ids:
+                        for k in range(pool.region_count(g.group_id)):
+                            pool.layer_segment(g.group_id, k, slot, layer).copy_(
+                                self.kv.content(digest, layer, rank, k)
+                            )
+                    self.checker.note_written(rank, g.group_id, slot, digest)
+
+    # ------------------------------------------------------------------ scheduler output
+
+    def _request_data(self, st: _Req, n: int, is_ctx: bool) -> tuple[RequestData, bool]:
+        first = st.needs_first_report
+        tokens = st.tokens
+        if first:
+            new_tokens = list(tokens)
+            deltas = [list(b) for b in st.blocks]
+        else:
+            new_tokens = tokens[st.reported_tokens :]
+            deltas = [b[st.reported[gi] :] for gi, b in enumerate(st.blocks)]
+        st.reported_tokens = len(tokens)
+        st.reported = [len(b) for b in st.blocks]
+        st.needs_first_report = False
+        if is_ctx:
+            # The first report of a sync load excludes the connector's tokens: it marks where the load begins.
+            position = st.computed - (st.honoured if first and not st.is_async and not st.discarded else 0)
+        else:
+            position = len(tokens) - 1
+        rd = RequestData(
+            request_id=st.rid,
+            new_tokens=new_tokens,
+            new_block_ids=list(deltas[0]) if len(self.groups) == 1 else [],
+            computed_position=position,
+            num_scheduled_tokens=n,
+            block_hashes=[],
+            priorities=None,
+            cache_salt=st.req.cache_salt,
+            new_block_ids_by_layer_group=[] if self.flat else deltas,
+        )
+        return rd, first
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward(self, scheduled: list[tuple[_Req, int, bool]], stream: Any) -> None:
+        tpb = self.tpb
+        # Pages to verify before the first write (connector loads and device pages), grouped by group.
+        checks: dict[int, list[PageCheck]] = {g.group_id: [] for g in self.groups}
+        # Blocks each request writes this pass: (ordinal, digest of the prefix written so far).
+        writes: list[tuple[_Req, list[tuple[int, bytes]]]] = []
+        for st, n, _ in scheduled:
+            if st.check_pending:
+                st.check_pending = False
+                for o in range(st.computed // tpb):
+                    digest = st.hasher.digest(st.tokens, (o + 1) * tpb)
+                    source = "device" if o < st.device_match // tpb else "connector"
+                    for gi, g in enumerate(self.groups):
+                        slot = st.blocks[gi][o]
+                        if slot >= 0:
+                            checks[g.group_id].append(PageCheck(st.rid, g.group_id, o, slot, digest, source))
+            c = st.computed
+            blocks = []
+            for b in range(c // tpb, (c + n - 1) // tpb + 1):
+                p = min((b + 1) * tpb, c + n)
+                blocks.append((b, st.hasher.digest(st.tokens, p)))
+            writes.append((st, blocks))
+        for layer in range(self.model.num_layers):
+            g = self._group_of_layer[layer]
+            gi = g.group_id
+            for rank, (pool, w) in enumerate(zip(self.pools, self.workers, strict=True)):
+                self._timed("wait_for_layer_load", w.wait_for_layer_load, layer, stream)
+                if checks[gi]:
+                    self.checker.check_layer(rank, layer, gi, checks[gi])
+                for st, blocks in writes:
+                    for b, digest in blocks:
+                        slot = st.blocks[gi][b]
+                        if slot < 0:
+                            raise SimError(
+                                f"request {st.rid}: writing ordinal {b} of group {gi} without a page"
+                            )
+                        for k in range(pool.region_count(gi)):
+                            pool.layer_segment(gi, k, slot, layer).copy_(
+                                self.kv.content(digest, layer, rank, k)
+                            )
+                        if layer == g.layer_ids[-1]:
+                            self.checker.note_written(rank, gi, slot, digest)
+                self._timed("save_kv_layer", w.save_kv_layer, layer, stream)
+        for cb in self._forward_callables:
+            self._timed("forward_pass_callable", cb)
+        self.checker.end_pass()
+
+    # ------------------------------------------------------------------ get_finished
+
+    def _parse_finished(self, rank: int, ret: Any) -> tuple[list[int], list[int]]:
+        try:
+            saved, loaded = ret
+            saved, loaded = [int(x) for x in (saved or [])], [int(x) for x in (loaded or [])]
+        except Exception as e:
+            raise SimContractError(f"rank {rank}: get_finished must return (list, list), got {ret!r}") from e
+        for rid in saved:
+            if rid not in self._out_save[rank]:
+                raise SimContractError(
+                    f"rank {rank}: get_finished returned saving id {rid} it was not handed"
+                )
+            self._out_save[rank].remove(rid)
+        for rid in loaded:
+            if rid not in self._out_load[rank]:
+                raise SimContractError(
+                    f"rank {rank}: get_finished returned loading id {rid} it was not handed"
+                )
+            self._out_load[rank].remove(rid)
+        return saved, loaded
+
+    def _rank_returned(self, live: list[_Req], rid: int, rank: int, *, saving: bool) -> bool:
+        st = next(x for x in live if x.rid == rid)
+        st.waiting_ranks.discard(rank)
+        if st.waiting_ranks:
+            return True
+        if saving:
+            self._release(st)
+            st.phase = _Phase.DONE
+            live.remove(st)
+        else:
+            self._resume(st)
+        return True
+
+    def _resume(self, st: _Req) -> None:
+        """Every rank finished the async load: the request is scheduled from the next iteration."""
+        st.phase = _Phase.RUNNING
+        st.check_pending = True
+        if self.discard_hook is not None and self.discard_hook(st.rid, st.attempt):
+            # Throw the loaded tokens away and recompute from the device match. A sliding group
+            # now needs pages for ordinals the load would have skipped; they are filled in
+            # place before the first report, which carries the full lists.
+            st.discarded = True
+            st.req.py_num_connector_matched_tokens = 0
+            st.computed = st.prefill_start = st.device_match
+            for gi, g in enumerate(self.groups):
+                cut = sliding_cutoff(st.device_match, g.window, self.tpb, self.extra_allocated_blocks)
+                lst = st.blocks[gi]
+                for o in range(cut, len(lst)):
+                    if lst[o] < 0:
+                        if st.reserved[gi] <= 0:
+                            raise SimError(
+                                f"request {st.rid}: no reserved page to recompute a discarded load"
+                            )
+                        st.reserved[gi] -= 1
+                        lst[o] = self.allocators[gi].alloc()
+
+    # ------------------------------------------------------------------ after the forward
+
+    def _advance(
+        self,
+        st: _Req,
+        n: int,
+        is_ctx: bool,
+        it: int,
+        finished: list[_Req],
+        waiting: list[_Req],
+        live: list[_Req],
+    ) -> None:
+        st.computed += n
+        tokens = st.tokens
+        if is_ctx:
+            st.chunks_done += 1
+        if st.computed == len(tokens):  # the whole prompt, or a generation step: sample the next token
+            tokens.append(next_token(st.hasher.digest(tokens, len(tokens)), self.model.vocab_size))
+            st.generated += 1
+            if st.generated == 1:
+                st.t_first_token = time.perf_counter()
+        elif (
+            is_ctx and self.preempt_hook is not None and self.preempt_hook(st.rid, st.chunks_done, st.attempt)
+        ):
+            self._preempt(st, waiting, live)
+            return
+        self._free_left_window(st)
+        if st.generated >= st.spec.max_new_tokens:
+            finished.append(st)
+
+    def _free_left_window(self, st: _Req) -> None:
+        for gi, g in enumerate(self.groups):
+            if not g.sliding:
+                continue
+            cut = sliding_cutoff(st.computed, g.window, self.tpb, self.extra_retained_blocks)
+            lst = st.blocks[gi]
+            for o in range(min(cut, len(lst))):
+                if lst[o] >= 0:
+                    self._free_page(st, gi, o)
+
+    def _free_page(self, st: _Req, gi: int, ordinal: int) -> None:
+        slot = st.blocks[gi][ordinal]
+        for rank, pool in enumerate(self.pools):
+            self.checker.audit(st.rid, rank, gi, ordinal, slot)
+            pool.junk(gi, slot)
+        self.allocators[gi].free(slot)
+        st.blocks[gi][ordinal] = -1
+
+    def _release(self, st: _Req) -> None:
+        """Free every page the request holds and give back what it still had reserved."""
+        for gi, lst in enumerate(st.blocks):
+            for o, slot in enumerate(lst):
+                if slot >= 0:
+                    self._free_page(st, gi, o)
+            self.allocators[gi].unreserve(st.reserved[gi])
+            st.reserved[gi] = 0
+
+    def _preempt(self, st: _Req, waiting: list[_Req], live: list[_Req]) -> None:
+        """Drop the request mid-prefill; it is re-admitted from scratch (a V2 replay)."""
+        self._release(st)
+        live.remove(st)
+        st.phase = _Phase.WAITING
+        st.attempt += 1
+        st.computed = 0
+        st.check_pending = False
+        del st.tokens[st.req.prompt_len :]
+        waiting.append(st)
+        waiting.sort(key=lambda x: x.seq)
+
+    def _finish(self, st: _Req, it: int, live: list[_Req]) -> None:
+        st.gen_done = True
+        st.t_done, st.it_done = time.perf_counter(), it
+        self._done_ids.add(st.rid)
+        lists = [list(b) for b in st.blocks]
+        if self.flat:
+            keep = self._timed("request_finished", self.leader.request_finished, st.req, lists[0])
+        else:
+            keep = self._timed(
+                "request_finished_by_layer_group", self.leader.request_finished_by_layer_group, st.req, lists
+            )
+        if keep:
+            st.phase = _Phase.SAVING
+            st.waiting_ranks = set(range(self.tp_size))
+            self._handover_saving.append(st.rid)
+        else:
+            self._release(st)
+            st.phase = _Phase.DONE
+            live.remove(st)
+
+    # ------------------------------------------------------------------ reporting
+
+    def _timed(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self._hook_seconds[name] = self._hook_seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def _hang(self, states: Sequence[_Req], why: str) -> SimHang:
+        stuck: dict[int, str] = {}
+        for st in states:
+            if st.phase is _Phase.DONE:
+                continue
+            what = st.phase.value
+            if st.phase is _Phase.PARKED:
+                what += f"; ranks {sorted(st.waiting_ranks)} never returned it as finished loading"
+            elif st.phase is _Phase.SAVING:
+                what += f"; ranks {sorted(st.waiting_ranks)} never returned it as finished saving"
+            elif st.phase is _Phase.WAITING and st.spec.after:
+                pending = [d for d in st.spec.after if d not in self._done_ids]
+                if pending:
+                    what += f"; depends on unfinished {pending}"
+            stuck[st.rid] = what
+        detail = "; ".join(f"request {rid}: {w}" for rid, w in stuck.items())
+        return SimHang(f"{why}. Stuck: {detail}", stuck)
+
+    def _request_report(self, st: _Req) -> RequestReport:
+        plen = st.req.prompt_len
+        return RequestReport(
+            request_id=st.rid,
+            prompt_tokens=plen,
+            device_match_tokens=st.device_match,
+            offered_tokens=st.offered,
+            matched_tokens=0 if st.discarded else st.honoured,
+            computed_tokens=plen - st.prefill_start,
+            loaded_async=st.ever_async,
+            discarded=st.discarded,
+            replays=st.attempt,
+            output_tokens=tuple(st.tokens[plen:]),
+            ttft_s=st.t_first_token - st.t_admit,
+            latency_s=st.t_done - st.t_admit,
+            admitted_iteration=st.it_admit,
+            finished_iteration=st.it_done,
+        )

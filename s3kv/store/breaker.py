@@ -1,0 +1,328 @@
+"""A circuit breaker around any store: stop calling a dead store, probe it, recover.
+
+States::
+
+    CLOSED ──(policy.failures consecutive failed calls)──▶ OPEN
+    OPEN ──(policy.reset_s elapsed; checked on the next call or `state` read)──▶ HALF_OPEN
+    HALF_OPEN ──(a probe call succeeds)──▶ CLOSED
+    HALF_OPEN ──(a probe call fails)──▶ OPEN (the reset timer starts again)
+
+What counts as a failure: a call that raises a :class:`StoreError` other than the "answers"
+in ``BreakerPolicy.answers`` (default :class:`NotFound`: a 404 means the store is alive). A
+write that found its key already present is not an error at all (``put`` returns False; the
+S3 store turns a 412 into that). ``head_many`` reports per-key failures inside its result
+instead of raising: a batch whose every key failed counts as **one** failed call; a batch in
+which any key got an answer (found or missing) counts as a success. A call that raises
+something that is not a StoreError (a bug, KeyboardInterrupt) is neither.
+
+While OPEN nothing reaches the inner store: ``head_many`` returns every key in ``failed``
+with a :class:`StoreUnavailable`, every other call raises it. Callers above already treat a
+failed lookup as a miss and a failed save as a dropped save, so a dead store costs them
+nothing but a counter. While HALF_OPEN, up to ``policy.half_open_probes`` calls at a time go
+through as probes; further calls fail fast until a probe settles.
+
+``StoreUnavailable`` is deliberately not a :class:`TransientError`: put the breaker *outside*
+the retry layer (``CircuitBreakerStore(RetryingStore(...))`` or around an S3Store, which
+retries inside), so a fast failure is never retried and a failure the breaker counts is one
+whose retries already ran out.
+
+Every transition is logged on logger ``s3kv.breaker`` (with ``from_state``/``to_state``
+extras) and passed to ``on_transition(old, new)`` (e.g. :meth:`s3kv.metrics.Metrics.
+on_breaker_transition`). The callback runs under the breaker's lock, so transitions are
+reported in order; it must be quick and must not call into the store.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from .base import (
+    Buffer,
+    ByteRange,
+    HeadBatch,
+    NotFound,
+    ObjectInfo,
+    ObjectStore,
+    StoreError,
+    StoreWrapper,
+)
+
+log = logging.getLogger("s3kv.breaker")
+
+T = TypeVar("T")
+
+
+class StoreUnavailable(StoreError):
+    """The circuit breaker is open: the store was failing, so the call was not attempted."""
+
+
+class BreakerState(str, enum.Enum):
+    CLOSED = "closed"
+    HALF_OPEN = "half_open"
+    OPEN = "open"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def level(self) -> int:
+        """The value exported as a gauge: 0 closed, 1 half-open, 2 open."""
+        return _LEVELS[self]
+
+
+_LEVELS = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    #: Consecutive failed calls that open the breaker.
+    failures: int = 5
+    #: Seconds the breaker stays open before letting a probe through.
+    reset_s: float = 10.0
+    #: Calls let through at once while half-open.
+    half_open_probes: int = 1
+    #: Store errors that are answers, not failures: the store responded, so they count as a success.
+    answers: tuple[type[StoreError], ...] = (NotFound,)
+
+    def __post_init__(self) -> None:
+        if self.failures < 1:
+            raise ValueError(f"BreakerPolicy.failures must be >= 1, got {self.failures}")
+        if self.reset_s < 0:
+            raise ValueError(f"BreakerPolicy.reset_s must be >= 0, got {self.reset_s}")
+        if self.half_open_probes < 1:
+            raise ValueError(f"BreakerPolicy.half_open_probes must be >= 1, got {self.half_open_probes}")
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> BreakerPolicy:
+        """From :class:`s3kv.config.Settings` (``breaker_failures``, ``breaker_reset_s``)."""
+        return cls(failures=int(settings.breaker_failures), reset_s=float(settings.breaker_reset_s))
+
+
+Transition = Callable[[BreakerState, BreakerState], None]
+
+
+class _Probe:
+    """Admission ticket of one call; settles exactly once (success, failure or neutral)."""
+
+    __slots__ = ("probe", "epoch", "done")
+
+    def __init__(self, probe: bool, epoch: int = -1):
+        self.probe = probe
+        self.epoch = epoch  # the half-open period a probe was admitted in
+        self.done = False
+
+
+class CircuitBreakerStore(StoreWrapper):
+    def __init__(
+        self,
+        inner: ObjectStore,
+        policy: BreakerPolicy | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_transition: Transition | None = None,
+        name: str | None = None,
+    ):
+        super().__init__(inner)
+        self.policy = policy or BreakerPolicy()
+        self._clock = clock
+        self._on_transition = on_transition
+        self.name = name or inner.url
+        self._lock = threading.RLock()
+        self._state = BreakerState.CLOSED
+        self._consecutive = 0
+        self._opened_at = 0.0
+        self._probes_in_flight = 0
+        self._epoch = 0
+        self._probe_at = 0.0
+        #: Calls refused while open (or half-open with every probe slot taken).
+        self.rejected = 0
+        #: How many times the breaker opened.
+        self.trips = 0
+
+    # -- state -------------------------------------------------------------------------
+    @property
+    def state(self) -> BreakerState:
+        with self._lock:
+            self._maybe_half_open()
+            return self._state
+
+    @property
+    def consecutive_failures(self) -> int:
+        with self._lock:
+            return self._consecutive
+
+    def _transition(self, new: BreakerState, why: str) -> None:
+        old = self._state
+        if old is new:
+            return
+        self._state = new
+        self._epoch += 1
+        if new is BreakerState.OPEN:
+            self._opened_at = self._clock()
+            self.trips += 1
+            self._probes_in_flight = 0
+        elif new is BreakerState.CLOSED:
+            self._consecutive = 0
+            self._probes_in_flight = 0
+        level = logging.WARNING if new is BreakerState.OPEN else logging.INFO
+        log.log(
+            level,
+            "s3kv circuit breaker for %s: %s -> %s (%s)",
+            self.name,
+            old.value,
+            new.value,
+            why,
+            extra={"from_state": old.value, "to_state": new.value, "store": self.name},
+        )
+        if self._on_transition is not None:
+            try:
+                self._on_transition(old, new)
+            except Exception:  # noqa: BLE001 - reporting must never break the data path
+                log.exception("s3kv: breaker on_transition callback failed")
+
+    def _maybe_half_open(self) -> None:
+        if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.policy.reset_s:
+            self._transition(BreakerState.HALF_OPEN, f"{self.policy.reset_s:g}s since it opened; probing")
+
+    def _admit(self, op: str, key: str | None) -> _Probe:
+        with self._lock:
+            self._maybe_half_open()
+            if self._state is BreakerState.CLOSED:
+                return _Probe(False)
+            if (
+                self._state is BreakerState.HALF_OPEN
+                and self._probes_in_flight >= self.policy.half_open_probes
+                and self._clock() - self._probe_at >= self.policy.reset_s
+            ):
+                # Probes that never settled (a hung call, a listing never iterated) must not
+                # wedge the breaker: after another reset period they no longer hold their slots.
+                self._epoch += 1
+                self._probes_in_flight = 0
+            if (
+                self._state is BreakerState.HALF_OPEN
+                and self._probes_in_flight < self.policy.half_open_probes
+            ):
+                self._probes_in_flight += 1
+                self._probe_at = self._clock()
+                return _Probe(True, self._epoch)
+            self.rejected += 1
+        raise self._unavailable(op, key)
+
+    def _unavailable(self, op: str, key: str | None) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"{op} not attempted: circuit breaker for {self.name} is {self._state.value} after "
+            f"{self.policy.failures} consecutive failures (next probe within {self.policy.reset_s:g}s)",
+            key=key,
+        )
+
+    def _settle(self, ticket: _Probe, ok: bool | None, why: str = "") -> None:
+        """ok: True success, False failure, None neutral (not a store outcome)."""
+        if ticket.done:
+            return
+        ticket.done = True
+        with self._lock:
+            # A probe only speaks for the half-open period it was admitted in.
+            probe = ticket.probe and ticket.epoch == self._epoch and self._state is BreakerState.HALF_OPEN
+            if probe:
+                self._probes_in_flight = max(0, self._probes_in_flight - 1)
+            if ok is None:
+                return
+            if ok:
+                self._consecutive = 0
+                if probe:
+                    self._transition(BreakerState.CLOSED, "probe succeeded")
+                return
+            self._consecutive += 1
+            if probe:
+                self._transition(BreakerState.OPEN, f"probe failed: {why}")
+            elif self._state is BreakerState.CLOSED and self._consecutive >= self.policy.failures:
+                self._transition(BreakerState.OPEN, f"{self._consecutive} consecutive failures; last: {why}")
+
+    def _is_failure(self, exc: BaseException) -> bool:
+        return isinstance(exc, StoreError) and not isinstance(exc, self.policy.answers)
+
+    def _guard(self, op: str, key: str | None, fn: Callable[[], T]) -> T:
+        ticket = self._admit(op, key)
+        try:
+            out = fn()
+        except StoreError as exc:
+            self._settle(ticket, not self._is_failure(exc), _describe(exc))
+            raise
+        except BaseException:
+            self._settle(ticket, None)
+            raise
+        self._settle(ticket, True)
+        return out
+
+    # -- the store ---------------------------------------------------------------------
+    def head_many(self, keys: Sequence[str]) -> HeadBatch:
+        unique = list(dict.fromkeys(keys))
+        if not unique:
+            return HeadBatch({}, frozenset(), {})
+        try:
+            ticket = self._admit("head", unique[0] if len(unique) == 1 else None)
+        except StoreUnavailable:
+            return HeadBatch({}, frozenset(), {k: self._unavailable("head", k) for k in unique})
+        try:
+            batch = self.inner.head_many(unique)
+        except StoreError as exc:
+            self._settle(ticket, not self._is_failure(exc), _describe(exc))
+            raise
+        except BaseException:
+            self._settle(ticket, None)
+            raise
+        answered = len(batch.found) + len(batch.missing)
+        failures = [e for e in batch.failed.values() if self._is_failure(e)]
+        if answered == 0 and failures and len(failures) == len(batch.failed):
+            self._settle(ticket, False, f"all {len(unique)} HEADs failed; e.g. {_describe(failures[0])}")
+        else:
+            self._settle(ticket, True)
+        return batch
+
+    def put(
+        self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None
+    ) -> bool:
+        return self._guard("put", key, lambda: self.inner.put(key, data, metadata))
+
+    def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
+        return self._guard("get", key, lambda: self.inner.get_ranges(key, ranges))
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        self._guard("delete", keys[0] if len(keys) == 1 else None, lambda: self.inner.delete_many(keys))
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        ticket = self._admit("list", prefix)  # eager: an open breaker raises here, not on first next()
+        return self._list(prefix, ticket)
+
+    def _list(self, prefix: str, ticket: _Probe) -> Iterator[ObjectInfo]:
+        try:
+            for info in self.inner.list(prefix):
+                self._settle(ticket, True)  # the store answered; later pages settle nothing more
+                yield info
+        except StoreError as exc:
+            if ticket.done:  # failed after answering: still a failed call
+                ticket = _Probe(False)
+            self._settle(ticket, not self._is_failure(exc), _describe(exc))
+            raise
+        except GeneratorExit:
+            self._settle(ticket, None)
+            raise
+        except BaseException:
+            self._settle(ticket, None)
+            raise
+        self._settle(ticket, True)
+
+    def check_access(self) -> None:
+        self._guard("check_access", None, self.inner.check_access)
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,294 @@
+"""Verified loads: ranged reads of stored objects into cache slots.
+
+One :class:`LoadJob` per object (the load ops of an iteration grouped by key):
+one ``store.get_ranges(key, [header] + pages)`` with adjacent pages coalesced
+into one range, run on a download thread. The header is verified against the
+identity we expect (``decode_header``: magic, version, namespace, group, shard,
+geometry, header checksum) and must name exactly the span (first ordinal, page
+count) and chain digest the plan promised for this shard. The wanted pages are
+copied into host staging and **every page's checksum is verified there, before
+any byte is copied to the device** — the bytes verified are the bytes copied.
+Only then are the host->device copies enqueued (``Copier.load``).
+
+A job ends ``DONE`` (copies issued; ``event`` tells when they completed) or
+``FAILED`` (``error`` says why; nothing was copied to the device). A job that
+has not started placing pages can be cancelled (deadline passed); once placing
+has begun it runs to completion, so no slot is ever half written by a job the
+caller gave up on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..objects import ObjectFormatError, ObjectIdentity, decode_header, header_len, verify_page
+from ..store.base import ByteRange, IntegrityError, ObjectStore, StoreError
+from .copies import Copier, PageCopy
+from .counters import Counters
+from .staging import LOAD, StagingBuffer, StagingPool
+
+log = logging.getLogger(__name__)
+
+PENDING, PLACING, DONE, FAILED, CANCELLED = "pending", "placing", "done", "failed", "cancelled"
+
+
+class LoadPlanError(Exception):
+    """The load ops do not fit the object the plan names (a leader bug; never loaded)."""
+
+
+@dataclass
+class LoadJob:
+    key: str
+    group: int
+    regions: tuple[Any, ...]
+    identity: ObjectIdentity
+    first: int  # the object's first ordinal for this shard (from the plan)
+    count: int  # the object's page count for this shard
+    last_digest: bytes
+    #: (ordinal, slot) pairs to fill, slots unique.
+    targets: list[tuple[int, int]]
+    request_ids: set[int]
+    is_async: bool
+    deadline: float  # time.monotonic() past which the job may be cancelled
+    state: str = PENDING
+    error: BaseException | None = None
+    event: Any = None
+    buffer: StagingBuffer | None = None
+    future: Future | None = field(default=None, repr=False)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in (DONE, FAILED, CANCELLED)
+
+    def page_ranges(self) -> tuple[list[int], list[ByteRange]]:
+        """Sorted unique page indexes, and the coalesced ranges that hold them."""
+        pb = self.identity.page_bytes
+        hl = header_len(self.count)
+        idx = sorted({o - self.first for o, _ in self.targets})
+        ranges: list[ByteRange] = []
+        run_start = prev = None
+        for i in idx:
+            if run_start is None:
+                run_start = prev = i
+            elif i == prev + 1:
+                prev = i
+            else:
+                ranges.append(ByteRange(hl + run_start * pb, (prev - run_start + 1) * pb))
+                run_start = prev = i
+        if run_start is not None:
+            ranges.append(ByteRange(hl + run_start * pb, (prev - run_start + 1) * pb))
+        return idx, ranges
+
+    def release_if_complete(self, done: Any) -> bool:
+        """Free the staging of a placed job once ``done(event)``; True when nothing is held any more."""
+        with self.lock:
+            if not self.finished:
+                return False
+            if self.buffer is None:
+                return True
+            # A failed or cancelled job's own thread frees its buffer (it may still be using it).
+            if self.state != DONE or not done(self.event):
+                return False
+            self.buffer.release()
+            self.buffer = None
+            return True
+
+    def try_cancel(self, reason: BaseException) -> tuple[bool, bool]:
+        """Cancel unless pages are already being placed.
+
+        Returns (will not place, cancelled by this call).
+        """
+        with self.lock:
+            if self.state == PENDING:
+                self.state = CANCELLED
+                self.error = reason
+                return True, True
+            return self.state in (FAILED, CANCELLED), False
+
+
+class Downloader:
+    def __init__(
+        self,
+        store: ObjectStore,
+        pool: StagingPool,
+        copier: Copier,
+        *,
+        threads: int = 8,
+        counters: Counters | None = None,
+        name: str = "s3kv-download",
+    ):
+        self.store = store
+        self.pool = pool
+        self.copier = copier
+        self.counters = counters or Counters()
+        self._executor = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=name)
+
+    def submit(self, job: LoadJob) -> LoadJob:
+        job.future = self._executor.submit(self._run, job)
+        return job
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # -- on a download thread ---------------------------------------------
+    def _run(self, job: LoadJob) -> None:
+        try:
+            self._load(job)
+        except BaseException as e:  # noqa: BLE001 - every failure fails the job, never the thread
+            with job.lock:
+                if job.state == PLACING:
+                    # Copies may have been partly issued: the job is failed, never done.
+                    log.error("s3kv: load of %s failed while placing pages: %s", job.key, e)
+                cancelled = job.state == CANCELLED  # already counted by whoever cancelled it
+                if not cancelled:
+                    job.state = FAILED
+                    job.error = e
+                if job.buffer is not None:
+                    job.buffer.release()
+                    job.buffer = None
+            if not cancelled:
+                self.counters.add("loads_failed_objects")
+            if not isinstance(e, (StoreError, ObjectFormatError, LoadPlanError)):
+                log.exception("s3kv: unexpected error loading %s", job.key)
+
+    def _load(self, job: LoadJob) -> None:
+        if job.state != PENDING:
+            return
+        pb = job.identity.page_bytes
+        idx, ranges = job.page_ranges()
+        if not idx:
+            raise LoadPlanError(f"no pages to load from {job.key}")
+        if idx[0] < 0 or idx[-1] >= job.count:
+            raise LoadPlanError(
+                f"ordinals {idx[0] + job.first}..{idx[-1] + job.first} outside the object's "
+                f"span {job.first}+{job.count} for shard {job.identity.shard}"
+            )
+        hl = header_len(job.count)
+        t0 = time.monotonic()
+        datas = self.store.get_ranges(job.key, [ByteRange(0, hl), *ranges])
+        self.counters.add("download_seconds", time.monotonic() - t0)
+        if len(datas) != len(ranges) + 1:
+            raise IntegrityError(f"asked for {len(ranges) + 1} ranges, got {len(datas)}", key=job.key)
+        header = decode_header(datas[0], job.identity, job.key)
+        if header.first_ordinal != job.first or header.page_count != job.count:
+            raise LoadPlanError(
+                f"object {job.key!r} holds ordinals {header.first_ordinal}+{header.page_count}, "
+                f"the plan expected {job.first}+{job.count}"
+            )
+        if header.last_digest != job.last_digest:
+            raise LoadPlanError(f"object {job.key!r} names another chain digest than its key")
+
+        nbytes = len(idx) * pb
+        buf = self.pool.try_acquire(nbytes, LOAD)
+        if buf is None:
+            self.counters.add("load_staging_fallbacks")
+            buf = StagingBuffer.standalone(nbytes)
+        with job.lock:
+            job.buffer = buf
+        # Bytes into staging, packed in index order (ranges are in index order too).
+        pos = 0
+        for r, data in zip(ranges, datas[1:], strict=True):
+            got = memoryview(data).nbytes
+            if got != r.length:
+                raise IntegrityError(f"range {r.offset}+{r.length} returned {got} bytes", key=job.key)
+            buf.memoryview(pos, got)[:] = memoryview(data).cast("B")
+            pos += got
+        # Verify every page in staging before anything reaches the device.
+        where: dict[int, int] = {}
+        for k, i in enumerate(idx):
+            verify_page(header, i, buf.memoryview(k * pb, pb), job.key)
+            where[i] = k * pb
+        copies = [PageCopy(job.regions, slot, buf.tensor, where[o - job.first]) for o, slot in job.targets]
+        with job.lock:
+            if job.state != PENDING:  # cancelled while we downloaded
+                job.buffer = None
+                buf.release()
+                return
+            job.state = PLACING
+        event = self.copier.load(copies)
+        with job.lock:
+            job.event = event
+            if event is None:  # CPU: the copy is complete; the staging is free again
+                job.buffer = None
+                buf.release()
+            job.state = DONE
+        self.counters.add("pages_loaded", len(job.targets))
+        self.counters.add("bytes_loaded", len(job.targets) * pb)
+        self.counters.add("objects_loaded")
+
+
+def build_jobs(
+    loads: Sequence[Any],
+    *,
+    tp_rank: int,
+    is_async: Any,
+    resolve: Any,
+    deadline: float,
+) -> tuple[list[LoadJob], dict[int, tuple[str | None, str]]]:
+    """Group ``LoadOp``s by (object key, async) into jobs.
+
+    ``resolve(op) -> (key, group regions, identity)`` (may raise ``LoadPlanError``);
+    ``is_async(request_id) -> bool``. Returns the jobs and, per request whose ops do
+    not fit (no span for this shard, a slot outside the pool or asked for twice with
+    different ordinals, ...), ``(key, reason)``: those ops are left out and the
+    request must be failed by the caller.
+    """
+    jobs: dict[tuple[str, bool], LoadJob] = {}
+    errors: dict[int, tuple[str | None, str]] = {}
+    for op in loads:
+        key: str | None = None
+        try:
+            key, regions, identity = resolve(op)
+            if len(op.ordinals) != len(op.slots):
+                raise LoadPlanError(f"{len(op.ordinals)} ordinals but {len(op.slots)} slots")
+            if tp_rank >= len(op.obj.spans):
+                raise LoadPlanError(f"the object has no span for shard {tp_rank}")
+            first, count = (int(x) for x in op.obj.spans[tp_rank])
+            num_slots = min(int(r.num_slots) for r in regions)
+            pairs = []
+            for o, s in zip(op.ordinals, op.slots, strict=True):
+                o, s = int(o), int(s)
+                if not 0 <= s < num_slots:
+                    raise LoadPlanError(f"slot {s} outside [0, {num_slots})")
+                if not first <= o < first + count:
+                    raise LoadPlanError(f"ordinal {o} outside the object's span {first}+{count}")
+                pairs.append((o, s))
+            a = bool(is_async(op.request_id))
+            job = jobs.get((key, a))
+            if job is not None and (job.first, job.count) != (first, count):
+                raise LoadPlanError("the object is named with two different spans in one plan")
+            have = {s: o for o, s in job.targets} if job is not None else {}
+            for o, s in pairs:
+                if have.get(s, o) != o:
+                    raise LoadPlanError(f"slot {s} asked for ordinals {have[s]} and {o}")
+        except LoadPlanError as e:
+            errors.setdefault(op.request_id, (key, str(e)))
+            continue
+        if job is None:
+            job = LoadJob(
+                key=key,
+                group=op.obj.group,
+                regions=regions,
+                identity=identity,
+                first=first,
+                count=count,
+                last_digest=op.obj.last_digest,
+                targets=[],
+                request_ids=set(),
+                is_async=a,
+                deadline=deadline,
+            )
+            jobs[(key, a)] = job
+        job.request_ids.add(op.request_id)
+        for o, s in pairs:
+            if s not in have:
+                have[s] = o
+                job.targets.append((o, s))
+    return list(jobs.values()), errors

@@ -1,0 +1,196 @@
+"""Background uploads of sealed objects from host staging.
+
+The worker hands over an :class:`UploadJob` per ``SealOp``: the staging buffer
+(with a reference held for this job), how many pages to pack, the object's
+identity and name, and the completion event of the copies that filled those
+pages. An upload thread waits on that event (never the forward stream), packs
+``encode_header`` over the staged pages plus the pages themselves as a list of
+memoryviews (no join copy), and calls ``store.put`` (write-once: ``False`` means
+another writer already stored it, which is success).
+
+A failed put (any :class:`StoreError`, after the store's own retries) is a
+dropped save: a log line and a counter, never an error to the engine. Confirmed
+creations are reported to the :class:`~s3kv.index.KeyIndex`. Either way the job's
+buffer reference is released, so the buffer is freed after the last seal that
+used it.
+
+The queue is bounded; :meth:`Uploader.submit` never blocks and returns False
+when it is full (the caller drops the save and counts it).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..index import KeyIndex
+from ..objects import ObjectIdentity, ObjectSpan, encode_object, object_metadata
+from ..store.base import ObjectStore, StoreError
+from .counters import Counters
+from .staging import StagingBuffer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class UploadJob:
+    key: str
+    identity: ObjectIdentity
+    #: Holds one reference for this job; released when the job ends, however it ends.
+    buffer: StagingBuffer
+    first: int
+    count: int
+    last_digest: bytes
+    #: Completion event of the copies that filled pages [0, count) (None: already complete).
+    ready: Any = None
+    request_id: int = -1
+
+    def pages(self) -> list[memoryview]:
+        pb = self.identity.page_bytes
+        return [self.buffer.memoryview(i * pb, pb) for i in range(self.count)]
+
+
+_STOP = object()
+
+
+class Uploader:
+    def __init__(
+        self,
+        store: ObjectStore,
+        *,
+        threads: int = 4,
+        queue_size: int = 1024,
+        index: KeyIndex | None = None,
+        counters: Counters | None = None,
+        wait_event: Callable[[Any], None] | None = None,
+        name: str = "s3kv-upload",
+    ):
+        self.store = store
+        self.index = index
+        self.counters = counters or Counters()
+        self._wait_event = wait_event or (lambda ev: ev.synchronize() if ev is not None else None)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, queue_size))
+        self._cond = threading.Condition()
+        self._pending = 0  # queued + running
+        self._closed = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        for t in self._threads:
+            t.start()
+
+    # -- producer side ----------------------------------------------------
+    def submit(self, job: UploadJob) -> bool:
+        """Queue a job. False (nothing queued; caller keeps its reference) if closed or full."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._pending += 1
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+            return False
+        return True
+
+    @property
+    def pending(self) -> int:
+        with self._cond:
+            return self._pending
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued upload finished. True if drained, False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._pending:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def close(self, timeout: float | None = 30.0, cancel: bool = False) -> bool:
+        """Stop the threads: drain first (or drop what is still queued with ``cancel``).
+
+        Returns True if every job ended (uploaded, failed or cancelled) in time.
+        """
+        with self._cond:
+            if self._closed:
+                already = True
+            else:
+                self._closed = True
+                already = False
+        if cancel:
+            self._cancel_queued()
+        drained = self.flush(timeout)
+        if not drained:
+            self._cancel_queued()
+        if not already:
+            for _ in self._threads:
+                self._queue.put(_STOP)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in self._threads:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return drained
+
+    def _cancel_queued(self) -> None:
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if job is _STOP:
+                continue
+            job.buffer.release()
+            self.counters.add("uploads_cancelled")
+            self._done()
+
+    def _done(self) -> None:
+        with self._cond:
+            self._pending -= 1
+            self._cond.notify_all()
+
+    # -- upload threads ---------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is _STOP:
+                return
+            try:
+                self._upload(job)
+            except Exception:  # noqa: BLE001 - a thread must survive anything a job does
+                log.exception("s3kv: upload of %s failed unexpectedly; save dropped", job.key)
+                self.counters.add("saves_dropped_error")
+            finally:
+                job.buffer.release()
+                self._done()
+
+    def _upload(self, job: UploadJob) -> None:
+        self._wait_event(job.ready)
+        pages = job.pages()
+        body = encode_object(job.identity, job.first, job.last_digest, pages)
+        nbytes = sum(memoryview(b).nbytes for b in body)
+        meta = object_metadata(job.identity, job.first, job.count)
+        t0 = time.monotonic()
+        try:
+            created = self.store.put(job.key, body, meta)
+        except StoreError as e:
+            log.warning("s3kv: save of %s dropped after store error: %s", job.key, e)
+            self.counters.add("saves_dropped_store_error")
+            return
+        self.counters.add("upload_seconds", time.monotonic() - t0)
+        if created:
+            self.counters.add("objects_uploaded")
+            self.counters.add("bytes_uploaded", nbytes)
+            if self.index is not None:
+                self.index.put_present(job.key, ObjectSpan(job.first, job.count))
+        else:
+            self.counters.add("objects_already_present")

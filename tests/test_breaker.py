@@ -1,0 +1,324 @@
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+
+from s3kv.store.base import (
+    ByteRange,
+    HeadBatch,
+    NotFound,
+    PermissionDenied,
+    StoreError,
+    StoreWrapper,
+    TransientError,
+)
+from s3kv.store.breaker import BreakerPolicy, BreakerState, CircuitBreakerStore, StoreUnavailable
+from s3kv.store.faults import FaultInjectingStore
+from s3kv.store.memory import MemoryStore
+
+CLOSED, HALF_OPEN, OPEN = BreakerState.CLOSED, BreakerState.HALF_OPEN, BreakerState.OPEN
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, s: float) -> None:
+        self.t += s
+
+
+class Counting(StoreWrapper):
+    """Counts calls that reach the inner store (to prove an open breaker does not call it)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.calls = 0
+
+    def head_many(self, keys):
+        self.calls += 1
+        return super().head_many(keys)
+
+    def put(self, key, data, metadata=None):
+        self.calls += 1
+        return super().put(key, data, metadata)
+
+    def get_ranges(self, key, ranges):
+        self.calls += 1
+        return super().get_ranges(key, ranges)
+
+    def delete_many(self, keys):
+        self.calls += 1
+        super().delete_many(keys)
+
+    def list(self, prefix):
+        self.calls += 1
+        return super().list(prefix)
+
+
+def make(failures=3, reset_s=10.0, probes=1):
+    mem = MemoryStore()
+    faults = FaultInjectingStore(mem)
+    counting = Counting(faults)
+    clock = FakeClock()
+    seen: list[tuple[BreakerState, BreakerState]] = []
+    breaker = CircuitBreakerStore(
+        counting,
+        BreakerPolicy(failures=failures, reset_s=reset_s, half_open_probes=probes),
+        clock=clock,
+        on_transition=lambda old, new: seen.append((old, new)),
+    )
+    return breaker, faults, counting, clock, seen, mem
+
+
+def fail_puts(breaker, n):
+    for i in range(n):
+        with pytest.raises(TransientError):
+            breaker.put(f"k{i}", b"x")
+
+
+def test_policy_validation_and_from_settings():
+    with pytest.raises(ValueError):
+        BreakerPolicy(failures=0)
+    with pytest.raises(ValueError):
+        BreakerPolicy(reset_s=-1)
+    with pytest.raises(ValueError):
+        BreakerPolicy(half_open_probes=0)
+    from s3kv.config import Settings
+
+    p = BreakerPolicy.from_settings(Settings(breaker_failures=7, breaker_reset_s=2.5))
+    assert (p.failures, p.reset_s) == (7, 2.5)
+
+
+def test_opens_after_consecutive_failures_and_fails_fast(caplog):
+    breaker, faults, counting, clock, seen, _ = make(failures=3)
+    faults.set_down(True)
+    caplog.set_level(logging.INFO, logger="s3kv.breaker")
+    fail_puts(breaker, 2)
+    assert breaker.state is CLOSED
+    fail_puts(breaker, 1)
+    assert breaker.state is OPEN
+    assert seen == [(CLOSED, OPEN)]
+    rec = [r for r in caplog.records if r.name == "s3kv.breaker"]
+    assert rec and rec[-1].from_state == "closed" and rec[-1].to_state == "open"
+
+    calls = counting.calls
+    with pytest.raises(StoreUnavailable):
+        breaker.put("x", b"x")
+    with pytest.raises(StoreUnavailable):
+        breaker.get_ranges("x", [ByteRange(0, 1)])
+    with pytest.raises(StoreUnavailable):
+        breaker.get("x")
+    with pytest.raises(StoreUnavailable):
+        breaker.delete_many(["x"])
+    with pytest.raises(StoreUnavailable):
+        breaker.list("")
+    batch = breaker.head_many(["a", "b", "a"])
+    assert not batch.found and not batch.missing
+    assert set(batch.failed) == {"a", "b"}
+    assert all(isinstance(e, StoreUnavailable) and isinstance(e, StoreError) for e in batch.failed.values())
+    assert counting.calls == calls, "an open breaker must not touch the inner store"
+    assert breaker.rejected == 6
+
+
+def test_success_resets_the_consecutive_count():
+    breaker, faults, _, _, seen, _ = make(failures=3)
+    for _ in range(3):
+        faults.fail_next("put", 2)
+        fail_puts(breaker, 2)
+        assert breaker.put("ok", b"x") in (True, False)
+        assert breaker.consecutive_failures == 0
+    assert breaker.state is CLOSED and seen == []
+
+
+def test_answers_are_not_failures():
+    breaker, faults, _, _, seen, _ = make(failures=2)
+    for _ in range(5):
+        with pytest.raises(NotFound):
+            breaker.get_ranges("missing", [ByteRange(0, 1)])
+        assert breaker.head_many(["missing"]).missing == {"missing"}
+    # A write that finds its key present (S3's 412) returns False: success, not an error.
+    assert breaker.put("k", b"1") is True
+    assert breaker.put("k", b"2") is False
+    assert breaker.state is CLOSED and seen == []
+    # Permission errors do count: the store is unusable.
+    faults.fail_next("put", 2, error=lambda key: PermissionDenied("403", key=key))
+    for _ in range(2):
+        with pytest.raises(PermissionDenied):
+            breaker.put("p", b"x")
+    assert breaker.state is OPEN
+
+
+def test_head_batch_counts_once_and_only_when_every_key_failed():
+    breaker, faults, _, _, seen, mem = make(failures=2)
+    mem.put("present", b"x")
+    faults.fail_next("head", 2)  # two of three keys fail: the store answered the third
+    batch = breaker.head_many(["a", "b", "present"])
+    assert len(batch.failed) == 2 and "present" in batch.found
+    assert breaker.consecutive_failures == 0
+    faults.fail_next("head", 3)  # every key of a batch fails: one failure, not three
+    breaker.head_many(["a", "b", "c"])
+    assert breaker.consecutive_failures == 1 and breaker.state is CLOSED
+    faults.fail_next("head", 1)
+    breaker.head_many(["a"])
+    assert breaker.state is OPEN
+    assert breaker.head_many([]) == HeadBatch({}, frozenset(), {})
+
+
+def test_half_open_probe_success_closes():
+    breaker, faults, counting, clock, seen, mem = make(failures=1, reset_s=10)
+    faults.set_down(True)
+    fail_puts(breaker, 1)
+    assert breaker.state is OPEN
+    clock.advance(9.9)
+    assert breaker.state is OPEN
+    with pytest.raises(StoreUnavailable):
+        breaker.put("x", b"x")
+    clock.advance(0.1)
+    assert breaker.state is HALF_OPEN
+    faults.set_down(False)
+    calls = counting.calls
+    assert breaker.put("x", b"x") is True
+    assert counting.calls == calls + 1
+    assert breaker.state is CLOSED
+    assert seen == [(CLOSED, OPEN), (OPEN, HALF_OPEN), (HALF_OPEN, CLOSED)]
+    assert mem.keys() == ["x"]
+
+
+def test_half_open_probe_failure_reopens_and_restarts_the_timer():
+    breaker, faults, _, clock, seen, _ = make(failures=2, reset_s=5)
+    faults.set_down(True)
+    fail_puts(breaker, 2)
+    clock.advance(5)
+    # The probe is a HEAD batch whose keys all fail.
+    batch = breaker.head_many(["a", "b"])
+    assert all(isinstance(e, TransientError) for e in batch.failed.values())
+    assert breaker.state is OPEN
+    clock.advance(4.9)
+    assert breaker.state is OPEN
+    clock.advance(0.1)
+    assert breaker.state is HALF_OPEN
+    faults.set_down(False)
+    assert breaker.head_many(["a"]).missing == {"a"}
+    assert breaker.state is CLOSED
+    assert seen == [
+        (CLOSED, OPEN),
+        (OPEN, HALF_OPEN),
+        (HALF_OPEN, OPEN),
+        (OPEN, HALF_OPEN),
+        (HALF_OPEN, CLOSED),
+    ]
+    assert breaker.trips == 2
+
+
+def test_half_open_admits_only_the_probe_count():
+    gate = threading.Event()
+    entered = threading.Event()
+
+    class Slow(StoreWrapper):
+        def put(self, key, data, metadata=None):
+            entered.set()
+            gate.wait(5)
+            return super().put(key, data, metadata)
+
+    mem = MemoryStore()
+    faults = FaultInjectingStore(Slow(mem))
+    clock = FakeClock()
+    breaker = CircuitBreakerStore(
+        faults, BreakerPolicy(failures=1, reset_s=1, half_open_probes=1), clock=clock
+    )
+    faults.set_down(True)
+    fail_puts(breaker, 1)
+    faults.set_down(False)
+    clock.advance(1)
+    result: list[bool] = []
+    t = threading.Thread(target=lambda: result.append(breaker.put("probe", b"x")))
+    t.start()
+    assert entered.wait(5)
+    assert breaker.state is HALF_OPEN
+    with pytest.raises(StoreUnavailable):  # the one probe slot is taken
+        breaker.put("other", b"x")
+    gate.set()
+    t.join(5)
+    assert result == [True] and breaker.state is CLOSED
+    assert breaker.put("other", b"x") is True
+
+
+def test_list_is_guarded_eagerly_and_settles():
+    breaker, faults, _, clock, _, mem = make(failures=1, reset_s=1)
+    mem.put("p/a", b"1")
+    assert [i.key for i in breaker.list("p/")] == ["p/a"]
+    faults.set_down(True)
+    with pytest.raises(TransientError):
+        list(breaker.list("p/"))
+    assert breaker.state is OPEN
+    with pytest.raises(StoreUnavailable):
+        breaker.list("p/")  # raised at call time, before iteration
+    clock.advance(1)
+    faults.set_down(False)
+    it = breaker.list("p/")
+    assert next(it).key == "p/a"
+    assert breaker.state is CLOSED
+
+
+def test_non_store_exceptions_are_neutral():
+    class Boom(StoreWrapper):
+        def put(self, key, data, metadata=None):
+            raise RuntimeError("bug")
+
+    breaker = CircuitBreakerStore(Boom(MemoryStore()), BreakerPolicy(failures=1))
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            breaker.put("k", b"x")
+    assert breaker.state is CLOSED
+
+
+def test_callback_errors_do_not_break_calls():
+    def bad_callback(old, new):
+        raise ValueError("callback bug")
+
+    faults = FaultInjectingStore(MemoryStore())
+    breaker = CircuitBreakerStore(faults, BreakerPolicy(failures=1), on_transition=bad_callback)
+    faults.set_down(True)
+    with pytest.raises(TransientError):
+        breaker.put("k", b"x")
+    assert breaker.state is OPEN
+
+
+def test_thread_safety_under_concurrent_failures():
+    breaker, faults, _, clock, seen, _ = make(failures=5, reset_s=100)
+    faults.set_down(True)
+
+    def hammer():
+        for i in range(50):
+            try:
+                breaker.put(f"k{i}", b"x")
+            except StoreError:
+                pass
+
+    threads = [threading.Thread(target=hammer) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert breaker.state is OPEN
+    assert seen == [(CLOSED, OPEN)]
+    assert breaker.trips == 1
+
+
+def test_a_probe_that_never_settles_does_not_wedge_half_open():
+    breaker, faults, _, clock, _, mem = make(failures=1, reset_s=2)
+    faults.set_down(True)
+    fail_puts(breaker, 1)
+    faults.set_down(False)
+    clock.advance(2)
+    breaker.list("")  # admitted as the probe, then never iterated
+    with pytest.raises(StoreUnavailable):
+        breaker.put("k", b"x")
+    clock.advance(2)
+    assert breaker.put("k", b"x") is True
+    assert breaker.state is CLOSED

@@ -1,0 +1,254 @@
+"""Settings from env vars, a config file and overrides (s3kv/config.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+
+import pytest
+
+from s3kv.config import ConfigError, Settings, auto_blocks_per_object, load_settings
+
+URL = "s3://bucket/prefix"
+
+
+def env(**kw: str) -> dict[str, str]:
+    out = {"S3KV_URL": URL}
+    out.update({("S3KV_" + k.upper()): v for k, v in kw.items()})
+    return out
+
+
+def write_json(tmp_path, data, name="s3kv.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(data))
+    return str(p)
+
+
+# ---------------------------------------------------------------- env parsing
+
+
+def test_defaults_with_only_url():
+    s = load_settings({"S3KV_URL": URL})
+    assert s.url == URL
+    assert s == Settings(url=URL)
+
+
+def test_env_parsing_types():
+    s = load_settings(
+        env(
+            blocks_per_object="4",
+            save_decode="false",
+            pinned="0",
+            check_access="yes",
+            index_ttl_s="1.5",
+            load_mode="sync",
+            storage_policy="all",
+            sse="AES256",
+            checkpoint_tokens=" 2048 ",
+        )
+    )
+    assert s.blocks_per_object == 4 and isinstance(s.blocks_per_object, int)
+    assert s.save_decode is False
+    assert s.pinned is False
+    assert s.check_access is True
+    assert s.index_ttl_s == 1.5 and isinstance(s.index_ttl_s, float)
+    assert s.load_mode == "sync"
+    assert s.storage_policy == "all"
+    assert s.sse == "AES256"
+    assert s.checkpoint_tokens == 2048
+
+
+@pytest.mark.parametrize("raw,want", [("1", True), ("TRUE", True), ("on", True), ("No", False), ("off", False)])
+def test_bool_spellings(raw, want):
+    assert load_settings(env(save_decode=raw)).save_decode is want
+
+
+def test_unrelated_env_vars_ignored():
+    s = load_settings({"S3KV_URL": URL, "HOME": "/root", "AWS_REGION": "us-east-1"})
+    assert s == Settings(url=URL)
+
+
+# ---------------------------------------------------------------- precedence
+
+
+def test_file_then_env_then_overrides(tmp_path):
+    path = write_json(
+        tmp_path,
+        {"url": "s3://from-file/p", "blocks_per_object": 2, "upload_threads": 7, "load_mode": "sync"},
+    )
+    # File only.
+    s = load_settings({"S3KV_CONFIG_FILE": path})
+    assert (s.url, s.blocks_per_object, s.upload_threads, s.load_mode) == ("s3://from-file/p", 2, 7, "sync")
+    # Env beats file; file still supplies what env does not set.
+    s = load_settings({"S3KV_CONFIG_FILE": path, "S3KV_BLOCKS_PER_OBJECT": "9", "S3KV_URL": URL})
+    assert (s.url, s.blocks_per_object, s.upload_threads, s.load_mode) == (URL, 9, 7, "sync")
+    # Overrides beat both; None overrides are ignored.
+    s = load_settings(
+        {"S3KV_CONFIG_FILE": path, "S3KV_BLOCKS_PER_OBJECT": "9"}, blocks_per_object=3, upload_threads=None
+    )
+    assert (s.blocks_per_object, s.upload_threads) == (3, 7)
+
+
+def test_file_nested_s3kv_table(tmp_path):
+    path = write_json(tmp_path, {"s3kv": {"url": URL, "staging_mib": 64}})
+    s = load_settings({"S3KV_CONFIG_FILE": path})
+    assert s.staging_mib == 64 and s.staging_bytes == 64 * 1024 * 1024
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="tomllib needs Python 3.11")
+def test_toml_file(tmp_path):
+    p = tmp_path / "s3kv.toml"
+    p.write_text(f'url = "{URL}"\nmax_attempts = 3\nsave_decode = false\n')
+    s = load_settings({"S3KV_CONFIG_FILE": str(p)})
+    assert (s.max_attempts, s.save_decode) == (3, False)
+
+
+def test_invalid_value_in_file_names_setting(tmp_path):
+    path = write_json(tmp_path, {"url": URL, "download_threads": "many"})
+    with pytest.raises(ConfigError, match="S3KV_DOWNLOAD_THREADS"):
+        load_settings({"S3KV_CONFIG_FILE": path})
+
+
+def test_env_fixes_invalid_file_value(tmp_path):
+    path = write_json(tmp_path, {"url": URL, "staging_mib": -5})
+    with pytest.raises(ConfigError, match="S3KV_STAGING_MIB"):
+        load_settings({"S3KV_CONFIG_FILE": path})
+    assert load_settings({"S3KV_CONFIG_FILE": path, "S3KV_STAGING_MIB": "8"}).staging_mib == 8
+
+
+# ---------------------------------------------------------------- file errors
+
+
+def test_unknown_key_in_file(tmp_path):
+    path = write_json(tmp_path, {"url": URL, "blocks_per_objekt": 4})
+    with pytest.raises(ConfigError) as ei:
+        load_settings({"S3KV_CONFIG_FILE": path})
+    assert "blocks_per_objekt" in str(ei.value)
+    assert "S3KV_CONFIG_FILE" in str(ei.value)
+
+
+def test_unknown_override():
+    with pytest.raises(ConfigError, match="no_such_knob"):
+        load_settings({"S3KV_URL": URL}, no_such_knob=1)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="S3KV_CONFIG_FILE"):
+        load_settings({"S3KV_CONFIG_FILE": str(tmp_path / "nope.json")})
+
+
+def test_unparsable_file(tmp_path):
+    p = tmp_path / "bad.json"
+    p.write_text("{not json")
+    with pytest.raises(ConfigError, match="S3KV_CONFIG_FILE"):
+        load_settings({"S3KV_CONFIG_FILE": str(p)})
+    p.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="S3KV_CONFIG_FILE"):
+        load_settings({"S3KV_CONFIG_FILE": str(p)})
+
+
+# ---------------------------------------------------------------- URL
+
+
+def test_missing_url_message():
+    with pytest.raises(ConfigError) as ei:
+        load_settings({})
+    msg = str(ei.value)
+    assert "S3KV_URL" in msg and "s3://" in msg
+
+
+def test_missing_url_allowed_when_not_required():
+    assert load_settings({}, require_url=False).url == ""
+
+
+def test_url_without_scheme():
+    with pytest.raises(ConfigError, match="S3KV_URL"):
+        load_settings({"S3KV_URL": "my-bucket/prefix"})
+
+
+# ---------------------------------------------------------------- every invalid value names its setting
+
+INVALID = {
+    "blocks_per_object": ["-1", "x", "1.5"],
+    "target_object_mib": ["0", "-32"],
+    "max_blocks_per_object": ["0", "-1"],
+    "load_mode": ["eager", ""],
+    "save_decode": ["maybe"],
+    "storage_policy": ["none", "ALL"],
+    "checkpoint_tokens": ["0", "-4096"],
+    "window_margin_blocks": ["-1"],
+    "min_hit_blocks": ["0", "-2"],
+    "staging_mib": ["0", "-1", "lots"],
+    "pinned": ["2"],
+    "upload_threads": ["0", "-1"],
+    "download_threads": ["0"],
+    "max_concurrency": ["0"],
+    "lookup_probe_budget": ["0"],
+    "index_max_entries": ["-1"],
+    "index_ttl_s": ["-0.5", "soon"],
+    "negative_ttl_s": ["-1"],
+    "connect_timeout_s": ["-1"],
+    "read_timeout_s": ["-1"],
+    "retry_deadline_s": ["-1"],
+    "max_attempts": ["0"],
+    "load_timeout_s": ["-1", "nan"],
+    "multipart_threshold_mib": ["0"],
+    "multipart_part_mib": ["4", "-8"],
+    "sse": ["aes256", "kms"],
+    "breaker_failures": ["0"],
+    "breaker_reset_s": ["-1"],
+    "metrics_port": ["-1", "65536"],
+    "check_access": ["sometimes"],
+}
+
+
+@pytest.mark.parametrize(
+    "name,raw", [(n, v) for n, vs in INVALID.items() for v in vs], ids=lambda x: str(x) or "empty"
+)
+def test_invalid_value_names_its_setting(name, raw):
+    with pytest.raises(ConfigError) as ei:
+        load_settings(env(**{name: raw}))
+    assert f"S3KV_{name.upper()}" in str(ei.value)
+    assert repr(raw) in str(ei.value) or raw.strip() in str(ei.value)
+
+
+def test_invalid_table_covers_every_validated_setting():
+    # Every setting but the free-form strings has at least one invalid value above.
+    free = {"url", "model_id", "sse_kms_key_id"}
+    names = {f.name for f in dataclasses.fields(Settings)}
+    assert names - free == set(INVALID)
+
+
+def test_direct_construction_validates():
+    with pytest.raises(ConfigError, match="S3KV_STAGING_MIB"):
+        Settings(url=URL, staging_mib=-1)
+    with pytest.raises(ConfigError, match="S3KV_MULTIPART_PART_MIB"):
+        Settings(url=URL).replace(multipart_part_mib=1)
+
+
+def test_boundary_values_accepted():
+    s = load_settings(
+        env(
+            blocks_per_object="0",
+            window_margin_blocks="0",
+            index_max_entries="0",
+            multipart_part_mib="5",
+            metrics_port="0",
+            negative_ttl_s="0",
+        )
+    )
+    assert s.multipart_part_mib == 5 and s.blocks_per_object == 0
+    assert load_settings(env(metrics_port="65535")).metrics_port == 65535
+
+
+# ---------------------------------------------------------------- blocks per object
+
+
+def test_auto_blocks_per_object():
+    mib = 1024 * 1024
+    s = Settings(url=URL, target_object_mib=32, max_blocks_per_object=64)
+    assert auto_blocks_per_object(mib, s) == 32
+    assert auto_blocks_per_object(64 * 1024, s) == 64  # capped
+    assert auto_blocks_per_object(100 * mib, s) == 1  # at least one
+    assert auto_blocks_per_object(mib, s.replace(blocks_per_object=5)) == 5  # explicit wins

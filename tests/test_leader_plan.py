@@ -1,0 +1,562 @@
+"""LeaderCore's per-iteration plans, driven directly with RequestData-shaped fakes (s3kv/leader.py)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from s3kv.config import Settings
+from s3kv.errors import PlanMismatch
+from s3kv.keys import KeyScheme, chain_digests, chain_root, namespace_digest
+from s3kv.layout import CacheGeometry, GroupGeometry
+from s3kv.leader import LeaderCore
+from s3kv.objects import ObjectIdentity, encode_object, object_metadata
+from s3kv.plan import ConnectorMetadata
+from s3kv.store.memory import MemoryStore
+
+TPB = 16
+WINDOW = 64  # 4 blocks
+BPO = 4
+SLIDING, FULL = 0, 1
+
+
+def geometry(tp: int = 1) -> CacheGeometry:
+    return CacheGeometry(
+        tokens_per_block=TPB,
+        groups=(
+            GroupGeometry(0, WINDOW, (0, 1, 2), (96,)),
+            GroupGeometry(1, None, (3,), (32,)),
+        ),
+        tp_size=tp,
+        kv_dtype="bf16",
+        model_id="test-model",
+    )
+
+
+def make_core(g: CacheGeometry | None = None, store=None, **settings) -> LeaderCore:
+    g = g or geometry()
+    base = {"blocks_per_object": BPO, "checkpoint_tokens": 8 * BPO * TPB, "storage_policy": "all"}
+    base.update(settings)
+    s = Settings(url="memory://t", **base)
+    return LeaderCore(s, store if store is not None else MemoryStore(), "pfx", tp_size=g.tp_size,
+                      model_id=g.model_id, kv_dtype=g.kv_dtype, geometry=g)
+
+
+def toks(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 7_919 + i * 104_729) % 151_000 for i in range(n)]
+
+
+def rd(rid, new_tokens=(), slots=None, cp=0, ns=0, salt=None):
+    return SimpleNamespace(
+        request_id=rid,
+        new_tokens=list(new_tokens),
+        new_block_ids=[],
+        computed_position=cp,
+        num_scheduled_tokens=ns,
+        block_hashes=[],
+        priorities=None,
+        cache_salt=salt,
+        new_block_ids_by_layer_group=slots if slots is not None else [],
+    )
+
+
+class Slots:
+    """Hands out unique page slots per group (distinct ranges so a mix-up shows)."""
+
+    def __init__(self, g: CacheGeometry):
+        self.next = [itertools.count(1000 * (grp.group_id + 1)) for grp in g.groups]
+        self.g = g
+
+    def alloc(self, n: int) -> list[list[int]]:
+        return [[next(self.next[grp.group_id]) for _ in range(n)] for grp in self.g.groups]
+
+
+def digests_for(g: CacheGeometry, tokens, salt=None) -> list[bytes]:
+    return chain_digests(chain_root(namespace_digest(g), cache_salt=salt), tokens, g.tokens_per_block)
+
+
+def stages_of(metas) -> list:
+    return [op for m in metas for op in m.stages]
+
+
+def check_seals(g, metas, tokens, salt=None) -> None:
+    """Every seal names the chain digest of its object's last block and covers staged pages only."""
+    d = digests_for(g, tokens, salt)
+    staged: dict = {}
+    for m in metas:
+        for op in m.stages:
+            staged.setdefault(op.buffer, set()).add(op.ordinal)
+        for seal in m.seals:
+            last = seal.buffer.first + seal.count - 1
+            assert seal.last_digest == d[last], f"seal of {seal.buffer} names the wrong digest"
+            assert set(range(seal.buffer.first, last + 1)) <= staged.get(seal.buffer, set())
+            assert seal.count <= seal.buffer.capacity
+            assert (seal.buffer.first + seal.buffer.capacity) % BPO == 0  # objects end on chunk bounds
+
+
+def run_prefill(core, rid, tokens, slots_by_group, *, chunk=None, salt=None):
+    """Report a prompt in chunks (None = one pass); returns the metadata of each iteration."""
+    P = len(tokens)
+    chunk = chunk or P
+    metas = []
+    cp = 0
+    reported = [0] * len(slots_by_group)
+    first = True
+    while cp < P:
+        ns = min(chunk, P - cp)
+        upto_blocks = -(-(cp + ns) // TPB)
+        delta = [lst[reported[i] : upto_blocks] for i, lst in enumerate(slots_by_group)]
+        reported = [max(r, upto_blocks) for r in reported]
+        r = rd(rid, tokens if first else [], delta, cp, ns, salt)
+        metas.append(core.build_connector_meta([r], []) if first else core.build_connector_meta([], [r]))
+        first = False
+        cp += ns
+    return metas
+
+
+# ---------------------------------------------------------------- prefill, "all" policy
+
+
+@pytest.mark.parametrize("prompt_len", [10 * TPB + 3, 8 * TPB, 1 * TPB + 1, TPB - 1, 37 * TPB + 15])
+@pytest.mark.parametrize("chunk", [None, 2 * TPB, WINDOW // 2 + 8, 8 * TPB, 3 * TPB + 5])
+def test_every_block_of_every_group_staged_exactly_once(prompt_len, chunk):
+    g = geometry()
+    core = make_core(g)
+    tokens = toks(prompt_len, seed=prompt_len)
+    assert core.get_num_new_matched_tokens(7, tokens, prompt_len, 0) == (0, False)
+    slots = Slots(g).alloc(-(-prompt_len // TPB))
+    metas = run_prefill(core, 7, tokens, slots, chunk=chunk)
+    # Each block is staged in the iteration its last token is computed.
+    cp = 0
+    for m in metas:
+        ns = min(chunk or prompt_len, prompt_len - cp)
+        want = set(range(cp // TPB, (cp + ns) // TPB))
+        for grp in g.groups:
+            got = sorted(op.ordinal for op in m.stages if op.buffer.group == grp.group_id)
+            assert set(got) == want and len(got) == len(want)
+        cp += ns
+    busy = core.request_finished(7, slots)
+    metas.append(core.build_connector_meta([], []))
+    blocks = prompt_len // TPB
+    for grp in g.groups:
+        ops = [op for op in stages_of(metas) if op.buffer.group == grp.group_id]
+        assert sorted(op.ordinal for op in ops) == list(range(blocks))
+        assert all(op.slot == slots[grp.group_id][op.ordinal] for op in ops)
+        assert all(op.buffer.first <= op.ordinal < op.buffer.first + op.buffer.capacity for op in ops)
+    check_seals(g, metas, tokens)
+    # Every staged page ends up in a sealed object (nothing staged is silently dropped).
+    sealed = {(s.buffer, o) for m in metas for s in m.seals for o in range(s.buffer.first, s.buffer.first + s.count)}
+    assert {(op.buffer, op.ordinal) for op in stages_of(metas)} <= sealed
+    assert busy == bool(metas[-1].seals or metas[-1].stages or metas[-1].releases)
+    assert core.active_requests() == 0
+
+
+def test_seals_and_prompt_end_snapshot():
+    g = geometry()
+    core = make_core(g)
+    P = 10 * TPB + 3  # 10 full blocks: chunks [0,4) [4,8), then [8,10) is a snapshot
+    tokens = toks(P)
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    slots = Slots(g).alloc(11)
+    (meta,) = run_prefill(core, 1, tokens, slots)
+    d = digests_for(g, tokens)
+    for grp in g.groups:
+        seals = sorted((s for s in meta.seals if s.buffer.group == grp.group_id), key=lambda s: s.buffer.first)
+        assert [(s.buffer.first, s.count, s.close) for s in seals] == [(0, 4, True), (4, 4, True), (8, 2, False)]
+        assert [s.last_digest for s in seals] == [d[3], d[7], d[9]]
+    check_seals(g, [meta], tokens)
+
+
+def test_salted_request_seals_salted_digests():
+    g = geometry()
+    core = make_core(g)
+    P = 8 * TPB + 1
+    tokens = toks(P)
+    core.get_num_new_matched_tokens(1, tokens, P, 0, cache_salt="tenant")
+    metas = run_prefill(core, 1, tokens, Slots(g).alloc(9), salt="tenant")
+    check_seals(g, metas, tokens, salt="tenant")
+    assert metas[0].seals[0].last_digest != digests_for(g, tokens)[3]
+
+
+def test_report_without_lookup_still_saves():
+    g = geometry()
+    core = make_core(g)
+    P = 8 * TPB + 1
+    tokens = toks(P)
+    metas = run_prefill(core, 3, tokens, Slots(g).alloc(9))
+    assert sorted(op.ordinal for op in metas[0].stages if op.buffer.group == FULL) == list(range(8))
+    check_seals(g, metas, tokens)
+
+
+# ---------------------------------------------------------------- decode
+
+
+def decode(core, rid, tokens, slots, slot_src, n, *, start_extra=0):
+    """Generate ``n`` tokens one step at a time; returns metadata per step (tokens/slots grow in place)."""
+    metas = []
+    for i in range(n):
+        tokens.append(90_000 + start_extra + i)
+        cp = len(tokens) - 1
+        delta = [[] for _ in slots]
+        if cp // TPB >= len(slots[0]):
+            new = slot_src.alloc(1)
+            for gi in range(len(slots)):
+                slots[gi].extend(new[gi])
+                delta[gi] = new[gi]
+        metas.append(core.build_connector_meta([], [rd(rid, [tokens[-1]], delta, cp, 1)]))
+    return metas
+
+
+@pytest.mark.parametrize("save_decode", [True, False])
+def test_decode_blocks_staged_as_generation_fills_them(save_decode):
+    g = geometry()
+    core = make_core(g, save_decode=save_decode)
+    P = 10 * TPB + 3
+    tokens = toks(P)
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    src = Slots(g)
+    slots = src.alloc(11)
+    metas = run_prefill(core, 1, tokens, slots)
+    steps = decode(core, 1, tokens, slots, src, 3 * TPB)
+    for m in steps:
+        assert m.iteration > metas[0].iteration
+    # Which step completes which block: after step i, cp + 1 tokens have KV.
+    for i, m in enumerate(steps):
+        valid = P + 1 + i  # tokens with KV after this step's forward
+        completes = {valid // TPB - 1} if valid % TPB == 0 else set()
+        got = {op.ordinal for op in m.stages}
+        if save_decode:
+            assert got == completes, f"step {i}: staged {got}, expected {completes}"
+            for op in m.stages:
+                assert op.slot == slots[op.buffer.group][op.ordinal]
+        else:
+            assert got == set()
+    all_metas = metas + steps
+    if save_decode:
+        # The [8, 12) buffer: snapshot at 10 (prompt end), then sealed full when block 11 completes.
+        full_seals = [(s.buffer.first, s.count, s.close) for m in all_metas for s in m.seals if s.buffer.group == FULL]
+        assert (8, 2, False) in full_seals and (8, 4, True) in full_seals
+        check_seals(g, all_metas, tokens)
+    busy = core.request_finished(1, slots)
+    final = core.build_connector_meta([], [])
+    if save_decode:
+        # Block 12 is open in buffer [12, 16) and gets sealed at finish.
+        assert busy and 1 in final.finishing_ids
+        assert {(s.buffer.first, s.count) for s in final.seals} == {(12, 1)}
+        check_seals(g, all_metas + [final], tokens)
+    else:
+        # The snapshot buffer is released without another upload.
+        assert busy and {b.first for b in final.releases} == {8}
+        assert not final.seals and not final.stages
+    assert core.active_requests() == 0
+
+
+def test_window_policy_stages_live_sliding_tail_at_finish():
+    g = geometry()
+    core = make_core(g, storage_policy="window", checkpoint_tokens=64 * TPB, window_margin_blocks=1)
+    P = 20 * TPB + 3
+    tokens = toks(P)
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    src = Slots(g)
+    slots = src.alloc(21)
+    metas = run_prefill(core, 1, tokens, slots)
+    sliding = sorted(op.ordinal for op in metas[0].stages if op.buffer.group == SLIDING)
+    full = sorted(op.ordinal for op in metas[0].stages if op.buffer.group == FULL)
+    assert full == list(range(20))
+    # Tail before the prompt end only: hits at 20 and 19 need [(19*16+1-64)//16 - 1, 20) = [14, 20).
+    assert sliding == list(range(14, 20))
+    metas += decode(core, 1, tokens, slots, src, 4 * TPB)
+    history = len(tokens) // TPB  # 24 full blocks
+    # The engine keeps only the window live: older sliding slots are -1 at finish.
+    live = [[s if o >= history - WINDOW // TPB - 2 else -1 for o, s in enumerate(slots[SLIDING])], slots[FULL]]
+    assert core.request_finished(1, live) is True
+    final = core.build_connector_meta([], [])
+    assert 1 in final.finishing_ids
+    tail = sorted(op.ordinal for op in final.stages if op.buffer.group == SLIDING)
+    lo = ((history - 1) * TPB + 1 - WINDOW) // TPB - 1
+    assert tail == list(range(lo, history))
+    assert all(op.slot == slots[SLIDING][op.ordinal] for op in final.stages)
+    check_seals(g, metas + [final], tokens)
+    assert core.active_requests() == 0
+
+
+# ---------------------------------------------------------------- request lifetime
+
+
+def test_request_finished_false_when_nothing_pending_and_state_released():
+    g = geometry()
+    core = make_core(g)
+    P = 8 * TPB + 2  # 8 full blocks: two whole chunks, nothing left open
+    tokens = toks(P)
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    run_prefill(core, 1, tokens, Slots(g).alloc(9))
+    assert core.request_finished(1, [[], []]) is False
+    assert core.active_requests() == 0
+    assert core.build_connector_meta([], []).empty
+
+
+def test_request_finished_true_holds_state_until_next_build():
+    g = geometry()
+    core = make_core(g)
+    P = 9 * TPB + 2
+    tokens = toks(P)
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    run_prefill(core, 1, tokens, Slots(g).alloc(10))
+    assert core.request_finished(1, [[], []]) is True
+    assert core.active_requests() == 1
+    m = core.build_connector_meta([], [])
+    assert m.finishing_ids == frozenset({1})
+    assert core.active_requests() == 0
+    assert core.build_connector_meta([], []).finishing_ids == frozenset()
+
+
+def test_unknown_request_finished_is_false():
+    core = make_core()
+    assert core.request_finished(12345, [[], []]) is False
+
+
+def test_no_state_growth_over_many_short_requests():
+    g = geometry()
+    core = make_core(g)
+    src = Slots(g)
+    n = 2000
+    t0 = time.perf_counter()
+    for rid in range(n):
+        P = TPB * (1 + rid % 3) + 1 + rid % 5
+        tokens = toks(P, seed=rid)
+        core.get_num_new_matched_tokens(rid, tokens, P, 0)
+        slots = src.alloc(-(-P // TPB))
+        core.build_connector_meta([rd(rid, tokens, slots, 0, P)], [])
+        core.request_finished(rid, slots)
+        if rid % 2:  # also interleave: some finish right after the next build, with others in flight
+            continue
+        core.build_connector_meta([], [])
+        assert core.active_requests() <= 1
+    core.build_connector_meta([], [])
+    assert core.active_requests() == 0
+    assert not core._discards
+    assert time.perf_counter() - t0 < 10
+
+
+# ---------------------------------------------------------------- replays
+
+
+def test_replay_discards_and_resets():
+    g = geometry()
+    core = make_core(g)
+    P = 10 * TPB + 3
+    tokens = toks(P)
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    slots = Slots(g).alloc(11)
+    first = run_prefill(core, 1, tokens, slots, chunk=4 * TPB)[:1]  # one chunk, then replay
+    assert 1 not in first[0].discard_ids
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    slots2 = Slots(g).alloc(11)
+    slots2 = [[s + 50_000 for s in lst] for lst in slots2]
+    again = run_prefill(core, 1, tokens, slots2)
+    assert 1 in again[0].discard_ids
+    # The replay restarts the save plan from scratch with the new slots.
+    for grp in g.groups:
+        ops = [op for op in again[0].stages if op.buffer.group == grp.group_id]
+        assert sorted(op.ordinal for op in ops) == list(range(10))
+        assert all(op.slot == slots2[grp.group_id][op.ordinal] for op in ops)
+    # Discards are reported once.
+    assert 1 not in core.build_connector_meta([], []).discard_ids
+
+
+def test_replay_before_any_build_reports_discard():
+    core = make_core()
+    tokens = toks(5 * TPB)
+    core.get_num_new_matched_tokens(4, tokens, len(tokens), 0)
+    core.get_num_new_matched_tokens(4, tokens, len(tokens), 0)
+    assert core.build_connector_meta([], []).discard_ids == frozenset({4})
+    assert core.active_requests() == 1
+
+
+# ---------------------------------------------------------------- loads (store with a saved prefix)
+
+
+def save_through_store(g, store, tokens, *, salt=None, rid=900, **settings):
+    """Plan a prompt's saves with a LeaderCore and write exactly the sealed objects into ``store``."""
+    core = make_core(g, store, **settings)
+    core.get_num_new_matched_tokens(rid, tokens, len(tokens), 0, cache_salt=salt)
+    slots = Slots(g).alloc(-(-len(tokens) // TPB))
+    metas = run_prefill(core, rid, tokens, slots, salt=salt)
+    core.request_finished(rid, slots)
+    metas.append(core.build_connector_meta([], []))
+    ns = namespace_digest(g)
+    scheme = KeyScheme("pfx", ns, g.tp_size)
+    for m in metas:
+        for seal in m.seals:
+            grp = g.groups[seal.buffer.group]
+            for s in range(g.tp_size):
+                ident = ObjectIdentity(ns, grp.fingerprint, s, g.tp_size, TPB, grp.page_bytes)
+                pages = [bytes(grp.page_bytes)] * seal.count
+                store.put(scheme.object_key(grp.fingerprint, s, seal.last_digest),
+                          encode_object(ident, seal.buffer.first, seal.last_digest, pages),
+                          object_metadata(ident, seal.buffer.first, seal.count))
+    return metas
+
+
+def engine_slots(g, src, n_blocks, h_blocks):
+    """Slots as the engine allocates them for a request served up to ``h_blocks``."""
+    out = src.alloc(n_blocks)
+    first_real = max(0, (h_blocks * TPB + 1 - WINDOW) // TPB)
+    out[SLIDING] = [-1 if o < first_real else s for o, s in enumerate(out[SLIDING])]
+    return out
+
+
+@pytest.mark.parametrize("policy", ["all", "window"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_exact_repeat_loads_whole_history(policy, tp):
+    g = geometry(tp)
+    store = MemoryStore()
+    P = 20 * TPB  # block aligned: hmax = 19 blocks
+    tokens = toks(P, seed=3)
+    save_through_store(g, store, tokens, storage_policy=policy)
+    core = make_core(g, store, storage_policy=policy)
+    n, is_async = core.get_num_new_matched_tokens(5, tokens, P, 0)
+    h = (P - 1) // TPB
+    assert (n, is_async) == (h * TPB, True)
+    slots = engine_slots(g, Slots(g), 20, h)
+    core.update_state_after_alloc(5, slots)
+    meta = core.build_connector_meta([rd(5, tokens, slots, h * TPB, P - h * TPB)], [])
+    assert meta.async_load_ids == frozenset({5})
+    d = digests_for(g, tokens)
+    for grp in g.groups:
+        loaded = {}
+        for op in meta.loads:
+            if op.obj.group != grp.group_id:
+                continue
+            assert op.request_id == 5
+            end = d.index(op.obj.last_digest) + 1
+            for first, count in op.obj.spans:
+                assert first + count == end
+                assert all(first <= o < end for o in op.ordinals)
+            assert len(op.obj.spans) == tp
+            for o, s in zip(op.ordinals, op.slots):
+                assert o not in loaded
+                loaded[o] = s
+        want = {o: s for o, s in enumerate(slots[grp.group_id][:h]) if s >= 0}
+        assert loaded == want
+    # Only the sliding group's in-window tail is loaded.
+    assert min(op_o for op in meta.loads if op.obj.group == SLIDING for op_o in op.ordinals) == (
+        (h * TPB + 1 - WINDOW) // TPB
+    )
+    # The last block (19) is computed and saved (its chunk [16, 20) is re-staged to complete the object).
+    assert {op.ordinal for op in meta.stages if op.buffer.group == FULL} == {16, 17, 18, 19}
+
+
+def test_honoured_less_than_offered():
+    g = geometry()
+    store = MemoryStore()
+    tokens = toks(20 * TPB + 5, seed=4)
+    save_through_store(g, store, tokens)
+    core = make_core(g, store)
+    n, _ = core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)
+    assert n == 20 * TPB
+    slots = engine_slots(g, Slots(g), 21, 12)
+    core.update_state_after_alloc(5, slots, honoured_tokens=12 * TPB)
+    assert core.stats.honoured_less == 1
+    meta = core.build_connector_meta([rd(5, tokens, slots, 12 * TPB, len(tokens) - 12 * TPB)], [])
+    full = sorted(o for op in meta.loads if op.obj.group == FULL for o in op.ordinals)
+    assert full == list(range(12))
+
+
+def test_honoured_zero_means_no_loads():
+    g = geometry()
+    store = MemoryStore()
+    tokens = toks(12 * TPB + 5, seed=6)
+    save_through_store(g, store, tokens)
+    core = make_core(g, store)
+    assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)[0] > 0
+    slots = Slots(g).alloc(13)
+    core.update_state_after_alloc(5, slots, honoured_tokens=0)
+    meta = core.build_connector_meta([rd(5, tokens, slots, 0, len(tokens))], [])
+    assert meta.loads == () and not meta.async_load_ids
+    assert {op.ordinal for op in meta.stages if op.buffer.group == FULL} == set(range(12))
+
+
+def test_sync_hit_first_report_saves_every_block_computed_in_that_pass():
+    """A sync load's first report has computed_position = device match (the offer subtracted,
+    API doc); the pass computes from h to the prompt end, and every block it completes must be
+    staged in that same iteration (a sliding page may be freed right after it)."""
+    g = geometry()
+    store = MemoryStore()
+    shared = toks(8 * TPB, seed=9)
+    save_through_store(g, store, shared + toks(TPB + 3, seed=10))
+    prompt = shared + toks(12 * TPB + 3, seed=11)  # 20 full blocks, first 8 shared
+    core = make_core(g, store, load_mode="sync")
+    n, is_async = core.get_num_new_matched_tokens(6, prompt, len(prompt), 0)
+    assert (n, is_async) == (8 * TPB, False)
+    slots = engine_slots(g, Slots(g), 21, 8)
+    core.update_state_after_alloc(6, slots)
+    ns = len(prompt) - n
+    meta = core.build_connector_meta([rd(6, prompt, slots, 0, ns)], [])
+    assert meta.loads and not meta.async_load_ids
+    for grp in g.groups:
+        got = sorted(op.ordinal for op in meta.stages if op.buffer.group == grp.group_id)
+        assert got == list(range(8, 20)), f"group {grp.group_id}: staged {got}"
+
+
+def test_async_hit_first_report_with_full_computed_position():
+    """After an async load the engine reports computed_position = d + offer (nothing subtracted)."""
+    g = geometry()
+    store = MemoryStore()
+    shared = toks(8 * TPB, seed=9)
+    save_through_store(g, store, shared + toks(TPB + 3, seed=10))
+    prompt = shared + toks(12 * TPB + 3, seed=11)
+    core = make_core(g, store)
+    n, is_async = core.get_num_new_matched_tokens(6, prompt, len(prompt), 0)
+    assert (n, is_async) == (8 * TPB, True)
+    slots = engine_slots(g, Slots(g), 21, 8)
+    core.update_state_after_alloc(6, slots)
+    meta = core.build_connector_meta([rd(6, prompt, slots, n, len(prompt) - n)], [])
+    for grp in g.groups:
+        got = sorted(op.ordinal for op in meta.stages if op.buffer.group == grp.group_id)
+        assert got == list(range(8, 20))
+    check_seals(g, [meta], prompt)
+
+
+def test_plan_mismatch_on_uncovered_sliding_page():
+    g = geometry()
+    store = MemoryStore()
+    tokens = toks(12 * TPB + 5, seed=4)
+    save_through_store(g, store, tokens)
+    core = make_core(g, store)
+    assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)[0] == 12 * TPB
+    slots = Slots(g).alloc(13)  # the engine kept every sliding page: ordinal 0 has no verified object
+    with pytest.raises(PlanMismatch):
+        core.update_state_after_alloc(5, slots)
+
+
+def test_plan_mismatch_on_missing_full_page_and_group_count():
+    g = geometry()
+    store = MemoryStore()
+    tokens = toks(12 * TPB + 5, seed=4)
+    save_through_store(g, store, tokens)
+    core = make_core(g, store)
+    assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)[0] > 0
+    slots = engine_slots(g, Slots(g), 13, 12)
+    slots[FULL][3] = -1
+    with pytest.raises(PlanMismatch):
+        core.update_state_after_alloc(5, slots)
+    core.get_num_new_matched_tokens(6, tokens, len(tokens), 0)
+    with pytest.raises(PlanMismatch):
+        core.update_state_after_alloc(6, [slots[FULL]])
+
+
+def test_metadata_is_picklable_and_empty_when_idle():
+    import pickle
+
+    g = geometry()
+    core = make_core(g)
+    assert core.build_connector_meta([], []).empty
+    tokens = toks(9 * TPB + 1)
+    core.get_num_new_matched_tokens(1, tokens, len(tokens), 0)
+    m = run_prefill(core, 1, tokens, Slots(g).alloc(10))[0]
+    assert isinstance(m, ConnectorMetadata) and not m.empty
+    assert pickle.loads(pickle.dumps(m)) == m

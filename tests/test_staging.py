@@ -1,0 +1,181 @@
+"""StagingPool and the page copy helpers (CPU)."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from s3kv.transfer.copies import Copier, PageCopy, _plan, copy_to_device, copy_to_host
+from s3kv.transfer.staging import ALIGN, LOAD, SAVE, StagingBuffer, StagingPool, host_memoryview
+from s3kv.transfer.testing import GroupSpec, make_layout, page_bytes
+
+
+def test_acquire_release_reuses_memory_and_tracks_stats():
+    pool = StagingPool(64 * 1024, load_reserve_fraction=0.25)
+    assert pool.capacity == 64 * 1024 and pool.save_limit == 48 * 1024
+    a = pool.try_acquire(10_000)
+    b = pool.try_acquire(20_000)
+    assert a is not None and b is not None
+    assert a.tensor.numel() == 10_000 and a.memoryview().nbytes == 10_000
+    st = pool.stats()
+    assert st.in_use == st.save_in_use >= 30_000 and st.high_water == st.in_use
+    a.release()
+    b.release()
+    assert pool.in_use == 0
+    assert pool.free_extents() == [(0, pool.capacity)]  # fully coalesced
+    c = pool.try_acquire(40_000)
+    assert c is not None and c.offset == 0  # the same memory again
+    c.release()
+    assert pool.stats().high_water >= 40_000
+
+
+def test_saves_never_exceed_their_share_and_loads_keep_a_reserve():
+    pool = StagingPool(64 * 1024, load_reserve_fraction=0.25)
+    saves = []
+    while (b := pool.try_acquire(4096, SAVE)) is not None:
+        saves.append(b)
+    assert sum(b.reserved for b in saves) <= pool.save_limit
+    assert pool.stats().save_drops == 1
+    # The reserve is still there for loads.
+    loads = []
+    while (b := pool.try_acquire(4096, LOAD)) is not None:
+        loads.append(b)
+    assert len(loads) == (pool.capacity - pool.save_limit) // 4096
+    st = pool.stats()
+    assert st.in_use <= st.capacity and st.load_drops == 1
+    for b in saves + loads:
+        b.release()
+    assert pool.in_use == 0
+
+
+def test_too_large_request_is_refused_at_once():
+    pool = StagingPool(8192)
+    assert pool.try_acquire(8193, LOAD) is None
+    assert pool.try_acquire(pool.save_limit + 1, SAVE) is None
+    assert pool.stats().drops == 2
+
+
+def test_refcount_frees_after_last_release():
+    pool = StagingPool(8192)
+    b = pool.try_acquire(1000)
+    assert b is not None
+    b.retain()
+    b.release()
+    assert pool.in_use == ALIGN * 4  # still held by the second reference
+    b.release()
+    assert pool.in_use == 0
+    with pytest.raises(RuntimeError):
+        b.release()
+
+
+def test_views_alias_the_arena_without_copies():
+    pool = StagingPool(8192)
+    b = pool.try_acquire(512)
+    assert b is not None
+    b.view(10, 4).fill_(7)
+    assert bytes(b.memoryview(10, 4)) == b"\x07" * 4
+    b.memoryview(100, 3)[:] = b"abc"
+    assert b.tensor[100:103].tolist() == [97, 98, 99]
+    with pytest.raises(IndexError):
+        b.view(500, 100)
+    b.release()
+
+
+def test_random_alloc_free_never_overlaps_or_exceeds_bound():
+    rng = random.Random(3)
+    pool = StagingPool(1 << 20, load_reserve_fraction=0.0)
+    live: list[StagingBuffer] = []
+    for _ in range(3000):
+        if live and rng.random() < 0.45:
+            live.pop(rng.randrange(len(live))).release()
+        else:
+            b = pool.try_acquire(rng.randrange(1, 100_000), rng.choice([SAVE, LOAD]))
+            if b is not None:
+                live.append(b)
+        spans = sorted((b.offset, b.offset + b.reserved) for b in live)
+        assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:], strict=False))
+        assert pool.in_use == sum(b.reserved for b in live) <= pool.capacity
+    for b in live:
+        b.release()
+    assert pool.free_extents() == [(0, pool.capacity)]
+
+
+def test_concurrent_acquire_release_is_consistent():
+    pool = StagingPool(256 * 1024, load_reserve_fraction=0.0)
+
+    def churn(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(500):
+            b = pool.try_acquire(rng.randrange(1, 30_000))
+            if b is not None:
+                assert pool.in_use <= pool.capacity
+                b.release()
+
+    threads = [threading.Thread(target=churn, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert pool.in_use == 0 and pool.free_extents() == [(0, pool.capacity)]
+
+
+def test_standalone_buffer_and_host_memoryview():
+    b = StagingBuffer.standalone(100)
+    assert not b.pooled and b.nbytes == 100
+    b.memoryview()[:] = bytes(range(100))
+    assert b.tensor.tolist() == list(range(100))
+    b.release()
+    t = torch.arange(8, dtype=torch.uint8)
+    assert bytes(host_memoryview(t)) == bytes(range(8))
+
+
+def test_cpu_pool_is_not_pinned():
+    pool = StagingPool.for_device(4096, torch.device("cpu"), pinned=True)
+    assert not pool.pinned
+
+
+@pytest.mark.parametrize("pad", [0, 16])
+@pytest.mark.parametrize("sizes", [(128,), (96, 32)])
+def test_page_copies_round_trip_scattered_and_adjacent(pad, sizes):
+    layout = make_layout([GroupSpec((0, 1), None, sizes, pad)], num_slots=12, fill_seed=5)
+    regions = tuple(layout.group(0).regions)
+    pb = sum(sizes)
+    slots = [3, 4, 5, 9, 0, 1]  # runs of adjacent slots and scattered ones
+    host = torch.zeros(len(slots) * pb, dtype=torch.uint8)
+    copies = [PageCopy(regions, s, host, i * pb) for i, s in enumerate(slots)]
+    if len(sizes) == 1 and pad == 0:
+        assert len(_plan(copies)) == 3  # [3,4,5] [9] [0,1]
+    copy_to_host(copies)
+    raw = bytes(host_memoryview(host))
+    for i, s in enumerate(slots):
+        assert raw[i * pb : (i + 1) * pb] == page_bytes(layout, 0, s)
+    # And back into other slots.
+    dst = [6, 7, 8, 10, 11, 2]
+    back = [PageCopy(regions, s, host, i * pb) for i, s in enumerate(dst)]
+    copy_to_device(back)
+    for i, s in enumerate(dst):
+        assert page_bytes(layout, 0, s) == raw[i * pb : (i + 1) * pb]
+
+
+def test_cpu_copier_has_no_events():
+    layout = make_layout([GroupSpec((0,), None, (64,))], num_slots=4)
+    regions = tuple(layout.group(0).regions)
+    c = Copier(torch.device("cpu"))
+    host = torch.zeros(64, dtype=torch.uint8)
+    assert c.save([PageCopy(regions, 1, host, 0)], None) is None
+    c.begin_loads(None)
+    assert c.load([PageCopy(regions, 2, host, 0)]) is None
+    assert Copier.done(None)
+    assert page_bytes(layout, 0, 2) == page_bytes(layout, 0, 1)
+
+
+def test_bench_staging_runs_on_cpu():
+    from s3kv.transfer.staging_bench import bench_staging
+
+    r = bench_staging(page_sizes_mib=(1 / 64, 1 / 16), pages=8, device="cpu", repeats=2)
+    assert len(r["results"]) == 2 and r["pinned"] is False
+    for k in ("d2h_ratio_vs_memcpy", "h2d_ratio_vs_memcpy", "d2h_gbps", "h2d_gbps"):
+        assert r[k] > 0

@@ -1,0 +1,666 @@
+"""WorkerCore on CPU: saves, uploads, verified loads, failures and the get_finished contract."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+
+import pytest
+import torch
+
+from s3kv.config import Settings
+from s3kv.errors import LoadFailed
+from s3kv.index import KeyIndex
+from s3kv.objects import ObjectIdentity, ObjectSpan, decode_object, encode_object, header_len, object_metadata
+from s3kv.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
+from s3kv.store.base import StoreWrapper, TransientError
+from s3kv.store.memory import MemoryStore
+from s3kv.transfer.testing import GroupSpec, make_layout, page_bytes, write_page
+from s3kv.worker import WorkerCore
+
+# Group 0: full attention, one padded region. Group 1: sliding, two regions (data + scales).
+GROUPS = [GroupSpec((0, 2), None, (192,), pad=64), GroupSpec((1, 3), 64, (128, 32))]
+TPB = 16
+
+
+def settings(**kw) -> Settings:
+    base = dict(staging_mib=4, upload_threads=2, download_threads=4, load_timeout_s=5.0)
+    base.update(kw)
+    return Settings(**base)
+
+
+def digest(*parts: object) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def make_core(store, *, seed=0, tp_rank=0, tp_size=1, groups=GROUPS, num_slots=32, index=None, **kw):
+    layout = make_layout(groups, num_slots=num_slots, tokens_per_block=TPB, fill_seed=seed)
+    core = WorkerCore(
+        settings(**kw), store, "kv", tp_rank, tp_size, model_id="test-model", kv_dtype="bf16", index=index
+    )
+    core.register_layout(layout)
+    return core, layout
+
+
+def step(core, md, stream=None, finished_gen=(), started_loading=()):
+    """One iteration in the engine's order."""
+    core.bind(md)
+    core.start_load_kv(stream)
+    for layer in range(4):
+        core.wait_for_layer_load(layer, stream)
+        core.save_kv_layer(layer, stream)
+    core.wait_for_save(stream)
+    return core.get_finished(list(finished_gen), list(started_loading))
+
+
+def save_object(core, rid, group, first, slots, d, capacity=None, close=True):
+    bid = BufferId(rid, group, first, capacity or len(slots))
+    stages = tuple(StageOp(bid, first + i, s) for i, s in enumerate(slots))
+    return ConnectorMetadata(stages=stages, seals=(SealOp(bid, len(slots), d, close),))
+
+
+def load_md(rid, group, d, spans, ordinals, slots, *, is_async=False):
+    op = LoadOp(rid, ObjectRef(group, d, spans), tuple(ordinals), tuple(slots))
+    return ConnectorMetadata(loads=(op,), async_load_ids=frozenset({rid} if is_async else ()))
+
+
+class SlowStore(StoreWrapper):
+    def __init__(self, inner, put_delay=0.0, get_delay=0.0):
+        super().__init__(inner)
+        self.put_delay = put_delay
+        self.get_delay = get_delay
+        self.on_put = None
+
+    def put(self, key, data, metadata=None):
+        if self.on_put:
+            self.on_put(key)
+        time.sleep(self.put_delay)
+        return super().put(key, data, metadata)
+
+    def get_ranges(self, key, ranges):
+        time.sleep(self.get_delay)
+        return super().get_ranges(key, ranges)
+
+
+class GatedStore(StoreWrapper):
+    """get_ranges blocks until the gate opens."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    def get_ranges(self, key, ranges):
+        self.gate.wait(10)
+        return super().get_ranges(key, ranges)
+
+
+class FailingPutStore(StoreWrapper):
+    def put(self, key, data, metadata=None):
+        raise TransientError("503 slow down", key=key)
+
+
+@pytest.fixture
+def store():
+    return MemoryStore()
+
+
+def stored_pages(store, core, group, d):
+    _, pages = decode_object(store.get(core.object_key(group, d)), core.identity(group))
+    return [bytes(p) for p in pages]
+
+
+# -- save then load ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("group", [0, 1], ids=["single-region", "multi-region"])
+def test_save_upload_then_load_into_other_slots_bit_exact(store, group):
+    index = KeyIndex()
+    a, la = make_core(store, seed=1, index=index)
+    b, lb = make_core(store, seed=2)  # another cluster: different bytes everywhere
+    src = [5, 2, 9, 3]
+    d = digest("obj", group)
+    assert step(a, save_object(a, 1, group, 0, src, d)) == ([], [])
+    assert a.flush(5)
+    key = a.object_key(group, d)
+    assert store.keys() == [key]
+    assert index.get(key) == ObjectSpan(0, 4)
+    assert stored_pages(store, a, group, d) == [page_bytes(la, group, s) for s in src]
+
+    dst = [11, 12, 13, 14]
+    before_other = page_bytes(lb, group, 15)
+    step(b, load_md(7, group, d, ((0, 4),), range(4), dst))
+    for s, t in zip(src, dst, strict=True):
+        assert page_bytes(lb, group, t) == page_bytes(la, group, s)
+    assert page_bytes(lb, group, 15) == before_other
+    st = b.stats()
+    assert st.pages_loaded == 4 and st.objects_loaded == 1 and st.loads_failed_objects == 0
+    assert a.stats().objects_uploaded == 1 and a.stats().pages_staged == 4
+    assert a.staging.in_use == 0 and b.staging.in_use == 0
+    a.close()
+    b.close()
+
+
+def test_two_groups_in_one_iteration_and_partial_loads(store):
+    a, la = make_core(store, seed=1)
+    b, lb = make_core(store, seed=2)
+    d0, d1 = digest("g0"), digest("g1")
+    m0 = save_object(a, 1, 0, 0, [1, 2, 3, 4, 5, 6], d0)
+    m1 = save_object(a, 1, 1, 4, [7, 8], d1, capacity=4)  # partial object: 2 of 4 pages
+    step(a, ConnectorMetadata(stages=m0.stages + m1.stages, seals=m0.seals + m1.seals))
+    assert a.flush(5)
+    assert len(store.keys()) == 2
+    # Load a non-contiguous subset of group 0 (two coalesced ranges) and the sliding tail of group 1.
+    ops = (
+        LoadOp(9, ObjectRef(0, d0, ((0, 6),)), (1, 2, 4), (20, 21, 22)),
+        LoadOp(9, ObjectRef(1, d1, ((4, 2),)), (5,), (30,)),
+    )
+    step(b, ConnectorMetadata(loads=ops))
+    assert page_bytes(lb, 0, 20) == page_bytes(la, 0, 2)
+    assert page_bytes(lb, 0, 21) == page_bytes(la, 0, 3)
+    assert page_bytes(lb, 0, 22) == page_bytes(la, 0, 5)
+    assert page_bytes(lb, 1, 30) == page_bytes(la, 1, 8)
+    a.close()
+    b.close()
+
+
+def test_one_object_loaded_by_two_requests_is_read_once(store):
+    a, la = make_core(store, seed=1)
+    b, lb = make_core(store, seed=2)
+    d = digest("shared")
+    step(a, save_object(a, 1, 0, 0, [1, 2], d))
+    a.flush(5)
+    reads = []
+
+    class Counting(StoreWrapper):
+        def get_ranges(self, key, ranges):
+            reads.append(key)
+            return super().get_ranges(key, ranges)
+
+    b.store = b._downloader.store = Counting(store)
+    ref = ObjectRef(0, d, ((0, 2),))
+    md = ConnectorMetadata(loads=(LoadOp(3, ref, (0, 1), (10, 11)), LoadOp(4, ref, (0, 1), (12, 13))))
+    step(b, md)
+    assert len(reads) == 1
+    assert page_bytes(lb, 0, 12) == page_bytes(lb, 0, 10) == page_bytes(la, 0, 1)
+    a.close()
+    b.close()
+
+
+def test_tensor_parallel_shards_have_their_own_keys_and_bytes(store):
+    r0, l0 = make_core(store, seed=10, tp_rank=0, tp_size=2)
+    r1, l1 = make_core(store, seed=11, tp_rank=1, tp_size=2)
+    d = digest("tp")
+    md = save_object(r0, 1, 1, 0, [3, 4, 5], d)  # one plan, broadcast to both ranks
+    step(r0, md)
+    step(r1, md)
+    assert r0.flush(5) and r1.flush(5)
+    k0, k1 = r0.object_key(1, d), r1.object_key(1, d)
+    assert k0 != k1 and sorted(store.keys()) == sorted([k0, k1])
+    assert r0.geometry == r1.geometry and r0.keys.namespace == r1.keys.namespace
+    assert stored_pages(store, r0, 1, d) != stored_pages(store, r1, 1, d)
+
+    s0, m0 = make_core(store, seed=20, tp_rank=0, tp_size=2)
+    s1, m1 = make_core(store, seed=21, tp_rank=1, tp_size=2)
+    lmd = load_md(5, 1, d, ((0, 3), (0, 3)), range(3), (7, 8, 9))
+    step(s0, lmd)
+    step(s1, lmd)
+    for src, dst in zip((3, 4, 5), (7, 8, 9), strict=True):
+        assert page_bytes(m0, 1, dst) == page_bytes(l0, 1, src)
+        assert page_bytes(m1, 1, dst) == page_bytes(l1, 1, src)
+    # A rank-0 object is foreign to rank 1: a plan pointing rank 1 at it never loads it.
+    with pytest.raises(LoadFailed):
+        step(s1, load_md(6, 1, d, ((0, 3), (0, 2)), range(2), (1, 2)))
+    for c in (r0, r1, s0, s1):
+        c.close()
+
+
+# -- snapshots, refcounts, staging bound -------------------------------------
+
+
+def test_snapshot_seal_then_more_stages_then_final_seal(store):
+    slow = SlowStore(store, put_delay=0.15)
+    a, la = make_core(slow, seed=1)
+    bid = BufferId(1, 0, 0, 4)
+    d_snap, d_full = digest("snap"), digest("full")
+    originals = [page_bytes(la, 0, s) for s in (4, 5, 6, 7)]
+    step(
+        a,
+        ConnectorMetadata(
+            stages=(StageOp(bid, 0, 4), StageOp(bid, 1, 5)), seals=(SealOp(bid, 2, d_snap, False),)
+        ),
+    )
+    # The snapshot upload is in flight; more pages go into the same buffer, one re-stage of a pinned page.
+    write_page(la, 0, 9, 0xAB)
+    md2 = ConnectorMetadata(
+        stages=(StageOp(bid, 2, 6), StageOp(bid, 3, 7), StageOp(bid, 1, 9)), seals=(SealOp(bid, 4, d_full),)
+    )
+    step(a, md2)
+    assert a.staging.in_use > 0  # held by the in-flight uploads
+    assert a.flush(5)
+    assert a.staging.in_use == 0
+    assert stored_pages(store, a, 0, d_snap) == originals[:2]
+    assert stored_pages(store, a, 0, d_full) == originals
+    a.close()
+
+
+def test_buffer_freed_only_after_last_close(store):
+    a, _ = make_core(store, seed=1)
+    bid = BufferId(1, 0, 0, 2)
+    step(a, ConnectorMetadata(stages=(StageOp(bid, 0, 1),), seals=(SealOp(bid, 1, digest(1), False),)))
+    a.flush(5)
+    assert a.staging.in_use > 0  # still open for more stages
+    step(a, ConnectorMetadata(stages=(StageOp(bid, 1, 2),), seals=(SealOp(bid, 2, digest(2)),)))
+    a.flush(5)
+    assert a.staging.in_use == 0
+    assert len(store.keys()) == 2
+    a.close()
+
+
+def test_staging_bound_under_a_burst(store):
+    observed = []
+    slow = SlowStore(store, put_delay=0.02)
+    groups = [GroupSpec((0,), None, (64 * 1024,))]
+    a, la = make_core(slow, seed=1, groups=groups, num_slots=8, staging_mib=1)
+    slow.on_put = lambda key: observed.append(a.staging.in_use)
+    cap = a.staging.capacity
+    total = 0
+    t0 = time.monotonic()
+    for it in range(10):
+        stages, seals = [], []
+        for r in range(4):  # 4 objects of 4 pages (256 KiB each) per iteration
+            bid = BufferId(100 * it + r, 0, 0, 4)
+            stages += [StageOp(bid, i, (i + r) % 8) for i in range(4)]
+            seals.append(SealOp(bid, 4, digest(it, r)))
+            total += 1
+        step(a, ConnectorMetadata(stages=tuple(stages), seals=tuple(seals)))
+        assert a.staging.in_use <= cap
+    assert time.monotonic() - t0 < 1.0  # the forward never waited for the store
+    assert a.flush(10)
+    st = a.stats()
+    assert st.saves_dropped_staging_full > 0
+    assert st.seals_dropped == st.saves_dropped_staging_full
+    assert st.objects_uploaded + st.saves_dropped_staging_full == total
+    assert st.staging_high_water <= cap and max(observed) <= cap
+    assert a.staging.in_use == 0 and st.uploads_pending == 0
+    a.close()
+
+
+def test_slow_store_does_not_slow_wait_for_save(store):
+    slow = SlowStore(store, put_delay=0.2)
+    a, _ = make_core(slow, seed=1)
+    seals, stages = [], []
+    for r in range(4):
+        m = save_object(a, r, 0, 0, [r, r + 1], digest("slow", r))
+        stages += m.stages
+        seals += m.seals
+    a.bind(ConnectorMetadata(stages=tuple(stages), seals=tuple(seals)))
+    a.start_load_kv(None)
+    t0 = time.perf_counter()
+    a.wait_for_save(None)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 0.05, elapsed
+    assert a.get_finished([0, 1, 2, 3], []) == ([0, 1, 2, 3], [])  # pages already copied
+    assert len(store.keys()) == 0  # uploads still in flight
+    assert a.flush(5)
+    assert len(store.keys()) == 4
+    a.close()
+
+
+def test_freed_page_junk_never_reaches_the_store(store):
+    slow = SlowStore(store, put_delay=0.1)
+    a, la = make_core(slow, seed=1)
+    original = page_bytes(la, 0, 6)
+    d = digest("junk")
+    a.bind(save_object(a, 1, 0, 0, [6], d))
+    a.start_load_kv(None)
+    a.wait_for_save(None)
+    write_page(la, 0, 6, 0xDB)  # the engine frees and reuses the page right away
+    assert a.get_finished([1], []) == ([1], [])
+    a.flush(5)
+    assert stored_pages(store, a, 0, d) == [original]
+    assert original != b"\xdb" * len(original)
+    a.close()
+
+
+def test_store_errors_drop_saves_without_raising(store):
+    a, _ = make_core(FailingPutStore(store), seed=1)
+    step(a, save_object(a, 1, 0, 0, [1, 2], digest("x")))
+    assert a.flush(5)
+    st = a.stats()
+    assert st.saves_dropped_store_error == 1 and st.objects_uploaded == 0
+    assert a.staging.in_use == 0
+    a.close()
+
+
+def test_existing_object_is_success_not_overwrite(store):
+    a, la = make_core(store, seed=1)
+    b, _ = make_core(store, seed=2)
+    d = digest("dup")
+    step(a, save_object(a, 1, 0, 0, [1], d))
+    a.flush(5)
+    step(b, save_object(b, 1, 0, 0, [1], d))
+    b.flush(5)
+    assert b.stats().objects_already_present == 1
+    assert stored_pages(store, a, 0, d) == [page_bytes(la, 0, 1)]
+    a.close()
+    b.close()
+
+
+def test_discard_drops_open_buffers_and_replay_reuses_ids(store):
+    a, la = make_core(store, seed=1)
+    bid = BufferId(1, 0, 0, 2)
+    step(a, ConnectorMetadata(stages=(StageOp(bid, 0, 3),)))
+    assert a.staging.in_use > 0
+    # Replay: discard, then the same BufferId is staged afresh from other slots in the same plan.
+    md = ConnectorMetadata(
+        discard_ids=frozenset({1}),
+        stages=(StageOp(bid, 0, 8), StageOp(bid, 1, 9)),
+        seals=(SealOp(bid, 2, digest("r")),),
+    )
+    step(a, md)
+    a.flush(5)
+    assert stored_pages(store, a, 0, digest("r")) == [page_bytes(la, 0, 8), page_bytes(la, 0, 9)]
+    assert a.staging.in_use == 0
+    a.close()
+
+
+def test_incomplete_or_unknown_seals_are_dropped_not_uploaded(store):
+    a, _ = make_core(store, seed=1)
+    bid = BufferId(1, 0, 0, 4)
+    step(
+        a,
+        ConnectorMetadata(
+            stages=(StageOp(bid, 0, 1), StageOp(bid, 2, 2)), seals=(SealOp(bid, 3, digest(1)),)
+        ),
+    )
+    step(a, ConnectorMetadata(seals=(SealOp(BufferId(2, 0, 0, 4), 1, digest(2)),)))
+    a.flush(5)
+    assert store.keys() == []
+    assert a.stats().saves_dropped_other == 2 and a.staging.in_use == 0
+    a.close()
+
+
+# -- load failures -------------------------------------------------------------
+
+
+def _saved(store, n=3, seed=1):
+    a, la = make_core(store, seed=seed)
+    d = digest("victim", n)
+    step(a, save_object(a, 1, 0, 0, list(range(1, n + 1)), d))
+    a.flush(5)
+    a.close()
+    return a.object_key(0, d), d, la
+
+
+def _assert_fails(b, lb, md, key, slots):
+    before = [page_bytes(lb, 0, s) for s in slots]
+    with pytest.raises(LoadFailed) as ei:
+        step(b, md)
+    assert ei.value.key == key and key in str(ei.value)
+    assert ei.value.request_ids == (7,)
+    assert [page_bytes(lb, 0, s) for s in slots] == before  # slots untouched
+    return ei.value
+
+
+def test_corrupted_page_fails_the_request_naming_the_object(store):
+    key, d, _ = _saved(store)
+    obj = store.get(key)
+    store.corrupt(key, len(obj) - 5)  # inside the last page
+    b, lb = make_core(store, seed=2)
+    e = _assert_fails(b, lb, load_md(7, 0, d, ((0, 3),), range(3), (20, 21, 22)), key, (20, 21, 22))
+    assert "ChecksumMismatch" in str(e)
+    assert b.stats().loads_failed_objects == 1 and b.stats().requests_failed == 1
+    b.close()
+
+
+def test_corrupted_header_fails(store):
+    key, d, _ = _saved(store)
+    store.corrupt(key, 20)
+    b, lb = make_core(store, seed=2)
+    _assert_fails(b, lb, load_md(7, 0, d, ((0, 3),), [0], [20]), key, [20])
+    b.close()
+
+
+def test_deleted_object_fails(store):
+    key, d, _ = _saved(store)
+    store.delete_many([key])
+    b, lb = make_core(store, seed=2)
+    e = _assert_fails(b, lb, load_md(7, 0, d, ((0, 3),), [1], [20]), key, [20])
+    assert "NotFound" in str(e)
+    b.close()
+
+
+def test_foreign_object_under_our_key_fails(store):
+    b, lb = make_core(store, seed=2)
+    d = digest("foreign")
+    key = b.object_key(0, d)
+    ident = b.identity(0)
+    other = ObjectIdentity(b"\x01" * 16, ident.group_fingerprint, 0, 1, TPB, ident.page_bytes)
+    pages = [bytes([i]) * ident.page_bytes for i in range(2)]
+    store.put(key, encode_object(other, 0, d, pages), object_metadata(other, 0, 2))
+    e = _assert_fails(b, lb, load_md(7, 0, d, ((0, 2),), [0, 1], [20, 21]), key, [20, 21])
+    assert "ForeignObject" in str(e)
+    b.close()
+
+
+def test_span_mismatch_fails(store):
+    key, d, _ = _saved(store, n=3)
+    b, lb = make_core(store, seed=2)
+    _assert_fails(b, lb, load_md(7, 0, d, ((0, 2),), [0], [20]), key, [20])  # plan says 2 pages, object has 3
+    b.close()
+
+
+def test_load_timeout_fails_and_never_writes_late(store):
+    key, d, la = _saved(store)
+    gated = GatedStore(store)
+    b, lb = make_core(gated, seed=2, load_timeout_s=0.3)
+    t0 = time.monotonic()
+    e = _assert_fails(b, lb, load_md(7, 0, d, ((0, 3),), [0], [20]), key, [20])
+    assert time.monotonic() - t0 < 2 and "LoadTimeout" in str(e)
+    before = page_bytes(lb, 0, 20)
+    gated.gate.set()  # the download finishes late: it must not place anything
+    time.sleep(0.2)
+    assert page_bytes(lb, 0, 20) == before
+    b.close()
+
+
+def test_sync_load_failure_of_one_request_leaves_others_loaded(store):
+    key, d, la = _saved(store)
+    b, lb = make_core(store, seed=2)
+    ops = (
+        LoadOp(7, ObjectRef(0, digest("missing"), ((0, 1),)), (0,), (20,)),
+        LoadOp(8, ObjectRef(0, d, ((0, 3),)), (0, 1, 2), (21, 22, 23)),
+    )
+    with pytest.raises(LoadFailed) as ei:
+        step(b, ConnectorMetadata(loads=ops))
+    assert ei.value.request_ids == (7,)
+    assert page_bytes(lb, 0, 23) == page_bytes(la, 0, 3)
+    b.close()
+
+
+# -- async loads and the get_finished contract -----------------------------------
+
+
+def test_async_ids_reported_only_after_pages_are_in_place(store):
+    key, d, la = _saved(store)
+    gated = GatedStore(store)
+    b, lb = make_core(gated, seed=2)
+    md = load_md(7, 0, d, ((0, 3),), range(3), (20, 21, 22), is_async=True)
+    before = page_bytes(lb, 0, 22)
+    assert step(b, md, started_loading=[7]) == ([], [])
+    for _ in range(3):
+        assert step(b, None) == ([], [])
+    assert page_bytes(lb, 0, 22) == before
+    gated.gate.set()
+    deadline = time.monotonic() + 5
+    got: list[int] = []
+    while not got and time.monotonic() < deadline:
+        got = step(b, None)[1]
+        time.sleep(0.01) if not got else None
+    assert got == [7]
+    assert page_bytes(lb, 0, 22) == page_bytes(la, 0, 3)
+    assert step(b, None) == ([], [])  # never twice
+    assert b.staging.in_use == 0
+    b.close()
+
+
+def test_async_id_not_returned_before_it_was_passed_in(store):
+    key, d, _ = _saved(store)
+    b, _ = make_core(store, seed=2)
+    step(b, load_md(7, 0, d, ((0, 3),), [0], [20], is_async=True))
+    time.sleep(0.1)
+    assert b.get_finished([], []) == ([], [])  # done, but not handed over yet
+    assert b.get_finished([], [7]) == ([], [7])
+    assert b.get_finished([], []) == ([], [])
+    b.close()
+
+
+def test_failed_async_load_raises_once_and_others_still_reported(store):
+    key, d, la = _saved(store)
+    store.corrupt(key, header_len(3) + 1)  # inside page 0, the one loaded
+    d2 = digest("good")
+    a, la2 = make_core(store, seed=3)
+    step(a, save_object(a, 1, 0, 0, [4, 5], d2))
+    a.flush(5)
+    b, lb = make_core(store, seed=2)
+    ops = (
+        LoadOp(7, ObjectRef(0, d, ((0, 3),)), (0,), (20,)),
+        LoadOp(8, ObjectRef(0, d2, ((0, 2),)), (0, 1), (21, 22)),
+    )
+    b.bind(ConnectorMetadata(loads=ops, async_load_ids=frozenset({7, 8})))
+    b.start_load_kv(None)
+    b.wait_for_save(None)
+    time.sleep(0.2)
+    with pytest.raises(LoadFailed) as ei:
+        b.get_finished([3], [7, 8])
+    assert ei.value.request_ids == (7,) and ei.value.key == key
+    # Everything else handed over in the failing call is still reported, exactly once.
+    assert b.get_finished([], []) == ([3], [8])
+    assert b.get_finished([], [7]) == ([], [])  # the failed id never comes back as finished
+    assert page_bytes(lb, 0, 22) == page_bytes(la2, 0, 5)
+    a.close()
+    b.close()
+
+
+def test_async_failure_before_hand_over_is_not_reported_later(store):
+    b, _ = make_core(store, seed=2)
+    b.bind(load_md(7, 0, digest("nothing"), ((0, 1),), [0], [20], is_async=True))
+    b.start_load_kv(None)
+    b.wait_for_save(None)
+    time.sleep(0.1)
+    with pytest.raises(LoadFailed):
+        b.get_finished([], [])
+    assert b.get_finished([], [7]) == ([], [])
+    assert b.get_finished([], []) == ([], [])
+    b.close()
+
+
+def test_async_timeout_fails(store):
+    key, d, _ = _saved(store)
+    gated = GatedStore(store)
+    b, _ = make_core(gated, seed=2, load_timeout_s=0.2)
+    assert step(b, load_md(7, 0, d, ((0, 3),), [0], [20], is_async=True), started_loading=[7]) == ([], [])
+    time.sleep(0.3)
+    with pytest.raises(LoadFailed) as ei:
+        b.get_finished([], [])
+    assert "LoadTimeout" in str(ei.value)
+    gated.gate.set()
+    b.close()
+
+
+def test_handed_over_load_without_plan_fails_after_timeout(store):
+    b, _ = make_core(store, seed=2, load_timeout_s=0.2)
+    assert b.get_finished([], [42]) == ([], [])
+    time.sleep(0.3)
+    with pytest.raises(LoadFailed) as ei:
+        b.get_finished([], [])
+    assert ei.value.request_ids == (42,)
+    b.close()
+
+
+def test_declared_async_id_without_loads_is_reported_on_hand_over(store):
+    b, _ = make_core(store, seed=2)
+    step(b, ConnectorMetadata(async_load_ids=frozenset({5})))
+    assert b.get_finished([], [5]) == ([], [5])
+    b.close()
+
+
+def test_saving_ids_returned_once_per_hand_over(store):
+    a, _ = make_core(store, seed=1)
+    assert a.get_finished([], []) == ([], [])
+    assert a.get_finished([5, 5], []) == ([5], [])  # nothing pending: at once, once
+    assert a.get_finished([], []) == ([], [])
+    assert a.get_finished([5], []) == ([5], [])  # a new hand-over
+    a.close()
+
+
+class _FakeEvent:
+    def __init__(self):
+        self.flag = threading.Event()
+
+    def query(self):
+        return self.flag.is_set()
+
+    def synchronize(self):
+        self.flag.wait(10)
+
+
+def test_finishing_id_waits_for_its_stage_copies(store):
+    a, la = make_core(store, seed=1)
+    ev = _FakeEvent()
+    real_save = a._copier.save
+
+    def save(copies, stream):
+        real_save(copies, stream)
+        return ev  # pretend the copies are still running on a side stream
+
+    a._copier.save = save
+    md = save_object(a, 1, 0, 0, [2, 3], digest("fin"))
+    md = ConnectorMetadata(stages=md.stages, seals=md.seals, finishing_ids=frozenset({1}))
+    assert step(a, md, finished_gen=[1, 2]) == ([2], [])  # 2 has nothing pending
+    assert a.get_finished([], []) == ([], [])
+    time.sleep(0.05)
+    assert store.keys() == []  # the upload waits for the copy event too
+    ev.flag.set()
+    assert a.get_finished([], []) == ([1], [])
+    assert a.get_finished([], []) == ([], [])
+    assert a.flush(5) and len(store.keys()) == 1
+    a.close()
+
+
+def test_metrics_hook_and_several_cores_in_one_process(store):
+    seen = {}
+
+    def hook(name, delta):
+        seen[name] = seen.get(name, 0) + delta
+
+    layout = make_layout(GROUPS, num_slots=8, tokens_per_block=TPB, fill_seed=1)
+    a = WorkerCore(settings(), store, "kv", 0, 1, "m", "bf16", metrics=hook)
+    a.register_layout(layout)
+    step(a, save_object(a, 1, 0, 0, [1], digest("m")))
+    a.flush(5)
+    assert seen["pages_staged"] == 1 and seen["objects_uploaded"] == 1
+    with pytest.raises(RuntimeError):
+        a.register_layout(layout)
+    a.close()
+    assert a.close() is True  # idempotent
+
+
+def test_close_cancels_queued_uploads_cleanly(store):
+    slow = SlowStore(store, put_delay=0.2)
+    a, _ = make_core(slow, seed=1, upload_threads=1)
+    for r in range(5):
+        step(a, save_object(a, r, 0, 0, [r], digest("c", r)))
+    t0 = time.monotonic()
+    a.close(timeout=5, cancel=True)
+    assert time.monotonic() - t0 < 1.0
+    assert a.staging.in_use == 0
+    assert len(store.keys()) <= 1
+
+
+def test_uint8_layout_torch_types_are_plain_cpu(store):
+    a, la = make_core(store, seed=1)
+    assert not a.stats().staging_pinned
+    assert la.group(0).regions[0].slot_tensor(0).dtype == torch.uint8
+    a.close()
