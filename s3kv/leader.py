@@ -16,7 +16,7 @@ from typing import Any
 
 from .config import Settings, auto_blocks_per_object
 from .errors import PlanMismatch
-from .hitrule import Span, required_range
+from .hitrule import Span, required_range, servable
 from .index import MISSING, KeyIndex
 from .keys import Chain, KeyScheme, NotCacheable, chain_root, namespace_digest
 from .layout import CacheGeometry
@@ -53,6 +53,9 @@ class _Request:
     completed: int = 0  # blocks whose completion has been planned
     save_from: int = 0
     open: dict[int, _Buffer] = field(default_factory=dict)
+    #: Sliding groups: the block that most recently left the window during decode.
+    evicted: dict[int, _Buffer] = field(default_factory=dict)
+    kv_tokens: int = 0  # tokens whose KV exists on the device
     pending_loads: list[LoadOp] = field(default_factory=list)
     pending_stages: list[StageOp] = field(default_factory=list)
     pending_seals: list[SealOp] = field(default_factory=list)
@@ -127,8 +130,10 @@ class LeaderCore:
         self._geometry = g
         self.namespace = namespace_digest(g)
         self.scheme = KeyScheme(self.key_prefix, self.namespace, g.tp_size)
-        self.bpo = auto_blocks_per_object(g.max_page_bytes, self.settings)
         cp_blocks = max(1, self.settings.checkpoint_tokens // g.tokens_per_block)
+        # An object never spans a checkpoint, so a checkpoint is always an object
+        # boundary that a lookup can find by key.
+        self.bpo = min(auto_blocks_per_object(g.max_page_bytes, self.settings), cp_blocks)
         cp_blocks = -(-cp_blocks // self.bpo) * self.bpo  # round up to whole objects
         self.policy = StoragePolicy(g, self.bpo, cp_blocks, self.settings.storage_policy, self.settings.window_margin_blocks)
         self.params = LookupParams(
@@ -296,6 +301,20 @@ class LeaderCore:
             st.h_blocks = h
             if h <= st.d_blocks:
                 return
+            margin = self.settings.window_margin_blocks
+            if not servable(g, st.coverage, st.d_blocks, h, margin):
+                # Honoured less than offered: a sliding group's tail for h lies below the tail the
+                # lookup verified for the offer. Verify it now (the index answers the spine).
+                more = find_hit(g, self.params, st.d_blocks, st.prompt_len // tpb, h,
+                                lambda asks: self._probe(st, asks))
+                for key, spans in more.coverage.items():
+                    st.coverage.setdefault(key, {}).update(spans)
+                if more.h_blocks < h:
+                    raise PlanMismatch(
+                        f"request {request_id}: the engine honoured {(h - st.d_blocks) * tpb} of the "
+                        f"{st.offered_blocks * tpb} tokens offered and the store holds no verified "
+                        f"sliding-window tail ending at block {h}"
+                    )
             if len(block_ids_by_group) != g.num_groups:
                 raise PlanMismatch(
                     f"request {request_id}: engine reports {len(block_ids_by_group)} layer groups, "
@@ -360,6 +379,7 @@ class LeaderCore:
     def build_connector_meta(self, new_requests: Sequence[Any], cached_requests: Sequence[Any]) -> ConnectorMetadata:
         """``new_requests``/``cached_requests`` hold RequestData-shaped objects."""
         with self._lock:
+            _ = self.geometry  # resolve a lazily supplied geometry (a report may precede any lookup)
             self._iteration += 1
             for rd in new_requests:
                 self._on_report(rd, first=True)
@@ -435,9 +455,17 @@ class LeaderCore:
                     st.slots[gi].extend(delta)
         if len(st.slots) < g.num_groups:
             st.slots += [[] for _ in range(g.num_groups - len(st.slots))]
-        upto = min(rd.computed_position + rd.num_scheduled_tokens, max(st.prompt_len, rd.computed_position + 1))
+        begin = rd.computed_position
+        if first and not st.load_async:
+            # A sync load's first report has the honoured offer subtracted (it marks where the
+            # load begins); this pass computes from h. (An async load's report is not reduced,
+            # and a discarded async load really does restart at the device match.)
+            begin = max(begin, st.h_blocks * tpb)
+        upto = min(begin + rd.num_scheduled_tokens, max(st.prompt_len, begin + 1))
         upto = min(upto, len(st.tokens))
         self._plan_saves(st, upto // tpb)
+        self._stage_evicted(st, upto)
+        st.kv_tokens = max(st.kv_tokens, upto)
 
     def _new_unlooked(self, rd: Any) -> _Request | None:
         assert self._geometry is not None
@@ -482,9 +510,46 @@ class LeaderCore:
                     self._seal(st, gid, close=not self.policy.keeps(gid, o + 1, prompt_blocks))
         st.completed = complete_blocks
 
+    def _stage_evicted(self, st: _Request, upto: int) -> None:
+        """Keep a host copy of the sliding block that leaves the window after this pass.
+
+        A conversation's next turn needs, for history ``h``, the blocks from
+        ``(h+1-W)//tpb``; when the request ends, the engine has already freed
+        the one just below its live window whenever the last block is nearly
+        full. Capturing each block as it leaves (one page per sliding group and
+        request, replaced every block) lets ``request_finished`` store the whole
+        tail without holding extra device pages.
+        """
+        g = self._geometry
+        assert g is not None
+        prompt_blocks = st.prompt_len // g.tokens_per_block
+        if not self.settings.save_decode or self.settings.storage_policy != "window":
+            return
+        if upto <= prompt_blocks * g.tokens_per_block or self.settings.window_margin_blocks:
+            return
+        tpb = g.tokens_per_block
+        for grp in g.groups:
+            if not grp.is_sliding:
+                continue
+            gid = grp.group_id
+            leaving = (upto + 1 - grp.window) // tpb - 1  # highest ordinal freed after this pass
+            before = (st.kv_tokens + 1 - grp.window) // tpb - 1
+            if leaving <= before or leaving < max(st.save_from, prompt_blocks - 1):
+                continue
+            slot = st.slots[gid][leaving] if leaving < len(st.slots[gid]) else -1
+            old = st.evicted.pop(gid, None)
+            if old is not None:
+                st.pending_releases.append(old.bid)
+            if slot < 0:
+                continue
+            buf = _Buffer(BufferId(st.request_id, gid, leaving, self.policy.chunk_end(leaving) - leaving))
+            st.pending_stages.append(StageOp(buf.bid, leaving, slot))
+            buf.count = 1
+            st.evicted[gid] = buf
+
     def _stage(self, st: _Request, gid: int, o: int, slot: int) -> None:
         buf = st.open.get(gid)
-        if buf is not None and o != buf.bid.first + buf.count:
+        if buf is not None and (o != buf.bid.first + buf.count or buf.count >= buf.bid.capacity):
             self._close(st, gid)
             buf = None
         if buf is None:
@@ -530,13 +595,25 @@ class LeaderCore:
                 gid = grp.group_id
                 if self.policy.stores_everything(gid) or not self.settings.save_decode or e <= prompt_blocks:
                     self._close(st, gid)
+                    ev = st.evicted.pop(gid, None)
+                    if ev is not None:
+                        st.pending_releases.append(ev.bid)
                     continue
                 # Sliding group, history beyond the prompt: stage the live tail
                 # that a continuation of this conversation would need.
                 self._close(st, gid)
                 lo, hi = self.policy.tail(gid, e)
                 live = block_ids_by_group[gid] if gid < len(block_ids_by_group) else []
-                for o in range(max(lo, st.save_from), hi):
+                start = max(lo, st.save_from)
+                first_live = next((o for o in range(start, hi) if o < len(live) and live[o] >= 0), hi)
+                ev = st.evicted.pop(gid, None)
+                if ev is not None:
+                    if start <= ev.bid.first and ev.bid.first + ev.count == first_live:
+                        st.open[gid] = ev  # the evicted copy continues into the live pages
+                        start = first_live
+                    else:
+                        st.pending_releases.append(ev.bid)
+                for o in range(start, hi):
                     slot = live[o] if o < len(live) else -1
                     if slot < 0:
                         self._close(st, gid)
@@ -545,6 +622,7 @@ class LeaderCore:
                     buf = st.open[gid]
                     if o + 1 == buf.bid.first + buf.bid.capacity or o + 1 == hi:
                         self._seal(st, gid, close=True)
+                self._close(st, gid)
             busy = bool(st.pending_stages or st.pending_seals or st.pending_releases)
             if busy:
                 st.finishing = True

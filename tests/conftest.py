@@ -84,7 +84,9 @@ class StoreCase:
         return f"{self.prefix}/{name}"
 
 
-def make_case(request: pytest.FixtureRequest, kind: str, tmp_path, options: S3Options | None = None) -> StoreCase:
+def make_case(
+    request: pytest.FixtureRequest, kind: str, tmp_path, options: S3Options | None = None
+) -> StoreCase:
     prefix = f"t/{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
     if kind == "memory":
         return StoreCase(kind, MemoryStore(), prefix)

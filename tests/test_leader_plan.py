@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +14,7 @@ from s3kv.layout import CacheGeometry, GroupGeometry
 from s3kv.leader import LeaderCore
 from s3kv.objects import ObjectIdentity, encode_object, object_metadata
 from s3kv.plan import ConnectorMetadata
+from s3kv.store.base import StoreWrapper
 from s3kv.store.memory import MemoryStore
 
 TPB = 16
@@ -283,6 +283,71 @@ def test_window_policy_stages_live_sliding_tail_at_finish():
     assert core.active_requests() == 0
 
 
+def test_window_policy_decode_stages_sliding_tails_before_checkpoints_only():
+    g = geometry()
+    cp_blocks = 2 * BPO  # 8
+    core = make_core(g, storage_policy="window", checkpoint_tokens=cp_blocks * TPB, window_margin_blocks=0)
+    P = 5 * TPB + 5
+    tokens = toks(P, seed=21)
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    src = Slots(g)
+    slots = src.alloc(6)
+    metas = run_prefill(core, 1, tokens, slots)
+    metas += decode(core, 1, tokens, slots, src, 20 * TPB - P)
+    assert len(tokens) == 20 * TPB
+
+    def lo(b):  # first real sliding page for history b blocks (engine rule, no margin)
+        return max(0, (b * TPB + 1 - WINDOW) // TPB)
+
+    want = set(range(lo(4), 5))  # hits at the prompt end (5) and one block below
+    for c in (8, 16, 24):
+        want |= set(range(lo(c - 1), c))
+    want = {o for o in want if o < 20}
+    got = [op.ordinal for op in stages_of(metas) if op.buffer.group == SLIDING]
+    assert sorted(got) == sorted(want), "sliding group staged outside prompt-end/checkpoint tails"
+    assert sorted(op.ordinal for op in stages_of(metas) if op.buffer.group == FULL) == list(range(20))
+    # Each checkpoint tail is sealed as an object ending exactly at the checkpoint.
+    ends = {s.buffer.first + s.count for m in metas for s in m.seals if s.buffer.group == SLIDING}
+    assert {8, 16} <= ends
+    check_seals(g, metas, tokens)
+
+
+def test_not_cacheable_request_is_a_miss_and_never_saved():
+    g = geometry()
+    core = make_core(g)
+    tokens = toks(9 * TPB + 1)
+    assert core.get_num_new_matched_tokens(1, tokens, len(tokens), 0, has_multimodal=True) == (0, False)
+    assert core.stats.not_cacheable == 1
+    metas = run_prefill(core, 1, tokens, Slots(g).alloc(10))
+    assert not metas[0].stages and not metas[0].seals
+    assert core.request_finished(1, [[], []]) is False
+    assert core.active_requests() == 0
+
+
+def test_geometry_arriving_late():
+    g = geometry()
+    box: dict = {}
+    s = Settings(url="memory://t", blocks_per_object=BPO, storage_policy="all")
+    core = LeaderCore(s, MemoryStore(), "pfx", tp_size=1, model_id=g.model_id, kv_dtype=g.kv_dtype,
+                      geometry=lambda: box.get("g"))
+    tokens = toks(9 * TPB + 1)
+    assert core.get_num_new_matched_tokens(1, tokens, len(tokens), 0) == (0, False)
+    assert core.build_connector_meta([rd(1, tokens, Slots(g).alloc(10), 0, len(tokens))], []).empty
+    core.request_finished(1, [[], []])
+    box["g"] = g
+    core.get_num_new_matched_tokens(2, tokens, len(tokens), 0)
+    m = core.build_connector_meta([rd(2, tokens, Slots(g).alloc(10), 0, len(tokens))], [])
+    assert {op.ordinal for op in m.stages} == set(range(9))
+
+
+def test_tp_size_mismatch_rejected():
+    g = geometry(tp=2)
+    s = Settings(url="memory://t")
+    core = LeaderCore(s, MemoryStore(), "pfx", tp_size=1, model_id="m", kv_dtype="bf16", geometry=g)
+    with pytest.raises(ValueError, match="tp_size"):
+        _ = core.geometry
+
+
 # ---------------------------------------------------------------- request lifetime
 
 
@@ -322,8 +387,7 @@ def test_no_state_growth_over_many_short_requests():
     g = geometry()
     core = make_core(g)
     src = Slots(g)
-    n = 2000
-    t0 = time.perf_counter()
+    n = 10_000
     for rid in range(n):
         P = TPB * (1 + rid % 3) + 1 + rid % 5
         tokens = toks(P, seed=rid)
@@ -334,11 +398,10 @@ def test_no_state_growth_over_many_short_requests():
         if rid % 2:  # also interleave: some finish right after the next build, with others in flight
             continue
         core.build_connector_meta([], [])
-        assert core.active_requests() <= 1
+        assert core.active_requests() == 0
     core.build_connector_meta([], [])
     assert core.active_requests() == 0
     assert not core._discards
-    assert time.perf_counter() - t0 < 10
 
 
 # ---------------------------------------------------------------- replays
@@ -437,7 +500,7 @@ def test_exact_repeat_loads_whole_history(policy, tp):
                 assert first + count == end
                 assert all(first <= o < end for o in op.ordinals)
             assert len(op.obj.spans) == tp
-            for o, s in zip(op.ordinals, op.slots):
+            for o, s in zip(op.ordinals, op.slots, strict=True):
                 assert o not in loaded
                 loaded[o] = s
         want = {o: s for o, s in enumerate(slots[grp.group_id][:h]) if s >= 0}
@@ -464,6 +527,50 @@ def test_honoured_less_than_offered():
     meta = core.build_connector_meta([rd(5, tokens, slots, 12 * TPB, len(tokens) - 12 * TPB)], [])
     full = sorted(o for op in meta.loads if op.obj.group == FULL for o in op.ordinals)
     assert full == list(range(12))
+
+
+class CountingStore(StoreWrapper):
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.head_calls = 0
+
+    def head_many(self, keys):
+        self.head_calls += 1
+        return self.inner.head_many(keys)
+
+
+def test_full_honour_needs_no_more_io_and_less_honour_verifies_lower_tail():
+    g = geometry(tp=2)
+    mem = MemoryStore()
+    tokens = toks(20 * TPB + 5, seed=4)
+    save_through_store(g, mem, tokens)
+    store = CountingStore(mem)
+    core = make_core(g, store)
+    assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)[0] == 20 * TPB
+    calls = store.head_calls
+    core.update_state_after_alloc(5, engine_slots(g, Slots(g), 21, 20))
+    assert store.head_calls == calls  # honoured as offered: the lookup's coverage suffices
+    assert core.get_num_new_matched_tokens(6, tokens, len(tokens), 0)[0] == 20 * TPB
+    slots = engine_slots(g, Slots(g), 21, 9)
+    core.update_state_after_alloc(6, slots, honoured_tokens=9 * TPB)
+    meta = core.build_connector_meta([rd(6, tokens, slots, 0, len(tokens) - 9 * TPB)], [])
+    loaded = {(op.obj.group, o) for op in meta.loads if op.request_id == 6 for o in op.ordinals}
+    want = {(gi, o) for gi in (SLIDING, FULL) for o in range(9) if slots[gi][o] >= 0}
+    assert loaded == want
+
+
+def test_honoured_less_without_stored_tail_fails_loudly():
+    """Window policy: sliding tails exist only at checkpoints and prompt ends. An honour that
+    lands elsewhere cannot be served; the only safe answer is a named error, never a load."""
+    g = geometry()
+    store = MemoryStore()
+    tokens = toks(20 * TPB + 5, seed=4)
+    save_through_store(g, store, tokens, storage_policy="window")
+    core = make_core(g, store, storage_policy="window")
+    assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)[0] == 20 * TPB
+    slots = engine_slots(g, Slots(g), 21, 10)
+    with pytest.raises(PlanMismatch, match="honoured"):
+        core.update_state_after_alloc(5, slots, honoured_tokens=10 * TPB)
 
 
 def test_honoured_zero_means_no_loads():
@@ -519,6 +626,27 @@ def test_async_hit_first_report_with_full_computed_position():
         got = sorted(op.ordinal for op in meta.stages if op.buffer.group == grp.group_id)
         assert got == list(range(8, 20))
     check_seals(g, [meta], prompt)
+
+
+def test_discarded_async_load_chunked_never_stages_uncomputed_blocks():
+    """V2 may discard an async load and recompute from the device match: the first report then
+    has computed_position = d and a chunk starting at d. Blocks past d + chunk are not computed
+    yet; staging them would store garbage under a valid key."""
+    g = geometry()
+    store = MemoryStore()
+    prompt = toks(20 * TPB + 3, seed=12)
+    save_through_store(g, store, prompt[: 12 * TPB + 1])
+    core = make_core(g, store)
+    n, is_async = core.get_num_new_matched_tokens(6, prompt, len(prompt), 0)
+    assert (n, is_async) == (12 * TPB, True)
+    slots = engine_slots(g, Slots(g), 21, 12)
+    core.update_state_after_alloc(6, slots)
+    core.build_connector_meta([], [])  # the load goes out while the request is parked
+    full_slots = Slots(g).alloc(21)  # discarded: every page recomputed, sliding ones re-filled
+    chunk = 4 * TPB
+    meta = core.build_connector_meta([rd(6, prompt, [x[:4] for x in full_slots], 0, chunk)], [])
+    staged = {op.ordinal for op in meta.stages}
+    assert staged <= set(range(4)), f"staged blocks not computed yet: {sorted(staged - set(range(4)))}"
 
 
 def test_plan_mismatch_on_uncovered_sliding_page():

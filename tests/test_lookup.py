@@ -325,7 +325,7 @@ def test_leader_lookup_rejects_foreign_metadata():
     ns = namespace_digest(g)
     digests = chain_digests(chain_root(ns), prompt, TPB)
     scheme = KeyScheme("pfx", ns, 1)
-    for grp, ogrp in zip(g.groups, other.groups):
+    for grp, ogrp in zip(g.groups, other.groups, strict=True):
         ident = ObjectIdentity(ns, grp.fingerprint, 0, 1, TPB, ogrp.page_bytes)
         for end in (4, 8):
             pages = [bytes(ogrp.page_bytes)] * 4

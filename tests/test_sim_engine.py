@@ -81,6 +81,19 @@ def test_llm_args_per_rank():
         assert a.max_seq_len == 1024 and a.model == model.name
 
 
+def test_tp_size_from_the_model_or_the_engine():
+    model = gemma3_like(64, kv_heads=4, tp_size=2)
+    assert SimEngine(model, CFG32, RecordingLeader, RecordingWorker).tp_size == 2
+    assert (
+        SimEngine(gemma3_like(64, kv_heads=4), CFG32, RecordingLeader, RecordingWorker, tp_size=4).tp_size
+        == 4
+    )
+    with pytest.raises(ValueError, match="contradicts"):
+        SimEngine(model, CFG32, RecordingLeader, RecordingWorker, tp_size=4)
+    with pytest.raises(ValueError, match="divide"):
+        gemma3_like(64, kv_heads=4, tp_size=3)
+
+
 def test_layout_regions_padding_and_tp_shard_size():
     model = gemma3_like(64, kv_heads=4, regions_per_group=2)
     eng = engine(model, tp_size=2)

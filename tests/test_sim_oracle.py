@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from sim_connectors import FlatOracleLeader, FlatOracleWorker, OracleLeader, OracleStore, OracleWorker
@@ -247,3 +249,43 @@ def test_oracle_on_cuda(mode):
     assert_clean(warm)
     assert warm.matched_tokens == sum(full_hit(s) for s in workload())
     assert eng.pools[0].arena.is_cuda
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("S3KV_SIM_FUZZ", "6"))))
+def test_oracle_fuzz_mixed_knobs(seed):
+    """Random mixes of prefixes, chunk sizes (not block multiples), honour, replays, TP, async delays."""
+    import random
+
+    rng = random.Random(seed)
+    tp = rng.choice([1, 2])
+    window = rng.choice([32, 48, 64])
+    chunk = rng.choice([None, 24, 40, 72, 150])
+    mode = rng.choice(["sync", "async"])
+    honour_blocks = rng.choice([0, 0, 1, 3])
+    eng, _ = make(
+        mode=mode,
+        tp=tp,
+        chunk=chunk,
+        model=gemma3_like(window, kv_heads=2 * tp, regions_per_group=rng.choice([1, 2])),
+        honour=honour_minus_blocks(honour_blocks, TPB),
+        preempt_hook=preempt_once(after_chunks=1, request_ids={rng.randrange(8) for _ in range(2)}),
+        discard_hook=discard_async(request_ids={rng.randrange(8)}),
+        extra_retained_blocks=rng.choice([0, 1]),
+        max_batch=rng.choice([1, 2, 4]),
+        worker_kw={"async_delay": rng.choice([0, 1, 3]), "hold_on_finish": rng.choice([False, True])},
+    )
+    trunk = [rng.randrange(32000) for _ in range(rng.randrange(40, 200))]
+    for rnd in range(3):
+        specs = []
+        for i in range(8 if rnd == 0 else 4):
+            cut = rng.randrange(1, len(trunk))
+            p = trunk[:cut] + [rng.randrange(32000) for _ in range(rng.randrange(1, 60))]
+            d = rng.choice([0, 0, (cut // TPB) * TPB]) if rnd else 0
+            d = min(d, (len(p) - 1) // TPB * TPB)
+            specs.append(SimRequestSpec(rnd * 100 + i, tuple(p), rng.randrange(1, 30), device_match_tokens=d))
+        rep = eng.run(specs)
+        assert_clean(rep)
+        for s in specs:
+            out = generate_tokens(request_root(), s.prompt, s.max_new_tokens, 32000)
+            assert rep.by_id(s.request_id).output_tokens == tuple(out)
+    assert all(a.in_use == 0 for a in eng.allocators)

@@ -179,3 +179,12 @@ def test_bench_staging_runs_on_cpu():
     assert len(r["results"]) == 2 and r["pinned"] is False
     for k in ("d2h_ratio_vs_memcpy", "h2d_ratio_vs_memcpy", "d2h_gbps", "h2d_gbps"):
         assert r[k] > 0
+
+
+def test_host_memoryview_keeps_a_temporary_tensor_alive():
+    import gc
+
+    view = host_memoryview(torch.full((1 << 20,), 7, dtype=torch.uint8))
+    gc.collect()
+    junk = [torch.full((1 << 20,), 1, dtype=torch.uint8) for _ in range(8)]  # reuse freed memory if any
+    assert bytes(view[:16]) == b"\x07" * 16 and len(junk) == 8

@@ -122,7 +122,9 @@ def test_delete_many_and_list(case: StoreCase) -> None:
     assert [o.key for o in listed] == [case.key(n) for n in ("a/1", "a/2", "a/sub/3")]
     assert [o.size for o in listed] == [1, 2, 3]
     # A prefix that ends mid-name matches like S3's (string prefix, not directory).
-    assert {o.key for o in store.list(case.key("a"))} == {case.key(n) for n in ("a/1", "a/2", "a/sub/3", "ab/4")}
+    assert {o.key for o in store.list(case.key("a"))} == {
+        case.key(n) for n in ("a/1", "a/2", "a/sub/3", "ab/4")
+    }
     assert list(store.list(case.key("zzz"))) == []
 
     store.delete_many([case.key("a/1"), case.key("a/sub/3"), case.key("never-existed")])
@@ -140,7 +142,9 @@ def test_check_access_ok(case: StoreCase) -> None:
 def test_retried_503_through_fault_wrapper_succeeds(case: StoreCase) -> None:
     faulty = FaultInjectingStore(case.store, FaultPlan(seed=1))
     counted = InstrumentedStore(faulty)
-    store = RetryingStore(counted, RetryPolicy(max_attempts=5, base_s=0.001, max_backoff_s=0.01, deadline_s=10))
+    store = RetryingStore(
+        counted, RetryPolicy(max_attempts=5, base_s=0.001, max_backoff_s=0.01, deadline_s=10)
+    )
     k = case.key("flaky")
     faulty.fail_next("put", 2)
     assert store.put(k, b"payload") is True

@@ -75,7 +75,16 @@ def test_auto_kind() -> None:
 def test_module_entry_point_runs_a_shared_server() -> None:
     """``python -m s3kv.store.embedded`` is how a demo shares one server between processes."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "s3kv.store.embedded", "--kind", "moto", "--bucket", "s3kv-cli", "--until-stdin-closes"],
+        [
+            sys.executable,
+            "-m",
+            "s3kv.store.embedded",
+            "--kind",
+            "moto",
+            "--bucket",
+            "s3kv-cli",
+            "--until-stdin-closes",
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -128,7 +128,9 @@ def test_unreachable_endpoint_from_env(monkeypatch: pytest.MonkeyPatch, closed_p
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    opts = S3Options(connect_timeout_s=0.5, read_timeout_s=0.5, retry=RetryPolicy(max_attempts=2, base_s=0.01))
+    opts = S3Options(
+        connect_timeout_s=0.5, read_timeout_s=0.5, retry=RetryPolicy(max_attempts=2, base_s=0.01)
+    )
     with open_store("s3://s3kv-bucket/p", options=opts) as store:
         with pytest.raises(StoreConfigError) as info:
             store.check_access()

@@ -63,14 +63,21 @@ def _fail(store: S3Store, operation: str, times: int, error: Callable[[], Except
 
 def _slowdown(operation: str) -> Callable[[], Exception]:
     return lambda: bexc.ClientError(
-        {"Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."}, "ResponseMetadata": {"HTTPStatusCode": 503}},
+        {
+            "Error": {"Code": "SlowDown", "Message": "Please reduce your request rate."},
+            "ResponseMetadata": {"HTTPStatusCode": 503},
+        },
         operation,
     )
 
 
 def _uploads(case: StoreCase, key: str) -> list[dict[str, Any]]:
     client = case.server.client()
-    return [u for u in client.list_multipart_uploads(Bucket=case.server.bucket).get("Uploads", []) if u["Key"] == key]
+    return [
+        u
+        for u in client.list_multipart_uploads(Bucket=case.server.bucket).get("Uploads", [])
+        if u["Key"] == key
+    ]
 
 
 def test_multipart_round_trip(s3case: StoreCase) -> None:
@@ -90,8 +97,15 @@ def test_multipart_round_trip(s3case: StoreCase) -> None:
     assert store.get(k) == bytes(body)
     assert _uploads(s3case, k) == []
 
-    # A second writer of a large body: CompleteMultipartUpload gets 412 -> False, upload aborted.
+    # A second writer of a large body stops at the pre-upload HEAD...
+    heads = _count_calls(store, "HeadObject")
     assert store.put(k, os.urandom(6 * MiB)) is False
+    assert len(heads) == 1 and len(uploads) == 5
+    # ...and if it missed the first writer there (a race), CompleteMultipartUpload gets 412:
+    # still False, and the upload is aborted.
+    store._head_one = lambda key: None  # type: ignore[method-assign]
+    assert store.put(k, os.urandom(6 * MiB)) is False
+    assert len(uploads) == 7
     assert store.get_ranges(k, [ByteRange(0, 64)])[0] == bytes(body[:64])
     assert _uploads(s3case, k) == []
 
@@ -134,7 +148,10 @@ def test_failed_multipart_leaves_nothing(s3case: StoreCase) -> None:
     def flaky_upload_part(**kwargs: Any) -> Any:
         if kwargs["PartNumber"] == 3:
             raise bexc.ClientError(
-                {"Error": {"Code": "InternalError", "Message": "boom"}, "ResponseMetadata": {"HTTPStatusCode": 500}},
+                {
+                    "Error": {"Code": "InternalError", "Message": "boom"},
+                    "ResponseMetadata": {"HTTPStatusCode": 500},
+                },
                 "UploadPart",
             )
         return real(**kwargs)
@@ -189,7 +206,10 @@ def test_lost_put_response_then_412_is_success(s3case: StoreCase) -> None:
 
 
 def test_store_deadline_names_the_key(s3case: StoreCase, s3_store_for: Callable[..., S3Store]) -> None:
-    opts = replace(s3case.store.options, retry=RetryPolicy(max_attempts=50, base_s=0.01, max_backoff_s=0.02, deadline_s=0.25))
+    opts = replace(
+        s3case.store.options,
+        retry=RetryPolicy(max_attempts=50, base_s=0.01, max_backoff_s=0.02, deadline_s=0.25),
+    )
     store = s3_store_for(s3case.server, opts)
     k = s3case.key("never")
     _fail(store, "GetObject", -1, _slowdown("GetObject"))
@@ -210,9 +230,15 @@ def test_check_access_missing_bucket(s3case: StoreCase, s3_store_for: Callable[.
     assert store.head("x") is None
 
 
-def test_check_access_unreachable_endpoint(s3_store_for: Callable[..., S3Store], moto_s3: Any, closed_port: int) -> None:
+def test_check_access_unreachable_endpoint(
+    s3_store_for: Callable[..., S3Store], moto_s3: Any, closed_port: int
+) -> None:
     endpoint = f"http://127.0.0.1:{closed_port}"
-    opts = S3Options(connect_timeout_s=0.5, read_timeout_s=0.5, retry=RetryPolicy(max_attempts=2, base_s=0.01, deadline_s=2))
+    opts = S3Options(
+        connect_timeout_s=0.5,
+        read_timeout_s=0.5,
+        retry=RetryPolicy(max_attempts=2, base_s=0.01, deadline_s=2),
+    )
     store = s3_store_for(moto_s3, opts, endpoint_url=endpoint)
     with pytest.raises(StoreConfigError) as info:
         store.check_access()
@@ -227,12 +253,16 @@ def test_check_access_denied_on_seaweedfs(seaweed_s3: Any, s3_store_for: Callabl
         store.check_access()
     assert "access denied" in str(info.value) and "S3KV_URL" in str(info.value)
     batch = store.head_many(["a", "b"])
-    assert set(batch.failed) == {"a", "b"} and all(isinstance(e, PermissionDenied) for e in batch.failed.values())
+    assert set(batch.failed) == {"a", "b"} and all(
+        isinstance(e, PermissionDenied) for e in batch.failed.values()
+    )
     with pytest.raises(PermissionDenied):
         store.put("a", b"x")
 
 
-def test_conditional_put_support_and_fallback(s3case: StoreCase, s3_store_for: Callable[..., S3Store]) -> None:
+def test_conditional_put_support_and_fallback(
+    s3case: StoreCase, s3_store_for: Callable[..., S3Store]
+) -> None:
     assert s3case.store.probe_conditional_put() is True  # both moto and SeaweedFS enforce If-None-Match
 
     # HEAD-then-PUT fallback: sequential writes stay write-once; a race may let both "win"
@@ -262,7 +292,9 @@ def test_conditional_put_support_and_fallback(s3case: StoreCase, s3_store_for: C
     assert store.get(k2) in bodies
 
 
-def test_not_implemented_switches_to_fallback(s3case: StoreCase, s3_store_for: Callable[..., S3Store]) -> None:
+def test_not_implemented_switches_to_fallback(
+    s3case: StoreCase, s3_store_for: Callable[..., S3Store]
+) -> None:
     store = s3_store_for(s3case.server)
     calls = [0]
 
@@ -270,7 +302,10 @@ def test_not_implemented_switches_to_fallback(s3case: StoreCase, s3_store_for: C
         if "IfNoneMatch" in params:
             calls[0] += 1
             raise bexc.ClientError(
-                {"Error": {"Code": "NotImplemented", "Message": "If-None-Match"}, "ResponseMetadata": {"HTTPStatusCode": 501}},
+                {
+                    "Error": {"Code": "NotImplemented", "Message": "If-None-Match"},
+                    "ResponseMetadata": {"HTTPStatusCode": 501},
+                },
                 "PutObject",
             )
 
@@ -297,12 +332,16 @@ def test_delete_and_list_paginate(s3case: StoreCase, monkeypatch: pytest.MonkeyP
     assert list(store.list(s3case.key("p/"))) == []
 
 
-def test_sse_aes256_on_moto(moto_s3: Any, s3_store_for: Callable[..., S3Store], s3_options: S3Options) -> None:
+def test_sse_aes256_on_moto(
+    moto_s3: Any, s3_store_for: Callable[..., S3Store], s3_options: S3Options
+) -> None:
     store = s3_store_for(moto_s3, replace(s3_options, sse="AES256"))
     puts = _count_calls(store, "PutObject")
     assert store.put("sse/obj", b"secret-ish") is True
     assert puts[0]["ServerSideEncryption"] == "AES256"
-    assert moto_s3.client().head_object(Bucket=moto_s3.bucket, Key="sse/obj")["ServerSideEncryption"] == "AES256"
+    assert (
+        moto_s3.client().head_object(Bucket=moto_s3.bucket, Key="sse/obj")["ServerSideEncryption"] == "AES256"
+    )
     store.delete_many(["sse/obj"])
 
 

@@ -32,7 +32,9 @@ def _filled(n: int = 10) -> MemoryStore:
 
 
 def test_random_faults_are_seeded_and_retried_to_success() -> None:
-    plan = FaultPlan(seed=7, default=FaultRates(transient=0.3), per_op={"get": FaultRates(transient=0.3, truncate=0.3)})
+    plan = FaultPlan(
+        seed=7, default=FaultRates(transient=0.3), per_op={"get": FaultRates(transient=0.3, truncate=0.3)}
+    )
 
     def run() -> dict[str, int]:
         faulty = FaultInjectingStore(_filled(), plan)
@@ -85,7 +87,9 @@ def test_lost_put_response_retries_to_existing_object() -> None:
     with pytest.raises(TransientError):
         faulty.put("a", b"x")
     assert inner.get("a") == b"x"  # it landed all the same
-    faulty2 = FaultInjectingStore(MemoryStore(), FaultPlan(seed=3, per_op={"put": FaultRates(lost_response=0.5)}))
+    faulty2 = FaultInjectingStore(
+        MemoryStore(), FaultPlan(seed=3, per_op={"put": FaultRates(lost_response=0.5)})
+    )
     results = [RetryingStore(faulty2, FAST).put(f"k{i}", b"v") for i in range(20)]
     # A put whose answer was lost comes back False on the retry (the "retried 412"), never an error.
     assert 0 < results.count(False) <= faulty2.injected()["put.lost_response"]
@@ -179,7 +183,16 @@ def test_instrumented_counts() -> None:
         store.get_ranges("a", [ByteRange(0, 1)])
     snap = store.snapshot()
     assert snap == StoreStats(
-        head=3, put=2, get=3, delete=2, list=1, bytes_up=7, bytes_down=5, errors=1, head_missing=2, put_existing=1
+        head=3,
+        put=2,
+        get=3,
+        delete=2,
+        list=1,
+        bytes_up=7,
+        bytes_down=5,
+        errors=1,
+        head_missing=2,
+        put_existing=1,
     )
     assert snap.requests == 11
     with pytest.raises(FrozenInstanceError):

@@ -35,8 +35,10 @@ class SimModel:
 
     ``regions_per_group`` 2 adds a "scales" region to every group (as FP8 KV with
     per-token scales would), so a page is the concatenation of two slots of
-    different sizes. Tensor parallelism splits ``kv_heads`` (the engine's
-    ``tp_size`` must divide it), so a shard's page is ``1/tp`` of the full one.
+    different sizes. Tensor parallelism splits ``kv_heads`` (``tp_size`` must
+    divide it), so a shard's page is ``1/tp`` of the full one. ``tp_size`` here
+    is the default an engine runs with; ``SimEngine(tp_size=...)`` may set it
+    instead (one or the other, not two different values).
     """
 
     num_layers: int
@@ -47,6 +49,7 @@ class SimModel:
     regions_per_group: int = 1
     vocab_size: int = 32000
     name: str = "s3kv-sim/model"
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_attention_window is not None:
@@ -64,6 +67,7 @@ class SimModel:
             raise ValueError("regions_per_group must be 1 or 2")
         if self.vocab_size < 2:
             raise ValueError("vocab_size must be at least 2")
+        self.heads_per_shard(self.tp_size)
 
     @property
     def dtype_bytes(self) -> int:

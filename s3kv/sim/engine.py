@@ -134,7 +134,7 @@ class SimEngine:
         leader_cls: Callable[..., Any],
         worker_cls: Callable[..., Any],
         *,
-        tp_size: int = 1,
+        tp_size: int | None = None,
         device: str | torch.device = "cpu",
         chunk_size: int | None = None,
         max_batch: int = 4,
@@ -148,6 +148,10 @@ class SimEngine:
         connector_kwargs: Mapping[str, Any] | None = None,
         max_mismatch_details: int = 200,
     ):
+        if tp_size is None:
+            tp_size = model.tp_size
+        elif model.tp_size != 1 and tp_size != model.tp_size:
+            raise ValueError(f"tp_size {tp_size} contradicts the model's tp_size {model.tp_size}")
         model.heads_per_shard(tp_size)  # validates tp_size
         if chunk_size is not None and chunk_size <= 0:
             raise ValueError("chunk_size must be positive or None")
@@ -283,6 +287,9 @@ class SimEngine:
     ) -> SimReport:
         """Run ``specs`` to completion and report; raises :class:`SimHang` past ``max_iterations``.
 
+        The cap counts every iteration, idle ones too (iterations that only wait
+        for a connector back off up to 2 ms each). The default allows twice the
+        work plus 5000 idle iterations (~10 s of waiting); pass more for a slow store.
         May be called repeatedly on one engine (the connectors keep their state,
         the device cache does not keep pages between runs: device reuse is only
         what ``device_match_tokens`` asks for). Request ids must be unique per engine.
@@ -292,7 +299,7 @@ class SimEngine:
         if max_iterations is None:
             chunk = self.chunk_size or self.config.max_seq_len
             work = sum(-(-len(s.prompt) // chunk) + s.max_new_tokens + 1 for s in specs)
-            max_iterations = 2 * work + 2000
+            max_iterations = 2 * work + 5000
         self.checker.reset()
         self._hook_seconds = {}
         forward_wall: list[float] = []

@@ -127,10 +127,14 @@ class RankPool:
                 cursor += stride * num_slots
         total = _round_up(cursor + _ALIGN, _ALIGN)
         self.arena = torch.full((total,), config.guard_byte, dtype=torch.uint8, device=device)
-        self._guard_mask = torch.ones(total, dtype=torch.bool, device=device)
-        for off, size, stride in self._place.values():
+        # Guard bytes: the gaps between regions (contiguous) and each padded region's stride padding.
+        self._gaps: list[tuple[int, int]] = []
+        prev_end = 0
+        for off, size, stride in sorted(self._place.values()):
+            self._gaps.append((prev_end, off))
             self._rows(self.arena, off, size, stride).fill_(config.junk_byte)
-            self._rows(self._guard_mask, off, size, stride).fill_(False)
+            prev_end = off + stride * num_slots
+        self._gaps.append((prev_end, total))
         self.guard_byte = config.guard_byte
         self.layout = KvCacheLayout(
             tokens_per_block=tpb,
@@ -181,7 +185,14 @@ class RankPool:
 
     def guard_violations(self) -> int:
         """Bytes outside every slot (gaps, stride padding) that someone overwrote."""
-        return int(((self.arena != self.guard_byte) & self._guard_mask).sum().item())
+        bad = 0
+        for start, end in self._gaps:
+            bad += int((self.arena[start:end] != self.guard_byte).sum().item())
+        for off, size, stride in self._place.values():
+            if stride > size:
+                pad = self.arena[off : off + stride * self.num_slots].view(self.num_slots, stride)[:, size:]
+                bad += int((pad != self.guard_byte).sum().item())
+        return bad
 
 
 def _round_up(x: int, a: int) -> int:

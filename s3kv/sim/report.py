@@ -57,7 +57,8 @@ class SimReport:
     pages_checked: int
     pages_audited: int
     guard_violations: int
-    forward_wall_s: tuple[float, ...]  # per iteration: the layer loop incl. hooks, excl. checker time
+    # per iteration that scheduled work: start_load_kv .. wait_for_save incl. the layer hooks, excl. checker
+    forward_wall_s: tuple[float, ...]
     hook_seconds: Mapping[str, float] = field(default_factory=dict)
     check_seconds: float = 0.0
     wall_s: float = 0.0

@@ -29,6 +29,7 @@ def gemma3_like(
     dtype: str = "bfloat16",
     vocab_size: int = 32000,
     name: str = "s3kv-sim/gemma3-like",
+    tp_size: int = 1,
 ) -> SimModel:
     """Gemma-3's pattern, 5 sliding : 1 global, at toy size: windows ``[W]*5 + [full]`` repeated.
 
@@ -43,6 +44,7 @@ def gemma3_like(
         regions_per_group=regions_per_group,
         vocab_size=vocab_size,
         name=name,
+        tp_size=tp_size,
     )
 
 
@@ -54,6 +56,7 @@ def flat_model(
     dtype: str = "bfloat16",
     vocab_size: int = 32000,
     name: str = "s3kv-sim/flat",
+    tp_size: int = 1,
 ) -> SimModel:
     """One window (full attention): one group, one region -- the flat/V1-compatible geometry."""
     return SimModel(

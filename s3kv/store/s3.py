@@ -1,17 +1,27 @@
 """S3 (and S3-compatible) object store on boto3's classic transfer path.
 
-Why not ``boto3.s3.transfer`` / awscrt: the transfer manager cannot send ``If-None-Match``
-on CompleteMultipartUpload, joins nothing for us, and brings its own retry loop. Here every
-request is one botocore call wrapped in one :class:`RetryPolicy` (botocore retries are off),
-so a request has exactly one deadline and one place that decides what is transient.
+Why not ``boto3.s3.transfer`` / awscrt: write-once needs ``If-None-Match`` on the final
+CompleteMultipartUpload, an abort on every failure path, and parts cut from the caller's
+buffers; the transfer manager hides those steps behind its own threads and retry loop (and
+awscrt is a heavy native dependency). Here every request is one botocore call wrapped in one
+:class:`RetryPolicy` (botocore retries are off), so a request has exactly one deadline and
+one place that decides what is transient.
 
-Behaviour of the loopback servers the tests run against (checked with moto 5.2 and
-SeaweedFS 4.48 ``weed mini``): both honour ``If-None-Match: *`` on PutObject and on
-CompleteMultipartUpload (412 PreconditionFailed; the upload then stays open and must be
-aborted), both serve ``Range: bytes=a-b`` with 206 and clamp a range that runs past the end
-(so lengths are checked here), and both answer a HEAD on a missing bucket with a bare 404 -
-a HEAD cannot tell "no bucket" from "no key", which is why :meth:`S3Store.check_access`
-probes with a GET, whose error body names the difference.
+Behaviour of the loopback servers the tests run against (checked with moto 5.2.5 and
+SeaweedFS 4.48 ``weed mini``):
+
+* both honour ``If-None-Match: *`` on PutObject and on CompleteMultipartUpload (412
+  PreconditionFailed; after a 412 on completion the upload stays open and must be aborted);
+* SeaweedFS enforces it atomically; moto checks and then stores without a lock, so two
+  *truly concurrent* writers can both get 200 (each body is still stored whole - the race
+  tests allow that for moto only);
+* both serve ``Range: bytes=a-b`` with 206 and clamp a range that runs past the end (so
+  every length is checked here), and answer a range that starts past the end with 416;
+* both answer a HEAD on a missing bucket with a bare 404 - a HEAD cannot tell "no bucket"
+  from "no key", which is why :meth:`S3Store.check_access` probes with a GET, whose error
+  body says NoSuchBucket or NoSuchKey;
+* SeaweedFS enforces SigV4 against the keys it was started with (403 InvalidAccessKeyId
+  otherwise); moto accepts any keys.
 """
 
 from __future__ import annotations
@@ -79,7 +89,6 @@ _THROTTLE_CODES = frozenset(
         "BandwidthLimitExceeded",
         "ProvisionedThroughputExceededException",
         "RequestTimeout",
-        "RequestTimeTooSkewed",
         "InternalError",
         "ServiceUnavailable",
         "OperationAborted",
@@ -110,10 +119,14 @@ _UNREACHABLE_BOTOCORE = (bexc.EndpointConnectionError, bexc.ConnectTimeoutError,
 class S3Options:
     """Tuning and policy of :class:`S3Store`. Every size is in bytes."""
 
-    #: Threads for HEAD / GET / UploadPart fan-out. The HTTP connection pool is sized to
-    #: this plus ``extra_connections`` so pool threads never queue for a socket while
-    #: callers' own threads (single PUTs, small GETs run inline) still get one.
+    #: Threads for HEAD / GET fan-out (lookups and loads, latency-critical).
     max_concurrency: int = 32
+    #: Threads for UploadPart fan-out, a separate pool so a big background save never
+    #: queues lookups and loads behind its parts.
+    upload_concurrency: int = 8
+    #: The HTTP connection pool holds both pools' threads plus this many, so no pool thread
+    #: waits for a socket while callers' own threads (single PUTs, one-range GETs run inline)
+    #: still get one.
     extra_connections: int = 8
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0
@@ -137,8 +150,11 @@ class S3Options:
     region: str | None = None
 
     def __post_init__(self) -> None:
-        if self.max_concurrency < 1:
-            raise ValueError(f"S3Options.max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_concurrency < 1 or self.upload_concurrency < 1:
+            raise ValueError(
+                f"S3Options.max_concurrency and upload_concurrency must be >= 1, got "
+                f"{self.max_concurrency} and {self.upload_concurrency}"
+            )
         if self.part_size < MIN_PART_SIZE:
             raise ValueError(
                 f"S3Options.part_size must be >= 5 MiB (S3's minimum part), got {self.part_size}"
@@ -302,7 +318,9 @@ class S3Store(ObjectStore):
         self.region = opts.region or self._session.region_name or "us-east-1"
         style = opts.addressing_style
         if style is None:
-            guess = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            guess = (
+                endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+            )
             style = "path" if guess and not _is_aws_host(guess) else "auto"
         self._client = self._make_client(style)
         if opts.addressing_style is None and style != "path" and not self._is_aws_endpoint():
@@ -311,6 +329,9 @@ class S3Store(ObjectStore):
             self._client = self._make_client("path")
         self.endpoint_url: str = self._client.meta.endpoint_url
         self._pool = cf.ThreadPoolExecutor(max_workers=opts.max_concurrency, thread_name_prefix="s3kv-s3")
+        self._upload_pool = cf.ThreadPoolExecutor(
+            max_workers=opts.upload_concurrency, thread_name_prefix="s3kv-s3-up"
+        )
         self._conditional = opts.conditional_put != "never"
         self._closed = False
         self._lock = threading.Lock()
@@ -323,7 +344,7 @@ class S3Store(ObjectStore):
             read_timeout=opts.read_timeout_s,
             # Exactly one retry loop (ours): botocore's would multiply attempts and blow the deadline.
             retries={"max_attempts": 1, "mode": "standard"},
-            max_pool_connections=opts.max_concurrency + opts.extra_connections,
+            max_pool_connections=opts.max_concurrency + opts.upload_concurrency + opts.extra_connections,
             # Non-AWS servers often reject or mangle the default flexible checksums (CRC trailers).
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
@@ -387,7 +408,7 @@ class S3Store(ObjectStore):
         def attempt() -> T:
             try:
                 return fn()
-            except (bexc.BotoCoreError, bexc.ClientError, ConnectionError, TimeoutError) as exc:
+            except (bexc.BotoCoreError, bexc.ClientError, OSError) as exc:  # OSError: SSL, raw sockets
                 raise self._translate(exc, op, key) from exc
 
         return self.options.retry.call(attempt, op=f"S3 {op}", key=key)
@@ -504,8 +525,15 @@ class S3Store(ObjectStore):
         part_size = max(self.options.part_size, math.ceil(size / MAX_PARTS))
         parts = [(n + 1, off, min(part_size, size - off)) for n, off in enumerate(range(0, size, part_size))]
         conditional = self._conditional
-        if not conditional and self._exists(key):  # fallback; same race as in _put_single
+        # One HEAD first: it costs far less than uploading megabytes that a 412 would throw
+        # away (another cluster usually saved the same prefix). The conditional completion
+        # still settles a race; without it (fallback) this check is all there is - same race
+        # as in _put_single.
+        existing = self._head_one(key)
+        if isinstance(existing, ObjectInfo):
             return False
+        if isinstance(existing, StoreError) and not conditional:
+            raise existing
         upload_id: str = self._call(
             "create_multipart_upload",
             key,
@@ -545,7 +573,7 @@ class S3Store(ObjectStore):
             )
             return {"PartNumber": number, "ETag": r["ETag"]}
 
-        futures = [self._pool.submit(one, p) for p in parts]
+        futures = [self._upload_pool.submit(one, p) for p in parts]
         finished, pending = cf.wait(futures, return_when=cf.FIRST_EXCEPTION)
         if any(f.exception() is not None for f in finished):
             # Stop queued parts and let running ones end before the caller aborts, so no
@@ -750,6 +778,7 @@ class S3Store(ObjectStore):
                 return
             self._closed = True
         self._pool.shutdown(wait=True)
+        self._upload_pool.shutdown(wait=True)
         self._client.close()
 
     def __repr__(self) -> str:

@@ -30,15 +30,13 @@ synchronous ``copy_`` and events are ``None`` (= already complete).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class PageCopy:
+class PageCopy(NamedTuple):
     """One page: ``regions`` (the group's), its ``slot``, and where it sits in host memory."""
 
     regions: tuple[Any, ...]
@@ -51,9 +49,12 @@ def _packed(region: Any) -> bool:
     return int(region.stride) == int(region.size)
 
 
-def _plan(copies: Sequence[PageCopy]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(device view, host view) pairs, merging runs of adjacent packed slots."""
-    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+def _pairs(copies: Sequence[PageCopy]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(device view, host view) pairs, merging runs of adjacent packed slots.
+
+    A generator, so each copy is launched as soon as its views exist: on CUDA the
+    GPU copies page i while Python builds the views of page i+1.
+    """
     i, n = 0, len(copies)
     while i < n:
         c = copies[i]
@@ -73,25 +74,28 @@ def _plan(copies: Sequence[PageCopy]) -> list[tuple[torch.Tensor, torch.Tensor]]
                 rows = region.as_tensor()[c.slot : c.slot + (j - i)]
                 # Only a true view may be merged: a reshaped copy would swallow a host->device write.
                 if rows.is_contiguous() and rows.numel() == (j - i) * size:
-                    out.append((rows.view(-1), c.host[c.offset : c.offset + (j - i) * size]))
+                    yield rows.view(-1), c.host[c.offset : c.offset + (j - i) * size]
                     i = j
                     continue
         off = c.offset
         for region in c.regions:
             size = int(region.size)
-            out.append((region.slot_tensor(c.slot), c.host[off : off + size]))
+            yield region.slot_tensor(c.slot), c.host[off : off + size]
             off += size
         i += 1
-    return out
+
+
+def _plan(copies: Sequence[PageCopy]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(_pairs(copies))
 
 
 def copy_to_host(copies: Sequence[PageCopy], non_blocking: bool = False) -> None:
-    for dev, host in _plan(copies):
+    for dev, host in _pairs(copies):
         host.copy_(dev, non_blocking=non_blocking)
 
 
 def copy_to_device(copies: Sequence[PageCopy], non_blocking: bool = False) -> None:
-    for dev, host in _plan(copies):
+    for dev, host in _pairs(copies):
         dev.copy_(host, non_blocking=non_blocking)
 
 

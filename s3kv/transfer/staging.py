@@ -44,8 +44,8 @@ LOAD = "load"
 def host_memoryview(t: torch.Tensor) -> memoryview:
     """A writable byte view of a contiguous host tensor's memory, without copying.
 
-    The view does not keep ``t`` alive: the caller must (the pool keeps its arena
-    for its whole life; buffers keep their tensor).
+    The view keeps ``t`` alive (through the ctypes array it wraps), so a view of a
+    temporary tensor never points at freed memory.
     """
     if t.device.type != "cpu" or not t.is_contiguous():
         raise ValueError("host_memoryview needs a contiguous host tensor")
@@ -53,6 +53,7 @@ def host_memoryview(t: torch.Tensor) -> memoryview:
     if n == 0:
         return memoryview(bytearray())
     arr = (ctypes.c_uint8 * n).from_address(t.data_ptr())
+    arr._s3kv_owner = t  # type: ignore[attr-defined]  # the view -> arr -> t keeps the memory alive
     return memoryview(arr).cast("B")
 
 

@@ -122,7 +122,11 @@ def make_layout(
 def page_bytes(layout: Any, group: int, slot: int) -> bytes:
     """The page's bytes (its regions concatenated), read back to host."""
     g = layout.group(group)
-    return b"".join(bytes(host_memoryview(r.slot_tensor(slot).cpu().contiguous())) for r in g.regions)
+    out = []
+    for r in g.regions:
+        t = r.slot_tensor(slot).cpu().contiguous()
+        out.append(bytes(host_memoryview(t)))
+    return b"".join(out)
 
 
 def write_page(layout: Any, group: int, slot: int, data: bytes | int) -> None:

@@ -159,6 +159,14 @@ def test_save_copy_sees_the_forward_and_later_kernels_wait_for_it(fwd):
     fresh = torch.randint(0, 256, (len(slots), region.size), dtype=torch.uint8, device=DEV)
     expected = [bytes(fresh[i].cpu().numpy().tobytes()) for i in range(len(slots))]
     d = digest("order")
+    # Warm up every kernel used below: a first (lazily loaded) launch can block the host until the
+    # device is idle, which would hide the ordering under test.
+    warm = torch.empty(region.size, dtype=torch.uint8, device=DEV)
+    with torch.cuda.stream(fwd):
+        torch.cuda._sleep(1000)
+        warm.fill_(0xDB)
+        warm.copy_(fresh[0])
+    torch.cuda.synchronize()
     a.bind(save_md(1, 0, 0, slots, d))
     with torch.cuda.stream(fwd):
         a.start_load_kv(fwd)
@@ -188,6 +196,11 @@ def test_load_waits_for_earlier_forward_work_and_layers_wait_for_load(fwd):
     step(a, save_md(1, 0, 0, [1, 2, 3], d), fwd)
     assert a.flush(10)
     region = lb.group(0).regions[0]
+    with torch.cuda.stream(fwd):  # warm up the kernels used below (see the save-order test)
+        torch.cuda._sleep(1000)
+        region.slot_tensor(63).fill_(0x11)
+        region.slot_tensor(63).clone()
+    torch.cuda.synchronize()
     b.bind(load_md(9, 0, d, ((0, 3),), range(3), (20, 21, 22)))
     with torch.cuda.stream(fwd):
         torch.cuda._sleep(sleep_cycles(50))
