@@ -171,6 +171,8 @@ class WorkerCore:
         self.kv_dtype = str(kv_dtype)
         self.index = index
         self._load_reserve_fraction = load_reserve_fraction
+        #: load_timeout_s <= 0 means no deadline.
+        self._load_timeout = settings.load_timeout_s if settings.load_timeout_s > 0 else float("inf")
         self._counters = Counters(metrics)
         self._lock = threading.RLock()
         self._uploader = Uploader(
@@ -327,7 +329,7 @@ class WorkerCore:
                 tp_rank=self.tp_rank,
                 is_async=lambda rid: rid in md.async_load_ids,
                 resolve=self._resolve,
-                deadline=now + self.settings.load_timeout_s,
+                deadline=now + self._load_timeout,
             )
             sync_errors: dict[int, tuple[str | None, str]] = {}
             for rid, err in errors.items():
@@ -345,7 +347,7 @@ class WorkerCore:
             sync_jobs = [j for j in jobs if not j.is_async]
         if not sync_jobs and not sync_errors:
             return
-        self._wait_jobs(sync_jobs, now + self.settings.load_timeout_s)
+        self._wait_jobs(sync_jobs, now + self._load_timeout)
         failed: dict[int, tuple[str | None, str]] = dict(sync_errors)
         with self._lock:
             for job in sync_jobs:
@@ -355,6 +357,8 @@ class WorkerCore:
                     for rid in job.request_ids:
                         failed.setdefault(rid, (job.key, _describe(job.error)))
         if failed:
+            with self._lock:
+                self._quiesce(set(failed))
             raise self._load_failed(failed)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any = None) -> None:
@@ -428,6 +432,9 @@ class WorkerCore:
                     st = self._async.pop(rid)
                     if not st.handed:
                         self._failed_async.add(rid)
+                while len(self._failed_async) > 10_000:  # ids never handed over: keep a bounded memory
+                    self._failed_async.pop()
+                self._quiesce(set(failed))
                 raise self._load_failed(failed)
 
             saving: list[int] = []
@@ -641,7 +648,9 @@ class WorkerCore:
             fut = job.future
             assert fut is not None
             try:
-                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                fut.result(
+                    timeout=None if deadline == float("inf") else max(0.0, deadline - time.monotonic())
+                )
             except (FutureTimeout, CancelledError):
                 pass
             if not job.finished:
@@ -651,6 +660,27 @@ class WorkerCore:
                         fut.result()
                     except CancelledError:
                         pass
+
+    def _quiesce(self, failed: set[int]) -> None:
+        """Before failing requests: make sure no load copy can still land in their slots.
+
+        The engine frees a failed request's pages and may hand them to another
+        request at once. Pending jobs forget the failed requests' targets (and are
+        cancelled when nothing is left); jobs already placing or placed are waited
+        for until their copies completed. Rare path, so a short host wait is fine.
+        """
+        reason = LoadFailed("request failed", request_ids=failed)
+        for job in list(self._jobs):
+            if not job.request_ids & failed and not any(r in failed for r in job.owners.values()):
+                continue
+            if job.drop_requests(failed, reason):
+                continue
+            if job.future is not None:
+                try:
+                    job.future.result()
+                except CancelledError:
+                    pass
+            Copier.synchronize(job.event)
 
     def _cancel(self, job: LoadJob) -> bool:
         """Give up on a job past its deadline; False if it is already placing pages."""
@@ -676,7 +706,7 @@ class WorkerCore:
                     failed[rid] = (job.key, _describe(job.error))
                     break
             else:
-                if st.handed and not st.declared and now - st.since > self.settings.load_timeout_s:
+                if st.handed and not st.declared and now - st.since > self._load_timeout:
                     failed[rid] = (None, "handed over as loading but no load was ever planned for it")
         return failed
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import os
 from types import SimpleNamespace
 
 import pytest
 
 from s3kv.config import Settings
 from s3kv.errors import PlanMismatch
+from s3kv.hitrule import Span, servable
 from s3kv.keys import KeyScheme, chain_digests, chain_root, namespace_digest
 from s3kv.layout import CacheGeometry, GroupGeometry
 from s3kv.leader import LeaderCore
@@ -82,7 +84,7 @@ def stages_of(metas) -> list:
     return [op for m in metas for op in m.stages]
 
 
-def check_seals(g, metas, tokens, salt=None) -> None:
+def check_seals(g, metas, tokens, salt=None, bpo=BPO) -> None:
     """Every seal names the chain digest of its object's last block and covers staged pages only."""
     d = digests_for(g, tokens, salt)
     staged: dict = {}
@@ -94,7 +96,7 @@ def check_seals(g, metas, tokens, salt=None) -> None:
             assert seal.last_digest == d[last], f"seal of {seal.buffer} names the wrong digest"
             assert set(range(seal.buffer.first, last + 1)) <= staged.get(seal.buffer, set())
             assert seal.count <= seal.buffer.capacity
-            assert (seal.buffer.first + seal.buffer.capacity) % BPO == 0  # objects end on chunk bounds
+            assert (seal.buffer.first + seal.buffer.capacity) % bpo == 0  # objects end on chunk bounds
 
 
 def run_prefill(core, rid, tokens, slots_by_group, *, chunk=None, salt=None):
@@ -121,7 +123,7 @@ def run_prefill(core, rid, tokens, slots_by_group, *, chunk=None, salt=None):
 
 
 @pytest.mark.parametrize("prompt_len", [10 * TPB + 3, 8 * TPB, 1 * TPB + 1, TPB - 1, 37 * TPB + 15])
-@pytest.mark.parametrize("chunk", [None, 2 * TPB, WINDOW // 2 + 8, 8 * TPB, 3 * TPB + 5])
+@pytest.mark.parametrize("chunk", [None, 2 * TPB, WINDOW // 2 + 8, 3 * TPB + 5, 5 * TPB, 8 * TPB, 5 * TPB + 3])
 def test_every_block_of_every_group_staged_exactly_once(prompt_len, chunk):
     g = geometry()
     core = make_core(g)
@@ -283,7 +285,12 @@ def test_window_policy_stages_live_sliding_tail_at_finish():
     assert core.active_requests() == 0
 
 
-def test_window_policy_decode_stages_sliding_tails_before_checkpoints_only():
+def sealed_pages(metas, group) -> set[int]:
+    return {o for m in metas for s in m.seals if s.buffer.group == group
+            for o in range(s.buffer.first, s.buffer.first + s.count)}
+
+
+def test_window_policy_decode_seals_sliding_tails_before_checkpoints_only():
     g = geometry()
     cp_blocks = 2 * BPO  # 8
     core = make_core(g, storage_policy="window", checkpoint_tokens=cp_blocks * TPB, window_margin_blocks=0)
@@ -300,15 +307,17 @@ def test_window_policy_decode_stages_sliding_tails_before_checkpoints_only():
         return max(0, (b * TPB + 1 - WINDOW) // TPB)
 
     want = set(range(lo(4), 5))  # hits at the prompt end (5) and one block below
-    for c in (8, 16, 24):
+    for c in (8, 16, 24):  # the tail before checkpoint 24 starts at block 19
         want |= set(range(lo(c - 1), c))
     want = {o for o in want if o < 20}
-    got = [op.ordinal for op in stages_of(metas) if op.buffer.group == SLIDING]
-    assert sorted(got) == sorted(want), "sliding group staged outside prompt-end/checkpoint tails"
-    assert sorted(op.ordinal for op in stages_of(metas) if op.buffer.group == FULL) == list(range(20))
-    # Each checkpoint tail is sealed as an object ending exactly at the checkpoint.
+    # Before the request ends, only prompt-end and checkpoint tails become objects.
+    assert sealed_pages(metas, SLIDING) == want, "sliding group sealed outside prompt-end/checkpoint tails"
+    # Host copies beyond those tails are at most one page per sliding group (the block leaving the window).
+    extra = {op.ordinal for op in stages_of(metas) if op.buffer.group == SLIDING} - want
+    assert len(extra) <= 20 - 5
+    assert sealed_pages(metas, FULL) == set(range(20))
     ends = {s.buffer.first + s.count for m in metas for s in m.seals if s.buffer.group == SLIDING}
-    assert {8, 16} <= ends
+    assert {8, 16} <= ends  # each checkpoint tail ends exactly at its checkpoint
     check_seals(g, metas, tokens)
 
 
@@ -609,6 +618,34 @@ def test_sync_hit_first_report_saves_every_block_computed_in_that_pass():
         assert got == list(range(8, 20)), f"group {grp.group_id}: staged {got}"
 
 
+def test_sync_hit_chunked_prefill_stages_each_chunk_when_computed():
+    g = geometry()
+    store = MemoryStore()
+    shared = toks(8 * TPB, seed=9)
+    save_through_store(g, store, shared + toks(TPB + 3, seed=10))
+    prompt = shared + toks(12 * TPB + 3, seed=11)
+    core = make_core(g, store, load_mode="sync")
+    n, _ = core.get_num_new_matched_tokens(6, prompt, len(prompt), 0)
+    assert n == 8 * TPB
+    src = Slots(g)
+    slots = engine_slots(g, src, 13, 8)  # the first chunk's allocation
+    core.update_state_after_alloc(6, slots)
+    chunk = 5 * TPB  # > window
+    # Report 0: computed_position = d (offer subtracted); the pass computes [8, 13) blocks.
+    m0 = core.build_connector_meta([rd(6, prompt, slots, 0, chunk)], [])
+    # Report 1: computed_position = h + chunk; the pass computes [13, 18).
+    more = src.alloc(5)
+    m1 = core.build_connector_meta([], [rd(6, [], more, n + chunk, chunk)])
+    # Report 2: the rest, [18, 20) full blocks and a partial one.
+    rest = src.alloc(3)
+    m2 = core.build_connector_meta([], [rd(6, [], rest, n + 2 * chunk, len(prompt) - n - 2 * chunk)])
+    for m, want in ((m0, range(8, 13)), (m1, range(13, 18)), (m2, range(18, 20))):
+        for grp in g.groups:
+            got = sorted(op.ordinal for op in m.stages if op.buffer.group == grp.group_id)
+            assert got == list(want), f"group {grp.group_id}: staged {got}, expected {list(want)}"
+    check_seals(g, [m0, m1, m2], prompt)
+
+
 def test_async_hit_first_report_with_full_computed_position():
     """After an async load the engine reports computed_position = d + offer (nothing subtracted)."""
     g = geometry()
@@ -688,3 +725,118 @@ def test_metadata_is_picklable_and_empty_when_idle():
     m = run_prefill(core, 1, tokens, Slots(g).alloc(10))[0]
     assert isinstance(m, ConnectorMetadata) and not m.empty
     assert pickle.loads(pickle.dumps(m)) == m
+
+
+# ---------------------------------------------------------------- whole-life fuzz: plan vs engine vs worker
+
+
+def simulate_worker(metas) -> list[str]:
+    """Replay metadata the way a worker keys staging buffers; return protocol violations."""
+    problems = []
+    open_: dict = {}
+    for i, m in enumerate(metas):
+        for rid in m.discard_ids:
+            for bid in [b for b in open_ if b.request_id == rid]:
+                del open_[bid]
+        for op in m.stages:
+            idx = op.ordinal - op.buffer.first
+            if not 0 <= idx < op.buffer.capacity:
+                problems.append(f"meta {i}: stage {op} outside its buffer")
+            open_.setdefault(op.buffer, set()).add(idx)
+        for s in m.seals:
+            staged = open_.get(s.buffer)
+            if staged is None or not set(range(s.count)) <= staged:
+                problems.append(f"meta {i}: seal {s.buffer} x{s.count} finds pages {sorted(staged or ())}")
+            if s.close:
+                open_.pop(s.buffer, None)
+        for bid in m.releases:
+            open_.pop(bid, None)
+    if open_:
+        problems.append(f"buffers never closed: {sorted(open_, key=lambda b: (b.group, b.first))}")
+    return problems
+
+
+def _one_life(rng):
+    g = geometry()
+    settings = dict(
+        blocks_per_object=rng.choice([1, 2, 4, 8]),
+        checkpoint_tokens=rng.choice([8, 16, 24]) * TPB,
+        window_margin_blocks=rng.choice([0, 0, 1]),
+        storage_policy=rng.choice(["window", "all"]),
+    )
+    core = make_core(g, **settings)
+    P = rng.randint(TPB + 1, 40 * TPB)
+    n_decode = rng.choice([0, rng.randint(1, 40 * TPB)])
+    chunk = rng.choice([None, 2 * TPB, 5 * TPB])
+    tokens = toks(P, seed=rng.randint(0, 10**6))
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    src = Slots(g)
+    slots = [[] for _ in g.groups]
+    metas, kv = [], []  # kv: (tokens with KV before the pass, after it) per meta
+    cp, first = 0, True
+    while cp < P:
+        ns = min(chunk or P, P - cp)
+        need = -(-(cp + ns) // TPB)
+        new = src.alloc(need - len(slots[0]))
+        for gi in range(len(slots)):
+            slots[gi].extend(new[gi])
+        r = rd(1, tokens if first else [], new if not first else [list(x) for x in slots], cp, ns)
+        metas.append(core.build_connector_meta([r], []) if first else core.build_connector_meta([], [r]))
+        kv.append((cp, cp + ns))
+        cp, first = cp + ns, False
+    for i in range(n_decode):
+        tokens.append(70_000 + i)
+        pos = len(tokens) - 1
+        delta = [[] for _ in slots]
+        if pos // TPB >= len(slots[0]):
+            new = src.alloc(1)
+            for gi in range(len(slots)):
+                slots[gi].extend(new[gi])
+                delta[gi] = new[gi]
+        metas.append(core.build_connector_meta([], [rd(1, [tokens[-1]], delta, pos, 1)]))
+        kv.append((pos, pos + 1))
+    final_kv = kv[-1][1]
+    first_live = max(0, (final_kv + 1 - WINDOW) // TPB)
+    live = [[s if o >= first_live else -1 for o, s in enumerate(slots[SLIDING])], list(slots[FULL])]
+    core.request_finished(1, live)
+    metas.append(core.build_connector_meta([], []))
+    kv.append((final_kv, final_kv))
+    return g, core, settings, P, tokens, slots, metas, kv
+
+
+@pytest.mark.parametrize("seed", range(int(os.environ.get("S3KV_FUZZ_SEEDS", "40"))))
+def test_whole_request_life_fuzz(seed):
+    import random
+
+    rng = random.Random(seed)
+    g, core, settings, P, tokens, slots, metas, kv = _one_life(rng)
+    ctx = f"settings={settings} P={P} tokens={len(tokens)}"
+    assert simulate_worker(metas) == [], ctx
+    check_seals(g, metas, tokens, bpo=core.bpo)
+    assert core.active_requests() == 0
+    # Every staged page is a completed block copied from its own slot while the engine still held it.
+    for (before, after), m in zip(kv, metas, strict=True):
+        for op in m.stages:
+            assert op.slot == slots[op.buffer.group][op.ordinal], ctx
+            assert op.ordinal < after // TPB, f"{ctx}: block {op.ordinal} staged before it was computed"
+            if op.buffer.group == SLIDING:
+                assert op.ordinal >= (before + 1 - WINDOW) // TPB, f"{ctx}: sliding page {op.ordinal} already freed"
+    # What was sealed serves the hits the policy promises. Objects are write-once and keyed by their
+    # last block: of two seals ending at the same block, the first upload wins (uploads run in order).
+    cov = {}
+    for m in metas:
+        for s in m.seals:
+            end = s.buffer.first + s.count
+            cov.setdefault((s.buffer.group, 0), {}).setdefault(end, Span(s.buffer.first, end))
+    margin = settings["window_margin_blocks"]
+    hmax = (P - 1) // TPB
+    if hmax > 0:
+        assert servable(g, cov, 0, hmax, margin), f"{ctx}: exact repeat not servable"
+    done = len(tokens) // TPB
+    cpb = core.params.checkpoint_blocks
+    for c in range(cpb, done + 1, cpb):
+        assert servable(g, cov, 0, c, margin), f"{ctx}: checkpoint {c} not servable"
+    if settings["storage_policy"] == "all":
+        assert sealed_pages(metas, SLIDING) == sealed_pages(metas, FULL) == set(range(done))
+    elif margin == 0 and done > P // TPB:
+        assert servable(g, cov, 0, done, margin), f"{ctx}: history end {done} not servable for a next turn"

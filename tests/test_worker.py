@@ -664,3 +664,75 @@ def test_uint8_layout_torch_types_are_plain_cpu(store):
     assert not a.stats().staging_pinned
     assert la.group(0).regions[0].slot_tensor(0).dtype == torch.uint8
     a.close()
+
+
+def test_zero_load_timeout_means_no_deadline(store):
+    key, d, la = _saved(store)
+    b, lb = make_core(SlowStore(store, get_delay=0.1), seed=2, load_timeout_s=0)
+    step(b, load_md(7, 0, d, ((0, 3),), [2], [20]))
+    assert page_bytes(lb, 0, 20) == page_bytes(la, 0, 3)
+    b.close()
+
+
+class KeyGatedStore(StoreWrapper):
+    """get_ranges of the keys in ``blocked`` wait for the gate."""
+
+    def __init__(self, inner, blocked):
+        super().__init__(inner)
+        self.blocked = set(blocked)
+        self.gate = threading.Event()
+
+    def get_ranges(self, key, ranges):
+        if key in self.blocked:
+            self.gate.wait(10)
+        return super().get_ranges(key, ranges)
+
+
+def test_failed_request_is_dropped_from_a_shared_pending_load(store):
+    """7 and 8 share object X (still downloading); 7's other object is gone. 7 fails at once,
+    8 is still served, and nothing is written into 7's slots afterwards (the engine reuses them)."""
+    key, d, la = _saved(store)
+    gated = KeyGatedStore(store, [key])
+    b, lb = make_core(gated, seed=2)
+    ref = ObjectRef(0, d, ((0, 3),))
+    ops = (
+        LoadOp(7, ref, (0, 1), (20, 21)),
+        LoadOp(7, ObjectRef(0, digest("gone"), ((0, 1),)), (0,), (22,)),
+        LoadOp(8, ref, (0, 1, 2), (23, 24, 25)),
+    )
+    b.bind(ConnectorMetadata(loads=ops, async_load_ids=frozenset({7, 8})))
+    b.start_load_kv(None)
+    b.wait_for_save(None)
+    before = [page_bytes(lb, 0, s) for s in (20, 21)]
+    deadline = time.monotonic() + 5
+    handed = [7, 8]
+    with pytest.raises(LoadFailed) as ei:
+        while time.monotonic() < deadline:
+            assert b.get_finished([], handed) == ([], [])
+            handed = []
+            time.sleep(0.01)
+    assert ei.value.request_ids == (7,)
+    gated.gate.set()
+    got: list[int] = []
+    while not got and time.monotonic() < deadline:
+        got = b.get_finished([], [])[1]
+        time.sleep(0.01)
+    assert got == [8]
+    assert [page_bytes(lb, 0, s) for s in (23, 24, 25)] == [page_bytes(la, 0, s) for s in (1, 2, 3)]
+    assert [page_bytes(lb, 0, s) for s in (20, 21)] == before  # 7's slots never written
+    b.close()
+
+
+def test_sync_failure_waits_for_sibling_copies_before_raising(store):
+    """A sync request with one good and one missing object: LoadFailed comes only after the good
+    object's copies are complete (no copy may land after the engine frees the pages)."""
+    key, d, la = _saved(store)
+    b, lb = make_core(SlowStore(store, get_delay=0.05), seed=2)
+    ops = (
+        LoadOp(7, ObjectRef(0, d, ((0, 3),)), (0,), (20,)),
+        LoadOp(7, ObjectRef(0, digest("gone"), ((0, 1),)), (0,), (21,)),
+    )
+    with pytest.raises(LoadFailed):
+        step(b, ConnectorMetadata(loads=ops))
+    assert all(j.finished for j in b._jobs)
+    b.close()

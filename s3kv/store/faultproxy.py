@@ -370,7 +370,8 @@ class FaultProxy:
         self.upstream_timeout_s = upstream_timeout_s
         self._plan = plan or WireFaultPlan()
         self._rng = random.Random(seed)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # state and counters; never held across I/O
+        self._control = threading.Lock()  # serialises set_down / stop (listener changes)
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self._port: int | None = None
@@ -419,20 +420,23 @@ class FaultProxy:
     def stop(self, timeout_s: float = 5.0) -> None:
         """Close the listener and every connection, then join every thread (prompt: no waits)."""
         self._stopping.set()
+        deadline = time.monotonic() + timeout_s
+        with self._control:
+            with self._lock:
+                ls, self._listener = self._listener, None
+                accept, self._accept_thread = self._accept_thread, None
+            if ls is not None:
+                self._close_listener(ls)
+        if accept is not None:
+            accept.join(timeout_s)  # after this no connection thread can appear
         with self._lock:
-            ls, self._listener = self._listener, None
-            socks = list(self._socks)
-            threads = list(self._threads)
-            accept, self._accept_thread = self._accept_thread, None
-        if ls is not None:
-            self._close_listener(ls)
-        for s in socks:
+            socks, threads = list(self._socks), list(self._threads)
+        for s in socks:  # wakes every blocked recv/send; a socket tracked later shuts itself
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-        deadline = time.monotonic() + timeout_s
-        for t in [*threads, *([accept] if accept else [])]:
+        for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        alive = [t.name for t in threading.enumerate() if t in threads or t is accept]
+        alive = [t.name for t in [*threads, *([accept] if accept else [])] if t.is_alive()]
         if alive:
             raise RuntimeError(f"FaultProxy.stop: threads still running after {timeout_s:g}s: {alive}")
 
@@ -462,8 +466,12 @@ class FaultProxy:
         connections are reset; ``503``: every request gets ``503 ServiceUnavailable``."""
         if mode not in ("refuse", "503"):
             raise ValueError(f"set_down mode must be 'refuse' or '503', got {mode!r}")
-        if self._accept_thread is None:
-            raise RuntimeError("FaultProxy is not started")
+        with self._control:
+            if self._accept_thread is None:
+                raise RuntimeError("FaultProxy is not started")
+            self._set_down(down, mode)
+
+    def _set_down(self, down: bool, mode: str) -> None:
         with self._lock:
             self._down = mode if down else None
             if down and mode == "refuse":

@@ -56,6 +56,8 @@ class LoadJob:
     request_ids: set[int]
     is_async: bool
     deadline: float  # time.monotonic() past which the job may be cancelled
+    #: slot -> the request it belongs to (to drop a failed request's targets).
+    owners: dict[int, int] = field(default_factory=dict)
     state: str = PENDING
     error: BaseException | None = None
     event: Any = None
@@ -98,6 +100,22 @@ class LoadJob:
                 return False
             self.buffer.release()
             self.buffer = None
+            return True
+
+    def drop_requests(self, request_ids: set[int], reason: BaseException) -> bool:
+        """Forget the targets of failed requests if nothing was placed yet (cancel if none is left).
+
+        True if the job will not write into those requests' slots; False if it already
+        started placing (the caller must wait for its copies to complete).
+        """
+        with self.lock:
+            if self.state != PENDING:
+                return self.state in (FAILED, CANCELLED)
+            self.targets = [(o, s) for o, s in self.targets if self.owners.get(s) not in request_ids]
+            self.request_ids -= request_ids
+            if not self.targets:
+                self.state = CANCELLED
+                self.error = reason
             return True
 
     def try_cancel(self, reason: BaseException) -> tuple[bool, bool]:
@@ -205,13 +223,16 @@ class Downloader:
         for k, i in enumerate(idx):
             verify_page(header, i, buf.memoryview(k * pb, pb), job.key)
             where[i] = k * pb
-        copies = [PageCopy(job.regions, slot, buf.tensor, where[o - job.first]) for o, slot in job.targets]
         with job.lock:
             if job.state != PENDING:  # cancelled while we downloaded
                 job.buffer = None
                 buf.release()
                 return
             job.state = PLACING
+            # Targets are read under the lock: a failed request's slots may have been dropped meanwhile.
+            copies = [
+                PageCopy(job.regions, slot, buf.tensor, where[o - job.first]) for o, slot in job.targets
+            ]
         event = self.copier.load(copies)
         with job.lock:
             job.event = event
@@ -219,8 +240,8 @@ class Downloader:
                 job.buffer = None
                 buf.release()
             job.state = DONE
-        self.counters.add("pages_loaded", len(job.targets))
-        self.counters.add("bytes_loaded", len(job.targets) * pb)
+        self.counters.add("pages_loaded", len(copies))
+        self.counters.add("bytes_loaded", len(copies) * pb)
         self.counters.add("objects_loaded")
 
 
@@ -291,4 +312,5 @@ def build_jobs(
             if s not in have:
                 have[s] = o
                 job.targets.append((o, s))
+                job.owners[s] = op.request_id
     return list(jobs.values()), errors
