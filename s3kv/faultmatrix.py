@@ -156,10 +156,10 @@ SMALL = Shape(conversations=2, turns_a=1, turns_b=2, new_users=1, system_len=96,
 
 def workload(shape: Shape, role: str, first_id: int) -> list[list[Any]]:
     """Phases of requests (one per turn, users think between turns; new users last in B)."""
+    import random
+
     from .sim import multi_turn_workload, random_tokens
     from .sim.request import SimRequestSpec
-
-    import random
 
     base = multi_turn_workload(
         n_conversations=shape.conversations,
@@ -280,13 +280,16 @@ class ClusterResult:
 
 def make_engine(
     shape: Shape,
-    settings: Settings,
-    store: ObjectStore,
-    key_prefix: str,
+    settings: Settings | None,
+    store: ObjectStore | None,
+    key_prefix: str | None,
     engine_key: str,
     **engine_kwargs: Any,
 ) -> Any:
-    """A resilient simulated engine driving the real adapter classes against ``store``."""
+    """A resilient simulated engine driving the real adapter classes against ``store``.
+
+    ``store`` None: the connectors open it themselves from ``settings`` (None: from the
+    environment), exactly as in production (start-up access check included)."""
     from .sim import SimCacheConfig, gemma3_like
     from .trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 

@@ -496,7 +496,10 @@ class LeaderCore:
                 gid = grp.group_id
                 slot = st.slots[gid][o] if o < len(st.slots[gid]) else -1
                 if slot >= 0 and self.policy.keeps(gid, o, prompt_blocks):
-                    self._stage(st, gid, o, slot)
+                    cap = None
+                    if not self.policy.stores_everything(gid):
+                        cap = (self.policy.tail_end(gid, o, prompt_blocks) or o + 1) - o
+                    self._stage(st, gid, o, slot, cap)
                 else:
                     self._close(st, gid)
                 buf = st.open.get(gid)
@@ -534,7 +537,7 @@ class LeaderCore:
             gid = grp.group_id
             leaving = (upto + 1 - grp.window) // tpb - 1  # highest ordinal freed after this pass
             before = (st.kv_tokens + 1 - grp.window) // tpb - 1
-            if leaving <= before or leaving < max(st.save_from, prompt_blocks - 1):
+            if leaving <= before or leaving < st.save_from:
                 continue
             slot = st.slots[gid][leaving] if leaving < len(st.slots[gid]) else -1
             old = st.evicted.pop(gid, None)
@@ -542,18 +545,22 @@ class LeaderCore:
                 st.pending_releases.append(old.bid)
             if slot < 0:
                 continue
-            buf = _Buffer(BufferId(st.request_id, gid, leaving, self.policy.chunk_end(leaving) - leaving))
+            # Room for the evicted block plus the live window the finish tail appends.
+            cap = -(-grp.window // tpb) + 3  # type: ignore[operator]
+            buf = _Buffer(BufferId(st.request_id, gid, leaving, cap))
             st.pending_stages.append(StageOp(buf.bid, leaving, slot))
             buf.count = 1
             st.evicted[gid] = buf
 
-    def _stage(self, st: _Request, gid: int, o: int, slot: int) -> None:
+    def _stage(self, st: _Request, gid: int, o: int, slot: int, capacity: int | None = None) -> None:
+        """Stage ``o`` into the group's open buffer, opening one (of ``capacity`` blocks,
+        default: to the chunk end) when the run breaks or the buffer is full."""
         buf = st.open.get(gid)
         if buf is not None and (o != buf.bid.first + buf.count or buf.count >= buf.bid.capacity):
             self._close(st, gid)
             buf = None
         if buf is None:
-            cap = self.policy.chunk_end(o) - o
+            cap = capacity if capacity is not None else self.policy.chunk_end(o) - o
             buf = _Buffer(BufferId(st.request_id, gid, o, cap))
             st.open[gid] = buf
         st.pending_stages.append(StageOp(buf.bid, o, slot))
@@ -601,10 +608,23 @@ class LeaderCore:
                     continue
                 # Sliding group, history beyond the prompt: stage the live tail
                 # that a continuation of this conversation would need.
-                self._close(st, gid)
                 lo, hi = self.policy.tail(gid, e)
-                live = block_ids_by_group[gid] if gid < len(block_ids_by_group) else []
                 start = max(lo, st.save_from)
+                buf = st.open.get(gid)
+                if buf is not None and buf.bid.first + buf.count == hi:
+                    # An open checkpoint tail already ends at the history end: it is the
+                    # finish tail if it reaches back far enough, else the finish tail
+                    # replaces it (one object per end block and request).
+                    if buf.bid.first <= start:
+                        self._seal(st, gid, close=True)
+                        ev = st.evicted.pop(gid, None)
+                        if ev is not None:
+                            st.pending_releases.append(ev.bid)
+                        continue
+                    st.pending_releases.append(buf.bid)
+                    del st.open[gid]
+                self._close(st, gid)
+                live = block_ids_by_group[gid] if gid < len(block_ids_by_group) else []
                 first_live = next((o for o in range(start, hi) if o < len(live) and live[o] >= 0), hi)
                 ev = st.evicted.pop(gid, None)
                 if ev is not None:
@@ -618,7 +638,7 @@ class LeaderCore:
                     if slot < 0:
                         self._close(st, gid)
                         continue
-                    self._stage(st, gid, o, slot)
+                    self._stage(st, gid, o, slot, hi - o)
                     buf = st.open[gid]
                     if o + 1 == buf.bid.first + buf.bid.capacity or o + 1 == hi:
                         self._seal(st, gid, close=True)

@@ -64,5 +64,25 @@ class StoragePolicy:
         lo, hi = self.tail(group, next_checkpoint)
         return lo <= ordinal < hi
 
+    def tail_end(self, group: int, ordinal: int, prompt_blocks: int) -> int | None:
+        """The furthest hit boundary whose stored tail holds ``ordinal`` (None: not stored).
+
+        A sliding group's tail is stored as ONE object ending at its boundary
+        (not split at chunk ends): two different objects of one request must
+        never end at the same block, or write-once would keep whichever came
+        first -- possibly the shorter one.
+        """
+        best = None
+        if ordinal < prompt_blocks:
+            lo, hi = self.tail(group, prompt_blocks)
+            if lo <= ordinal < hi:
+                best = prompt_blocks
+        cp = self.checkpoint_blocks
+        boundary = (ordinal // cp + 1) * cp
+        lo, hi = self.tail(group, boundary)
+        if lo <= ordinal < hi:
+            best = max(best or 0, boundary)
+        return best
+
     def chunk_end(self, ordinal: int) -> int:
         return (ordinal // self.blocks_per_object + 1) * self.blocks_per_object

@@ -387,7 +387,7 @@ class WorkerCore:
             if md is None or self._saves_done:
                 return
             self._saves_done = True
-            if not (md.stages or md.seals or md.discard_ids):
+            if not (md.stages or md.seals or md.discard_ids or md.releases):
                 return
             if self._geometry is None:
                 log.error("s3kv: save ops before register_layout; dropped")
@@ -399,6 +399,10 @@ class WorkerCore:
                 self._stage(md.stages, stream)
                 for seal in md.seals:
                     self._seal(seal)
+                # A released buffer's last seal already went out; free its staging now.
+                for bid in md.releases:
+                    self._close_buffer(bid)
+                    self._dropped.discard(bid)
             except Exception:  # noqa: BLE001 - saves are best effort; never fail the engine
                 log.exception("s3kv: save path failed; this iteration's saves may be dropped")
                 self._counters.add("saves_dropped_other")

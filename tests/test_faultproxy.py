@@ -23,7 +23,7 @@ import boto3
 import pytest
 from botocore.config import Config
 
-from s3kv.store.base import ByteRange, StoreError
+from s3kv.store.base import ByteRange, ObjectStore, StoreError
 from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.faultproxy import FAULTS, FaultProxy, WireFaultPlan
 from s3kv.store.retrying import RetryPolicy
@@ -96,7 +96,7 @@ class Outcome:
     unsure: dict[str, bytes] = field(default_factory=dict)  # put raised: absent or whole
 
 
-def run_ops(store: S3Store, prefix: str, n: int, seed: int = 7, big: int = 0) -> Outcome:
+def run_ops(store: ObjectStore, prefix: str, n: int, seed: int = 7, big: int = 0) -> Outcome:
     """``n`` store operations (put, head, ranged get, full get in turn); every one must succeed
     with exactly the right answer or raise a StoreError. ``big``: one multipart object first."""
     rng = random.Random(seed)
@@ -330,7 +330,8 @@ def test_wire_shapes(moto_s3: EmbeddedS3, proxy_for, prefix: str) -> None:
 @pytest.mark.parametrize("fault", ["slowdown_503", "error_500", "reset", "stall", "truncate"])
 def test_fault_at_30_percent(moto_s3: EmbeddedS3, proxy_for, prefix: str, fault: str) -> None:
     stall = fault == "stall"
-    px = proxy_for(WireFaultPlan(**{fault: 0.3}, stall_s=1.0), seed=11)
+    rates: dict[str, Any] = {fault: 0.3}
+    px = proxy_for(WireFaultPlan(**rates, stall_s=1.0), seed=11)
     with _store(moto_s3, px, STALL_OPTS if stall else OPTS) as store:
         out = run_ops(store, prefix, 50, big=0 if stall else 6 * MiB)
     verify_behind(moto_s3, out)
@@ -421,7 +422,7 @@ def test_upstream_down_is_a_502(prefix: str) -> None:
 
 def test_stop_is_prompt_with_a_held_answer(moto_s3: EmbeddedS3, prefix: str) -> None:
     px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan(stall=1.0, stall_s=60)).start()
-    result: list[object] = []
+    result: list[tuple[bytes, BaseException | None]] = []
     client = threading.Thread(target=lambda: result.append(_raw_get(px.port, f"/{moto_s3.bucket}/x")))
     client.start()
     deadline = time.monotonic() + 5

@@ -130,7 +130,7 @@ def test_multipart_write_race(s3case: StoreCase) -> None:
     for t in threads:
         t.join(60)
     assert all(isinstance(r, bool) for r in results), results
-    if s3case.atomic_write_once:
+    if s3case.atomic_write_once(multipart=True):
         assert sorted(results) == [False, True], results
         assert store.get(k) == bodies[results.index(True)]
     else:

@@ -4,8 +4,9 @@ Unlike :mod:`s3kv.store.faults` (which raises store errors above the store inter
 faults here are real bytes on a real socket, so boto3, urllib3 and the store's own retry and
 length checks see exactly what a flaky network or a throttling S3 would show them::
 
-    with EmbeddedS3("moto") as s3, FaultProxy.for_url(s3.endpoint_url, WireFaultPlan(reset=0.1), seed=1) as px:
-        store = S3Store(s3.bucket, endpoint_url=px.endpoint_url, ...)
+    with EmbeddedS3("moto") as s3:
+        with FaultProxy.for_url(s3.endpoint_url, WireFaultPlan(reset=0.1), seed=1) as px:
+            store = S3Store(s3.bucket, endpoint_url=px.endpoint_url, ...)
 
 Faults (at most one per request; the ``WireFaultPlan`` rates are exclusive and sum to <= 1):
 
@@ -32,8 +33,8 @@ socket (connection refused) and resets open connections, ``mode="503"`` answers 
 ``503 ServiceUnavailable``.
 
 Wire notes (boto3 1.44 over plain HTTP, ``request_checksum_calculation='when_required'``, as
-:class:`~s3kv.store.s3.S3Store` sets it): every request has a ``Content-Length`` (no chunked
-or ``aws-chunked`` bodies - over HTTP the payload is signed, so even default checksums go in a
+:class:`~s3kv.store.s3.S3Store` sets it): every request with a body has a ``Content-Length``
+(no chunked or ``aws-chunked`` bodies - over HTTP the payload is signed, so even default checksums go in a
 header); PutObject and UploadPart send ``Expect: 100-continue`` and a ``bytes`` body goes out
 in the same ``send`` as the head; ``Host`` (with the proxy's port) is signed, so it is
 forwarded untouched. Chunked bodies (either direction) are relayed verbatim anyway.
@@ -50,10 +51,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 from email.utils import formatdate
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 LOOPBACK = "127.0.0.1"
@@ -82,7 +83,7 @@ class WireFaultPlan:
     stall_s: float = 5.0
     latency_s: float = 0.0
     latency_jitter_s: float = 0.0
-    ops: frozenset[str] | None = None
+    ops: Collection[str] | None = None  # stored as a frozenset of upper-case methods
     max_faults: int | None = None
     reset_when: Literal["any", "before", "after", "mid"] = "any"
 
@@ -491,7 +492,7 @@ class FaultProxy:
             with self._lock:
                 self._listener = new
 
-    def stats(self) -> dict[str, object]:
+    def stats(self) -> dict[str, Any]:
         """Counters: ``requests``, ``by_method``, ``faults`` (by type, those that took effect),
         ``faults_total``, ``truncate_skipped``, ``down_503``, ``down_refused``, ``upstream_errors``,
         ``connections``. ``events()`` has the per-request decisions."""
@@ -609,7 +610,7 @@ class FaultProxy:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._track(conn, client=True)
         reader = _Reader(conn)
-        how = "close"  # how the connection ends: close | rst | linger (drain, then close)
+        how = "close"  # how it ends: close | fin (half-close first) | rst | linger (drain, then close)
         try:
             while not self._stopping.is_set():
                 head = _read_head(reader)
@@ -850,7 +851,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             values[name] = int(value) if name == "max_faults" else float(value)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    with FaultProxy.for_url(args.upstream, WireFaultPlan(**values), seed=args.seed) as proxy:  # type: ignore[arg-type]
+    plan = WireFaultPlan(**values)  # type: ignore[arg-type]
+    with FaultProxy.for_url(args.upstream, plan, seed=args.seed) as proxy:
         print(json.dumps({"endpoint_url": proxy.endpoint_url}), flush=True)
         with contextlib.suppress(KeyboardInterrupt):
             while sys.stdin.read(1):

@@ -458,6 +458,8 @@ class S3Store(ObjectStore):
     def put(
         self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None
     ) -> bool:
+        """Write once. True: this call's request created the object. False: it exists - another
+        writer's, or ours from an earlier attempt whose answer was lost (a retried 412)."""
         views = [v for v in as_buffers(data) if v.nbytes]
         size = sum(v.nbytes for v in views)
         # S3 lowercases user-metadata names; do it here so what HEAD returns equals what we sent.
@@ -607,8 +609,10 @@ class S3Store(ObjectStore):
                     return False  # someone else's object is there; the caller aborts ours
                 code, _ = _error_code(exc)
                 if code == "NoSuchUpload" and attempts > 1 and self._exists(key):
-                    # An earlier attempt completed the upload but its answer was lost.
-                    return True
+                    # Most likely an earlier attempt completed the upload and its answer was
+                    # lost. The object is there and whole; as with a retried 412 we cannot
+                    # prove it is ours, so report "already existed" (False), never an error.
+                    return False
                 if conditional and self.options.conditional_put == "auto" and _is_not_implemented(exc):
                     raise _ConditionalUnsupported() from exc
                 raise

@@ -1,0 +1,334 @@
+"""``s3kv bench transfer``: save / load throughput of s3kv's pipelines, side by side with two baselines.
+
+For each object size, ``total_mib`` of KV pages (``page_mib`` each, random bytes, CPU host
+tensors standing in for the device cache) are moved three ways on the same store:
+
+* **s3kv** -- save: one ``WorkerCore`` executes a plan of ``StageOp``s + ``SealOp``s (pages copied
+  into host staging, objects = verified header + pages, uploaded by the worker's upload threads,
+  write-once), timed from ``bind`` to ``flush``. Load: a second ``WorkerCore`` (another cluster,
+  zeroed cache) executes ``LoadOp``s for every object (ranged GETs on the download threads,
+  header and every page checksum verified, pages placed into the slots), timed across the sync
+  ``start_load_kv``. The loaded cache is then compared byte for byte with the saved one.
+* **raw** -- the same number and size of objects with boto3 ``put_object`` / ``get_object`` from
+  a ``ThreadPoolExecutor`` as wide as s3kv's upload (resp. download) threads: what the network
+  path can do with that concurrency and no s3kv work at all (no header, no checksums, no copies).
+* **seed-style** -- the upstream example's shape on S3: one object per block per group, written
+  and read one page at a time, synchronously (the example did ``torch.save`` / ``torch.load`` of
+  one page per block per group to local disk; here plain bytes, so this baseline is, if anything,
+  faster than the example would be).
+
+Throughput is payload bytes (pages) over wall time; best of ``--repeats``. Headline numbers add
+up every object size (total bytes / total seconds per method).
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import math
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import Settings
+from .common import BenchStore, MiB, machine_info, progress, rnd
+
+DEFAULT_OBJECT_MIB = (4.0, 8.0, 16.0)
+TARGET_RATIO_VS_RAW = 0.9
+TARGET_SPEEDUP_VS_SEED = 5.0
+METHODS = ("s3kv", "raw", "seed")
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    object_mib: Sequence[float] = DEFAULT_OBJECT_MIB
+    total_mib: int = 256
+    page_mib: float = 1.0
+    repeats: int = 1
+    upload_threads: int = Settings().upload_threads
+    download_threads: int = Settings().download_threads
+
+
+def _digest(*parts: object) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16, person=b"s3kv-bench").digest()
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+class _Size:
+    """One object size: the two caches, the plan, and the baselines' bodies."""
+
+    def __init__(self, bs: BenchStore, cfg: TransferConfig, object_mib: float):
+        import torch
+
+        from ..objects import header_len
+        from ..transfer.staging import host_memoryview
+        from ..transfer.testing import GroupSpec, make_layout
+
+        self.bs = bs
+        self.cfg = cfg
+        self.page = int(cfg.page_mib * MiB)
+        self.bpo = max(1, round(object_mib * MiB / self.page))
+        self.objects = max(1, round(cfg.total_mib * MiB / (self.bpo * self.page)))
+        self.pages = self.objects * self.bpo
+        self.payload = self.pages * self.page
+        self.object_bytes = header_len(self.bpo) + self.bpo * self.page
+        self.object_mib = self.bpo * self.page / MiB
+        self.root = bs.key(f"transfer/{self.object_mib:g}m")
+        groups = [GroupSpec((0,), None, (self.page,))]
+        self.src = make_layout(groups, num_slots=self.pages, tokens_per_block=32, fill_seed=None)
+        region = self.src.group(0).regions[0]
+        gen = torch.Generator().manual_seed(int(object_mib * 1000))
+        # Random int64 words are ~8x cheaper to make than random bytes; same entropy per byte.
+        words = torch.randint(-(2**62), 2**62, (self.payload // 8,), dtype=torch.int64, generator=gen)
+        region.as_tensor().copy_(words.view(torch.uint8).view(self.pages, self.page))
+        del words
+        flat = host_memoryview(region.as_tensor().contiguous().view(-1))
+        self.page_views = [flat[i * self.page : (i + 1) * self.page] for i in range(self.pages)]
+        pad = b"\0" * (self.object_bytes - self.bpo * self.page)
+        # Raw objects: the same bytes and the same size as s3kv's objects (header length of zeros).
+        self.raw_bodies = [
+            bytes(flat[o * self.bpo * self.page : (o + 1) * self.bpo * self.page]) + pad for o in range(self.objects)
+        ]
+        self.seed_bodies = [bytes(v) for v in self.page_views]
+        self.settings = Settings(
+            staging_mib=math.ceil(self.payload * 1.5 / MiB) + 64,
+            upload_threads=cfg.upload_threads,
+            download_threads=cfg.download_threads,
+            load_timeout_s=600.0,
+        )
+
+    def _worker(self, layout: Any, prefix: str) -> Any:
+        from ..worker import WorkerCore
+
+        core = WorkerCore(self.settings, self.bs.store, prefix, 0, 1, model_id="s3kv-bench/transfer",
+                          kv_dtype="bfloat16")
+        core.register_layout(layout)
+        return core
+
+    # -- s3kv ----------------------------------------------------------------
+    def s3kv(self, rep: int) -> tuple[float, float, bool]:
+        from ..plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
+        from ..transfer.testing import GroupSpec, make_layout
+
+        prefix = f"{self.root}/s3kv-r{rep}"
+        digests = [_digest(self.object_mib, rep, o) for o in range(self.objects)]
+        stages: list[StageOp] = []
+        seals: list[SealOp] = []
+        loads: list[LoadOp] = []
+        for o in range(self.objects):
+            first = o * self.bpo
+            bid = BufferId(o, 0, first, self.bpo)
+            ords = tuple(range(first, first + self.bpo))
+            stages += [StageOp(bid, k, k) for k in ords]
+            seals.append(SealOp(bid, self.bpo, digests[o], True))
+            loads.append(LoadOp(o, ObjectRef(0, digests[o], ((first, self.bpo),)), ords, ords))
+        saver = self._worker(self.src, prefix)
+        dst = make_layout([GroupSpec((0,), None, (self.page,))], num_slots=self.pages, tokens_per_block=32,
+                          fill_seed=None)
+        loader = self._worker(dst, prefix)
+        try:
+            def save() -> None:
+                saver.bind(ConnectorMetadata(iteration=1, stages=tuple(stages), seals=tuple(seals)))
+                saver.start_load_kv(None)
+                saver.wait_for_save(None)
+                if not saver.flush(600):
+                    raise RuntimeError("uploads did not finish within 600 s")
+
+            save_s = _timed(save)
+            st = saver.stats()
+            if st.objects_uploaded != self.objects:
+                raise RuntimeError(f"s3kv saved {st.objects_uploaded} of {self.objects} objects "
+                                   f"(dropped: staging {st.saves_dropped_staging_full}, store "
+                                   f"{st.saves_dropped_store_error}, other {st.saves_dropped_other})")
+
+            def load() -> None:
+                loader.bind(ConnectorMetadata(iteration=1, loads=tuple(loads)))
+                loader.start_load_kv(None)
+
+            load_s = _timed(load)
+            loader.wait_for_save(None)
+            loader.get_finished([], [])
+            lst = loader.stats()
+            if lst.objects_loaded != self.objects or lst.loads_failed_objects:
+                raise RuntimeError(f"s3kv loaded {lst.objects_loaded} of {self.objects} objects "
+                                   f"({lst.loads_failed_objects} failed)")
+            exact = bool(
+                (self.src.group(0).regions[0].as_tensor() == dst.group(0).regions[0].as_tensor()).all().item()
+            )
+        finally:
+            saver.close()
+            loader.close()
+        return save_s, load_s, exact
+
+    # -- baselines -------------------------------------------------------------
+    def raw(self, rep: int) -> tuple[float, float]:
+        rc = self.bs.raw_client
+        keys = [f"{self.root}/raw-r{rep}/{o}" for o in range(self.objects)]
+        with ThreadPoolExecutor(self.cfg.upload_threads) as ex:
+            save_s = _timed(lambda: list(ex.map(rc.put, keys, self.raw_bodies)))
+        with ThreadPoolExecutor(self.cfg.download_threads) as ex:
+            got: list[bytes] = []
+            load_s = _timed(lambda: got.extend(ex.map(rc.get, keys)))
+        if [len(b) for b in got] != [len(b) for b in self.raw_bodies]:
+            raise RuntimeError("raw baseline read back objects of the wrong size")
+        return save_s, load_s
+
+    def seed(self, rep: int) -> tuple[float, float]:
+        rc = self.bs.raw_client
+        keys = [f"{self.root}/seed-r{rep}/{i}" for i in range(self.pages)]
+
+        def save() -> None:
+            for k, body in zip(keys, self.seed_bodies, strict=True):
+                rc.put(k, body)
+
+        def load() -> None:
+            for k in keys:
+                rc.get(k)
+
+        return _timed(save), _timed(load)
+
+    def warm_up(self) -> None:
+        """Untimed: open connections on every path and let the server allocate its volumes."""
+        body = self.raw_bodies[0]
+        keys = [f"{self.root}/warmup/{i}" for i in range(max(self.cfg.upload_threads, self.cfg.download_threads))]
+        with ThreadPoolExecutor(len(keys)) as ex:
+            list(ex.map(lambda k: self.bs.store.put(k + "-s", body), keys))
+            list(ex.map(lambda k: self.bs.raw_client.put(k + "-r", body), keys))
+            list(ex.map(lambda k: self.bs.store.get(k + "-s"), keys))
+            list(ex.map(lambda k: self.bs.raw_client.get(k + "-r"), keys))
+
+    def cleanup(self) -> None:
+        self.bs.delete_prefix(self.root + "/")
+
+
+def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
+    t_start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    totals = {f"{m}_{w}": 0.0 for m in METHODS for w in ("save", "load")}
+    payload_total = 0
+    exact_all = True
+    for mib in cfg.object_mib:
+        progress(f"transfer: {mib:g} MiB objects, preparing {cfg.total_mib} MiB of pages ...")
+        sz = _Size(bs, cfg, mib)
+        best = {k: math.inf for k in totals}
+        try:
+            sz.warm_up()
+            for rep in range(cfg.repeats):
+                s_save, s_load, exact = sz.s3kv(rep)
+                exact_all &= exact
+                r_save, r_load = sz.raw(rep)
+                d_save, d_load = sz.seed(rep)
+                for k, v in (("s3kv_save", s_save), ("s3kv_load", s_load), ("raw_save", r_save),
+                             ("raw_load", r_load), ("seed_save", d_save), ("seed_load", d_load)):
+                    best[k] = min(best[k], v)
+        finally:
+            sz.cleanup()
+        mb = sz.payload / MiB
+        thr = {k: mb / v for k, v in best.items()}
+        row = {
+            "object_mib": sz.object_mib,
+            "objects": sz.objects,
+            "pages": sz.pages,
+            "total_mib": mb,
+            "save_mib_s": rnd(thr["s3kv_save"], 1),
+            "load_mib_s": rnd(thr["s3kv_load"], 1),
+            "raw_save_mib_s": rnd(thr["raw_save"], 1),
+            "raw_load_mib_s": rnd(thr["raw_load"], 1),
+            "seed_save_mib_s": rnd(thr["seed_save"], 1),
+            "seed_load_mib_s": rnd(thr["seed_load"], 1),
+            "save_ratio_vs_raw": rnd(thr["s3kv_save"] / thr["raw_save"]),
+            "load_ratio_vs_raw": rnd(thr["s3kv_load"] / thr["raw_load"]),
+            "save_speedup_vs_seed": rnd(thr["s3kv_save"] / thr["seed_save"], 2),
+            "load_speedup_vs_seed": rnd(thr["s3kv_load"] / thr["seed_load"], 2),
+            "seconds": {k: rnd(v) for k, v in best.items()},
+        }
+        rows.append(row)
+        for k, v in best.items():
+            totals[k] += v
+        payload_total += sz.payload
+        progress(
+            f"transfer: {sz.object_mib:g} MiB x {sz.objects}: save s3kv {row['save_mib_s']:.0f} / raw "
+            f"{row['raw_save_mib_s']:.0f} / seed {row['seed_save_mib_s']:.0f} MiB/s; load s3kv "
+            f"{row['load_mib_s']:.0f} / raw {row['raw_load_mib_s']:.0f} / seed {row['seed_load_mib_s']:.0f} MiB/s"
+        )
+        del sz
+        gc.collect()
+    mb = payload_total / MiB
+    agg = {k: mb / v for k, v in totals.items()}
+    save_vs_seed = agg["s3kv_save"] / agg["seed_save"]
+    load_vs_seed = agg["s3kv_load"] / agg["seed_load"]
+    res: dict[str, Any] = {
+        "bench": "transfer",
+        "store": bs.info(),
+        "latency_ms_injected": bs.latency_ms,
+        "machine": machine_info(),
+        "total_mib": cfg.total_mib,
+        "page_mib": cfg.page_mib,
+        "repeats": cfg.repeats,
+        "concurrency": {"save": cfg.upload_threads, "load": cfg.download_threads},
+        "save_mib_s": rnd(agg["s3kv_save"], 1),
+        "load_mib_s": rnd(agg["s3kv_load"], 1),
+        "raw_save_mib_s": rnd(agg["raw_save"], 1),
+        "raw_load_mib_s": rnd(agg["raw_load"], 1),
+        "seed_save_mib_s": rnd(agg["seed_save"], 1),
+        "seed_load_mib_s": rnd(agg["seed_load"], 1),
+        "save_ratio_vs_raw": rnd(agg["s3kv_save"] / agg["raw_save"]),
+        "load_ratio_vs_raw": rnd(agg["s3kv_load"] / agg["raw_load"]),
+        "save_speedup_vs_seed": rnd(save_vs_seed, 2),
+        "load_speedup_vs_seed": rnd(load_vs_seed, 2),
+        # The weaker direction: the number a reader can rely on for both.
+        "speedup_vs_seed_path": rnd(min(save_vs_seed, load_vs_seed), 2),
+        "bit_exact": exact_all,
+        "results": rows,
+    }
+    res["targets"] = {
+        "save_ratio_ge_0.9": f"s3kv save >= {TARGET_RATIO_VS_RAW} x raw boto3 at the same concurrency",
+        "load_ratio_ge_0.9": f"s3kv load >= {TARGET_RATIO_VS_RAW} x raw boto3 at the same concurrency",
+        "speedup_vs_seed_ge_5x": f"s3kv >= {TARGET_SPEEDUP_VS_SEED:g}x the seed-style path (save and load)",
+        "bit_exact": "every loaded page equals the saved one",
+    }
+    res["targets_met"] = {
+        "save_ratio_ge_0.9": res["save_ratio_vs_raw"] >= TARGET_RATIO_VS_RAW,
+        "load_ratio_ge_0.9": res["load_ratio_vs_raw"] >= TARGET_RATIO_VS_RAW,
+        "speedup_vs_seed_ge_5x": res["speedup_vs_seed_path"] >= TARGET_SPEEDUP_VS_SEED,
+        "bit_exact": exact_all,
+    }
+    res["seconds"] = rnd(time.perf_counter() - t_start, 1)
+    return res
+
+
+def table(res: dict[str, Any]) -> str:
+    from .common import header, targets_line
+
+    c = res["concurrency"]
+    lines = [
+        f"s3kv bench transfer -- {res['total_mib']} MiB per object size, {res['page_mib']:g} MiB pages, "
+        f"{c['save']} upload / {c['load']} download threads (raw uses the same), best of {res['repeats']}",
+        header(res),
+        "",
+        f"{'object':>8} {'n':>4} | {'save MiB/s':^26} | {'load MiB/s':^26} | {'vs raw':^11} | {'vs seed':^11}",
+        f"{'':>8} {'':>4} | {'s3kv':>8} {'raw':>8} {'seed':>8} | {'s3kv':>8} {'raw':>8} {'seed':>8} | "
+        f"{'save':>5} {'load':>5} | {'save':>5} {'load':>5}",
+    ]
+
+    def line(name: str, n: str, r: dict[str, Any]) -> str:
+        return (
+            f"{name:>8} {n:>4} | {r['save_mib_s']:>8.0f} {r['raw_save_mib_s']:>8.0f} {r['seed_save_mib_s']:>8.0f} | "
+            f"{r['load_mib_s']:>8.0f} {r['raw_load_mib_s']:>8.0f} {r['seed_load_mib_s']:>8.0f} | "
+            f"{r['save_ratio_vs_raw']:>5.2f} {r['load_ratio_vs_raw']:>5.2f} | "
+            f"{r['save_speedup_vs_seed']:>4.1f}x {r['load_speedup_vs_seed']:>4.1f}x"
+        )
+
+    for r in res["results"]:
+        lines.append(line(f"{r['object_mib']:g} MiB", str(r["objects"]), r))
+    lines.append(line("all", "", res))
+    lines.append(f"loaded bytes identical to saved: {res['bit_exact']}")
+    lines.append(targets_line(res))
+    return "\n".join(lines)
