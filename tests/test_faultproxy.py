@@ -357,7 +357,8 @@ def test_same_seed_same_faults(moto_s3: EmbeddedS3, proxy_for, prefix: str) -> N
 
     def one_run(seed: int, run: str) -> tuple[list[tuple[str, str | None]], dict]:
         px = proxy_for(plan, seed=seed)
-        with _store(moto_s3, px) as store:  # sequential single-request ops: a fixed arrival order
+        # One pool thread: every request (ranges too) goes out in a fixed order.
+        with _store(moto_s3, px, dataclasses.replace(OPTS, max_concurrency=1)) as store:
             run_ops(store, f"{prefix}/{run}", 30)
         return [(e.method, e.fault) for e in px.events()], px.stats()["faults"]
 

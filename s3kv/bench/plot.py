@@ -67,7 +67,7 @@ def plot_lookup(res: dict[str, Any], path: str) -> None:
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     w = 0.27
     b1 = ax1.bar([i - w for i in x], [r["latency_ms"] for r in rows], w, color=S3KV, label="s3kv cold (empty index)")
-    b2 = ax1.bar(x, [max(r["warm_latency_ms"], 1e-3) for r in rows], w, color=WARM, label="s3kv warm (index hit)")
+    ax1.bar(x, [max(r["warm_latency_ms"], 1e-3) for r in rows], w, color=WARM, label="s3kv warm (index hit)")
     b3 = ax1.bar([i + w for i in x], [r["sequential_latency_ms"] for r in rows], w, color=SEED,
                  label="seed: sequential HEAD per block per group")
     for b, r in zip(b3, rows, strict=True):

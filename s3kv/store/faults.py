@@ -19,7 +19,8 @@ Faults and where they strike (``op`` is one of head, put, get, delete, list, che
   raising IntegrityError because that is how the fault looks on the wire: a body that ends
   early with nothing flagged. The caller must detect it (RetryingStore checks lengths and
   retries; object checksums catch the rest).
-* ``latency_s``: added to every call before anything else (not a fault, a delay).
+* ``latency_s``: added to every call before anything else (not a fault, a delay); once per
+  ``head_many`` batch, since a real store sends those HEADs in parallel.
 """
 
 from __future__ import annotations
@@ -117,10 +118,10 @@ class FaultInjectingStore(StoreWrapper):
     def _count(self, what: str) -> None:
         self._injected[what] = self._injected.get(what, 0) + 1
 
-    def _fault(self, op: str, key: str | None) -> StoreError | None:
+    def _fault(self, op: str, key: str | None, latency: bool = True) -> StoreError | None:
         """The error to raise for this call (None: let it through). Sleeps for latency/stalls."""
         rates = self.plan.rates(op)
-        if rates.latency_s:
+        if latency and rates.latency_s:
             time.sleep(rates.latency_s)
         stall = False
         with self._lock:
@@ -163,8 +164,11 @@ class FaultInjectingStore(StoreWrapper):
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
         unique = list(dict.fromkeys(keys))
         failed: dict[str, StoreError] = {}
+        latency = self.plan.rates("head").latency_s
+        if latency and unique:
+            time.sleep(latency)  # once per batch: a real store sends the HEADs in parallel
         for key in unique:
-            err = self._fault("head", key)
+            err = self._fault("head", key, latency=False)
             if err is not None:
                 failed[key] = err
         passed = [k for k in unique if k not in failed]
