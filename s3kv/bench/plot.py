@@ -226,7 +226,7 @@ def plot_e2e(res: dict[str, Any], path: str) -> None:
     ax.set_xlabel(f"soak round ({soak['requests_per_round']} requests each)")
     ax.set_ylabel("RSS (MiB)")
     lo, hi = min(samples), max(samples)
-    ax.set_ylim(lo - max(50, 0.1 * lo), hi + max(50, 0.1 * hi))
+    ax.set_ylim(max(0, lo - max(50, 0.1 * lo)), hi + max(100, 0.25 * hi))
     ax2 = ax.twinx()
     ax2.plot(rounds, [b / 2**20 for b in soak["staging_in_use_samples_bytes"]], "s--", color=SEED,
              label="staging in use after round (MiB)")
@@ -236,7 +236,10 @@ def plot_e2e(res: dict[str, Any], path: str) -> None:
     ax2.set_ylim(0, max(1.0, soak["staging_capacity_bytes"] / 2**20))
     h1, l1 = ax.get_legend_handles_labels()
     h2, l2 = ax2.get_legend_handles_labels()
-    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="center right")
+    ax.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper left")
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(f"Memory over a long run: RSS {soak['rss_mib_start']:.0f} -> {soak['rss_mib_end']:.0f} MiB")
     fig.suptitle("s3kv bench e2e -- cold cluster then warm cluster on one store\n" + _subtitle(res), fontsize=10)
     _save(fig, path)

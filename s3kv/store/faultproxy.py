@@ -34,10 +34,10 @@ socket (connection refused) and resets open connections, ``mode="503"`` answers 
 
 Wire notes (boto3 1.44 over plain HTTP, ``request_checksum_calculation='when_required'``, as
 :class:`~s3kv.store.s3.S3Store` sets it): every request with a body has a ``Content-Length``
-(no chunked or ``aws-chunked`` bodies - over HTTP the payload is signed, so even default checksums go in a
-header); PutObject and UploadPart send ``Expect: 100-continue`` and a ``bytes`` body goes out
-in the same ``send`` as the head; ``Host`` (with the proxy's port) is signed, so it is
-forwarded untouched. Chunked bodies (either direction) are relayed verbatim anyway.
+(no chunked or ``aws-chunked`` bodies - over HTTP the payload is signed, so even default
+checksums go in a header); PutObject and UploadPart send ``Expect: 100-continue`` and a
+``bytes`` body goes out in the same ``send`` as the head; ``Host`` (with the proxy's port) is
+signed, so it is forwarded untouched. Chunked bodies (either direction) are relayed verbatim.
 """
 
 from __future__ import annotations
