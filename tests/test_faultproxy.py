@@ -437,14 +437,9 @@ def test_stop_is_prompt_with_a_held_answer(moto_s3: EmbeddedS3, prefix: str) -> 
     assert not _proxy_threads()
 
 
-# -- known store gaps the wire shows (fix in s3kv/store/s3.py, then drop the xfail) --------
+# -- store gaps the wire showed, now fixed in s3kv/store/s3.py ---------------------------
 
 
-@pytest.mark.xfail(
-    reason="S3Store builds botocore with retries={'max_attempts': 1}, which botocore reads as 1 *retry* "
-    "(total 2 attempts, with up to 1 s throttle backoff on SlowDown); 'total_max_attempts': 1 is meant",
-    strict=False,
-)
 def test_one_wire_request_per_store_attempt(moto_s3: EmbeddedS3, proxy_for, prefix: str) -> None:
     px = proxy_for(WireFaultPlan(slowdown_503=1.0))
     options = dataclasses.replace(OPTS, retry=RetryPolicy(max_attempts=1, deadline_s=5))
@@ -453,13 +448,6 @@ def test_one_wire_request_per_store_attempt(moto_s3: EmbeddedS3, proxy_for, pref
     assert px.stats()["requests"] == 1
 
 
-@pytest.mark.xfail(
-    reason="a response head cut short by EOF parses as a complete 200 (http.client; urllib3 only logs "
-    "HeaderParsingError): S3Store's HEAD then raises KeyError('ContentLength'), UploadPart KeyError('ETag'), "
-    "and a GET reads an empty 200 as a short object (IntegrityError, not retried) - all should be transient",
-    raises=(KeyError, AssertionError),
-    strict=False,
-)
 def test_truncated_head_is_a_clean_error(moto_s3: EmbeddedS3, proxy_for, prefix: str) -> None:
     px = proxy_for(WireFaultPlan(truncate_head=0.3), seed=11)
     with _store(moto_s3, px) as store:

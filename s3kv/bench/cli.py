@@ -116,8 +116,11 @@ def staging_command(as_json: bool, plot_path: str | None, quick: bool, page_mib:
 @click.option("--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s for the prefill estimate "
                                                                "(default: H100/H200 SXM dense, 989.4).")
 @click.option("--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation assumed (default 0.40).")
+@click.option("--checkpoint-tokens", type=int, default=None,
+              help="Sliding-group checkpoint spacing (default: the demo's 512; s3kv's own default is 4096).")
 def e2e_command(as_json: bool, plot_path: str | None, url: str | None, server: str, latency_ms: float,
-                quick: bool, keep: bool, rounds: int | None, gpu_tflops: float | None, mfu: float | None) -> None:
+                quick: bool, keep: bool, rounds: int | None, gpu_tflops: float | None, mfu: float | None,
+                checkpoint_tokens: int | None) -> None:
     """Multi-turn VSWA workload: cold then warm cluster, both storage policies, prefill saved, memory soak."""
     from . import e2e, plot
     from .common import bench_store
@@ -129,6 +132,8 @@ def e2e_command(as_json: bool, plot_path: str | None, url: str | None, server: s
         cfg = cfg.replace(gpu_tflops=gpu_tflops)
     if mfu is not None:
         cfg = cfg.replace(mfu=mfu)
+    if checkpoint_tokens is not None:
+        cfg = cfg.replace(checkpoint_tokens=checkpoint_tokens)
     with bench_store(url, server=server, latency_ms=latency_ms, name="e2e", keep=keep) as bs:
         progress(f"e2e: store {bs.where}, {latency_ms:g} ms injected per request")
         res = e2e.run_e2e(bs, cfg)

@@ -32,8 +32,9 @@ def _subtitle(res: dict[str, Any]) -> str:
     return f"store: {where}, {lat:g} ms injected per request; machine: {m.get('cores', '?')} cores"
 
 
-def _save(fig: Any, path: str) -> None:
-    fig.tight_layout()
+def _save(fig: Any, path: str, tight: bool = True) -> None:
+    if tight:
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     import matplotlib.pyplot as plt
 
@@ -151,7 +152,7 @@ def plot_staging(res: dict[str, Any], path: str) -> None:
         ax.axis("off")
         ax.text(0.5, 0.5, f"s3kv bench staging: skipped\n{res.get('reason', res['skipped'])}", ha="center",
                 va="center", fontsize=11)
-        _save(fig, path)
+        _save(fig, path, tight=False)
         return
     rows = res["results"]
     fig, ax = plt.subplots(figsize=(9, 4.8))

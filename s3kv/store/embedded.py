@@ -104,7 +104,7 @@ def _client(endpoint_url: str, access_key: str, secret_key: str, region: str) ->
         aws_secret_access_key=secret_key,
         region_name=region,
         config=Config(
-            retries={"max_attempts": 1, "mode": "standard"},
+            retries={"total_max_attempts": 1, "mode": "standard"},
             connect_timeout=2,
             read_timeout=10,
             s3={"addressing_style": "path"},

@@ -343,7 +343,7 @@ class S3Store(ObjectStore):
             connect_timeout=opts.connect_timeout_s,
             read_timeout=opts.read_timeout_s,
             # Exactly one retry loop (ours): botocore's would multiply attempts and blow the deadline.
-            retries={"max_attempts": 1, "mode": "standard"},
+            retries={"total_max_attempts": 1, "mode": "standard"},
             max_pool_connections=opts.max_concurrency + opts.upload_concurrency + opts.extra_connections,
             # Non-AWS servers often reject or mangle the default flexible checksums (CRC trailers).
             request_checksum_calculation="when_required",
@@ -410,6 +410,11 @@ class S3Store(ObjectStore):
                 return fn()
             except (bexc.BotoCoreError, bexc.ClientError, OSError) as exc:  # OSError: SSL, raw sockets
                 raise self._translate(exc, op, key) from exc
+            except (KeyError, ValueError) as exc:
+                # A response whose head was cut off by a closed connection parses as a
+                # complete 200 without its fields (http.client only warns), missing
+                # fields or half a header value: a transport fault like a reset, so retry it.
+                raise TransientError(f"S3 {op}: malformed response, missing {exc}", key=key) from exc
 
         return self.options.retry.call(attempt, op=f"S3 {op}", key=key)
 
@@ -646,6 +651,8 @@ class S3Store(ObjectStore):
                         f"range {offset}+{length} starts beyond the object's end", key=key
                     ) from exc
                 raise
+            if "ContentLength" not in r or "ETag" not in r:
+                raise KeyError("ContentLength/ETag")  # truncated response head: retried by _call
             # Reading the body inside the attempt: a reset mid-body is retried like any other.
             data = r["Body"].read()
             status = r.get("ResponseMetadata", {}).get("HTTPStatusCode")

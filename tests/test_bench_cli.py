@@ -1,0 +1,164 @@
+"""``s3kv bench ...`` end to end through the CLI, at --quick sizes.
+
+These check that every command runs, prints ONE JSON object with the documented keys and sane
+values, and draws a PNG -- never performance thresholds (numbers depend on the machine; the
+targets_met booleans are recorded, not asserted). lookup and transfer run on the embedded S3
+server (SeaweedFS, else moto); e2e runs on a memory:// store to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from s3kv.cli import main
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def run_json(*args: str) -> dict[str, Any]:
+    result = CliRunner().invoke(main, ["bench", *args, "--json"], catch_exceptions=False)
+    assert result.exit_code == 0, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return json.loads(result.stdout)  # stdout holds exactly one JSON object; progress went to stderr
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and len(data) > 10_000, f"{path} is not a real chart"
+
+
+def positive(x: Any) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def assert_common(res: dict[str, Any], bench: str) -> None:
+    assert res["bench"] == bench
+    assert "kind" in res["store"]
+    assert "latency_ms_injected" in res
+    assert res["machine"]["cores"] >= 1
+    assert res["targets_met"] and all(isinstance(v, bool) for v in res["targets_met"].values())
+    assert set(res["targets_met"]) <= set(res["targets"])
+
+
+def test_lookup_quick_json_and_plot(tmp_path: Path) -> None:
+    png = tmp_path / "lookup.png"
+    res = run_json("lookup", "--quick", "--latency-ms", "5", "--plot", str(png))
+    assert_common(res, "lookup")
+    assert res["store"]["kind"] in ("seaweedfs", "moto")
+    assert res["latency_ms_injected"] == 5
+    assert [r["tokens"] for r in res["results"]] == [1024, 4096]
+    for r in res["results"]:
+        for key in ("tokens", "round_trips", "requests", "latency_ms", "warm_round_trips", "sequential_requests",
+                    "sequential_latency_ms", "speedup_vs_sequential"):
+            assert key in r, key
+        assert 1 <= r["round_trips"] <= 3
+        assert r["warm_round_trips"] == 0
+        assert r["requests"] >= r["round_trips"]
+        assert positive(r["latency_ms"]) and positive(r["sequential_latency_ms"])
+        assert positive(r["speedup_vs_sequential"])
+        # The seed's scan: one HEAD per full block per group (two groups).
+        assert r["sequential_requests"] == 2 * (r["tokens"] // 32)
+        assert r["hit_tokens"] == r["expected_hit_tokens"] == (r["tokens"] - 1) // 32 * 32
+        assert r["warm_hit_tokens"] == r["hit_tokens"]
+    assert res["targets_met"]["round_trips_le_3"] and res["targets_met"]["full_hit"]
+    assert_png(png)
+
+
+def test_lookup_table_on_memory_store() -> None:
+    result = CliRunner().invoke(
+        main, ["bench", "lookup", "--quick", "--url", "memory://bench-test-lookup", "--latency-ms", "1"],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    assert "s3kv bench lookup" in out and "speedup" in out and "targets:" in out
+    assert "memory://bench-test-lookup" in out
+
+
+def test_transfer_quick_json_and_plot(tmp_path: Path) -> None:
+    png = tmp_path / "transfer.png"
+    res = run_json("transfer", "--quick", "--plot", str(png))
+    assert_common(res, "transfer")
+    assert res["latency_ms_injected"] == 0
+    for key in ("save_mib_s", "load_mib_s", "raw_save_mib_s", "raw_load_mib_s", "seed_save_mib_s",
+                "seed_load_mib_s", "save_ratio_vs_raw", "load_ratio_vs_raw", "speedup_vs_seed_path"):
+        assert positive(res[key]), key
+    assert res["bit_exact"] is True
+    (row,) = res["results"]
+    assert row["object_mib"] == 4 and row["objects"] == 4 and row["pages"] == 16
+    assert_png(png)
+
+
+def test_staging_quick_json(tmp_path: Path) -> None:
+    import torch
+
+    png = tmp_path / "staging.png"
+    res = run_json("staging", "--quick", "--plot", str(png))
+    if torch.cuda.is_available():
+        assert_common(res, "staging")
+        assert positive(res["d2h_ratio_vs_memcpy"]) and positive(res["h2d_ratio_vs_memcpy"])
+        assert positive(res["d2h_gbps"]) and positive(res["h2d_gbps"])
+    else:
+        assert res["skipped"] == "needs CUDA"
+    assert_png(png)
+
+
+def test_staging_copy_path_on_cpu() -> None:
+    res = run_json("staging", "--quick", "--device", "cpu", "--page-mib", "0.25")
+    assert_common(res, "staging")
+    assert res["device"] == "cpu"
+    assert positive(res["d2h_gbps"]) and positive(res["h2d_gbps"])
+
+
+def test_staging_without_cuda_says_so() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("has CUDA")
+    result = CliRunner().invoke(main, ["bench", "staging", "--quick"], catch_exceptions=False)
+    assert result.exit_code == 0
+    assert "needs a CUDA device" in result.stdout
+
+
+def test_e2e_quick_json_and_plot(tmp_path: Path) -> None:
+    png = tmp_path / "e2e.png"
+    res = run_json("e2e", "--quick", "--url", "memory://bench-test-e2e", "--plot", str(png))
+    assert_common(res, "e2e")
+    assert res["store"]["kind"] == "memory"
+    assert res["kv_mismatches"] == 0
+    for policy in ("window", "all"):
+        for phase in ("cold", "warm"):
+            r = res["policies"][policy][phase]
+            assert r["kv_mismatches"] == 0 and r["load_failures"] == 0
+            assert positive(r["mean_request_latency_ms"]) and r["requests"] > 0
+            assert 0.0 <= r["hit_rate"] <= 1.0
+    assert res["tokens_served"] > 0 and res["hit_rate_warm"] > 0
+    assert set(res["stored_bytes_by_group"]) == {"window", "all"}
+    for groups in res["stored_bytes_by_group"].values():
+        assert len(groups) == 2 and all(v["bytes"] > 0 for v in groups.values())
+    assert 0 < res["stored_ratio_window_vs_all"] <= 1.0
+    assert positive(res["prefill_tflops_saved"]) and positive(res["prefill_seconds_saved_est"])
+    assert positive(res["rss_mib_start"]) and positive(res["rss_mib_end"])
+    assert res["staging_high_water_bytes"] > 0
+    assert res["memory"]["staging_high_water_bytes"] <= res["memory"]["staging_capacity_bytes"]
+    assert len(res["memory"]["rss_mib_samples"]) == res["memory"]["rounds"]
+    assert_png(png)
+
+
+def test_prefill_flop_model_matches_hand_count() -> None:
+    from s3kv.bench.common import GEMMA3_27B as m
+
+    assert len(m.global_layers) == 10 and len(m.local_layers) == 52
+    # ~25.6 B matmul weights in the decoder layers (27 B with the tied 262k x 5376 embedding).
+    assert 25.0e9 < m.matmul_params < 26.0e9
+    n = 4096
+    attn = 4 * 32 * 128 * (10 * n * (n + 1) / 2 + 52 * (1024 * 1025 / 2 + (n - 1024) * 1024))
+    assert m.prefill_flops(n) == pytest.approx(2 * m.matmul_params * n + attn)
+    assert m.prefill_flops(0) == 0
+    # A 13 MiB local-group page at TP 1 -> 2 blocks per object (s3kv's ~32 MiB target).
+    assert m.page_bytes(32) == {"full": 10 * 262144, "sliding": 52 * 262144}
