@@ -269,6 +269,8 @@ class ClusterResult:
     hangs: int = 0
     saves_dropped: int = 0
     objects_saved: int = 0
+    #: Seconds spent in get_num_new_matched_tokens (the lookup, on the scheduling path).
+    lookup_s: float = 0.0
     wall_s: float = 0.0
     per_request: list[dict[str, Any]] = field(default_factory=list)
 
@@ -339,6 +341,7 @@ def run_phases(
             log.exception("exception escaped a connector call")
             break
         result.kv_mismatches += rep.kv_mismatches
+        result.lookup_s += rep.hook_seconds.get("get_num_new_matched_tokens", 0.0)
         result.pages_checked += rep.pages_checked
         for r in rep.requests:
             failed = r.request_id in engine.failed_ids
@@ -449,6 +452,7 @@ class Cell:
     wire_requests: int
     wire_faults: int
     time_s: float
+    lookup_s: float = 0.0
     load_failures: list[str] = field(default_factory=list)
     vs_baseline: float | None = None
 
@@ -508,6 +512,7 @@ def run_cell(
         wire_requests=int(stats["requests"]),  # type: ignore[arg-type]
         wire_faults=int(stats["faults_total"]),  # type: ignore[arg-type]
         time_s=round(wall, 2),
+        lookup_s=round(a.lookup_s + b.lookup_s, 2),
         load_failures=a.load_failures + b.load_failures,
     )
 
@@ -541,7 +546,7 @@ def markdown_table(cells: Sequence[Cell]) -> str:
     head = (
         "| fault | rate | requests | hits (tokens served / hit requests) | hit rate (vs fault-free) "
         "| failures (failed requests) | wrong bytes (kv mismatches) | escaped exceptions / hangs "
-        "| wire requests (faults injected) | time |\n"
+        "| wire requests (faults injected) | time (of which lookups) |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     rows = [head]
@@ -551,7 +556,7 @@ def markdown_table(cells: Sequence[Cell]) -> str:
             f"| {FAULT_LABELS.get(c.fault, c.fault)} | {c.rate:.0%} | {c.requests} | "
             f"{c.hit_tokens} / {c.hit_requests} | {c.hit_rate:.1%}{vs} | {c.failed_requests} | "
             f"{c.kv_mismatches} | {len(c.escaped)} / {c.hangs} | {c.wire_requests} ({c.wire_faults}) | "
-            f"{c.time_s:.1f} s |"
+            f"{c.time_s:.1f} s ({c.lookup_s:.1f} s) |"
         )
     return "\n".join(rows)
 

@@ -23,7 +23,9 @@ from typing import Any
 from .config import Settings
 from .index import KeyIndex
 from .layout import CacheGeometry
+from .metrics import Metrics, MetricsStore, start_http_server
 from .store.base import ObjectStore
+from .store.breaker import BreakerPolicy, CircuitBreakerStore
 
 log = logging.getLogger("s3kv.runtime")
 
@@ -35,9 +37,21 @@ class EngineRuntime:
     store: ObjectStore
     key_prefix: str
     index: KeyIndex
+    metrics: Metrics = field(default_factory=Metrics)
     geometry: CacheGeometry | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     refs: int = 0
+    http_server: Any = None
+    #: Close the store with the runtime only if the runtime opened it (a caller's store is theirs).
+    owns_store: bool = True
+    _last_observed: float = 0.0
+
+    def observe(self, leader_stats: Any = None, worker_stats: Any = None, source: str = "worker") -> None:
+        """Copy cumulative connector stats into the Prometheus metrics."""
+        if leader_stats is not None:
+            self.metrics.observe_leader(leader_stats)
+        if worker_stats is not None:
+            self.metrics.observe_worker(worker_stats, source=source)
 
     def publish_geometry(self, geometry: CacheGeometry) -> None:
         with self.lock:
@@ -105,6 +119,7 @@ def acquire_runtime(
     with _REGISTRY_LOCK:
         rt = _REGISTRY.get(key)
         if rt is None:
+            owns_store = store is None
             if store is None:
                 store, prefix = open_runtime_store(settings)
                 if settings.check_access:
@@ -114,13 +129,30 @@ def acquire_runtime(
                 prefix = key_prefix or ""
             if key_prefix is not None:
                 prefix = key_prefix
+            metrics = Metrics()
+            # Metrics count every request that reaches the store; the breaker sits
+            # outside them so an open breaker answers at once without touching it.
+            wrapped: ObjectStore = CircuitBreakerStore(
+                MetricsStore(store, metrics),
+                BreakerPolicy.from_settings(settings),
+                on_transition=metrics.on_breaker_transition,
+                name=key,
+            )
             rt = EngineRuntime(
                 key=key,
                 settings=settings,
-                store=store,
+                store=wrapped,
                 key_prefix=prefix,
                 index=KeyIndex(settings.index_max_entries, settings.index_ttl_s, settings.negative_ttl_s),
+                metrics=metrics,
+                owns_store=owns_store,
             )
+            if settings.metrics_port:
+                try:
+                    rt.http_server = start_http_server(metrics, settings.metrics_port)
+                    log.info("s3kv metrics on port %d", settings.metrics_port)
+                except OSError as e:  # another engine in this process already serves the port
+                    log.warning("s3kv: cannot serve metrics on port %d: %s", settings.metrics_port, e)
             _REGISTRY[key] = rt
         rt.refs += 1
         return rt
@@ -131,6 +163,13 @@ def release_runtime(rt: EngineRuntime) -> None:
         rt.refs -= 1
         if rt.refs <= 0 and _REGISTRY.get(rt.key) is rt:
             del _REGISTRY[rt.key]
+            if rt.http_server is not None:
+                try:
+                    rt.http_server.shutdown()
+                except Exception:  # noqa: BLE001
+                    log.debug("stopping the metrics server failed", exc_info=True)
+            if not rt.owns_store:
+                return
             try:
                 rt.store.close()
             except Exception:  # noqa: BLE001 - closing is best effort

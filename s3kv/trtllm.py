@@ -21,6 +21,7 @@ object -- the engine has no other way to fail the request safely.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from .config import Settings, load_settings
@@ -40,6 +41,9 @@ from .trtllm_api import (
 )
 
 log = logging.getLogger("s3kv.trtllm")
+
+#: Cumulative stats are copied into the Prometheus metrics at most this often (scheduler hot path).
+_OBSERVE_EVERY_S = 1.0
 
 __all__ = ["S3KvConnectorLeader", "S3KvConnectorWorker", "HAVE_TRTLLM", "LoadFailed"]
 
@@ -75,6 +79,7 @@ class S3KvConnectorLeader(KvCacheConnectorScheduler):
     ):
         super().__init__(llm_args)
         self._llm_args = llm_args
+        self._observed_at = 0.0
         self.settings = _settings(settings)
         mapping = _mapping(llm_args)
         self._runtime: EngineRuntime = acquire_runtime(
@@ -142,7 +147,12 @@ class S3KvConnectorLeader(KvCacheConnectorScheduler):
                         f"request {rd.request_id}: the engine reports {len(by_group)} layer groups, "
                         f"the registered KV cache layout has {g.num_groups}"
                     )
-        return self.core.build_connector_meta(new, cached)
+        meta = self.core.build_connector_meta(new, cached)
+        now = time.monotonic()
+        if now - self._observed_at >= _OBSERVE_EVERY_S:
+            self._observed_at = now
+            self._runtime.observe(leader_stats=self.core.stats)
+        return meta
 
     # -- end of a request --------------------------------------------------
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
@@ -156,6 +166,7 @@ class S3KvConnectorLeader(KvCacheConnectorScheduler):
             return False
 
     def shutdown(self) -> None:
+        self._runtime.observe(leader_stats=self.core.stats)
         release_runtime(self._runtime)
 
 
@@ -175,6 +186,7 @@ class S3KvConnectorWorker(KvCacheConnectorWorker):
         from .worker import WorkerCore  # imported here: it pulls in the transfer threads
 
         self._llm_args = llm_args
+        self._observed_at = 0.0
         self.settings = _settings(settings)
         mapping = _mapping(llm_args)
         self.tp_rank = int(mapping.tp_rank)
@@ -246,7 +258,21 @@ class S3KvConnectorWorker(KvCacheConnectorWorker):
     def get_finished(
         self, finished_gen_req_ids: list[int], started_loading_req_ids: list[int]
     ) -> tuple[list[int], list[int]]:
-        return self.core.get_finished(finished_gen_req_ids, started_loading_req_ids)
+        try:
+            return self.core.get_finished(finished_gen_req_ids, started_loading_req_ids)
+        finally:
+            now = time.monotonic()
+            if now - self._observed_at >= _OBSERVE_EVERY_S:
+                self._observed_at = now
+                self.observe_metrics()
+
+    def observe_metrics(self) -> None:
+        """Copy this rank's cumulative stats into the engine's Prometheus metrics."""
+        self._runtime.observe(worker_stats=self.core.stats(), source=f"rank{self.tp_rank}")
+
+    @property
+    def metrics(self) -> Any:
+        return self._runtime.metrics
 
     # -- lifecycle ---------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
@@ -256,6 +282,7 @@ class S3KvConnectorWorker(KvCacheConnectorWorker):
     def shutdown(self) -> None:
         try:
             self.core.close()
+            self.observe_metrics()
         finally:
             release_runtime(self._runtime)
 
