@@ -13,7 +13,7 @@ save; only a *promised* load turns a store error into a request failure.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 Buffer = bytes | bytearray | memoryview
@@ -74,6 +74,23 @@ class HeadBatch:
     found: Mapping[str, ObjectInfo]
     missing: frozenset[str]
     failed: Mapping[str, StoreError]
+
+    @classmethod
+    def from_outcomes(
+        cls, keys: Sequence[str], outcomes: Iterable[ObjectInfo | StoreError | None]
+    ) -> HeadBatch:
+        """Fold per-key outcomes (info, None = missing, or the error) into a batch."""
+        found: dict[str, ObjectInfo] = {}
+        missing: set[str] = set()
+        failed: dict[str, StoreError] = {}
+        for key, outcome in zip(keys, outcomes, strict=True):
+            if isinstance(outcome, ObjectInfo):
+                found[key] = outcome
+            elif outcome is None:
+                missing.add(key)
+            else:
+                failed[key] = outcome
+        return cls(found, frozenset(missing), failed)
 
 
 @dataclass(frozen=True)

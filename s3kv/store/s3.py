@@ -447,17 +447,7 @@ class S3Store(ObjectStore):
 
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
         unique = list(dict.fromkeys(keys))
-        found: dict[str, ObjectInfo] = {}
-        missing: set[str] = set()
-        failed: dict[str, StoreError] = {}
-        for key, outcome in zip(unique, self._map(self._head_one, unique), strict=True):
-            if isinstance(outcome, ObjectInfo):
-                found[key] = outcome
-            elif outcome is None:
-                missing.add(key)
-            else:
-                failed[key] = outcome
-        return HeadBatch(found, frozenset(missing), failed)
+        return HeadBatch.from_outcomes(unique, self._map(self._head_one, unique))
 
     # -- PUT ---------------------------------------------------------------------------
     def put(
