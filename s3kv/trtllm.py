@@ -85,10 +85,6 @@ class S3KvConnectorLeader(KvCacheConnectorScheduler):
         self._runtime: EngineRuntime = acquire_runtime(
             llm_args, self.settings, store=store, key_prefix=key_prefix, engine_key=engine_key
         )
-        kv = getattr(llm_args, "kv_cache_config", None)
-        self._expected_groups = len(
-            expected_windows(getattr(kv, "max_attention_window", None), getattr(llm_args, "max_seq_len", None))
-        )
         self.core = LeaderCore(
             self.settings,
             self._runtime.store,
@@ -210,6 +206,16 @@ class S3KvConnectorWorker(KvCacheConnectorWorker):
         self.core.register_layout(layout)
         geometry: CacheGeometry = self.core.geometry
         self._runtime.publish_geometry(geometry)
+        kv = getattr(self._llm_args, "kv_cache_config", None)
+        max_seq_len = getattr(self._llm_args, "max_seq_len", None)
+        expected = expected_windows(getattr(kv, "max_attention_window", None), max_seq_len)
+        if max_seq_len is not None and len(expected) != geometry.num_groups:
+            # The layout is authoritative; a mismatch means the configured windows are
+            # not what the cache grouped on (worth knowing when reading hit rates).
+            log.warning(
+                "s3kv: configured windows give %d layer groups, the KV cache layout has %d",
+                len(expected), geometry.num_groups,
+            )
         log.info(
             "s3kv worker rank %d/%d: %s",
             self.tp_rank,
