@@ -10,12 +10,11 @@ goes through :class:`~s3kv.store.faultproxy.FaultProxy` in front of the server, 
 sees real 503s, resets, held answers and short bodies. Every page a cluster loads is checked
 byte for byte against recomputation (``kv_mismatches``, the "wrong bytes" column).
 
-The simulator itself stops a run on any exception from a connector call. A promised load that
-cannot be completed raises :class:`~s3kv.errors.LoadFailed` (the documented per-request
-failure), so the engine here, :class:`ResilientSimEngine`, models what the design asks of a real
-engine: the requests that error names fail, everything else keeps being served. Any other
-exception out of a connector call is a bug and is reported as such (``escaped``), as is a run
-that does not finish within its bound (``hangs``).
+A promised load that cannot be completed raises :class:`~s3kv.errors.LoadFailed` (the
+documented per-request failure); the simulator, like a real engine, fails exactly the requests
+that error names and keeps serving the rest. Any other exception out of a connector call is a
+bug and is reported as such (``escaped``), as is a run that does not finish within its bound
+(``hangs``).
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Settings
-from .errors import LoadFailed
 from .store.base import ObjectStore
 from .store.faultproxy import FaultProxy, WireFaultPlan
 
@@ -47,67 +45,34 @@ def _resilient_engine_class() -> type:
     from .sim import SimEngine
 
     class ResilientSimEngine(SimEngine):  # type: ignore[misc, valid-type]
-        """A :class:`~s3kv.sim.SimEngine` that fails the requests a ``LoadFailed`` names and goes on.
-
-        ``SimEngine`` lets any exception from a connector call escape ``run()`` (the whole run
-        ends, its other requests are never finished). A real engine fails the affected
-        requests; so here a ``LoadFailed`` out of ``start_load_kv`` (sync loads) or
-        ``get_finished`` (async loads) marks exactly ``LoadFailed.request_ids`` failed:
-        a failed sync request is left out of this iteration's forward (its pages were never
-        filled, so nothing reads them), a failed async one stays parked; either way, after the
-        iteration, its pages are freed and it is done (``failed_ids``). Ranks that later report
-        a failed id as loaded are ignored. The connector is not told (the API has no call for
-        it). Every other exception still escapes ``run()``.
+        """:class:`~s3kv.sim.SimEngine`, which fails exactly the requests a ``LoadFailed`` names
+        and serves on, plus an unsafe variant for one test: ``settle_all_ranks=False`` frees a
+        failed request's pages at the first rank's error instead of once every rank settled it
+        (another rank's load may still be landing in them -- kept to show why that is wrong).
         """
 
-        def __init__(self, *args: Any, **kwargs: Any):
+        def __init__(self, *args: Any, settle_all_ranks: bool = True, **kwargs: Any):
             super().__init__(*args, **kwargs)
-            self.failed_ids: set[int] = set()
-            self.load_failures: list[LoadFailed] = []
-            self._to_fail: set[int] = set()
+            self.settle_all_ranks = settle_all_ranks
 
-        def _timed(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
-            try:
-                return super()._timed(name, fn, *args)
-            except LoadFailed as exc:
-                if name not in ("start_load_kv", "get_finished"):
-                    raise
-                self.load_failures.append(exc)
-                ids = {int(r) for r in exc.request_ids}
-                self._to_fail |= ids
-                self.failed_ids |= ids
-                for out in self._out_load:
-                    out.difference_update(ids)
-                return ([], []) if name == "get_finished" else None
+        def _fail_requests(self, exc: Exception, rank: int, live: list, *, returned: bool) -> None:
+            super()._fail_requests(exc, rank, live, returned=returned)
+            if returned and not self.settle_all_ranks:
+                ids = {int(r) for r in getattr(exc, "request_ids", ())}
+                for r in range(len(self.workers)):
+                    self._out_load[r].difference_update(ids)
+                for st in live:
+                    if st.rid in ids:
+                        st.waiting_ranks.clear()
 
         def _parse_finished(self, rank: int, ret: Any) -> tuple[list[int], list[int]]:
-            try:
-                saved, loaded = ret
-                ret = (saved, [x for x in (loaded or []) if int(x) not in self.failed_ids])
-            except Exception:  # noqa: BLE001 - malformed: let the engine's own check report it
-                pass
+            if not self.settle_all_ranks:  # late returns of ids already failed everywhere
+                try:
+                    saved, loaded = ret
+                    ret = (saved, [x for x in (loaded or []) if int(x) not in self.failed_ids])
+                except Exception:  # noqa: BLE001 - malformed: let the engine's own check report it
+                    pass
             return super()._parse_finished(rank, ret)
-
-        def _forward(self, scheduled: list, stream: Any) -> None:
-            if self._to_fail:
-                # In place: the engine advances the same list after the forward.
-                scheduled[:] = [x for x in scheduled if x[0].rid not in self._to_fail]
-            super()._forward(scheduled, stream)
-
-        def _iteration(self, it: int, waiting: list, live: list) -> tuple[bool, float | None]:
-            progressed, fwd = super()._iteration(it, waiting, live)
-            if self._to_fail:
-                for st in [x for x in live if x.rid in self._to_fail]:
-                    self._release(st)
-                    st.phase = type(st.phase).DONE
-                    st.t_done, st.it_done = time.perf_counter(), it
-                    if not st.t_first_token:
-                        st.t_first_token = st.t_done
-                    self._done_ids.add(st.rid)  # a conversation's next turn may still come
-                    live.remove(st)
-                self._to_fail.clear()
-                progressed = True
-            return progressed, fwd
 
     return ResilientSimEngine
 
@@ -485,7 +450,7 @@ def run_cell(
         results = []
         for role, first_id in (("A", 0), ("B", 100_000)):
             # One store client per cluster, as two clusters would have. The engine's runtime
-            # owns it: the last connector to shut down closes it.
+            # wraps it (circuit breaker, metrics) but leaves closing it to us.
             store, key_prefix = store_from_settings(
                 settings,
                 endpoint_url=px.endpoint_url,
@@ -493,7 +458,10 @@ def run_cell(
                 secret_key=server.secret_key,
                 region=server.region,
             )
-            results.append(run_cluster(role, shape, settings, store, key_prefix, first_id=first_id))
+            try:
+                results.append(run_cluster(role, shape, settings, store, key_prefix, first_id=first_id))
+            finally:
+                store.close()
         a, b = results
         stats = px.stats()
     wall = time.perf_counter() - t0

@@ -244,13 +244,17 @@ class LeaderCore:
         assert st.chain is not None
         out: dict[Ask, Span | None] = {}
         todo: dict[str, Ask] = {}
+        # With the store in doubt (breaker not closed), a remembered object is no
+        # promise: ask the store, which fails fast while open (a miss) and whose
+        # answer closes a half-open breaker before anything is promised.
+        trust_index = self.store.available
         for a in asks:
             grp, shard, end = a
             key = self.scheme.object_key(self._geometry.groups[grp].fingerprint, shard, st.chain.digests[end - 1])  # type: ignore[union-attr]
             v = self.index.get(key)
             if v is MISSING:
                 out[a] = None
-            elif v is not None:
+            elif v is not None and trust_index:
                 out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
             else:
                 todo[key] = a

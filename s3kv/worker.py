@@ -197,6 +197,7 @@ class WorkerCore:
         self._metadata: ConnectorMetadata | None = None
         self._loads_started = False
         self._saves_done = False
+        self._failed_now: set[int] = set()  # requests whose sync load failed this iteration
         # Saves.
         self._buffers: dict[BufferId, _OpenBuffer] = {}
         self._dropped: set[BufferId] = set()
@@ -304,6 +305,7 @@ class WorkerCore:
             self._metadata = metadata
             self._loads_started = False
             self._saves_done = False
+            self._failed_now = set()
 
     def start_load_kv(self, stream: Any = None) -> None:
         """Start every load of the bound plan; sync ones are downloaded and verified before return."""
@@ -359,6 +361,10 @@ class WorkerCore:
         if failed:
             with self._lock:
                 self._quiesce(set(failed))
+                # The engine may still run this iteration's forward for the other
+                # requests; the failed ones' pages hold no verified KV, so nothing of
+                # theirs may be saved from them (it would poison the shared cache).
+                self._failed_now |= set(failed)
             raise self._load_failed(failed)
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any = None) -> None:
@@ -393,12 +399,14 @@ class WorkerCore:
                 log.error("s3kv: save ops before register_layout; dropped")
                 self._counters.add("saves_dropped_other", len(md.seals))
                 return
+            failed = self._failed_now
             try:
-                for rid in md.discard_ids:
+                for rid in set(md.discard_ids) | failed:
                     self._discard(rid)
-                self._stage(md.stages, stream)
+                self._stage([op for op in md.stages if op.buffer.request_id not in failed], stream)
                 for seal in md.seals:
-                    self._seal(seal)
+                    if seal.buffer.request_id not in failed:
+                        self._seal(seal)
                 # A released buffer's last seal already went out; free its staging now.
                 for bid in md.releases:
                     self._close_buffer(bid)
@@ -717,6 +725,10 @@ class WorkerCore:
     def _load_failed(self, failed: dict[int, tuple[str | None, str]]) -> LoadFailed:
         self._counters.add("requests_failed", len(failed))
         keys = sorted({k for k, _ in failed.values() if k})
+        if self.index is not None and keys:
+            # A stale positive (object deleted or corrupt) would keep promising the
+            # same broken load to every request on this prefix until it expired.
+            self.index.forget(keys)
         reasons = sorted({f"{r} (object {k!r})" if k and k not in r else r for k, r in failed.values()})
         return LoadFailed("; ".join(reasons), request_ids=failed.keys(), key=keys[0] if keys else None)
 

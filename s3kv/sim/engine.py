@@ -94,6 +94,7 @@ class _Req:
     generated: int = 0
     gen_done: bool = False
     waiting_ranks: set[int] = field(default_factory=set)
+    failed: bool = False  # a connector call raised an error naming this request
     t_admit: float = 0.0
     t_first_token: float = 0.0
     t_done: float = 0.0
@@ -224,6 +225,9 @@ class SimEngine:
         self._out_load: list[set[int]] = [set() for _ in range(tp_size)]
         self._out_save: list[set[int]] = [set() for _ in range(tp_size)]
         self._handover_saving: list[int] = []
+        #: Errors connector calls raised for specific requests (``exc.request_ids``).
+        self.load_failures: list[BaseException] = []
+        self.failed_ids: set[int] = set()
 
     # ------------------------------------------------------------------ bring-up
 
@@ -389,9 +393,15 @@ class SimEngine:
         t0 = time.perf_counter()
         check0 = self.checker.seconds
         hooks = bool(scheduled) or self.idle_worker_hooks
-        for w in self.workers:
+        for rank, w in enumerate(self.workers):
             if hooks:
-                self._timed("start_load_kv", w.start_load_kv, stream)
+                try:
+                    self._timed("start_load_kv", w.start_load_kv, stream)
+                except Exception as exc:  # noqa: BLE001 - request-scoped errors fail requests
+                    self._fail_requests(exc, rank, live, returned=False)
+        # A failed request's pages hold no verified KV: it leaves the batch (in place:
+        # the same list is advanced after the forward).
+        scheduled[:] = [x for x in scheduled if not x[0].failed]
         if scheduled:
             progressed = True
             self._forward(scheduled, stream)
@@ -406,11 +416,18 @@ class SimEngine:
         for rank, w in enumerate(self.workers):
             self._out_save[rank].update(finished_gen)
             self._out_load[rank].update(started_loading)
-            ret = self._timed("get_finished", w.get_finished, list(finished_gen), list(started_loading))
+            try:
+                ret = self._timed("get_finished", w.get_finished, list(finished_gen), list(started_loading))
+            except Exception as exc:  # noqa: BLE001 - request-scoped errors fail requests
+                self._fail_requests(exc, rank, live, returned=True)
+                ret = ([], [])
             saved, loaded = self._parse_finished(rank, ret)
             for rid in saved:
                 progressed |= self._rank_returned(live, rid, rank, saving=True)
             for rid in loaded:
+                if self._settle_failed(live, rid, rank):
+                    progressed = True
+                    continue
                 progressed |= self._rank_returned(live, rid, rank, saving=False)
 
         # 7. Advance history, sample, free pages that left the window; 8. finish.
@@ -419,7 +436,52 @@ class SimEngine:
             self._advance(st, n, is_ctx, it, finished, waiting, live)
         for st in finished:
             self._finish(st, it, live)
+        for st in [x for x in live if x.failed]:
+            if st.phase is _Phase.PARKED and st.waiting_ranks:
+                continue  # another rank may still be placing its pages: keep them until it settles
+            self._release(st)
+            st.phase = _Phase.DONE
+            st.t_done, st.it_done = time.perf_counter(), it
+            if not st.t_first_token:
+                st.t_first_token = st.t_done
+            self._done_ids.add(st.rid)  # a conversation's next turn may still come
+            live.remove(st)
+            progressed = True
         return progressed, fwd
+
+    # ------------------------------------------------------------------ failed requests
+
+    def _fail_requests(self, exc: Exception, rank: int, live: list[_Req], *, returned: bool) -> None:
+        """A connector call raised for specific requests (``exc.request_ids``): fail just those.
+
+        The engine has no failed-load API; a connector fails a request by raising
+        an error naming it (s3kv's ``LoadFailed``). Any other exception is a bug
+        and ends the run. A failed request leaves the batch; an async one keeps its
+        pages until every rank has settled it (returned it or raised for it) --
+        freeing them at the first error would hand pages to the next request while
+        another rank's load may still be landing in them.
+        """
+        ids = getattr(exc, "request_ids", None)
+        if ids is None:
+            raise exc
+        self.load_failures.append(exc)
+        ids = {int(r) for r in ids}
+        self.failed_ids |= ids
+        if returned:
+            self._out_load[rank].difference_update(ids)
+        for st in live:
+            if st.rid in ids:
+                st.failed = True
+                if returned:
+                    st.waiting_ranks.discard(rank)
+
+    def _settle_failed(self, live: list[_Req], rid: int, rank: int) -> bool:
+        st = next((x for x in live if x.rid == rid), None)
+        if st is None or not st.failed:
+            return False
+        self._out_load[rank].discard(rid)
+        st.waiting_ranks.discard(rank)  # its loads on this rank are done; it is never resumed
+        return True
 
     # ------------------------------------------------------------------ admission and allocation
 
@@ -807,7 +869,7 @@ class SimEngine:
             prompt_tokens=plen,
             device_match_tokens=st.device_match,
             offered_tokens=st.offered,
-            matched_tokens=0 if st.discarded else st.honoured,
+            matched_tokens=0 if st.discarded or st.failed else st.honoured,
             computed_tokens=plen - st.prefill_start,
             loaded_async=st.ever_async,
             discarded=st.discarded,
@@ -817,4 +879,5 @@ class SimEngine:
             latency_s=st.t_done - st.t_admit,
             admitted_iteration=st.it_admit,
             finished_iteration=st.it_done,
+            failed=st.failed,
         )

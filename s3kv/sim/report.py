@@ -46,6 +46,7 @@ class RequestReport:
     latency_s: float  # first admission -> generation finished
     admitted_iteration: int
     finished_iteration: int
+    failed: bool = False  # a connector call failed it (e.g. LoadFailed); never computed further
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,10 @@ class SimReport:
     def hit_rate(self) -> float:
         """Share of prompt tokens the connector served."""
         return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def failed_requests(self) -> int:
+        return sum(1 for r in self.requests if r.failed)
 
     @property
     def ok(self) -> bool:

@@ -149,6 +149,15 @@ class ObjectStore(abc.ABC):
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every object under ``prefix`` (metadata may be empty: listing does not return it)."""
 
+    @property
+    def available(self) -> bool:
+        """False while the store is known to be unusable (an open or half-open breaker).
+
+        Callers then must not promise loads from cached knowledge (the local index):
+        a dead store should cost a miss, not a failed request.
+        """
+        return True
+
     def check_access(self) -> None:
         """Fail fast at start-up with one clear error if the location is unusable.
 
@@ -191,6 +200,10 @@ class StoreWrapper(ObjectStore):
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         return self.inner.list(prefix)
+
+    @property
+    def available(self) -> bool:
+        return self.inner.available
 
     def check_access(self) -> None:
         self.inner.check_access()

@@ -153,6 +153,10 @@ class CircuitBreakerStore(StoreWrapper):
             return self._state
 
     @property
+    def available(self) -> bool:
+        return self.state is BreakerState.CLOSED and self.inner.available
+
+    @property
     def consecutive_failures(self) -> int:
         with self._lock:
             return self._consecutive

@@ -1,0 +1,825 @@
+"""Reliability: the real connector in a simulated TP=2 VSWA engine against a real loopback S3
+server (moto; SeaweedFS where credentials must be enforced), with wire faults, outages,
+tampered objects, races and the security rules of the failure policy.
+
+Every run is checked page by page against recomputation (``kv_mismatches``). The engine is
+:class:`s3kv.faultmatrix.ResilientSimEngine`: a ``LoadFailed`` out of a connector call fails
+the requests it names and the rest keep being served; any other exception escapes and fails
+the test. The full fault matrix is ``python -m s3kv.faultmatrix`` (docs/reliability.md); here
+a reduced one runs. Four bugs this file found (sync failures saving unfilled pages, a stale
+index after a failed load, index promises past an open breaker, runs ending on LoadFailed)
+are fixed; their tests stay as regressions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from s3kv.errors import LoadFailed
+from s3kv.faultmatrix import (
+    SMALL,
+    Cell,
+    ClusterResult,
+    Shape,
+    fault_settings,
+    make_engine,
+    run_cell,
+    run_phases,
+    store_from_settings,
+    workload,
+)
+from s3kv.objects import header_len
+from s3kv.sim.request import SimRequestSpec
+from s3kv.store.base import NotFound, ObjectStore, StoreWrapper
+from s3kv.store.breaker import CircuitBreakerStore
+from s3kv.store.embedded import EmbeddedS3
+from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
+from s3kv.store.faults import FaultInjectingStore
+from s3kv.store.memory import MemoryStore
+
+pytestmark = pytest.mark.timeout(120)
+
+# A prompt long enough for two checkpoints (128 tokens each): a full hit is 256 tokens and a
+# hit that stops at the first checkpoint is 128.
+LONG = dataclasses.replace(
+    SMALL, conversations=1, turns_a=1, turns_b=1, new_users=0, system_len=256, first_len=64
+)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def prefix(request: pytest.FixtureRequest) -> str:
+    return f"rel/{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
+
+
+def _settings(server: EmbeddedS3, prefix: str, shape: Shape = SMALL, **overrides: Any):
+    return fault_settings(
+        f"s3://{server.bucket}/{prefix}",
+        blocks_per_object=shape.blocks_per_object,
+        checkpoint_tokens=shape.checkpoint_tokens,
+        load_mode=overrides.pop("load_mode", shape.load_mode),
+        **overrides,
+    )
+
+
+_OPEN_STORES: list[ObjectStore] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_stores() -> Iterator[None]:
+    """The runtime never closes a store it was handed: close every one a test made."""
+    yield
+    while _OPEN_STORES:
+        _OPEN_STORES.pop().close()
+
+
+def _s3(server: EmbeddedS3, settings, endpoint_url: str | None = None) -> ObjectStore:
+    store, _ = store_from_settings(
+        settings,
+        endpoint_url=endpoint_url or server.endpoint_url,
+        access_key=server.access_key,
+        secret_key=server.secret_key,
+        region=server.region,
+    )
+    _OPEN_STORES.append(store)
+    return store
+
+
+def _breaker(engine: Any) -> CircuitBreakerStore:
+    """The circuit breaker the engine's runtime put around its store."""
+    store = engine.leader._runtime.store
+    assert isinstance(store, CircuitBreakerStore)
+    return store
+
+
+def _engine(shape: Shape, settings, store: ObjectStore | None, prefix: str | None, **kw: Any) -> Any:
+    return make_engine(shape, settings, store, prefix, f"rel-{uuid.uuid4().hex[:10]}", **kw)
+
+
+def _run(engine: Any, phases: list[list[SimRequestSpec]], role: str = "X") -> ClusterResult:
+    """Run phases on ``engine`` (which stays usable: no shutdown here)."""
+    return run_phases(engine, phases, ClusterResult(role), flush_s=30.0, idle_iterations=20_000)
+
+
+def _cluster(
+    shape: Shape,
+    settings,
+    store: ObjectStore | None,
+    prefix: str | None,
+    phases: list[list[SimRequestSpec]],
+    **kw: Any,
+) -> tuple[ClusterResult, Any]:
+    engine = _engine(shape, settings, store, prefix, **kw)
+    with engine:
+        res = _run(engine, phases)
+    return res, engine
+
+
+def _clean(res: ClusterResult) -> None:
+    """The invariants of every run: no wrong byte, nothing escaped, nothing hung."""
+    assert res.kv_mismatches == 0, res
+    assert res.escaped == [], res.escaped
+    assert res.hangs == 0
+
+
+def _repeat(
+    phases: list[list[SimRequestSpec]], first_id: int, salt: str | None = None
+) -> list[list[SimRequestSpec]]:
+    out, n = [], 0
+    for phase in phases:
+        out.append(
+            [
+                SimRequestSpec(first_id + (n := n + 1), s.prompt, s.max_new_tokens, cache_salt=salt)
+                for s in phase
+            ]
+        )
+    return out
+
+
+def _keys(server: EmbeddedS3, prefix: str) -> list[str]:
+    client = server.client()
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=server.bucket, Prefix=prefix + "/"):
+        keys += [o["Key"] for o in page.get("Contents", [])]
+    return sorted(keys)
+
+
+def _copy_prefix(server: EmbeddedS3, src: str, dst: str) -> list[str]:
+    client = server.client()
+    out = []
+    for key in _keys(server, src):
+        new = dst + key[len(src) :]
+        client.copy_object(Bucket=server.bucket, Key=new, CopySource={"Bucket": server.bucket, "Key": key})
+        out.append(new)
+    return out
+
+
+@pytest.fixture(scope="module")
+def warm_prefix(moto_s3: EmbeddedS3) -> str:
+    """A prefix holding cluster A's objects of the SMALL workload (written once, copied per test)."""
+    p = f"rel/warm-{uuid.uuid4().hex[:8]}"
+    settings = _settings(moto_s3, p)
+    res, _ = _cluster(SMALL, settings, _s3(moto_s3, settings), p, workload(SMALL, "A", 0))
+    _clean(res)
+    assert res.objects_saved > 0
+    return p
+
+
+def _warm_copy(server: EmbeddedS3, warm_prefix: str, prefix: str) -> list[str]:
+    keys = _copy_prefix(server, warm_prefix, prefix)
+    assert keys
+    return keys
+
+
+# --------------------------------------------------------------------------- fault matrix (reduced)
+
+
+@pytest.fixture(scope="module")
+def baseline(moto_s3: EmbeddedS3) -> Cell:
+    cell = run_cell(moto_s3, "none", 0.0, SMALL)
+    assert cell.ok and cell.failed_requests == 0 and cell.hit_rate > 0.5, cell
+    return cell
+
+
+@pytest.mark.parametrize(
+    ("fault", "rate"), [("503", 0.3), ("reset", 0.3), ("latency", 0.3), ("truncate", 0.05)]
+)
+def test_fault_matrix_reduced(moto_s3: EmbeddedS3, baseline: Cell, fault: str, rate: float) -> None:
+    cell = run_cell(moto_s3, fault, rate, SMALL)
+    assert cell.wire_faults > 0, "the proxy injected nothing"
+    assert cell.kv_mismatches == 0
+    assert cell.escaped == [] and cell.hangs == 0
+    for msg in cell.load_failures:  # the only failure allowed: a clean, named one
+        assert "s3kv load failed" in msg and "object '" in msg
+    if rate <= 0.05:
+        assert cell.hit_rate >= 0.9 * baseline.hit_rate, (cell.hit_rate, baseline.hit_rate)
+    assert cell.time_s < 60
+
+
+# --------------------------------------------------------------------------- store down
+
+
+@pytest.fixture
+def proxy(moto_s3: EmbeddedS3) -> Iterator[FaultProxy]:
+    with FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan()) as px:
+        yield px
+
+
+#: Breaker settings for outage tests: trips after 2 failed calls, probes after 0.5 s.
+FAST_BREAKER = dict(breaker_failures=2, breaker_reset_s=0.5)
+
+
+def test_store_down_at_start_serves_misses_then_hits_resume(
+    moto_s3: EmbeddedS3, warm_prefix: str, prefix: str, proxy: FaultProxy
+) -> None:
+    _warm_copy(moto_s3, warm_prefix, prefix)
+    settings = _settings(moto_s3, prefix, **FAST_BREAKER)
+    base = workload(SMALL, "A", 0)
+    proxy.set_down(True)  # down before the engine exists
+    engine = _engine(SMALL, settings, _s3(moto_s3, settings, proxy.endpoint_url), prefix)
+    store = _breaker(engine)
+    with engine:
+        t0 = time.perf_counter()
+        down = _run(engine, _repeat(base, 1000))
+        down_s = time.perf_counter() - t0
+        _clean(down)
+        assert down.requests == 2 and down.matched_tokens == 0 and down.failed_requests == 0
+        assert store.trips >= 1
+        assert down_s < 20, f"serving with the store down took {down_s:.1f}s"
+
+        proxy.set_down(False)
+        time.sleep(0.6)  # the breaker's reset period; no restart, same engine and connectors
+        up = _run(engine, _repeat(base, 2000))
+    _clean(up)
+    assert up.failed_requests == 0 and up.hit_requests == 2 and up.matched_tokens > 0
+    assert store.state.value == "closed"
+
+
+def test_store_down_mid_run_fails_promised_loads_cleanly_then_recovers(
+    moto_s3: EmbeddedS3, warm_prefix: str, prefix: str, proxy: FaultProxy
+) -> None:
+    keys = set(_warm_copy(moto_s3, warm_prefix, prefix))
+    settings = _settings(moto_s3, prefix, **FAST_BREAKER)
+    base = workload(SMALL, "A", 0)
+    outage = {"on": False}
+
+    def honour(offer: int) -> int:
+        # The lookup has just promised a hit: the store dies before the load starts.
+        if outage["on"] and offer:
+            proxy.set_down(True)
+        return offer
+
+    engine = _engine(SMALL, settings, _s3(moto_s3, settings, proxy.endpoint_url), prefix, honour=honour)
+    with engine:
+        before = _run(engine, _repeat(base, 1000))
+        _clean(before)
+        assert before.hit_requests == 2 and before.failed_requests == 0
+
+        outage["on"] = True
+        t0 = time.perf_counter()
+        during = _run(engine, _repeat(base, 2000))
+        during_s = time.perf_counter() - t0
+        outage["on"] = False
+        _clean(during)
+        assert during.requests == 2 and during.matched_tokens == 0
+        assert during.failed_requests >= 1  # the promised load, failed with a name
+        for exc in engine.load_failures:
+            assert isinstance(exc, LoadFailed) and exc.key in keys and exc.key in str(exc)
+        assert during_s < 30
+
+        proxy.set_down(False)
+        time.sleep(0.6)  # the breaker's reset period
+        # No restart: the same engine serves on. Its index still knows the objects, so loads
+        # promised before the breaker has closed again fail fast (cleanly; see
+        # test_open_breaker_with_a_warm_index_gives_misses_not_failures); once a probe has
+        # succeeded, hits are back.
+        deadline = time.monotonic() + 15
+        phases = 0
+        while True:
+            phases += 1
+            after = _run(engine, _repeat(base, 3000 + 100 * phases))
+            _clean(after)
+            if after.failed_requests == 0 or time.monotonic() > deadline:
+                break
+            for exc in engine.load_failures[-after.failed_requests :]:
+                assert "StoreUnavailable" in str(exc), str(exc)[:300]
+            time.sleep(0.25)
+    assert after.failed_requests == 0 and after.hit_requests == 2, f"no clean hits after {phases} phases"
+
+
+def test_open_breaker_with_a_warm_index_gives_misses_not_failures(
+    moto_s3: EmbeddedS3, warm_prefix: str, prefix: str, proxy: FaultProxy
+) -> None:
+    from s3kv.store.base import StoreError
+
+    _warm_copy(moto_s3, warm_prefix, prefix)
+    settings = _settings(moto_s3, prefix, breaker_failures=1, breaker_reset_s=60)
+    base = workload(SMALL, "A", 0)
+    engine = _engine(SMALL, settings, _s3(moto_s3, settings, proxy.endpoint_url), prefix)
+    store = _breaker(engine)
+    with engine:
+        warm = _run(engine, _repeat(base, 1000))  # the index now knows every object
+        _clean(warm)
+        assert warm.hit_requests == 2
+        proxy.set_down(True)
+        with pytest.raises(StoreError):
+            store.check_access()
+        assert store.state.value == "open"
+        down = _run(engine, _repeat(base, 2000))
+        proxy.set_down(False)
+    _clean(down)
+    assert down.failed_requests == 0, [str(e)[:200] for e in engine.load_failures]
+    assert down.matched_tokens == 0
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+def _tamper(server: EmbeddedS3, keys: list[str], kind: str, foreign_prefix: str | None = None) -> None:
+    client = server.client()
+    for key in keys:
+        obj = client.get_object(Bucket=server.bucket, Key=key)
+        body, meta = bytearray(obj["Body"].read()), dict(obj["Metadata"])
+        if kind == "truncated":
+            body = body[: len(body) - 7]
+        elif kind == "bitflip":
+            count, page = int(meta["s3kv-count"]), int(meta["s3kv-page-bytes"])
+            for i in range(count):  # one flipped bit in every page: same size, same metadata
+                body[header_len(count) + i * page + page // 2] ^= 0x10
+        elif kind == "foreign":
+            meta["s3kv-ns"] = "ab" * 16  # another namespace's object under this key
+        elif kind == "forged_geometry":
+            # Another geometry's object (other head_dim: other namespace and page size) under our
+            # key, its size fitted and its metadata left ours, so the HEAD check passes.
+            assert foreign_prefix is not None
+            src = _keys(server, foreign_prefix)[0]
+            other = client.get_object(Bucket=server.bucket, Key=src)["Body"].read()
+            body = bytearray((other + bytes(len(body)))[: len(body)])
+        client.put_object(Bucket=server.bucket, Key=key, Body=bytes(body), Metadata=meta)
+
+
+@pytest.mark.parametrize("kind", ["truncated", "bitflip", "foreign", "forged_geometry"])
+def test_tampered_objects_are_never_loaded(
+    moto_s3: EmbeddedS3, warm_prefix: str, prefix: str, kind: str
+) -> None:
+    keys = _warm_copy(moto_s3, warm_prefix, prefix)
+    foreign = None
+    if kind == "forged_geometry":
+        foreign = prefix + "-othergeom"
+        other = dataclasses.replace(SMALL, head_dim=SMALL.head_dim * 2)
+        s = _settings(moto_s3, foreign, other)
+        res, _ = _cluster(other, s, _s3(moto_s3, s), foreign, workload(other, "A", 0)[:1])
+        _clean(res)
+    _tamper(moto_s3, keys, kind, foreign)
+    settings = _settings(moto_s3, prefix)
+    res, engine = _cluster(
+        SMALL, settings, _s3(moto_s3, settings), prefix, _repeat(workload(SMALL, "A", 0), 1000)
+    )
+    _clean(res)
+    assert res.matched_tokens == 0, "a tampered object was served"
+    if kind in ("truncated", "foreign"):  # rejected by the HEAD's size/metadata check: a miss
+        assert res.failed_requests == 0
+        assert engine.leader.core.stats.foreign_objects > 0
+    else:  # passes the HEAD, caught by the header/page checksums: a clean, named request failure
+        assert res.failed_requests == res.requests
+        for exc in engine.load_failures:
+            assert exc.key in keys and exc.key in str(exc)
+        reasons = (
+            ("ChecksumMismatch",) if kind == "bitflip" else ("ForeignObject", "HeaderCorrupt", "BadMagic")
+        )
+        assert all(any(r in str(e) for r in reasons) for e in engine.load_failures), engine.load_failures
+    # Nothing was re-uploaded over the bad objects (write-once): they stay as tampered.
+
+
+def test_another_geometry_sharing_the_bucket_never_hits(
+    moto_s3: EmbeddedS3, warm_prefix: str, prefix: str
+) -> None:
+    _warm_copy(moto_s3, warm_prefix, prefix)
+    for other in (
+        dataclasses.replace(SMALL, head_dim=SMALL.head_dim * 2),  # other page size
+        dataclasses.replace(SMALL, window=SMALL.window * 2),  # other sliding window
+    ):
+        settings = _settings(moto_s3, prefix, other)
+        res, engine = _cluster(
+            other, settings, _s3(moto_s3, settings), prefix, _repeat(workload(other, "A", 0), 1000)
+        )
+        _clean(res)
+        assert res.matched_tokens == 0 and res.failed_requests == 0
+
+
+# --------------------------------------------------------------------------- races
+
+
+def test_two_clusters_saving_the_same_prefix_at_once(moto_s3: EmbeddedS3, prefix: str) -> None:
+    settings = _settings(moto_s3, prefix)
+    phases = workload(SMALL, "A", 0)
+    # The key set one cluster alone writes, in a side prefix.
+    solo_prefix = prefix + "-solo"
+    s = _settings(moto_s3, solo_prefix)
+    solo, _ = _cluster(SMALL, s, _s3(moto_s3, s), solo_prefix, phases)
+    _clean(solo)
+
+    results: dict[str, ClusterResult] = {}
+    engines = {r: _engine(SMALL, settings, _s3(moto_s3, settings), prefix) for r in ("A", "B")}
+    start = threading.Barrier(2)
+
+    def go(role: str) -> None:
+        start.wait()
+        with engines[role]:
+            results[role] = _run(engines[role], _repeat(phases, 10_000 if role == "A" else 20_000), role)
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in engines]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads)
+    for r in results.values():
+        _clean(r)
+        assert r.failed_requests == 0
+    stats = [w.core.stats() for e in engines.values() for w in e.workers]
+    assert sum(s.saves_dropped_store_error + s.saves_dropped_other for s in stats) == 0
+    keys = _keys(moto_s3, prefix)
+    assert len(keys) == len(set(keys))
+    assert [k[len(prefix) :] for k in keys] == [k[len(solo_prefix) :] for k in _keys(moto_s3, solo_prefix)]
+    # Every object is whole and right: a third cluster loads all of them.
+    res, _ = _cluster(SMALL, settings, _s3(moto_s3, settings), prefix, _repeat(phases, 30_000))
+    _clean(res)
+    assert res.failed_requests == 0 and res.hit_requests == res.requests
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_object_deleted_between_lookup_and_load(
+    moto_s3: EmbeddedS3, warm_prefix: str, prefix: str, mode: str
+) -> None:
+    keys = _warm_copy(moto_s3, warm_prefix, prefix)
+    client = moto_s3.client()
+    deleted: list[str] = []
+
+    def honour(offer: int) -> int:
+        if offer and not deleted:  # promised: now a gc run deletes everything
+            client.delete_objects(Bucket=moto_s3.bucket, Delete={"Objects": [{"Key": k} for k in keys]})
+            deleted.extend(keys)
+        return offer
+
+    settings = _settings(moto_s3, prefix, load_mode=mode)
+    t0 = time.perf_counter()
+    res, engine = _cluster(
+        SMALL, settings, _s3(moto_s3, settings), prefix, _repeat(workload(SMALL, "A", 0), 1000), honour=honour
+    )
+    _clean(res)
+    assert deleted and res.failed_requests >= 1
+    for exc in engine.load_failures:
+        assert isinstance(exc, LoadFailed)
+        assert exc.key in keys and exc.key in str(exc) and "NotFound" in str(exc)
+    assert time.perf_counter() - t0 < 30
+
+
+def test_object_deleted_before_lookup_gives_a_shorter_hit(moto_s3: EmbeddedS3, prefix: str) -> None:
+    settings = _settings(moto_s3, prefix, LONG)
+    cold, engine = _cluster(LONG, settings, _s3(moto_s3, settings), prefix, workload(LONG, "A", 0))
+    _clean(cold)
+    full_fp = engine.workers[0].core.geometry.groups[0].fingerprint  # group 0: full attention
+    assert engine.workers[0].core.geometry.groups[0].window is None
+
+    whole, _ = _cluster(LONG, settings, _s3(moto_s3, settings), prefix, _repeat(workload(LONG, "A", 0), 1000))
+    _clean(whole)
+    assert whole.hit_requests == 1
+
+    # Delete the full-attention objects past the first checkpoint (8 blocks), every shard.
+    client = moto_s3.client()
+    gone = []
+    for key in _keys(moto_s3, prefix):
+        if f"/{full_fp}." not in key:
+            continue
+        meta = client.head_object(Bucket=moto_s3.bucket, Key=key)["Metadata"]
+        if int(meta["s3kv-first"]) >= 8:
+            gone.append(key)
+    assert gone
+    client.delete_objects(Bucket=moto_s3.bucket, Delete={"Objects": [{"Key": k} for k in gone]})
+    shorter, _ = _cluster(
+        LONG, settings, _s3(moto_s3, settings), prefix, _repeat(workload(LONG, "A", 0), 2000)
+    )
+    _clean(shorter)
+    assert shorter.failed_requests == 0
+    assert 0 < shorter.matched_tokens < whole.matched_tokens, (shorter.matched_tokens, whole.matched_tokens)
+
+
+def test_object_deleted_behind_a_warm_index_fails_cleanly(
+    moto_s3: EmbeddedS3, warm_prefix: str, prefix: str
+) -> None:
+    """The cluster that saw the objects keeps them in its index (no HEAD on a warm lookup), so an
+    outside deletion is found only by the load: a clean, named failure rather than a shorter hit."""
+    keys = _warm_copy(moto_s3, warm_prefix, prefix)
+    settings = _settings(moto_s3, prefix)
+    engine = _engine(SMALL, settings, _s3(moto_s3, settings), prefix)
+    with engine:
+        first = _run(engine, _repeat(workload(SMALL, "A", 0), 1000))
+        _clean(first)
+        assert first.hit_requests == 2
+        moto_s3.client().delete_objects(Bucket=moto_s3.bucket, Delete={"Objects": [{"Key": k} for k in keys]})
+        second = _run(engine, _repeat(workload(SMALL, "A", 0), 2000))
+    _clean(second)
+    assert second.matched_tokens == 0
+    for exc in engine.load_failures:
+        assert exc.key in keys and "NotFound" in str(exc)
+
+
+# --------------------------------------------------------------------------- security
+
+
+def test_cache_salt_isolates_tenants(moto_s3: EmbeddedS3, prefix: str) -> None:
+    settings = _settings(moto_s3, prefix)
+    base = workload(SMALL, "A", 0)
+    cold, _ = _cluster(SMALL, settings, _s3(moto_s3, settings), prefix, _repeat(base, 1000, salt="tenant-a"))
+    _clean(cold)
+    other, _ = _cluster(SMALL, settings, _s3(moto_s3, settings), prefix, _repeat(base, 2000, salt="tenant-b"))
+    _clean(other)
+    nosalt, _ = _cluster(SMALL, settings, _s3(moto_s3, settings), prefix, _repeat(base, 3000))
+    _clean(nosalt)
+    same, _ = _cluster(SMALL, settings, _s3(moto_s3, settings), prefix, _repeat(base, 4000, salt="tenant-a"))
+    _clean(same)
+    assert other.matched_tokens == 0 and nosalt.matched_tokens == 0
+    assert same.hit_requests == same.requests  # the cache itself works for the right tenant
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+        self.names: set[str] = set()
+        self.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.split(".")[0] in ("s3kv", "botocore", "boto3", "urllib3", "s3transfer"):
+            self.names.add(record.name)
+            self.lines.append(self.format(record))
+
+
+def test_keys_and_logs_hold_no_tokens_or_secrets(moto_s3: EmbeddedS3, prefix: str) -> None:
+    secret = "rel-SECRET-7f3a9c2e5b1d"
+    marker = [31337, 27182, 16180, 14142, 17320, 22360, 26457, 28284]
+    base = workload(SMALL, "A", 0)
+    phases = [
+        [
+            SimRequestSpec(1 + i, tuple(marker) + s.prompt[len(marker) :], s.max_new_tokens)
+            for i, s in enumerate(base[0])
+        ]
+    ]
+    settings = _settings(moto_s3, prefix)
+    store_opts = dict(
+        endpoint_url=moto_s3.endpoint_url, access_key="AKIARELTEST", secret_key=secret, region=moto_s3.region
+    )  # moto accepts any key pair
+
+    cap = _Capture()
+    root = logging.getLogger()
+    old = root.level, {n: logging.getLogger(n).level for n in ("s3kv", "botocore", "urllib3", "boto3")}
+    root.addHandler(cap)
+    root.setLevel(logging.DEBUG)
+    for n in old[1]:
+        logging.getLogger(n).setLevel(logging.DEBUG)
+    try:
+        for first_id in (0, 1000):  # cold: saves; warm: lookups and loads
+            store, _ = store_from_settings(settings, **store_opts)
+            res, _ = _cluster(SMALL, settings, store, prefix, _repeat(phases, first_id))
+            _clean(res)
+        assert res.hit_requests == res.requests  # the warm run really loaded
+    finally:
+        root.removeHandler(cap)
+        root.setLevel(old[0])
+        for n, lvl in old[1].items():
+            logging.getLogger(n).setLevel(lvl)
+
+    text = "\n".join(cap.lines)
+    assert any(n.startswith("s3kv") for n in cap.names) and any(n.startswith("botocore") for n in cap.names)
+    assert any("hit" in line for line in cap.lines if line.startswith("s3kv"))
+    for needle in (
+        ", ".join(map(str, marker[:3])),
+        " ".join(map(str, marker[:3])),
+        ",".join(map(str, marker[:3])),
+        secret,
+    ):
+        assert needle not in text, f"{needle!r} appears in the logs"
+    s3kv_text = "\n".join(line for line in cap.lines if line.startswith("s3kv"))
+    assert "AKIARELTEST" not in s3kv_text
+    keys = _keys(moto_s3, prefix)
+    assert keys
+    import re
+
+    shape = re.compile(re.escape(prefix) + r"/[0-9a-f]{32}/[0-9a-f]{16}\.[01]of2/[0-9a-f]{32}")
+    for key in keys:
+        assert shape.fullmatch(key), key
+        assert "31337" not in key and secret not in key
+
+
+def _env_for(monkeypatch: pytest.MonkeyPatch, server: EmbeddedS3, url: str, **extra: str) -> None:
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("S3KV_") or name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    for k, v in {**server.env(), "S3KV_URL": url, **extra}.items():
+        monkeypatch.setenv(k, v)
+
+
+_ENV_TUNING = dict(
+    S3KV_STAGING_MIB="64",
+    S3KV_PINNED="false",
+    S3KV_BLOCKS_PER_OBJECT=str(SMALL.blocks_per_object),
+    S3KV_CHECKPOINT_TOKENS=str(SMALL.checkpoint_tokens),
+    S3KV_CONNECT_TIMEOUT_S="1",
+    S3KV_READ_TIMEOUT_S="2",
+    S3KV_RETRY_DEADLINE_S="3",
+)
+
+
+def test_sse_aes256_from_the_environment(
+    moto_s3: EmbeddedS3, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _env_for(monkeypatch, moto_s3, f"s3://{moto_s3.bucket}/{prefix}", S3KV_SSE="AES256", **_ENV_TUNING)
+    # No store, no settings: the connectors read S3KV_* and open the store as in production.
+    res, engine = _cluster(SMALL, None, None, None, workload(SMALL, "A", 0))
+    _clean(res)
+    assert engine.leader.settings.sse == "AES256"
+    keys = _keys(moto_s3, prefix)
+    assert keys and res.objects_saved > 0
+    client = moto_s3.client()
+    for key in keys:
+        assert client.head_object(Bucket=moto_s3.bucket, Key=key).get("ServerSideEncryption") == "AES256", key
+
+
+def _startup_error(monkeypatch: pytest.MonkeyPatch, server: EmbeddedS3, url: str, **env: str) -> Exception:
+    _env_for(monkeypatch, server, url, **_ENV_TUNING)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    t0 = time.perf_counter()
+    with pytest.raises(Exception) as ei:
+        _engine(SMALL, None, None, None)
+    assert time.perf_counter() - t0 < 15
+    return ei.value
+
+
+def test_missing_bucket_is_one_clear_startup_error(
+    moto_s3: EmbeddedS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from s3kv.store.base import BucketNotFound
+
+    err = _startup_error(monkeypatch, moto_s3, "s3://s3kv-rel-no-such-bucket/kv")
+    assert isinstance(err, BucketNotFound), repr(err)
+    assert "S3KV_URL" in str(err) and "s3kv-rel-no-such-bucket" in str(err)
+
+
+def test_unreachable_endpoint_is_one_clear_startup_error(
+    moto_s3: EmbeddedS3, monkeypatch: pytest.MonkeyPatch, closed_port: int
+) -> None:
+    from s3kv.store.base import StoreConfigError
+
+    err = _startup_error(
+        monkeypatch,
+        moto_s3,
+        f"s3://{moto_s3.bucket}/kv",
+        AWS_ENDPOINT_URL_S3=f"http://127.0.0.1:{closed_port}",
+    )
+    assert isinstance(err, StoreConfigError), repr(err)
+    assert "S3KV_URL" in str(err) and "AWS_ENDPOINT_URL_S3" in str(err)
+
+
+def test_wrong_credentials_are_one_clear_startup_error(
+    seaweed_s3: EmbeddedS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from s3kv.store.base import PermissionDenied
+
+    # SeaweedFS enforces SigV4 (moto accepts any key pair).
+    err = _startup_error(
+        monkeypatch, seaweed_s3, f"s3://{seaweed_s3.bucket}/kv", AWS_SECRET_ACCESS_KEY="not-the-secret"
+    )
+    assert isinstance(err, PermissionDenied), repr(err)
+    assert "S3KV_URL" in str(err) and seaweed_s3.bucket in str(err)
+    assert "not-the-secret" not in str(err)
+
+
+class _ShardGate(StoreWrapper):
+    """Rank 0's objects are gone; rank 1's GETs wait for ``gate`` (a slow replica)."""
+
+    def __init__(self, inner: ObjectStore):
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    def get_ranges(self, key: str, ranges: Any) -> list[bytes]:
+        if ".0of2/" in key:
+            raise NotFound("gone from shard 0", key=key)
+        self.gate.wait(10)
+        return self.inner.get_ranges(key, ranges)
+
+
+@pytest.mark.parametrize("settle_all_ranks", [True, False])
+def test_failed_request_keeps_its_pages_until_every_rank_settled(settle_all_ranks: bool) -> None:
+    """Rank 0 fails request R at once; rank 1's load of R is still in flight. Freeing R's pages
+    at rank 0's error hands them (LIFO) to the next request while rank 1's copy is about to land
+    in them: wrong KV. Waiting until every rank settled R (returned or raised) is safe. This is
+    the rule a SimEngine fix (and an engine) must follow; the unsafe variant shows the damage."""
+    mem, settings = _memory_cold(SMALL)
+    store = _ShardGate(mem)
+    threading.Timer(0.3, store.gate.set).start()
+    engine = None
+
+    def hook(request_id: int, chunks_done: int, attempt: int) -> bool:
+        # The next request has written its first chunk: let rank 1's stale load land now.
+        store.gate.wait(5)
+        end = time.monotonic() + 5
+        while time.monotonic() < end and not all(j.finished for j in engine.workers[1].core._jobs):
+            time.sleep(0.01)
+        time.sleep(0.05)
+        return False
+
+    engine = _engine(SMALL, settings, store, "p", preempt_hook=hook, settle_all_ranks=settle_all_ranks)
+    rng_prompt = tuple(range(1000, 1000 + 160))  # a miss, as long as R
+    with engine:
+        failed = _run(engine, _repeat(workload(SMALL, "A", 0), 1000)[:1])
+        assert failed.failed_requests == 2
+        nxt = _run(engine, [[SimRequestSpec(5000, rng_prompt, 8)]])
+    assert failed.escaped == [] and nxt.escaped == []
+    if settle_all_ranks:
+        assert failed.kv_mismatches == 0 and nxt.kv_mismatches == 0
+    else:
+        assert nxt.kv_mismatches > 0  # the hazard is real: this is what the rule prevents
+
+
+# --------------------------------------------------------------------------- bugs outside this file
+
+
+def _memory_cold(shape: Shape) -> tuple[MemoryStore, Any]:
+    mem = MemoryStore()
+    settings = fault_settings(
+        "s3://b/p",
+        blocks_per_object=shape.blocks_per_object,
+        checkpoint_tokens=shape.checkpoint_tokens,
+        load_mode=shape.load_mode,
+    )
+    cold, _ = _cluster(shape, settings, mem, "p", workload(shape, "A", 0))
+    _clean(cold)
+    return mem, settings
+
+
+def test_simengine_fails_only_the_named_request_and_goes_on() -> None:
+    from s3kv.sim import SimCacheConfig, SimEngine, gemma3_like
+    from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+
+    mem, settings = _memory_cold(SMALL)
+    broken = FaultInjectingStore(mem)
+    broken.fail_next("get", 1, lambda key: NotFound("deleted by gc", key=key))
+    model = gemma3_like(
+        SMALL.window, num_layers=SMALL.num_layers, kv_heads=SMALL.kv_heads * 2, head_dim=SMALL.head_dim
+    )
+    with SimEngine(
+        model,
+        SimCacheConfig(tokens_per_block=SMALL.tokens_per_block, max_seq_len=SMALL.max_seq_len),
+        S3KvConnectorLeader,
+        S3KvConnectorWorker,
+        tp_size=2,
+        chunk_size=SMALL.chunk_size,
+        connector_kwargs=dict(
+            settings=settings, store=broken, key_prefix="p", engine_key=f"rel-{uuid.uuid4().hex[:8]}"
+        ),
+    ) as eng:
+        rep = eng.run(_repeat(workload(SMALL, "A", 0), 1000)[0])
+    assert len(rep.requests) == 2 and rep.kv_mismatches == 0
+
+
+def test_failed_sync_load_never_uploads_the_unfilled_pages() -> None:
+    shape = dataclasses.replace(SMALL, load_mode="sync")
+    mem, settings = _memory_cold(shape)
+    broken = FaultInjectingStore(mem)
+    broken.fail_next("get", 10_000, lambda key: NotFound("gone", key=key))  # every load fails
+    failed, _ = _cluster(shape, settings, broken, "p", _repeat(workload(shape, "B", 0), 1000))
+    _clean(failed)
+    assert failed.failed_requests > 0
+    # A third cluster, no faults: every object it loads must be right.
+    later, _ = _cluster(shape, settings, mem, "p", _repeat(workload(shape, "B", 0), 2000))
+    assert later.escaped == [] and later.failed_requests == 0
+    assert later.kv_mismatches == 0, f"{later.kv_mismatches} wrong pages loaded from poisoned objects"
+
+
+def test_every_engine_store_sits_behind_the_settings_circuit_breaker(
+    moto_s3: EmbeddedS3, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A store opened from S3KV_URL, and one handed in: both behind the breaker the settings ask for.
+    _env_for(
+        monkeypatch,
+        moto_s3,
+        f"s3://{moto_s3.bucket}/{prefix}",
+        **_ENV_TUNING,
+        S3KV_BREAKER_FAILURES="3",
+        S3KV_BREAKER_RESET_S="7",
+    )
+    for store in (None, MemoryStore()):
+        engine = _engine(SMALL, None, store, None if store is None else "p")
+        with engine:
+            breaker = _breaker(engine)
+            assert (breaker.policy.failures, breaker.policy.reset_s) == (3, 7.0)
+
+
+def test_a_failed_load_heals_the_warm_index() -> None:
+    mem, settings = _memory_cold(SMALL)
+    base = workload(SMALL, "A", 0)
+    engine = _engine(SMALL, settings, mem, "p")
+    with engine:
+        warm = _run(engine, _repeat(base, 1000))
+        assert warm.hit_requests == 2
+        mem.delete_many([i.key for i in mem.list("p/")])  # gc, from another process
+        first = _run(engine, _repeat(base, 2000))
+        _clean(first)
+        assert first.failed_requests > 0  # promised from the index: fails, cleanly
+        later = _run(engine, _repeat(base, 3000))
+    _clean(later)
+    assert later.failed_requests == 0, "the index still promises the deleted objects"
