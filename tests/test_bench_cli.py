@@ -23,7 +23,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 def run_json(*args: str) -> dict[str, Any]:
     result = CliRunner().invoke(main, ["bench", *args, "--json"], catch_exceptions=False)
-    assert result.exit_code == 0, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    assert result.exit_code == 0, (
+        f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    )
     return json.loads(result.stdout)  # stdout holds exactly one JSON object; progress went to stderr
 
 
@@ -53,8 +55,16 @@ def test_lookup_quick_json_and_plot(tmp_path: Path) -> None:
     assert res["latency_ms_injected"] == 5
     assert [r["tokens"] for r in res["results"]] == [1024, 4096]
     for r in res["results"]:
-        for key in ("tokens", "round_trips", "requests", "latency_ms", "warm_round_trips", "sequential_requests",
-                    "sequential_latency_ms", "speedup_vs_sequential"):
+        for key in (
+            "tokens",
+            "round_trips",
+            "requests",
+            "latency_ms",
+            "warm_round_trips",
+            "sequential_requests",
+            "sequential_latency_ms",
+            "speedup_vs_sequential",
+        ):
             assert key in r, key
         assert 1 <= r["round_trips"] <= 3
         assert r["warm_round_trips"] == 0
@@ -71,7 +81,8 @@ def test_lookup_quick_json_and_plot(tmp_path: Path) -> None:
 
 def test_lookup_table_on_memory_store() -> None:
     result = CliRunner().invoke(
-        main, ["bench", "lookup", "--quick", "--url", "memory://bench-test-lookup", "--latency-ms", "1"],
+        main,
+        ["bench", "lookup", "--quick", "--url", "memory://bench-test-lookup", "--latency-ms", "1"],
         catch_exceptions=False,
     )
     assert result.exit_code == 0, result.stderr
@@ -85,8 +96,17 @@ def test_transfer_quick_json_and_plot(tmp_path: Path) -> None:
     res = run_json("transfer", "--quick", "--plot", str(png))
     assert_common(res, "transfer")
     assert res["latency_ms_injected"] == 0
-    for key in ("save_mib_s", "load_mib_s", "raw_save_mib_s", "raw_load_mib_s", "seed_save_mib_s",
-                "seed_load_mib_s", "save_ratio_vs_raw", "load_ratio_vs_raw", "speedup_vs_seed_path"):
+    for key in (
+        "save_mib_s",
+        "load_mib_s",
+        "raw_save_mib_s",
+        "raw_load_mib_s",
+        "seed_save_mib_s",
+        "seed_load_mib_s",
+        "save_ratio_vs_raw",
+        "load_ratio_vs_raw",
+        "speedup_vs_seed_path",
+    ):
         assert positive(res[key]), key
     assert res["bit_exact"] is True
     (row,) = res["results"]

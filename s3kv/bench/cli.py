@@ -34,16 +34,37 @@ def _floats(text: str | None) -> tuple[float, ...] | None:
 
 @bench_group.command("lookup")
 @common_options(default_latency_ms=20.0)
-@click.option("--prompts", default=None, help="Prompt lengths in tokens, e.g. 1k,4k,16k,64k,128k (the default; "
-                                              "--quick: 1k,4k).")
-@click.option("--blocks-per-object", type=int, default=0, show_default=True,
-              help="0: what s3kv picks for Gemma-3-27B's real pages at TP 1.")
-@click.option("--seq-cap", type=int, default=None,
-              help="HEADs of the sequential scan actually run per prompt before extrapolating "
-                   "(default 256, --quick 64; 0 = run it all).")
-def lookup_command(as_json: bool, plot_path: str | None, url: str | None, server: str, latency_ms: float,
-                   quick: bool, keep: bool, prompts: str | None, blocks_per_object: int,
-                   seq_cap: int | None) -> None:
+@click.option(
+    "--prompts",
+    default=None,
+    help="Prompt lengths in tokens, e.g. 1k,4k,16k,64k,128k (the default; --quick: 1k,4k).",
+)
+@click.option(
+    "--blocks-per-object",
+    type=int,
+    default=0,
+    show_default=True,
+    help="0: what s3kv picks for Gemma-3-27B's real pages at TP 1.",
+)
+@click.option(
+    "--seq-cap",
+    type=int,
+    default=None,
+    help="HEADs of the sequential scan actually run per prompt before extrapolating "
+    "(default 256, --quick 64; 0 = run it all).",
+)
+def lookup_command(
+    as_json: bool,
+    plot_path: str | None,
+    url: str | None,
+    server: str,
+    latency_ms: float,
+    quick: bool,
+    keep: bool,
+    prompts: str | None,
+    blocks_per_object: int,
+    seq_cap: int | None,
+) -> None:
     """Lookup round trips and latency, 1k-128k-token prompts, vs the seed's per-block HEAD scan."""
     from . import lookup, plot
     from .common import bench_store
@@ -62,21 +83,42 @@ def lookup_command(as_json: bool, plot_path: str | None, url: str | None, server
 
 @bench_group.command("transfer")
 @common_options(default_latency_ms=0.0)
-@click.option("--object-mib", default=None, help="Object sizes in MiB, e.g. 4,8,16 (the default; --quick: 4).")
-@click.option("--total-mib", type=int, default=None, help="Bytes moved per object size (default 256, --quick 16).")
-@click.option("--page-mib", type=float, default=1.0, show_default=True,
-              help="Page (block) size; the seed-style path stores one page per object.")
+@click.option(
+    "--object-mib", default=None, help="Object sizes in MiB, e.g. 4,8,16 (the default; --quick: 4)."
+)
+@click.option(
+    "--total-mib", type=int, default=None, help="Bytes moved per object size (default 256, --quick 16)."
+)
+@click.option(
+    "--page-mib",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Page (block) size; the seed-style path stores one page per object.",
+)
 @click.option("--repeats", type=int, default=1, show_default=True, help="Best of this many runs per method.")
-def transfer_command(as_json: bool, plot_path: str | None, url: str | None, server: str, latency_ms: float,
-                     quick: bool, keep: bool, object_mib: str | None, total_mib: int | None, page_mib: float,
-                     repeats: int) -> None:
+def transfer_command(
+    as_json: bool,
+    plot_path: str | None,
+    url: str | None,
+    server: str,
+    latency_ms: float,
+    quick: bool,
+    keep: bool,
+    object_mib: str | None,
+    total_mib: int | None,
+    page_mib: float,
+    repeats: int,
+) -> None:
     """Save/load throughput of s3kv's pipelines vs raw parallel boto3 and a seed-style sequential path."""
     from . import plot, transfer
     from .common import bench_store
 
     sizes = _floats(object_mib) or ((4.0,) if quick else transfer.DEFAULT_OBJECT_MIB)
     total = total_mib or (16 if quick else 256)
-    cfg = transfer.TransferConfig(object_mib=sizes, total_mib=total, page_mib=page_mib, repeats=max(1, repeats))
+    cfg = transfer.TransferConfig(
+        object_mib=sizes, total_mib=total, page_mib=page_mib, repeats=max(1, repeats)
+    )
     with bench_store(url, server=server, latency_ms=latency_ms, name="transfer", keep=keep) as bs:
         progress(f"transfer: store {bs.where}, {latency_ms:g} ms injected per request")
         res = transfer.run_transfer(bs, cfg)
@@ -88,14 +130,20 @@ def transfer_command(as_json: bool, plot_path: str | None, url: str | None, serv
 
 @bench_group.command("staging")
 @click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout.")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-              help="Write a PNG chart here.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write a PNG chart here.",
+)
 @click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs).")
 @click.option("--page-mib", default=None, help="Page sizes in MiB (default 0.25,1,4,16; --quick 1).")
 @click.option("--pages", type=int, default=None, help="Pages per run (default 64, --quick 8).")
 @click.option("--device", default="cuda", show_default=True)
-def staging_command(as_json: bool, plot_path: str | None, quick: bool, page_mib: str | None, pages: int | None,
-                    device: str) -> None:
+def staging_command(
+    as_json: bool, plot_path: str | None, quick: bool, page_mib: str | None, pages: int | None, device: str
+) -> None:
     """Device<->pinned-host page copies through s3kv's copy path vs one contiguous memcpy (needs CUDA)."""
     from . import plot, staging
 
@@ -113,14 +161,34 @@ def staging_command(as_json: bool, plot_path: str | None, quick: bool, page_mib:
 @bench_group.command("e2e")
 @common_options(default_latency_ms=0.0)
 @click.option("--rounds", type=int, default=None, help="Rounds of the memory soak (default 12, --quick 3).")
-@click.option("--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s for the prefill estimate "
-                                                               "(default: H100/H200 SXM dense, 989.4).")
-@click.option("--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation assumed (default 0.40).")
-@click.option("--checkpoint-tokens", type=int, default=None,
-              help="Sliding-group checkpoint spacing (default: the demo's 512; s3kv's own default is 4096).")
-def e2e_command(as_json: bool, plot_path: str | None, url: str | None, server: str, latency_ms: float,
-                quick: bool, keep: bool, rounds: int | None, gpu_tflops: float | None, mfu: float | None,
-                checkpoint_tokens: int | None) -> None:
+@click.option(
+    "--gpu-tflops",
+    type=float,
+    default=None,
+    help="GPU peak BF16 TFLOP/s for the prefill estimate (default: H100/H200 SXM dense, 989.4).",
+)
+@click.option(
+    "--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation assumed (default 0.40)."
+)
+@click.option(
+    "--checkpoint-tokens",
+    type=int,
+    default=None,
+    help="Sliding-group checkpoint spacing (default: the demo's 512; s3kv's own default is 4096).",
+)
+def e2e_command(
+    as_json: bool,
+    plot_path: str | None,
+    url: str | None,
+    server: str,
+    latency_ms: float,
+    quick: bool,
+    keep: bool,
+    rounds: int | None,
+    gpu_tflops: float | None,
+    mfu: float | None,
+    checkpoint_tokens: int | None,
+) -> None:
     """Multi-turn VSWA workload: cold then warm cluster, both storage policies, prefill saved, memory soak."""
     from . import e2e, plot
     from .common import bench_store

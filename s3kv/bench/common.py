@@ -219,7 +219,9 @@ class RawClient:
         return self._get(key)
 
 
-def _boto3_raw(bucket: str, endpoint_url: str | None, latency_s: float, creds: Mapping[str, str]) -> RawClient:
+def _boto3_raw(
+    bucket: str, endpoint_url: str | None, latency_s: float, creds: Mapping[str, str]
+) -> RawClient:
     from urllib.parse import urlsplit
 
     import boto3
@@ -334,8 +336,11 @@ def bench_store(
                 emb.bucket,
                 emb.endpoint_url,
                 latency_s,
-                {"aws_access_key_id": emb.access_key, "aws_secret_access_key": emb.secret_key,
-                 "region_name": emb.region},
+                {
+                    "aws_access_key_id": emb.access_key,
+                    "aws_secret_access_key": emb.secret_key,
+                    "region_name": emb.region,
+                },
             )
             kind, where = emb.kind, f"embedded {emb.kind} at {emb.endpoint_url}"
         else:
@@ -432,17 +437,40 @@ def rnd(x: float, nd: int = 3) -> float:
 def common_options(default_latency_ms: float) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def deco(f: Callable[..., Any]) -> Callable[..., Any]:
         opts = [
-            click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr)."),
-            click.option("--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None,
-                         help="Write a PNG chart here."),
-            click.option("--url", default=None,
-                         help="Run on this store (s3://bucket/prefix, memory://name, file:///dir) instead of an "
-                              "embedded loopback S3 server. A run-unique prefix is used and deleted afterwards."),
-            click.option("--server", type=click.Choice(["auto", "seaweedfs", "moto"]), default="auto",
-                         show_default=True, help="Embedded server when no --url is given (auto: SeaweedFS if "
-                                                 "`weed` is installed, else moto)."),
-            click.option("--latency-ms", type=float, default=default_latency_ms, show_default=True,
-                         help="Inject this much latency per request (imitates a store in another region)."),
+            click.option(
+                "--json",
+                "as_json",
+                is_flag=True,
+                help="Print ONE JSON object on stdout (progress on stderr).",
+            ),
+            click.option(
+                "--plot",
+                "plot_path",
+                type=click.Path(dir_okay=False, writable=True),
+                default=None,
+                help="Write a PNG chart here.",
+            ),
+            click.option(
+                "--url",
+                default=None,
+                help="Run on this store (s3://bucket/prefix, memory://name, file:///dir) instead of an "
+                "embedded loopback S3 server. A run-unique prefix is used and deleted afterwards.",
+            ),
+            click.option(
+                "--server",
+                type=click.Choice(["auto", "seaweedfs", "moto"]),
+                default="auto",
+                show_default=True,
+                help="Embedded server when no --url is given (auto: SeaweedFS if "
+                "`weed` is installed, else moto).",
+            ),
+            click.option(
+                "--latency-ms",
+                type=float,
+                default=default_latency_ms,
+                show_default=True,
+                help="Inject this much latency per request (imitates a store in another region).",
+            ),
             click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs)."),
             click.option("--keep", is_flag=True, help="Keep the objects written to a real bucket."),
         ]

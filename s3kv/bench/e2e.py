@@ -67,8 +67,17 @@ class E2EConfig:
 
     @classmethod
     def quick(cls) -> E2EConfig:
-        shape = DemoShape(conversations=2, turns_a=1, turns_b=2, system_len=384, first_len=160, turn_len=96,
-                          answer_len=16, new_users=1, max_seq_len=2048)
+        shape = DemoShape(
+            conversations=2,
+            turns_a=1,
+            turns_b=2,
+            system_len=384,
+            first_len=160,
+            turn_len=96,
+            answer_len=16,
+            new_users=1,
+            max_seq_len=2048,
+        )
         return cls(shape=shape, rounds=3, soak_conversations=1, staging_mib=64)
 
     def replace(self, **kw: Any) -> E2EConfig:
@@ -88,10 +97,16 @@ def _engine(cfg: E2EConfig, bs: BenchStore, policy: str, prefix: str, name: str)
     from ..trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
     s = cfg.shape
-    settings = Settings(load_mode=s.load_mode, staging_mib=cfg.staging_mib,
-                        checkpoint_tokens=cfg.checkpoint_tokens or s.checkpoint_tokens, storage_policy=policy,
-                        check_access=False)
-    model = gemma3_like(s.window, num_layers=s.num_layers, kv_heads=s.kv_heads * s.tp_size, head_dim=s.head_dim)
+    settings = Settings(
+        load_mode=s.load_mode,
+        staging_mib=cfg.staging_mib,
+        checkpoint_tokens=cfg.checkpoint_tokens or s.checkpoint_tokens,
+        storage_policy=policy,
+        check_access=False,
+    )
+    model = gemma3_like(
+        s.window, num_layers=s.num_layers, kv_heads=s.kv_heads * s.tp_size, head_dim=s.head_dim
+    )
     return SimEngine(
         model,
         SimCacheConfig(tokens_per_block=s.tokens_per_block, max_seq_len=s.max_seq_len),
@@ -100,8 +115,12 @@ def _engine(cfg: E2EConfig, bs: BenchStore, policy: str, prefix: str, name: str)
         tp_size=s.tp_size,
         chunk_size=s.chunk_size,
         max_batch=4,
-        connector_kwargs=dict(settings=settings, store=_Shared(bs.store), key_prefix=prefix,
-                              engine_key=f"s3kv-bench-{name}-{uuid.uuid4().hex[:8]}"),
+        connector_kwargs=dict(
+            settings=settings,
+            store=_Shared(bs.store),
+            key_prefix=prefix,
+            engine_key=f"s3kv-bench-{name}-{uuid.uuid4().hex[:8]}",
+        ),
     )
 
 
@@ -110,15 +129,26 @@ def _flush(engine: Any) -> None:
         w.flush(120)
 
 
-def _cluster(cfg: E2EConfig, bs: BenchStore, policy: str, role: str, prefix: str | None = None) -> dict[str, Any]:
+def _kv_blocks(tokens: Any, tokens_per_block: int) -> set[bytes]:
+    """Chain digests of the full blocks whose KV a request wrote (prompt + answer, less the last token)."""
+    from ..keys import Chain
+
+    return set(Chain(b"\0" * 16, tokens_per_block).extend_to(list(tokens)[:-1]))
+
+
+def _cluster(
+    cfg: E2EConfig, bs: BenchStore, policy: str, role: str, prefix: str | None = None
+) -> tuple[dict[str, Any], set[bytes]]:
+    """One cluster's run, and the distinct KV blocks its requests wrote."""
     from ..demo import _workload
 
     prefix = prefix or bs.key(f"e2e-{policy}")
     before = bs.store.snapshot()
     t0 = time.perf_counter()
     reports = []
+    phases = _workload(cfg.shape, role)
     with _engine(cfg, bs, policy, prefix, f"{policy}-{role}") as engine:
-        for phase in _workload(cfg.shape, role):
+        for phase in phases:
             reports.append(engine.run(phase))
             _flush(engine)  # users think between turns; the previous turn's uploads are done by then
         wall = time.perf_counter() - t0
@@ -129,6 +159,12 @@ def _cluster(cfg: E2EConfig, bs: BenchStore, policy: str, role: str, prefix: str
     reqs = [r for rep in reports for r in rep.requests]
     prompt = sum(r.prompt_tokens for r in reqs)
     matched = sum(r.matched_tokens for r in reqs)
+    prompts = {spec.request_id: spec.prompt for phase in phases for spec in phase}
+    blocks: set[bytes] = set()
+    for r in reqs:
+        blocks |= _kv_blocks(
+            tuple(prompts[r.request_id]) + tuple(r.output_tokens), cfg.shape.tokens_per_block
+        )
     return {
         "role": role,
         "requests": len(reqs),
@@ -141,40 +177,67 @@ def _cluster(cfg: E2EConfig, bs: BenchStore, policy: str, role: str, prefix: str
         "mean_request_latency_ms": rnd(1e3 * sum(r.latency_s for r in reqs) / max(1, len(reqs)), 2),
         "mean_ttft_ms": rnd(1e3 * sum(r.ttft_s for r in reqs) / max(1, len(reqs)), 2),
         "wall_s": rnd(wall, 3),
-        "s3": {"requests": io.requests, "head": io.head, "put": io.put, "get": io.get,
-               "bytes_up": io.bytes_up, "bytes_down": io.bytes_down},
+        "s3": {
+            "requests": io.requests,
+            "head": io.head,
+            "put": io.put,
+            "get": io.get,
+            "bytes_up": io.bytes_up,
+            "bytes_down": io.bytes_down,
+        },
         "bytes_saved": sum(s.bytes_uploaded for s in wstats),
         "bytes_loaded": sum(s.bytes_loaded for s in wstats),
-        "saves_dropped": sum(s.saves_dropped_staging_full + s.saves_dropped_store_error + s.saves_dropped_other
-                             for s in wstats),
+        "saves_dropped": sum(
+            s.saves_dropped_staging_full + s.saves_dropped_store_error + s.saves_dropped_other for s in wstats
+        ),
         "load_failures": sum(s.loads_failed_objects for s in wstats),
         "lookup_waves": lstats.lookup_waves,
-        "group_names": names,
-        "per_request": [{"id": r.request_id, "prompt_tokens": r.prompt_tokens, "matched_tokens": r.matched_tokens,
-                         "latency_ms": rnd(r.latency_s * 1e3, 2)} for r in reqs],
+        "groups": names,
+        "per_request": [
+            {
+                "id": r.request_id,
+                "prompt_tokens": r.prompt_tokens,
+                "matched_tokens": r.matched_tokens,
+                "latency_ms": rnd(r.latency_s * 1e3, 2),
+            }
+            for r in reqs
+        ],
+    }, blocks
+
+
+def _group_names(engine: Any) -> dict[str, dict[str, Any]]:
+    """Group fingerprint (as in stored keys) -> name and page size, from the geometry the worker registered."""
+    geom = engine.workers[0].core.geometry
+    return {
+        g.fingerprint: {
+            "name": f"group{g.group_id}:{'full' if g.window is None else f'window{g.window}'}",
+            "page_bytes": g.page_bytes,
+        }
+        for g in geom.groups
     }
 
 
-def _group_names(engine: Any) -> dict[str, str]:
-    """Group fingerprint (as in stored keys) -> readable name, from the geometry the worker registered."""
-    geom = engine.workers[0].core.geometry
-    return {g.fingerprint: f"group{g.group_id}:{'full' if g.window is None else f'window{g.window}'}"
-            for g in geom.groups}
-
-
-def _stored_by_group(bs: BenchStore, policy: str, names: dict[str, str]) -> dict[str, dict[str, int]]:
-    """Objects and bytes stored under the policy's prefix, per layer group."""
+def _stored_by_group(
+    bs: BenchStore, policy: str, groups: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, int]]:
+    """Objects, bytes and pages stored under the policy's prefix, per layer group."""
     from ..keys import parse_key
+    from ..objects import header_len
 
-    out: dict[str, dict[str, int]] = {n: {"objects": 0, "bytes": 0} for n in names.values()}
+    out: dict[str, dict[str, int]] = {
+        g["name"]: {"objects": 0, "bytes": 0, "pages": 0} for g in groups.values()
+    }
     for info in bs.raw.list(bs.key(f"e2e-{policy}") + "/"):
         pk = parse_key(info.key)
         if pk is None:
             continue
-        e = out.setdefault(names.get(pk.group_fingerprint, f"group?:{pk.group_fingerprint}"),
-                           {"objects": 0, "bytes": 0})
+        g = groups.get(pk.group_fingerprint, {"name": f"group?:{pk.group_fingerprint}", "page_bytes": 0})
+        e = out.setdefault(g["name"], {"objects": 0, "bytes": 0, "pages": 0})
         e["objects"] += 1
         e["bytes"] += info.size
+        if g["page_bytes"]:
+            # size = header_len(n) + n * page_bytes, header_len(n) = header_len(0) + 8 n
+            e["pages"] += (info.size - header_len(0)) // (g["page_bytes"] + 8)
     return dict(sorted(out.items()))
 
 
@@ -192,9 +255,16 @@ def _soak(cfg: E2EConfig, bs: BenchStore) -> dict[str, Any]:
         prev: list[Any] = []
         for r in range(cfg.rounds):
             base = 1_000_000 + r * 10_000
-            new = multi_turn_workload(n_conversations=cfg.soak_conversations, turns=2, system_len=s.system_len,
-                                      first_len=s.first_len, turn_len=s.turn_len, max_new_tokens=s.answer_len,
-                                      seed=1000 + r, first_id=base)
+            new = multi_turn_workload(
+                n_conversations=cfg.soak_conversations,
+                turns=2,
+                system_len=s.system_len,
+                first_len=s.first_len,
+                turn_len=s.turn_len,
+                max_new_tokens=s.answer_len,
+                seed=1000 + r,
+                first_id=base,
+            )
             specs = new + (repeat_workload(prev, first_id=base + 5_000) if prev else [])
             per_round = max(per_round, len(specs))
             rep = engine.run(specs)
@@ -255,7 +325,7 @@ def _prefill(cfg: E2EConfig, warm: dict[str, Any]) -> dict[str, Any]:
             "matmul_params": m.matmul_params,
         },
         "flop_model": "2 x matmul_params x tokens + sum over layers of 4 x q_heads x head_dim x "
-                      "(keys attended per query: t+1 global, min(t+1, window) local)",
+        "(keys attended per query: t+1 global, min(t+1, window) local)",
         "gpu": GPU_NAME if cfg.gpu_tflops == GPU_PEAK_TFLOPS else "user-given",
         "gpu_peak_tflops": cfg.gpu_tflops,
         "mfu": cfg.mfu,
@@ -269,17 +339,27 @@ def run_e2e(bs: BenchStore, cfg: E2EConfig) -> dict[str, Any]:
     # Untimed: first-use costs (imports, torch, connections, the server allocating its volumes)
     # would otherwise land on whichever cluster runs first.
     _cluster(E2EConfig.quick(), bs, "window", "A", prefix=bs.key("e2e-warmup"))
+    amplification: dict[str, float] = {}
     policies: dict[str, dict[str, Any]] = {}
     stored: dict[str, dict[str, dict[str, int]]] = {}
     for policy in POLICIES:
-        cold = _cluster(cfg, bs, policy, "A")
-        progress(f"e2e: policy {policy}: cold cluster {cold['requests']} requests, hit {cold['hit_rate']:.0%}, "
-                 f"kv_mismatches {cold['kv_mismatches']}")
-        warm = _cluster(cfg, bs, policy, "B")
-        progress(f"e2e: policy {policy}: warm cluster {warm['requests']} requests, hit {warm['hit_rate']:.0%}, "
-                 f"kv_mismatches {warm['kv_mismatches']}")
+        cold, cold_blocks = _cluster(cfg, bs, policy, "A")
+        progress(
+            f"e2e: policy {policy}: cold cluster {cold['requests']} requests, hit {cold['hit_rate']:.0%}, "
+            f"kv_mismatches {cold['kv_mismatches']}"
+        )
+        warm, warm_blocks = _cluster(cfg, bs, policy, "B")
+        progress(
+            f"e2e: policy {policy}: warm cluster {warm['requests']} requests, hit {warm['hit_rate']:.0%}, "
+            f"kv_mismatches {warm['kv_mismatches']}"
+        )
         policies[policy] = {"cold": cold, "warm": warm}
-        stored[policy] = _stored_by_group(bs, policy, warm["group_names"])
+        stored[policy] = _stored_by_group(bs, policy, warm["groups"])
+        # The full-attention group stores every block under both policies: pages stored per distinct
+        # block written is pure write amplification (snapshots re-uploading a chunk's earlier pages).
+        full = next(g["name"] for g in warm["groups"].values() if g["name"].endswith(":full"))
+        distinct = len(cold_blocks | warm_blocks)
+        amplification[policy] = rnd(stored[policy][full]["pages"] / distinct if distinct else 0.0, 3)
     total = {p: sum(v["bytes"] for v in stored[p].values()) for p in POLICIES}
     ratio = total["window"] / total["all"] if total["all"] else 0.0
     progress(f"e2e: memory soak, {cfg.rounds} rounds ...")
@@ -294,8 +374,10 @@ def run_e2e(bs: BenchStore, cfg: E2EConfig) -> dict[str, Any]:
         "store": bs.info(),
         "latency_ms_injected": bs.latency_ms,
         "machine": machine_info(),
-        "shape": {**dataclasses.asdict(cfg.shape),
-                  "checkpoint_tokens": cfg.checkpoint_tokens or cfg.shape.checkpoint_tokens},
+        "shape": {
+            **dataclasses.asdict(cfg.shape),
+            "checkpoint_tokens": cfg.checkpoint_tokens or cfg.shape.checkpoint_tokens,
+        },
         "policies": policies,
         "cold": cold,
         "warm": warm,
@@ -308,6 +390,7 @@ def run_e2e(bs: BenchStore, cfg: E2EConfig) -> dict[str, Any]:
         "stored_bytes_by_group": stored,
         "stored_bytes_total": total,
         "stored_ratio_window_vs_all": rnd(ratio, 4),
+        "full_group_pages_per_distinct_block": amplification,
         **{k: prefill[k] for k in ("prefill_tflops_saved", "prefill_seconds_saved_est")},
         "prefill_model": prefill,
         "rss_mib_start": soak["rss_mib_start"],
@@ -321,14 +404,15 @@ def run_e2e(bs: BenchStore, cfg: E2EConfig) -> dict[str, Any]:
         "window_stores_less": "the window policy stores fewer bytes than storing every block",
         "no_failed_loads": "no promised load failed",
         "memory_flat": f"RSS grows by at most max({FLAT_RSS_SLACK_MIB:g} MiB, 5%) over the soak and staging "
-                       "stays within its bound",
+        "stays within its bound",
     }
     res["targets_met"] = {
         "kv_mismatches_zero": mismatches == 0,
         "warm_hits_more": warm["hit_rate"] > cold["hit_rate"],
         "window_stores_less": ratio < 1.0,
         "no_failed_loads": all(r["load_failures"] == 0 for r in runs),
-        "memory_flat": bool(soak["flat"]) and soak["staging_high_water_bytes"] <= soak["staging_capacity_bytes"],
+        "memory_flat": bool(soak["flat"])
+        and soak["staging_high_water_bytes"] <= soak["staging_capacity_bytes"],
     }
     res["seconds"] = rnd(time.perf_counter() - t0, 1)
     return res
@@ -359,9 +443,17 @@ def table(res: dict[str, Any]) -> str:
     lines.append("")
     lines.append("stored bytes per layer group:")
     for policy, groups in res["stored_bytes_by_group"].items():
-        parts = ", ".join(f"{g} {v['bytes'] / 2**20:.2f} MiB ({v['objects']} objects)" for g, v in groups.items())
+        parts = ", ".join(
+            f"{g} {v['bytes'] / 2**20:.2f} MiB ({v['objects']} objects, {v['pages']} pages)"
+            for g, v in groups.items()
+        )
         lines.append(f"  {policy:>6}: {parts}")
     lines.append(f"  window / all = {res['stored_ratio_window_vs_all']:.3f}")
+    amp = res["full_group_pages_per_distinct_block"]
+    lines.append(
+        "  full-attention group pages stored per distinct block written (1.0 = no rewrite): "
+        + ", ".join(f"{p} {v:.2f}" for p, v in amp.items())
+    )
     p = res["prefill_model"]
     lines.append("")
     lines.append(

@@ -77,8 +77,9 @@ def geometry(cfg: LookupConfig) -> CacheGeometry:
 
 
 def _leader(settings: Settings, store: Any, prefix: str, geom: CacheGeometry) -> LeaderCore:
-    return LeaderCore(settings, store, prefix, tp_size=1, model_id=geom.model_id, kv_dtype=geom.kv_dtype,
-                      geometry=geom)
+    return LeaderCore(
+        settings, store, prefix, tp_size=1, model_id=geom.model_id, kv_dtype=geom.kv_dtype, geometry=geom
+    )
 
 
 @dataclass
@@ -114,8 +115,9 @@ def _seed_keys(bs: BenchStore, digests: Sequence[bytes], groups: int) -> list[st
     return [bs.key("seed", f"g{g}", d.hex()) for d in digests for g in range(groups)]
 
 
-def populate(bs: BenchStore, cfg: LookupConfig, settings: Settings, geom: CacheGeometry,
-             stream: Sequence[int]) -> dict[str, int]:
+def populate(
+    bs: BenchStore, cfg: LookupConfig, settings: Settings, geom: CacheGeometry, stream: Sequence[int]
+) -> dict[str, int]:
     writer = _leader(settings, bs.raw, bs.key("s3kv"), geom)
     objects: dict[str, tuple[list[bytes | memoryview], dict[str, str]]] = {}
     for i, n in enumerate(sorted(cfg.prompts)):
@@ -124,14 +126,18 @@ def populate(bs: BenchStore, cfg: LookupConfig, settings: Settings, geom: CacheG
             key = writer.scheme.object_key(grp.fingerprint, 0, seal.last_digest)
             if key in objects:
                 continue
-            ident = ObjectIdentity(writer.namespace, grp.fingerprint, 0, 1, geom.tokens_per_block, grp.page_bytes)
+            ident = ObjectIdentity(
+                writer.namespace, grp.fingerprint, 0, 1, geom.tokens_per_block, grp.page_bytes
+            )
             pages = [bytes([(seal.buffer.first + k) % 251]) * grp.page_bytes for k in range(seal.count)]
             body = encode_object(ident, seal.buffer.first, seal.last_digest, pages)
             objects[key] = (body, object_metadata(ident, seal.buffer.first, seal.count))
     # The seed's per-block objects, as far as any sequential scan below actually runs.
     longest = max(cfg.prompts)
     full_blocks = longest // geom.tokens_per_block
-    seed_blocks = full_blocks if not cfg.seq_cap else min(full_blocks, math.ceil(cfg.seq_cap / geom.num_groups))
+    seed_blocks = (
+        full_blocks if not cfg.seq_cap else min(full_blocks, math.ceil(cfg.seq_cap / geom.num_groups))
+    )
     root = chain_root(writer.namespace)
     digests = Chain(root, geom.tokens_per_block).extend_to(stream[: seed_blocks * geom.tokens_per_block])
     seed = _seed_keys(bs, digests, geom.num_groups)
@@ -237,8 +243,9 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
         "geometry": {
             "model_block_structure": cfg.model.name,
             "windows": f"[{cfg.window}]*5 + [full]",
-            "layer_groups": [{"group": g.group_id, "window": g.window, "layers": len(g.layer_ids)}
-                             for g in geom.groups],
+            "layer_groups": [
+                {"group": g.group_id, "window": g.window, "layers": len(g.layer_ids)} for g in geom.groups
+            ],
             "tokens_per_block": tpb,
             "blocks_per_object": bpo,
             "checkpoint_tokens": settings.checkpoint_tokens,
@@ -253,7 +260,7 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
             "round_trips_le_3": f"<= {TARGET_ROUND_TRIPS} round trips per cold lookup up to 128k tokens",
             "warm_zero_round_trips": "a repeat is answered by the local index",
             "speedup_ge_20x": f">= {TARGET_SPEEDUP:g}x faster than the sequential scan"
-                              + ("" if bs.latency_ms == 20 else f" (stated at 20 ms; this run: {bs.latency_ms:g} ms)"),
+            + ("" if bs.latency_ms == 20 else f" (stated at 20 ms; this run: {bs.latency_ms:g} ms)"),
             "full_hit": "every prompt is served up to its last full block before the final token",
         },
         "targets_met": met,
@@ -281,7 +288,9 @@ def table(res: dict[str, Any]) -> str:
             f"{r['speedup_vs_sequential']:>7.1f}x"
         )
     if any(r["sequential_extrapolated"] for r in res["results"]):
-        lines.append("* sequential scan measured for the first HEADs, the rest extrapolated at the measured mean "
-                     "(it is linear); --seq-cap 0 runs it all")
+        lines.append(
+            "* sequential scan measured for the first HEADs, the rest extrapolated at the measured mean "
+            "(it is linear); --seq-cap 0 runs it all"
+        )
     lines.append(targets_line(res))
     return "\n".join(lines)

@@ -49,8 +49,15 @@ def _bar_labels(ax: Any, bars: Any, fmt: str) -> None:
     for b in bars:
         h = b.get_height()
         if h > 0:
-            ax.annotate(fmt.format(h), (b.get_x() + b.get_width() / 2, h), ha="center", va="bottom",
-                        fontsize=7, xytext=(0, 2), textcoords="offset points")
+            ax.annotate(
+                fmt.format(h),
+                (b.get_x() + b.get_width() / 2, h),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                xytext=(0, 2),
+                textcoords="offset points",
+            )
 
 
 def _headroom(ax: Any, highs: Sequence[float], lows: Sequence[float], factor: float) -> None:
@@ -67,10 +74,17 @@ def plot_lookup(res: dict[str, Any], path: str) -> None:
     labels = [_tok(r["tokens"]) for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     w = 0.27
-    b1 = ax1.bar([i - w for i in x], [r["latency_ms"] for r in rows], w, color=S3KV, label="s3kv cold (empty index)")
+    b1 = ax1.bar(
+        [i - w for i in x], [r["latency_ms"] for r in rows], w, color=S3KV, label="s3kv cold (empty index)"
+    )
     ax1.bar(x, [max(r["warm_latency_ms"], 1e-3) for r in rows], w, color=WARM, label="s3kv warm (index hit)")
-    b3 = ax1.bar([i + w for i in x], [r["sequential_latency_ms"] for r in rows], w, color=SEED,
-                 label="seed: sequential HEAD per block per group")
+    b3 = ax1.bar(
+        [i + w for i in x],
+        [r["sequential_latency_ms"] for r in rows],
+        w,
+        color=SEED,
+        label="seed: sequential HEAD per block per group",
+    )
     for b, r in zip(b3, rows, strict=True):
         if r["sequential_extrapolated"]:
             b.set_hatch("//")
@@ -78,8 +92,12 @@ def plot_lookup(res: dict[str, Any], path: str) -> None:
     _bar_labels(ax1, b1, "{:.0f}")
     _bar_labels(ax1, b3, "{:.0f}")
     ax1.set_yscale("log")
-    _headroom(ax1, [r["sequential_latency_ms"] for r in rows] + [r["latency_ms"] for r in rows],
-              [max(r["warm_latency_ms"], 1e-3) for r in rows], 8)
+    _headroom(
+        ax1,
+        [r["sequential_latency_ms"] for r in rows] + [r["latency_ms"] for r in rows],
+        [max(r["warm_latency_ms"], 1e-3) for r in rows],
+        8,
+    )
     ax1.set_xticks(x, labels)
     ax1.set_xlabel("prompt length (tokens)")
     ax1.set_ylabel("lookup latency (ms, log scale)")
@@ -87,15 +105,31 @@ def plot_lookup(res: dict[str, Any], path: str) -> None:
     ax1.set_title("Time to find the stored prefix")
     ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     for i, r in enumerate(rows):
-        ax1.annotate(f"{r['speedup_vs_sequential']:.0f}x", (i, r["sequential_latency_ms"]), ha="center",
-                     va="bottom", fontsize=8, fontweight="bold", xytext=(0, 12), textcoords="offset points")
+        ax1.annotate(
+            f"{r['speedup_vs_sequential']:.0f}x",
+            (i, r["sequential_latency_ms"]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            fontweight="bold",
+            xytext=(0, 12),
+            textcoords="offset points",
+        )
     if any(r["sequential_extrapolated"] for r in rows):
-        ax1.text(0.99, 0.01, "hatched: extrapolated from the measured first HEADs", transform=ax1.transAxes,
-                 ha="right", va="bottom", fontsize=7)
+        ax1.text(
+            0.99,
+            0.01,
+            "hatched: extrapolated from the measured first HEADs",
+            transform=ax1.transAxes,
+            ha="right",
+            va="bottom",
+            fontsize=7,
+        )
 
     c1 = ax2.bar([i - w / 2 for i in x], [r["requests"] for r in rows], w, color=S3KV, label="s3kv HEADs")
-    c2 = ax2.bar([i + w / 2 for i in x], [r["sequential_requests"] for r in rows], w, color=SEED,
-                 label="seed HEADs")
+    c2 = ax2.bar(
+        [i + w / 2 for i in x], [r["sequential_requests"] for r in rows], w, color=SEED, label="seed HEADs"
+    )
     _bar_labels(ax2, c1, "{:.0f}")
     _bar_labels(ax2, c2, "{:.0f}")
     ax2.set_yscale("log")
@@ -105,13 +139,25 @@ def plot_lookup(res: dict[str, Any], path: str) -> None:
     ax2.set_ylabel("HEAD requests per lookup (log scale)")
     ax2.set_title("Requests, and s3kv round trips (waves)")
     for i, r in enumerate(rows):
-        ax2.annotate(f"{r['round_trips']} RT", (i - w / 2, max(r["requests"], 1)), ha="center", va="bottom",
-                     fontsize=8, color=S3KV, fontweight="bold", xytext=(0, 12), textcoords="offset points")
+        ax2.annotate(
+            f"{r['round_trips']} RT",
+            (i - w / 2, max(r["requests"], 1)),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            color=S3KV,
+            fontweight="bold",
+            xytext=(0, 12),
+            textcoords="offset points",
+        )
     ax2.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     g = res["geometry"]
-    fig.suptitle(f"s3kv bench lookup -- {g['model_block_structure']} block structure "
-                 f"({g['windows']}, {g['tokens_per_block']} tok/block, {g['blocks_per_object']} blocks/object)\n"
-                 + _subtitle(res), fontsize=10)
+    fig.suptitle(
+        f"s3kv bench lookup -- {g['model_block_structure']} block structure "
+        f"({g['windows']}, {g['tokens_per_block']} tok/block, {g['blocks_per_object']} blocks/object)\n"
+        + _subtitle(res),
+        fontsize=10,
+    )
     _save(fig, path)
 
 
@@ -124,24 +170,45 @@ def plot_transfer(res: dict[str, Any], path: str) -> None:
     w = 0.27
     for ax, what in zip(axes, ("save", "load"), strict=True):
         bars = [
-            ax.bar([i - w for i in x], [r[f"{what}_mib_s"] for r in rows], w, color=S3KV,
-                   label=f"s3kv pipeline ({res['concurrency'][what]} threads)"),
-            ax.bar(x, [r[f"raw_{what}_mib_s"] for r in rows], w, color=RAW,
-                   label=f"raw boto3, same concurrency ({res['concurrency'][what]})"),
-            ax.bar([i + w for i in x], [r[f"seed_{what}_mib_s"] for r in rows], w, color=SEED,
-                   label=f"seed-style: one {res['page_mib']:g} MiB page per object, sequential"),
+            ax.bar(
+                [i - w for i in x],
+                [r[f"{what}_mib_s"] for r in rows],
+                w,
+                color=S3KV,
+                label=f"s3kv pipeline ({res['concurrency'][what]} threads)",
+            ),
+            ax.bar(
+                x,
+                [r[f"raw_{what}_mib_s"] for r in rows],
+                w,
+                color=RAW,
+                label=f"raw boto3, same concurrency ({res['concurrency'][what]})",
+            ),
+            ax.bar(
+                [i + w for i in x],
+                [r[f"seed_{what}_mib_s"] for r in rows],
+                w,
+                color=SEED,
+                label=f"seed-style: one {res['page_mib']:g} MiB page per object, sequential",
+            ),
         ]
         for b in bars:
             _bar_labels(ax, b, "{:.0f}")
         ax.set_xticks(x, labels)
         ax.set_xlabel("object size")
         ax.set_ylabel("throughput (MiB/s)")
-        ax.set_title(f"{what.capitalize()}: {res[f'{what}_ratio_vs_raw']:.2f}x raw, "
-                     f"{res[f'{what}_speedup_vs_seed']:.1f}x seed path")
+        ax.set_title(
+            f"{what.capitalize()}: {res[f'{what}_ratio_vs_raw']:.2f}x raw, "
+            f"{res[f'{what}_speedup_vs_seed']:.1f}x seed path"
+        )
         ax.legend(fontsize=8, loc="upper left")
         ax.grid(axis="y", alpha=0.3)
-    fig.suptitle(f"s3kv bench transfer -- {res['total_mib']} MiB per object size, CPU host tensors\n"
-                 + _subtitle(res), fontsize=10)
+    top = max(r[k] for r in rows for k in r if k.endswith("_mib_s"))
+    axes[0].set_ylim(0, top * 1.4)  # room for the legend above the tallest bar
+    fig.suptitle(
+        f"s3kv bench transfer -- {res['total_mib']} MiB per object size, CPU host tensors\n" + _subtitle(res),
+        fontsize=10,
+    )
     _save(fig, path)
 
 
@@ -150,8 +217,14 @@ def plot_staging(res: dict[str, Any], path: str) -> None:
     if res.get("skipped"):
         fig, ax = plt.subplots(figsize=(6, 2.5))
         ax.axis("off")
-        ax.text(0.5, 0.5, f"s3kv bench staging: skipped\n{res.get('reason', res['skipped'])}", ha="center",
-                va="center", fontsize=11)
+        ax.text(
+            0.5,
+            0.5,
+            f"s3kv bench staging: skipped\n{res.get('reason', res['skipped'])}",
+            ha="center",
+            va="center",
+            fontsize=11,
+        )
         _save(fig, path, tight=False)
         return
     rows = res["results"]
@@ -166,14 +239,18 @@ def plot_staging(res: dict[str, Any], path: str) -> None:
         ("memcpy_h2d_gbps", "one contiguous memcpy H2D", RAW, "//"),
     ]
     for k, (key, label, color, hatch) in enumerate(series):
-        b = ax.bar([i + (k - 1.5) * w for i in x], [r[key] for r in rows], w, color=color, label=label, hatch=hatch)
+        b = ax.bar(
+            [i + (k - 1.5) * w for i in x], [r[key] for r in rows], w, color=color, label=label, hatch=hatch
+        )
         _bar_labels(ax, b, "{:.1f}")
     ax.set_xticks(x, labels)
     ax.set_xlabel(f"page size ({res['pages']} scattered pages per run)")
     ax.set_ylabel("bandwidth (GB/s)")
-    ax.set_title(f"s3kv bench staging on {res.get('device_name', res['device'])}: "
-                 f"worst ratio vs memcpy D2H {res['d2h_ratio_vs_memcpy']:.2f}, H2D {res['h2d_ratio_vs_memcpy']:.2f}",
-                 fontsize=10)
+    ax.set_title(
+        f"s3kv bench staging on {res.get('device_name', res['device'])}: "
+        f"worst ratio vs memcpy D2H {res['d2h_ratio_vs_memcpy']:.2f}, H2D {res['h2d_ratio_vs_memcpy']:.2f}",
+        fontsize=10,
+    )
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="y", alpha=0.3)
     _save(fig, path)
@@ -196,9 +273,16 @@ def plot_e2e(res: dict[str, Any], path: str) -> None:
     ax.bar(x, served, 0.5, bottom=computed, color=S3KV, label="prompt tokens served from S3")
     for i, p in enumerate(phases):
         r = pol[p]
-        ax.annotate(f"hit {r['hit_rate']:.0%}\n{r['mean_request_latency_ms']:.0f} ms/request\n"
-                    f"kv_mismatches {r['kv_mismatches']}", (i, computed[i] + served[i]), ha="center",
-                    va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
+        ax.annotate(
+            f"hit {r['hit_rate']:.0%}\n{r['mean_request_latency_ms']:.0f} ms/request\n"
+            f"kv_mismatches {r['kv_mismatches']}",
+            (i, computed[i] + served[i]),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+            xytext=(0, 3),
+            textcoords="offset points",
+        )
     ax.set_xticks(x, [f"{p} cluster" for p in phases])
     ax.set_ylabel("prompt tokens")
     ax.set_title("Multi-turn VSWA workload (window policy)")
@@ -210,7 +294,9 @@ def plot_e2e(res: dict[str, Any], path: str) -> None:
     allp = _group_bytes(res["stored_bytes_by_group"]["all"])
     groups = sorted(set(win) | set(allp))
     x = list(range(len(groups)))
-    b1 = ax.bar([i - 0.2 for i in x], [win.get(g, 0) for g in groups], 0.4, color=S3KV, label="policy: window")
+    b1 = ax.bar(
+        [i - 0.2 for i in x], [win.get(g, 0) for g in groups], 0.4, color=S3KV, label="policy: window"
+    )
     b2 = ax.bar([i + 0.2 for i in x], [allp.get(g, 0) for g in groups], 0.4, color=RAW, label="policy: all")
     _bar_labels(ax, b1, "{:.1f}")
     _bar_labels(ax, b2, "{:.1f}")
@@ -229,10 +315,20 @@ def plot_e2e(res: dict[str, Any], path: str) -> None:
     lo, hi = min(samples), max(samples)
     ax.set_ylim(max(0, lo - max(50, 0.1 * lo)), hi + max(100, 0.25 * hi))
     ax2 = ax.twinx()
-    ax2.plot(rounds, [b / 2**20 for b in soak["staging_in_use_samples_bytes"]], "s--", color=SEED,
-             label="staging in use after round (MiB)")
-    ax2.axhline(soak["staging_high_water_bytes"] / 2**20, color=SEED, alpha=0.4, linestyle=":",
-                label="staging high water (MiB)")
+    ax2.plot(
+        rounds,
+        [b / 2**20 for b in soak["staging_in_use_samples_bytes"]],
+        "s--",
+        color=SEED,
+        label="staging in use after round (MiB)",
+    )
+    ax2.axhline(
+        soak["staging_high_water_bytes"] / 2**20,
+        color=SEED,
+        alpha=0.4,
+        linestyle=":",
+        label="staging high water (MiB)",
+    )
     ax2.set_ylabel("staging (MiB)")
     ax2.set_ylim(0, max(1.0, soak["staging_capacity_bytes"] / 2**20))
     h1, l1 = ax.get_legend_handles_labels()
@@ -242,5 +338,7 @@ def plot_e2e(res: dict[str, Any], path: str) -> None:
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(f"Memory over a long run: RSS {soak['rss_mib_start']:.0f} -> {soak['rss_mib_end']:.0f} MiB")
-    fig.suptitle("s3kv bench e2e -- cold cluster then warm cluster on one store\n" + _subtitle(res), fontsize=10)
+    fig.suptitle(
+        "s3kv bench e2e -- cold cluster then warm cluster on one store\n" + _subtitle(res), fontsize=10
+    )
     _save(fig, path)

@@ -34,7 +34,7 @@ def run_staging(page_mib: Sequence[float], pages: int, device: str) -> dict[str,
             "machine": machine_info(),
             "skipped": "needs CUDA",
             "reason": "s3kv bench staging needs a CUDA device (torch.cuda.is_available() is False); "
-                      "run it on a GPU machine, or pass --device cpu for a smoke run",
+            "run it on a GPU machine, or pass --device cpu for a smoke run",
             "targets": {},
             "targets_met": {},
         }
@@ -53,8 +53,14 @@ def run_staging(page_mib: Sequence[float], pages: int, device: str) -> dict[str,
         "d2h_ratio_ge_0.8": out["d2h_ratio_vs_memcpy"] >= TARGET_RATIO,
         "h2d_ratio_ge_0.8": out["h2d_ratio_vs_memcpy"] >= TARGET_RATIO,
     }
-    for k in ("d2h_ratio_vs_memcpy", "h2d_ratio_vs_memcpy", "d2h_gbps", "h2d_gbps", "memcpy_d2h_gbps",
-              "memcpy_h2d_gbps"):
+    for k in (
+        "d2h_ratio_vs_memcpy",
+        "h2d_ratio_vs_memcpy",
+        "d2h_gbps",
+        "h2d_gbps",
+        "memcpy_d2h_gbps",
+        "memcpy_h2d_gbps",
+    ):
         out[k] = rnd(out[k], 3)
     out["seconds"] = rnd(time.perf_counter() - t0, 1)
     return out

@@ -17,7 +17,8 @@ tensors standing in for the device cache) are moved three ways on the same store
   one page per block per group to local disk; here plain bytes, so this baseline is, if anything,
   faster than the example would be).
 
-Throughput is payload bytes (pages) over wall time; best of ``--repeats``. Headline numbers add
+Throughput is payload bytes (pages) over wall time; best of ``--repeats`` (odd repeats run the
+baselines before s3kv, even ones after). Headline numbers add
 up every object size (total bytes / total seconds per method).
 """
 
@@ -94,7 +95,8 @@ class _Size:
         pad = b"\0" * (self.object_bytes - self.bpo * self.page)
         # Raw objects: the same bytes and the same size as s3kv's objects (header length of zeros).
         self.raw_bodies = [
-            bytes(flat[o * self.bpo * self.page : (o + 1) * self.bpo * self.page]) + pad for o in range(self.objects)
+            bytes(flat[o * self.bpo * self.page : (o + 1) * self.bpo * self.page]) + pad
+            for o in range(self.objects)
         ]
         self.seed_bodies = [bytes(v) for v in self.page_views]
         self.settings = Settings(
@@ -107,8 +109,9 @@ class _Size:
     def _worker(self, layout: Any, prefix: str) -> Any:
         from ..worker import WorkerCore
 
-        core = WorkerCore(self.settings, self.bs.store, prefix, 0, 1, model_id="s3kv-bench/transfer",
-                          kv_dtype="bfloat16")
+        core = WorkerCore(
+            self.settings, self.bs.store, prefix, 0, 1, model_id="s3kv-bench/transfer", kv_dtype="bfloat16"
+        )
         core.register_layout(layout)
         return core
 
@@ -128,17 +131,24 @@ class _Size:
         n = min(self.pages, max(self.cfg.upload_threads, self.cfg.download_threads))
         digests = [_digest("warm", prefix, i) for i in range(n)]
         bids = [BufferId(10**6 + i, 0, i, 1) for i in range(n)]
-        saver.bind(ConnectorMetadata(
-            iteration=1,
-            stages=tuple(StageOp(b, i, i) for i, b in enumerate(bids)),
-            seals=tuple(SealOp(b, 1, d, True) for b, d in zip(bids, digests, strict=True)),
-        ))
+        saver.bind(
+            ConnectorMetadata(
+                iteration=1,
+                stages=tuple(StageOp(b, i, i) for i, b in enumerate(bids)),
+                seals=tuple(SealOp(b, 1, d, True) for b, d in zip(bids, digests, strict=True)),
+            )
+        )
         saver.start_load_kv(None)
         saver.wait_for_save(None)
         saver.flush(120)
-        loader.bind(ConnectorMetadata(iteration=1, loads=tuple(
-            LoadOp(10**6 + i, ObjectRef(0, d, ((i, 1),)), (i,), (i,)) for i, d in enumerate(digests)
-        )))
+        loader.bind(
+            ConnectorMetadata(
+                iteration=1,
+                loads=tuple(
+                    LoadOp(10**6 + i, ObjectRef(0, d, ((i, 1),)), (i,), (i,)) for i, d in enumerate(digests)
+                ),
+            )
+        )
         loader.start_load_kv(None)
         loader.wait_for_save(None)
         loader.get_finished([], [])
@@ -160,8 +170,9 @@ class _Size:
             seals.append(SealOp(bid, self.bpo, digests[o], True))
             loads.append(LoadOp(o, ObjectRef(0, digests[o], ((first, self.bpo),)), ords, ords))
         saver = self._worker(self.src, prefix)
-        dst = make_layout([GroupSpec((0,), None, (self.page,))], num_slots=self.pages, tokens_per_block=32,
-                          fill_seed=None)
+        dst = make_layout(
+            [GroupSpec((0,), None, (self.page,))], num_slots=self.pages, tokens_per_block=32, fill_seed=None
+        )
         loader = self._worker(dst, prefix)
         try:
             self._warm(saver, loader, prefix)
@@ -178,9 +189,11 @@ class _Size:
             save_s = _timed(save)
             st = saver.stats()
             if st.objects_uploaded - base_up != self.objects:
-                raise RuntimeError(f"s3kv saved {st.objects_uploaded - base_up} of {self.objects} objects "
-                                   f"(dropped: staging {st.saves_dropped_staging_full}, store "
-                                   f"{st.saves_dropped_store_error}, other {st.saves_dropped_other})")
+                raise RuntimeError(
+                    f"s3kv saved {st.objects_uploaded - base_up} of {self.objects} objects "
+                    f"(dropped: staging {st.saves_dropped_staging_full}, store "
+                    f"{st.saves_dropped_store_error}, other {st.saves_dropped_other})"
+                )
 
             def load() -> None:
                 loader.bind(ConnectorMetadata(iteration=2, loads=tuple(loads)))
@@ -191,8 +204,10 @@ class _Size:
             loader.get_finished([], [])
             lst = loader.stats()
             if lst.objects_loaded - base_down != self.objects or lst.loads_failed_objects:
-                raise RuntimeError(f"s3kv loaded {lst.objects_loaded - base_down} of {self.objects} objects "
-                                   f"({lst.loads_failed_objects} failed)")
+                raise RuntimeError(
+                    f"s3kv loaded {lst.objects_loaded - base_down} of {self.objects} objects "
+                    f"({lst.loads_failed_objects} failed)"
+                )
             exact = bool(
                 (self.src.group(0).regions[0].as_tensor() == dst.group(0).regions[0].as_tensor()).all().item()
             )
@@ -231,7 +246,9 @@ class _Size:
     def warm_up(self) -> None:
         """Untimed: open connections on every path and let the server allocate its volumes."""
         body = self.raw_bodies[0]
-        keys = [f"{self.root}/warmup/{i}" for i in range(max(self.cfg.upload_threads, self.cfg.download_threads))]
+        keys = [
+            f"{self.root}/warmup/{i}" for i in range(max(self.cfg.upload_threads, self.cfg.download_threads))
+        ]
         with ThreadPoolExecutor(len(keys)) as ex:
             list(ex.map(lambda k: self.bs.store.put(k + "-s", body), keys))
             list(ex.map(lambda k: self.bs.raw_client.put(k + "-r", body), keys))
@@ -255,12 +272,23 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
         try:
             sz.warm_up()
             for rep in range(cfg.repeats):
+                # Odd repeats run the baselines first, so neither side always meets a fresher server.
+                if rep % 2:
+                    r_save, r_load = sz.raw(rep)
+                    d_save, d_load = sz.seed(rep)
                 s_save, s_load, exact = sz.s3kv(rep)
                 exact_all &= exact
-                r_save, r_load = sz.raw(rep)
-                d_save, d_load = sz.seed(rep)
-                for k, v in (("s3kv_save", s_save), ("s3kv_load", s_load), ("raw_save", r_save),
-                             ("raw_load", r_load), ("seed_save", d_save), ("seed_load", d_load)):
+                if not rep % 2:
+                    r_save, r_load = sz.raw(rep)
+                    d_save, d_load = sz.seed(rep)
+                for k, v in (
+                    ("s3kv_save", s_save),
+                    ("s3kv_load", s_load),
+                    ("raw_save", r_save),
+                    ("raw_load", r_load),
+                    ("seed_save", d_save),
+                    ("seed_load", d_load),
+                ):
                     best[k] = min(best[k], v)
         finally:
             sz.cleanup()
