@@ -131,16 +131,30 @@ class LeaderCore:
         self.namespace = namespace_digest(g)
         self.scheme = KeyScheme(self.key_prefix, self.namespace, g.tp_size)
         cp_blocks = max(1, self.settings.checkpoint_tokens // g.tokens_per_block)
-        # An object never spans a checkpoint, so a checkpoint is always an object
-        # boundary that a lookup can find by key.
-        self.bpo = min(auto_blocks_per_object(g.max_page_bytes, self.settings), cp_blocks)
-        cp_blocks = -(-cp_blocks // self.bpo) * self.bpo  # round up to whole objects
-        self.policy = StoragePolicy(g, self.bpo, cp_blocks, self.settings.storage_policy, self.settings.window_margin_blocks)
+        # Each group packs its own number of blocks per object (objects of ~target size:
+        # a full-attention group of few layers has small pages, so many per object --
+        # fewer PUTs and fewer HEADs per lookup). An object never spans a checkpoint, so
+        # a checkpoint is always an object boundary a lookup can find by key: round the
+        # checkpoint up to the largest, then each group's count down to a divisor of it.
+        raw = [min(auto_blocks_per_object(x.page_bytes, self.settings), cp_blocks) for x in g.groups]
+        cp_blocks = -(-cp_blocks // max(raw)) * max(raw)
+        group_blocks = []
+        for b in raw:
+            while cp_blocks % b:
+                b -= 1
+            group_blocks.append(b)
+        self.group_blocks = tuple(group_blocks)
+        self.bpo = self.group_blocks[g.spine_group]
+        self.policy = StoragePolicy(
+            g, self.bpo, cp_blocks, self.settings.storage_policy, self.settings.window_margin_blocks,
+            group_blocks=self.group_blocks,
+        )
         self.params = LookupParams(
             blocks_per_object=self.bpo,
             checkpoint_blocks=cp_blocks,
             margin=self.settings.window_margin_blocks,
             budget=self.settings.lookup_probe_budget,
+            group_blocks=self.group_blocks,
         )
         self._identities = {
             (grp.group_id, s): ObjectIdentity(
@@ -150,12 +164,12 @@ class LeaderCore:
             for s in range(g.tp_size)
         }
         log.info(
-            "s3kv geometry: %d groups (%s), tpb=%d, tp=%d, %d blocks/object, checkpoints every %d blocks, ns=%s",
+            "s3kv geometry: %d groups (%s), tpb=%d, tp=%d, blocks/object %s, checkpoints every %d blocks, ns=%s",
             g.num_groups,
             ", ".join(f"g{x.group_id}:w={x.window or 'full'},{x.page_bytes}B" for x in g.groups),
             g.tokens_per_block,
             g.tp_size,
-            self.bpo,
+            self.group_blocks,
             cp_blocks,
             self.namespace.hex()[:12],
         )
@@ -564,7 +578,7 @@ class LeaderCore:
             self._close(st, gid)
             buf = None
         if buf is None:
-            cap = capacity if capacity is not None else self.policy.chunk_end(o) - o
+            cap = capacity if capacity is not None else self.policy.chunk_end(o, gid) - o
             buf = _Buffer(BufferId(st.request_id, gid, o, cap))
             st.open[gid] = buf
         st.pending_stages.append(StageOp(buf.bid, o, slot))

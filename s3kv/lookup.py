@@ -41,6 +41,11 @@ class LookupParams:
     margin: int = 0
     budget: int = 128
     fallbacks: int = 2
+    #: Blocks per object of each group; ``blocks_per_object`` is the spine's (and the default).
+    group_blocks: tuple[int, ...] | None = None
+
+    def bpo(self, group: int) -> int:
+        return self.group_blocks[group] if self.group_blocks else self.blocks_per_object
 
 
 @dataclass
@@ -78,11 +83,11 @@ def find_hit(
     ``count_wave(asks)`` says whether a wave went to the network (the index may
     answer it all); defaults to "every non-empty wave counts".
     """
-    bpo = params.blocks_per_object
+    spine = geometry.spine_group
+    bpo = params.bpo(spine)
     result = LookupResult(h_blocks=d_blocks)
     if hmax_blocks <= d_blocks:
         return result
-    spine = geometry.spine_group
     known: dict[Ask, Span | None] = {}
 
     def run(asks: Iterable[Ask]) -> None:
@@ -154,11 +159,12 @@ def find_hit(
         asks: set[Ask] = set()
         for g in geometry.groups:
             lo, hi = required_range(g, geometry.tokens_per_block, d_blocks, h, params.margin)
-            ends = object_ends_needed(lo, hi, bpo)
+            gb = params.bpo(g.group_id)
+            ends = object_ends_needed(lo, hi, gb)
             if ends and hi < top:
                 # An object ending a little past h covers it too: the prompt-end
                 # snapshot, or the chunk that h falls inside.
-                ends += [top, min(top, (hi // bpo + 1) * bpo)]
+                ends += [top, min(top, (hi // gb + 1) * gb)]
             for e in ends:
                 for shard in range(geometry.tp_size):
                     asks.add((g.group_id, shard, e))

@@ -31,10 +31,17 @@ class StoragePolicy:
     checkpoint_blocks: int
     mode: str = "window"  # or "all"
     margin: int = 0
+    #: Blocks per object of each group (default: ``blocks_per_object`` for all). Small pages
+    #: (a full-attention group of few layers) pack more blocks per object: fewer PUTs and HEADs.
+    group_blocks: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.checkpoint_blocks % self.blocks_per_object:
-            raise ValueError("checkpoint_blocks must be a multiple of blocks_per_object")
+        for b in self.group_blocks or (self.blocks_per_object,):
+            if self.checkpoint_blocks % b:
+                raise ValueError("checkpoint_blocks must be a multiple of every group's blocks per object")
+
+    def bpo(self, group: int) -> int:
+        return self.group_blocks[group] if self.group_blocks else self.blocks_per_object
 
     def tail(self, group: int, boundary: int) -> tuple[int, int]:
         """Ordinals a sliding group stores for hits at ``boundary`` and one block below it.
@@ -84,5 +91,6 @@ class StoragePolicy:
             best = max(best or 0, boundary)
         return best
 
-    def chunk_end(self, ordinal: int) -> int:
-        return (ordinal // self.blocks_per_object + 1) * self.blocks_per_object
+    def chunk_end(self, ordinal: int, group: int | None = None) -> int:
+        b = self.blocks_per_object if group is None else self.bpo(group)
+        return (ordinal // b + 1) * b

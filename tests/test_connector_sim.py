@@ -272,3 +272,26 @@ def test_no_request_state_leaks():
     specs = [SimRequestSpec(i, tuple(random_tokens(rng, 40, 32000)), max_new_tokens=1) for i in range(300)]
     run(eng, specs)
     assert eng.leader.core.active_requests() == 0
+
+
+@pytest.mark.parametrize("policy", ["window", "all"])
+def test_groups_pack_their_own_blocks_per_object(policy):
+    """A full-attention group of one layer has small pages: more blocks per object than the sliding group."""
+    model = SimModel(num_layers=6, kv_heads=8, head_dim=64, max_attention_window=(64,) * 5 + (FULL_ATTENTION,))
+    specs = shared_prefix_workload(n_users=2, system_len=600, user_len=100, max_new_tokens=20)
+    kw = dict(target_object_mib=1, checkpoint_tokens=1024, storage_policy=policy)
+    store = MemoryStore()
+    eng = make_engine(store, model, **kw)
+    run(eng, specs)
+    core = eng.leader.core
+    full = next(g.group_id for g in core.geometry.groups if g.window is None)
+    sliding = 1 - full
+    assert core.group_blocks[full] == 32 and core.group_blocks[sliding] == 4
+    counts = {}
+    for info in store.list(""):
+        gfp = info.key.rsplit("/", 2)[-2].split(".")[0]
+        counts.setdefault(gfp, []).append(int(info.metadata["s3kv-count"]))
+    assert max(counts[core.geometry.groups[full].fingerprint]) == 32
+    assert max(counts[core.geometry.groups[sliding].fingerprint]) <= (4 if policy == "all" else 64)
+    warm = run(make_engine(store, model, **kw), repeat_workload(specs, 100))
+    assert warm.kv_mismatches == 0 and warm.hit_rate >= 0.9, warm.summary()
