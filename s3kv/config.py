@@ -58,7 +58,8 @@ class Settings:
     max_concurrency: int = 32
     #: Lookup: strided probe size of the first HEAD wave.
     lookup_probe_budget: int = 128
-    index_max_entries: int = 1_000_000
+    #: Local key index bound (~300 bytes an entry).
+    index_max_entries: int = 200_000
     index_ttl_s: float = 600.0
     negative_ttl_s: float = 2.0
     connect_timeout_s: float = 3.0

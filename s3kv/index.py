@@ -43,13 +43,22 @@ class KeyIndex:
         self._lock = threading.Lock()
         # key -> (expires_at, span or MISSING)
         self._entries: OrderedDict[str, tuple[float, ObjectSpan | _Missing]] = OrderedDict()
+        self._puts_since_sweep = 0
 
     def _put(self, key: str, value: ObjectSpan | _Missing, ttl: float) -> None:
         if self.max_entries == 0 or ttl <= 0:
             return
         with self._lock:
-            self._entries[key] = (self._clock() + ttl, value)
+            now = self._clock()
+            self._entries[key] = (now + ttl, value)
             self._entries.move_to_end(key)
+            self._puts_since_sweep += 1
+            if self._puts_since_sweep >= max(1024, len(self._entries) // 4):
+                # Expired entries (short-lived negatives above all) are otherwise only
+                # dropped when asked for again; sweep now and then (amortised O(1)).
+                self._puts_since_sweep = 0
+                for k in [k for k, (exp, _) in self._entries.items() if exp < now]:
+                    del self._entries[k]
             while len(self._entries) > self.max_entries:
                 self._entries.popitem(last=False)
 

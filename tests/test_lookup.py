@@ -393,3 +393,16 @@ def test_sync_mode_and_min_hit_blocks():
     assert core.get_num_new_matched_tokens(1, prompt, len(prompt), 0) == (4 * TPB, False)
     core = make_core(mem, g, min_hit_blocks=5)
     assert core.get_num_new_matched_tokens(1, prompt, len(prompt), 0) == (0, False)
+
+
+def test_index_sweeps_expired_negatives():
+    from s3kv.objects import ObjectSpan
+
+    now = [0.0]
+    idx = KeyIndex(max_entries=100_000, ttl_s=600, negative_ttl_s=2, clock=lambda: now[0])
+    for i in range(1000):
+        idx.put_missing(f"k{i}")
+    now[0] = 10.0  # every negative has expired
+    for i in range(1100):
+        idx.put_present(f"p{i}", ObjectSpan(0, 1))
+    assert len(idx) <= 1100  # the 1000 expired negatives were swept, not kept until asked
