@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Settings, auto_blocks_per_object
+from .config import Settings
 from .errors import PlanMismatch
 from .hitrule import Span, required_range, servable
 from .index import MISSING, KeyIndex
@@ -23,7 +23,7 @@ from .layout import CacheGeometry
 from .lookup import Ask, LookupParams, LookupResult, find_hit
 from .objects import ObjectFormatError, ObjectIdentity, span_from_metadata
 from .plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
-from .policy import StoragePolicy
+from .policy import StoragePolicy, object_sizes
 from .store.base import ObjectStore, StoreError
 
 log = logging.getLogger("s3kv.leader")
@@ -95,7 +95,11 @@ class LeaderCore:
         index: KeyIndex | None = None,
         geometry: CacheGeometry | Callable[[], CacheGeometry | None] | None = None,
         on_lookup: Callable[[int, LookupResult], None] | None = None,
+        sizing_page_bytes: Sequence[int] | None = None,
     ):
+        """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing
+        blocks per object -- for benchmarks that store tiny pages but model a real
+        model's object structure."""
         self.settings = settings
         self.store = store
         self.key_prefix = key_prefix
@@ -112,6 +116,7 @@ class LeaderCore:
         self._iteration = 0
         self._lock = threading.Lock()
         self._on_lookup = on_lookup
+        self._sizing_page_bytes = list(sizing_page_bytes) if sizing_page_bytes else None
         self.stats = LeaderStats()
 
     # ------------------------------------------------------------------ geometry
@@ -130,20 +135,8 @@ class LeaderCore:
         self._geometry = g
         self.namespace = namespace_digest(g)
         self.scheme = KeyScheme(self.key_prefix, self.namespace, g.tp_size)
-        cp_blocks = max(1, self.settings.checkpoint_tokens // g.tokens_per_block)
-        # Each group packs its own number of blocks per object (objects of ~target size:
-        # a full-attention group of few layers has small pages, so many per object --
-        # fewer PUTs and fewer HEADs per lookup). An object never spans a checkpoint, so
-        # a checkpoint is always an object boundary a lookup can find by key: round the
-        # checkpoint up to the largest, then each group's count down to a divisor of it.
-        raw = [min(auto_blocks_per_object(x.page_bytes, self.settings), cp_blocks) for x in g.groups]
-        cp_blocks = -(-cp_blocks // max(raw)) * max(raw)
-        group_blocks = []
-        for b in raw:
-            while cp_blocks % b:
-                b -= 1
-            group_blocks.append(b)
-        self.group_blocks = tuple(group_blocks)
+        sizing = self._sizing_page_bytes or [x.page_bytes for x in g.groups]
+        self.group_blocks, cp_blocks = object_sizes(sizing, g.tokens_per_block, self.settings)
         self.bpo = self.group_blocks[g.spine_group]
         self.policy = StoragePolicy(
             g, self.bpo, cp_blocks, self.settings.storage_policy, self.settings.window_margin_blocks,

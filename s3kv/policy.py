@@ -18,10 +18,32 @@ stored and what a hit needs can never drift apart.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .config import Settings, auto_blocks_per_object
 from .hitrule import required_range
 from .layout import CacheGeometry
+
+
+def object_sizes(page_bytes: Sequence[int], tokens_per_block: int, settings: Settings) -> tuple[tuple[int, ...], int]:
+    """(blocks per object of each group, checkpoint stride in blocks).
+
+    Each group packs objects of ~``target_object_mib`` from its own page size (a
+    full-attention group of few layers has small pages: many blocks per object,
+    so fewer PUTs and fewer HEADs per lookup). An object never spans a
+    checkpoint, so a checkpoint is an object boundary a lookup can find by key:
+    round the stride up to the largest count, then each count down to a divisor.
+    """
+    cp = max(1, settings.checkpoint_tokens // tokens_per_block)
+    raw = [min(auto_blocks_per_object(p, settings), cp) for p in page_bytes]
+    cp = -(-cp // max(raw)) * max(raw)
+    out = []
+    for b in raw:
+        while cp % b:
+            b -= 1
+        out.append(b)
+    return tuple(out), cp
 
 
 @dataclass(frozen=True)

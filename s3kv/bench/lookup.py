@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import Settings, auto_blocks_per_object
+from ..config import Settings
 from ..keys import Chain, chain_root
 from ..layout import CacheGeometry, GroupGeometry
 from ..leader import LeaderCore
@@ -60,11 +60,11 @@ class LookupConfig:
     model: ModelSpec = GEMMA3_27B
 
 
-def real_blocks_per_object(model: ModelSpec, tokens_per_block: int, settings: Settings) -> int:
-    """What LeaderCore picks for the model's real pages (TP 1), capped at a checkpoint like it does."""
+def real_sizing(model: ModelSpec, tokens_per_block: int) -> list[int]:
+    """The model's real page bytes (TP 1) in group order (full, sliding): LeaderCore sizes
+    objects from these, as it would for the real model, while the stored pages stay tiny."""
     pages = model.page_bytes(tokens_per_block)
-    cp_blocks = max(1, settings.checkpoint_tokens // tokens_per_block)
-    return min(auto_blocks_per_object(max(pages.values()), settings), cp_blocks)
+    return [pages["full"], pages["sliding"]]
 
 
 def geometry(cfg: LookupConfig) -> CacheGeometry:
@@ -76,10 +76,19 @@ def geometry(cfg: LookupConfig) -> CacheGeometry:
     return CacheGeometry(cfg.tokens_per_block, groups, 1, "bfloat16", f"s3kv-bench/{m.name}-tiny-pages")
 
 
-def _leader(settings: Settings, store: Any, prefix: str, geom: CacheGeometry) -> LeaderCore:
+def _leader(
+    settings: Settings, store: Any, prefix: str, geom: CacheGeometry, sizing: list[int] | None = None
+) -> LeaderCore:
     return LeaderCore(
-        settings, store, prefix, tp_size=1, model_id=geom.model_id, kv_dtype=geom.kv_dtype, geometry=geom
+        settings, store, prefix, tp_size=1, model_id=geom.model_id, kv_dtype=geom.kv_dtype, geometry=geom,
+        sizing_page_bytes=sizing,
     )
+
+
+def _group_blocks(settings: Settings, bs: BenchStore, geom: CacheGeometry, sizing: list[int] | None) -> dict:
+    leader = _leader(settings, bs.raw, "", geom, sizing)
+    assert leader.geometry is not None  # sets the object sizes
+    return {("full" if g.window is None else "sliding"): leader.group_blocks[g.group_id] for g in geom.groups}
 
 
 @dataclass
@@ -116,9 +125,14 @@ def _seed_keys(bs: BenchStore, digests: Sequence[bytes], groups: int) -> list[st
 
 
 def populate(
-    bs: BenchStore, cfg: LookupConfig, settings: Settings, geom: CacheGeometry, stream: Sequence[int]
+    bs: BenchStore,
+    cfg: LookupConfig,
+    settings: Settings,
+    geom: CacheGeometry,
+    stream: Sequence[int],
+    sizing: list[int] | None = None,
 ) -> dict[str, int]:
-    writer = _leader(settings, bs.raw, bs.key("s3kv"), geom)
+    writer = _leader(settings, bs.raw, bs.key("s3kv"), geom, sizing)
     objects: dict[str, tuple[list[bytes | memoryview], dict[str, str]]] = {}
     for i, n in enumerate(sorted(cfg.prompts)):
         for gid, seal in planned_objects(writer, i, stream[:n]):
@@ -169,17 +183,17 @@ def sequential_scan(bs: BenchStore, keys: Sequence[str], cap: int) -> tuple[int,
 
 def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
-    bpo = cfg.blocks_per_object or real_blocks_per_object(cfg.model, cfg.tokens_per_block, Settings())
-    settings = Settings(blocks_per_object=bpo, max_concurrency=bs.concurrency)
+    settings = Settings(blocks_per_object=cfg.blocks_per_object, max_concurrency=bs.concurrency)
+    sizing = None if cfg.blocks_per_object else real_sizing(cfg.model, cfg.tokens_per_block)
     geom = geometry(cfg)
     rng = random.Random("s3kv-bench/lookup")
     stream = [rng.randrange(VOCAB) for _ in range(max(cfg.prompts))]
-    counts = populate(bs, cfg, settings, geom, stream)
+    counts = populate(bs, cfg, settings, geom, stream, sizing)
     tpb = geom.tokens_per_block
     rows: list[dict[str, Any]] = []
     for i, n in enumerate(cfg.prompts):
         prompt = stream[:n]
-        leader = _leader(settings, bs.store, bs.key("s3kv"), geom)  # fresh index: a cold lookup
+        leader = _leader(settings, bs.store, bs.key("s3kv"), geom, sizing)  # fresh index: a cold lookup
         before = bs.store.snapshot()
         rt0 = bs.injected_round_trips()
         t0 = time.perf_counter()
@@ -247,7 +261,7 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
                 {"group": g.group_id, "window": g.window, "layers": len(g.layer_ids)} for g in geom.groups
             ],
             "tokens_per_block": tpb,
-            "blocks_per_object": bpo,
+            "blocks_per_object": _group_blocks(settings, bs, geom, sizing),
             "checkpoint_tokens": settings.checkpoint_tokens,
             "real_page_bytes_tp1": pages,
             "stored_page_bytes": PAGE_BYTES,
