@@ -295,3 +295,18 @@ def test_groups_pack_their_own_blocks_per_object(policy):
     assert max(counts[core.geometry.groups[sliding].fingerprint]) <= (4 if policy == "all" else 64)
     warm = run(make_engine(store, model, **kw), repeat_workload(specs, 100))
     assert warm.kv_mismatches == 0 and warm.hit_rate >= 0.9, warm.summary()
+
+
+def test_a_load_from_an_objects_start_is_one_get():
+    """Header and the first wanted pages are adjacent: one ranged GET per object (the bill counts GETs)."""
+    from s3kv.store.instrument import InstrumentedStore
+
+    store = InstrumentedStore(MemoryStore())
+    specs = shared_prefix_workload(n_users=2, system_len=300, user_len=60)
+    run(make_engine(store, flat_model(), flat=True, blocks_per_object=4), specs)
+    store.reset()
+    eng = make_engine(store, flat_model(), flat=True, blocks_per_object=4)
+    rep = run(eng, repeat_workload(specs, 100))
+    loaded = eng.workers[0].core.stats().objects_loaded
+    assert rep.kv_mismatches == 0 and loaded > 0
+    assert store.snapshot().get == loaded
