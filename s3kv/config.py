@@ -58,6 +58,9 @@ class Settings:
     max_concurrency: int = 32
     #: Lookup: strided probe size of the first HEAD wave.
     lookup_probe_budget: int = 128
+    #: Budget for one lookup's HEAD waves (it runs in the engine's scheduling path); past it the
+    #: lookup is a miss and its HEADs finish in the background, warming the index. 0 = none.
+    lookup_timeout_s: float = 5.0
     #: Local key index bound (~300 bytes an entry).
     index_max_entries: int = 200_000
     index_ttl_s: float = 600.0
@@ -156,6 +159,7 @@ def validate(s: Settings) -> None:
         "retry_deadline_s",
         "load_timeout_s",
         "breaker_reset_s",
+        "lookup_timeout_s",
     ):
         need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))
     need(s.multipart_part_mib >= 5, "multipart_part_mib", "must be >= 5 (S3's minimum part size)", s.multipart_part_mib)

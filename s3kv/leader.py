@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +27,13 @@ from .lookup import Ask, LookupParams, LookupResult, find_hit
 from .objects import ObjectFormatError, ObjectIdentity, span_from_metadata
 from .plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
 from .policy import StoragePolicy, object_sizes
-from .store.base import ObjectStore, StoreError
+from .store.base import HeadBatch, ObjectStore, StoreError
 
 log = logging.getLogger("s3kv.leader")
+
+
+class _LookupTimeout(Exception):
+    """The lookup's HEAD budget ran out (a miss)."""
 
 
 @dataclass
@@ -72,6 +79,7 @@ class LeaderStats:
     lookup_waves: int = 0
     lookup_asks: int = 0
     lookup_errors: int = 0
+    lookup_timeouts: int = 0
     foreign_objects: int = 0
     not_cacheable: int = 0
     honoured_less: int = 0
@@ -117,6 +125,9 @@ class LeaderCore:
         self._lock = threading.Lock()
         self._on_lookup = on_lookup
         self._sizing_page_bytes = list(sizing_page_bytes) if sizing_page_bytes else None
+        self._lookup_pool: ThreadPoolExecutor | None = None
+        self._lookup_deadline = float("inf")
+        self._timed_out = False
         self.stats = LeaderStats()
 
     # ------------------------------------------------------------------ geometry
@@ -218,6 +229,9 @@ class LeaderCore:
                 self.stats.misses += 1
                 return 0, False
             hmax = (prompt_len - 1) // tpb
+            budget = self.settings.lookup_timeout_s
+            self._lookup_deadline = time.monotonic() + budget if budget > 0 else float("inf")
+            self._timed_out = False
             result = find_hit(
                 g,
                 self.params,
@@ -269,26 +283,68 @@ class LeaderCore:
         if not todo:
             return out
         try:
-            batch = self.store.head_many(list(todo))
+            batch = self._head_wave(todo)
+        except _LookupTimeout:
+            if not self._timed_out:
+                self._timed_out = True
+                self.stats.lookup_timeouts += 1
+                log.warning("s3kv: lookup of request %s ran out of its %.1f s budget; a miss",
+                            st.request_id, self.settings.lookup_timeout_s)
+            return {**out, **{a: None for a in todo.values()}}
         except StoreError as e:
             # A store error during lookup is a miss, never an exception.
             self.stats.lookup_errors += 1
             log.warning("s3kv: lookup HEAD wave failed (%s); treating as miss", e)
             return {**out, **{a: None for a in todo.values()}}
+        return {**out, **self._absorb(todo, batch)}
+
+    def _head_wave(self, todo: dict[str, Ask]) -> HeadBatch:
+        """One HEAD wave within what is left of the lookup's budget.
+
+        Past the budget the wave keeps running on its thread and, when it ends,
+        feeds the index, so the next lookup of this prefix is answered locally.
+        """
+        keys = list(todo)
+        if self._lookup_deadline == float("inf"):
+            return self.store.head_many(keys)
+        remaining = self._lookup_deadline - time.monotonic()
+        if remaining <= 0:
+            self._last_probe_used_network = False  # nothing sent: not a round trip
+            raise _LookupTimeout
+        if self._lookup_pool is None:
+            self._lookup_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="s3kv-lookup")
+        fut = self._lookup_pool.submit(self.store.head_many, keys)
+        try:
+            return fut.result(timeout=remaining)
+        except FutureTimeout:
+            asks = dict(todo)
+
+            def late(f: Future) -> None:
+                if f.exception() is None:
+                    self._absorb(asks, f.result(), count=False)
+
+            fut.add_done_callback(late)
+            raise _LookupTimeout from None
+
+    def _absorb(self, todo: dict[str, Ask], batch: HeadBatch, *, count: bool = True) -> dict[Ask, Span | None]:
+        """HEAD answers -> spans (foreign objects rejected) and the index."""
+        out: dict[Ask, Span | None] = {}
         for key, a in todo.items():
             info = batch.found.get(key)
             if info is not None:
                 try:
                     span = span_from_metadata(self._identities[(a[0], a[1])], info.metadata, info.size, key)
                 except ObjectFormatError as e:
-                    self.stats.foreign_objects += 1
+                    if count:
+                        self.stats.foreign_objects += 1
                     log.warning("s3kv: ignoring object: %s", e)
                     out[a] = None
                     continue
                 self.index.put_present(key, span)
                 out[a] = Span(span.first, span.end)
             elif key in batch.failed:
-                self.stats.lookup_errors += 1
+                if count:
+                    self.stats.lookup_errors += 1
                 out[a] = None
             else:
                 self.index.put_missing(key)

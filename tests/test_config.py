@@ -198,6 +198,7 @@ INVALID = {
     "sse": ["aes256", "kms"],
     "breaker_failures": ["0"],
     "breaker_reset_s": ["-1"],
+    "lookup_timeout_s": ["-1"],
     "metrics_port": ["-1", "65536"],
     "check_access": ["sometimes"],
 }

@@ -406,3 +406,46 @@ def test_index_sweeps_expired_negatives():
     for i in range(1100):
         idx.put_present(f"p{i}", ObjectSpan(0, 1))
     assert len(idx) <= 1100  # the 1000 expired negatives were swept, not kept until asked
+
+
+def test_slow_store_lookup_is_a_bounded_miss_and_warms_the_index_later():
+    """A lookup runs in the engine's scheduling path: past its budget it is a miss, not a wait."""
+    import time as _time
+
+    from s3kv.store.base import StoreWrapper
+    from s3kv.store.memory import MemoryStore
+
+    class SlowHeads(StoreWrapper):
+        delay = 0.0
+
+        def head_many(self, keys):
+            _time.sleep(self.delay)
+            return super().head_many(keys)
+
+    g = CacheGeometry(16, (GroupGeometry(0, None, (0,), (64,)),), 1, "bf16", "m")
+    store = SlowHeads(MemoryStore())
+    tokens = list(range(16 * 20))
+    writer = LeaderCore(Settings(url="memory://x", blocks_per_object=4), store, "p", tp_size=1,
+                        model_id="m", kv_dtype="bf16", geometry=g)
+    # Store every object of the prompt (as a writer's uploads would).
+    from s3kv.objects import ObjectIdentity, encode_object, object_metadata
+
+    assert writer.geometry is not None
+    root = chain_root(writer.namespace)
+    digests = chain_digests(root, tokens, 16)
+    ident = ObjectIdentity(writer.namespace, g.groups[0].fingerprint, 0, 1, 16, 64)
+    for end in range(4, 21, 4):
+        key = writer.scheme.object_key(g.groups[0].fingerprint, 0, digests[end - 1])
+        pages = [bytes(64)] * 4
+        store.put(key, encode_object(ident, end - 4, digests[end - 1], pages), object_metadata(ident, end - 4, 4))
+    store.delay = 0.5
+    leader = LeaderCore(Settings(url="memory://x", blocks_per_object=4, lookup_timeout_s=0.2), store, "p",
+                        tp_size=1, model_id="m", kv_dtype="bf16", geometry=g)
+    t0 = _time.monotonic()
+    n, _ = leader.get_num_new_matched_tokens(1, tokens, len(tokens), 0)
+    assert n == 0 and _time.monotonic() - t0 < 0.45 and leader.stats.lookup_timeouts == 1
+    _time.sleep(0.8)  # the abandoned wave finished in the background and fed the index
+    assert len(leader.index) > 0
+    store.delay = 0.0
+    n2, _ = leader.get_num_new_matched_tokens(2, tokens, len(tokens), 0)
+    assert n2 > 0
