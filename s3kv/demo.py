@@ -226,7 +226,7 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
     else:
         from .store.embedded import EmbeddedS3
 
-        emb = EmbeddedS3(kind=server, bucket="s3kv-demo", prefix="demo").start()
+        emb = EmbeddedS3(kind=server, bucket="s3kv-demo", prefix="demo").start()  # type: ignore[arg-type]
         env.update(emb.env())
         where = f"embedded {emb.kind} at {emb.endpoint_url}"
     try:

@@ -602,6 +602,7 @@ class LeaderCore:
             if not grp.is_sliding:
                 continue
             gid = grp.group_id
+            assert grp.window is not None
             leaving = (upto + 1 - grp.window) // tpb - 1  # highest ordinal freed after this pass
             before = (st.kv_tokens + 1 - grp.window) // tpb - 1
             if leaving <= before or leaving < st.save_from:

@@ -342,7 +342,8 @@ def bench_store(
                     "region_name": emb.region,
                 },
             )
-            kind, where = emb.kind, f"embedded {emb.kind} at {emb.endpoint_url}"
+            kind: str = emb.kind
+            where = f"embedded {emb.kind} at {emb.endpoint_url}"
         else:
             from ..store.factory import open_store, parse_store_url
 

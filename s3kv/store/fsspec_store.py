@@ -153,6 +153,7 @@ class FsspecStore(ObjectStore):
     def _head_one(self, key: str) -> ObjectInfo | None | StoreError:
         path = self._path(key)
         try:
+            mtime: float | None
             if self._local:
                 with open(path, "rb") as f:
                     raw = f.read(ENVELOPE_SIZE)
@@ -360,6 +361,6 @@ def _mtime(info: Mapping[str, Any]) -> float | None:
         value = info.get(name)
         if isinstance(value, (int, float)):
             return float(value)
-        if hasattr(value, "timestamp"):
+        if value is not None and hasattr(value, "timestamp"):
             return float(value.timestamp())
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -80,6 +81,6 @@ class MemoryStore(ObjectStore):
             b[offset] ^= 0x01
             self._objects[key] = (bytes(b), meta, ts)
 
-    def keys(self) -> list[str]:
+    def keys(self) -> builtins.list[str]:
         with self._lock:
             return sorted(self._objects)

@@ -687,7 +687,7 @@ class S3Store(ObjectStore):
             resp = self._call(
                 "delete",
                 batch[0] if len(batch) == 1 else None,
-                lambda batch=batch: self._client.delete_objects(
+                lambda batch=batch: self._client.delete_objects(  # type: ignore[misc]
                     Bucket=self.bucket,
                     Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
                 ),
@@ -706,7 +706,9 @@ class S3Store(ObjectStore):
             if token:
                 args["ContinuationToken"] = token
             # Each page is one retried request, so a fault mid-listing repeats one page only.
-            page = self._call("list", prefix, lambda args=args: self._client.list_objects_v2(**args))
+            page = self._call(
+                "list", prefix, lambda args=args: self._client.list_objects_v2(**args)  # type: ignore[misc]
+            )
             for obj in page.get("Contents", []):
                 lm = obj.get("LastModified")
                 yield ObjectInfo(obj["Key"], int(obj["Size"]), {}, lm.timestamp() if lm else None)

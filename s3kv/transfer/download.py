@@ -75,16 +75,16 @@ class LoadJob:
         hl = header_len(self.count)
         idx = sorted({o - self.first for o, _ in self.targets})
         ranges: list[ByteRange] = []
-        run_start = prev = None
+        run_start = prev = -1
         for i in idx:
-            if run_start is None:
+            if run_start < 0:
                 run_start = prev = i
             elif i == prev + 1:
                 prev = i
             else:
                 ranges.append(ByteRange(hl + run_start * pb, (prev - run_start + 1) * pb))
                 run_start = prev = i
-        if run_start is not None:
+        if run_start >= 0:
             ranges.append(ByteRange(hl + run_start * pb, (prev - run_start + 1) * pb))
         return idx, ranges
 
@@ -193,13 +193,15 @@ class Downloader:
         if ranges and ranges[0].offset == hl:
             # The first wanted page follows the header: one request for both (a whole-object
             # load is then a single GET, as cheap as any client's).
-            got = self.store.get_ranges(job.key, [ByteRange(0, hl + ranges[0].length), *ranges[1:]])
-            if got and memoryview(got[0]).nbytes >= hl:
-                head = memoryview(got[0])
-                got = [head[:hl], head[hl:], *got[1:]]
-            datas = got
+            merged: list[bytes | memoryview] = list(
+                self.store.get_ranges(job.key, [ByteRange(0, hl + ranges[0].length), *ranges[1:]])
+            )
+            if merged and memoryview(merged[0]).nbytes >= hl:
+                head = memoryview(merged[0])
+                merged = [head[:hl], head[hl:], *merged[1:]]
+            datas = merged
         else:
-            datas = self.store.get_ranges(job.key, [ByteRange(0, hl), *ranges])
+            datas = list(self.store.get_ranges(job.key, [ByteRange(0, hl), *ranges]))
         self.counters.add("download_seconds", time.monotonic() - t0)
         if len(datas) != len(ranges) + 1:
             raise IntegrityError(f"asked for {len(ranges) + 1} ranges, got {len(datas)}", key=job.key)
