@@ -200,7 +200,8 @@ class LeaderCore:
             g = self.geometry
             prompt = list(tokens[:prompt_len])
             if g is None:
-                log.warning("s3kv: no KV cache layout registered yet; request %s is a miss", request_id)
+                log.warning("s3kv: no KV cache layout registered yet; request %s is a miss", request_id,
+                            extra={"request_id": request_id})
                 self._requests[request_id] = _Request(request_id, None, None, prompt, prompt_len)
                 return 0, False
             try:
@@ -213,7 +214,7 @@ class LeaderCore:
                 )
             except NotCacheable as e:
                 self.stats.not_cacheable += 1
-                log.info("s3kv: request %s not cached: %s", request_id, e)
+                log.info("s3kv: request %s not cached: %s", request_id, e, extra={"request_id": request_id})
                 self._requests[request_id] = _Request(request_id, None, None, prompt, prompt_len)
                 return 0, False
             chain = Chain(root, g.tokens_per_block)
@@ -256,6 +257,7 @@ class LeaderCore:
             log.debug(
                 "s3kv: request %s hit %d of %d tokens (%d waves, %d asks)",
                 request_id, gain * tpb, prompt_len, result.waves, result.asks,
+                extra={"request_id": request_id, "hit_tokens": gain * tpb, "prompt_tokens": prompt_len},
             )
             return gain * tpb, st.load_async
 
@@ -289,12 +291,13 @@ class LeaderCore:
                 self._timed_out = True
                 self.stats.lookup_timeouts += 1
                 log.warning("s3kv: lookup of request %s ran out of its %.1f s budget; a miss",
-                            st.request_id, self.settings.lookup_timeout_s)
+                            st.request_id, self.settings.lookup_timeout_s, extra={"request_id": st.request_id})
             return {**out, **{a: None for a in todo.values()}}
         except StoreError as e:
             # A store error during lookup is a miss, never an exception.
             self.stats.lookup_errors += 1
-            log.warning("s3kv: lookup HEAD wave failed (%s); treating as miss", e)
+            log.warning("s3kv: lookup HEAD wave failed (%s); treating as miss", e,
+                        extra={"request_id": st.request_id})
             return {**out, **{a: None for a in todo.values()}}
         return {**out, **self._absorb(todo, batch)}
 

@@ -335,7 +335,8 @@ class WorkerCore:
             )
             sync_errors: dict[int, tuple[str | None, str]] = {}
             for rid, err in errors.items():
-                log.error("s3kv: request %d: load plan does not fit: %s (object %s)", rid, err[1], err[0])
+                log.error("s3kv: request %d: load plan does not fit: %s (object %s)", rid, err[1], err[0],
+                          extra={"request_id": rid})
                 if rid in md.async_load_ids:
                     self._async[rid].error = err
                 else:
@@ -730,6 +731,8 @@ class WorkerCore:
             # same broken load to every request on this prefix until it expired.
             self.index.forget(keys)
         reasons = sorted({f"{r} (object {k!r})" if k and k not in r else r for k, r in failed.values()})
+        log.error("s3kv: promised load failed: %s", "; ".join(reasons),
+                  extra={"request_ids": sorted(failed), "keys": keys})
         return LoadFailed("; ".join(reasons), request_ids=failed.keys(), key=keys[0] if keys else None)
 
     def _reap(self) -> None:
