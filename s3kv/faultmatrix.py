@@ -185,25 +185,14 @@ def store_from_settings(
     multipart, SSE) so a fault run exercises the production store; only the endpoint and the
     keys are passed in rather than read from the process environment.
     """
+    from .runtime import s3_options
     from .store.factory import parse_store_url
-    from .store.retrying import RetryPolicy
-    from .store.s3 import S3Options, S3Store
+    from .store.s3 import S3Store
 
     scheme, bucket, prefix = parse_store_url(settings.url)
     if scheme != "s3":
         raise ValueError(f"fault runs need an s3:// URL, got {settings.url!r}")
-    mib = 1024 * 1024
-    options = S3Options(
-        max_concurrency=settings.max_concurrency,
-        connect_timeout_s=settings.connect_timeout_s,
-        read_timeout_s=settings.read_timeout_s,
-        retry=RetryPolicy(max_attempts=settings.max_attempts, deadline_s=settings.retry_deadline_s),
-        multipart_threshold=settings.multipart_threshold_mib * mib,
-        part_size=settings.multipart_part_mib * mib,
-        sse=settings.sse or None,  # type: ignore[arg-type]
-        sse_kms_key_id=settings.sse_kms_key_id or None,
-        region=region,
-    )
+    options = dataclasses.replace(s3_options(settings), region=region)
     store = S3Store(
         bucket,
         endpoint_url=endpoint_url,

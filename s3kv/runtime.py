@@ -83,27 +83,30 @@ def engine_key_for(llm_args: Any, settings: Settings) -> str:
     )
 
 
-def open_runtime_store(settings: Settings) -> tuple[ObjectStore, str]:
-    """The store behind ``settings.url`` and the key prefix to build keys under."""
-    from .store.factory import open_store, parse_store_url
+def s3_options(settings: Settings) -> Any:
+    """The ``S3Options`` the settings describe (timeouts, retries, multipart, SSE)."""
     from .store.retrying import RetryPolicy
     from .store.s3 import S3Options
 
+    mib = 1024 * 1024
+    return S3Options(
+        max_concurrency=settings.max_concurrency,
+        connect_timeout_s=settings.connect_timeout_s,
+        read_timeout_s=settings.read_timeout_s,
+        retry=RetryPolicy(max_attempts=settings.max_attempts, deadline_s=settings.retry_deadline_s),
+        multipart_threshold=settings.multipart_threshold_mib * mib,
+        part_size=settings.multipart_part_mib * mib,
+        sse=settings.sse or None,  # type: ignore[arg-type]  # validated by Settings
+        sse_kms_key_id=settings.sse_kms_key_id or None,
+    )
+
+
+def open_runtime_store(settings: Settings) -> tuple[ObjectStore, str]:
+    """The store behind ``settings.url`` and the key prefix to build keys under."""
+    from .store.factory import open_store, parse_store_url
+
     scheme, _bucket, prefix = parse_store_url(settings.url)
-    options = None
-    if scheme == "s3":
-        mib = 1024 * 1024
-        options = S3Options(
-            max_concurrency=settings.max_concurrency,
-            connect_timeout_s=settings.connect_timeout_s,
-            read_timeout_s=settings.read_timeout_s,
-            retry=RetryPolicy(max_attempts=settings.max_attempts, deadline_s=settings.retry_deadline_s),
-            multipart_threshold=settings.multipart_threshold_mib * mib,
-            part_size=settings.multipart_part_mib * mib,
-            sse=settings.sse or None,  # type: ignore[arg-type]
-            sse_kms_key_id=settings.sse_kms_key_id or None,
-        )
-    store = open_store(settings.url, options=options)
+    store = open_store(settings.url, options=s3_options(settings) if scheme == "s3" else None)
     return store, prefix
 
 
