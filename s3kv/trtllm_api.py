@@ -108,73 +108,81 @@ if not HAVE_TRTLLM_LAYOUT:
         role: str
         expansion: int = 1
 
-    @dataclass(frozen=True)
-    class KvCacheRegion:  # type: ignore[no-redef]
-        """Slot ``i`` lives at ``base + stride*i``, ``size`` bytes.
 
-        The real class addresses raw device memory; the stand-in keeps the tensor
-        that backs it (``storage``, uint8, 1-D) so views can be made safely. ``base``
-        is then an offset into that tensor.
-        """
+@dataclass(frozen=True)
+class TensorKvCacheRegion:
+    """``KvCacheRegion``'s interface over a tensor: slot ``i`` is ``storage[base + stride*i :][:size]``.
 
-        base: int
-        size: int
-        stride: int
-        num_slots: int
-        buffers: tuple[KvCacheBufferRef, ...] = ()
-        storage: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    The real class addresses raw device memory; this one keeps the tensor that
+    backs it (``storage``, uint8, 1-D), so views are made safely and tests and
+    benchmarks can build layouts whether or not TensorRT-LLM is installed.
+    It is the stand-in ``KvCacheRegion`` when TensorRT-LLM is absent.
+    """
 
-        def address_of(self, slot_id: int) -> int:
-            if not 0 <= slot_id < self.num_slots:
-                raise IndexError(f"slot {slot_id} outside [0, {self.num_slots})")
-            return self.base + self.stride * slot_id
+    base: int
+    size: int
+    stride: int
+    num_slots: int
+    buffers: tuple[Any, ...] = ()
+    storage: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
-        def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-            assert self.storage is not None
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            view = self.storage[self.base : self.base + self.stride * self.num_slots]
-            rows = view.view(self.num_slots, self.stride)[:, : self.size]
-            return rows.view(dtype) if dtype != torch.uint8 else rows.reshape(self.num_slots, self.size // itemsize)
+    def address_of(self, slot_id: int) -> int:
+        if not 0 <= slot_id < self.num_slots:
+            raise IndexError(f"slot {slot_id} outside [0, {self.num_slots})")
+        return self.base + self.stride * slot_id
 
-        def slot_tensor(self, slot_id: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-            start = self.address_of(slot_id)
-            assert self.storage is not None
-            t = self.storage[start : start + self.size]
-            return t if dtype == torch.uint8 else t.view(dtype)
+    def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        assert self.storage is not None
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        view = self.storage[self.base : self.base + self.stride * self.num_slots]
+        rows = view.view(self.num_slots, self.stride)[:, : self.size]
+        return rows.view(dtype) if dtype != torch.uint8 else rows.reshape(self.num_slots, self.size // itemsize)
 
-    @dataclass(frozen=True)
-    class KvCacheLayerGroupLayout:  # type: ignore[no-redef]
-        layer_group_id: int
-        layer_ids: tuple[int, ...]
-        window_size: int | None
-        regions: tuple[KvCacheRegion, ...]
+    def slot_tensor(self, slot_id: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        start = self.address_of(slot_id)
+        assert self.storage is not None
+        t = self.storage[start : start + self.size]
+        return t if dtype == torch.uint8 else t.view(dtype)
 
-        @property
-        def bytes_per_page(self) -> int:
-            return sum(r.size for r in self.regions)
+@dataclass(frozen=True)
+class TensorKvCacheLayerGroupLayout:
+    layer_group_id: int
+    layer_ids: tuple[int, ...]
+    window_size: int | None
+    regions: tuple[Any, ...]
 
-    @dataclass(frozen=True)
-    class KvCacheLayout:  # type: ignore[no-redef]
-        tokens_per_block: int
-        groups: tuple[KvCacheLayerGroupLayout, ...]
-        dtype: torch.dtype = torch.uint8
+    @property
+    def bytes_per_page(self) -> int:
+        return sum(r.size for r in self.regions)
 
-        def group(self, layer_group_id: int) -> KvCacheLayerGroupLayout:
-            for g in self.groups:
-                if g.layer_group_id == layer_group_id:
-                    return g
-            raise KeyError(layer_group_id)
+@dataclass(frozen=True)
+class TensorKvCacheLayout:
+    tokens_per_block: int
+    groups: tuple[Any, ...]
+    dtype: torch.dtype = torch.uint8
 
-        def group_of_layer(self, layer_id: int) -> KvCacheLayerGroupLayout:
-            for g in self.groups:
-                if layer_id in g.layer_ids:
-                    return g
-            raise KeyError(layer_id)
+    def group(self, layer_group_id: int) -> Any:
+        for g in self.groups:
+            if g.layer_group_id == layer_group_id:
+                return g
+        raise KeyError(layer_group_id)
 
-        def as_single_pool_tensor(self) -> torch.Tensor | None:
-            if len(self.groups) == 1 and len(self.groups[0].regions) == 1:
-                return self.groups[0].regions[0].as_tensor()
-            return None
+    def group_of_layer(self, layer_id: int) -> Any:
+        for g in self.groups:
+            if layer_id in g.layer_ids:
+                return g
+        raise KeyError(layer_id)
+
+    def as_single_pool_tensor(self) -> torch.Tensor | None:
+        if len(self.groups) == 1 and len(self.groups[0].regions) == 1:
+            return self.groups[0].regions[0].as_tensor()
+        return None
+
+
+if not HAVE_TRTLLM_LAYOUT:
+    KvCacheRegion = TensorKvCacheRegion  # type: ignore[misc,assignment]
+    KvCacheLayerGroupLayout = TensorKvCacheLayerGroupLayout  # type: ignore[misc,assignment]
+    KvCacheLayout = TensorKvCacheLayout  # type: ignore[misc,assignment]
 
 
 __all__ = [
@@ -187,6 +195,9 @@ __all__ = [
     "KvCacheLayout",
     "KvCacheRegion",
     "RequestData",
+    "TensorKvCacheLayerGroupLayout",
+    "TensorKvCacheLayout",
+    "TensorKvCacheRegion",
     "SchedulerOutput",
     "valid_page_slots",
 ]

@@ -1,81 +1,20 @@
 """Tensor-backed KV cache layouts for tests and benchmarks (CPU or CUDA).
 
-Uses the stand-in layout classes of :mod:`s3kv.trtllm_api` when TensorRT-LLM's own
-are not importable; otherwise (the real ``KvCacheRegion`` addresses raw device
-memory) a duck-typed region with the same interface. Either way each region is
-backed by a uint8 tensor the test can inspect and overwrite.
+Uses the tensor-backed layout classes of :mod:`s3kv.trtllm_api` (the stand-ins when
+TensorRT-LLM is absent; the real ``KvCacheRegion`` addresses raw device memory), so
+each region is backed by a uint8 tensor the test can inspect and overwrite.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .. import trtllm_api
 from .staging import host_memoryview
-
-
-@dataclass(frozen=True)
-class TensorRegion:
-    """Same interface as ``KvCacheRegion``; slot ``i`` is ``storage[base + stride*i : +size]``."""
-
-    base: int
-    size: int
-    stride: int
-    num_slots: int
-    buffers: tuple[Any, ...] = ()
-    storage: torch.Tensor | None = field(default=None, compare=False, repr=False)
-
-    def address_of(self, slot_id: int) -> int:
-        if not 0 <= slot_id < self.num_slots:
-            raise IndexError(f"slot {slot_id} outside [0, {self.num_slots})")
-        return self.base + self.stride * slot_id
-
-    def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        assert self.storage is not None
-        view = self.storage[self.base : self.base + self.stride * self.num_slots]
-        rows = view.view(self.num_slots, self.stride)[:, : self.size]
-        return rows if dtype == torch.uint8 else rows.view(dtype)
-
-    def slot_tensor(self, slot_id: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        start = self.address_of(slot_id)
-        assert self.storage is not None
-        t = self.storage[start : start + self.size]
-        return t if dtype == torch.uint8 else t.view(dtype)
-
-
-@dataclass(frozen=True)
-class TensorGroup:
-    layer_group_id: int
-    layer_ids: tuple[int, ...]
-    window_size: int | None
-    regions: tuple[Any, ...]
-
-    @property
-    def bytes_per_page(self) -> int:
-        return sum(r.size for r in self.regions)
-
-
-@dataclass(frozen=True)
-class TensorLayout:
-    tokens_per_block: int
-    groups: tuple[Any, ...]
-    dtype: torch.dtype = torch.uint8
-
-    def group(self, layer_group_id: int) -> Any:
-        for g in self.groups:
-            if g.layer_group_id == layer_group_id:
-                return g
-        raise KeyError(layer_group_id)
-
-    def group_of_layer(self, layer_id: int) -> Any:
-        for g in self.groups:
-            if layer_id in g.layer_ids:
-                return g
-        raise KeyError(layer_id)
 
 
 @dataclass(frozen=True)
@@ -99,10 +38,9 @@ def make_layout(
 
     ``fill_seed`` fills every byte with deterministic noise (None: zeros).
     """
-    use_stand_ins = not trtllm_api.HAVE_TRTLLM_LAYOUT
-    region_cls: Any = trtllm_api.KvCacheRegion if use_stand_ins else TensorRegion
-    group_cls: Any = trtllm_api.KvCacheLayerGroupLayout if use_stand_ins else TensorGroup
-    layout_cls: Any = trtllm_api.KvCacheLayout if use_stand_ins else TensorLayout
+    region_cls: Any = trtllm_api.TensorKvCacheRegion
+    group_cls: Any = trtllm_api.TensorKvCacheLayerGroupLayout
+    layout_cls: Any = trtllm_api.TensorKvCacheLayout
     gen = torch.Generator().manual_seed(fill_seed) if fill_seed is not None else None
     out = []
     for gid, spec in enumerate(groups):
