@@ -246,7 +246,7 @@ class WorkerCore:
                 for g in geometry.groups
             }
             self._layer_group = {lid: g.group_id for g in geometry.groups for lid in g.layer_ids}
-            self._copier = Copier(device)
+            self._copier = Copier(device, batch=self.settings.batch_copies)
             self._pool = StagingPool.for_device(
                 self.settings.staging_bytes,
                 device,

@@ -181,6 +181,7 @@ INVALID = {
     "min_hit_blocks": ["0", "-2"],
     "staging_mib": ["0", "-1", "lots"],
     "pinned": ["2"],
+    "batch_copies": ["maybe"],
     "upload_threads": ["0", "-1"],
     "download_threads": ["0"],
     "max_concurrency": ["0"],

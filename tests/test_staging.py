@@ -177,6 +177,7 @@ def test_bench_staging_runs_on_cpu():
 
     r = bench_staging(page_sizes_mib=(1 / 64, 1 / 16), pages=8, device="cpu", repeats=2)
     assert len(r["results"]) == 2 and r["pinned"] is False
+    assert r["copy_path"] == "cpu" and r["bit_exact"] is True
     for k in ("d2h_ratio_vs_memcpy", "h2d_ratio_vs_memcpy", "d2h_gbps", "h2d_gbps"):
         assert r[k] > 0
 
@@ -188,3 +189,106 @@ def test_host_memoryview_keeps_a_temporary_tensor_alive():
     gc.collect()
     junk = [torch.full((1 << 20,), 1, dtype=torch.uint8) for _ in range(8)]  # reuse freed memory if any
     assert bytes(view[:16]) == b"\x07" * 16 and len(junk) == 8
+
+
+# -- batched copies: address segments (the CUDA batch path's input) ------------------
+
+
+def _memmove_segments(seg, to_host: bool) -> None:
+    """Apply segments with plain memmove: on CPU the addresses are process addresses, so this
+    checks the address arithmetic byte for byte without a GPU."""
+    import ctypes
+
+    for d, h, n in zip(seg.device, seg.host, seg.sizes, strict=True):
+        ctypes.memmove(h, d, n) if to_host else ctypes.memmove(d, h, n)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [GroupSpec((0,), None, (512,)), GroupSpec((0,), None, (512,), pad=64), GroupSpec((0, 1), 64, (256, 64, 32))],
+    ids=["packed", "padded", "multi-region"],
+)
+def test_segments_move_exactly_the_pages_bytes(spec):
+    from s3kv.transfer.copies import segments
+
+    layout = make_layout([spec], num_slots=16, fill_seed=3)
+    regions = tuple(layout.group(0).regions)
+    pb = sum(spec.region_sizes)
+    slots = [3, 4, 5, 9, 0, 1, 15]
+    host = torch.zeros(len(slots) * pb + 100, dtype=torch.uint8)[50:-50]  # a view: data_ptr is offset
+    copies = [PageCopy(regions, s, host, i * pb) for i, s in enumerate(slots)]
+    seg = segments(copies)
+    assert sum(seg.sizes) == len(slots) * pb
+    _memmove_segments(seg, to_host=True)
+    raw = bytes(host_memoryview(host))
+    for i, s in enumerate(slots):
+        assert raw[i * pb : (i + 1) * pb] == page_bytes(layout, 0, s)
+    # Back into other slots, through the same arithmetic.
+    dst = [6, 7, 8, 10, 11, 2, 12]
+    _memmove_segments(segments([PageCopy(regions, s, host, i * pb) for i, s in enumerate(dst)]), to_host=False)
+    for i, s in enumerate(dst):
+        assert page_bytes(layout, 0, s) == raw[i * pb : (i + 1) * pb]
+    for s in (13, 14):  # untouched slots keep their bytes
+        assert page_bytes(layout, 0, s) == page_bytes(make_layout([spec], num_slots=16, fill_seed=3), 0, s)
+
+
+def test_segments_merge_only_ranges_adjacent_on_both_sides():
+    from s3kv.transfer.copies import segments
+
+    packed = tuple(make_layout([GroupSpec((0,), None, (128,))], num_slots=16).group(0).regions)
+    padded = tuple(make_layout([GroupSpec((0,), None, (128,), pad=8)], num_slots=16).group(0).regions)
+    host = torch.zeros(8 * 128, dtype=torch.uint8)
+    # Slots 3,4,5 into host pages 0,1,2: one range; slot 9 -> page 3: another; slot 10 -> page 5 (gap): a third.
+    seg = segments([PageCopy(packed, s, host, o * 128) for s, o in ((3, 0), (4, 1), (5, 2), (9, 3), (10, 5))])
+    assert seg.sizes == [3 * 128, 128, 128]
+    base = packed[0].as_tensor().data_ptr()
+    assert seg.device == [base + 3 * 128, base + 9 * 128, base + 10 * 128]
+    assert seg.host == [host.data_ptr(), host.data_ptr() + 3 * 128, host.data_ptr() + 5 * 128]
+    # Padded slots are never adjacent in device memory.
+    assert len(segments([PageCopy(padded, s, host, i * 128) for i, s in enumerate((3, 4, 5))]).sizes) == 3
+
+
+def test_segments_reject_slots_and_offsets_outside_their_buffers():
+    from s3kv.transfer.copies import segments
+
+    regions = tuple(make_layout([GroupSpec((0,), None, (128,))], num_slots=4).group(0).regions)
+    host = torch.zeros(256, dtype=torch.uint8)
+    with pytest.raises(IndexError, match="slot 4"):
+        segments([PageCopy(regions, 4, host, 0)])
+    with pytest.raises(IndexError, match="slot -1"):
+        segments([PageCopy(regions, -1, host, 0)])
+    with pytest.raises(ValueError, match="staging buffer"):
+        segments([PageCopy(regions, 0, host, 200)])
+    with pytest.raises(ValueError, match="uint8"):
+        segments([PageCopy(regions, 0, torch.zeros(64, dtype=torch.int32), 0)])
+
+
+def test_without_cuda_copies_are_plain_and_no_batch_is_bound():
+    from s3kv.transfer.memcpy_batch import MemcpyBatch
+
+    assert Copier(torch.device("cpu")).path == "cpu"
+    if not torch.cuda.is_available():
+        assert MemcpyBatch.load() is None
+
+
+def test_segments_ask_each_region_for_its_tensor_once_per_copier():
+    from s3kv.transfer.copies import segments
+
+    class Counting:
+        def __init__(self, inner):
+            self.inner, self.size, self.calls = inner, inner.size, 0
+
+        def as_tensor(self):
+            self.calls += 1
+            return self.inner.as_tensor()
+
+    (inner,) = make_layout([GroupSpec((0,), None, (64,))], num_slots=8).group(0).regions
+    region = Counting(inner)
+    host = torch.zeros(128, dtype=torch.uint8)
+    cache: dict = {}
+    for _ in range(3):
+        seg = segments([PageCopy((region,), 2, host, 0), PageCopy((region,), 7, host, 64)], cache)
+        assert seg.device == [inner.as_tensor().data_ptr() + 2 * 64, inner.as_tensor().data_ptr() + 7 * 64]
+    assert region.calls == 1
+    segments([PageCopy((region,), 1, host, 0)])  # no cache: asks again
+    assert region.calls == 2

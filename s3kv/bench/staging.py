@@ -16,8 +16,9 @@ from typing import Any
 from .common import machine_info, rnd
 
 DEFAULT_PAGE_MIB = (0.25, 1.0, 4.0, 16.0)
-#: Our own bar (the brief names none): scattered pages within 20% of one contiguous copy.
-TARGET_RATIO = 0.8
+#: Issue 6's bar for an H200: scattered pages at >= 0.9 of one contiguous pinned memcpy,
+#: over the headline page sizes (1-16 MiB; smaller pages are reported, not targeted).
+TARGET_RATIO = 0.9
 
 
 def run_staging(page_mib: Sequence[float], pages: int, device: str) -> dict[str, Any]:
@@ -46,12 +47,14 @@ def run_staging(page_mib: Sequence[float], pages: int, device: str) -> dict[str,
     if device.startswith("cuda"):
         out["device_name"] = torch.cuda.get_device_name(torch.device(device))
     out["targets"] = {
-        "d2h_ratio_ge_0.8": f"save copies >= {TARGET_RATIO} x one contiguous memcpy (worst page size)",
-        "h2d_ratio_ge_0.8": f"load copies >= {TARGET_RATIO} x one contiguous memcpy (worst page size)",
+        "d2h_ratio_ge_0.9": f"save copies >= {TARGET_RATIO} x one contiguous memcpy (worst page of 1-16 MiB)",
+        "h2d_ratio_ge_0.9": f"load copies >= {TARGET_RATIO} x one contiguous memcpy (worst page of 1-16 MiB)",
+        "bit_exact": "every timed copy path moved exactly the pages' bytes",
     }
     out["targets_met"] = {
-        "d2h_ratio_ge_0.8": out["d2h_ratio_vs_memcpy"] >= TARGET_RATIO,
-        "h2d_ratio_ge_0.8": out["h2d_ratio_vs_memcpy"] >= TARGET_RATIO,
+        "d2h_ratio_ge_0.9": out["d2h_ratio_vs_memcpy"] >= TARGET_RATIO,
+        "h2d_ratio_ge_0.9": out["h2d_ratio_vs_memcpy"] >= TARGET_RATIO,
+        "bit_exact": out["bit_exact"],
     }
     for k in (
         "d2h_ratio_vs_memcpy",
@@ -60,8 +63,11 @@ def run_staging(page_mib: Sequence[float], pages: int, device: str) -> dict[str,
         "h2d_gbps",
         "memcpy_d2h_gbps",
         "memcpy_h2d_gbps",
+        "per_page_d2h_ratio_vs_memcpy",
+        "per_page_h2d_ratio_vs_memcpy",
     ):
-        out[k] = rnd(out[k], 3)
+        if k in out:
+            out[k] = rnd(out[k], 3)
     out["seconds"] = rnd(time.perf_counter() - t0, 1)
     return out
 
@@ -72,23 +78,30 @@ def table(res: dict[str, Any]) -> str:
     if res.get("skipped"):
         return f"s3kv bench staging: skipped -- {res['reason']}"
     m = res.get("machine", {})
+    pp = "per_page_d2h_ratio_vs_memcpy" in res
     lines = [
         f"s3kv bench staging -- {res.get('device_name', res['device'])}, pinned staging: {res['pinned']}, "
-        f"{res['pages']} scattered pages per run; machine: {m.get('cores')} cores",
+        f"copy path: {res.get('copy_path', '?')}, {res['pages']} scattered pages per run; "
+        f"machine: {m.get('cores')} cores",
         "",
         f"{'page':>9} | {'save D2H GB/s':>13} {'memcpy':>8} {'ratio':>6} | {'load H2D GB/s':>13} {'memcpy':>8} "
-        f"{'ratio':>6}",
+        f"{'ratio':>6}" + (f" | {'per-page copies d2h/h2d':>24}" if pp else ""),
     ]
     for r in res["results"]:
         lines.append(
             f"{r['page_mib']:>5g} MiB | {r['d2h_gbps']:>13.2f} {r['memcpy_d2h_gbps']:>8.2f} "
             f"{r['d2h_ratio_vs_memcpy']:>6.2f} | {r['h2d_gbps']:>13.2f} {r['memcpy_h2d_gbps']:>8.2f} "
             f"{r['h2d_ratio_vs_memcpy']:>6.2f}"
+            + (
+                f" | {r['per_page_d2h_ratio_vs_memcpy']:>11.2f} / {r['per_page_h2d_ratio_vs_memcpy']:<10.2f}"
+                if pp
+                else ""
+            )
         )
     lines.append(
         f"{'all':>9} | {res['d2h_gbps']:>13.2f} {res['memcpy_d2h_gbps']:>8.2f} {res['d2h_ratio_vs_memcpy']:>6.2f}"
         f" | {res['h2d_gbps']:>13.2f} {res['memcpy_h2d_gbps']:>8.2f} {res['h2d_ratio_vs_memcpy']:>6.2f}"
-        "   (ratios: worst page size)"
+        f"   (ratios: worst page of {', '.join(f'{x:g}' for x in res.get('headline_page_mib', []))} MiB)"
     )
     lines.append(targets_line(res))
     return "\n".join(lines)

@@ -110,11 +110,12 @@ def fwd():
     return torch.cuda.Stream(device=DEV)
 
 
+@pytest.mark.parametrize("batch_copies", [True, False], ids=["batch", "per-page"])
 @pytest.mark.parametrize("group", [0, 1], ids=["single-region", "multi-region"])
-def test_round_trip_through_pinned_staging(group, fwd):
+def test_round_trip_through_pinned_staging(group, batch_copies, fwd):
     store = MemoryStore()
-    a, la = make_core(store, seed=1)
-    b, lb = make_core(store, seed=2)
+    a, la = make_core(store, seed=1, batch_copies=batch_copies)
+    b, lb = make_core(store, seed=2, batch_copies=batch_copies)
     assert a.stats().staging_pinned and a.staging.try_acquire(1).tensor.is_pinned()
     src, dst = [7, 3, 40, 41, 42], [10, 11, 12, 30, 5]
     d = digest("rt", group)
