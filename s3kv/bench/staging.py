@@ -63,11 +63,10 @@ def run_staging(page_mib: Sequence[float], pages: int, device: str) -> dict[str,
         "h2d_gbps",
         "memcpy_d2h_gbps",
         "memcpy_h2d_gbps",
-        "per_page_d2h_ratio_vs_memcpy",
-        "per_page_h2d_ratio_vs_memcpy",
     ):
-        if k in out:
-            out[k] = rnd(out[k], 3)
+        out[k] = rnd(out[k], 3)
+    for k in [k for k in out if k.endswith("_ratio_vs_memcpy")]:
+        out[k] = rnd(out[k], 3)
     out["seconds"] = rnd(time.perf_counter() - t0, 1)
     return out
 
@@ -79,19 +78,23 @@ def table(res: dict[str, Any]) -> str:
         return f"s3kv bench staging: skipped -- {res['reason']}"
     m = res.get("machine", {})
     pp = "per_page_d2h_ratio_vs_memcpy" in res
+    dv = "device_d2h_ratio_vs_memcpy" in res
     lines = [
         f"s3kv bench staging -- {res.get('device_name', res['device'])}, pinned staging: {res['pinned']}, "
         f"copy path: {res.get('copy_path', '?')}, {res['pages']} scattered pages per run; "
         f"machine: {m.get('cores')} cores",
         "",
         f"{'page':>9} | {'save D2H GB/s':>13} {'memcpy':>8} {'ratio':>6} | {'load H2D GB/s':>13} {'memcpy':>8} "
-        f"{'ratio':>6}" + (f" | {'per-page copies d2h/h2d':>24}" if pp else ""),
+        f"{'ratio':>6}"
+        + (f" | {'GPU-time ratio d2h/h2d':>23}" if dv else "")
+        + (f" | {'per-page copies d2h/h2d':>24}" if pp else ""),
     ]
     for r in res["results"]:
         lines.append(
             f"{r['page_mib']:>5g} MiB | {r['d2h_gbps']:>13.2f} {r['memcpy_d2h_gbps']:>8.2f} "
             f"{r['d2h_ratio_vs_memcpy']:>6.2f} | {r['h2d_gbps']:>13.2f} {r['memcpy_h2d_gbps']:>8.2f} "
             f"{r['h2d_ratio_vs_memcpy']:>6.2f}"
+            + (f" | {r['device_d2h_ratio_vs_memcpy']:>11.2f} / {r['device_h2d_ratio_vs_memcpy']:<9.2f}" if dv else "")
             + (
                 f" | {r['per_page_d2h_ratio_vs_memcpy']:>11.2f} / {r['per_page_h2d_ratio_vs_memcpy']:<10.2f}"
                 if pp

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -176,14 +177,32 @@ def segments(copies: Sequence[PageCopy], rows_cache: dict[int, _Rows] | None = N
     return Segments(dev, host, sizes)
 
 
-def _all_pinned(copies: Sequence[PageCopy]) -> bool:
-    seen: set[int] = set()
-    for c in copies:
-        if id(c.host) not in seen:
-            seen.add(id(c.host))
-            if not c.host.is_pinned():
+class _PinnedCache:
+    """Is a staging tensor page-locked? Asked once per underlying arena.
+
+    ``is_pinned()`` asks the driver (about 10 us); staging buffers are views of one
+    long-lived arena, so the answer is kept per base tensor. Each entry holds a weak
+    reference to its tensor, so a reused ``id`` of a freed tensor is never trusted.
+    """
+
+    def __init__(self) -> None:
+        self._known: dict[int, tuple[weakref.ref[torch.Tensor], bool]] = {}
+
+    def __call__(self, copies: Sequence[PageCopy]) -> bool:
+        last = None
+        for c in copies:
+            if c.host is last:
+                continue
+            last = c.host
+            base = c.host._base if c.host._base is not None else c.host
+            hit = self._known.get(id(base))
+            if hit is None or hit[0]() is not base:
+                if len(self._known) > 64:  # only dead entries can pile up; start over
+                    self._known.clear()
+                hit = self._known[id(base)] = (weakref.ref(base), bool(base.is_pinned()))
+            if not hit[1]:
                 return False
-    return True
+        return True
 
 
 def copy_to_host(copies: Sequence[PageCopy], non_blocking: bool = False) -> None:
@@ -196,9 +215,9 @@ def copy_to_device(copies: Sequence[PageCopy], non_blocking: bool = False) -> No
         dev.copy_(host, non_blocking=non_blocking)
 
 
-#: Segments in the first batch of a call, and in each later one (see ``Copier._enqueue``).
-_FIRST_BATCH = 8
-_BATCH = 64
+#: Pages in the first batch of a call, and in each later one (see ``Copier._enqueue``).
+_FIRST_BATCH = 4
+_BATCH = 32
 
 
 class Copier:
@@ -212,6 +231,7 @@ class Copier:
         self._lock = threading.Lock()
         self._batch: MemcpyBatch | None = None
         self._rows: dict[int, _Rows] = {}
+        self._pinned = _PinnedCache()
         if self.is_cuda:
             self._save_stream = torch.cuda.Stream(device=self.device)
             self._load_stream = torch.cuda.Stream(device=self.device)
@@ -228,16 +248,16 @@ class Copier:
     def _enqueue(self, copies: Sequence[PageCopy], to_host: bool, stream: Any) -> None:
         """Enqueue the copies on ``stream`` (the current stream): one batch, else per page."""
         batch = self._batch
-        if batch is not None and _all_pinned(copies):
-            seg = segments(copies, self._rows)
-            dst, src = (seg.host, seg.device) if to_host else (seg.device, seg.host)
+        if batch is not None and self._pinned(copies):
             try:
-                # A small first batch gets the copy engine going while the rest is handed over.
+                # A small first batch gets the copy engine going while the host builds the rest
+                # (on an idle GPU the host's set-up is otherwise on the critical path).
                 lo, step = 0, _FIRST_BATCH
-                while lo < len(seg.sizes):
-                    hi = lo + step
-                    batch.copy(dst[lo:hi], src[lo:hi], seg.sizes[lo:hi], stream.cuda_stream)
-                    lo, step = hi, _BATCH
+                while lo < len(copies):
+                    seg = segments(copies[lo : lo + step], self._rows)
+                    dst, src = (seg.host, seg.device) if to_host else (seg.device, seg.host)
+                    batch.copy(dst, src, seg.sizes, stream.cuda_stream)
+                    lo, step = lo + step, _BATCH
                 return
             except MemcpyBatchError as e:
                 # Earlier batches may be queued; copying the same bytes again below is harmless.
