@@ -247,8 +247,9 @@ def plot_staging(res: dict[str, Any], path: str) -> None:
     ax.set_xlabel(f"page size ({res['pages']} scattered pages per run)")
     ax.set_ylabel("bandwidth (GB/s)")
     ax.set_title(
-        f"s3kv bench staging on {res.get('device_name', res['device'])}: "
-        f"worst ratio vs memcpy D2H {res['d2h_ratio_vs_memcpy']:.2f}, H2D {res['h2d_ratio_vs_memcpy']:.2f}",
+        f"s3kv bench staging on {res.get('device_name', res['device'])} ({res.get('copy_path', '?')}): "
+        f"worst ratio vs memcpy of {', '.join(f'{x:g}' for x in res.get('headline_page_mib', []))} MiB pages "
+        f"D2H {res['d2h_ratio_vs_memcpy']:.2f}, H2D {res['h2d_ratio_vs_memcpy']:.2f}",
         fontsize=10,
     )
     ax.legend(fontsize=8, loc="lower right")

@@ -166,8 +166,7 @@ def bench_staging(
         copiers["pp_"] = Copier(dev, batch=False)
     fwd = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
     rows: list[dict[str, Any]] = []
-    keys = [f"{n}{d}" for n in copiers for d in ("d2h", "h2d")] + ["md2h", "mh2d"]
-    totals = dict.fromkeys(["bytes", *keys], 0.0)
+    totals: dict[str, float] = {"bytes": 0.0}
     pinned = False
     exact = True
     for mib in page_sizes_mib:
@@ -197,7 +196,7 @@ def bench_staging(
         rows.append(row)
         totals["bytes"] += total
         for k, v in t.items():
-            totals[k] += v
+            totals[k] = totals.get(k, 0.0) + v
     b = totals["bytes"]
     head = [r for r in rows if r["page_mib"] >= HEADLINE_MIN_PAGE_MIB] or rows
     out: dict[str, Any] = {
