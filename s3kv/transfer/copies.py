@@ -24,9 +24,9 @@ Stream ordering on CUDA (``Copier`` with a CUDA device):
   once the event has completed.
 
 How the bytes move on CUDA: when the CUDA runtime has ``cudaMemcpyBatchAsync``
-(12.8+, see :mod:`.memcpy_batch`) and the host side is pinned, all pages of one call go
-to the driver as one batch of (dst, src, size) segments -- adjacent ones merged -- built
-from each region's ``as_tensor()`` once per call. Otherwise (older runtime, pageable
+(12.8+, see :mod:`.memcpy_batch`) and the host side is pinned, the pages of one call go
+to the driver in a few batches of (dst, src, size) segments -- adjacent ones merged --
+addressed from each region's ``as_tensor()`` (asked once per copier). Otherwise (older runtime, pageable
 staging, ``S3KV_BATCH_COPIES=0``, or the driver refusing a batch) each page is one
 ``copy_`` of ``slot_tensor`` views. Both are copy-engine copies on the same side stream,
 so the ordering above is the same for both.
