@@ -173,9 +173,18 @@ def test_split_ranges_are_parallel_sub_requests(s3case: StoreCase) -> None:
     gets = _count_calls(store, "GetObject")
     out = store.get_ranges(k, [ByteRange(0, len(body)), ByteRange(MiB // 2, 2 * MiB), ByteRange(7, 3)])
     assert out == [body, body[MiB // 2 : MiB // 2 + 2 * MiB], body[7:10]]
-    # 1 MiB split: 5 + 2 + 1 requests, each a bytes=a-b range.
-    assert len(gets) == 8
+    # 1 MiB split: 4 + 2 + 1 requests, each a bytes=a-b range.
+    assert len(gets) == 7
     assert all(p["Range"].startswith("bytes=") for p in gets)
+    # The whole object's 4 MiB + 5 come in 4 about-equal parts that tile it, not 4 full
+    # parts and a 5-byte request of its own.
+    gets.clear()
+    assert store.get_ranges(k, [ByteRange(0, len(body))]) == [body]
+    spans = sorted(tuple(int(x) for x in p["Range"][6:].split("-")) for p in gets)
+    assert len(spans) == 4 and spans[0][0] == 0 and spans[-1][1] == len(body) - 1
+    assert all(b + 1 == a for (_, b), (a, _) in zip(spans, spans[1:], strict=False))
+    sizes = [b - a + 1 for a, b in spans]
+    assert max(sizes) - min(sizes) < len(sizes)
 
 
 def test_throttled_put_is_retried_inside_the_store(s3case: StoreCase) -> None:

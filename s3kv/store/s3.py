@@ -135,7 +135,7 @@ class S3Options:
     #: Bodies at least this large go up as multipart (parts in parallel).
     multipart_threshold: int = 16 * MiB
     part_size: int = 8 * MiB
-    #: A range longer than this is fetched as parallel sub-ranges of this size.
+    #: A range much longer than this is fetched as parallel sub-ranges of about this size.
     range_split_bytes: int = 8 * MiB
     #: Server-side encryption: None (bucket default), "AES256" (SSE-S3) or "aws:kms".
     sse: Literal["AES256", "aws:kms"] | None = None
@@ -662,12 +662,14 @@ class S3Store(ObjectStore):
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
         split = self.options.range_split_bytes
         # (range index, absolute offset, length) of every request; a long range becomes
-        # several so one object's bytes come down over several connections at once.
-        jobs = [
-            (i, r.offset + off, min(split, r.length - off))
-            for i, r in enumerate(ranges)
-            for off in range(0, r.length, split)
-        ]
+        # several so one object's bytes come down over several connections at once. Parts
+        # are equal, about ``split`` long: a whole object is its pages plus a small header,
+        # and a fixed-size split would fetch that header's worth in a request of its own.
+        jobs = []
+        for i, r in enumerate(ranges):
+            parts = max(1, round(r.length / split))
+            step = max(1, -(-r.length // parts))
+            jobs += [(i, r.offset + off, min(step, r.length - off)) for off in range(0, r.length, step)]
         results = self._map(lambda j: self._get_one(key, j[1], j[2]), jobs)
         etags = {etag for _, etag in results if etag}
         if len(etags) > 1:
