@@ -245,7 +245,7 @@ class Copier:
             self._save_stream = torch.cuda.Stream(device=self.device)
             self._load_stream = torch.cuda.Stream(device=self.device)
             if batch:
-                self._batch = MemcpyBatch.load()
+                self._batch = MemcpyBatch.load(self.device)
 
     @property
     def path(self) -> str:

@@ -10,8 +10,11 @@ pages (0.85-0.88 per page); numbers and method in :mod:`.copies`.
 PyTorch does not expose the call, so this module binds the CUDA runtime that the
 process already loaded (the one PyTorch uses). Anything unexpected -- no CUDA build,
 runtime older than 12.8, the symbol missing, a non-Linux host -- means
-:meth:`MemcpyBatch.load` returns ``None`` and the caller keeps per-page copies. The
-call's contract is written down here once:
+:meth:`MemcpyBatch.load` returns ``None`` and the caller keeps per-page copies. So does
+a device of compute capability 10 or newer (Blackwell): another inference engine
+(lmdeploy's turbomind) reports the batch call crashing there and turns it off; we
+have only measured it on Hopper, and a crash of the serving process is no price for
+a faster copy. The call's contract is written down here once:
 
 * addresses are plain integers valid in the unified address space: device memory, or
   page-locked host memory (pageable host memory is *not* passed here -- the caller
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 _MIN_VERSION = 12080  # cudaMemcpyBatchAsync appeared in CUDA 12.8
 _FAILIDX_BEFORE = 13000  # ... with a failIdx argument until CUDA 13.0
 _SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
+_MAX_CAPABILITY_MAJOR = 10  # Blackwell and newer: not used (see the module docstring)
 
 
 class MemcpyBatchError(RuntimeError):
@@ -84,8 +88,9 @@ class MemcpyBatch:
         self._with_failidx = version < _FAILIDX_BEFORE
 
     @classmethod
-    def load(cls) -> MemcpyBatch | None:
-        """Bind the process's CUDA runtime, or ``None`` when the batch call is not there."""
+    def load(cls, device: object = None) -> MemcpyBatch | None:
+        """Bind the process's CUDA runtime for ``device`` (default: the current one), or
+        ``None`` when the batch call is not there or not trusted on that device."""
         if not sys.platform.startswith("linux"):
             return None
         try:
@@ -94,7 +99,11 @@ class MemcpyBatch:
             if not torch.cuda.is_available():
                 return None
             torch.cuda.init()  # loads PyTorch's runtime, so it is the one found first below
+            major, minor = torch.cuda.get_device_capability(device)  # type: ignore[arg-type]
         except Exception:  # noqa: BLE001 - no usable CUDA: per-page copies
+            return None
+        if major >= _MAX_CAPABILITY_MAJOR:
+            log.info("s3kv: compute capability %d.%d: batched copies not trusted there; per-page copies", major, minor)
             return None
         candidates = _loaded_cudart_paths()
         found = ctypes.util.find_library("cudart")
