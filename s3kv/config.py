@@ -53,8 +53,8 @@ class Settings:
     #: Host staging pool for saves and loads.
     staging_mib: int = 1024
     pinned: bool = True
-    #: Issue each save's/load's page copies as one cudaMemcpyBatchAsync (CUDA >= 12.8, pinned
-    #: staging); off, or where unavailable, one copy per page.
+    #: Hand each save's/load's page copies to cudaMemcpyBatchAsync in a few calls (CUDA >= 12.8,
+    #: pinned staging, compute capability < 10); off, or where unavailable, one copy per page.
     batch_copies: bool = True
     upload_threads: int = 4
     download_threads: int = 8
