@@ -486,6 +486,8 @@ class WorkerCore:
                 self._close_buffer(bid)
             self._dropped.clear()
             self._reap()
+            if self._copier is not None:
+                self._copier.drain()
             if self._pool is not None:
                 self._pool.close()
         return drained

@@ -292,3 +292,158 @@ def test_segments_ask_each_region_for_its_tensor_once_per_copier():
     assert region.calls == 1
     segments([PageCopy((region,), 1, host, 0)])  # no cache: asks again
     assert region.calls == 2
+
+
+# -- the batch loop and the ctypes binding, driven on CPU ------------------------------
+
+
+class _MemmoveBatch:
+    """Stands in for MemcpyBatch on CPU: the addresses are process addresses."""
+
+    def __init__(self, fail_on=()):
+        self.calls: list[int] = []
+        self.fail_on = set(fail_on)
+
+    def copy(self, dsts, srcs, sizes, stream):
+        import ctypes
+
+        from s3kv.transfer.memcpy_batch import MemcpyBatchError
+
+        assert stream == 1234
+        self.calls.append(len(sizes))
+        if len(self.calls) in self.fail_on:
+            raise MemcpyBatchError("cudaMemcpyBatchAsync failed with cudaError 1 (test)")
+        for d, s, n in zip(dsts, srcs, sizes, strict=True):
+            assert n > 0
+            ctypes.memmove(d, s, n)
+
+
+class _Stream:
+    cuda_stream = 1234
+
+
+def _batched_copier(batch):
+    c = Copier(torch.device("cpu"))
+    c._batch = batch
+    c._pinned = lambda copies: True  # noqa: ARG005 - host memory stands in for pinned
+    return c
+
+
+@pytest.mark.parametrize("fail_on", [(), (1,), (3,)], ids=["ok", "first-refused", "third-refused"])
+def test_enqueue_hands_pages_over_in_doubling_batches_and_falls_back(fail_on):
+    spec = GroupSpec((0, 1), 64, (96, 32), pad=16)
+    layout = make_layout([spec], num_slots=200, fill_seed=7)
+    regions = tuple(layout.group(0).regions)
+    pb = 128
+    slots = random.Random(1).sample(range(200), 150)
+    host = torch.zeros(150 * pb, dtype=torch.uint8)
+    batch = _MemmoveBatch(fail_on)
+    c = _batched_copier(batch)
+    c._enqueue([PageCopy(regions, s, host, i * pb) for i, s in enumerate(slots)], True, _Stream())
+    raw = bytes(host_memoryview(host))
+    for i, s in enumerate(slots):
+        assert raw[i * pb : (i + 1) * pb] == page_bytes(layout, 0, s)
+    if not fail_on:
+        # 4, 8, 16, 32, 64 pages, then the last 26; two regions, never adjacent (padded): 2 copies a page.
+        assert batch.calls == [2 * n for n in (4, 8, 16, 32, 64, 26)]
+    else:
+        assert len(batch.calls) == fail_on[0]  # stopped at the refusal, the rest went per page
+        assert c._batch is batch  # one refusal does not turn batching off
+    # Loads back into other slots, through the same loop.
+    dst = [s for s in range(200) if s not in set(slots)][:50]
+    c._enqueue([PageCopy(regions, s, host, i * pb) for i, s in enumerate(dst)], False, _Stream())
+    for i, s in enumerate(dst):
+        assert page_bytes(layout, 0, s) == raw[i * pb : (i + 1) * pb]
+
+
+def test_batching_stops_after_refusals_in_a_row():
+    layout = make_layout([GroupSpec((0,), None, (64,))], num_slots=8, fill_seed=1)
+    regions = tuple(layout.group(0).regions)
+    host = torch.zeros(64, dtype=torch.uint8)
+    batch = _MemmoveBatch(fail_on=range(1, 100))
+    c = _batched_copier(batch)
+    for k in range(3):
+        c._enqueue([PageCopy(regions, 5, host, 0)], True, _Stream())
+        assert bytes(host_memoryview(host)) == page_bytes(layout, 0, 5)
+        assert (c._batch is None) == (k == 2)
+
+
+def test_a_region_without_a_row_view_goes_per_page_and_empty_regions_are_skipped():
+    from s3kv.transfer.copies import Unbatchable, segments
+
+    class Flat:
+        def __init__(self, inner):
+            self.inner, self.size, self.stride = inner, inner.size, inner.stride
+
+        def as_tensor(self):
+            return self.inner.as_tensor().reshape(-1)  # 1-D: no row arithmetic possible
+
+        def slot_tensor(self, slot):
+            return self.inner.slot_tensor(slot)
+
+    (inner,) = make_layout([GroupSpec((0,), None, (64,))], num_slots=8, fill_seed=2).group(0).regions
+    host = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(Unbatchable):
+        segments([PageCopy((Flat(inner),), 3, host, 0)])
+    batch = _MemmoveBatch()
+    c = _batched_copier(batch)
+    c._enqueue([PageCopy((Flat(inner),), 3, host, 0)], True, _Stream())
+    assert bytes(host_memoryview(host)) == bytes(host_memoryview(inner.slot_tensor(3).contiguous()))
+    assert batch.calls == [] and c._batch is batch
+    # A zero-byte region adds no segment (the driver refuses a batch holding one).
+    (empty,) = make_layout([GroupSpec((0,), None, (0,), pad=8)], num_slots=8).group(0).regions
+    seg = segments([PageCopy((inner, empty), 3, host, 0)])
+    assert seg.sizes == [64]
+
+
+@pytest.mark.parametrize("version,with_failidx", [(12080, True), (12090, True), (13000, False), (13020, False)])
+def test_batch_binding_passes_the_runtime_versions_arguments(version, with_failidx):
+    import ctypes
+
+    from s3kv.transfer.memcpy_batch import MemcpyBatch, MemcpyBatchError
+
+    seen: list[tuple] = []
+    cleared: list[int] = []
+
+    def fake_call(*args):
+        seen.append(args)
+        return fake_call.rc
+
+    fake_call.rc = 0
+    lib = type("Lib", (), {})()
+    lib.cudaMemcpyBatchAsync = fake_call
+    lib.cudaGetLastError = lambda: cleared.append(1)
+    b = MemcpyBatch(lib, version, "libcudart-test")
+    b.copy([10, 20], [30, 40], [5, 6], 99)
+    (args,) = seen
+    assert len(args) == (9 if with_failidx else 8)
+    dst, src, size, count = args[:4]
+    assert list(dst) == [10, 20] and list(src) == [30, 40] and list(size) == [5, 6] and count.value == 2
+    assert args[-1].value == 99 and args[6].value == 1  # one attributes entry, the stream last
+    attrs = ctypes.cast(args[4], ctypes.POINTER(type(b._attrs))).contents
+    assert attrs.srcAccessOrder == 1 and list(args[5]) == [0]
+    fake_call.rc = 1
+    with pytest.raises(MemcpyBatchError, match="cudaError 1"):
+        b.copy([1], [2], [3], 99)
+    assert cleared == [1]  # the runtime's last error is cleared, not left for PyTorch to trip on
+    with pytest.raises(MemcpyBatchError, match="default stream"):
+        b.copy([1], [2], [3], 0)
+    b.copy([], [], [], 99)  # nothing to do: no call
+    assert len(seen) == 2
+
+
+def test_pinned_cache_asks_once_per_base_and_never_trusts_a_dead_entry():
+    import gc
+
+    from s3kv.transfer.copies import _PinnedCache
+
+    (region,) = make_layout([GroupSpec((0,), None, (64,))], num_slots=4).group(0).regions
+    cache = _PinnedCache()
+    arena = torch.zeros(1024, dtype=torch.uint8)
+    views = [arena[i * 64 : (i + 1) * 64] for i in range(4)]
+    assert cache([PageCopy((region,), i, v, 0) for i, v in enumerate(views)]) is False  # plain memory
+    assert list(cache._known) == [id(arena)]
+    ref = cache._known[id(arena)][0]
+    del arena, views
+    gc.collect()
+    assert ref() is None  # a new tensor that reuses the id is asked again, not given this answer

@@ -126,10 +126,16 @@ class Segments(NamedTuple):
     sizes: list[int]
 
 
+class Unbatchable(ValueError):
+    """A region's ``as_tensor()`` is not the plain ``[num_slots, size]`` row view the
+    address arithmetic needs; that call's pages go per page instead."""
+
+
 class _Rows(NamedTuple):
     """Where a region's slots live: from one ``as_tensor()`` call, kept with the region."""
 
     region: Any
+    rows: torch.Tensor  # kept: the addresses below stay valid while it lives
     ptr: int
     stride: int  # bytes between slots
     slots: int
@@ -137,7 +143,17 @@ class _Rows(NamedTuple):
     @classmethod
     def of(cls, region: Any) -> _Rows:
         rows = region.as_tensor()
-        return cls(region, rows.data_ptr(), rows.stride(0) * rows.element_size(), int(rows.shape[0]))
+        # Raw addresses are only as good as this check: the driver does not validate them (a
+        # bad one is read as host memory and can crash the process), so anything but a 2-D
+        # view with contiguous rows at least ``size`` bytes long is refused.
+        if (
+            rows.dim() != 2
+            or rows.shape[0] < 1
+            or (rows.shape[1] > 1 and rows.stride(1) != 1)
+            or rows.shape[1] * rows.element_size() < int(region.size)
+        ):
+            raise Unbatchable(f"as_tensor() of a region gave shape {tuple(rows.shape)}, strides {rows.stride()}")
+        return cls(region, rows, rows.data_ptr(), rows.stride(0) * rows.element_size(), int(rows.shape[0]))
 
 
 def segments(copies: Sequence[PageCopy], rows_cache: dict[int, _Rows] | None = None) -> Segments:
@@ -173,6 +189,8 @@ def segments(copies: Sequence[PageCopy], rows_cache: dict[int, _Rows] | None = N
             n = int(region.size)
             if off < 0 or off + n > hlen:
                 raise ValueError(f"page bytes [{off}, {off + n}) outside a {hlen}-byte staging buffer")
+            if n == 0:
+                continue  # the driver refuses a whole batch that holds an empty copy
             d = rows.ptr + c.slot * rows.stride
             a = hptr + off
             if sizes and dev[-1] + sizes[-1] == d and host[-1] + sizes[-1] == a:
@@ -227,6 +245,8 @@ def copy_to_device(copies: Sequence[PageCopy], non_blocking: bool = False) -> No
 #: (see ``Copier._enqueue``).
 _FIRST_BATCH = 4
 _MAX_BATCH = 64
+#: Refusals in a row after which a copier stops trying the batch call.
+_MAX_REFUSALS = 3
 
 
 class Copier:
@@ -241,6 +261,7 @@ class Copier:
         self._batch: MemcpyBatch | None = None
         self._rows: dict[int, _Rows] = {}
         self._pinned = _PinnedCache()
+        self._refusals = 0
         if self.is_cuda:
             self._save_stream = torch.cuda.Stream(device=self.device)
             self._load_stream = torch.cuda.Stream(device=self.device)
@@ -269,11 +290,18 @@ class Copier:
                     dst, src = (seg.host, seg.device) if to_host else (seg.device, seg.host)
                     batch.copy(dst, src, seg.sizes, stream.cuda_stream)
                     lo, step = lo + step, min(2 * step, _MAX_BATCH)
+                self._refusals = 0
                 return
+            except Unbatchable as e:
+                log.warning("s3kv: %s; these pages go per page", e)
             except MemcpyBatchError as e:
                 # Earlier batches may be queued; copying the same bytes again below is harmless.
-                log.warning("s3kv: %s; using per-page copies from now on", e)
-                self._batch = None
+                self._refusals += 1
+                if self._refusals >= _MAX_REFUSALS:
+                    log.warning("s3kv: %s; %d refusals in a row, using per-page copies from now on", e, self._refusals)
+                    self._batch = None
+                else:
+                    log.warning("s3kv: %s; these pages go per page", e)
         if to_host:
             copy_to_host(copies, non_blocking=True)
         else:
@@ -293,14 +321,17 @@ class Copier:
         fwd = self._forward(forward_stream)
         forward_done = torch.cuda.Event()
         forward_done.record(fwd)
+        done = torch.cuda.Event()
         with torch.cuda.device(self.device), torch.cuda.stream(self._save_stream):
             self._save_stream.wait_event(forward_done)
-            self._enqueue(copies, True, self._save_stream)
-            done = torch.cuda.Event()
-            done.record(self._save_stream)
-        # Stream-ordered protection: later forward work (which may reuse a freed
-        # page) cannot start before the copy finished. No host synchronization.
-        fwd.wait_event(done)
+            try:
+                self._enqueue(copies, True, self._save_stream)
+            finally:
+                # Also when enqueueing failed part-way: what was queued is still waited for.
+                done.record(self._save_stream)
+                # Stream-ordered protection: later forward work (which may reuse a freed
+                # page) cannot start before the copy finished. No host synchronization.
+                fwd.wait_event(done)
         return done
 
     # -- loads ------------------------------------------------------------
@@ -325,6 +356,13 @@ class Copier:
             done = torch.cuda.Event()
             done.record(self._load_stream)
         return done
+
+    def drain(self) -> None:
+        """Wait until every copy issued so far has finished (before staging memory is freed:
+        batched copies are invisible to PyTorch's pinned-memory allocator)."""
+        if self.is_cuda:
+            self._save_stream.synchronize()
+            self._load_stream.synchronize()
 
     def wait_on(self, event: Any, stream: Any = None) -> None:
         """Make ``stream`` (the forward stream) wait for ``event``; no host wait."""

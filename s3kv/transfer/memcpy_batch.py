@@ -28,7 +28,6 @@ a faster copy. The call's contract is written down here once:
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import sys
 from array import array
@@ -105,11 +104,9 @@ class MemcpyBatch:
         if major >= _MAX_CAPABILITY_MAJOR:
             log.info("s3kv: compute capability %d.%d: batched copies not trusted there; per-page copies", major, minor)
             return None
-        candidates = _loaded_cudart_paths()
-        found = ctypes.util.find_library("cudart")
-        if found:
-            candidates.append(found)
-        for path in candidates:
+        # Only a runtime PyTorch already loaded: a second copy found elsewhere would keep its
+        # own current device and error state (PyTorch builds that link it statically: per page).
+        for path in _loaded_cudart_paths():
             try:
                 lib = ctypes.CDLL(path)
                 version = ctypes.c_int(0)

@@ -113,16 +113,54 @@ def test_a_refused_batch_falls_back_to_per_page_copies(caplog):
     c = Copier(DEV)
     c._batch = spy
     fwd = torch.cuda.Stream()
-    with caplog.at_level(logging.WARNING, logger="s3kv.transfer.copies"):
-        host, _ = staged(c, layout, [6, 2], fwd)
-    assert spy.calls == 1 and c.path == "per_page"
-    assert "per-page copies" in caplog.text
     pb = layout.group(0).bytes_per_page
-    assert bytes(host[:pb].numpy()) == page_bytes(layout, 0, 6)
-    assert bytes(host[pb:].numpy()) == page_bytes(layout, 0, 2)
+    for k in range(3):
+        with caplog.at_level(logging.WARNING, logger="s3kv.transfer.copies"):
+            host, _ = staged(c, layout, [6, 2], fwd)
+        assert spy.calls == k + 1 and c.path == ("per_page" if k == 2 else "memcpy_batch")
+        assert bytes(host[:pb].numpy()) == page_bytes(layout, 0, 6)
+        assert bytes(host[pb:].numpy()) == page_bytes(layout, 0, 2)
+    assert "per-page copies from now on" in caplog.text
     # A later torch launch check is not tripped by a leftover runtime error.
     torch.ones(4, device=DEV).add_(1)
     torch.cuda.synchronize()
+
+
+def test_a_refusal_after_queued_batches_still_moves_every_page():
+    """The third batch of a call is refused: the first two are queued, the rest go per page."""
+    real = needs_batch()
+
+    class FailThird(SpyBatch):
+        def copy(self, dsts, srcs, sizes, stream):
+            self.calls += 1
+            if self.calls == 3:
+                raise MemcpyBatchError("cudaMemcpyBatchAsync failed with cudaError 1 (injected)")
+            real.copy(dsts, srcs, sizes, stream)
+
+    layout = make_layout([SPECS["padded"]], num_slots=64, device=DEV, fill_seed=8)
+    c = Copier(DEV)
+    c._batch = FailThird(real)
+    slots = list(range(63, 3, -2))  # 30 pages: batches of 4, 8, then the refused 16
+    host, _ = staged(c, layout, slots, torch.cuda.Stream())
+    pb = layout.group(0).bytes_per_page
+    for i, s in enumerate(slots):
+        assert bytes(host[i * pb : (i + 1) * pb].numpy()) == page_bytes(layout, 0, s)
+
+
+def test_batched_load_waits_for_earlier_forward_work():
+    needs_batch()
+    layout = make_layout([SPECS["packed"]], num_slots=8, device=DEV, fill_seed=None)
+    rows = layout.group(0).regions[0].as_tensor()
+    c = Copier(DEV)
+    fwd = torch.cuda.Stream()
+    host = torch.full((64 * 1024,), 9, dtype=torch.uint8, pin_memory=True)
+    with torch.cuda.stream(fwd):
+        torch.cuda._sleep(int(50e-3 * 2.0e9))  # earlier forward work ...
+        rows[4].fill_(1)  # ... that still writes the slot handed to the load
+    c.begin_loads(fwd)
+    c.wait_on(c.load([PageCopy(tuple(layout.group(0).regions), 4, host, 0)]), fwd)
+    fwd.synchronize()
+    assert int(rows[4].min()) == 9 == int(rows[4].max())
 
 
 def test_batch_refuses_the_legacy_default_stream():
