@@ -32,13 +32,13 @@ staging, ``S3KV_BATCH_COPIES=0``, or the driver refusing a batch) each page is o
 so the ordering above is the same for both.
 
 Measured on an H200 (``s3kv bench staging``, 64 scattered pages per call vs one
-contiguous pinned memcpy of the same bytes, d2h/h2d, four runs):
+contiguous pinned memcpy of the same bytes, d2h/h2d, five runs):
 
-* batched, wall clock on an idle GPU: 1 MiB 0.90-0.96 / 0.90-0.95, 4 MiB 0.96-0.99,
-  16 MiB 0.98-1.00, 256 KiB 0.70-0.87; on the GPU alone (copies queued behind a busy
+* batched, wall clock on an idle GPU: 1 MiB 0.90-0.96 / 0.90-0.95, 4 MiB 0.95-0.99,
+  16 MiB 0.98-1.00, 256 KiB 0.69-0.87; on the GPU alone (copies queued behind a busy
   forward stream) 0.99 at 1 MiB and 0.92-1.00 at 256 KiB: the copy engines run at
   memcpy speed, what is left is host set-up before the first copy;
-* one ``copy_`` per page: 1 MiB 0.85-0.88 / 0.82-0.86, 256 KiB 0.33-0.58 (0.90 / 0.88 and
+* one ``copy_`` per page: 1 MiB 0.85-0.88 / 0.82-0.86, 256 KiB 0.30-0.58 (0.90 / 0.88 and
   0.76 / 0.66 on the GPU alone: the engine idles between small copies);
 * host time of a 64-page save call: ~0.14 ms batched, ~1 ms per page.
 
