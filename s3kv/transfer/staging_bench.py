@@ -161,9 +161,10 @@ def bench_staging(
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("bench_staging: CUDA is not available")
     copier = Copier(dev)
+    # Keyed by the prefix of their result keys ("" = the worker's path).
     copiers = {"": copier}
     if copier.path == "memcpy_batch":
-        copiers["pp_"] = Copier(dev, batch=False)
+        copiers["per_page_"] = Copier(dev, batch=False)
     fwd = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
     rows: list[dict[str, Any]] = []
     totals: dict[str, float] = {"bytes": 0.0}
@@ -183,16 +184,12 @@ def bench_staging(
             "h2d_gbps": gbps["h2d"],
             "memcpy_d2h_gbps": gbps["md2h"],
             "memcpy_h2d_gbps": gbps["mh2d"],
-            "d2h_ratio_vs_memcpy": gbps["d2h"] / gbps["md2h"],
-            "h2d_ratio_vs_memcpy": gbps["h2d"] / gbps["mh2d"],
         }
-        if "pp_" in copiers:
-            row["per_page_d2h_ratio_vs_memcpy"] = gbps["pp_d2h"] / gbps["md2h"]
-            row["per_page_h2d_ratio_vs_memcpy"] = gbps["pp_h2d"] / gbps["mh2d"]
-        for name, label in copiers_labels(copiers):
-            if f"{name}dev_d2h" in t:
-                row[f"{label}device_d2h_ratio_vs_memcpy"] = gbps[f"{name}dev_d2h"] / gbps["dev_md2h"]
-                row[f"{label}device_h2d_ratio_vs_memcpy"] = gbps[f"{name}dev_h2d"] / gbps["dev_mh2d"]
+        for name in copiers:
+            for d in ("d2h", "h2d"):
+                row[f"{name}{d}_ratio_vs_memcpy"] = gbps[f"{name}{d}"] / gbps[f"m{d}"]
+                if f"{name}dev_{d}" in t:
+                    row[f"{name}device_{d}_ratio_vs_memcpy"] = gbps[f"{name}dev_{d}"] / gbps[f"dev_m{d}"]
         rows.append(row)
         totals["bytes"] += total
         for k, v in t.items():
@@ -220,11 +217,6 @@ def bench_staging(
     for k in [k for k in head[0] if k.endswith("_ratio_vs_memcpy") and k not in out]:
         out[k] = min(r[k] for r in head)
     return out
-
-
-def copiers_labels(copiers: dict[str, Copier]) -> list[tuple[str, str]]:
-    """(timing-key prefix, result-key prefix) of each copier timed."""
-    return [(name, "per_page_" if name == "pp_" else "") for name in copiers]
 
 
 if __name__ == "__main__":  # pragma: no cover - manual runs
