@@ -32,9 +32,9 @@ staging, ``S3KV_BATCH_COPIES=0``, or the driver refusing a batch) each page is o
 so the ordering above is the same for both.
 
 Measured on an H200 (``s3kv bench staging``, 64 scattered pages per call vs one
-contiguous pinned memcpy of the same bytes, d2h/h2d, five runs):
+contiguous pinned memcpy of the same bytes, d2h/h2d, seven runs):
 
-* batched, wall clock on an idle GPU: 1 MiB 0.90-0.96 / 0.90-0.95, 4 MiB 0.95-0.99,
+* batched, wall clock on an idle GPU: 1 MiB 0.90-0.96 / 0.90-0.96, 4 MiB 0.95-0.99,
   16 MiB 0.98-1.00, 256 KiB 0.69-0.87; on the GPU alone (copies queued behind a busy
   forward stream) 0.99 at 1 MiB and 0.92-1.00 at 256 KiB: the copy engines run at
   memcpy speed, what is left is host set-up before the first copy;
