@@ -150,20 +150,3 @@ def test_never_returned_async_id_raises_simhang_within_the_cap():
     assert time.perf_counter() - t0 < 5
     assert set(e.value.stuck) == {10, 11}
     assert "never returned it as finished loading" in str(e.value)
-
-
-def test_async_load_that_needs_an_idle_start_load_kv_is_exposed():
-    """The oracle starts async loads in start_load_kv of the allocation iteration only; if the executor skips
-    the worker hooks when nothing else is scheduled, that load never starts and the request would hang."""
-    eng = SimEngine(
-        gemma3_like(64),
-        CFG,
-        OracleLeader,
-        OracleWorker,
-        idle_worker_hooks=False,
-        connector_kwargs={"store": OracleStore(), "mode": "async"},
-    )
-    p = tuple(random_tokens(random.Random(9), 100, 32000))
-    eng.run([SimRequestSpec(1, p)])
-    with pytest.raises(SimHang, match="never returned it as finished loading"):
-        eng.run([SimRequestSpec(2, p)], max_iterations=30)

@@ -1,19 +1,34 @@
 """The engine simulator: drives a connector leader and one worker per rank in TensorRT-LLM's call order.
 
-One iteration (trtllm-connector-api.md, "Per-iteration call order"):
-  1. allocation for newly admitted requests: ``get_num_new_matched_tokens`` ->
-     honour -> ``py_num_connector_matched_tokens`` -> pages by the V2 rule ->
-     ``update_state_after_alloc[_by_layer_group]``;
-  2. ``SchedulerOutput`` -> leader ``build_connector_meta`` -> pickle round trip
-     (it is broadcast under TP) -> every worker ``bind_connector_meta``;
-  3. every worker ``start_load_kv``;
-  4. per layer, per rank: ``wait_for_layer_load`` -> [checker] -> model writes
-     the layer -> ``save_kv_layer``; then the forward-pass callables;
-  5. every worker ``wait_for_save``;
-  6. every worker ``get_finished`` -> resume / release ids every rank returned;
-  7. history advances, tokens are sampled, sliding pages that left the window
+It follows the non-overlap ``PyExecutor._executor_loop`` (trtllm-connector-api.md,
+"Per-iteration call order", checked against TensorRT-LLM's source; see
+docs/failures.md). One iteration:
+
+  1. scheduling: newly admitted requests are allocated; V2 asks the connector
+     (``get_num_new_matched_tokens``), commits what it will consume (``honour``:
+     the whole offer, less, or nothing -- the async flag passes through even
+     for 0), sets ``py_num_connector_matched_tokens`` and gives pages by the V2
+     rule, then ``update_state_after_alloc[_by_layer_group]``;
+  2. only if a batch was scheduled (requests parked for an async load count:
+     they are taken out afterwards): ``SchedulerOutput`` -> leader
+     ``build_connector_meta`` -> pickle round trip (broadcast under TP) ->
+     every worker ``bind_connector_meta`` -> ``start_load_kv``;
+  3. only if something is left to compute: the forward (per layer, per rank:
+     ``wait_for_layer_load`` -> [checker] -> the model writes the layer ->
+     ``save_kv_layer``; then the forward-pass callables) and ``wait_for_save``;
+  4. tokens are sampled, histories advance, sliding pages that left the window
      are freed (and junked);
-  8. ``request_finished[_by_layer_group]`` for requests that finished generating.
+  5. ``request_finished[_by_layer_group]`` for requests that finished (or were
+     cancelled); True keeps the pages, False frees them at once;
+  6. every iteration the loop runs: ``get_finished`` on every rank with the ids
+     of steps 1 and 5 *of this same iteration*; an id every rank returned
+     resumes a parked request or frees a held one.
+
+An idle engine (nothing running, parked or waiting) blocks on its request
+queue and calls nothing, not even ``get_finished``. Any exception from a
+connector call ends the run as :class:`SimEngineCrash` -- the real executor's
+event loop dies on one and the other TP ranks hang. ``failed_load_hook`` models
+branches that offer ``take_failed_load_request_ids`` / ``recompute_failed_load``.
 
 Everything runs in one process and one thread; the leader is rank 0's.
 """
@@ -53,8 +68,21 @@ class SimHang(SimError):
         self.stuck = dict(stuck)
 
 
-class SimContractError(SimError):
-    """A connector broke the API contract (the real engine would fail the request or hang)."""
+class SimEngineCrash(SimError):
+    """A connector call raised: the real executor dies (every request on the engine fails, TP ranks hang)."""
+
+    def __init__(self, hook: str, cause: BaseException | str):
+        super().__init__(f"engine crash: {hook}() raised {cause!r}" if isinstance(cause, BaseException)
+                         else f"engine crash: {cause}")
+        self.hook = hook
+        self.cause = cause
+
+
+class SimContractError(SimEngineCrash):
+    """A connector broke the API contract (the real engine raises -- it dies -- or hangs)."""
+
+    def __init__(self, message: str):
+        super().__init__("contract", message)
 
 
 class _Phase(enum.Enum):
@@ -93,8 +121,10 @@ class _Req:
     chunks_done: int = 0
     generated: int = 0
     gen_done: bool = False
-    waiting_ranks: set[int] = field(default_factory=set)
-    failed: bool = False  # a connector call raised an error naming this request
+    load_ranks: set[int] = field(default_factory=set)  # ranks yet to return the async load
+    save_ranks: set[int] = field(default_factory=set)  # ranks yet to return the held (saving) id
+    cancelled: bool = False
+    recomputed_failed_load: bool = False  # rewound by the engine's failed-load hook
     t_admit: float = 0.0
     t_first_token: float = 0.0
     t_done: float = 0.0
@@ -122,10 +152,12 @@ class SimEngine:
     the window real pages at allocation (a retained window larger than
     configured, as with speculative decoding). ``flat`` drives the flat
     (single group) leader callbacks and ``RequestData.new_block_ids``.
-    ``idle_worker_hooks`` False skips ``start_load_kv`` / ``wait_for_save`` in
-    iterations that schedule nothing (metadata is still built and bound, and
-    ``get_finished`` still called): whether the real executor calls them then is
-    not settled, so a connector must not *need* them to make progress.
+    ``failed_load_hook`` installs the branch API for failed loads: every
+    worker's ``take_failed_load_request_ids()`` is polled after ``start_load_kv``
+    and after ``get_finished``, and each id named is rewound to its device match
+    and recomputed (``recompute_failed_load``); the connectors are told through
+    ``connector_kwargs["engine_features"]``, standing in for what they would
+    detect on such an install.
     """
 
     def __init__(
@@ -145,7 +177,7 @@ class SimEngine:
         extra_retained_blocks: int = 0,
         extra_allocated_blocks: int = 0,
         flat: bool = False,
-        idle_worker_hooks: bool = True,
+        failed_load_hook: bool = False,
         connector_kwargs: Mapping[str, Any] | None = None,
         max_mismatch_details: int = 200,
     ):
@@ -172,7 +204,7 @@ class SimEngine:
         self.extra_retained_blocks = extra_retained_blocks
         self.extra_allocated_blocks = extra_allocated_blocks
         self.flat = flat
-        self.idle_worker_hooks = idle_worker_hooks
+        self.failed_load_hook = failed_load_hook
         self.tpb = config.tokens_per_block
         self.groups: tuple[GroupSpec, ...] = layer_groups(model, config.max_seq_len)
         self._group_of_layer = {layer: g for g in self.groups for layer in g.layer_ids}
@@ -203,6 +235,8 @@ class SimEngine:
 
         self._hook_seconds: dict[str, float] = {}
         kwargs = dict(connector_kwargs or {})
+        if failed_load_hook:
+            kwargs["engine_features"] = frozenset(kwargs.get("engine_features", ())) | {"failed_load_hook"}
         self.llm_args: tuple[SimLlmArgs, ...] = tuple(
             make_llm_args(model, config, tp_size, r) for r in range(tp_size)
         )
@@ -224,10 +258,14 @@ class SimEngine:
         # Per rank: ids handed to get_finished and not yet returned by that rank.
         self._out_load: list[set[int]] = [set() for _ in range(tp_size)]
         self._out_save: list[set[int]] = [set() for _ in range(tp_size)]
-        self._handover_saving: list[int] = []
-        #: Errors connector calls raised for specific requests (``exc.request_ids``).
-        self.load_failures: list[BaseException] = []
-        self.failed_ids: set[int] = set()
+        # Engine-level request queues (they outlive a run: an idle engine keeps held pages).
+        self._waiting: list[_Req] = []
+        self._live: list[_Req] = []  # running or parked
+        self._held: list[_Req] = []  # finished, pages held until every rank returns the saving id
+        self._seq = 0
+        self._wake_id = 1 << 40
+        self._iterations = 0
+        self._forward_wall: list[float] = []
 
     # ------------------------------------------------------------------ bring-up
 
@@ -253,7 +291,7 @@ class SimEngine:
 
     def _register(self, worker: Any, pool: RankPool) -> None:
         if callable(getattr(worker, "register_kv_cache_layout", None)):
-            self._timed("register_kv_cache_layout", worker.register_kv_cache_layout, pool.layout)
+            self._call("register_kv_cache_layout", worker.register_kv_cache_layout, pool.layout)
             return
         flat_tensor = pool.layout.as_single_pool_tensor()
         if flat_tensor is None or not callable(getattr(worker, "register_kv_caches", None)):
@@ -262,7 +300,7 @@ class SimEngine:
             )
         # V1 shape: [num_blocks, num_layers, kv_factor, block_bytes].
         view = flat_tensor.view(flat_tensor.shape[0], self.model.num_layers, 2, -1)
-        self._timed("register_kv_caches", worker.register_kv_caches, view)
+        self._call("register_kv_caches", worker.register_kv_caches, view)
 
     def shutdown(self) -> None:
         """Call the connectors' optional ``shutdown()`` hooks."""
@@ -289,48 +327,57 @@ class SimEngine:
         *,
         max_iterations: int | None = None,
     ) -> SimReport:
-        """Run ``specs`` to completion and report; raises :class:`SimHang` past ``max_iterations``.
+        """Submit ``specs`` and run the executor loop until it would block idle; report.
 
-        The cap counts every iteration, idle ones too (iterations that only wait
-        for a connector back off up to 2 ms each). The default allows twice the
-        work plus 5000 idle iterations (~10 s of waiting); pass more for a slow store.
-        May be called repeatedly on one engine (the connectors keep their state,
-        the device cache does not keep pages between runs: device reuse is only
-        what ``device_match_tokens`` asks for). Request ids must be unique per engine.
+        The real loop runs while any request is active (running, parked for an
+        async load) or waiting; with none it blocks on its request queue and
+        calls no connector hook at all -- not even ``get_finished``. So a request
+        still held for an async save when the engine goes idle keeps its pages
+        until the next ``run`` (the next request's first iteration calls
+        ``get_finished``). Raises :class:`SimHang` past ``max_iterations``
+        (every iteration counts; iterations that only wait on a connector back
+        off up to 2 ms each; the default allows twice the work plus 5000 waits,
+        ~10 s) and :class:`SimEngineCrash` when a connector call raises. May be
+        called repeatedly on one engine; request ids must be unique per engine.
         """
         specs = list(specs)
-        states = [self._new_state(s, i) for i, s in enumerate(specs)]
+        states = [self._new_state(s, self._seq + i) for i, s in enumerate(specs)]
+        self._seq += len(states)
         if max_iterations is None:
             chunk = self.chunk_size or self.config.max_seq_len
             work = sum(-(-len(s.prompt) // chunk) + s.max_new_tokens + 1 for s in specs)
             max_iterations = 2 * work + 5000
         self.checker.reset()
         self._hook_seconds = {}
-        forward_wall: list[float] = []
-        waiting = list(states)
-        live: list[_Req] = []
+        self._forward_wall = []
+        self._waiting.extend(states)
+        self._waiting.sort(key=lambda x: x.seq)
         t_start = time.perf_counter()
         idle = 0
         it = 0
-        while any(st.phase is not _Phase.DONE for st in states):
+        while self._waiting or self._live:
             if it >= max_iterations:
                 raise self._hang(states, f"run did not finish within {max_iterations} iterations")
-            progressed, fwd = self._iteration(it, waiting, live)
-            if fwd is not None:
-                forward_wall.append(fwd)
+            progressed = self._iteration(self._iterations)
+            self._iterations += 1
             it += 1
             if progressed:
                 idle = 0
             else:
-                if not live and waiting:
+                if not self._live and self._waiting:
                     raise self._hang(
                         states, "nothing can be admitted (pool too small or a dependency never finishes)"
                     )
                 # Only connector-side waits remain: back off a little so background threads can run.
                 idle += 1
                 time.sleep(min(0.002, 0.0001 * idle))
+        # Idle: the executor blocks here. Only requests held for an async save may keep pages.
         guard = sum(p.guard_violations() for p in self.pools)
-        leaked = {a.group_id: a.in_use for a in self.allocators if a.in_use}
+        held = {g.group_id: 0 for g in self.groups}
+        for st in self._held:
+            for gi, lst in enumerate(st.blocks):
+                held[self.groups[gi].group_id] += sum(1 for s in lst if s >= 0)
+        leaked = {a.group_id: a.in_use - held[a.group_id] for a in self.allocators if a.in_use != held[a.group_id]}
         if leaked:
             raise SimError(f"pages still allocated after every request finished: {leaked}")
         return SimReport(
@@ -341,147 +388,163 @@ class SimEngine:
             pages_checked=self.checker.pages_checked,
             pages_audited=self.checker.pages_audited,
             guard_violations=guard,
-            forward_wall_s=tuple(forward_wall),
+            forward_wall_s=tuple(self._forward_wall),
             hook_seconds=dict(self._hook_seconds),
             check_seconds=self.checker.seconds,
             wall_s=time.perf_counter() - t_start,
+            held_while_idle=tuple(st.rid for st in self._held),
         )
+
+    @property
+    def held_request_ids(self) -> tuple[int, ...]:
+        """Requests whose pages the engine still holds for an async save (e.g. while idle)."""
+        return tuple(st.rid for st in self._held)
+
+    def held_pages(self) -> int:
+        """Pages (all groups) still held by finished requests."""
+        return sum(1 for st in self._held for lst in st.blocks for slot in lst if slot >= 0)
+
+    def drain_held(self, max_requests: int = 100, new_tokens: int = 8, prompt_len: int = 2) -> int:
+        """Send short requests, one at a time, until the requests held now are released; return how many.
+
+        The idle executor calls no hook, so only new traffic lets a connector
+        return held ids: this is that traffic (fresh ids, tiny prompts, nothing to
+        hit). The wake requests may themselves end up held (that is the same
+        rule). Raises :class:`SimHang` if the connector never lets go.
+        """
+        target = {st.rid for st in self._held}
+        sent = 0
+        while target & {st.rid for st in self._held}:
+            if sent >= max_requests:
+                raise self._hang(self._held, f"held pages not released after {max_requests} requests")
+            rid = self._wake_id
+            self._wake_id += 1
+            prompt = tuple((rid * 7919 + i) % self.model.vocab_size for i in range(prompt_len))
+            self.run([SimRequestSpec(rid, prompt, max_new_tokens=new_tokens)])
+            sent += 1
+        return sent
 
     # ------------------------------------------------------------------ one iteration
 
-    def _iteration(self, it: int, waiting: list[_Req], live: list[_Req]) -> tuple[bool, float | None]:
+    def _iteration(self, it: int) -> bool:
+        """One pass of the non-overlap ``PyExecutor._executor_loop`` (see the module doc)."""
         progressed = False
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        live = self._live
 
-        # 1. Allocation for newly admitted requests.
+        # 1. Scheduling; under V2 the connector is asked while the batch's pages are prepared.
         started_loading: list[int] = []
-        for st in list(waiting):
+        for st in list(self._waiting):
             if sum(1 for x in live if x.phase in (_Phase.PARKED, _Phase.RUNNING)) >= self.max_batch:
                 break
             if not all(dep in self._done_ids for dep in st.spec.after):
                 continue
             if not self._reserve(st):
                 continue
-            waiting.remove(st)
+            self._waiting.remove(st)
             live.append(st)
             self._allocate(st, it, started_loading)
             progressed = True
 
-        # 2. Scheduler output -> metadata -> broadcast -> bind.
+        # 2. Only with a scheduled batch (requests parked for an async load count: they were
+        #    scheduled, then taken out): scheduler output -> build_connector_meta -> broadcast ->
+        #    bind -> start_load_kv. An idle iteration calls none of these.
         running = sorted((x for x in live if x.phase is _Phase.RUNNING), key=lambda x: x.order)
         scheduled: list[tuple[_Req, int, bool]] = []
-        out = SchedulerOutput(new_requests=[], cached_requests=[])
-        for st in running:
-            is_ctx = st.computed < st.req.prompt_len
-            n = min(self.chunk_size or st.req.prompt_len, st.req.prompt_len - st.computed) if is_ctx else 1
-            self._ensure_pages(st, -(-(st.computed + n) // self.tpb))
-            rd = self._request_data(st, n, is_ctx)
-            (out.new_requests if rd[1] else out.cached_requests).append(rd[0])
-            scheduled.append((st, n, is_ctx))
-        meta = self._timed("build_connector_meta", self.leader.build_connector_meta, out)
-        try:
-            blob = pickle.dumps(meta)
-        except Exception as e:
-            raise SimContractError(
-                f"connector metadata is not picklable (it is broadcast under TP): {e}"
-            ) from e
-        for w in self.workers:
-            self._timed("bind_connector_meta", w.bind_connector_meta, pickle.loads(blob))
+        if running or started_loading:
+            out = SchedulerOutput(new_requests=[], cached_requests=[])
+            for st in running:
+                is_ctx = st.computed < st.req.prompt_len
+                n = min(self.chunk_size or st.req.prompt_len, st.req.prompt_len - st.computed) if is_ctx else 1
+                self._ensure_pages(st, -(-(st.computed + n) // self.tpb))
+                rd = self._request_data(st, n, is_ctx)
+                (out.new_requests if rd[1] else out.cached_requests).append(rd[0])
+                scheduled.append((st, n, is_ctx))
+            meta = self._call("build_connector_meta", self.leader.build_connector_meta, out)
+            try:
+                blob = pickle.dumps(meta)
+            except Exception as e:
+                raise SimContractError(
+                    f"connector metadata is not picklable (it is broadcast under TP): {e}"
+                ) from e
+            for w in self.workers:
+                self._call("bind_connector_meta", w.bind_connector_meta, pickle.loads(blob))
+            for w in self.workers:
+                self._call("start_load_kv", w.start_load_kv, stream)
+            if self.failed_load_hook:
+                # Our model of the branch hook: a sync load that failed is reported before the
+                # forward; the request leaves this pass and recomputes from its device match.
+                for st in self._take_failed_loads():
+                    scheduled = [x for x in scheduled if x[0] is not st]
+                    progressed = True
 
-        # 3-5. The forward.
-        fwd: float | None = None
-        t0 = time.perf_counter()
-        check0 = self.checker.seconds
-        hooks = bool(scheduled) or self.idle_worker_hooks
-        for rank, w in enumerate(self.workers):
-            if hooks:
-                try:
-                    self._timed("start_load_kv", w.start_load_kv, stream)
-                except Exception as exc:  # noqa: BLE001 - request-scoped errors fail requests
-                    self._fail_requests(exc, rank, live, returned=False)
-        # A failed request's pages hold no verified KV: it leaves the batch (in place:
-        # the same list is advanced after the forward).
-        scheduled[:] = [x for x in scheduled if not x[0].failed]
+        # 3. The forward, only if something is left to compute; wait_for_save at its end.
         if scheduled:
             progressed = True
+            t0 = time.perf_counter()
+            check0 = self.checker.seconds
             self._forward(scheduled, stream)
-        for w in self.workers:
-            if hooks:
-                self._timed("wait_for_save", w.wait_for_save, stream)
-        if scheduled:
-            fwd = time.perf_counter() - t0 - (self.checker.seconds - check0)
+            for w in self.workers:
+                self._call("wait_for_save", w.wait_for_save, stream)
+            self._forward_wall.append(time.perf_counter() - t0 - (self.checker.seconds - check0))
 
-        # 6. get_finished on every rank.
-        finished_gen, self._handover_saving = self._handover_saving, []
+        # 4. Sample and advance; sliding pages that left the window are freed (V2 releases context
+        #    pages in update_context_resources, before the responses are handled).
+        finished: list[_Req] = []
+        for st, n, is_ctx in scheduled:
+            self._advance(st, n, is_ctx, it, finished)
+        for st in live:
+            c = st.spec.cancel_after_iterations
+            if c is not None and st not in finished and st.phase in (_Phase.PARKED, _Phase.RUNNING):
+                if it - st.it_admit >= c:
+                    st.cancelled = True
+                    finished.append(st)
+
+        # 5. _handle_responses -> request_finished; True holds the pages ("still saving"), False frees
+        #    them now (update_resources). Their ids reach get_finished in this same iteration.
+        finished_gen: list[int] = []
+        for st in finished:
+            self._finish(st, it, finished_gen)
+            progressed = True
+
+        # 6. Every iteration the loop runs: get_finished on every rank, then the allgather.
         for rank, w in enumerate(self.workers):
             self._out_save[rank].update(finished_gen)
             self._out_load[rank].update(started_loading)
-            try:
-                ret = self._timed("get_finished", w.get_finished, list(finished_gen), list(started_loading))
-            except Exception as exc:  # noqa: BLE001 - request-scoped errors fail requests
-                self._fail_requests(exc, rank, live, returned=True)
-                ret = ([], [])
+            ret = self._call("get_finished", w.get_finished, list(finished_gen), list(started_loading))
             saved, loaded = self._parse_finished(rank, ret)
             for rid in saved:
-                progressed |= self._rank_returned(live, rid, rank, saving=True)
+                progressed |= self._rank_returned(rid, rank, saving=True)
             for rid in loaded:
-                if self._settle_failed(live, rid, rank):
-                    progressed = True
-                    continue
-                progressed |= self._rank_returned(live, rid, rank, saving=False)
+                progressed |= self._rank_returned(rid, rank, saving=False)
+        if self.failed_load_hook:
+            progressed |= bool(self._take_failed_loads())
+        return progressed
 
-        # 7. Advance history, sample, free pages that left the window; 8. finish.
-        finished: list[_Req] = []
-        for st, n, is_ctx in scheduled:
-            self._advance(st, n, is_ctx, it, finished, waiting, live)
-        for st in finished:
-            self._finish(st, it, live)
-        for st in [x for x in live if x.failed]:
-            if st.phase is _Phase.PARKED and st.waiting_ranks:
-                continue  # another rank may still be placing its pages: keep them until it settles
-            self._release(st)
-            st.phase = _Phase.DONE
-            st.t_done, st.it_done = time.perf_counter(), it
-            if not st.t_first_token:
-                st.t_first_token = st.t_done
-            self._done_ids.add(st.rid)  # a conversation's next turn may still come
-            live.remove(st)
-            progressed = True
-        return progressed, fwd
+    def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+        """A connector call. Any exception kills the real executor (``_event_loop_wrapper`` re-raises;
+        under TP the other ranks hang in their next collective): here it ends the run."""
+        try:
+            return self._timed(name, fn, *args)
+        except SimError:
+            raise
+        except Exception as e:  # noqa: BLE001 - that is the point
+            raise SimEngineCrash(name, e) from e
 
-    # ------------------------------------------------------------------ failed requests
-
-    def _fail_requests(self, exc: Exception, rank: int, live: list[_Req], *, returned: bool) -> None:
-        """A connector call raised for specific requests (``exc.request_ids``): fail just those.
-
-        The engine has no failed-load API; a connector fails a request by raising
-        an error naming it (s3kv's ``LoadFailed``). Any other exception is a bug
-        and ends the run. A failed request leaves the batch; an async one keeps its
-        pages until every rank has settled it (returned it or raised for it) --
-        freeing them at the first error would hand pages to the next request while
-        another rank's load may still be landing in them.
-        """
-        ids = getattr(exc, "request_ids", None)
-        if ids is None:
-            raise exc
-        self.load_failures.append(exc)
-        ids = {int(r) for r in ids}
-        self.failed_ids |= ids
-        if returned:
-            self._out_load[rank].difference_update(ids)
-        for st in live:
-            if st.rid in ids:
-                st.failed = True
-                if returned:
-                    st.waiting_ranks.discard(rank)
-
-    def _settle_failed(self, live: list[_Req], rid: int, rank: int) -> bool:
-        st = next((x for x in live if x.rid == rid), None)
-        if st is None or not st.failed:
-            return False
-        self._out_load[rank].discard(rid)
-        st.waiting_ranks.discard(rank)  # its loads on this rank are done; it is never resumed
-        return True
+    def _take_failed_loads(self) -> list[_Req]:
+        """Branch hook ``take_failed_load_request_ids`` on every rank -> ``recompute_failed_load``."""
+        failed: set[int] = set()
+        for w in self.workers:
+            fn = getattr(w, "take_failed_load_request_ids", None)
+            if callable(fn):
+                failed |= {int(x) for x in (self._call("take_failed_load_request_ids", fn) or ())}
+        out = []
+        for st in list(self._live):
+            if st.rid in failed and st.phase in (_Phase.PARKED, _Phase.RUNNING):
+                self._rewind(st)
+                st.recomputed_failed_load = True
+                out.append(st)
+        return out
 
     # ------------------------------------------------------------------ admission and allocation
 
@@ -522,7 +585,7 @@ class SimEngine:
         req, tpb = st.req, self.tpb
         d = st.spec.device_match_tokens
         req.py_num_connector_matched_tokens = 0
-        ret = self._timed("get_num_new_matched_tokens", self.leader.get_num_new_matched_tokens, req, d)
+        ret = self._call("get_num_new_matched_tokens", self.leader.get_num_new_matched_tokens, req, d)
         try:
             offer, is_async = int(ret[0]), bool(ret[1])
         except Exception as e:
@@ -562,9 +625,9 @@ class SimEngine:
         self._prefill_device_match(st)
         lists = [list(b) for b in st.blocks]
         if self.flat:
-            self._timed("update_state_after_alloc", self.leader.update_state_after_alloc, req, lists[0])
+            self._call("update_state_after_alloc", self.leader.update_state_after_alloc, req, lists[0])
         else:
-            self._timed(
+            self._call(
                 "update_state_after_alloc_by_layer_group",
                 self.leader.update_state_after_alloc_by_layer_group,
                 req,
@@ -575,8 +638,10 @@ class SimEngine:
         st.needs_first_report = True
         st.chunks_done = 0
         if is_async:
+            # Parked even when nothing was honoured (the flag passes through): the engine waits
+            # for every rank to return the id, then computes whatever was not loaded.
             st.phase = _Phase.PARKED
-            st.waiting_ranks = set(range(self.tp_size))
+            st.load_ranks = set(range(self.tp_size))
             started_loading.append(rid)
         else:
             st.phase = _Phase.RUNNING
@@ -667,7 +732,7 @@ class SimEngine:
             g = self._group_of_layer[layer]
             gi = g.group_id
             for rank, (pool, w) in enumerate(zip(self.pools, self.workers, strict=True)):
-                self._timed("wait_for_layer_load", w.wait_for_layer_load, layer, stream)
+                self._call("wait_for_layer_load", w.wait_for_layer_load, layer, stream)
                 if checks[gi]:
                     self.checker.check_layer(rank, layer, gi, checks[gi])
                 for st, blocks in writes:
@@ -683,9 +748,9 @@ class SimEngine:
                             )
                         if layer == g.layer_ids[-1]:
                             self.checker.note_written(rank, gi, slot, digest)
-                self._timed("save_kv_layer", w.save_kv_layer, layer, stream)
+                self._call("save_kv_layer", w.save_kv_layer, layer, stream)
         for cb in self._forward_callables:
-            self._timed("forward_pass_callable", cb)
+            self._call("forward_pass_callable", cb)
         self.checker.end_pass()
 
     # ------------------------------------------------------------------ get_finished
@@ -710,17 +775,30 @@ class SimEngine:
             self._out_load[rank].remove(rid)
         return saved, loaded
 
-    def _rank_returned(self, live: list[_Req], rid: int, rank: int, *, saving: bool) -> bool:
-        st = next(x for x in live if x.rid == rid)
-        st.waiting_ranks.discard(rank)
-        if st.waiting_ranks:
-            return True
+    def _find(self, rid: int) -> _Req | None:
+        return next((x for x in self._live if x.rid == rid), None) or next(
+            (x for x in self._held if x.rid == rid), None
+        )
+
+    def _rank_returned(self, rid: int, rank: int, *, saving: bool) -> bool:
+        """One rank returned ``rid``; act once every rank has (the manager's allgather + intersection)."""
+        st = self._find(rid)
+        if st is None:
+            return False
         if saving:
+            st.save_ranks.discard(rank)
+            if st.save_ranks or st.phase is not _Phase.SAVING:
+                return True
+            # Every rank released it: free the pages (the engine's _release_transfer).
             self._release(st)
             st.phase = _Phase.DONE
-            live.remove(st)
-        else:
-            self._resume(st)
+            self._held.remove(st)
+            return True
+        st.load_ranks.discard(rank)
+        if st.load_ranks or st.phase is not _Phase.PARKED:
+            # A cancelled or rewound request no longer waits for its load; the id may still come back.
+            return True
+        self._resume(st)
         return True
 
     def _resume(self, st: _Req) -> None:
@@ -728,36 +806,35 @@ class SimEngine:
         st.phase = _Phase.RUNNING
         st.check_pending = True
         if self.discard_hook is not None and self.discard_hook(st.rid, st.attempt):
-            # Throw the loaded tokens away and recompute from the device match. A sliding group
-            # now needs pages for ordinals the load would have skipped; they are filled in
-            # place before the first report, which carries the full lists.
-            st.discarded = True
-            st.req.py_num_connector_matched_tokens = 0
-            st.computed = st.prefill_start = st.device_match
-            for gi, g in enumerate(self.groups):
-                cut = sliding_cutoff(st.device_match, g.window, self.tpb, self.extra_allocated_blocks)
-                lst = st.blocks[gi]
-                for o in range(cut, len(lst)):
-                    if lst[o] < 0:
-                        if st.reserved[gi] <= 0:
-                            raise SimError(
-                                f"request {st.rid}: no reserved page to recompute a discarded load"
-                            )
-                        st.reserved[gi] -= 1
-                        lst[o] = self.allocators[gi].alloc()
+            # V2 may throw the loaded tokens away and recompute from the device match.
+            self._rewind(st)
+
+    def _rewind(self, st: _Req) -> None:
+        """Recompute from the device match (a discarded async load, or ``recompute_failed_load``).
+
+        A sliding group now needs pages for ordinals the load would have skipped;
+        they are filled in place before the request's (first) report, which
+        carries the full lists.
+        """
+        st.phase = _Phase.RUNNING
+        st.check_pending = True
+        st.discarded = True
+        st.needs_first_report = True
+        st.req.py_num_connector_matched_tokens = 0
+        st.computed = st.prefill_start = st.device_match
+        for gi, g in enumerate(self.groups):
+            cut = sliding_cutoff(st.device_match, g.window, self.tpb, self.extra_allocated_blocks)
+            lst = st.blocks[gi]
+            for o in range(cut, len(lst)):
+                if lst[o] < 0:
+                    if st.reserved[gi] <= 0:
+                        raise SimError(f"request {st.rid}: no reserved page to recompute a discarded load")
+                    st.reserved[gi] -= 1
+                    lst[o] = self.allocators[gi].alloc()
 
     # ------------------------------------------------------------------ after the forward
 
-    def _advance(
-        self,
-        st: _Req,
-        n: int,
-        is_ctx: bool,
-        it: int,
-        finished: list[_Req],
-        waiting: list[_Req],
-        live: list[_Req],
-    ) -> None:
+    def _advance(self, st: _Req, n: int, is_ctx: bool, it: int, finished: list[_Req]) -> None:
         st.computed += n
         tokens = st.tokens
         if is_ctx:
@@ -770,7 +847,7 @@ class SimEngine:
         elif (
             is_ctx and self.preempt_hook is not None and self.preempt_hook(st.rid, st.chunks_done, st.attempt)
         ):
-            self._preempt(st, waiting, live)
+            self._preempt(st)
             return
         self._free_left_window(st)
         if st.generated >= st.spec.max_new_tokens:
@@ -803,37 +880,41 @@ class SimEngine:
             self.allocators[gi].unreserve(st.reserved[gi])
             st.reserved[gi] = 0
 
-    def _preempt(self, st: _Req, waiting: list[_Req], live: list[_Req]) -> None:
+    def _preempt(self, st: _Req) -> None:
         """Drop the request mid-prefill; it is re-admitted from scratch (a V2 replay)."""
         self._release(st)
-        live.remove(st)
+        self._live.remove(st)
         st.phase = _Phase.WAITING
         st.attempt += 1
         st.computed = 0
         st.check_pending = False
         del st.tokens[st.req.prompt_len :]
-        waiting.append(st)
-        waiting.sort(key=lambda x: x.seq)
+        self._waiting.append(st)
+        self._waiting.sort(key=lambda x: x.seq)
 
-    def _finish(self, st: _Req, it: int, live: list[_Req]) -> None:
+    def _finish(self, st: _Req, it: int, finished_gen: list[int]) -> None:
+        """``_handle_responses``: ``request_finished``; True keeps the pages until every rank returns the id."""
         st.gen_done = True
         st.t_done, st.it_done = time.perf_counter(), it
+        if not st.t_first_token:
+            st.t_first_token = st.t_done
         self._done_ids.add(st.rid)
+        self._live.remove(st)
         lists = [list(b) for b in st.blocks]
         if self.flat:
-            keep = self._timed("request_finished", self.leader.request_finished, st.req, lists[0])
+            keep = self._call("request_finished", self.leader.request_finished, st.req, lists[0])
         else:
-            keep = self._timed(
+            keep = self._call(
                 "request_finished_by_layer_group", self.leader.request_finished_by_layer_group, st.req, lists
             )
         if keep:
             st.phase = _Phase.SAVING
-            st.waiting_ranks = set(range(self.tp_size))
-            self._handover_saving.append(st.rid)
+            st.save_ranks = set(range(self.tp_size))
+            self._held.append(st)
+            finished_gen.append(st.rid)
         else:
             self._release(st)
             st.phase = _Phase.DONE
-            live.remove(st)
 
     # ------------------------------------------------------------------ reporting
 
@@ -851,9 +932,9 @@ class SimEngine:
                 continue
             what = st.phase.value
             if st.phase is _Phase.PARKED:
-                what += f"; ranks {sorted(st.waiting_ranks)} never returned it as finished loading"
+                what += f"; ranks {sorted(st.load_ranks)} never returned it as finished loading"
             elif st.phase is _Phase.SAVING:
-                what += f"; ranks {sorted(st.waiting_ranks)} never returned it as finished saving"
+                what += f"; ranks {sorted(st.save_ranks)} never returned it as finished saving"
             elif st.phase is _Phase.WAITING and st.spec.after:
                 pending = [d for d in st.spec.after if d not in self._done_ids]
                 if pending:
@@ -869,7 +950,7 @@ class SimEngine:
             prompt_tokens=plen,
             device_match_tokens=st.device_match,
             offered_tokens=st.offered,
-            matched_tokens=0 if st.discarded or st.failed else st.honoured,
+            matched_tokens=0 if st.discarded else st.honoured,
             computed_tokens=plen - st.prefill_start,
             loaded_async=st.ever_async,
             discarded=st.discarded,
@@ -879,5 +960,6 @@ class SimEngine:
             latency_s=st.t_done - st.t_admit,
             admitted_iteration=st.it_admit,
             finished_iteration=st.it_done,
-            failed=st.failed,
+            cancelled=st.cancelled,
+            recomputed_failed_load=st.recomputed_failed_load,
         )

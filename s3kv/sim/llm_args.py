@@ -39,6 +39,8 @@ class SimKvCacheConfig:
     dtype: str
     enable_block_reuse: bool = True
     use_kv_cache_manager_v2: bool = True
+    #: The simulator's device matches are whole blocks; the connector's own default stands.
+    enable_partial_reuse: bool = False
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,8 @@ class SimLlmArgs:
     enable_attention_dp: bool = False
     pipeline_parallel_size: int = 1
     backend: str = "pytorch"
+    #: The simulator runs the non-overlap executor loop (what a connector must be proven on).
+    disable_overlap_scheduler: bool = True
 
 
 def make_llm_args(model: SimModel, config: SimCacheConfig, tp_size: int, rank: int) -> SimLlmArgs:

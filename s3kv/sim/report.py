@@ -46,7 +46,9 @@ class RequestReport:
     latency_s: float  # first admission -> generation finished
     admitted_iteration: int
     finished_iteration: int
-    failed: bool = False  # a connector call failed it (e.g. LoadFailed); never computed further
+    cancelled: bool = False  # cancelled before it finished (request_finished was still called)
+    #: The engine's failed-load hook rewound it to its device match and it recomputed (rung 1).
+    recomputed_failed_load: bool = False
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,8 @@ class SimReport:
     hook_seconds: Mapping[str, float] = field(default_factory=dict)
     check_seconds: float = 0.0
     wall_s: float = 0.0
+    #: Requests whose pages the engine still holds for an async save when it went idle.
+    held_while_idle: tuple[int, ...] = ()
 
     @property
     def prompt_tokens(self) -> int:

@@ -13,7 +13,8 @@ class SimRequestSpec:
     engine's own cache already holds: the engine fills those pages itself with
     correct KV and passes the count as ``num_computed_tokens``. ``after`` names
     requests that must finish generating before this one is admitted (the next
-    turn of a conversation). ``multimodal_positions`` without
+    turn of a conversation); ``cancel_after_iterations`` cancels it (a client
+    timeout). ``multimodal_positions`` without
     ``multimodal_hashes`` makes the request's KV unique to it (must not be cached).
     """
 
@@ -26,6 +27,9 @@ class SimRequestSpec:
     multimodal_positions: tuple[int, ...] | None = None
     device_match_tokens: int = 0
     after: tuple[int, ...] = ()
+    #: Cancel it this many iterations after admission unless finished (the engine then calls
+    #: request_finished for it, parked or running).
+    cancel_after_iterations: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
