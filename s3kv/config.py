@@ -35,6 +35,8 @@ class Settings:
     target_object_mib: int = 32
     max_blocks_per_object: int = 64
     #: "async": parked request, reported from get_finished; "sync": finished inside start_load_kv.
+    #: A failed sync load has no safe outcome unless the engine offers a failed-load hook, so
+    #: "sync" takes effect only there (else async, with a start-up warning). See docs/failures.md.
     load_mode: str = "async"
     #: Save blocks filled by generation (multi-turn reuse of answers).
     save_decode: bool = True
@@ -72,8 +74,15 @@ class Settings:
     read_timeout_s: float = 10.0
     retry_deadline_s: float = 20.0
     max_attempts: int = 6
-    #: Deadline for a promised load; past it the request fails with a named error.
+    #: Deadline of one attempt at a promised load; past it the attempt failed (see docs/failures.md).
     load_timeout_s: float = 60.0
+    #: How long an object that failed a load or verification stays "missing" in the local index.
+    quarantine_s: float = 600.0
+    #: Delete an object whose bytes fail verification (needs s3:DeleteObject; engines usually lack it),
+    #: so the next engine that computes that prefix writes it anew.
+    delete_corrupt: bool = False
+    #: At process exit, wait at most this long for queued uploads (TensorRT-LLM calls no shutdown()).
+    exit_drain_s: float = 10.0
     multipart_threshold_mib: int = 16
     multipart_part_mib: int = 8
     #: "", "AES256" or "aws:kms".
@@ -161,6 +170,8 @@ def validate(s: Settings) -> None:
         "read_timeout_s",
         "retry_deadline_s",
         "load_timeout_s",
+        "quarantine_s",
+        "exit_drain_s",
         "breaker_reset_s",
         "lookup_timeout_s",
     ):

@@ -68,6 +68,12 @@ class KeyIndex:
     def put_missing(self, key: str) -> None:
         self._put(key, MISSING, self.negative_ttl_s)
 
+    def quarantine(self, keys: Iterable[str], ttl: float) -> None:
+        """Remember ``keys`` as missing for ``ttl`` seconds: objects that failed verification or
+        a load. Later lookups miss instead of promising the same broken load again."""
+        for k in keys:
+            self._put(k, MISSING, ttl)
+
     def forget(self, keys: Iterable[str]) -> None:
         with self._lock:
             for k in keys:

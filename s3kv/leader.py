@@ -8,6 +8,7 @@ I/O is the lookup's HEAD waves, through the store and the local index.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -25,11 +26,24 @@ from .keys import Chain, KeyScheme, NotCacheable, chain_root, namespace_digest
 from .layout import CacheGeometry
 from .lookup import Ask, LookupParams, LookupResult, find_hit
 from .objects import ObjectFormatError, ObjectIdentity, span_from_metadata
-from .plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
+from .plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
 from .policy import StoragePolicy, object_sizes
 from .store.base import HeadBatch, ObjectStore, StoreError
 
 log = logging.getLogger("s3kv.leader")
+
+
+def _group_lists(by_group: Any, num_groups: int) -> list[list[int]]:
+    """Per-group page lists as a list indexed by group id.
+
+    The merged API passes a list; one V2 branch passes a dict keyed by group id.
+    Both name the group explicitly, so both are accepted; anything else is empty.
+    """
+    if not by_group:
+        return []
+    if isinstance(by_group, dict):
+        return [list(by_group.get(g, ())) for g in range(num_groups)]
+    return [list(x) for x in by_group]
 
 
 class _LookupTimeout(Exception):
@@ -67,7 +81,12 @@ class _Request:
     pending_stages: list[StageOp] = field(default_factory=list)
     pending_seals: list[SealOp] = field(default_factory=list)
     pending_releases: list[BufferId] = field(default_factory=list)
-    finishing: bool = False
+    #: The finish plan the workers hold for this request (the last one sent).
+    finish_sent: FinishPlan | None = None
+    #: An async load was promised and the request has not been reported since (still parked).
+    parked: bool = False
+    #: The next metadata must declare this request's async load (even with nothing to load).
+    declare_async: bool = False
 
 
 @dataclass
@@ -82,7 +101,15 @@ class LeaderStats:
     lookup_timeouts: int = 0
     foreign_objects: int = 0
     not_cacheable: int = 0
+    #: Finished requests whose finish plan copied pages the engine no longer listed (see _check_live).
+    finish_plan_mismatches: int = 0
+    #: Requests reported without a lookup (no full identity): never saved.
+    unkeyed_not_saved: int = 0
     honoured_less: int = 0
+    #: Smaller honours served by a correct smaller load.
+    honoured_less_served: int = 0
+    #: Promised loads the leader could not plan (failure rung taken).
+    promises_broken: int = 0
     planned_pages_saved: int = 0
     planned_objects: int = 0
     planned_pages_loaded: int = 0
@@ -104,11 +131,16 @@ class LeaderCore:
         geometry: CacheGeometry | Callable[[], CacheGeometry | None] | None = None,
         on_lookup: Callable[[int, LookupResult], None] | None = None,
         sizing_page_bytes: Sequence[int] | None = None,
+        failed_load_hook: bool = False,
     ):
         """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing
         blocks per object -- for benchmarks that store tiny pages but model a real
         model's object structure."""
         self.settings = settings
+        # A sync load that fails has no safe outcome unless the engine can be told to recompute
+        # the request (a failed-load hook); without one every load is async, so a failure can
+        # keep the request parked instead of serving unverified KV.
+        self.load_async = settings.load_mode == "async" or not failed_load_hook
         self.store = store
         self.key_prefix = key_prefix
         self.tp_size = tp_size
@@ -121,6 +153,7 @@ class LeaderCore:
         self._geometry: CacheGeometry | None = None
         self._requests: dict[int, _Request] = {}
         self._discards: set[int] = set()
+        self._failed_promises: set[int] = set()
         self._iteration = 0
         self._lock = threading.Lock()
         self._on_lookup = on_lookup
@@ -252,7 +285,7 @@ class LeaderCore:
                 return 0, False
             st.coverage = result.coverage
             st.offered_blocks = gain
-            st.load_async = self.settings.load_mode == "async"
+            st.load_async = self.load_async
             self.stats.hits += 1
             log.debug(
                 "s3kv: request %s hit %d of %d tokens (%d waves, %d asks)",
@@ -356,41 +389,102 @@ class LeaderCore:
 
     # ------------------------------------------------------------------ allocation
     def update_state_after_alloc(
-        self, request_id: int, block_ids_by_group: Sequence[Sequence[int]], honoured_tokens: int | None = None
+        self, request_id: int, block_ids_by_group: Any, honoured_tokens: int | None = None
     ) -> None:
+        """Plan the loads of what the engine honoured. Never raises.
+
+        The engine may honour less than offered, or nothing (the async flag then
+        still parks the request). A smaller honour is a smaller load when every
+        group's pages for it are stored; when they are not (a sliding group's
+        tail for that point was never stored) the promise cannot be kept and the
+        request takes the failure rung (see docs/failures.md) -- never a page of
+        garbage.
+        """
         with self._lock:
             st = self._requests.get(request_id)
             g = self._geometry
             if st is None or g is None or st.root is None or st.offered_blocks == 0:
                 return
             tpb = g.tokens_per_block
+            # The engine parks an async request whatever it honoured: declare it so the workers
+            # return its id (at once when there is nothing to load).
+            st.parked = st.declare_async = st.load_async
             honoured = st.offered_blocks * tpb if honoured_tokens is None else int(honoured_tokens)
-            h = st.d_blocks + max(0, honoured) // tpb
-            if h < st.d_blocks + st.offered_blocks:
+            if honoured < st.offered_blocks * tpb:
                 self.stats.honoured_less += 1
+            if honoured <= 0:
+                st.h_blocks = st.d_blocks
+                return
+            if honoured % tpb or honoured > st.offered_blocks * tpb:
+                st.h_blocks = st.d_blocks
+                self._broken(st, f"the engine honoured {honoured} tokens of {st.offered_blocks * tpb} offered, "
+                                 f"not a whole number of {tpb}-token blocks")
+                return
+            h = st.d_blocks + honoured // tpb
             st.h_blocks = h
-            if h <= st.d_blocks:
+            lists = _group_lists(block_ids_by_group, g.num_groups)
+            if len(lists) != g.num_groups:
+                self._broken(st, f"the engine reports {len(lists)} layer groups, the layout has {g.num_groups}")
                 return
             margin = self.settings.window_margin_blocks
             if not servable(g, st.coverage, st.d_blocks, h, margin):
                 # Honoured less than offered: a sliding group's tail for h lies below the tail the
                 # lookup verified for the offer. Verify it now (the index answers the spine).
-                more = find_hit(g, self.params, st.d_blocks, st.prompt_len // tpb, h,
-                                lambda asks: self._probe(st, asks))
-                for key, spans in more.coverage.items():
-                    st.coverage.setdefault(key, {}).update(spans)
-                if more.h_blocks < h:
-                    raise PlanMismatch(
-                        f"request {request_id}: the engine honoured {(h - st.d_blocks) * tpb} of the "
-                        f"{st.offered_blocks * tpb} tokens offered and the store holds no verified "
-                        f"sliding-window tail ending at block {h}"
-                    )
-            if len(block_ids_by_group) != g.num_groups:
-                raise PlanMismatch(
-                    f"request {request_id}: engine reports {len(block_ids_by_group)} layer groups, "
-                    f"the registered layout has {g.num_groups}"
-                )
-            st.pending_loads = self._plan_loads(st, block_ids_by_group)
+                try:
+                    more = find_hit(g, self.params, st.d_blocks, st.prompt_len // tpb, h,
+                                    lambda asks: self._probe(st, asks))
+                except Exception as e:  # noqa: BLE001 - a failed re-check is a broken promise, not an error
+                    log.warning("s3kv: re-checking request %s after a smaller honour failed: %s", request_id, e)
+                    more = None
+                if more is not None:
+                    for key, spans in more.coverage.items():
+                        st.coverage.setdefault(key, {}).update(spans)
+                if more is None or more.h_blocks < h:
+                    self._broken(st, f"the engine honoured {(h - st.d_blocks) * tpb} of the "
+                                     f"{st.offered_blocks * tpb} tokens offered and the store holds no verified "
+                                     f"sliding-window tail ending at block {h}")
+                    return
+                self.stats.honoured_less_served += 1
+            try:
+                st.pending_loads = self._plan_loads(st, lists)
+            except PlanMismatch as e:
+                self._broken(st, str(e))
+
+    def break_promise(self, request_id: int, reason: str) -> None:
+        """The adapter's fallback when planning a load raised: the request takes the failure rung."""
+        with self._lock:
+            st = self._requests.get(request_id)
+            if st is not None and st.offered_blocks:
+                st.parked = st.load_async
+                self._broken(st, reason)
+
+    def fail_safe_meta(self) -> ConnectorMetadata:
+        """Metadata after ``build_connector_meta`` itself failed: every load it would have carried
+        is declared failed (the workers take the failure rung), nothing is saved this iteration."""
+        with self._lock:
+            self._iteration += 1
+            async_ids: set[int] = set()
+            for rid, st in self._requests.items():
+                if st.pending_loads or st.declare_async:
+                    if st.load_async:
+                        async_ids.add(rid)
+                    self._broken(st, "building the connector metadata failed")
+                    st.declare_async = False
+                st.pending_stages, st.pending_seals = [], []
+            broken = frozenset(self._failed_promises)
+            self._failed_promises.clear()
+            return ConnectorMetadata(
+                iteration=self._iteration, async_load_ids=frozenset(async_ids), failed_load_ids=broken
+            )
+
+    def _broken(self, st: _Request, reason: str) -> None:
+        """A promise the leader cannot keep: the workers take the failure rung for it."""
+        st.pending_loads = []
+        st.declare_async = st.declare_async or st.load_async
+        self._failed_promises.add(st.request_id)
+        self.stats.promises_broken += 1
+        log.error("s3kv: request %s: %s; the load cannot be served", st.request_id, reason,
+                  extra={"request_id": st.request_id})
 
     def _plan_loads(self, st: _Request, lists: Sequence[Sequence[int]]) -> list[LoadOp]:
         g = self._geometry
@@ -451,34 +545,42 @@ class LeaderCore:
         with self._lock:
             _ = self.geometry  # resolve a lazily supplied geometry (a report may precede any lookup)
             self._iteration += 1
+            reported: list[_Request] = []
             for rd in new_requests:
-                self._on_report(rd, first=True)
+                st = self._on_report(rd, first=True)
+                if st is not None:
+                    reported.append(st)
             for rd in cached_requests:
-                self._on_report(rd, first=False)
+                st = self._on_report(rd, first=False)
+                if st is not None:
+                    reported.append(st)
             loads: list[LoadOp] = []
             async_ids: set[int] = set()
             stages: list[StageOp] = []
             seals: list[SealOp] = []
             releases: list[BufferId] = []
-            finishing: set[int] = set()
-            done: list[int] = []
             for rid, st in self._requests.items():
-                if st.pending_loads:
+                if st.pending_loads or st.declare_async:
                     loads.extend(st.pending_loads)
                     if st.load_async:
                         async_ids.add(rid)
                     st.pending_loads = []
+                    st.declare_async = False
                 stages.extend(st.pending_stages)
                 seals.extend(st.pending_seals)
                 releases.extend(st.pending_releases)
                 st.pending_stages, st.pending_seals, st.pending_releases = [], [], []
-                if st.finishing:
-                    finishing.add(rid)
-                    done.append(rid)
-            for rid in done:
-                del self._requests[rid]
+            # Standing finish plans, for every request that computes in this pass (only they change).
+            plans: list[FinishPlan] = []
+            for st in reported:
+                plan = self._finish_plan(st)
+                if plan != st.finish_sent and not (plan.empty and st.finish_sent is None):
+                    plans.append(plan)
+                    st.finish_sent = plan
             discards = frozenset(self._discards)
             self._discards.clear()
+            broken = frozenset(self._failed_promises)
+            self._failed_promises.clear()
             self.stats.planned_pages_saved += len(stages)
             self.stats.planned_objects += len(seals)
             return ConnectorMetadata(
@@ -487,27 +589,29 @@ class LeaderCore:
                 async_load_ids=frozenset(async_ids),
                 stages=tuple(stages),
                 seals=tuple(seals),
-                finishing_ids=frozenset(finishing),
+                finish_plans=tuple(plans),
                 discard_ids=discards,
                 releases=tuple(releases),
+                failed_load_ids=broken,
             )
 
-    def _on_report(self, rd: Any, *, first: bool) -> None:
+    def _on_report(self, rd: Any, *, first: bool) -> _Request | None:
+        """Fold one RequestData into the request's state and plan this pass's saves; the state, or None."""
         rid = rd.request_id
         st = self._requests.get(rid)
         g = self._geometry
         if st is None:
-            if not first or g is None:
-                return
-            # Reported without a lookup (e.g. the engine skipped the connector):
-            # we can still save it, but never load.
-            st = self._new_unlooked(rd)
-            if st is None:
-                return
+            if first and g is not None:
+                # Reported without a lookup: we never learnt its LoRA id or multimodal hashes
+                # (RequestData carries only the salt), so its KV has no key that names it fully.
+                # Saving it under the salt alone would serve a LoRA's KV to base-model requests.
+                self.stats.unkeyed_not_saved += 1
+                log.info("s3kv: request %s reported without a lookup; not saved", rid, extra={"request_id": rid})
+            return None
         if st.root is None or g is None:
-            return
+            return None
         tpb = g.tokens_per_block
-        by_group = list(getattr(rd, "new_block_ids_by_layer_group", None) or [])
+        by_group = _group_lists(getattr(rd, "new_block_ids_by_layer_group", None), g.num_groups)
         if not by_group and g.num_groups == 1:
             by_group = [list(rd.new_block_ids)]
         if first:
@@ -516,8 +620,9 @@ class LeaderCore:
             st.slots = [list(x) for x in by_group] if by_group else [[] for _ in g.groups]
             loaded_end = max(st.h_blocks, rd.computed_position // tpb)
             st.save_from = (loaded_end // self.bpo) * self.bpo
-            st.completed = st.save_from
+            st.completed = max(st.completed, st.save_from)
             st.reported = True
+            st.parked = False
         else:
             st.tokens.extend(rd.new_tokens)
             for gi, delta in enumerate(by_group):
@@ -536,17 +641,6 @@ class LeaderCore:
         self._plan_saves(st, upto // tpb)
         self._stage_evicted(st, upto)
         st.kv_tokens = max(st.kv_tokens, upto)
-
-    def _new_unlooked(self, rd: Any) -> _Request | None:
-        assert self._geometry is not None
-        try:
-            root = chain_root(self.namespace, cache_salt=getattr(rd, "cache_salt", None))
-        except NotCacheable:
-            return None
-        tokens = list(rd.new_tokens)
-        st = _Request(rd.request_id, root, Chain(root, self._geometry.tokens_per_block), tokens, len(tokens))
-        st.d_blocks = st.h_blocks = rd.computed_position // self._geometry.tokens_per_block
-        self._requests[rd.request_id] = st
         return st
 
     # ------------------------------------------------------------------ saves
@@ -655,71 +749,123 @@ class LeaderCore:
 
     # ------------------------------------------------------------------ finish
     def request_finished(self, request_id: int, block_ids_by_group: Sequence[Sequence[int]]) -> bool:
-        """Plan the final seals (and the sliding tails still on the device).
+        """The request ended (finished or cancelled): forget it; True while workers still hold work for it.
 
-        Returns True while the engine must keep the request: its live sliding
-        pages are about to be staged, or final seals still have to be handed
-        to the workers in the next iteration's metadata.
+        Nothing is planned here: the workers already hold the request's standing
+        finish plan (see :class:`plan.FinishPlan`) and run it when the id reaches
+        ``get_finished`` in this same iteration. True keeps the pages until
+        every rank returned the id: needed when the plan copies pages, when the
+        request has staging buffers, and when an async load may still be
+        landing in its pages (a request cancelled while parked).
         """
         with self._lock:
-            st = self._requests.get(request_id)
-            g = self._geometry
-            if st is None or g is None or st.root is None or st.chain is None:
-                self._requests.pop(request_id, None)
+            st = self._requests.pop(request_id, None)
+            if st is None or st.root is None:
                 return False
-            e = st.completed
-            prompt_blocks = st.prompt_len // g.tokens_per_block
-            for grp in g.groups:
-                gid = grp.group_id
-                if self.policy.stores_everything(gid) or not self.settings.save_decode or e <= prompt_blocks:
-                    self._close(st, gid)
-                    ev = st.evicted.pop(gid, None)
-                    if ev is not None:
-                        st.pending_releases.append(ev.bid)
-                    continue
-                # Sliding group, history beyond the prompt: stage the live tail
-                # that a continuation of this conversation would need.
-                lo, hi = self.policy.tail(gid, e)
-                start = max(lo, st.save_from)
-                buf = st.open.get(gid)
-                if buf is not None and buf.bid.first + buf.count == hi:
-                    # An open checkpoint tail already ends at the history end: it is the
-                    # finish tail if it reaches back far enough, else the finish tail
-                    # replaces it (one object per end block and request).
-                    if buf.bid.first <= start:
-                        self._seal(st, gid, close=True)
-                        ev = st.evicted.pop(gid, None)
-                        if ev is not None:
-                            st.pending_releases.append(ev.bid)
-                        continue
-                    st.pending_releases.append(buf.bid)
-                    del st.open[gid]
-                self._close(st, gid)
-                live = block_ids_by_group[gid] if gid < len(block_ids_by_group) else []
-                first_live = next((o for o in range(start, hi) if o < len(live) and live[o] >= 0), hi)
-                ev = st.evicted.pop(gid, None)
+            sent = st.finish_sent
+            if sent is not None and sent.stages:
+                self._check_live(st, sent, block_ids_by_group)
+            return bool(st.open or st.evicted or (sent is not None and not sent.empty) or st.parked)
+
+    def _check_live(self, st: _Request, plan: FinishPlan, lists: Sequence[Sequence[int]]) -> None:
+        """The finish plan copies pages it expects the engine to still hold; say so loudly if not.
+
+        The plan was made from the page rule (sliding pages below ``(h+1-W)//tpb`` are
+        freed); an engine that frees earlier would make it copy a page that is no
+        longer the request's. Nothing can be done about it now (no metadata reaches
+        the workers before get_finished), so count it, log it, and forget the keys
+        locally so this engine never serves them.
+        """
+        bad = [
+            op for op in plan.stages
+            if op.buffer.group >= len(lists) or op.ordinal >= len(lists[op.buffer.group])
+            or lists[op.buffer.group][op.ordinal] != op.slot
+        ]
+        if not bad:
+            return
+        self.stats.finish_plan_mismatches += 1
+        log.error(
+            "s3kv: request %s finished without page(s) its finish plan copies (group %d ordinal %d); "
+            "the engine's sliding-window page rule differs from the one s3kv assumes -- please report",
+            st.request_id, bad[0].buffer.group, bad[0].ordinal, extra={"request_id": st.request_id},
+        )
+        if st.chain is not None and self._geometry is not None:
+            keys = [
+                self.scheme.object_key(self._geometry.groups[seal.buffer.group].fingerprint, s, seal.last_digest)
+                for seal in plan.seals for s in range(self._geometry.tp_size)
+            ]
+            self.index.quarantine(keys, self.settings.index_ttl_s)
+
+    def _finish_plan(self, st: _Request) -> FinishPlan:
+        """What the workers must do if ``st`` finishes right after this iteration's pass.
+
+        A dry run on a copy of the request's buffers: close every open object and,
+        for each sliding group whose history ran past the prompt, stage the live
+        tail a continuation of the conversation needs -- the evicted copy of the
+        block that left the window last, then the pages still live after this pass.
+        """
+        g = self._geometry
+        assert g is not None
+        sim = _Request(
+            st.request_id, st.root, st.chain, st.tokens, st.prompt_len,
+            save_from=st.save_from, completed=st.completed, kv_tokens=st.kv_tokens, slots=st.slots,
+            open={k: dataclasses.replace(v) for k, v in st.open.items()},
+            evicted={k: dataclasses.replace(v) for k, v in st.evicted.items()},
+        )
+        e = sim.completed
+        tpb = g.tokens_per_block
+        prompt_blocks = sim.prompt_len // tpb
+        for grp in g.groups:
+            gid = grp.group_id
+            if self.policy.stores_everything(gid) or not self.settings.save_decode or e <= prompt_blocks:
+                self._close(sim, gid)
+                ev = sim.evicted.pop(gid, None)
                 if ev is not None:
-                    if start <= ev.bid.first and ev.bid.first + ev.count == first_live:
-                        st.open[gid] = ev  # the evicted copy continues into the live pages
-                        start = first_live
-                    else:
-                        st.pending_releases.append(ev.bid)
-                for o in range(start, hi):
-                    slot = live[o] if o < len(live) else -1
-                    if slot < 0:
-                        self._close(st, gid)
-                        continue
-                    self._stage(st, gid, o, slot, hi - o)
-                    buf = st.open[gid]
-                    if o + 1 == buf.bid.first + buf.bid.capacity or o + 1 == hi:
-                        self._seal(st, gid, close=True)
-                self._close(st, gid)
-            busy = bool(st.pending_stages or st.pending_seals or st.pending_releases)
-            if busy:
-                st.finishing = True
-            else:
-                del self._requests[request_id]
-            return busy
+                    sim.pending_releases.append(ev.bid)
+                continue
+            # Sliding group, history beyond the prompt: the live tail a continuation would need.
+            lo, hi = self.policy.tail(gid, e)
+            start = max(lo, sim.save_from)
+            buf = sim.open.get(gid)
+            if buf is not None and buf.bid.first + buf.count == hi:
+                # An open checkpoint tail already ends at the history end: it is the finish
+                # tail if it reaches back far enough, else the finish tail replaces it (one
+                # object per end block and request).
+                if buf.bid.first <= start:
+                    self._seal(sim, gid, close=True)
+                    ev = sim.evicted.pop(gid, None)
+                    if ev is not None:
+                        sim.pending_releases.append(ev.bid)
+                    continue
+                sim.pending_releases.append(buf.bid)
+                del sim.open[gid]
+            self._close(sim, gid)
+            assert grp.window is not None
+            # Pages the engine still holds after this pass: the page rule's cut at the history.
+            # (An engine that retains more keeps them for nothing: the plan cannot know.)
+            cut = max(0, (sim.kv_tokens + 1 - grp.window) // tpb)
+            live = sim.slots[gid] if gid < len(sim.slots) else []
+            first_live = next((o for o in range(max(start, cut), hi) if o < len(live) and live[o] >= 0), hi)
+            ev = sim.evicted.pop(gid, None)
+            if ev is not None:
+                if start <= ev.bid.first and ev.bid.first + ev.count == first_live:
+                    sim.open[gid] = ev  # the evicted copy continues into the live pages
+                    start = first_live
+                else:
+                    sim.pending_releases.append(ev.bid)
+            for o in range(start, hi):
+                slot = live[o] if o >= cut and o < len(live) else -1
+                if slot < 0:
+                    self._close(sim, gid)
+                    continue
+                self._stage(sim, gid, o, slot, hi - o)
+                buf = sim.open[gid]
+                if o + 1 == buf.bid.first + buf.bid.capacity or o + 1 == hi:
+                    self._seal(sim, gid, close=True)
+            self._close(sim, gid)
+        return FinishPlan(
+            st.request_id, tuple(sim.pending_stages), tuple(sim.pending_seals), tuple(sim.pending_releases)
+        )
 
     # ------------------------------------------------------------------ introspection
     def active_requests(self) -> int:

@@ -15,8 +15,14 @@ Save path, in three op kinds, so the leader alone decides object composition:
   (write-once). ``close`` frees the buffer; a seal with ``close=False`` uploads a
   snapshot (e.g. at the prompt's end) while later blocks still fill the buffer.
 * ``releases`` — free a buffer whose last seal already went out.
-* ``finishing_ids`` — requests the engine holds for us (``request_finished``
-  returned True); report each from ``get_finished`` once its stage copies are done.
+* ``FinishPlan`` — per request, what to save if it finishes right after this
+  iteration's pass: the same three op kinds, carried as a *standing* plan. Why:
+  TensorRT-LLM calls ``request_finished`` and then ``get_finished`` in the same
+  iteration, with no metadata in between, frees the pages as soon as every
+  rank returns the id, and an idle engine builds no metadata at all. So each
+  worker must already hold what a finishing request still needs saving (its
+  sliding-window tail, its open objects) when the id reaches ``get_finished``;
+  the leader sends a request's plan again only when it changes.
 
 Load path: ``LoadOp`` reads the pages ``ordinals`` of one object into ``slots``.
 """
@@ -70,6 +76,25 @@ class LoadOp:
 
 
 @dataclass(frozen=True)
+class FinishPlan:
+    """What a worker does for ``request_id`` when it arrives in ``finished_gen_req_ids``.
+
+    ``stages`` copy pages still on the device (the live sliding tail), ``seals``
+    upload, ``releases`` free. Buffers of the request the plan does not seal are
+    dropped at that point. An empty plan: nothing left to save.
+    """
+
+    request_id: int
+    stages: tuple[StageOp, ...] = ()
+    seals: tuple[SealOp, ...] = ()
+    releases: tuple[BufferId, ...] = ()
+
+    @property
+    def empty(self) -> bool:
+        return not (self.stages or self.seals or self.releases)
+
+
+@dataclass(frozen=True)
 class ConnectorMetadata:
     iteration: int = 0
     loads: tuple[LoadOp, ...] = ()
@@ -77,13 +102,18 @@ class ConnectorMetadata:
     async_load_ids: frozenset[int] = frozenset()
     stages: tuple[StageOp, ...] = ()
     seals: tuple[SealOp, ...] = ()
-    #: Requests held by request_finished -> True, to report once their stages are copied.
-    finishing_ids: frozenset[int] = frozenset()
+    #: Standing finish plans that changed this iteration (replace the request's previous plan).
+    finish_plans: tuple[FinishPlan, ...] = ()
     #: Buffers to free without (another) upload: their last seal already went out.
     releases: tuple[BufferId, ...] = ()
     #: Requests whose open buffers are dropped without upload (replayed or aborted).
     discard_ids: frozenset[int] = frozenset()
+    #: Requests promised a load the leader could not plan (e.g. honoured at a point no stored
+    #: sliding tail ends at): the workers take the failure rung for them at once.
+    failed_load_ids: frozenset[int] = frozenset()
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.stages or self.seals or self.finishing_ids or self.discard_ids or self.releases)
+        return not (
+            self.loads or self.stages or self.seals or self.finish_plans or self.discard_ids or self.releases
+        )

@@ -179,6 +179,26 @@ class TensorKvCacheLayout:
         return None
 
 
+#: Engine features a connector can use only where the installed TensorRT-LLM has them.
+FAILED_LOAD_HOOK = "failed_load_hook"
+
+
+def engine_features(
+    worker_base: type | None = None, scheduler_base: type | None = None
+) -> frozenset[str]:
+    """What the installed engine offers beyond the merged connector API, by feature detection.
+
+    ``failed_load_hook``: the worker base class declares ``take_failed_load_request_ids``
+    (a branch API: the executor polls it and recomputes the requests named, through
+    ``recompute_failed_load``). The merged line has none of these; see docs/failures.md.
+    """
+    worker_base = KvCacheConnectorWorker if worker_base is None else worker_base
+    out = set()
+    if callable(getattr(worker_base, "take_failed_load_request_ids", None)):
+        out.add(FAILED_LOAD_HOOK)
+    return frozenset(out)
+
+
 if not HAVE_TRTLLM_LAYOUT:
     KvCacheRegion = TensorKvCacheRegion  # type: ignore[misc,assignment]
     KvCacheLayerGroupLayout = TensorKvCacheLayerGroupLayout  # type: ignore[misc,assignment]
@@ -186,7 +206,9 @@ if not HAVE_TRTLLM_LAYOUT:
 
 
 __all__ = [
+    "FAILED_LOAD_HOOK",
     "HAVE_TRTLLM",
+    "engine_features",
     "HAVE_TRTLLM_LAYOUT",
     "KvCacheBufferRef",
     "KvCacheConnectorScheduler",

@@ -23,7 +23,7 @@ Saves (best effort, never an engine error, never a stall):
   bytes it hashed). ``discard_ids`` drop a request's open buffers first (a
   replay may reuse the same ``BufferId``s in the same plan).
 
-Loads (promised: verified bytes or a named ``LoadFailed``, never a hang):
+Loads (promised: verified bytes, or the least harmful outcome the engine allows):
   ``start_load_kv`` groups the plan's ``LoadOp``s by object and reads each on a
   download thread (header + wanted pages, verified in staging before any
   host->device copy). Sync requests are waited for inside ``start_load_kv``
@@ -31,8 +31,20 @@ Loads (promised: verified bytes or a named ``LoadFailed``, never a hang):
   first layers and the forward stream waits for a group's copies in
   ``wait_for_layer_load`` of that group's layers. Async requests
   (``metadata.async_load_ids``) are reported from ``get_finished`` once their
-  pages are on the device; a failed one raises ``LoadFailed`` from
-  ``get_finished`` and is never reported finished.
+  pages are on the device. Nothing here ever raises into the engine. A load
+  that fails after the store's retries is quarantined (the index remembers the
+  object as missing, so later lookups miss) and then: rung 1, on engines with a
+  failed-load hook, the id goes to ``take_failed_load_request_ids`` and the
+  engine recomputes it; rung 3, otherwise, the request stays parked and its
+  objects are re-read with backoff until the load succeeds or the request is
+  cancelled (it arrives in ``finished_gen_req_ids``). Sync loads are planned
+  only on engines with the hook. See docs/failures.md.
+
+Finishing requests: ``metadata.finish_plans`` keep, per request, what to save
+if it finishes after the current pass. When its id reaches ``get_finished``
+(same iteration as ``request_finished``, possibly on an engine about to go
+idle) the plan's pages are copied off the device, its objects sealed and
+uploaded in the background, and the id is returned once those copies completed.
 
 ``get_finished`` hand-over state machine (per id, per hand-over): an id is
 returned only after it was passed in, exactly once; a saving id as soon as every
@@ -42,6 +54,7 @@ pending; at once on CPU), a loading id once all its pages are in place.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -57,11 +70,11 @@ from .index import KeyIndex
 from .keys import KeyScheme, namespace_digest
 from .layout import CacheGeometry
 from .objects import ObjectIdentity
-from .plan import BufferId, ConnectorMetadata, LoadOp, SealOp, StageOp
+from .plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, SealOp, StageOp
 from .store.base import ObjectStore
 from .transfer.copies import Copier, PageCopy
 from .transfer.counters import Counters, MetricsHook
-from .transfer.download import DONE, Downloader, LoadJob, LoadPlanError, build_jobs
+from .transfer.download import DONE, PENDING, Downloader, LoadJob, LoadPlanError, build_jobs
 from .transfer.staging import SAVE, StagingBuffer, StagingPool
 from .transfer.upload import Uploader, UploadJob
 
@@ -126,6 +139,15 @@ class _AsyncLoad:
     jobs: list[LoadJob] = field(default_factory=list)
     #: (key, reason) of a plan error found before any job ran.
     error: tuple[str | None, str] | None = None
+    #: Rung 3 (parked, retrying): attempts so far, when to retry next, the jobs to re-read.
+    attempts: int = 0
+    retry_at: float | None = None
+    failed_jobs: list[LoadJob] = field(default_factory=list)
+
+
+def _is_corrupt(reason: str) -> bool:
+    """The object itself is bad (checksum, header, span), as opposed to missing or unreachable."""
+    return reason.split(":", 1)[0] in ("ObjectFormatError", "IntegrityError", "LoadPlanError")
 
 
 def _describe(e: BaseException | None) -> str:
@@ -153,9 +175,12 @@ class WorkerCore:
         prefix: str | None = None,
         load_reserve_fraction: float = 0.25,
         upload_queue_size: int = 1024,
+        failed_load_hook: bool = False,
     ):
         """``rank`` is the tensor-parallel rank (``tp_rank`` is accepted as an alias, as is
-        ``prefix`` for ``key_prefix``); ``metrics(name, delta)`` is called on every counter change."""
+        ``prefix`` for ``key_prefix``); ``metrics(name, delta)`` is called on every counter change.
+        ``failed_load_hook``: the engine polls ``take_failed_load_request_ids`` and recomputes
+        the requests it names (rung 1); without it a failed parked load stays parked and retries."""
         if tp_rank is not None:
             rank = tp_rank
         if prefix is not None:
@@ -207,7 +232,14 @@ class WorkerCore:
         self._jobs: list[LoadJob] = []  # every job whose staging may still be held
         self._group_events: dict[int, list[Any]] = {}  # sync copies the forward has not waited on
         self._async: dict[int, _AsyncLoad] = {}
-        self._failed_async: set[int] = set()  # failed before being handed over
+        # Failure rungs.
+        self.failed_load_hook = failed_load_hook
+        self._failed_report: set[int] = set()  # for take_failed_load_request_ids
+        self._retry_base_s = 0.5
+        self._retry_max_s = 30.0
+        # Standing finish plans (request id -> plan), run when the id reaches get_finished.
+        self._finish_plans: dict[int, FinishPlan] = {}
+        self._last_stream: Any = None  # the forward stream of the latest wait_for_save
         self._closed = False
 
     # -- set-up -----------------------------------------------------------
@@ -306,9 +338,22 @@ class WorkerCore:
             self._loads_started = False
             self._saves_done = False
             self._failed_now = set()
+            if metadata is None:
+                return
+            for rid in metadata.discard_ids:
+                self._finish_plans.pop(rid, None)
+            for plan in metadata.finish_plans:
+                if plan.empty:
+                    self._finish_plans.pop(plan.request_id, None)
+                else:
+                    self._finish_plans[plan.request_id] = plan
 
     def start_load_kv(self, stream: Any = None) -> None:
-        """Start every load of the bound plan; sync ones are downloaded and verified before return."""
+        """Start every load of the bound plan; sync ones are downloaded and verified before return.
+
+        Never raises: a load that cannot be completed with verified bytes takes the
+        failure rung this engine allows (see :meth:`_load_failed_now`).
+        """
         with self._lock:
             md = self._metadata
             if md is None or self._loads_started:
@@ -321,7 +366,11 @@ class WorkerCore:
                 if st is None:
                     st = self._async[rid] = _AsyncLoad(since=now)
                 st.declared = True
-            if not md.loads:
+            broken: dict[int, tuple[str | None, str]] = {
+                rid: (None, "s3kv could not plan the promised load (see the leader's log)")
+                for rid in md.failed_load_ids
+            }
+            if not md.loads and not broken:
                 return
             self._require_layout()
             assert self._copier is not None and self._downloader is not None
@@ -333,10 +382,12 @@ class WorkerCore:
                 resolve=self._resolve,
                 deadline=now + self._load_timeout,
             )
-            sync_errors: dict[int, tuple[str | None, str]] = {}
             for rid, err in errors.items():
                 log.error("s3kv: request %d: load plan does not fit: %s (object %s)", rid, err[1], err[0],
                           extra={"request_id": rid})
+                broken.setdefault(rid, err)
+            sync_errors: dict[int, tuple[str | None, str]] = {}
+            for rid, err in broken.items():
                 if rid in md.async_load_ids:
                     self._async[rid].error = err
                 else:
@@ -359,14 +410,80 @@ class WorkerCore:
                 else:
                     for rid in job.request_ids:
                         failed.setdefault(rid, (job.key, _describe(job.error)))
-        if failed:
-            with self._lock:
-                self._quiesce(set(failed))
-                # The engine may still run this iteration's forward for the other
-                # requests; the failed ones' pages hold no verified KV, so nothing of
-                # theirs may be saved from them (it would poison the shared cache).
-                self._failed_now |= set(failed)
-            raise self._load_failed(failed)
+            if failed:
+                self._load_failed_now(failed)
+
+    def _load_failed_now(self, failed: dict[int, tuple[str | None, str]]) -> None:
+        """Sync loads that failed: no copy may still land, nothing of theirs is saved, and the
+        engine's failed-load hook (the only safe outcome for a sync load) is told."""
+        self._quiesce(set(failed))
+        # The engine may still run this iteration's forward for the other requests; the
+        # failed ones' pages hold no verified KV, so nothing of theirs may be saved from
+        # them (it would poison the shared cache).
+        self._failed_now |= set(failed)
+        self._note_failed(failed)
+        if self.failed_load_hook:
+            self._failed_report |= set(failed)
+            self._counters.add("rung_engine_recompute", len(failed))
+        else:
+            # The leader plans sync loads only on engines with the hook; reaching this is a bug.
+            self._counters.add("rung_none", len(failed))
+            log.critical("s3kv: sync load failed on an engine without a failed-load hook: %s", failed)
+
+    def fail_bound_loads(self, reason: str) -> None:
+        """The adapter's fallback when ``start_load_kv`` raised: every load of the bound plan
+        takes the failure rung (its state is unknown, so none of it may be trusted)."""
+        with self._lock:
+            md = self._metadata
+            if md is None:
+                return
+            now = time.monotonic()
+            rids = {op.request_id for op in md.loads} | set(md.failed_load_ids) | set(md.async_load_ids)
+            sync: dict[int, tuple[str | None, str]] = {}
+            for rid in rids:
+                if rid in md.async_load_ids:
+                    st = self._async.setdefault(rid, _AsyncLoad(since=now))
+                    st.declared = True
+                    st.error = (None, reason)
+                else:
+                    sync[rid] = (None, reason)
+            if sync:
+                self._load_failed_now(sync)
+
+    def install_exit_drain(self, timeout_s: float) -> None:
+        """Drain queued uploads (at most ``timeout_s``) when the process exits normally.
+
+        TensorRT-LLM calls no connector ``shutdown()``; without this, saves still in the
+        upload queue at exit would be lost silently. What could not finish is counted and logged.
+        """
+        import atexit
+        import weakref
+
+        ref = weakref.ref(self)
+
+        def drain() -> None:
+            core = ref()
+            if core is None or core._closed:
+                return
+            pending = core._uploader.pending
+            if not pending:
+                return
+            t0 = time.monotonic()
+            drained = core.flush(timeout_s)
+            left = core._uploader.pending
+            if drained:
+                log.info("s3kv: drained %d upload(s) at exit in %.1f s", pending, time.monotonic() - t0)
+            else:
+                core._counters.add("uploads_dropped_at_exit", left)
+                log.warning("s3kv: %d upload(s) still queued after %.1f s at exit; dropped", left, timeout_s)
+
+        atexit.register(drain)
+
+    def take_failed_load_request_ids(self) -> set[int]:
+        """Rung 1 (engines that offer it): requests whose promised load failed, to be recomputed."""
+        with self._lock:
+            out, self._failed_report = self._failed_report, set()
+            return out
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any = None) -> None:
         """Make the forward stream wait for the copies into the layer's group (no host wait)."""
@@ -383,6 +500,7 @@ class WorkerCore:
     def wait_for_save(self, stream: Any = None) -> None:
         """Copy the iteration's staged pages to host (stream-ordered) and hand seals to the uploader."""
         with self._lock:
+            self._last_stream = stream
             # Copies into groups whose layer hook never ran: order them before later work anyway.
             if self._group_events and self._copier is not None:
                 for events in self._group_events.values():
@@ -419,36 +537,27 @@ class WorkerCore:
     def get_finished(
         self, finished_gen_req_ids: Iterable[int], started_loading_req_ids: Iterable[int]
     ) -> tuple[list[int], list[int]]:
-        """(finished saving, finished loading) ids; see the module doc for the rules.
+        """(finished saving, finished loading) ids; see the module doc for the rules. Never raises.
 
-        Raises ``LoadFailed`` for async loads that failed (those ids are never
-        reported finished; everything else is reported by a later call).
+        A finishing id runs its standing finish plan here (pages copied off the
+        device, objects sealed) and is returned once those copies completed. A
+        parked request whose load failed takes the engine's failed-load hook
+        (rung 1) or stays parked while the load is retried (rung 3).
         """
         with self._lock:
             self._reap()
             now = time.monotonic()
             for rid in finished_gen_req_ids:
-                self._save_handed.setdefault(int(rid), None)
+                rid = int(rid)
+                self._finish_request(rid)
+                self._save_handed.setdefault(rid, None)
             for rid in started_loading_req_ids:
                 rid = int(rid)
-                if rid in self._failed_async:  # already raised for; never report it
-                    self._failed_async.discard(rid)
-                    continue
                 st = self._async.get(rid)
                 if st is None:
                     st = self._async[rid] = _AsyncLoad(since=now)
                 st.handed = True
-
-            failed = self._async_failures(now)
-            if failed:
-                for rid in failed:
-                    st = self._async.pop(rid)
-                    if not st.handed:
-                        self._failed_async.add(rid)
-                while len(self._failed_async) > 10_000:  # ids never handed over: keep a bounded memory
-                    self._failed_async.pop()
-                self._quiesce(set(failed))
-                raise self._load_failed(failed)
+            self._settle_async_failures(now)
 
             saving: list[int] = []
             for rid in list(self._save_handed):
@@ -461,11 +570,130 @@ class WorkerCore:
                 if (
                     st.handed
                     and st.declared
+                    and st.error is None
                     and all(j.state == DONE and Copier.done(j.event) for j in st.jobs)
                 ):
                     loading.append(rid)
+                    if st.attempts:
+                        self._counters.add("parked_loads_recovered")
+                        log.warning("s3kv: request %d: load succeeded after %d retries", rid, st.attempts,
+                                    extra={"request_id": rid})
                     del self._async[rid]
             return saving, loading
+
+    def _finish_request(self, rid: int) -> None:
+        """The request ended: stop its load if still parked, run its finish plan, drop the rest."""
+        st = self._async.pop(rid, None)
+        if st is not None:
+            # Cancelled while parked: make sure no load copy can still land in its pages
+            # (the engine frees them once every rank returns the id).
+            self._quiesce({rid})
+            self._counters.add("loads_cancelled")
+            if st.attempts:
+                self._counters.add("parked_loads_cancelled")
+        plan = self._finish_plans.pop(rid, None)
+        if plan is not None and self._geometry is not None and rid not in self._failed_now:
+            try:
+                self._stage(plan.stages, self._last_stream)
+                for seal in plan.seals:
+                    self._seal(seal)
+                for bid in plan.releases:
+                    self._close_buffer(bid)
+                    self._dropped.discard(bid)
+            except Exception:  # noqa: BLE001 - saves are best effort; never fail the engine
+                log.exception("s3kv: finish plan of request %d failed; its last saves are dropped", rid)
+                self._counters.add("saves_dropped_other")
+        self._discard(rid)
+
+    def _settle_async_failures(self, now: float) -> None:
+        """Parked loads that failed: rung 1 (engine hook) or rung 3 (stay parked, retry with backoff)."""
+        for rid, st in list(self._async.items()):
+            if st.retry_at is not None:
+                if now >= st.retry_at and st.handed:
+                    self._retry(rid, st, now)
+                continue
+            failed = self._async_failure(st, now)
+            if failed is None:
+                continue
+            key, reason = failed
+            self._quiesce({rid})
+            self._note_failed({rid: failed})
+            if self.failed_load_hook:
+                del self._async[rid]
+                self._failed_report.add(rid)
+                self._counters.add("rung_engine_recompute")
+                continue
+            # Rung 3: the merged engine has no way to fail a load, and returning the id would
+            # serve unverified KV. The request stays parked (visibly) while the load is retried.
+            delay = min(self._retry_max_s, self._retry_base_s * (2 ** min(st.attempts, 16)))
+            st.retry_at = now + delay
+            st.failed_jobs = [j for j in st.jobs if j.state != DONE]
+            st.jobs = [j for j in st.jobs if j.state == DONE]
+            if st.attempts == 0:
+                self._counters.add("rung_parked_retry")
+            st.attempts += 1
+            log.warning(
+                "s3kv: request %d stays parked: its load failed (%s); retry %d in %.1f s",
+                rid, reason if not key or key in reason else f"{reason} (object {key!r})", st.attempts, delay,
+                extra={"request_id": rid, "key": key},
+            )
+
+    def _async_failure(self, st: _AsyncLoad, now: float) -> tuple[str | None, str] | None:
+        if st.error is not None:
+            return st.error
+        for job in st.jobs:
+            if not job.finished and now > job.deadline:
+                self._cancel(job)
+            if job.finished and job.state != DONE:
+                return job.key, _describe(job.error)
+        if st.handed and not st.declared and now - st.since > self._load_timeout:
+            return None, "handed over as loading but no load was ever planned for it"
+        return None
+
+    def _retry(self, rid: int, st: _AsyncLoad, now: float) -> None:
+        """Resubmit the failed objects of a parked request (fresh jobs, fresh deadline)."""
+        st.retry_at = None
+        if st.error is not None or not st.failed_jobs:
+            # Nothing to re-read (the plan itself could not be made): it stays parked until the
+            # request is cancelled; say so now and then.
+            st.retry_at = now + self._retry_max_s
+            return
+        assert self._downloader is not None
+        for old in st.failed_jobs:
+            targets = [(o, s) for o, s in old.targets if old.owners.get(s) == rid]
+            if not targets:
+                continue
+            job = dataclasses.replace(
+                old, targets=targets, request_ids={rid}, owners={s: rid for _, s in targets},
+                state=PENDING, error=None, event=None, buffer=None, future=None, lock=threading.Lock(),
+                deadline=now + self._load_timeout,
+            )
+            self._jobs.append(job)
+            self._downloader.submit(job)
+            st.jobs.append(job)
+        st.failed_jobs = []
+        self._counters.add("load_retries")
+
+    def _note_failed(self, failed: dict[int, tuple[str | None, str]]) -> None:
+        """Count and log failed loads; quarantine the objects that failed so later lookups miss."""
+        self._counters.add("requests_failed", len(failed))
+        keys = sorted({k for k, _ in failed.values() if k})
+        if self.index is not None and keys:
+            # A stale positive (object deleted or corrupt) would keep promising the same broken
+            # load to every request on this prefix: remember it as missing for a while instead.
+            self.index.quarantine(keys, self.settings.quarantine_s)
+        corrupt = sorted({k for k, r in failed.values() if k and _is_corrupt(r)})
+        if corrupt:
+            self._counters.add("objects_quarantined", len(corrupt))
+            if self.settings.delete_corrupt:
+                for k in corrupt:
+                    try:
+                        self.store.delete_many([k])
+                    except Exception as e:  # noqa: BLE001 - best effort; engines may lack DeleteObject
+                        log.warning("s3kv: could not delete corrupt object %s: %s", k, e)
+        reasons = sorted({f"{r} (object {k!r})" if k and k not in r else r for k, r in failed.values()})
+        log.error("s3kv: promised load failed: %s", "; ".join(reasons),
+                  extra={"request_ids": sorted(failed), "keys": keys})
 
     # -- lifecycle --------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:
@@ -707,35 +935,6 @@ class WorkerCore:
             self._counters.add("loads_failed_objects")
             self._counters.add("loads_timed_out")
         return stopped
-
-    def _async_failures(self, now: float) -> dict[int, tuple[str | None, str]]:
-        failed: dict[int, tuple[str | None, str]] = {}
-        for rid, st in self._async.items():
-            if st.error is not None:
-                failed[rid] = st.error
-                continue
-            for job in st.jobs:
-                if not job.finished and now > job.deadline:
-                    self._cancel(job)
-                if job.finished and job.state != DONE:
-                    failed[rid] = (job.key, _describe(job.error))
-                    break
-            else:
-                if st.handed and not st.declared and now - st.since > self._load_timeout:
-                    failed[rid] = (None, "handed over as loading but no load was ever planned for it")
-        return failed
-
-    def _load_failed(self, failed: dict[int, tuple[str | None, str]]) -> LoadFailed:
-        self._counters.add("requests_failed", len(failed))
-        keys = sorted({k for k, _ in failed.values() if k})
-        if self.index is not None and keys:
-            # A stale positive (object deleted or corrupt) would keep promising the
-            # same broken load to every request on this prefix until it expired.
-            self.index.forget(keys)
-        reasons = sorted({f"{r} (object {k!r})" if k and k not in r else r for k, r in failed.values()})
-        log.error("s3kv: promised load failed: %s", "; ".join(reasons),
-                  extra={"request_ids": sorted(failed), "keys": keys})
-        return LoadFailed("; ".join(reasons), request_ids=failed.keys(), key=keys[0] if keys else None)
 
     def _reap(self) -> None:
         """Free the staging of placed loads whose copies completed; forget completed copy events."""

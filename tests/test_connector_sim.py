@@ -35,8 +35,12 @@ from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 _keys = itertools.count()
 
 
-def make_engine(store, model, *, tp=1, chunk=None, tpb=16, max_seq_len=2048, flat=False, engine=None, **settings):
+def make_engine(store, model, *, tp=1, chunk=None, tpb=16, max_seq_len=2048, flat=False, engine=None,
+                failed_load_hook=None, **settings):
+    """Sync loads need an engine with a failed-load hook (else s3kv loads async): give it one."""
     s = Settings(url="memory://unused", staging_mib=64, check_access=False, **settings)
+    if failed_load_hook is None:
+        failed_load_hook = s.load_mode == "sync"
     kwargs = dict(settings=s, store=store, engine_key=engine or f"test-{next(_keys)}")
     return SimEngine(
         model,
@@ -46,6 +50,7 @@ def make_engine(store, model, *, tp=1, chunk=None, tpb=16, max_seq_len=2048, fla
         tp_size=tp,
         chunk_size=chunk,
         flat=flat,
+        failed_load_hook=failed_load_hook,
         connector_kwargs=kwargs,
     )
 

@@ -43,8 +43,10 @@ def make_core(g: CacheGeometry | None = None, store=None, **settings) -> LeaderC
     base = {"blocks_per_object": BPO, "checkpoint_tokens": 8 * BPO * TPB, "storage_policy": "all"}
     base.update(settings)
     s = Settings(url="memory://t", **base)
+    # Sync loads exist only on engines with a failed-load hook (else the leader loads async).
     return LeaderCore(s, store if store is not None else MemoryStore(), "pfx", tp_size=g.tp_size,
-                      model_id=g.model_id, kv_dtype=g.kv_dtype, geometry=g)
+                      model_id=g.model_id, kv_dtype=g.kv_dtype, geometry=g,
+                      failed_load_hook=s.load_mode == "sync")
 
 
 def toks(n: int, seed: int = 0) -> list[int]:
@@ -101,6 +103,20 @@ def check_seals(g, metas, tokens, salt=None, bpo=BPO) -> None:
                 assert (seal.buffer.first + seal.buffer.capacity) % bpo == 0
 
 
+def finish(core, rid, lists, metas):
+    """``request_finished``, then what each worker runs for ``rid`` in that iteration's ``get_finished``:
+    the last standing finish plan the metadata carried, as metadata ops (stages, seals, releases)."""
+    busy = core.request_finished(rid, lists)
+    plan = None
+    for m in metas:
+        for p in m.finish_plans:
+            if p.request_id == rid:
+                plan = p
+    if plan is None:
+        return busy, ConnectorMetadata()
+    return busy, ConnectorMetadata(stages=plan.stages, seals=plan.seals, releases=plan.releases)
+
+
 def run_prefill(core, rid, tokens, slots_by_group, *, chunk=None, salt=None):
     """Report a prompt in chunks (None = one pass); returns the metadata of each iteration."""
     P = len(tokens)
@@ -142,8 +158,8 @@ def test_every_block_of_every_group_staged_exactly_once(prompt_len, chunk):
             got = sorted(op.ordinal for op in m.stages if op.buffer.group == grp.group_id)
             assert set(got) == want and len(got) == len(want)
         cp += ns
-    busy = core.request_finished(7, slots)
-    metas.append(core.build_connector_meta([], []))
+    busy, final = finish(core, 7, slots, metas)
+    metas.append(final)
     blocks = prompt_len // TPB
     for grp in g.groups:
         ops = [op for op in stages_of(metas) if op.buffer.group == grp.group_id]
@@ -185,14 +201,17 @@ def test_salted_request_seals_salted_digests():
     assert metas[0].seals[0].last_digest != digests_for(g, tokens)[3]
 
 
-def test_report_without_lookup_still_saves():
+def test_report_without_lookup_is_never_saved():
+    """RequestData carries the salt but not the LoRA id or multimodal hashes: KV of a request the
+    connector never looked up has no key that names it fully (a LoRA's KV would be served to the
+    base model). It is not saved, and counted."""
     g = geometry()
     core = make_core(g)
     P = 8 * TPB + 1
     tokens = toks(P)
     metas = run_prefill(core, 3, tokens, Slots(g).alloc(9))
-    assert sorted(op.ordinal for op in metas[0].stages if op.buffer.group == FULL) == list(range(8))
-    check_seals(g, metas, tokens)
+    assert not any(m.stages or m.seals or m.finish_plans for m in metas)
+    assert core.stats.unkeyed_not_saved == 1 and core.active_requests() == 0
 
 
 # ---------------------------------------------------------------- decode
@@ -244,11 +263,10 @@ def test_decode_blocks_staged_as_generation_fills_them(save_decode):
         full_seals = [(s.buffer.first, s.count, s.close) for m in all_metas for s in m.seals if s.buffer.group == FULL]
         assert (8, 2, False) in full_seals and (8, 4, True) in full_seals
         check_seals(g, all_metas, tokens)
-    busy = core.request_finished(1, slots)
-    final = core.build_connector_meta([], [])
+    busy, final = finish(core, 1, slots, all_metas)
     if save_decode:
         # Block 12 is open in buffer [12, 16) and gets sealed at finish.
-        assert busy and 1 in final.finishing_ids
+        assert busy
         assert {(s.buffer.first, s.count) for s in final.seals} == {(12, 1)}
         check_seals(g, all_metas + [final], tokens)
     else:
@@ -276,12 +294,14 @@ def test_window_policy_stages_live_sliding_tail_at_finish():
     history = len(tokens) // TPB  # 24 full blocks
     # The engine keeps only the window live: older sliding slots are -1 at finish.
     live = [[s if o >= history - WINDOW // TPB - 2 else -1 for o, s in enumerate(slots[SLIDING])], slots[FULL]]
-    assert core.request_finished(1, live) is True
-    final = core.build_connector_meta([], [])
-    assert 1 in final.finishing_ids
+    busy, final = finish(core, 1, live, metas)
+    assert busy is True
     tail = sorted(op.ordinal for op in final.stages if op.buffer.group == SLIDING)
-    lo = ((history - 1) * TPB + 1 - WINDOW) // TPB - 1
-    assert tail == list(range(lo, history))
+    # The plan is made before the engine says what it still holds: it copies what the page rule
+    # keeps after the last pass ([cut, history)), never a page the rule says is gone. (With a
+    # margin no evicted block is kept in staging: such a tail cannot serve its history end.)
+    cut = (len(tokens) - 1 + 1 - WINDOW) // TPB
+    assert tail == list(range(cut, history))
     assert all(op.slot == slots[SLIDING][op.ordinal] for op in final.stages)
     check_seals(g, metas + [final], tokens)
     assert core.active_requests() == 0
@@ -376,19 +396,21 @@ def test_request_finished_false_when_nothing_pending_and_state_released():
     assert core.build_connector_meta([], []).empty
 
 
-def test_request_finished_true_holds_state_until_next_build():
+def test_request_finished_true_when_workers_hold_its_finish_plan():
     g = geometry()
     core = make_core(g)
     P = 9 * TPB + 2
     tokens = toks(P)
     core.get_num_new_matched_tokens(1, tokens, P, 0)
-    run_prefill(core, 1, tokens, Slots(g).alloc(10))
-    assert core.request_finished(1, [[], []]) is True
-    assert core.active_requests() == 1
-    m = core.build_connector_meta([], [])
-    assert m.finishing_ids == frozenset({1})
-    assert core.active_requests() == 0
-    assert core.build_connector_meta([], []).finishing_ids == frozenset()
+    slots = Slots(g).alloc(10)
+    metas = run_prefill(core, 1, tokens, slots)
+    # The standing finish plan went out with the pass: the [8, 12) buffer (block 8, already uploaded
+    # as the prompt-end snapshot) is released at finish -- the workers hold it until then.
+    assert [p.request_id for p in metas[-1].finish_plans] == [1]
+    busy, final = finish(core, 1, slots, metas)
+    assert busy is True and {b.first for b in final.releases} == {8} and not final.seals
+    assert core.active_requests() == 0  # nothing is left for a later metadata
+    assert core.build_connector_meta([], []).empty
 
 
 def test_unknown_request_finished_is_false():
@@ -408,9 +430,6 @@ def test_no_state_growth_over_many_short_requests():
         slots = src.alloc(-(-P // TPB))
         core.build_connector_meta([rd(rid, tokens, slots, 0, P)], [])
         core.request_finished(rid, slots)
-        if rid % 2:  # also interleave: some finish right after the next build, with others in flight
-            continue
-        core.build_connector_meta([], [])
         assert core.active_requests() == 0
     core.build_connector_meta([], [])
     assert core.active_requests() == 0
@@ -461,8 +480,7 @@ def save_through_store(g, store, tokens, *, salt=None, rid=900, **settings):
     core.get_num_new_matched_tokens(rid, tokens, len(tokens), 0, cache_salt=salt)
     slots = Slots(g).alloc(-(-len(tokens) // TPB))
     metas = run_prefill(core, rid, tokens, slots, salt=salt)
-    core.request_finished(rid, slots)
-    metas.append(core.build_connector_meta([], []))
+    metas.append(finish(core, rid, slots, metas)[1])
     ns = namespace_digest(g)
     scheme = KeyScheme("pfx", ns, g.tp_size)
     for m in metas:
@@ -572,9 +590,10 @@ def test_full_honour_needs_no_more_io_and_less_honour_verifies_lower_tail():
     assert loaded == want
 
 
-def test_honoured_less_without_stored_tail_fails_loudly():
+def test_honoured_less_without_stored_tail_is_a_broken_promise_not_an_error():
     """Window policy: sliding tails exist only at checkpoints and prompt ends. An honour that
-    lands elsewhere cannot be served; the only safe answer is a named error, never a load."""
+    lands elsewhere cannot be served: never a load of garbage, never an exception into the
+    engine -- the request is named in ``failed_load_ids`` and takes the failure rung."""
     g = geometry()
     store = MemoryStore()
     tokens = toks(20 * TPB + 5, seed=4)
@@ -582,8 +601,10 @@ def test_honoured_less_without_stored_tail_fails_loudly():
     core = make_core(g, store, storage_policy="window")
     assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)[0] == 20 * TPB
     slots = engine_slots(g, Slots(g), 21, 10)
-    with pytest.raises(PlanMismatch, match="honoured"):
-        core.update_state_after_alloc(5, slots, honoured_tokens=10 * TPB)
+    core.update_state_after_alloc(5, slots, honoured_tokens=10 * TPB)
+    meta = core.build_connector_meta([], [])
+    assert meta.loads == () and meta.failed_load_ids == frozenset({5}) and 5 in meta.async_load_ids
+    assert core.stats.promises_broken == 1 and core.stats.honoured_less == 1
 
 
 def test_honoured_zero_means_no_loads():
@@ -595,8 +616,12 @@ def test_honoured_zero_means_no_loads():
     assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)[0] > 0
     slots = Slots(g).alloc(13)
     core.update_state_after_alloc(5, slots, honoured_tokens=0)
+    # The async flag passes through a zero honour: the request is parked with nothing to load, so it
+    # is declared (the workers return it at once) and nothing fails.
+    meta = core.build_connector_meta([], [])
+    assert meta.loads == () and meta.async_load_ids == frozenset({5}) and not meta.failed_load_ids
+    # When it resumes it computes everything itself, and all of it is saved.
     meta = core.build_connector_meta([rd(5, tokens, slots, 0, len(tokens))], [])
-    assert meta.loads == () and not meta.async_load_ids
     assert {op.ordinal for op in meta.stages if op.buffer.group == FULL} == set(range(12))
 
 
@@ -698,8 +723,9 @@ def test_plan_mismatch_on_uncovered_sliding_page():
     core = make_core(g, store)
     assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)[0] == 12 * TPB
     slots = Slots(g).alloc(13)  # the engine kept every sliding page: ordinal 0 has no verified object
-    with pytest.raises(PlanMismatch):
-        core.update_state_after_alloc(5, slots)
+    core.update_state_after_alloc(5, slots)
+    meta = core.build_connector_meta([], [])
+    assert meta.loads == () and meta.failed_load_ids == frozenset({5})
 
 
 def test_plan_mismatch_on_missing_full_page_and_group_count():
@@ -711,11 +737,12 @@ def test_plan_mismatch_on_missing_full_page_and_group_count():
     assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)[0] > 0
     slots = engine_slots(g, Slots(g), 13, 12)
     slots[FULL][3] = -1
-    with pytest.raises(PlanMismatch):
-        core.update_state_after_alloc(5, slots)
+    core.update_state_after_alloc(5, slots)
     core.get_num_new_matched_tokens(6, tokens, len(tokens), 0)
-    with pytest.raises(PlanMismatch):
-        core.update_state_after_alloc(6, [slots[FULL]])
+    core.update_state_after_alloc(6, [slots[FULL]])
+    meta = core.build_connector_meta([], [])
+    assert meta.loads == () and meta.failed_load_ids == frozenset({5, 6})
+    assert core.stats.promises_broken == 2
 
 
 def test_metadata_is_picklable_and_empty_when_idle():
@@ -815,8 +842,7 @@ def life(settings, P, n_decode, chunk=None, seed=0):
     final_kv = kv[-1][1]
     first_live = max(0, (final_kv + 1 - WINDOW) // TPB)
     live = [[s if o >= first_live else -1 for o, s in enumerate(slots[SLIDING])], list(slots[FULL])]
-    core.request_finished(1, live)
-    metas.append(core.build_connector_meta([], []))
+    metas.append(finish(core, 1, live, metas)[1])
     kv.append((final_kv, final_kv))
     return g, core, settings, P, tokens, slots, metas, kv
 

@@ -86,8 +86,13 @@ class SimReport:
         return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
-    def failed_requests(self) -> int:
-        return sum(1 for r in self.requests if r.failed)
+    def cancelled_requests(self) -> int:
+        return sum(1 for r in self.requests if r.cancelled)
+
+    @property
+    def recomputed_requests(self) -> int:
+        """Requests the engine's failed-load hook rewound and recomputed (rung 1)."""
+        return sum(1 for r in self.requests if r.recomputed_failed_load)
 
     @property
     def ok(self) -> bool:
