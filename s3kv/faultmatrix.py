@@ -10,11 +10,12 @@ goes through :class:`~s3kv.store.faultproxy.FaultProxy` in front of the server, 
 sees real 503s, resets, held answers and short bodies. Every page a cluster loads is checked
 byte for byte against recomputation (``kv_mismatches``, the "wrong bytes" column).
 
-A promised load that cannot be completed raises :class:`~s3kv.errors.LoadFailed` (the
-documented per-request failure); the simulator, like a real engine, fails exactly the requests
-that error names and keeps serving the rest. Any other exception out of a connector call is a
-bug and is reported as such (``escaped``), as is a run that does not finish within its bound
-(``hangs``).
+No exception may leave a connector call: the simulator, like TensorRT-LLM's executor, dies on
+one (``crashes``). A promised load that cannot be completed takes the failure rung the engine
+allows (docs/failures.md): on the merged TensorRT-LLM line the request stays parked while the
+load is retried (rung 3, ``parked``), on a line with a failed-load hook the engine recomputes it
+(rung 1, ``recomputed``; ``--failed-load-hook``). A run that does not finish within its bound is a
+``hang``.
 """
 
 from __future__ import annotations
@@ -36,56 +37,6 @@ from .store.base import ObjectStore
 from .store.faultproxy import FaultProxy, WireFaultPlan
 
 log = logging.getLogger("s3kv.faultmatrix")
-
-# --------------------------------------------------------------------------- the engine
-
-
-def _resilient_engine_class() -> type:
-    """Built lazily: importing the simulator pulls in torch."""
-    from .sim import SimEngine
-
-    class ResilientSimEngine(SimEngine):  # type: ignore[misc, valid-type]
-        """:class:`~s3kv.sim.SimEngine`, which fails exactly the requests a ``LoadFailed`` names
-        and serves on, plus an unsafe variant for one test: ``settle_all_ranks=False`` frees a
-        failed request's pages at the first rank's error instead of once every rank settled it
-        (another rank's load may still be landing in them -- kept to show why that is wrong).
-        """
-
-        def __init__(self, *args: Any, settle_all_ranks: bool = True, **kwargs: Any):
-            super().__init__(*args, **kwargs)
-            self.settle_all_ranks = settle_all_ranks
-
-        def _fail_requests(self, exc: Exception, rank: int, live: list, *, returned: bool) -> None:
-            super()._fail_requests(exc, rank, live, returned=returned)
-            if returned and not self.settle_all_ranks:
-                ids = {int(r) for r in getattr(exc, "request_ids", ())}
-                for r in range(len(self.workers)):
-                    self._out_load[r].difference_update(ids)
-                for st in live:
-                    if st.rid in ids:
-                        st.waiting_ranks.clear()
-
-        def _parse_finished(self, rank: int, ret: Any) -> tuple[list[int], list[int]]:
-            if not self.settle_all_ranks:  # late returns of ids already failed everywhere
-                try:
-                    saved, loaded = ret
-                    ret = (saved, [x for x in (loaded or []) if int(x) not in self.failed_ids])
-                except Exception:  # noqa: BLE001 - malformed: let the engine's own check report it
-                    pass
-            return super()._parse_finished(rank, ret)
-
-    return ResilientSimEngine
-
-
-_ENGINE_CLASS: type | None = None
-
-
-def resilient_engine_class() -> type:
-    global _ENGINE_CLASS
-    if _ENGINE_CLASS is None:
-        _ENGINE_CLASS = _resilient_engine_class()
-    return _ENGINE_CLASS
-
 
 # --------------------------------------------------------------------------- workload
 
@@ -114,6 +65,8 @@ class Shape:
     blocks_per_object: int = 4
     checkpoint_tokens: int = 128
     load_mode: str = "async"
+    #: Model a TensorRT-LLM line with the failed-load hook (rung 1) instead of the merged line.
+    failed_load_hook: bool = False
     seed: int = 11
 
 
@@ -214,11 +167,17 @@ class ClusterResult:
     prompt_tokens: int = 0
     matched_tokens: int = 0
     hit_requests: int = 0
-    failed_requests: int = 0
-    failed_ids: list[int] = field(default_factory=list)
-    load_failures: list[str] = field(default_factory=list)
+    #: Requests whose promised load failed (each took one of the rungs below).
+    failed_loads: int = 0
+    #: Rung 1: rewound and recomputed by the engine's failed-load hook.
+    recomputed: int = 0
+    #: Rung 3: stayed parked while the load was retried (then served, or cancelled).
+    parked: int = 0
+    parked_recovered: int = 0
+    cancelled: int = 0
     kv_mismatches: int = 0
     pages_checked: int = 0
+    #: Engine crashes (an exception out of a connector call) and other escapes.
     escaped: list[str] = field(default_factory=list)
     hangs: int = 0
     saves_dropped: int = 0
@@ -241,7 +200,7 @@ def make_engine(
     engine_key: str,
     **engine_kwargs: Any,
 ) -> Any:
-    """A resilient simulated engine driving the real adapter classes against ``store``.
+    """A simulated engine driving the real adapter classes against ``store``.
 
     ``store`` None: the connectors open it themselves from ``settings`` (None: from the
     environment), exactly as in production (start-up access check included)."""
@@ -254,8 +213,10 @@ def make_engine(
         kv_heads=shape.kv_heads * shape.tp_size,
         head_dim=shape.head_dim,
     )
-    engine_cls = resilient_engine_class()
-    return engine_cls(
+    from .sim import SimEngine
+
+    engine_kwargs.setdefault("failed_load_hook", shape.failed_load_hook)
+    return SimEngine(
         model,
         SimCacheConfig(tokens_per_block=shape.tokens_per_block, max_seq_len=shape.max_seq_len),
         S3KvConnectorLeader,
@@ -277,9 +238,11 @@ def run_phases(
     idle_iterations: int = 60_000,
 ) -> ClusterResult:
     """Run each phase to completion (bounded), flushing uploads between phases; fill ``result``."""
-    from .sim import SimHang
+    from .sim import SimEngineCrash, SimHang
 
     t0 = time.perf_counter()
+    # Worker counters are cumulative over the engine's life: count this call's share only.
+    before = [w.core._counters.snapshot() for w in engine.workers]
     for phase in phases:
         phase = list(phase)
         chunk = engine.chunk_size or engine.config.max_seq_len
@@ -290,6 +253,10 @@ def run_phases(
             result.hangs += 1
             result.escaped.append(f"SimHang: {exc}")
             break
+        except SimEngineCrash as exc:
+            result.escaped.append(f"engine crash: {exc}")
+            log.error("engine crash: %s", exc)
+            break
         except Exception as exc:  # noqa: BLE001 - any other escape is what the matrix counts
             result.escaped.append(f"{type(exc).__name__}: {exc}")
             log.exception("exception escaped a connector call")
@@ -298,26 +265,33 @@ def run_phases(
         result.lookup_s += rep.hook_seconds.get("get_num_new_matched_tokens", 0.0)
         result.pages_checked += rep.pages_checked
         for r in rep.requests:
-            failed = r.request_id in engine.failed_ids
             result.requests += 1
             result.prompt_tokens += r.prompt_tokens
-            if failed:
-                result.failed_requests += 1
-                result.failed_ids.append(r.request_id)
-            else:
-                result.matched_tokens += r.matched_tokens
-                result.hit_requests += r.matched_tokens > 0
+            result.matched_tokens += r.matched_tokens
+            result.hit_requests += r.matched_tokens > 0
+            result.recomputed += r.recomputed_failed_load
+            result.cancelled += r.cancelled
             result.per_request.append(
                 {
                     "id": r.request_id,
                     "prompt": r.prompt_tokens,
-                    "matched": 0 if failed else r.matched_tokens,
-                    "failed": failed,
+                    "matched": r.matched_tokens,
+                    "recomputed": r.recomputed_failed_load,
+                    "cancelled": r.cancelled,
                 }
             )
         for w in engine.workers:
             w.flush(flush_s)
-    result.load_failures = [str(e) for e in engine.load_failures]
+    counters = [w.core._counters.snapshot() for w in engine.workers]
+
+    def delta(name: str) -> int:
+        # Per request, not per rank: under TP every rank parks (and recovers) the same request.
+        return max((int(c.get(name, 0)) - int(b.get(name, 0)) for c, b in zip(counters, before, strict=True)),
+                   default=0)
+
+    result.parked = delta("rung_parked_retry")
+    result.parked_recovered = delta("parked_loads_recovered")
+    result.failed_loads = result.recomputed + result.parked
     stats = [w.core.stats() for w in engine.workers]
     result.saves_dropped = sum(
         s.saves_dropped_staging_full + s.saves_dropped_store_error + s.saves_dropped_other for s in stats
@@ -398,7 +372,10 @@ class Cell:
     hit_tokens: int
     hit_requests: int
     hit_rate: float
-    failed_requests: int
+    #: Requests whose promised load failed, and the rung each took (docs/failures.md).
+    failed_loads: int
+    recomputed: int
+    parked: int
     kv_mismatches: int
     escaped: list[str]
     hangs: int
@@ -407,7 +384,6 @@ class Cell:
     wire_faults: int
     time_s: float
     lookup_s: float = 0.0
-    load_failures: list[str] = field(default_factory=list)
     vs_baseline: float | None = None
 
     @property
@@ -461,7 +437,9 @@ def run_cell(
         hit_tokens=b.matched_tokens,
         hit_requests=b.hit_requests,
         hit_rate=round(b.hit_rate, 4),
-        failed_requests=a.failed_requests + b.failed_requests,
+        failed_loads=a.failed_loads + b.failed_loads,
+        recomputed=a.recomputed + b.recomputed,
+        parked=a.parked + b.parked,
         kv_mismatches=a.kv_mismatches + b.kv_mismatches,
         escaped=a.escaped + b.escaped,
         hangs=a.hangs + b.hangs,
@@ -470,7 +448,6 @@ def run_cell(
         wire_faults=int(stats["faults_total"]),  # type: ignore[arg-type]
         time_s=round(wall, 2),
         lookup_s=round(a.lookup_s + b.lookup_s, 2),
-        load_failures=a.load_failures + b.load_failures,
     )
 
 
@@ -502,8 +479,8 @@ def run_matrix(
 def markdown_table(cells: Sequence[Cell]) -> str:
     head = (
         "| fault | rate | requests | hits (tokens served / hit requests) | hit rate (vs fault-free) "
-        "| failures (failed requests) | wrong bytes (kv mismatches) | escaped exceptions / hangs "
-        "| wire requests (faults injected) | time (of which lookups) |\n"
+        "| failed loads: recomputed (rung 1) / parked + retried (rung 3) | wrong bytes (kv mismatches) "
+        "| engine crashes / hangs | wire requests (faults injected) | time (of which lookups) |\n"
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     )
     rows = [head]
@@ -511,7 +488,7 @@ def markdown_table(cells: Sequence[Cell]) -> str:
         vs = f" ({c.vs_baseline:.0%})" if c.vs_baseline is not None else ""
         rows.append(
             f"| {FAULT_LABELS.get(c.fault, c.fault)} | {c.rate:.0%} | {c.requests} | "
-            f"{c.hit_tokens} / {c.hit_requests} | {c.hit_rate:.1%}{vs} | {c.failed_requests} | "
+            f"{c.hit_tokens} / {c.hit_requests} | {c.hit_rate:.1%}{vs} | {c.recomputed} / {c.parked} | "
             f"{c.kv_mismatches} | {len(c.escaped)} / {c.hangs} | {c.wire_requests} ({c.wire_faults}) | "
             f"{c.time_s:.1f} s ({c.lookup_s:.1f} s) |"
         )
@@ -527,7 +504,7 @@ def acceptance(cells: Sequence[Cell], *, low_rate: float = 0.05, tolerance: floa
         if c.kv_mismatches:
             problems.append(f"{c.fault}@{c.rate:.0%}: {c.kv_mismatches} wrong pages loaded")
         if c.escaped:
-            problems.append(f"{c.fault}@{c.rate:.0%}: exceptions escaped: {c.escaped[:2]}")
+            problems.append(f"{c.fault}@{c.rate:.0%}: engine crashes: {c.escaped[:2]}")
         if c.hangs:
             problems.append(f"{c.fault}@{c.rate:.0%}: {c.hangs} runs did not finish")
         if abs(c.rate - low_rate) < 1e-9 and c.vs_baseline is not None and c.vs_baseline < 1 - tolerance:
@@ -548,6 +525,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"comma-separated, from {','.join(k for k in FAULT_LABELS if k != 'none')}",
     )
     ap.add_argument("--small", action="store_true", help="the reduced workload the tests use")
+    ap.add_argument(
+        "--failed-load-hook",
+        action="store_true",
+        help="model a TensorRT-LLM line with a failed-load hook (rung 1) instead of the merged line (rung 3)",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--log-level", default="CRITICAL", help="s3kv log level on stderr (default CRITICAL)")
     args = ap.parse_args(argv)
@@ -562,11 +544,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     configure_logging(args.log_level)
     shape = SMALL if args.small else Shape()
+    if args.failed_load_hook:
+        shape = dataclasses.replace(shape, failed_load_hook=True)
 
     def progress(c: Cell) -> None:
         print(
             f"  {c.fault}@{c.rate:.0%}: {c.time_s:.1f}s, hit rate {c.hit_rate:.1%}, "
-            f"{c.failed_requests} failed, {c.kv_mismatches} wrong",
+            f"{c.failed_loads} failed loads ({c.recomputed} recomputed, {c.parked} parked), "
+            f"{c.kv_mismatches} wrong",
             file=sys.stderr,
             flush=True,
         )
@@ -578,8 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     problems = acceptance(cells)
     extra = [c for c in cells if c.fault not in REQUIRED_FAULTS and c.fault != "none"]
     notes = [
-        f"{c.fault}@{c.rate:.0%} (beyond the issue's list): {c.failed_requests} failed requests, "
-        f"hit rate {c.hit_rate:.1%}, {c.kv_mismatches} wrong pages, {len(c.escaped)} escaped"
+        f"{c.fault}@{c.rate:.0%} (beyond the issue's list): {c.failed_loads} failed loads, "
+        f"hit rate {c.hit_rate:.1%}, {c.kv_mismatches} wrong pages, {len(c.escaped)} crashes"
         for c in extra
     ]
     if args.json:
@@ -599,7 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         print(markdown_table(cells))
         print(
-            f"\nserver: {args.server}; TP={shape.tp_size}; total {total:.0f} s; "
+            f"\nserver: {args.server}; TP={shape.tp_size}; engine: "
+            f"{'failed-load hook (rung 1)' if shape.failed_load_hook else 'merged line (rung 3)'}; total {total:.0f} s; "
             f"acceptance: {'PASS' if not problems else 'FAIL'}"
         )
         for p in problems:

@@ -142,12 +142,25 @@ class _AsyncLoad:
     #: Rung 3 (parked, retrying): attempts so far, when to retry next, the jobs to re-read.
     attempts: int = 0
     retry_at: float | None = None
-    failed_jobs: list[LoadJob] = field(default_factory=list)
+    failed_jobs: list[tuple[LoadJob, list[tuple[int, int]]]] = field(default_factory=list)
 
 
-def _is_corrupt(reason: str) -> bool:
-    """The object itself is bad (checksum, header, span), as opposed to missing or unreachable."""
-    return reason.split(":", 1)[0] in ("ObjectFormatError", "IntegrityError", "LoadPlanError")
+#: Failure reasons (exception type names, see ``_describe``) by what they say about the object.
+_CORRUPT = frozenset({"BadMagic", "HeaderCorrupt", "TruncatedObject", "ChecksumMismatch", "IntegrityError",
+                      "ObjectFormatError"})
+#: Not ours to judge (another format version, another namespace, another span): never deleted.
+_UNUSABLE = frozenset({"UnsupportedVersion", "ForeignObject", "LoadPlanError"})
+
+
+def _kind(reason: str) -> str:
+    name = reason.split(":", 1)[0]
+    if name == "NotFound":
+        return "missing"
+    if name in _CORRUPT:
+        return "corrupt"
+    if name in _UNUSABLE:
+        return "unusable"
+    return "transient"
 
 
 def _describe(e: BaseException | None) -> str:
@@ -571,11 +584,15 @@ class WorkerCore:
                     st.handed
                     and st.declared
                     and st.error is None
+                    and st.retry_at is None  # not parked for a retry
+                    and not st.failed_jobs
                     and all(j.state == DONE and Copier.done(j.event) for j in st.jobs)
                 ):
                     loading.append(rid)
                     if st.attempts:
                         self._counters.add("parked_loads_recovered")
+                        if self.index is not None:  # quarantined while it failed; it is good now
+                            self.index.forget(j.key for j in st.jobs)
                         log.warning("s3kv: request %d: load succeeded after %d retries", rid, st.attempts,
                                     extra={"request_id": rid})
                     del self._async[rid]
@@ -616,8 +633,12 @@ class WorkerCore:
             if failed is None:
                 continue
             key, reason = failed
+            # The request's own targets in each job, taken before quiescing drops them from
+            # jobs still pending (a retry re-reads exactly these).
+            wanted = {id(j): [(o, s) for o, s in j.targets if j.owners.get(s) == rid] for j in st.jobs}
             self._quiesce({rid})
-            self._note_failed({rid: failed})
+            first_failure = st.attempts == 0
+            self._note_failed({rid: failed}, quiet=not first_failure)
             if self.failed_load_hook:
                 del self._async[rid]
                 self._failed_report.add(rid)
@@ -627,12 +648,12 @@ class WorkerCore:
             # serve unverified KV. The request stays parked (visibly) while the load is retried.
             delay = min(self._retry_max_s, self._retry_base_s * (2 ** min(st.attempts, 16)))
             st.retry_at = now + delay
-            st.failed_jobs = [j for j in st.jobs if j.state != DONE]
+            st.failed_jobs = [(j, wanted.get(id(j), [])) for j in st.jobs if j.state != DONE]
             st.jobs = [j for j in st.jobs if j.state == DONE]
-            if st.attempts == 0:
+            if first_failure:
                 self._counters.add("rung_parked_retry")
             st.attempts += 1
-            log.warning(
+            (log.warning if first_failure or st.attempts % 10 == 0 else log.info)(
                 "s3kv: request %d stays parked: its load failed (%s); retry %d in %.1f s",
                 rid, reason if not key or key in reason else f"{reason} (object {key!r})", st.attempts, delay,
                 extra={"request_id": rid, "key": key},
@@ -659,8 +680,7 @@ class WorkerCore:
             st.retry_at = now + self._retry_max_s
             return
         assert self._downloader is not None
-        for old in st.failed_jobs:
-            targets = [(o, s) for o, s in old.targets if old.owners.get(s) == rid]
+        for old, targets in st.failed_jobs:
             if not targets:
                 continue
             job = dataclasses.replace(
@@ -674,15 +694,23 @@ class WorkerCore:
         st.failed_jobs = []
         self._counters.add("load_retries")
 
-    def _note_failed(self, failed: dict[int, tuple[str | None, str]]) -> None:
-        """Count and log failed loads; quarantine the objects that failed so later lookups miss."""
-        self._counters.add("requests_failed", len(failed))
+    def _note_failed(self, failed: dict[int, tuple[str | None, str]], *, quiet: bool = False) -> None:
+        """Count and log failed loads; quarantine the objects that failed so later lookups miss.
+        ``quiet``: a retry of a load already reported (counted as a retry, logged at INFO)."""
+        if quiet:
+            self._counters.add("load_retry_failures", len(failed))
+        else:
+            self._counters.add("requests_failed", len(failed))
         keys = sorted({k for k, _ in failed.values() if k})
+        bad = sorted({k for k, r in failed.values() if k and _kind(r) != "transient"})
         if self.index is not None and keys:
-            # A stale positive (object deleted or corrupt) would keep promising the same broken
-            # load to every request on this prefix: remember it as missing for a while instead.
-            self.index.quarantine(keys, self.settings.quarantine_s)
-        corrupt = sorted({k for k, r in failed.values() if k and _is_corrupt(r)})
+            # A stale positive would keep promising the same broken load to every request on this
+            # prefix. An object that is gone or bad is remembered as missing for a while (later
+            # lookups miss at once); after a store outage the entry is only dropped (the next
+            # lookup asks the store again).
+            self.index.forget(keys)
+            self.index.quarantine(bad, self.settings.quarantine_s)
+        corrupt = sorted({k for k, r in failed.values() if k and _kind(r) == "corrupt"})
         if corrupt:
             self._counters.add("objects_quarantined", len(corrupt))
             if self.settings.delete_corrupt:
@@ -692,8 +720,8 @@ class WorkerCore:
                     except Exception as e:  # noqa: BLE001 - best effort; engines may lack DeleteObject
                         log.warning("s3kv: could not delete corrupt object %s: %s", k, e)
         reasons = sorted({f"{r} (object {k!r})" if k and k not in r else r for k, r in failed.values()})
-        log.error("s3kv: promised load failed: %s", "; ".join(reasons),
-                  extra={"request_ids": sorted(failed), "keys": keys})
+        (log.info if quiet else log.error)("s3kv: promised load failed: %s", "; ".join(reasons),
+                                           extra={"request_ids": sorted(failed), "keys": keys})
 
     # -- lifecycle --------------------------------------------------------
     def flush(self, timeout: float | None = None) -> bool:

@@ -498,6 +498,8 @@ class SimEngine:
             if c is not None and st not in finished and st.phase in (_Phase.PARKED, _Phase.RUNNING):
                 if it - st.it_admit >= c:
                     st.cancelled = True
+                    if st.phase is _Phase.PARKED:
+                        st.discarded = True  # its load was never used
                     finished.append(st)
 
         # 5. _handle_responses -> request_finished; True holds the pages ("still saving"), False frees
@@ -540,7 +542,9 @@ class SimEngine:
                 failed |= {int(x) for x in (self._call("take_failed_load_request_ids", fn) or ())}
         out = []
         for st in list(self._live):
-            if st.rid in failed and st.phase in (_Phase.PARKED, _Phase.RUNNING):
+            # A parked request, or one whose (sync) load ran this iteration and whose forward has not
+            # used it yet. A late report for a request already rewound or computing is ignored.
+            if st.rid in failed and (st.phase is _Phase.PARKED or (st.phase is _Phase.RUNNING and st.check_pending)):
                 self._rewind(st)
                 st.recomputed_failed_load = True
                 out.append(st)
