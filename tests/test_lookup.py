@@ -257,8 +257,9 @@ class Clock:
 def make_core(store, g, *, clock=None, **settings):
     s = Settings(url="memory://t", **{"blocks_per_object": 4, "checkpoint_tokens": 16 * TPB, **settings})
     index = KeyIndex(10_000, 600.0, 2.0, clock=clock or Clock())
+    # Sync loads exist only on engines with a failed-load hook (else the leader loads async).
     return LeaderCore(s, store, "pfx", tp_size=g.tp_size, model_id=g.model_id, kv_dtype=g.kv_dtype, index=index,
-                      geometry=g)
+                      geometry=g, failed_load_hook=s.load_mode == "sync")
 
 
 def put_prefix(store, g, tokens, n_blocks, bpo, *, prefix="pfx", salt=None):
