@@ -412,3 +412,24 @@ def test_worker_refuses_a_plan_whose_shard_spans_end_at_different_blocks():
         step(b, load_md(7, 0, d, ((0, 3), (0, 5)), [0], [20]))
     for core in (a, b):
         core.close()
+
+
+# ------------------------------------------------------------------ the cost, measured
+
+
+def test_bench_integrity_cli_reports_sign_and_verify_rates():
+    import json
+
+    from click.testing import CliRunner
+
+    from s3kv.cli import main
+
+    out = CliRunner().invoke(main, ["bench", "integrity", "--quick", "--json", "--object-mib", "1"],
+                             catch_exceptions=False)
+    assert out.exit_code == 0, out.output
+    res = json.loads(out.stdout)
+    (row,) = res["results"]
+    for k in ("sign_gbps", "verify_gbps", "sign_xxh3_only_gbps", "verify_xxh3_only_gbps", "sign_parallel_gbps",
+              "verify_parallel_gbps", "blake2b_keyed_gbps", "hmac_sha256_gbps"):
+        assert row[k] > 0, k
+    assert row["object_bytes"] == row["pages_per_object"] * int(row["page_mib"] * (1 << 20))
