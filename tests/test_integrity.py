@@ -9,12 +9,13 @@ import struct
 
 import pytest
 import xxhash
+from test_connector_sim import make_engine, run
 from test_worker import digest, load_md, make_core, save_object, step
 
 from s3kv.config import ConfigError, Settings, load_settings
 from s3kv.errors import LoadFailed
 from s3kv.integrity import IntegrityKeys, TagKey, keys_from_settings
-from s3kv.keys import chain_digests, chain_root
+from s3kv.keys import chain_digests, chain_root, parse_key
 from s3kv.layout import CacheGeometry, GroupGeometry
 from s3kv.leader import LeaderCore
 from s3kv.objects import (
@@ -35,6 +36,8 @@ from s3kv.objects import (
     trailer_range,
     verify_page,
 )
+from s3kv.ops import identity_from
+from s3kv.sim import gemma3_like, multi_turn_workload, repeat_workload
 from s3kv.store.base import ByteRange
 from s3kv.store.memory import MemoryStore
 from s3kv.transfer.testing import page_bytes
@@ -433,3 +436,46 @@ def test_bench_integrity_cli_reports_sign_and_verify_rates():
               "verify_parallel_gbps", "blake2b_keyed_gbps", "hmac_sha256_gbps"):
         assert row[k] > 0, k
     assert row["object_bytes"] == row["pages_per_object"] * int(row["page_mib"] * (1 << 20))
+
+
+# ------------------------------------------------------------------ end to end on the simulator
+
+
+def _forge_every_object(store: MemoryStore) -> int:
+    """The attack of #17 point 1: rewrite each object with other pages, recomputed checksums,
+    and metadata mirrored as a writer without the key would produce it."""
+    rng = random.Random(17)
+    n = 0
+    for key in store.keys():
+        info = store.head(key)
+        parsed = parse_key(key)
+        assert info is not None and parsed is not None
+        ident = identity_from(parsed, info.metadata, key)
+        data = store.get(key)
+        h = decode_header(data, ident, key)
+        fake = [rng.randbytes(ident.page_bytes) for _ in range(h.page_count)]
+        store.delete_many([key])
+        store.put(key, encode_object(ident, h.first_ordinal, h.last_digest, fake),
+                  object_metadata(ident, h.first_ordinal, h.page_count))
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("key", [None, SECRET], ids=["no-key", "keyed"])
+def test_simulated_fleet_planted_kv(key):
+    kw = {"integrity_key": key} if key else {}
+    specs = multi_turn_workload(n_conversations=2, turns=2, system_len=160, first_len=96, turn_len=64,
+                                max_new_tokens=16)
+    store = MemoryStore()
+    cold = run(make_engine(store, gemma3_like(64, kv_heads=2), tp=2, **kw), specs)
+    warm = run(make_engine(store, gemma3_like(64, kv_heads=2), tp=2, **kw), repeat_workload(specs, 10_000))
+    assert cold.kv_mismatches == 0 and warm.kv_mismatches == 0 and warm.hit_rate >= 0.9
+    assert _forge_every_object(store) > 0
+    eng = make_engine(store, gemma3_like(64, kv_heads=2), tp=2, **kw)
+    planted = run(eng, repeat_workload(specs, 20_000))
+    if key is None:
+        # The hole: wrong pages served, no error anywhere.
+        assert planted.kv_mismatches > 0
+    else:
+        assert planted.kv_mismatches == 0 and planted.matched_tokens == 0
+        assert eng.leader.core.stats.rejected.get("untrusted", 0) > 0
