@@ -479,3 +479,16 @@ def test_simulated_fleet_planted_kv(key):
     else:
         assert planted.kv_mismatches == 0 and planted.matched_tokens == 0
         assert eng.leader.core.stats.rejected.get("untrusted", 0) > 0
+
+
+def test_operator_check_reads_tagged_objects_without_the_key():
+    from s3kv.ops import check_object
+
+    store = MemoryStore()
+    key = "kv/" + "00" * 16 + "/0123456789abcdef.1of2/" + DIGEST.hex()
+    ident = dataclasses.replace(SIGNED, namespace=bytes(16))
+    store.put(key, encode_object(ident, 8, DIGEST, pages(3), key), object_metadata(ident, 8, 3, key))
+    info = store.head(key)
+    parsed = parse_key(key)
+    assert info is not None and parsed is not None
+    assert check_object(parsed, info, store.get(key)) == 3
