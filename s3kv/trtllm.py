@@ -26,7 +26,6 @@ from typing import Any
 
 from .config import Settings, load_settings
 from .errors import LoadFailed, PlanMismatch
-from .identity import model_identity
 from .layout import CacheGeometry, expected_windows
 from .leader import LeaderCore
 from .runtime import EngineRuntime, acquire_runtime, release_runtime
@@ -54,10 +53,14 @@ def _mapping(llm_args: Any) -> Any:
 
 
 def _kv_dtype(llm_args: Any) -> str:
+    from .identity import model_identity
+
     return model_identity(llm_args).kv_dtype  # resolved: "auto" -> the dtype the pages really hold
 
 
 def _model_id(llm_args: Any, settings: Settings) -> str:
+    from .identity import model_identity
+
     # Name, revision, model dtype, quantization, config digest (see s3kv/identity.py).
     return model_identity(llm_args, settings.model_id).model_id
 
