@@ -14,9 +14,13 @@ import dataclasses
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .integrity import IntegrityKeys
 
 
 class ConfigError(ValueError):
@@ -94,9 +98,23 @@ class Settings:
     metrics_port: int = 0
     #: Check at start-up that the bucket/prefix is reachable and readable.
     check_access: bool = True
+    #: Secret for keyed integrity tags (>= 32 chars, e.g. `openssl rand -hex 32`): objects are
+    #: signed with it and objects without a valid tag are misses. Or name a file holding it.
+    integrity_key: str = field(default="", repr=False)
+    integrity_key_file: str = ""
+    #: Secrets also accepted when reading (comma-separated, or one per line in the file): key rotation.
+    integrity_previous_keys: str = field(default="", repr=False)
+    integrity_previous_keys_file: str = ""
 
     def __post_init__(self) -> None:
         validate(self)
+
+    @cached_property
+    def integrity(self) -> IntegrityKeys | None:
+        """The integrity keys (None: integrity tags off). Files are read once, at construction."""
+        from .integrity import keys_from_settings
+
+        return keys_from_settings(self)
 
     @property
     def staging_bytes(self) -> int:
@@ -181,6 +199,8 @@ def validate(s: Settings) -> None:
     need(s.sse in ("", "AES256", "aws:kms"), "sse", "accepted values: '' (none), AES256, aws:kms", s.sse)
     need(s.breaker_failures > 0, "breaker_failures", "must be > 0", s.breaker_failures)
     need(0 <= s.metrics_port < 65536, "metrics_port", "must be a TCP port or 0", s.metrics_port)
+    # Reads key files now, so a bad or missing key fails at start-up (messages never show a secret).
+    _ = s.integrity
 
 
 def _read_file(path: str) -> Mapping[str, Any]:

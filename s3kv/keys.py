@@ -30,21 +30,30 @@ FORMAT_VERSION = 1
 DIGEST_SIZE = 16
 
 
-def namespace_digest(geometry: CacheGeometry) -> bytes:
-    """Everything that makes bytes incompatible goes in: a different geometry never shares a key."""
+def namespace_digest(geometry: CacheGeometry, *, tagged: bool = False) -> bytes:
+    """Everything that makes bytes incompatible goes in: a different geometry never shares a key.
+
+    ``geometry.model_id`` is the model identity (``s3kv.identity``: name, revision,
+    model dtype, quantization, config digest) and ``kv_dtype`` the resolved KV dtype,
+    so fp16 and bf16 loads of one checkpoint never share a key. ``tagged``: engines
+    that sign objects (integrity key set) keep their own namespace -- untagged
+    objects would be misses for them, and write-once would let an untagged object
+    squat the key a signed one needs. The key itself stays out: rotating it must
+    not empty the cache.
+    """
     h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"s3kv-ns")
-    h.update(
-        repr(
-            (
-                FORMAT_VERSION,
-                geometry.model_id,
-                geometry.kv_dtype,
-                geometry.tokens_per_block,
-                geometry.tp_size,
-                tuple(g.fingerprint for g in geometry.groups),
-            )
-        ).encode()
+    fields: tuple[object, ...] = (
+        FORMAT_VERSION,
+        geometry.model_id,
+        geometry.kv_dtype,
+        geometry.tokens_per_block,
+        geometry.tp_size,
+        tuple(g.fingerprint for g in geometry.groups),
     )
+    if tagged:
+        # Appended only when on, so untagged namespaces keep their digests.
+        fields += ("integrity-tagged",)
+    h.update(repr(fields).encode())
     return h.digest()
 
 

@@ -100,6 +100,8 @@ class LeaderStats:
     lookup_errors: int = 0
     lookup_timeouts: int = 0
     foreign_objects: int = 0
+    #: Objects refused on HEAD, by reason (foreign, untrusted, span, ...); their sum is foreign_objects.
+    rejected: dict[str, int] = field(default_factory=dict)
     not_cacheable: int = 0
     #: Finished requests whose finish plan copied pages the engine no longer listed (see _check_live).
     finish_plan_mismatches: int = 0
@@ -177,7 +179,7 @@ class LeaderCore:
         if g.tp_size != self.tp_size:
             raise ValueError(f"geometry tp_size {g.tp_size} != leader tp_size {self.tp_size}")
         self._geometry = g
-        self.namespace = namespace_digest(g)
+        self.namespace = namespace_digest(g, tagged=self.settings.integrity is not None)
         self.scheme = KeyScheme(self.key_prefix, self.namespace, g.tp_size)
         sizing = self._sizing_page_bytes or [x.page_bytes for x in g.groups]
         self.group_blocks, cp_blocks = object_sizes(sizing, g.tokens_per_block, self.settings)
@@ -195,7 +197,8 @@ class LeaderCore:
         )
         self._identities = {
             (grp.group_id, s): ObjectIdentity(
-                self.namespace, grp.fingerprint, s, g.tp_size, g.tokens_per_block, grp.page_bytes
+                self.namespace, grp.fingerprint, s, g.tp_size, g.tokens_per_block, grp.page_bytes,
+                self.settings.integrity,
             )
             for grp in g.groups
             for s in range(g.tp_size)
@@ -369,10 +372,13 @@ class LeaderCore:
             info = batch.found.get(key)
             if info is not None:
                 try:
-                    span = span_from_metadata(self._identities[(a[0], a[1])], info.metadata, info.size, key)
+                    # The key names the object ending at block a[2]: its span must end there.
+                    span = span_from_metadata(self._identities[(a[0], a[1])], info.metadata, info.size, key,
+                                              end=a[2])
                 except ObjectFormatError as e:
                     if count:
                         self.stats.foreign_objects += 1
+                        self.stats.rejected[e.reason] = self.stats.rejected.get(e.reason, 0) + 1
                     log.warning("s3kv: ignoring object: %s", e)
                     out[a] = None
                     continue

@@ -67,12 +67,16 @@ def _mapping(llm_args: Any) -> Any:
 
 
 def _kv_dtype(llm_args: Any) -> str:
-    kv = getattr(llm_args, "kv_cache_config", None)
-    return str(getattr(kv, "dtype", None) or "auto")
+    from .identity import model_identity
+
+    return model_identity(llm_args).kv_dtype  # resolved: "auto" -> the dtype the pages really hold
 
 
 def _model_id(llm_args: Any, settings: Settings) -> str:
-    return settings.model_id or str(getattr(llm_args, "model", "") or "unknown-model")
+    from .identity import model_identity
+
+    # Name, revision, model dtype, quantization, config digest (see s3kv/identity.py).
+    return model_identity(llm_args, settings.model_id).model_id
 
 
 def _settings(settings: Settings | None) -> Settings:

@@ -263,7 +263,7 @@ class WorkerCore:
             geometry = CacheGeometry.from_layout(
                 layout, model_id=self.model_id, tp_size=self.tp_size, kv_dtype=self.kv_dtype
             )
-            namespace = namespace_digest(geometry)
+            namespace = namespace_digest(geometry, tagged=self.settings.integrity is not None)
             regions: dict[int, tuple[Any, ...]] = {}
             for g in layout.groups:
                 regions[int(g.layer_group_id)] = tuple(g.regions)
@@ -287,6 +287,7 @@ class WorkerCore:
                     tp_size=self.tp_size,
                     tokens_per_block=geometry.tokens_per_block,
                     page_bytes=g.page_bytes,
+                    integrity=self.settings.integrity,
                 )
                 for g in geometry.groups
             }

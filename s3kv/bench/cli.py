@@ -1,4 +1,4 @@
-"""``s3kv bench <lookup|transfer|staging|e2e>``. Heavy imports stay inside the commands."""
+"""``s3kv bench <lookup|transfer|staging|e2e|integrity>``. Heavy imports stay inside the commands."""
 
 from __future__ import annotations
 
@@ -206,3 +206,26 @@ def e2e_command(
         progress(f"e2e: store {bs.where}, {latency_ms:g} ms injected per request")
         res = e2e.run_e2e(bs, cfg)
     finish(res, as_json=as_json, table=e2e.table, plot_path=plot_path, plot=plot.plot_e2e)
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+@bench_group.command("integrity")
+@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout.")
+@click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs).")
+@click.option("--page-mib", default=None, help="Page sizes in MiB (default 0.25,1,4; --quick 0.25).")
+@click.option("--object-mib", type=float, default=None, help="Object size in MiB (default 32, --quick 2).")
+@click.option("--threads", type=int, default=0, show_default=True, help="Parallel columns' threads; 0 = min(4, cores).")
+def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_mib: float | None, threads: int) -> None:
+    """CPU cost of keyed integrity tags: signing and verifying GB/s vs xxh3 checksums alone."""
+    from . import integrity
+
+    cfg = integrity.IntegrityConfig(
+        page_mib=_floats(page_mib) or ((0.25,) if quick else integrity.DEFAULT_PAGE_MIB),
+        object_mib=object_mib or (2.0 if quick else 32.0),
+        threads=max(0, threads),
+        repeats=1 if quick else 3,
+    )
+    res = integrity.run_integrity(cfg)
+    finish(res, as_json=as_json, table=integrity.table, plot_path=None, plot=lambda r, p: None)

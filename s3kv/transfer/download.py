@@ -27,7 +27,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..objects import ObjectFormatError, ObjectIdentity, decode_header, header_len, verify_page
+from ..objects import (
+    ObjectFormatError,
+    ObjectIdentity,
+    SpanMismatch,
+    decode_header,
+    header_len,
+    trailer_range,
+    verify_page,
+)
 from ..store.base import ByteRange, IntegrityError, ObjectStore, StoreError
 from .copies import Copier, PageCopy
 from .counters import Counters
@@ -189,27 +197,34 @@ class Downloader:
                 f"span {job.first}+{job.count} for shard {job.identity.shard}"
             )
         hl = header_len(job.count)
+        # Integrity on: the trailer of keyed tags rides in the same request wave.
+        tr = trailer_range(job.identity, job.count)
+        extra = [ByteRange(*tr)] if tr is not None else []
         t0 = time.monotonic()
         if ranges and ranges[0].offset == hl:
             # The first wanted page follows the header: one request for both (a whole-object
             # load is then a single GET, as cheap as any client's).
             merged: list[bytes | memoryview] = list(
-                self.store.get_ranges(job.key, [ByteRange(0, hl + ranges[0].length), *ranges[1:]])
+                self.store.get_ranges(job.key, [ByteRange(0, hl + ranges[0].length), *ranges[1:], *extra])
             )
             if merged and memoryview(merged[0]).nbytes >= hl:
                 head = memoryview(merged[0])
                 merged = [head[:hl], head[hl:], *merged[1:]]
             datas = merged
         else:
-            datas = list(self.store.get_ranges(job.key, [ByteRange(0, hl), *ranges]))
+            datas = list(self.store.get_ranges(job.key, [ByteRange(0, hl), *ranges, *extra]))
         self.counters.add("download_seconds", time.monotonic() - t0)
-        if len(datas) != len(ranges) + 1:
-            raise IntegrityError(f"asked for {len(ranges) + 1} ranges, got {len(datas)}", key=job.key)
-        header = decode_header(datas[0], job.identity, job.key)
+        if len(datas) != len(ranges) + 1 + len(extra):
+            raise IntegrityError(f"asked for {len(ranges) + 1 + len(extra)} ranges, got {len(datas)}", key=job.key)
+        trailer = datas.pop() if extra else None
+        header = decode_header(datas[0], job.identity, job.key, trailer)
         if header.first_ordinal != job.first or header.page_count != job.count:
-            raise LoadPlanError(
-                f"object {job.key!r} holds ordinals {header.first_ordinal}+{header.page_count}, "
-                f"the plan expected {job.first}+{job.count}"
+            # The plan's span ends at the block the key names (checked on HEAD): a header
+            # claiming other blocks is span poisoning, never loaded.
+            raise SpanMismatch(
+                f"object holds ordinals {header.first_ordinal}+{header.page_count}, "
+                f"the plan expected {job.first}+{job.count}",
+                job.key,
             )
         if header.last_digest != job.last_digest:
             raise LoadPlanError(f"object {job.key!r} names another chain digest than its key")
@@ -283,6 +298,9 @@ def build_jobs(
             if tp_rank >= len(op.obj.spans):
                 raise LoadPlanError(f"the object has no span for shard {tp_rank}")
             first, count = (int(x) for x in op.obj.spans[tp_rank])
+            if any(int(f) + int(c) != first + count for f, c in op.obj.spans):
+                # One key (the digest of the last block) per object: every shard's span ends there.
+                raise LoadPlanError(f"the object's spans {op.obj.spans} do not end at one block")
             num_slots = min(int(r.num_slots) for r in regions)
             pairs = []
             for o, s in zip(op.ordinals, op.slots, strict=True):

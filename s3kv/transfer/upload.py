@@ -176,9 +176,10 @@ class Uploader:
     def _upload(self, job: UploadJob) -> None:
         self._wait_event(job.ready)
         pages = job.pages()
-        body = encode_object(job.identity, job.first, job.last_digest, pages)
+        # With integrity keys in the identity, both are signed for this key.
+        body = encode_object(job.identity, job.first, job.last_digest, pages, job.key)
         nbytes = sum(memoryview(b).nbytes for b in body)
-        meta = object_metadata(job.identity, job.first, job.count)
+        meta = object_metadata(job.identity, job.first, job.count, job.key)
         t0 = time.monotonic()
         try:
             created = self.store.put(job.key, body, meta)
