@@ -149,7 +149,7 @@ class _AsyncLoad:
 _CORRUPT = frozenset({"BadMagic", "HeaderCorrupt", "TruncatedObject", "ChecksumMismatch", "IntegrityError",
                       "ObjectFormatError"})
 #: Not ours to judge (another format version, another namespace, another span): never deleted.
-_UNUSABLE = frozenset({"UnsupportedVersion", "ForeignObject", "LoadPlanError"})
+_UNUSABLE = frozenset({"UnsupportedVersion", "ForeignObject", "LoadPlanError", "Unauthenticated", "SpanMismatch"})
 
 
 def _kind(reason: str) -> str:

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 
 from s3kv.config import Settings
-from s3kv.errors import PlanMismatch
 from s3kv.hitrule import Span, servable
 from s3kv.keys import KeyScheme, chain_digests, chain_root, namespace_digest
 from s3kv.layout import CacheGeometry, GroupGeometry
