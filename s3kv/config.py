@@ -87,6 +87,8 @@ class Settings:
     delete_corrupt: bool = False
     #: At process exit, wait at most this long for queued uploads (TensorRT-LLM calls no shutdown()).
     exit_drain_s: float = 10.0
+    #: Forget a request the engine has not mentioned for this long (0 = never).
+    request_state_ttl_s: float = 3600.0
     multipart_threshold_mib: int = 16
     multipart_part_mib: int = 8
     #: "", "AES256" or "aws:kms".
@@ -190,6 +192,7 @@ def validate(s: Settings) -> None:
         "load_timeout_s",
         "quarantine_s",
         "exit_drain_s",
+        "request_state_ttl_s",
         "breaker_reset_s",
         "lookup_timeout_s",
     ):

@@ -87,6 +87,8 @@ class _Request:
     parked: bool = False
     #: The next metadata must declare this request's async load (even with nothing to load).
     declare_async: bool = False
+    #: time.monotonic() of the last call about it (state of requests the engine forgot expires).
+    seen: float = 0.0
 
 
 @dataclass
@@ -107,6 +109,10 @@ class LeaderStats:
     finish_plan_mismatches: int = 0
     #: Requests reported without a lookup (no full identity): never saved.
     unkeyed_not_saved: int = 0
+    #: Device matches ending inside a block (partial reuse): no S3 hit possible.
+    partial_block_misses: int = 0
+    requests_expired: int = 0
+    loads_cancelled_by_engine: int = 0
     honoured_less: int = 0
     #: Smaller honours served by a correct smaller load.
     honoured_less_served: int = 0
@@ -255,15 +261,18 @@ class LeaderCore:
                 return 0, False
             chain = Chain(root, g.tokens_per_block)
             chain.extend_to(prompt)
-            st = _Request(request_id, root, chain, prompt, prompt_len)
+            st = _Request(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
             self._requests[request_id] = st
             tpb = g.tokens_per_block
             st.d_blocks = num_computed_tokens // tpb
             st.h_blocks = st.d_blocks
             self.stats.lookups += 1
             if num_computed_tokens % tpb or not store_available:
-                # A device match that ends mid-block leaves nothing whole to append to.
+                # A device match that ends mid-block (partial reuse) leaves nothing whole to
+                # append to: an S3 load must start on a block boundary.
                 self.stats.misses += 1
+                if num_computed_tokens % tpb:
+                    self.stats.partial_block_misses += 1
                 return 0, False
             hmax = (prompt_len - 1) // tpb
             budget = self.settings.lookup_timeout_s
@@ -456,6 +465,50 @@ class LeaderCore:
             except PlanMismatch as e:
                 self._broken(st, str(e))
 
+    def _expire(self, now: float) -> None:
+        """Forget requests the engine has not mentioned for ``request_state_ttl_s``.
+
+        The engine reports every running request each iteration and calls request_finished
+        at the end; a request that does neither for that long was dropped without telling
+        us (an aborted admission, an engine bug). Its worker-side buffers are discarded.
+        """
+        ttl = self.settings.request_state_ttl_s
+        if ttl <= 0:
+            return
+        for st in self._requests.values():
+            if not st.seen:
+                st.seen = now  # first sweep since it appeared without a report
+        stale = [rid for rid, st in self._requests.items() if now - st.seen > ttl and not st.parked]
+        for rid in stale:
+            del self._requests[rid]
+            self._discards.add(rid)
+        if stale:
+            self.stats.requests_expired += len(stale)
+            log.warning("s3kv: forgot %d request(s) not seen for %.0f s: %s", len(stale), ttl, stale[:8])
+
+    def cancel_load(self, request_id: int, start: int, end: int) -> None:
+        """Engine hook (some V2 lines): the offered tokens ``[start, end)`` will not be consumed.
+
+        Nothing was loaded yet (the commit follows), so this only shrinks what the leader plans
+        for; a cancel that takes the whole offer before any commit forgets the request."""
+        with self._lock:
+            st = self._requests.get(request_id)
+            g = self._geometry
+            if st is None or g is None or not st.offered_blocks:
+                return
+            tpb = g.tokens_per_block
+            keep = max(0, min(st.offered_blocks, (int(start) - st.d_blocks * tpb) // tpb))
+            if int(end) >= (st.d_blocks + st.offered_blocks) * tpb:
+                st.offered_blocks = keep
+            self.stats.loads_cancelled_by_engine += 1
+
+    def request_reset(self, request_id: int) -> None:
+        """Engine hook (some V2 lines): the request's allocation died and it will be replayed;
+        drop what was staged for it (the replay starts from a fresh lookup)."""
+        with self._lock:
+            if self._requests.pop(request_id, None) is not None:
+                self._discards.add(request_id)
+
     def break_promise(self, request_id: int, reason: str) -> None:
         """The adapter's fallback when planning a load raised: the request takes the failure rung."""
         with self._lock:
@@ -576,6 +629,11 @@ class LeaderCore:
                 seals.extend(st.pending_seals)
                 releases.extend(st.pending_releases)
                 st.pending_stages, st.pending_seals, st.pending_releases = [], [], []
+            now = time.monotonic()
+            for st in reported:
+                st.seen = now
+            if self._iteration % 256 == 0:
+                self._expire(now)
             # Standing finish plans, for every request that computes in this pass (only they change).
             plans: list[FinishPlan] = []
             for st in reported:

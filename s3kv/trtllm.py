@@ -236,6 +236,19 @@ class S3KvConnectorLeader(KvCacheConnectorScheduler):
                 self._contain("observe", e)
         return meta
 
+    # -- optional engine hooks (some TensorRT-LLM lines call them; feature-detected by the engine) --
+    def cancel_load(self, request: Any, start: int, end: int) -> None:
+        try:
+            self.core.cancel_load(int(request.request_id), int(start), int(end))
+        except Exception as e:  # noqa: BLE001
+            self._contain("cancel_load", e)
+
+    def request_reset(self, request: Any) -> None:
+        try:
+            self.core.request_reset(int(request.request_id))
+        except Exception as e:  # noqa: BLE001
+            self._contain("request_reset", e)
+
     # -- end of a request --------------------------------------------------
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         return self.request_finished_by_layer_group(request, [list(cache_block_ids)])

@@ -253,6 +253,8 @@ class WorkerCore:
         # Standing finish plans (request id -> plan), run when the id reaches get_finished.
         self._finish_plans: dict[int, FinishPlan] = {}
         self._last_stream: Any = None  # the forward stream of the latest wait_for_save
+        self._last_drop_warn = 0.0
+        self._dropped_since_warn = 0
         self._closed = False
 
     # -- set-up -----------------------------------------------------------
@@ -308,6 +310,19 @@ class WorkerCore:
                 name=f"s3kv-down-r{self.tp_rank}",
             )
             self._geometry = geometry
+            # Saves need a buffer per open object and group; with room for fewer than a few
+            # objects of the largest group, most saves would be dropped.
+            from .policy import object_sizes
+
+            blocks, _ = object_sizes([g.page_bytes for g in geometry.groups], geometry.tokens_per_block, self.settings)
+            biggest = max(b * g.page_bytes for b, g in zip(blocks, geometry.groups, strict=True))
+            if self._pool.capacity < 4 * biggest * max(1, geometry.num_groups):
+                log.warning(
+                    "s3kv: S3KV_STAGING_MIB=%d holds fewer than 4 objects per layer group (largest object "
+                    "%.1f MiB, %d groups): saves will be dropped under load; raise it to at least %d",
+                    self.settings.staging_mib, biggest / 2**20, geometry.num_groups,
+                    -(-4 * biggest * geometry.num_groups // 2**20),
+                )
             log.info(
                 "s3kv worker rank %d/%d: %d layer group(s), namespace %s, staging %d MiB (%s) on %s",
                 self.tp_rank,
@@ -839,7 +854,7 @@ class WorkerCore:
             page_bytes = self._identity[bid.group].page_bytes
             buf = self._pool.try_acquire(bid.capacity * page_bytes, SAVE)
             if buf is None:
-                log.debug("s3kv: staging full; dropping save of %s", bid)
+                self._warn_dropped(bid)
                 self._dropped.add(bid)
                 self._counters.add("saves_dropped_staging_full")
                 self._counters.add("stages_dropped")
@@ -856,6 +871,18 @@ class WorkerCore:
             self._counters.add("restages_ignored")
             return None
         return ob
+
+    def _warn_dropped(self, bid: BufferId) -> None:
+        """Saves dropped for staging room: a WARNING at most every 30 s, with the count since."""
+        self._dropped_since_warn += 1
+        now = time.monotonic()
+        if now - self._last_drop_warn >= 30.0:
+            log.warning(
+                "s3kv: host staging full: %d save(s) dropped (latest %s); raise S3KV_STAGING_MIB "
+                "(now %d) or check the store's upload speed", self._dropped_since_warn, bid, self.settings.staging_mib,
+            )
+            self._last_drop_warn = now
+            self._dropped_since_warn = 0
 
     def _seal(self, seal: SealOp) -> None:
         bid = seal.buffer

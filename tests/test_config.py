@@ -197,6 +197,7 @@ INVALID = {
     "quarantine_s": ["-1"],
     "delete_corrupt": ["perhaps"],
     "exit_drain_s": ["-2"],
+    "request_state_ttl_s": ["-3"],
     "multipart_threshold_mib": ["0"],
     "multipart_part_mib": ["4", "-8"],
     "sse": ["aes256", "kms"],
