@@ -78,14 +78,14 @@ class _Main(click.Group):
 @click.pass_context
 def main(ctx: click.Context, log_level: str, debug: bool | None) -> None:
     """s3kv: share TensorRT-LLM prompt KV across a fleet through S3."""
-    from .config import unknown_env_vars
+    from .config import unknown_env_vars, warn_once
     from .logs import configure_logging
 
     # Commands that start processes (the demo's clusters) pass both on through their env.
     ctx.meta["s3kv.debug"] = bool(debug) or debug_enabled()
     configure_logging(log_level.upper(), fmt="text")
     for message in unknown_env_vars():
-        click.echo(f"s3kv: warning: {message}", err=True)
+        warn_once(message)  # once per process, whichever command loads settings later
 
 
 # --------------------------------------------------------------------------- server

@@ -270,21 +270,25 @@ def _did_you_mean(word: str, candidates: list[str]) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def unknown_env_vars(env: Mapping[str, str] | None = None) -> list[str]:
-    """One message per ``S3KV_*`` variable in ``env`` that s3kv does not read (typos, old names)."""
+def unknown_env_names(env: Mapping[str, str] | None = None) -> list[str]:
+    """``S3KV_*`` variables in ``env`` that s3kv does not read (typos, old names)."""
     env = os.environ if env is None else env
-    settings = [_env_name(f.name) for f in fields(Settings)]
-    known = set(settings) | OTHER_ENV_VARS
-    out = []
-    for name in sorted(env):
-        if name.upper().startswith("S3KV_") and name not in known:
-            hint = _did_you_mean(name.upper(), settings + sorted(OTHER_ENV_VARS))
-            out.append(f"{name} is not an s3kv setting and is ignored{hint}")
-    return out
+    known = {_env_name(f.name) for f in fields(Settings)} | OTHER_ENV_VARS
+    return sorted(n for n in env if n.upper().startswith("S3KV_") and n not in known)
+
+
+def unknown_env_vars(env: Mapping[str, str] | None = None) -> list[str]:
+    """One message per ``S3KV_*`` variable in ``env`` that s3kv does not read, naming the closest
+    variable it does read."""
+    names = [_env_name(f.name) for f in fields(Settings)] + sorted(OTHER_ENV_VARS)
+    return [
+        f"{n} is not an s3kv setting and is ignored{_did_you_mean(n.upper(), names)}"
+        for n in unknown_env_names(env)
+    ]
 
 
 @functools.lru_cache(maxsize=64)
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
     # Leader and workers of one process load settings separately; say it once.
     log.warning("%s", message)
 
@@ -327,7 +331,7 @@ def load_settings(
         if ev is not None:
             values[name] = ev
     for message in unknown_env_vars(env):
-        _warn_once(message)
+        warn_once(message)
     values.update({k: v for k, v in overrides.items() if v is not None})
     for k in list(values):
         if k not in known:
