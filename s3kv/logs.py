@@ -59,6 +59,8 @@ def configure_logging(level: str = "WARNING", fmt: str = "json") -> None:
     for h in root.handlers:
         if getattr(h, "_s3kv", False):
             h.setFormatter(formatter)
+            if isinstance(h, logging.StreamHandler):
+                h.setStream(sys.stderr)  # stderr may have been swapped since (test runners)
             root.setLevel(level.upper())
             return
     handler = logging.StreamHandler(sys.stderr)
