@@ -266,8 +266,13 @@ def _read_file(path: str) -> Mapping[str, Any]:
 
 
 def _did_you_mean(word: str, candidates: list[str]) -> str:
-    close = difflib.get_close_matches(word, candidates, n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else ""
+    # Compare without the shared "S3KV_" so that it does not make every name look close.
+    def bare(name: str) -> str:
+        return name[5:] if name.upper().startswith("S3KV_") else name
+
+    by_bare = {bare(c): c for c in candidates}
+    close = difflib.get_close_matches(bare(word), list(by_bare), n=1, cutoff=0.6)
+    return f"; did you mean {by_bare[close[0]]}?" if close else ""
 
 
 def unknown_env_names(env: Mapping[str, str] | None = None) -> list[str]:

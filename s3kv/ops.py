@@ -51,6 +51,9 @@ HEAD_BATCH = 256
 #: verify reads an object in parts of about this many bytes (at least one page), so a huge
 #: (or crafted) object never sits in memory whole.
 VERIFY_READ_BYTES = 64 * 1024 * 1024
+#: verify does not read pages larger than this (no real model has pages near it); such objects
+#: are reported as skipped, never judged or deleted.
+MAX_PAGE_BYTES = 512 * 1024 * 1024
 #: gc asks before deleting more objects than this (unless --yes).
 CONFIRM_ABOVE = 1000
 _NS_HEX = 2 * DIGEST_SIZE
@@ -599,6 +602,10 @@ def check_object(parsed: ParsedKey, info: ObjectInfo, data: bytes) -> int:
     return len(pages)
 
 
+class _TooLarge(ObjectFormatError):
+    reason = "page_too_large"
+
+
 def _verify_streamed(store: ObjectStore, parsed: ParsedKey, info: ObjectInfo) -> int:
     """``check_object`` without holding the object: sizes from the HEAD first, then the header,
     then the pages in parts of about VERIFY_READ_BYTES. Returns the page count."""
@@ -606,6 +613,8 @@ def _verify_streamed(store: ObjectStore, parsed: ParsedKey, info: ObjectInfo) ->
     identity = identity_from(parsed, info.metadata, key)
     # The HEAD's size must be what the metadata's page count implies before a byte is read.
     span = span_from_metadata(identity, info.metadata, info.size, key)
+    if identity.page_bytes > MAX_PAGE_BYTES:
+        raise _TooLarge(f"pages of {identity.page_bytes} bytes are past verify's limit of {MAX_PAGE_BYTES}", key)
     hlen = header_len(span.count)
     head = store.get_ranges(key, [ByteRange(0, hlen)])[0]
     header = decode_header(head, identity, key)
@@ -638,8 +647,9 @@ def _verify_one(store: ObjectStore, e: Entry) -> Verdict:
         pages = _verify_streamed(store, e.parsed, info)
     except NotFound:
         return Verdict(key, "vanished")
-    except UnsupportedVersion as exc:
-        # Written by another s3kv version: not ours to judge, and never ours to delete.
+    except (UnsupportedVersion, _TooLarge) as exc:
+        # Written by another s3kv version (or not plausibly by any): not ours to judge, and never
+        # ours to delete.
         return Verdict(key, "skipped", exc.reason, _without_key(str(exc), key))
     except ObjectFormatError as exc:
         return Verdict(key, "bad", exc.reason, _without_key(str(exc), key))
