@@ -18,7 +18,8 @@ EXAMPLE = REPO / "examples" / "trtllm_vswa.py"
 
 def _env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("S3KV_", "AWS_"))}
-    env.update(PYTHONPATH=str(REPO), AWS_EC2_METADATA_DISABLED="true", **extra)
+    env.update(PYTHONPATH=str(REPO), AWS_EC2_METADATA_DISABLED="true")
+    env.update(extra)
     return env
 
 
