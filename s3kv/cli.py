@@ -126,6 +126,58 @@ def server_command(kind: str, bucket: str, prefix: str, data_dir: str | None, en
     click.echo("s3kv server: stopped")
 
 
+# --------------------------------------------------------------------------- size
+@click.command("size")
+@click.option("--model", "model_name", default="gemma-3-27b", show_default=True,
+              help="A preset: gemma-3-27b, gemma-3-12b, llama-3.1-8b, llama-3.1-70b.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--tokens-per-block", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--prompt-tokens", default="8192,32768", show_default=True, help="Prompt lengths to price.")
+@click.option("--new-tokens-per-day", type=float, default=0.0,
+              help="Prompt tokens the fleet saves for the first time per day (for the monthly cost).")
+@click.option("--hit-tokens-per-day", type=float, default=0.0,
+              help="Prompt tokens served from S3 per day (for the monthly cost).")
+@click.option("--retention-days", type=click.IntRange(min=1), default=30, show_default=True,
+              help="Lifecycle expiry of the bucket (objects live this long).")
+@click.option("--price-gb-month", type=float, default=0.023, show_default=True)
+@click.option("--price-put-per-1k", type=float, default=0.005, show_default=True)
+@click.option("--price-get-per-1k", type=float, default=0.0004, show_default=True)
+@click.option("--gpu-tflops", type=float, default=989.4, show_default=True,
+              help="Peak dense BF16 TFLOP/s of one GPU (H100/H200 SXM: 989.4); an engine has --tp of them.")
+@click.option("--mfu", type=float, default=0.40, show_default=True, help="Prefill model-FLOPs utilisation.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def size_command(model_name: str, tp: int, tokens_per_block: int, prompt_tokens: str, new_tokens_per_day: float,
+                 hit_tokens_per_day: float, retention_days: int, price_gb_month: float, price_put_per_1k: float,
+                 price_get_per_1k: float, gpu_tflops: float, mfu: float, as_json: bool) -> None:
+    """Bytes, requests and dollars per prompt for a model, under both storage policies.
+
+    Uses your S3KV_* settings (checkpoint_tokens, target_object_mib ...) where set.
+    """
+    import json
+    from dataclasses import asdict
+
+    from .config import load_settings
+    from .sizing import PRESETS, Prices, Traffic, size, table
+
+    model = PRESETS.get(model_name.lower())
+    if model is None:
+        raise click.BadParameter(f"{model_name!r}; presets: {', '.join(PRESETS)}", param_hint="--model")
+    try:
+        lengths = tuple(int(x) for x in prompt_tokens.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{prompt_tokens!r} is not a list of integers", param_hint="--prompt-tokens") from None
+    result = size(
+        model, tp=tp, tokens_per_block=tokens_per_block, prompt_tokens=lengths,
+        settings=load_settings(require_url=False), gpu_tflops=gpu_tflops, mfu=mfu,
+        traffic=Traffic(new_tokens_per_day, hit_tokens_per_day, retention_days),
+        prices=Prices(price_gb_month, price_put_per_1k, price_get_per_1k),
+    )
+    if as_json:
+        click.echo(json.dumps(asdict(result), indent=2))
+    else:
+        click.echo(table(result, f"{tp} x {gpu_tflops:g} TFLOP/s at MFU {mfu:g}"))
+
+
 def export_lines(env: dict[str, str]) -> list[str]:
     import shlex
 
@@ -153,6 +205,7 @@ def _register() -> None:
 
     main.add_command(demo_command, "demo")
     main.add_command(server_command, "server")
+    main.add_command(size_command, "size")
     try:
         from .bench.cli import bench_group
     except ImportError:  # pragma: no cover - while the bench package is being built
