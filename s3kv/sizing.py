@@ -62,7 +62,7 @@ class Traffic:
 def geometry_of(model: ModelSpec, tokens_per_block: int, tp: int) -> CacheGeometry:
     """Layer groups as TensorRT-LLM forms them for this model: full attention, and one window."""
     per_layer = 2 * tokens_per_block * (model.kv_heads // tp) * model.head_dim * model.kv_dtype_bytes
-    groups = []
+    groups: list[GroupGeometry] = []
     for window, layers in ((None, model.global_layers), (model.window, model.local_layers)):
         if layers:
             groups.append(
