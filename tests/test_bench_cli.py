@@ -225,3 +225,9 @@ def test_every_printed_ratio_is_explained(bench: str, args: list[str], columns: 
         assert col in table, (col, table)
         assert any(ln.startswith(col) or f" {col} " in f" {ln} " for ln in explained), (col, explained)
     assert any(ln.startswith("targets:") for ln in explained)
+
+
+def test_bench_url_scheme_is_checked_first() -> None:
+    r = CliRunner().invoke(main, ["bench", "lookup", "--quick", "--url", "http://u:pw@example.com/kv"])
+    assert r.exit_code == 2
+    assert "scheme 'http://' is not allowed" in r.output and "pw" not in r.output

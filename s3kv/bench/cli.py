@@ -63,11 +63,19 @@ def explained(name: str, table: Callable[[dict[str, Any]], str]) -> Callable[[di
     return render
 
 
-def _check_plot(plot_path: str | None) -> None:
+def _check_plot(plot_path: str | None, url: str | None = None) -> None:
+    """What can be checked before a benchmark starts: --plot's dependency, --url's scheme."""
     if plot_path:
         from .plot import require_matplotlib
 
         require_matplotlib()
+    if url:
+        from ..config import ConfigError, check_url
+
+        try:
+            check_url(url, "--url")
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc).removeprefix("--url: "), param_hint="--url") from None
 
 
 @click.group("bench", context_settings={"help_option_names": ["-h", "--help"]})
@@ -133,7 +141,7 @@ def lookup_command(
     The scan is what one object per block, read synchronously, needs: one HEAD per block per layer
     group, in order, until the first miss.
     """
-    _check_plot(plot_path)
+    _check_plot(plot_path, url)
     from . import lookup, plot
     from .common import bench_store
 
@@ -179,7 +187,7 @@ def transfer_command(
     repeats: int,
 ) -> None:
     """Save/load throughput of s3kv's pipelines vs plain parallel boto3 and one object per block, synchronous."""
-    _check_plot(plot_path)
+    _check_plot(plot_path, url)
     from . import plot, transfer
     from .common import bench_store
 
@@ -264,7 +272,7 @@ def e2e_command(
     checkpoint_tokens: int | None,
 ) -> None:
     """Multi-turn VSWA workload: cold then warm cluster, both storage policies, prefill saved, memory soak."""
-    _check_plot(plot_path)
+    _check_plot(plot_path, url)
     from . import e2e, plot
     from .common import bench_store
 
