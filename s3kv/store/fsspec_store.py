@@ -27,6 +27,7 @@ import concurrent.futures as cf
 import errno
 import json
 import os
+import stat
 import struct
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -310,8 +311,11 @@ class FsspecStore(ObjectStore):
                         key = self._key_of(full)
                         if TMP_MARK in name or not key.startswith(prefix):
                             continue
-                        st = os.stat(full)
-                        if st.st_size >= ENVELOPE_SIZE:
+                        try:
+                            st = os.stat(full)
+                        except OSError:  # a dangling symlink, or deleted while we walk: not an object
+                            continue
+                        if stat.S_ISREG(st.st_mode) and st.st_size >= ENVELOPE_SIZE:
                             items.append(ObjectInfo(key, st.st_size - ENVELOPE_SIZE, {}, st.st_mtime))
             else:
                 if not self.fs.exists(base):
