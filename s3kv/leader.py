@@ -94,6 +94,8 @@ class _Request:
 @dataclass
 class LeaderStats:
     lookups: int = 0
+    #: Prompt tokens of every request asked about (replays counted once).
+    prompt_tokens: int = 0
     hits: int = 0
     misses: int = 0
     hit_tokens: int = 0
@@ -204,7 +206,7 @@ class LeaderCore:
         self._identities = {
             (grp.group_id, s): ObjectIdentity(
                 self.namespace, grp.fingerprint, s, g.tp_size, g.tokens_per_block, grp.page_bytes,
-                self.settings.integrity,
+                self.settings.integrity, grp.window,
             )
             for grp in g.groups
             for s in range(g.tp_size)
@@ -239,6 +241,9 @@ class LeaderCore:
             if old is not None:
                 # A replay: the engine re-allocates from scratch; whatever we staged is stale.
                 self._discards.add(request_id)
+            else:
+                # The denominator of "share of prompt tokens served from S3" (once per request).
+                self.stats.prompt_tokens += int(prompt_len)
             g = self.geometry
             prompt = list(tokens[:prompt_len])
             if g is None:

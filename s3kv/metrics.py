@@ -249,6 +249,25 @@ class Metrics:
         self.pages_loaded = Counter(f"{p}_pages_loaded", "Pages loaded into the KV cache.", registry=r)
         self.loaded_bytes = Counter(f"{p}_loaded_bytes", "Page bytes loaded into the KV cache.", registry=r)
         self.load_failures = Counter(f"{p}_load_failures", "Promised loads that failed.", registry=r)
+        self.failed_load_rungs = Counter(
+            f"{p}_failed_load_rungs",
+            "Requests whose promised load failed, by the outcome taken (docs/failures.md): "
+            "engine_recompute (the engine's failed-load hook), parked_retry (parked while retried).",
+            ["rung"],
+            registry=r,
+        )
+        self.parked_loads_ended = Counter(
+            f"{p}_parked_loads_ended",
+            "Parked (retried) loads that ended: recovered (served from the store) or cancelled.",
+            ["outcome"],
+            registry=r,
+        )
+        self.parked_requests = Gauge(
+            f"{p}_parked_requests", "Requests parked right now while their failed load is retried.", registry=r
+        )
+        self.uploads_dropped_at_exit = Counter(
+            f"{p}_uploads_dropped_at_exit", "Uploads still queued when the exit drain ran out of time.", registry=r
+        )
         self.objects_rejected = Counter(
             f"{p}_objects_rejected",
             "Objects refused on HEAD or load (foreign or corrupt).",
@@ -387,6 +406,15 @@ class Metrics:
             self._feed(
                 self.objects_rejected.labels(reason), source, f"reject[{reason}]", _first(stats, names)
             )
+        for label, name in (("engine_recompute", "rung_engine_recompute"), ("parked_retry", "rung_parked_retry")):
+            self._feed(self.failed_load_rungs.labels(label), source, f"rung[{label}]", _first(stats, (name,)))
+        for label, name in (("recovered", "parked_loads_recovered"), ("cancelled", "parked_loads_cancelled")):
+            self._feed(self.parked_loads_ended.labels(label), source, f"parked[{label}]", _first(stats, (name,)))
+        self._feed(self.uploads_dropped_at_exit, source, "uploads_dropped_at_exit",
+                   _first(stats, ("uploads_dropped_at_exit",)))
+        parked = _first(stats, ("parked_now",))
+        if parked is not None:
+            self.parked_requests.set(parked)
         staging = _field(stats, "staging")
         values = {}
         for gauge, names in _WORKER_GAUGES.items():

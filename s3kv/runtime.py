@@ -23,7 +23,7 @@ from typing import Any
 from .config import Settings
 from .index import KeyIndex
 from .layout import CacheGeometry
-from .metrics import Metrics, MetricsStore, start_http_server
+from .metrics import Metrics, MetricsStore, serve_for_rank
 from .store.base import ObjectStore
 from .store.breaker import BreakerPolicy, CircuitBreakerStore
 
@@ -151,11 +151,18 @@ def acquire_runtime(
                 owns_store=owns_store,
             )
             if settings.metrics_port:
+                # Every tensor-parallel rank is its own process with its own registry: rank r
+                # serves port + r (only rank 0's would be seen otherwise).
+                mapping = llm_args.parallel_config.to_mapping()
+                port = settings.metrics_port + int(mapping.tp_rank)
                 try:
-                    rt.http_server = start_http_server(metrics, settings.metrics_port)
-                    log.info("s3kv metrics on port %d", settings.metrics_port)
-                except OSError as e:  # another engine in this process already serves the port
-                    log.warning("s3kv: cannot serve metrics on port %d: %s", settings.metrics_port, e)
+                    rt.http_server = serve_for_rank(
+                        metrics, settings.metrics_port, int(mapping.tp_rank), int(mapping.tp_size),
+                        settings.metrics_addr,
+                    )
+                    log.info("s3kv metrics on %s:%d", settings.metrics_addr, port)
+                except (OSError, ValueError) as e:  # port taken (another engine here) or past 65535
+                    log.warning("s3kv: cannot serve metrics on port %d: %s", port, e)
             _REGISTRY[key] = rt
         rt.refs += 1
         return rt

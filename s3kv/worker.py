@@ -117,6 +117,16 @@ class WorkerStats:
     staging_high_water: int
     staging_drops: int
     staging_pinned: bool
+    #: Failed promised loads by rung (docs/failures.md), and how parked ones ended.
+    rung_engine_recompute: int = 0
+    rung_parked_retry: int = 0
+    parked_loads_recovered: int = 0
+    parked_loads_cancelled: int = 0
+    #: Requests parked right now while their load is retried (rung 3).
+    parked_now: int = 0
+    load_retries: int = 0
+    objects_quarantined: int = 0
+    uploads_dropped_at_exit: int = 0
 
 
 @dataclass
@@ -290,6 +300,7 @@ class WorkerCore:
                     tokens_per_block=geometry.tokens_per_block,
                     page_bytes=g.page_bytes,
                     integrity=self.settings.integrity,
+                    window=g.window,
                 )
                 for g in geometry.groups
             }
@@ -801,6 +812,14 @@ class WorkerCore:
             staging_high_water=s.high_water if s else 0,
             staging_drops=s.drops if s else 0,
             staging_pinned=s.pinned if s else False,
+            rung_engine_recompute=n("rung_engine_recompute"),
+            rung_parked_retry=n("rung_parked_retry"),
+            parked_loads_recovered=n("parked_loads_recovered"),
+            parked_loads_cancelled=n("parked_loads_cancelled"),
+            parked_now=sum(1 for st in list(self._async.values()) if st.attempts),
+            load_retries=n("load_retries"),
+            objects_quarantined=n("objects_quarantined"),
+            uploads_dropped_at_exit=n("uploads_dropped_at_exit"),
         )
 
     # -- internals: saves -------------------------------------------------
