@@ -297,6 +297,16 @@ class CircuitBreakerStore(StoreWrapper):
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
         return self._guard("get", key, lambda: self.inner.get_ranges(key, ranges))
 
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        self._guard("get", key, lambda: self.inner.get_ranges_into(key, ranges, out))
+
+    def note_timeout(self, op: str, key: str | None = None) -> None:
+        """A caller gave up on a call that still runs (a hung store answers nothing, so no
+        call of it ever fails): count it as one failed call, so a store whose every lookup
+        times out opens the breaker like one that errors."""
+        self._settle(_Probe(False), False, f"{op} timed out in the caller")
+        self.inner.note_timeout(op, key)
+
     def delete_many(self, keys: Sequence[str]) -> None:
         if not keys:
             return
