@@ -35,9 +35,11 @@ every page carries its own checksum). No flexible-checksum headers are sent
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures as cf
 import ctypes
 import datetime as dt
+import functools
 import logging
 import re
 import threading
@@ -223,7 +225,7 @@ class ObstoreS3Store(ObjectStore):
         def attempt() -> T:
             try:
                 return fn()
-            except StoreError:
+            except (StoreError, _ConditionalUnsupported):
                 raise
             except Exception as exc:  # noqa: BLE001 - obstore raises its own and builtin classes
                 raise self._translate(exc, op, key) from exc
@@ -377,18 +379,18 @@ class ObstoreS3Store(ObjectStore):
         # (ListObjectsV2 start-after), so a fault mid-listing repeats one page, never a key.
         last: str | None = None
         while True:
-            page = self._call("list", prefix, lambda last=last: self._list_page(prefix, last))
+            page: Sequence[ObjectInfo] = self._call("list", prefix, functools.partial(self._list_page, prefix, last))
             yield from page
             if len(page) < LIST_PAGE_SIZE:
                 return
             last = page[-1].key
 
-    def _list_page(self, prefix: str, after: str | None) -> list[ObjectInfo]:
+    def _list_page(self, prefix: str, after: str | None) -> Sequence[ObjectInfo]:
         stream = self._obs.list(
             self._store, prefix=prefix.rstrip("/") or None, offset=after, chunk_size=LIST_PAGE_SIZE
         )
-        batch = next(iter(stream), [])
-        out = []
+        batch: Any = next(iter(stream), [])
+        out: builtins.list[ObjectInfo] = []
         for m in batch:
             path = str(m["path"])
             if path.startswith(prefix):
