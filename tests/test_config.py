@@ -200,6 +200,11 @@ INVALID = {
     "breaker_failures": ["0"],
     "breaker_reset_s": ["-1"],
     "lookup_timeout_s": ["-1"],
+    "lookup_max_pending": ["-1"],
+    "lookup_head_concurrency": ["0"],
+    "lookup_summary_s": ["-1", "often"],
+    "lookup_summary_max_objects": ["0"],
+    "s3_client": ["curl", "BOTO3"],
     "metrics_port": ["-1", "65536"],
     "check_access": ["sometimes"],
 }
