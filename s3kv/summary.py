@@ -155,6 +155,8 @@ class NamespaceSummary:
         return self
 
     def _run(self) -> None:
+        if self._snapshot is not None:
+            self._stop.wait(self.interval_s)  # refreshed by hand just now: not again at once
         while not self._stop.is_set():
             try:
                 self.refresh()
