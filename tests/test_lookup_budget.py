@@ -16,10 +16,10 @@ import threading
 import time
 
 import pytest
+from test_lookup import TPB, geo, put_prefix, tokens_of
 
 from s3kv.config import Settings
 from s3kv.index import MISSING, KeyIndex
-from s3kv.layout import CacheGeometry, GroupGeometry
 from s3kv.leader import LeaderCore
 from s3kv.objects import ObjectSpan
 from s3kv.store.base import ByteRange, HeadBatch, NotFound, StoreWrapper
@@ -27,7 +27,6 @@ from s3kv.store.breaker import BreakerPolicy, BreakerState, CircuitBreakerStore
 from s3kv.store.fsspec_store import FsspecStore
 from s3kv.store.instrument import InstrumentedStore
 from s3kv.store.memory import MemoryStore
-from test_lookup import TPB, geo, put_prefix, tokens_of
 
 
 class HungHeads(StoreWrapper):
