@@ -89,7 +89,10 @@ class Settings:
     max_attempts: int = 6
     #: Deadline for a promised load; past it the request fails with a named error.
     load_timeout_s: float = 60.0
-    multipart_threshold_mib: int = 16
+    #: Bodies at least this large go up as (conditional) multipart. 64: s3kv's ~32 MiB objects are
+    #: one conditional PUT - one billed request instead of parts + 2, and on the obstore client
+    #: one GIL-free request; parallelism comes from the objects in flight.
+    multipart_threshold_mib: int = 64
     multipart_part_mib: int = 8
     #: "", "AES256" or "aws:kms".
     sse: str = ""

@@ -133,7 +133,7 @@ class S3Options:
     #: One policy per request; see :class:`RetryPolicy`.
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     #: Bodies at least this large go up as multipart (parts in parallel).
-    multipart_threshold: int = 16 * MiB
+    multipart_threshold: int = 64 * MiB
     part_size: int = 8 * MiB
     #: A range much longer than this is fetched as parallel sub-ranges of about this size.
     range_split_bytes: int = 8 * MiB
