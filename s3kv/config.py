@@ -77,6 +77,11 @@ class Settings:
     lookup_summary_s: float = 0.0
     #: The summary is dropped (lookups probe) when the namespace holds more objects than this.
     lookup_summary_max_objects: int = 500_000
+    #: 0: every object a summary hit would load is HEADed (one wave) before it is promised. > 0:
+    #: a listing younger than this many seconds counts as a presence observation, as the index's
+    #: HEAD answers do (for index_ttl_s): a cold hit then costs no request either. Spans come
+    #: from the key and the size; the load still verifies header and checksums before placing.
+    lookup_summary_trust_s: float = 0.0
     #: S3 client for s3:// URLs: auto (obstore when installed, else boto3), obstore, boto3.
     s3_client: str = "auto"
     #: Local key index bound (~300 bytes an entry).
@@ -172,6 +177,7 @@ def validate(s: Settings) -> None:
     need(s.s3_client in ("auto", "obstore", "boto3"), "s3_client", "accepted values: auto, obstore, boto3", s.s3_client)
     need(s.lookup_max_pending >= 0, "lookup_max_pending", "must be >= 0", s.lookup_max_pending)
     need(s.lookup_summary_s >= 0, "lookup_summary_s", "must be >= 0 (0 = off)", s.lookup_summary_s)
+    need(s.lookup_summary_trust_s >= 0, "lookup_summary_trust_s", "must be >= 0 (0 = verify)", s.lookup_summary_trust_s)
     for name in ("lookup_head_concurrency", "lookup_summary_max_objects"):
         need(getattr(s, name) > 0, name, "must be > 0", getattr(s, name))
     for name in ("upload_threads", "download_threads", "max_concurrency", "lookup_probe_budget", "max_attempts"):

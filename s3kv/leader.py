@@ -286,6 +286,11 @@ class LeaderCore:
             if cand.h_blocks - st.d_blocks < self.settings.min_hit_blocks:
                 self.stats.lookup_summary_misses += 1
                 return cand
+            trust = self.settings.lookup_summary_trust_s
+            if trust > 0 and self._summary is not None and self._summary.age_s() <= trust:
+                # A listing this fresh is the store's own answer, as a HEAD's is for the index.
+                self.stats.lookup_summary_hits += 1
+                return cand
             verified = self._verify(st, g, cand, picked)
             if verified is not None:  # confirmed, or a miss because the wave failed / timed out
                 if verified.h_blocks > st.d_blocks:
@@ -342,18 +347,36 @@ class LeaderCore:
         if self._lookup_pool is not None:
             self._lookup_pool.shutdown(wait=False, cancel_futures=True)
 
+    def _key_prefixes(self) -> dict[tuple[int, int], str]:
+        """(group, shard) -> the key prefix its objects share (``scheme.object_key`` less the
+        digest), built once: a lookup names hundreds of keys on the scheduling path."""
+        g = self._geometry
+        assert g is not None
+        cached = getattr(self, "_prefix_cache", None)
+        if cached is None or cached[0] is not self.scheme:
+            table = {
+                (grp.group_id, s): self.scheme.group_prefix(grp.fingerprint, s)
+                for grp in g.groups
+                for s in range(g.tp_size)
+            }
+            cached = (self.scheme, table)
+            self._prefix_cache = cached
+        return cached[1]
+
     def _probe_local(
         self, st: _Request, asks: set[Ask], summary: Any, picked: dict[Ask, str]
     ) -> dict[Ask, Span | None]:
         """Answer asks from the index, else the summary (noting which came from the summary)."""
         assert st.chain is not None and self._geometry is not None
         out: dict[Ask, Span | None] = {}
-        groups = self._geometry.groups
+        prefixes = self._key_prefixes()
+        digests = st.chain.digests
+        index_get = self.index.get
         for a in asks:
             grp, shard, end = a
-            digest = st.chain.digests[end - 1]
-            key = self.scheme.object_key(groups[grp].fingerprint, shard, digest)
-            v = self.index.get(key)
+            digest = digests[end - 1]
+            key = prefixes[(grp, shard)] + digest.hex()
+            v = index_get(key)
             if v is MISSING:
                 out[a] = None
             elif v is not None:
@@ -431,7 +454,7 @@ class LeaderCore:
         trust_index = self.store.available
         for a in asks:
             grp, shard, end = a
-            key = self.scheme.object_key(self._geometry.groups[grp].fingerprint, shard, st.chain.digests[end - 1])  # type: ignore[union-attr]
+            key = self._key_prefixes()[(grp, shard)] + st.chain.digests[end - 1].hex()
             v = self.index.get(key)
             if v is MISSING:
                 out[a] = None

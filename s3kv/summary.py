@@ -6,12 +6,18 @@ With a summary of the namespace's objects - every ``(group, shard, chain digest)
 page count, read off the key and the object's size - the lookup answers its probes locally:
 
 * a **miss** costs no request at all (the common case for new prompts);
-* a **hit** is only a *candidate*: before anything is promised, every object the hit would
-  load that the index does not already know is HEADed in one wave (its metadata checked like
-  any HEAD). A summary can be stale both ways - an object written after the listing is a miss
-  until the next refresh (safe), an object deleted since the listing fails that verify wave,
-  which drops the candidate and falls back to probing. So the summary never causes a promise
-  that the store itself did not just confirm.
+* a **hit** is a *candidate*: by default (``lookup_summary_trust_s`` = 0), before anything is
+  promised every object the hit would load that the index does not already know is HEADed in
+  one wave (its metadata checked like any HEAD). A summary can be stale both ways - an object
+  written after the listing is a miss until the next refresh (safe), an object deleted since
+  the listing fails that verify wave, which drops the candidate and falls back to probing. So
+  the summary never causes a promise that the store itself did not just confirm.
+* with ``lookup_summary_trust_s`` > 0, a listing younger than that is itself the store's
+  confirmation - the same kind of evidence as a HEAD answer, which the index trusts for
+  ``index_ttl_s`` (10 minutes by default) - and a cold hit costs no request either. The spans
+  then come from key and size (no metadata in a listing): an object planted under one of our
+  keys with a plausible size is caught by the load's header and checksum check (a failed load,
+  never a wrong byte), where the HEAD path would have rejected it before promising.
 
 Why a LIST and not a digest filter engines publish: the listing is the store's own truth,
 costs one request per 1,000 objects per refresh (about a dollar a day per engine at 200k
@@ -93,6 +99,10 @@ class NamespaceSummary:
         if snap is None or self._clock() - self._taken_at > self.max_age_s:
             return None
         return snap
+
+    def age_s(self) -> float:
+        """Seconds since the current snapshot's listing began (inf without one)."""
+        return self._clock() - self._taken_at if self._snapshot is not None else float("inf")
 
     @property
     def ready(self) -> bool:

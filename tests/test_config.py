@@ -204,6 +204,7 @@ INVALID = {
     "lookup_head_concurrency": ["0"],
     "lookup_summary_s": ["-1", "often"],
     "lookup_summary_max_objects": ["0"],
+    "lookup_summary_trust_s": ["-1"],
     "s3_client": ["curl", "BOTO3"],
     "metrics_port": ["-1", "65536"],
     "check_access": ["sometimes"],
