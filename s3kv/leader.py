@@ -214,7 +214,8 @@ class LeaderCore:
                 # A replay: the engine re-allocates from scratch; whatever we staged is stale.
                 self._discards.add(request_id)
             g = self.geometry
-            prompt = list(tokens[:prompt_len])
+            # One copy (a list's slice is already one); the request's token list is ours to extend.
+            prompt = tokens[:prompt_len] if isinstance(tokens, list) else list(tokens[:prompt_len])
             if g is None:
                 log.warning("s3kv: no KV cache layout registered yet; request %s is a miss", request_id,
                             extra={"request_id": request_id})

@@ -31,6 +31,7 @@ The refresh runs on its own daemon thread; the owner (a ``LeaderCore``) stops it
 
 from __future__ import annotations
 
+import _thread
 import logging
 import threading
 import time
@@ -83,7 +84,7 @@ class NamespaceSummary:
         self._snapshot: Snapshot | None = None
         self._taken_at = 0.0
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._started = False
         self.refreshes = 0
         self.failures = 0
         self.objects = 0
@@ -159,9 +160,11 @@ class NamespaceSummary:
         return True
 
     def start(self) -> NamespaceSummary:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="s3kv-summary", daemon=True)
-            self._thread.start()
+        if not self._started:
+            self._started = True
+            # Not threading.Thread: its start() waits until the new thread runs (a GIL hand-off,
+            # milliseconds), and this is called from the first lookup on the scheduling path.
+            _thread.start_new_thread(self._run, ())
         return self
 
     def _run(self) -> None:
