@@ -151,7 +151,11 @@ class Downloader:
         self.pool = pool
         self.copier = copier
         self.counters = counters or Counters()
-        self._executor = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=name)
+        # ``threads`` GETs in flight, and as many threads again so that verifying and placing
+        # one object's pages overlaps the next objects' GETs instead of idling a connection
+        # (measured on the 16-core GPU host: a 15-25% bubble at 3-4 GB/s without it).
+        self._gets = threading.BoundedSemaphore(max(1, threads))
+        self._executor = ThreadPoolExecutor(max_workers=2 * max(1, threads), thread_name_prefix=name)
 
     def submit(self, job: LoadJob) -> LoadJob:
         job.future = self._executor.submit(self._run, job)
@@ -209,20 +213,23 @@ class Downloader:
         for r in ranges:
             page_views.append(buf.memoryview(pos, r.length))
             pos += r.length
-        t0 = time.monotonic()
         if ranges and ranges[0].offset == hl:
             # The first wanted page follows the header: one request for both (a whole-object
             # load is then a single GET, as cheap as any client's).
-            self.store.get_ranges_into(
-                job.key,
-                [ByteRange(0, hl + ranges[0].length), *ranges[1:]],
-                [buf.memoryview(base - hl, hl + ranges[0].length), *page_views[1:]],
-            )
+            want = [ByteRange(0, hl + ranges[0].length), *ranges[1:]]
+            into = [buf.memoryview(base - hl, hl + ranges[0].length), *page_views[1:]]
         else:
-            self.store.get_ranges_into(
-                job.key, [ByteRange(0, hl), *ranges], [buf.memoryview(base - hl, hl), *page_views]
-            )
-        self.counters.add("download_seconds", time.monotonic() - t0)
+            want = [ByteRange(0, hl), *ranges]
+            into = [buf.memoryview(base - hl, hl), *page_views]
+        with self._gets:
+            if job.state != PENDING:  # cancelled while it waited for a connection slot
+                with job.lock:
+                    job.buffer = None
+                buf.release()
+                return
+            t0 = time.monotonic()
+            self.store.get_ranges_into(job.key, want, into)
+            self.counters.add("download_seconds", time.monotonic() - t0)
         header = decode_header(buf.memoryview(base - hl, hl), job.identity, job.key)
         if header.first_ordinal != job.first or header.page_count != job.count:
             raise LoadPlanError(
