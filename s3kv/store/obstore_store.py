@@ -113,16 +113,25 @@ def _status(exc: BaseException) -> int:
 def _copy_into(dst: memoryview, src: Any) -> None:
     """``dst[:] = src`` (same length), releasing the GIL for large copies."""
     n = dst.nbytes
-    if n < _GIL_FREE_COPY or dst.readonly:
+    np = _numpy()
+    if n < _GIL_FREE_COPY or dst.readonly or np is None:
         dst[:] = memoryview(src).cast("B")
         return
-    import numpy as np
 
     d = np.frombuffer(dst, dtype=np.uint8)
     s = np.frombuffer(src, dtype=np.uint8)
     if s.nbytes != n:
         raise ValueError(f"copy of {s.nbytes} bytes into {n}")
     ctypes.memmove(d.ctypes.data, s.ctypes.data, n)
+
+
+def _numpy() -> Any:
+    """numpy, for buffer addresses (torch brings it in practice; without it copies hold the GIL)."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    return numpy
 
 
 class ObstoreS3Store(ObjectStore):
