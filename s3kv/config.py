@@ -131,9 +131,29 @@ class Settings:
     max_concurrency: int = 32
     #: Lookup: strided probe size of the first HEAD wave.
     lookup_probe_budget: int = 128
-    #: Budget for one lookup's HEAD waves (it runs in the engine's scheduling path); past it the
-    #: lookup is a miss and its HEADs finish in the background, warming the index. 0 = none.
-    lookup_timeout_s: float = 5.0
+    #: Budget for one lookup's HEAD waves (it runs in the engine's scheduling path, where every
+    #: millisecond stalls the whole batch); past it the lookup is a miss and its HEADs finish in
+    #: the background, warming the index. 0 = none.
+    lookup_timeout_s: float = 0.05
+    #: HEAD waves of timed-out lookups still running in the background; a lookup that finds this
+    #: many is a miss at once (a hung store must not queue waves without bound).
+    lookup_max_pending: int = 4
+    #: HEADs of one wave in flight at once (obstore client; boto3 uses max_concurrency).
+    lookup_head_concurrency: int = 128
+    #: Refresh a summary of the namespace's stored objects (one LIST pass) this often, so a cold
+    #: miss costs no request and a cold hit one verify wave; 0 = off (lookups probe with HEADs).
+    #: Off by default until engines start it at layout registration (first lookups would race
+    #: the first refresh); `s3kv bench lookup` measures both.
+    lookup_summary_s: float = 0.0
+    #: The summary is dropped (lookups probe) when the namespace holds more objects than this.
+    lookup_summary_max_objects: int = 500_000
+    #: 0: every object a summary hit would load is HEADed (one wave) before it is promised. > 0:
+    #: a listing younger than this many seconds counts as a presence observation, as the index's
+    #: HEAD answers do (for index_ttl_s): a cold hit then costs no request either. Spans come
+    #: from the key and the size; the load still verifies header and checksums before placing.
+    lookup_summary_trust_s: float = 0.0
+    #: S3 client for s3:// URLs: auto (obstore when installed, else boto3), obstore, boto3.
+    s3_client: str = "auto"
     #: Local key index bound (~300 bytes an entry).
     index_max_entries: int = 200_000
     index_ttl_s: float = 600.0
@@ -153,7 +173,10 @@ class Settings:
     exit_drain_s: float = 10.0
     #: Forget a request the engine has not mentioned for this long (0 = never).
     request_state_ttl_s: float = 3600.0
-    multipart_threshold_mib: int = 16
+    #: Bodies at least this large go up as (conditional) multipart. 64: s3kv's ~32 MiB objects are
+    #: one conditional PUT - one billed request instead of parts + 2, and on the obstore client
+    #: one GIL-free request; parallelism comes from the objects in flight.
+    multipart_threshold_mib: int = 64
     multipart_part_mib: int = 8
     #: "", "AES256" or "aws:kms".
     sse: str = ""
@@ -242,6 +265,12 @@ def validate(s: Settings) -> None:
     need(s.window_margin_blocks >= 0, "window_margin_blocks", "must be >= 0", s.window_margin_blocks)
     need(s.min_hit_blocks >= 1, "min_hit_blocks", "must be >= 1", s.min_hit_blocks)
     need(s.staging_mib > 0, "staging_mib", "must be > 0", s.staging_mib)
+    need(s.s3_client in ("auto", "obstore", "boto3"), "s3_client", "accepted values: auto, obstore, boto3", s.s3_client)
+    need(s.lookup_max_pending >= 0, "lookup_max_pending", "must be >= 0", s.lookup_max_pending)
+    need(s.lookup_summary_s >= 0, "lookup_summary_s", "must be >= 0 (0 = off)", s.lookup_summary_s)
+    need(s.lookup_summary_trust_s >= 0, "lookup_summary_trust_s", "must be >= 0 (0 = verify)", s.lookup_summary_trust_s)
+    for name in ("lookup_head_concurrency", "lookup_summary_max_objects"):
+        need(getattr(s, name) > 0, name, "must be > 0", getattr(s, name))
     for name in ("upload_threads", "download_threads", "max_concurrency", "lookup_probe_budget", "max_attempts"):
         need(getattr(s, name) > 0, name, "must be > 0", getattr(s, name))
     need(s.index_max_entries >= 0, "index_max_entries", "must be >= 0", s.index_max_entries)

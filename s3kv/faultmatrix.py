@@ -123,6 +123,9 @@ def fault_settings(url: str, **overrides: Any) -> Settings:
         retry_deadline_s=4.0,
         max_attempts=6,
         load_timeout_s=20.0,
+        # Fault runs measure what faults cost, not the scheduling-path budget (tens of ms by
+        # default): a slow loopback server through the proxy must not turn hits into misses.
+        lookup_timeout_s=5.0,
         check_access=False,
     )
     values.update(overrides)

@@ -598,6 +598,19 @@ class MetricsStore(StoreWrapper):
         )
         return out
 
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        t0 = self._clock()
+        try:
+            self.inner.get_ranges_into(key, ranges, out)
+        except StoreError as exc:
+            self.metrics.record_request(
+                "get", self._clock() - t0, requests=len(ranges), errors={type(exc).__name__: 1}
+            )
+            raise
+        self.metrics.record_request(
+            "get", self._clock() - t0, requests=len(ranges), bytes_down=sum(r.length for r in ranges)
+        )
+
     def delete_many(self, keys: Sequence[str]) -> None:
         t0 = self._clock()
         try:

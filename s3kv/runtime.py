@@ -98,6 +98,8 @@ def s3_options(settings: Settings) -> Any:
         part_size=settings.multipart_part_mib * mib,
         sse=settings.sse or None,  # type: ignore[arg-type]  # validated by Settings
         sse_kms_key_id=settings.sse_kms_key_id or None,
+        client=settings.s3_client,  # type: ignore[arg-type]  # validated by Settings
+        head_concurrency=settings.lookup_head_concurrency,
     )
 
 

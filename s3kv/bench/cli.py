@@ -1,4 +1,4 @@
-"""``s3kv bench <lookup|transfer|staging|e2e|integrity>``. Heavy imports stay inside the commands.
+"""``s3kv bench <lookup|transfer|jitter|staging|e2e|integrity>``. Heavy imports stay inside the commands.
 
 Every table ends with a legend that says what each ratio divides by what, so a number can be
 read without this source. The baseline the benchmarks compare with is what s3kv replaces: one
@@ -202,6 +202,47 @@ def transfer_command(
     finish(
         res, as_json=as_json, table=explained("transfer", transfer.table), plot_path=plot_path, plot=plot.plot_transfer
     )
+
+
+# --------------------------------------------------------------------------- jitter
+
+
+@bench_group.command("jitter")
+@common_options(default_latency_ms=0.0)
+@click.option("--phase-s", type=float, default=None, help="Seconds per phase (default 3, --quick 0.5).")
+@click.option("--object-mib", type=float, default=8.0, show_default=True, help="Object size of the transfers.")
+def jitter_command(
+    as_json: bool,
+    plot_path: str | None,
+    url: str | None,
+    server: str,
+    latency_ms: float,
+    quick: bool,
+    keep: bool,
+    phase_s: float | None,
+    object_mib: float,
+) -> None:
+    """A stand-in executor loop's p50/p99 idle vs during lookups and full-speed transfers, per client."""
+    from . import jitter
+
+    cfg = jitter.JitterConfig(
+        phase_s=phase_s or (0.5 if quick else 3.0),
+        object_mib=1.0 if quick else object_mib,
+        objects=4 if quick else 16,
+        prompt_tokens=2048 if quick else 16384,
+    )
+    with bench_store_for(url, server, latency_ms, "jitter", keep) as bs:
+        progress(f"jitter: store {bs.where}, {latency_ms:g} ms injected per request")
+        res = jitter.run_jitter(bs, cfg)
+    if plot_path:
+        progress("jitter: no plot for this bench; --plot ignored")
+    finish(res, as_json=as_json, table=jitter.table, plot_path=None, plot=lambda r, p: None)
+
+
+def bench_store_for(url: str | None, server: str, latency_ms: float, name: str, keep: bool):  # noqa: ANN201
+    from .common import bench_store
+
+    return bench_store(url, server=server, latency_ms=latency_ms, name=name, keep=keep)
 
 
 # --------------------------------------------------------------------------- staging
