@@ -55,15 +55,19 @@ class KeyIndex:
         # key -> (expires_at, span); key -> expires_at. Both in expiry order.
         self._present: OrderedDict[str, tuple[float, ObjectSpan]] = OrderedDict()
         self._missing: OrderedDict[str, float] = OrderedDict()
+        # Objects that failed a load (gone, corrupt, foreign): missing for a long while. Its own map,
+        # so each map stays in expiry order (one TTL per map).
+        self._quarantined: OrderedDict[str, float] = OrderedDict()
 
     def _sweep(self, now: float) -> None:
-        for _ in range(_SWEEP):
-            if not self._missing:
-                break
-            k, exp = next(iter(self._missing.items()))
-            if exp >= now:
-                break
-            del self._missing[k]
+        for negatives in (self._missing, self._quarantined):
+            for _ in range(_SWEEP):
+                if not negatives:
+                    break
+                k, exp = next(iter(negatives.items()))
+                if exp >= now:
+                    break
+                del negatives[k]
         for _ in range(_SWEEP):
             if not self._present:
                 break
@@ -73,9 +77,11 @@ class KeyIndex:
             del self._present[k]
 
     def _bound(self) -> None:
-        while len(self._present) + len(self._missing) > self.max_entries:
+        while len(self._present) + len(self._missing) + len(self._quarantined) > self.max_entries:
             if self._missing:
                 self._missing.popitem(last=False)
+            elif self._quarantined:
+                self._quarantined.popitem(last=False)
             else:
                 self._present.popitem(last=False)
 
@@ -84,6 +90,8 @@ class KeyIndex:
             return
         with self._lock:
             now = self._clock()
+            if self._quarantined.get(key, 0.0) >= now:
+                return  # a late answer (HEAD wave, upload) must not lift a quarantine
             self._missing.pop(key, None)
             self._present.pop(key, None)
             self._present[key] = (now + self.ttl_s, span)
@@ -104,14 +112,24 @@ class KeyIndex:
     def quarantine(self, keys: Iterable[str], ttl: float) -> None:
         """Remember ``keys`` as missing for ``ttl`` seconds: objects that failed verification or
         a load. Later lookups miss instead of promising the same broken load again."""
-        for k in keys:
-            self._put(k, MISSING, ttl)
+        if self.max_entries == 0 or ttl <= 0:
+            return
+        with self._lock:
+            now = self._clock()
+            for k in keys:
+                self._present.pop(k, None)
+                self._missing.pop(k, None)
+                self._quarantined.pop(k, None)
+                self._quarantined[k] = now + ttl
+            self._sweep(now)
+            self._bound()
 
     def forget(self, keys: Iterable[str]) -> None:
         with self._lock:
             for k in keys:
                 self._present.pop(k, None)
                 self._missing.pop(k, None)
+                self._quarantined.pop(k, None)
 
     def get(self, key: str) -> ObjectSpan | _Missing | None:
         """The span if known present, MISSING if recently seen missing, None if unknown."""
@@ -123,17 +141,19 @@ class KeyIndex:
                     del self._present[key]
                     return None
                 return entry[1]
-            exp = self._missing.get(key)
-            if exp is None:
-                return None
-            if exp < now:
-                del self._missing[key]
-                return None
-            return MISSING
+            for negatives in (self._quarantined, self._missing):
+                exp = negatives.get(key)
+                if exp is None:
+                    continue
+                if exp < now:
+                    del negatives[key]
+                    continue
+                return MISSING
+            return None
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._present) + len(self._missing)
+            return len(self._present) + len(self._missing) + len(self._quarantined)
 
 
 #: Expired entries dropped per map and insert (more than one, so sweeping outpaces inserting).
