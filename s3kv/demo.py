@@ -141,13 +141,27 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
         max_batch=4,
         connector_kwargs=dict(settings=settings, store=store, key_prefix=prefix, engine_key=f"demo-{role}"),
     )
+    from .sim import SimEngineCrash, SimHang
+
     reports = []
+    crashes: list[str] = []
+    hangs: list[str] = []
     with engine:
         for phase in _workload(shape, role):
-            reports.append(engine.run(phase))
+            # The simulator dies the way TensorRT-LLM's executor does: on any exception out of a
+            # connector call (a crash), or when a request never comes back (a hang). Counted, not hidden.
+            try:
+                reports.append(engine.run(phase))
+            except SimEngineCrash as exc:
+                crashes.append(str(exc))
+                break
+            except SimHang as exc:
+                hangs.append(str(exc))
+                break
             # Users think between turns; by then the previous turn's uploads are done.
             for w in engine.workers:
                 w.flush(120)
+        contained = sum(engine.leader.errors.values()) + sum(sum(w.errors.values()) for w in engine.workers)
         wall = time.perf_counter() - t0
         geometry = engine.workers[0].core.geometry
         wstats = [w.core.stats() for w in engine.workers]
@@ -183,6 +197,16 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
         "objects_saved": sum(s.objects_uploaded for s in wstats),
         "saves_dropped": sum(s.saves_dropped_staging_full + s.saves_dropped_store_error for s in wstats),
         "load_failures": sum(s.loads_failed_objects for s in wstats),
+        # Issue-12 invariants: what the engine would have suffered, and how failed loads ended.
+        "engine_crashes": len(crashes),
+        "hung_engines": len(hangs),
+        "contained_errors": contained,
+        "failed_load_rungs": {
+            "engine_recompute": sum(r.recomputed_failed_load for r in (x for rep in reports for x in rep.requests)),
+            "parked_retry": max((s.rung_parked_retry for s in wstats), default=0),
+            "parked_recovered": max((s.parked_loads_recovered for s in wstats), default=0),
+        },
+        "promises_broken": lstats.promises_broken,
         "s3_requests": io.requests,
         "s3": {"head": io.head, "put": io.put, "get": io.get, "bytes_up": io.bytes_up, "bytes_down": io.bytes_down},
         "lookup_waves": lstats.lookup_waves,
@@ -248,6 +272,12 @@ def _table(res: dict[str, Any]) -> str:
         )
         hits = " ".join(f"{p['matched_tokens']}/{p['prompt_tokens']}" for p in r["per_request"])
         lines.append(f"      hits per request (served/prompt): {hits}")
+        rungs = r["failed_load_rungs"]
+        lines.append(
+            f"      engine: {r['engine_crashes']} crashes, {r['hung_engines']} hangs; failed loads: "
+            f"{rungs['engine_recompute']} recomputed (rung 1), {rungs['parked_retry']} parked and retried "
+            f"(rung 3, {rungs['parked_recovered']} served after); {r['contained_errors']} contained errors"
+        )
     lines.append("stored bytes per layer group: " + ", ".join(
         f"{k} {v['bytes'] / 2**20:.1f} MiB in {v['objects']} objects" for k, v in res["warm"]["stored_bytes_by_group"].items()
     ))

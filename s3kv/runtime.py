@@ -45,6 +45,8 @@ class EngineRuntime:
     #: Close the store with the runtime only if the runtime opened it (a caller's store is theirs).
     owns_store: bool = True
     _last_observed: float = 0.0
+    _geometry_ready: bool = False
+    _geometry_callbacks: list[Any] = field(default_factory=list)
 
     def observe(self, leader_stats: Any = None, worker_stats: Any = None, source: str = "worker") -> None:
         """Copy cumulative connector stats into the Prometheus metrics."""
@@ -66,6 +68,21 @@ class EngineRuntime:
 
     def get_geometry(self) -> CacheGeometry | None:
         return self.geometry
+
+    def on_geometry(self, callback: Any) -> None:
+        """Call ``callback()`` once the rank-0 worker registered the layout (at once if it has)."""
+        with self.lock:
+            if not self._geometry_ready:
+                self._geometry_callbacks.append(callback)
+                return
+        callback()
+
+    def geometry_ready(self) -> None:
+        with self.lock:
+            self._geometry_ready = True
+            callbacks, self._geometry_callbacks = self._geometry_callbacks, []
+        for cb in callbacks:
+            cb()
 
 
 _REGISTRY: dict[str, EngineRuntime] = {}

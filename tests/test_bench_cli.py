@@ -210,8 +210,9 @@ def test_help_texts_speak_plainly() -> None:
 @pytest.mark.parametrize(
     "bench,args,columns",
     [
-        ("lookup", ["--quick", "--latency-ms", "2", "--prompts", "1k"], ["speedup", "warm RTs", "seq HEADs"]),
-        ("transfer", ["--quick", "--total-mib", "4"], ["vs raw", "vs seed"]),
+        ("lookup", ["--quick", "--latency-ms", "2", "--prompts", "1k"],
+         ["speedup", "warm RTs", "seq HEADs", "wall RTs", "client"]),
+        ("transfer", ["--quick", "--total-mib", "4"], ["vs fastest", "vs example", "CPU s/GB"]),
         ("e2e", ["--quick", "--url", "memory://bench-legend", "--rounds", "1"], ["hit", "window / all"]),
     ],
 )

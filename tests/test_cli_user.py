@@ -328,6 +328,10 @@ def test_demo_url_prints_the_real_prefix_and_ls_finds_it(tmp_path):
     res = json.loads(r.stdout)
     assert res["cleanup"].startswith("deleted the demo's ") and res["store_url"].startswith(url + "/demo-")
     assert res["warm"]["kv_mismatches"] == 0 and res["warm"]["matched_tokens"] > 0
+    for phase in ("cold", "warm"):  # what the engine would have suffered: nothing
+        assert res[phase]["engine_crashes"] == 0 and res[phase]["hung_engines"] == 0
+        assert res[phase]["contained_errors"] == 0 and set(res[phase]["failed_load_rungs"]) == {
+            "engine_recompute", "parked_retry", "parked_recovered"}
     after = json.loads(s3kv("ls", "--url", url, "--json").stdout)
     assert after["total"]["objects"] == ns["objects"]  # only the kept run is left
 

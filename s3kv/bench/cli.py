@@ -25,12 +25,20 @@ LEGENDS: dict[str, tuple[str, ...]] = {
         "per block, synchronous)",
         "speedup = seq ms / cold ms (how many times faster s3kv finds the stored prefix)",
         "hit: prompt tokens the lookup found servable (at most the prompt minus its last token)",
+        "per client: wall RTs = wall ms / the injected latency (round trips actually paid); exec = CPU ms "
+        "on the calling (executor) thread; proc = the whole process's CPU ms; chain = hashing the "
+        "prompt's block chain; client = proc - chain (the lookup's and the S3 client's own CPU)",
+        "paths: probe = HEAD waves; summary_hit = namespace summary + one verify wave; "
+        "summary_trusted_hit = a fresh listing trusted as the presence check; summary_miss = a cold miss",
     ),
     "transfer": (
-        "s3kv / raw / seed MiB/s: bytes moved per second by s3kv's pipelines, by plain parallel boto3 "
-        "calls on the same objects and threads, and by one object per block, synchronous",
-        "vs raw = s3kv MiB/s / raw MiB/s (1.00: as fast as plain boto3; the target is >= 0.9)",
-        "vs seed = s3kv MiB/s / the one-object-per-block synchronous path's MiB/s (how many times faster)",
+        "save / load MiB/s: bytes moved per second by s3kv (on its default client), by the fastest "
+        "plain client library doing the same puts/gets with the same threads (boto3, obstore, awscrt), "
+        "and by one object per block, synchronous (the upstream example's path)",
+        "vs fastest = s3kv MiB/s / the fastest raw client's MiB/s (1.00: as fast as the fastest plain "
+        "client; the target is >= 0.9)",
+        "vs example = s3kv MiB/s / the one-object-per-block synchronous path's MiB/s (how many times faster)",
+        "CPU s/GB: process CPU seconds per GB moved, per client (lower leaves more CPU to the engine)",
     ),
     "staging": (
         "GB/s: bytes copied per second between GPU pages and pinned host staging, scattered pages",
