@@ -517,17 +517,20 @@ def test_object_deleted_before_lookup_gives_a_shorter_hit(moto_s3: EmbeddedS3, p
     assert 0 < shorter.matched_tokens < whole.matched_tokens, (shorter.matched_tokens, whole.matched_tokens)
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("hook", [False, True], ids=["merged-line", "failed-load-hook"])
 @pytest.mark.parametrize("damage", ["deleted", "corrupt"])
 def test_object_gone_or_corrupt_behind_a_warm_index(
-    moto_s3: EmbeddedS3, warm_prefix: str, prefix: str, tp: int, hook: bool, damage: str
+    moto_s3: EmbeddedS3, warm_prefix: str, prefix: str, tp: int, hook: bool, damage: str, mode: str
 ) -> None:
     """The cluster that saw the objects keeps them in its index (no HEAD on a warm lookup), so an
     outside deletion or corruption is found only by the load. The engine stays up; the request takes
     the rung (rung 1: recomputed; rung 3: parked until its client gives up); later requests miss
     cleanly (the object is quarantined) -- never a wrong byte, never a crash."""
-    shape = dataclasses.replace(HOOK if hook else SMALL, tp_size=tp, kv_heads=SMALL.kv_heads * 2 // tp)
+    # sync: loaded inside start_load_kv where the engine has the hook; async on the merged line.
+    shape = dataclasses.replace(HOOK if hook else SMALL, tp_size=tp, kv_heads=SMALL.kv_heads * 2 // tp,
+                                load_mode=mode)
     src = prefix + "-src"
     s0 = _settings(moto_s3, src, shape)
     cold, _ = _cluster(shape, s0, _s3(moto_s3, s0), src, workload(shape, "A", 0))

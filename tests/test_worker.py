@@ -260,7 +260,7 @@ def test_buffer_freed_only_after_last_close(store):
     a.close()
 
 
-def test_staging_bound_under_a_burst(store):
+def test_staging_bound_under_a_burst(store, caplog):
     observed = []
     slow = SlowStore(store, put_delay=0.02)
     groups = [GroupSpec((0,), None, (64 * 1024,))]
@@ -286,6 +286,11 @@ def test_staging_bound_under_a_burst(store):
     assert st.objects_uploaded + st.saves_dropped_staging_full == total
     assert st.staging_high_water <= cap and max(observed) <= cap
     assert a.staging.in_use == 0 and st.uploads_pending == 0
+    # Dropped saves are said at WARNING, at most once per 30 s (here: once, for many drops), and
+    # a pool that cannot hold a few objects was flagged at start-up.
+    drops = [r for r in caplog.records if "host staging full" in r.getMessage()]
+    assert len(drops) == 1 and drops[0].levelname == "WARNING" and "S3KV_STAGING_MIB" in drops[0].getMessage()
+    assert any("holds fewer than 4 objects" in r.getMessage() for r in caplog.records)
     a.close()
 
 
