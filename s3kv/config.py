@@ -54,6 +54,11 @@ class Settings:
     window_margin_blocks: int = 0
     #: Smallest hit worth a load, in blocks.
     min_hit_blocks: int = 1
+    #: Window policy: a request whose lookup found the full-attention chain stored past the last
+    #: servable sliding tail (a shared prefix that is not a checkpoint, then a different suffix)
+    #: also stores a sliding tail ending at that branch point, so the next request with that
+    #: prefix hits it. Costs one sliding tail per such request (docs/trace-replay.md).
+    branch_tails: bool = True
     #: Model identity in the namespace; default is llm_args.model.
     model_id: str = ""
     #: Host staging pool for saves and loads.

@@ -87,6 +87,13 @@ class _Request:
     parked: bool = False
     #: The next metadata must declare this request's async load (even with nothing to load).
     declare_async: bool = False
+    #: How far the lookup saw the full-attention chain stored (``LookupResult.spine_blocks``).
+    spine_blocks: int = 0
+    #: Branch-point tail: its end ordinal (0: none) and, per sliding group, its buffer while open.
+    branch_end: int = 0
+    branch_open: dict[int, _Buffer] = field(default_factory=dict)
+    #: Per sliding group: next ordinal of the branch tail to stage.
+    branch_next: dict[int, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -117,6 +124,16 @@ class LeaderStats:
     planned_pages_loaded: int = 0
     #: Per group id: blocks a hit needed from that group (its in-window tail for sliding groups).
     hit_blocks_by_group: dict[int, int] = field(default_factory=dict)
+    #: Tokens whose KV this leader planned to save for the first time on this engine: blocks of
+    #: the full-attention group (every group under ``storage_policy=all``) past what was served,
+    #: times tokens per block. With ``hit_tokens`` the denominators of requests and dollars per
+    #: token (``s3kv.cost``).
+    tokens_saved: int = 0
+    #: Branch-point tails planned (one per sliding group and request) and the pages they hold.
+    branch_tails: int = 0
+    branch_tail_pages: int = 0
+    #: Branch-point tails abandoned: a page of the tail was gone before it could be staged.
+    branch_tails_abandoned: int = 0
 
 
 class LeaderCore:
@@ -186,7 +203,7 @@ class LeaderCore:
         self.bpo = self.group_blocks[g.spine_group]
         self.policy = StoragePolicy(
             g, self.bpo, cp_blocks, self.settings.storage_policy, self.settings.window_margin_blocks,
-            group_blocks=self.group_blocks,
+            group_blocks=self.group_blocks, branch_tails=self.settings.branch_tails,
         )
         self.params = LookupParams(
             blocks_per_object=self.bpo,
@@ -280,6 +297,7 @@ class LeaderCore:
             )
             self.stats.lookup_waves += result.waves
             self.stats.lookup_asks += result.asks
+            st.spine_blocks = result.spine_blocks
             if self._on_lookup:
                 self._on_lookup(request_id, result)
             gain = result.h_blocks - st.d_blocks
@@ -629,6 +647,8 @@ class LeaderCore:
             st.completed = max(st.completed, st.save_from)
             st.reported = True
             st.parked = False
+            if not st.branch_end:
+                self._open_branch(st)
         else:
             st.tokens.extend(rd.new_tokens)
             for gi, delta in enumerate(by_group):
@@ -653,6 +673,8 @@ class LeaderCore:
     def _plan_saves(self, st: _Request, complete_blocks: int) -> None:
         g = self._geometry
         assert g is not None and st.chain is not None
+        if st.branch_next:
+            self._plan_branch(st, complete_blocks)
         if complete_blocks <= st.completed:
             return
         prompt_blocks = st.prompt_len // g.tokens_per_block
@@ -661,6 +683,7 @@ class LeaderCore:
             if complete_blocks <= st.completed:
                 return
         st.chain.extend_to(st.tokens)
+        self.stats.tokens_saved += max(0, complete_blocks - max(st.completed, st.h_blocks)) * g.tokens_per_block
         for o in range(st.completed, complete_blocks):
             for grp in g.groups:
                 gid = grp.group_id
@@ -682,6 +705,59 @@ class LeaderCore:
                     # object keeps filling with generated blocks.
                     self._seal(st, gid, close=not self.policy.keeps(gid, o + 1, prompt_blocks))
         st.completed = complete_blocks
+
+    def _open_branch(self, st: _Request) -> None:
+        """Decide, at the request's first report (its served point is final), whether it stores a
+        branch-point tail (``StoragePolicy.branch_end``); if so, start staging it per sliding group."""
+        g = self._geometry
+        assert g is not None
+        end = self.policy.branch_end(st.spine_blocks, st.h_blocks, st.prompt_len // g.tokens_per_block)
+        if end is None:
+            return
+        st.branch_end = end
+        for grp in g.groups:
+            if grp.is_sliding:
+                st.branch_next[grp.group_id] = self.policy.tail(grp.group_id, end)[0]
+
+    def _plan_branch(self, st: _Request, complete_blocks: int) -> None:
+        """Stage the branch-point tail's pages as they complete, into one object per sliding group
+        ending at the branch point.
+
+        Its own buffer, beside the policy's regular ones: the pages below the served point were
+        loaded, not computed, so the regular plan (which starts at ``save_from``) never sees them,
+        and a regular tail that overlaps this one must stay whole for its own hits. A page with no
+        slot (already freed) makes the tail useless: it is dropped and counted.
+        """
+        end = st.branch_end
+        for gid, nxt in list(st.branch_next.items()):
+            slots = st.slots[gid] if gid < len(st.slots) else []
+            lo = self.policy.tail(gid, end)[0]
+            o = nxt
+            while o < min(end, complete_blocks):
+                slot = slots[o] if o < len(slots) else -1
+                if slot < 0:
+                    old = st.branch_open.pop(gid, None)
+                    if old is not None:
+                        st.pending_releases.append(old.bid)
+                    del st.branch_next[gid]
+                    self.stats.branch_tails_abandoned += 1
+                    break
+                buf = st.branch_open.get(gid)
+                if buf is None:
+                    buf = st.branch_open[gid] = _Buffer(BufferId(st.request_id, gid, lo, end - lo))
+                st.pending_stages.append(StageOp(buf.bid, o, slot))
+                buf.count += 1
+                o += 1
+            else:
+                if o < end:
+                    st.branch_next[gid] = o
+                    continue
+                buf = st.branch_open.pop(gid)
+                del st.branch_next[gid]
+                assert st.chain is not None
+                st.pending_seals.append(SealOp(buf.bid, buf.count, st.chain.digests[end - 1], True))
+                self.stats.branch_tails += 1
+                self.stats.branch_tail_pages += buf.count
 
     def _stage_evicted(self, st: _Request, upto: int) -> None:
         """Keep a host copy of the sliding block that leaves the window after this pass.
@@ -771,7 +847,9 @@ class LeaderCore:
             sent = st.finish_sent
             if sent is not None and sent.stages:
                 self._check_live(st, sent, block_ids_by_group)
-            return bool(st.open or st.evicted or (sent is not None and not sent.empty) or st.parked)
+            return bool(
+                st.open or st.evicted or st.branch_open or (sent is not None and not sent.empty) or st.parked
+            )
 
     def _check_live(self, st: _Request, plan: FinishPlan, lists: Sequence[Sequence[int]]) -> None:
         """The finish plan copies pages it expects the engine to still hold; say so loudly if not.
@@ -869,6 +947,8 @@ class LeaderCore:
                 if o + 1 == buf.bid.first + buf.bid.capacity or o + 1 == hi:
                     self._seal(sim, gid, close=True)
             self._close(sim, gid)
+        # A branch-point tail still open (the request ends before reaching it) is dropped.
+        sim.pending_releases += [buf.bid for buf in st.branch_open.values()]
         return FinishPlan(
             st.request_id, tuple(sim.pending_stages), tuple(sim.pending_seals), tuple(sim.pending_releases)
         )

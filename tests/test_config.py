@@ -179,6 +179,7 @@ INVALID = {
     "checkpoint_tokens": ["0", "-4096"],
     "window_margin_blocks": ["-1"],
     "min_hit_blocks": ["0", "-2"],
+    "branch_tails": ["sometimes"],
     "staging_mib": ["0", "-1", "lots"],
     "pinned": ["2"],
     "batch_copies": ["maybe"],
