@@ -101,6 +101,13 @@ class Settings:
     breaker_reset_s: float = 10.0
     #: Serve Prometheus metrics on this port (0 = off).
     metrics_port: int = 0
+    #: List prices for the cost estimate (s3kv/cost.py; S3 Standard, us-east-1): PUT-class and
+    #: GET-class (GET, HEAD) requests in $ per 1,000, storage in $ per GB-month, and how long an
+    #: object is kept (the bucket's lifecycle expiry; infra/terraform's default is 30 days).
+    cost_put_per_1k_usd: float = 0.005
+    cost_get_per_1k_usd: float = 0.0004
+    cost_gb_month_usd: float = 0.023
+    cost_retention_days: float = 30.0
     #: Check at start-up that the bucket/prefix is reachable and readable.
     check_access: bool = True
     #: Secret for keyed integrity tags (>= 32 chars, e.g. `openssl rand -hex 32`): objects are
@@ -204,6 +211,9 @@ def validate(s: Settings) -> None:
     need(s.sse in ("", "AES256", "aws:kms"), "sse", "accepted values: '' (none), AES256, aws:kms", s.sse)
     need(s.breaker_failures > 0, "breaker_failures", "must be > 0", s.breaker_failures)
     need(0 <= s.metrics_port < 65536, "metrics_port", "must be a TCP port or 0", s.metrics_port)
+    for name in ("cost_put_per_1k_usd", "cost_get_per_1k_usd", "cost_gb_month_usd", "cost_retention_days"):
+        v = getattr(s, name)
+        need(v >= 0 and v != float("inf"), name, "must be a finite number >= 0", v)
     # Reads key files now, so a bad or missing key fails at start-up (messages never show a secret).
     _ = s.integrity
 

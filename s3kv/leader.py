@@ -94,6 +94,10 @@ class _Request:
     branch_open: dict[int, _Buffer] = field(default_factory=dict)
     #: Per sliding group: next ordinal of the branch tail to stage.
     branch_next: dict[int, int] = field(default_factory=dict)
+    #: Bumped when the engine re-sends the whole page lists (a first report).
+    lists_epoch: int = 0
+    #: The last finish plan computed and what it was computed from (see ``_finish_plan``).
+    finish_memo: tuple[Any, FinishPlan] | None = None
 
 
 @dataclass
@@ -642,6 +646,7 @@ class LeaderCore:
             if not st.reported:
                 st.tokens = list(rd.new_tokens) if rd.new_tokens else st.tokens
             st.slots = [list(x) for x in by_group] if by_group else [[] for _ in g.groups]
+            st.lists_epoch += 1
             loaded_end = max(st.h_blocks, rd.computed_position // tpb)
             st.save_from = (loaded_end // self.bpo) * self.bpo
             st.completed = max(st.completed, st.save_from)
@@ -881,6 +886,31 @@ class LeaderCore:
             self.index.quarantine(keys, self.settings.index_ttl_s)
 
     def _finish_plan(self, st: _Request) -> FinishPlan:
+        """``_make_finish_plan``, recomputed only when what it reads changed.
+
+        It runs for every request in every pass; during decode its inputs change once a block
+        (a block completes, a page is added, a sliding page leaves the window), not once a token.
+        """
+        g = self._geometry
+        assert g is not None
+        tpb = g.tokens_per_block
+        key = (
+            st.completed,
+            st.save_from,
+            st.lists_epoch,
+            tuple(len(x) for x in st.slots),
+            tuple((st.kv_tokens + 1 - grp.window) // tpb for grp in g.groups if grp.window is not None),
+            tuple((gid, b.bid, b.count, b.sealed) for gid, b in st.open.items()),
+            tuple((gid, b.bid, b.count) for gid, b in st.evicted.items()),
+            tuple(b.bid for b in st.branch_open.values()),
+        )
+        if st.finish_memo is not None and st.finish_memo[0] == key:
+            return st.finish_memo[1]
+        plan = self._make_finish_plan(st)
+        st.finish_memo = (key, plan)
+        return plan
+
+    def _make_finish_plan(self, st: _Request) -> FinishPlan:
         """What the workers must do if ``st`` finishes right after this iteration's pass.
 
         A dry run on a copy of the request's buffers: close every open object and,

@@ -24,7 +24,7 @@ stored and what a hit needs can never drift apart.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import Settings, auto_blocks_per_object
 from .hitrule import required_range
@@ -63,6 +63,9 @@ class StoragePolicy:
     group_blocks: tuple[int, ...] | None = None
     #: Store a sliding tail at a request's branch point (see ``branch_end``).
     branch_tails: bool = True
+    _tails: dict[tuple[int, int], tuple[int, int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         for b in self.group_blocks or (self.blocks_per_object,):
@@ -78,6 +81,16 @@ class StoragePolicy:
         One block below: a prompt of exactly k full blocks can be served only up
         to k-1 blocks (the engine never asks for the last prompt token).
         """
+        # Asked for every block of every sliding group the leader plans: memoised.
+        key = (group, boundary)
+        hit = self._tails.get(key)
+        if hit is None:
+            hit = self._tails[key] = self._tail(group, boundary)
+            if len(self._tails) > 65536:
+                self._tails.clear()
+        return hit
+
+    def _tail(self, group: int, boundary: int) -> tuple[int, int]:
         g = self.geometry.groups[group]
         tpb = self.geometry.tokens_per_block
         lo_below, _ = required_range(g, tpb, 0, max(0, boundary - 1), self.margin)
