@@ -119,14 +119,15 @@ def usd_per_million_tokens_served(usage: Usage, prices: Prices = Prices()) -> fl
     return cost(usage, prices).total_usd * 1e6 / usage.tokens_served
 
 
-def usage_from_stats(leader: Any, workers: Any, head_requests: int | None = None) -> Usage:
-    """A :class:`Usage` from a leader's ``LeaderStats`` and its workers' ``WorkerStats`` (one or
-    several ranks). HEADs come from the leader's ``head_requests`` unless given."""
+def usage_from_stats(leader: Any, workers: Any, head_requests: int) -> Usage:
+    """A :class:`Usage` from a leader's ``LeaderStats`` (tokens served and saved), its workers'
+    ``WorkerStats`` (one or several ranks: PUT/GET requests, bytes uploaded) and the HEADs its
+    lookups sent (the store's request counter, e.g. ``s3kv_store_requests_total{op="head"}``)."""
     ws = list(workers) if isinstance(workers, list | tuple) else [workers]
     return Usage(
         put_requests=sum(int(getattr(w, "put_requests", 0)) for w in ws),
         get_requests=sum(int(getattr(w, "get_requests", 0)) for w in ws),
-        head_requests=int(getattr(leader, "head_requests", 0) if head_requests is None else head_requests),
+        head_requests=int(head_requests),
         bytes_stored=sum(int(getattr(w, "bytes_uploaded", 0)) for w in ws),
         tokens_served=int(getattr(leader, "hit_tokens", 0)),
         tokens_saved=int(getattr(leader, "tokens_saved", 0)),

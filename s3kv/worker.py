@@ -117,6 +117,11 @@ class WorkerStats:
     staging_high_water: int
     staging_drops: int
     staging_pinned: bool
+    #: S3 requests the saves and loads cost, as S3 bills them (s3kv/cost.py): PUT-class (a
+    #: multipart upload is create + parts + complete) and GETs (long ranges split). HEADs are
+    #: the lookups' (the store's request counters). For $ per token: ``cost.usage_from_stats``.
+    put_requests: int = 0
+    get_requests: int = 0
 
 
 @dataclass
@@ -222,6 +227,8 @@ class WorkerCore:
             wait_event=Copier.synchronize,
             name=f"s3kv-up-r{rank}",
         )
+        self._uploader.multipart_threshold = settings.multipart_threshold_mib << 20
+        self._uploader.part_size = settings.multipart_part_mib << 20
         # Set by register_layout.
         self._geometry: CacheGeometry | None = None
         self._keys: KeyScheme | None = None
@@ -786,6 +793,8 @@ class WorkerCore:
             staging_high_water=s.high_water if s else 0,
             staging_drops=s.drops if s else 0,
             staging_pinned=s.pinned if s else False,
+            put_requests=n("put_requests"),
+            get_requests=n("get_requests"),
         )
 
     # -- internals: saves -------------------------------------------------

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cost import get_requests
 from ..objects import (
     ObjectFormatError,
     ObjectIdentity,
@@ -204,15 +205,17 @@ class Downloader:
         if ranges and ranges[0].offset == hl:
             # The first wanted page follows the header: one request for both (a whole-object
             # load is then a single GET, as cheap as any client's).
-            merged: list[bytes | memoryview] = list(
-                self.store.get_ranges(job.key, [ByteRange(0, hl + ranges[0].length), *ranges[1:], *extra])
-            )
+            asked = [ByteRange(0, hl + ranges[0].length), *ranges[1:], *extra]
+            self.counters.add("get_requests", sum(get_requests(r.length) for r in asked))
+            merged: list[bytes | memoryview] = list(self.store.get_ranges(job.key, asked))
             if merged and memoryview(merged[0]).nbytes >= hl:
                 head = memoryview(merged[0])
                 merged = [head[:hl], head[hl:], *merged[1:]]
             datas = merged
         else:
-            datas = list(self.store.get_ranges(job.key, [ByteRange(0, hl), *ranges, *extra]))
+            asked = [ByteRange(0, hl), *ranges, *extra]
+            self.counters.add("get_requests", sum(get_requests(r.length) for r in asked))
+            datas = list(self.store.get_ranges(job.key, asked))
         self.counters.add("download_seconds", time.monotonic() - t0)
         if len(datas) != len(ranges) + 1 + len(extra):
             raise IntegrityError(f"asked for {len(ranges) + 1 + len(extra)} ranges, got {len(datas)}", key=job.key)
