@@ -239,7 +239,7 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
 @click.option("--format", "fmt", type=click.Choice(["mooncake"]), default="mooncake", show_default=True)
 @click.option(
     "--model",
-    type=click.Choice(["gemma-3-27b", "gemma-3-12b", "gemma-3-4b", "gemma-3-1b"]),
+    type=click.Choice(["gemma-3-27b", "gemma-3-12b", "gemma-3-4b"]),
     default="gemma-3-27b",
     show_default=True,
     help="Geometry for page sizes, objects and prefill FLOPs.",

@@ -29,7 +29,7 @@ Scale: the whole trace in minutes on two cores, so --
   whole answer if shorter) -- enough for the window policy to store the same history-end tail
   the full answer would. What that leaves out is reported (``answer_tokens_not_replayed``),
   and their full-attention pages are added to the stored bytes by arithmetic. ``--full-outputs``
-  generates every answer (~10x slower).
+  generates every answer (about twice as slow).
 
 The upstream example's rule (the VSWA connector example in TensorRT-LLM) is counted, not
 replayed: every group stores every full prompt block as its own object, a lookup HEADs block by
@@ -70,12 +70,11 @@ from .common import (
 )
 
 #: Gemma-3 text decoders (published configs): layers, hidden, MLP, query heads, KV heads, head
-#: dim, sliding window; 5 local : 1 global layers, bf16 KV.
+#: dim, sliding window 1024; 5 local : 1 global layers, bf16 KV.
 MODELS: dict[str, ModelSpec] = {
     "gemma-3-27b": GEMMA3_27B,
     "gemma-3-12b": ModelSpec("Gemma-3-12B", 48, 3840, 15360, 16, 8, 256, window=1024),
     "gemma-3-4b": ModelSpec("Gemma-3-4B", 34, 2560, 10240, 8, 4, 256, window=1024),
-    "gemma-3-1b": ModelSpec("Gemma-3-1B", 26, 1152, 6912, 4, 1, 256, window=512),
 }
 #: Storage-policy runs: name -> (S3KV_STORAGE_POLICY, S3KV_BRANCH_TAILS).
 RUNS: dict[str, tuple[str, bool]] = {
