@@ -11,28 +11,92 @@ AWS credentials, region and endpoints come from boto3's own chain
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import ipaddress
 import json
+import logging
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
     from .integrity import IntegrityKeys
+
+log = logging.getLogger("s3kv.config")
 
 
 class ConfigError(ValueError):
     """A setting is missing or invalid; the message names it."""
 
 
-_SCHEMES = ("s3://", "file://", "memory://")
+#: URL schemes S3KV_URL may use. An allow-list, not "anything fsspec knows": fsspec also speaks
+#: http(s), ftp, ssh, zip, git, "reference" ... -- a settings file or env var that can name those
+#: can make every engine read KV from (or send it to) wherever the URL points.
+URL_SCHEMES = ("s3", "file", "memory", "gs", "gcs", "az", "abfs", "abfss")
+
+#: S3KV_* environment variables that are not settings but are still read somewhere
+#: (so they draw no "unknown setting" warning).
+OTHER_ENV_VARS = frozenset(
+    {
+        "S3KV_CONFIG_FILE",  # the settings file
+        "S3KV_LOG_LEVEL",  # s3kv --log-level's default; demo clusters inherit it
+        "S3KV_DEBUG",  # s3kv --debug: full tracebacks instead of one-line errors
+        "S3KV_WEED",  # path of the SeaweedFS binary for embedded servers
+        "S3KV_TF_PLUGIN_MIRROR",  # tests: terraform provider mirror
+        "S3KV_SIM_FUZZ",  # tests: simulator fuzz rounds
+        "S3KV_FUZZ_SEEDS",  # tests: fuzz seeds
+    }
+)
+
+# "scheme://user:password@host" (or "scheme://token@host"): whatever sits between "://" and the
+# first "@" before any "/" is a credential and never belongs in a message or a log line.
+_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\"]+@")
+
+
+def redact(text: str) -> str:
+    """``text`` with the user[:password] part of every URL in it replaced by ``***``."""
+    return _USERINFO.sub(r"\1***@", text)
+
+
+def check_url(url: str, name: str = "S3KV_URL / url") -> str:
+    """``url`` stripped, if its scheme is allowed and it holds no credentials; else ConfigError.
+
+    Messages show the URL with any user:password removed.
+    """
+    url = url.strip()
+    shown = redact(url)
+    if "://" not in url:
+        raise ConfigError(f"{name}: expected a URL such as s3://bucket/prefix or file:///path, got {shown!r}")
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme not in URL_SCHEMES:
+        raise ConfigError(
+            f"{name}: scheme {parts.scheme + '://'!r} is not allowed, got {shown!r}; "
+            f"allowed: {', '.join(s + '://' for s in URL_SCHEMES)}"
+        )
+    if "@" in parts.netloc:
+        raise ConfigError(
+            f"{name}: credentials in the URL are not accepted, got {shown!r}; "
+            "use the store's own credential chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, instance roles, ...)"
+        )
+    if scheme == "s3" and ("?" in url or "#" in url):
+        raise ConfigError(
+            f"{name}: '?' and '#' are not allowed in an s3:// URL (S3 would read them as part of "
+            f"the key, IAM policies would not), got {shown!r}"
+        )
+    return url
 
 
 @dataclass(frozen=True)
 class Settings:
-    #: Where the cache lives: s3://bucket/prefix, file:///dir, memory://name, or any fsspec URL.
+    #: Where the cache lives: s3://bucket/prefix, file:///dir, memory://name (one process only),
+    #: or gs:// / az:// through fsspec (see URL_SCHEMES).
     url: str = ""
     #: Blocks per stored object; 0 = choose from page size (objects of ~target_object_mib).
     blocks_per_object: int = 0
@@ -72,9 +136,29 @@ class Settings:
     max_concurrency: int = 32
     #: Lookup: strided probe size of the first HEAD wave.
     lookup_probe_budget: int = 128
-    #: Budget for one lookup's HEAD waves (it runs in the engine's scheduling path); past it the
-    #: lookup is a miss and its HEADs finish in the background, warming the index. 0 = none.
-    lookup_timeout_s: float = 5.0
+    #: Budget for one lookup's HEAD waves (it runs in the engine's scheduling path, where every
+    #: millisecond stalls the whole batch); past it the lookup is a miss and its HEADs finish in
+    #: the background, warming the index. 0 = none.
+    lookup_timeout_s: float = 0.05
+    #: HEAD waves of timed-out lookups still running in the background; a lookup that finds this
+    #: many is a miss at once (a hung store must not queue waves without bound).
+    lookup_max_pending: int = 4
+    #: HEADs of one wave in flight at once (obstore client; boto3 uses max_concurrency).
+    lookup_head_concurrency: int = 128
+    #: Refresh a summary of the namespace's stored objects (one LIST pass) this often, so a cold
+    #: miss costs no request and a cold hit one verify wave; 0 = off (lookups probe with HEADs).
+    #: Off by default until engines start it at layout registration (first lookups would race
+    #: the first refresh); `s3kv bench lookup` measures both.
+    lookup_summary_s: float = 0.0
+    #: The summary is dropped (lookups probe) when the namespace holds more objects than this.
+    lookup_summary_max_objects: int = 500_000
+    #: 0: every object a summary hit would load is HEADed (one wave) before it is promised. > 0:
+    #: a listing younger than this many seconds counts as a presence observation, as the index's
+    #: HEAD answers do (for index_ttl_s): a cold hit then costs no request either. Spans come
+    #: from the key and the size; the load still verifies header and checksums before placing.
+    lookup_summary_trust_s: float = 0.0
+    #: S3 client for s3:// URLs: auto (obstore when installed, else boto3), obstore, boto3.
+    s3_client: str = "auto"
     #: Local key index bound (~300 bytes an entry).
     index_max_entries: int = 200_000
     index_ttl_s: float = 600.0
@@ -92,15 +176,23 @@ class Settings:
     delete_corrupt: bool = False
     #: At process exit, wait at most this long for queued uploads (TensorRT-LLM calls no shutdown()).
     exit_drain_s: float = 10.0
-    multipart_threshold_mib: int = 16
+    #: Forget a request the engine has not mentioned for this long (0 = never).
+    request_state_ttl_s: float = 3600.0
+    #: Bodies at least this large go up as (conditional) multipart. 64: s3kv's ~32 MiB objects are
+    #: one conditional PUT - one billed request instead of parts + 2, and on the obstore client
+    #: one GIL-free request; parallelism comes from the objects in flight.
+    multipart_threshold_mib: int = 64
     multipart_part_mib: int = 8
     #: "", "AES256" or "aws:kms".
     sse: str = ""
     sse_kms_key_id: str = ""
     breaker_failures: int = 5
     breaker_reset_s: float = 10.0
-    #: Serve Prometheus metrics on this port (0 = off).
+    #: Serve Prometheus metrics on this port (0 = off). With TP > 1 rank r serves port + r.
     metrics_port: int = 0
+    #: Address the metrics server binds; loopback unless you mean to expose it (e.g. "0.0.0.0"
+    #: for a Prometheus scraping the pod IP).
+    metrics_addr: str = "127.0.0.1"
     #: List prices for the cost estimate (s3kv/cost.py; S3 Standard, us-east-1): PUT-class and
     #: GET-class (GET, HEAD) requests in $ per 1,000, storage in $ per GB-month, and how long an
     #: object is kept (the bucket's lifecycle expiry; infra/terraform's default is 30 days).
@@ -175,12 +267,7 @@ def validate(s: Settings) -> None:
             raise ConfigError(f"{_env_name(name)} / {name}: {accepted}, got {value!r}")
 
     if s.url:
-        need(
-            "://" in s.url,
-            "url",
-            "expected a URL such as s3://bucket/prefix or file:///path",
-            s.url,
-        )
+        check_url(s.url)
     need(s.blocks_per_object >= 0, "blocks_per_object", "must be >= 0 (0 = automatic)", s.blocks_per_object)
     need(s.target_object_mib > 0, "target_object_mib", "must be > 0", s.target_object_mib)
     need(s.max_blocks_per_object > 0, "max_blocks_per_object", "must be > 0", s.max_blocks_per_object)
@@ -190,6 +277,12 @@ def validate(s: Settings) -> None:
     need(s.window_margin_blocks >= 0, "window_margin_blocks", "must be >= 0", s.window_margin_blocks)
     need(s.min_hit_blocks >= 1, "min_hit_blocks", "must be >= 1", s.min_hit_blocks)
     need(s.staging_mib > 0, "staging_mib", "must be > 0", s.staging_mib)
+    need(s.s3_client in ("auto", "obstore", "boto3"), "s3_client", "accepted values: auto, obstore, boto3", s.s3_client)
+    need(s.lookup_max_pending >= 0, "lookup_max_pending", "must be >= 0", s.lookup_max_pending)
+    need(s.lookup_summary_s >= 0, "lookup_summary_s", "must be >= 0 (0 = off)", s.lookup_summary_s)
+    need(s.lookup_summary_trust_s >= 0, "lookup_summary_trust_s", "must be >= 0 (0 = verify)", s.lookup_summary_trust_s)
+    for name in ("lookup_head_concurrency", "lookup_summary_max_objects"):
+        need(getattr(s, name) > 0, name, "must be > 0", getattr(s, name))
     for name in ("upload_threads", "download_threads", "max_concurrency", "lookup_probe_budget", "max_attempts"):
         need(getattr(s, name) > 0, name, "must be > 0", getattr(s, name))
     need(s.index_max_entries >= 0, "index_max_entries", "must be >= 0", s.index_max_entries)
@@ -202,6 +295,7 @@ def validate(s: Settings) -> None:
         "load_timeout_s",
         "quarantine_s",
         "exit_drain_s",
+        "request_state_ttl_s",
         "breaker_reset_s",
         "lookup_timeout_s",
     ):
@@ -211,11 +305,22 @@ def validate(s: Settings) -> None:
     need(s.sse in ("", "AES256", "aws:kms"), "sse", "accepted values: '' (none), AES256, aws:kms", s.sse)
     need(s.breaker_failures > 0, "breaker_failures", "must be > 0", s.breaker_failures)
     need(0 <= s.metrics_port < 65536, "metrics_port", "must be a TCP port or 0", s.metrics_port)
+    need(_is_bind_address(s.metrics_addr), "metrics_addr", "expected an IP address or 'localhost'", s.metrics_addr)
     for name in ("cost_put_per_1k_usd", "cost_get_per_1k_usd", "cost_gb_month_usd", "cost_retention_days"):
         v = getattr(s, name)
         need(v >= 0 and v != float("inf"), name, "must be a finite number >= 0", v)
     # Reads key files now, so a bad or missing key fails at start-up (messages never show a secret).
     _ = s.integrity
+
+
+def _is_bind_address(text: str) -> bool:
+    if text == "localhost":
+        return True
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _read_file(path: str) -> Mapping[str, Any]:
@@ -238,10 +343,61 @@ def _read_file(path: str) -> Mapping[str, Any]:
     return data
 
 
+def _did_you_mean(word: str, candidates: list[str]) -> str:
+    # Compare without the shared "S3KV_" so that it does not make every name look close.
+    def bare(name: str) -> str:
+        return name[5:] if name.upper().startswith("S3KV_") else name
+
+    by_bare = {bare(c): c for c in candidates}
+    close = difflib.get_close_matches(bare(word), list(by_bare), n=1, cutoff=0.6)
+    return f"; did you mean {by_bare[close[0]]}?" if close else ""
+
+
+def unknown_env_names(env: Mapping[str, str] | None = None) -> list[str]:
+    """``S3KV_*`` variables in ``env`` that s3kv does not read (typos, old names)."""
+    env = os.environ if env is None else env
+    known = {_env_name(f.name) for f in fields(Settings)} | OTHER_ENV_VARS
+    return sorted(n for n in env if n.upper().startswith("S3KV_") and n not in known)
+
+
+def unknown_env_vars(env: Mapping[str, str] | None = None) -> list[str]:
+    """One message per ``S3KV_*`` variable in ``env`` that s3kv does not read, naming the closest
+    variable it does read."""
+    names = [_env_name(f.name) for f in fields(Settings)] + sorted(OTHER_ENV_VARS)
+    return [
+        f"{n} is not an s3kv setting and is ignored{_did_you_mean(n.upper(), names)}"
+        for n in unknown_env_names(env)
+    ]
+
+
+@functools.lru_cache(maxsize=64)
+def warn_once(message: str) -> None:
+    # Leader and workers of one process load settings separately; say it once.
+    log.warning("%s", message)
+
+
+def explicit_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Settings the user chose, by name, with where: ``"S3KV_X"`` (env) or ``"S3KV_CONFIG_FILE"``.
+
+    For tools that have their own defaults (the demo): they may apply them only where the user
+    chose nothing, never over the user's choice.
+    """
+    env = os.environ if env is None else env
+    out: dict[str, str] = {}
+    cfg_path = env.get("S3KV_CONFIG_FILE")
+    if cfg_path:
+        out.update({k: "S3KV_CONFIG_FILE" for k in _read_file(cfg_path)})
+    for f in fields(Settings):
+        if env.get(_env_name(f.name)) is not None:
+            out[f.name] = _env_name(f.name)
+    return out
+
+
 def load_settings(
     env: Mapping[str, str] | None = None, *, require_url: bool = True, **overrides: Any
 ) -> Settings:
-    """Settings from (file < env < overrides). Unknown keys in the file are errors."""
+    """Settings from (file < env < overrides). Unknown keys in the file are errors; unknown
+    ``S3KV_*`` env vars are logged once as warnings (with the closest setting's name)."""
     env = os.environ if env is None else env
     known = {f.name: f for f in fields(Settings)}
     values: dict[str, Any] = {}
@@ -249,12 +405,16 @@ def load_settings(
     if cfg_path:
         for k, v in _read_file(cfg_path).items():
             if k not in known:
-                raise ConfigError(f"S3KV_CONFIG_FILE: unknown setting {k!r}; known: {', '.join(sorted(known))}")
+                raise ConfigError(
+                    f"S3KV_CONFIG_FILE: unknown setting {k!r} in {cfg_path!r}{_did_you_mean(k, sorted(known))}"
+                )
             values[k] = v
     for name in known:
         ev = env.get(_env_name(name))
         if ev is not None:
             values[name] = ev
+    for message in unknown_env_vars(env):
+        warn_once(message)
     values.update({k: v for k, v in overrides.items() if v is not None})
     for k in list(values):
         if k not in known:
@@ -264,7 +424,7 @@ def load_settings(
     if require_url and not settings.url:
         raise ConfigError(
             "S3KV_URL / url: not set. Point it at the cache, e.g. S3KV_URL=s3://my-bucket/kv "
-            "(also file:///path or any fsspec URL)"
+            f"(allowed schemes: {', '.join(s + '://' for s in URL_SCHEMES)})"
         )
     return settings
 

@@ -24,8 +24,9 @@ from typing import Any
 
 MiB = 1 << 20
 GiB = 1 << 30
-#: S3Store's defaults (S3KV_MULTIPART_THRESHOLD_MIB / S3KV_MULTIPART_PART_MIB; S3Options.range_split_bytes).
-MULTIPART_THRESHOLD = 16 * MiB
+#: The defaults of S3KV_MULTIPART_THRESHOLD_MIB / S3KV_MULTIPART_PART_MIB and of the S3 clients'
+#: range split (``S3Options.range_split_bytes``).
+MULTIPART_THRESHOLD = 64 * MiB
 PART_SIZE = 8 * MiB
 RANGE_SPLIT = 8 * MiB
 DAYS_PER_MONTH = 365.25 / 12

@@ -14,12 +14,14 @@ installed, else moto's server); ``--url`` / ``S3KV_URL`` point at a real one.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -50,6 +52,8 @@ class DemoShape:
     load_mode: str = "async"
     #: Sliding-group tails every this many tokens: new users on a shared system prompt hit up to here.
     checkpoint_tokens: int = 512
+    #: Host staging per cluster (the demo's model is small).
+    staging_mib: int = 256
 
 
 def _workload(shape: DemoShape, role: str) -> list[list[Any]]:
@@ -87,17 +91,39 @@ def _workload(shape: DemoShape, role: str) -> list[list[Any]]:
     return phases
 
 
-def run_cluster(role: str, shape: DemoShape) -> dict[str, Any]:
-    """One cluster: a simulated engine with the real adapter classes, against S3KV_URL."""
+#: Settings the demo picks for its small model, applied only where the user chose nothing.
+def demo_defaults(shape: DemoShape) -> dict[str, Any]:
+    return {
+        "load_mode": shape.load_mode,
+        "staging_mib": shape.staging_mib,
+        "checkpoint_tokens": shape.checkpoint_tokens,
+    }
+
+
+def demo_overrides(shape: DemoShape, forced: dict[str, Any] | None = None,
+                   env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The demo's defaults minus what the user set (env or config file), plus ``forced`` (flags)."""
+    from .config import explicit_settings
+
+    chosen = explicit_settings(env)
+    out = {k: v for k, v in demo_defaults(shape).items() if k not in chosen}
+    out.update(forced or {})
+    return out
+
+
+def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One cluster: a simulated engine with the real adapter classes, against S3KV_URL.
+
+    Settings come from the environment (and ``S3KV_CONFIG_FILE``) like an engine's; the demo's
+    own defaults fill only what the user left unset, and ``forced`` (command-line flags) wins.
+    """
     from .config import load_settings
     from .runtime import open_runtime_store
     from .sim import SimCacheConfig, SimEngine, gemma3_like
     from .store.instrument import InstrumentedStore
     from .trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
-    settings = load_settings(
-        load_mode=shape.load_mode, staging_mib=256, checkpoint_tokens=int(os.environ.get("S3KV_CHECKPOINT_TOKENS", shape.checkpoint_tokens))
-    )
+    settings = load_settings(**demo_overrides(shape, forced))
     raw, prefix = open_runtime_store(settings)
     raw.check_access()
     store = InstrumentedStore(raw)
@@ -115,13 +141,27 @@ def run_cluster(role: str, shape: DemoShape) -> dict[str, Any]:
         max_batch=4,
         connector_kwargs=dict(settings=settings, store=store, key_prefix=prefix, engine_key=f"demo-{role}"),
     )
+    from .sim import SimEngineCrash, SimHang
+
     reports = []
+    crashes: list[str] = []
+    hangs: list[str] = []
     with engine:
         for phase in _workload(shape, role):
-            reports.append(engine.run(phase))
+            # The simulator dies the way TensorRT-LLM's executor does: on any exception out of a
+            # connector call (a crash), or when a request never comes back (a hang). Counted, not hidden.
+            try:
+                reports.append(engine.run(phase))
+            except SimEngineCrash as exc:
+                crashes.append(str(exc))
+                break
+            except SimHang as exc:
+                hangs.append(str(exc))
+                break
             # Users think between turns; by then the previous turn's uploads are done.
             for w in engine.workers:
                 w.flush(120)
+        contained = sum(engine.leader.errors.values()) + sum(sum(w.errors.values()) for w in engine.workers)
         wall = time.perf_counter() - t0
         geometry = engine.workers[0].core.geometry
         wstats = [w.core.stats() for w in engine.workers]
@@ -157,6 +197,16 @@ def run_cluster(role: str, shape: DemoShape) -> dict[str, Any]:
         "objects_saved": sum(s.objects_uploaded for s in wstats),
         "saves_dropped": sum(s.saves_dropped_staging_full + s.saves_dropped_store_error for s in wstats),
         "load_failures": sum(s.loads_failed_objects for s in wstats),
+        # Issue-12 invariants: what the engine would have suffered, and how failed loads ended.
+        "engine_crashes": len(crashes),
+        "hung_engines": len(hangs),
+        "contained_errors": contained,
+        "failed_load_rungs": {
+            "engine_recompute": sum(r.recomputed_failed_load for r in (x for rep in reports for x in rep.requests)),
+            "parked_retry": max((s.rung_parked_retry for s in wstats), default=0),
+            "parked_recovered": max((s.parked_loads_recovered for s in wstats), default=0),
+        },
+        "promises_broken": lstats.promises_broken,
         "s3_requests": io.requests,
         "s3": {"head": io.head, "put": io.put, "get": io.get, "bytes_up": io.bytes_up, "bytes_down": io.bytes_down},
         "lookup_waves": lstats.lookup_waves,
@@ -170,18 +220,40 @@ def run_cluster(role: str, shape: DemoShape) -> dict[str, Any]:
     }
 
 
-def _spawn(role: str, shape: DemoShape, env: dict[str, str]) -> dict[str, Any]:
+def _spawn(role: str, shape: DemoShape, forced: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """Run one cluster in a fresh process; its log lines reach our stderr as they happen, its
+    failure comes back as one line (the child prints the traceback itself under --debug)."""
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out = f.name
     try:
-        cmd = [sys.executable, "-m", "s3kv.demo", role, out, json.dumps(asdict(shape))]
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0:
-            raise click.ClickException(f"cluster {role} failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-        with open(out) as fh:
-            return json.load(fh)
+        cmd = [sys.executable, "-m", "s3kv.demo", role, out, json.dumps(asdict(shape)), json.dumps(forced)]
+        # stdout stays ours (--json prints one object there); the child's stderr is the user's.
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=_stderr_target(), timeout=900)
+        try:
+            with open(out) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError):
+            doc = None
+        name = "A (cold)" if role == "A" else "B (warm)"
+        if isinstance(doc, dict) and "error" in doc:
+            raise click.ClickException(f"demo cluster {name} failed: {doc['error']}")
+        if proc.returncode != 0 or not isinstance(doc, dict):
+            raise click.ClickException(
+                f"demo cluster {name} exited with code {proc.returncode} and no result (run `s3kv --debug demo`)"
+            )
+        return doc
     finally:
         os.unlink(out)
+
+
+def _stderr_target() -> Any:
+    """Our stderr when it is a real file (a terminal, a log file); else (a test runner's capture)
+    None, which lets the child inherit the process's own fd 2."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    return sys.stderr
 
 
 def _table(res: dict[str, Any]) -> str:
@@ -200,54 +272,173 @@ def _table(res: dict[str, Any]) -> str:
         )
         hits = " ".join(f"{p['matched_tokens']}/{p['prompt_tokens']}" for p in r["per_request"])
         lines.append(f"      hits per request (served/prompt): {hits}")
+        rungs = r["failed_load_rungs"]
+        lines.append(
+            f"      engine: {r['engine_crashes']} crashes, {r['hung_engines']} hangs; failed loads: "
+            f"{rungs['engine_recompute']} recomputed (rung 1), {rungs['parked_retry']} parked and retried "
+            f"(rung 3, {rungs['parked_recovered']} served after); {r['contained_errors']} contained errors"
+        )
     lines.append("stored bytes per layer group: " + ", ".join(
         f"{k} {v['bytes'] / 2**20:.1f} MiB in {v['objects']} objects" for k, v in res["warm"]["stored_bytes_by_group"].items()
     ))
-    lines.append(f"store: {res['store']}")
+    if res.get("user_settings"):
+        lines.append("your settings, kept: " + ", ".join(f"{k} (from {v})" for k, v in res["user_settings"].items()))
+    lines.append(f"store: {res['store_url']} ({res['store']})")
+    if res.get("cleanup"):
+        lines.append(res["cleanup"])
     return "\n".join(lines)
+
+
+def _check_settings(url: str, forced: dict[str, Any], shape: DemoShape) -> Any:
+    """The user's settings (env, config file) with the demo's defaults where they chose nothing;
+    ConfigError names what is wrong before any cluster starts."""
+    from .config import load_settings
+
+    return load_settings(url=url, **demo_overrides(shape, forced))
+
+
+def _check_access(url: str) -> None:
+    """One clear line (no bucket, no credentials, dead endpoint) before any cluster starts."""
+    from .config import load_settings
+    from .runtime import open_runtime_store
+    from .store.base import StoreError
+
+    store, _ = open_runtime_store(load_settings(url=url))
+    try:
+        store.check_access()
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        store.close()
+
+
+def _delete_under(url: str) -> str:
+    """Delete what the demo wrote under its own run prefix; one line saying how it went."""
+    from .config import load_settings
+    from .runtime import open_runtime_store
+    from .store.base import StoreError
+
+    store, prefix = open_runtime_store(load_settings(url=url))
+    try:
+        keys = [i.key for i in store.list(f"{prefix}/" if prefix else "")]
+        for i in range(0, len(keys), 1000):
+            store.delete_many(keys[i : i + 1000])
+    except StoreError as exc:
+        return (f"could not delete the demo's objects ({exc}); remove them later with: "
+                f"s3kv gc --url {url} --older-than 0 --yes")
+    finally:
+        store.close()
+    return f"deleted the demo's {len(keys)} objects under {url} (--keep keeps them)"
 
 
 @click.command("demo")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-@click.option("--url", default=None, help="Use this bucket (s3://bucket/prefix) instead of an embedded server.")
+@click.option("--url", default=None,
+              help="Use this store (s3://bucket/prefix, file:///dir) instead of an embedded S3 server "
+              "(default: the S3KV_URL setting). Each run writes under a fresh sub-prefix demo-<time>, "
+              "printed at the end, so cluster A starts cold; it is deleted afterwards unless --keep.")
 @click.option("--server", type=click.Choice(["auto", "moto", "seaweedfs"]), default="auto", show_default=True,
               help="Embedded S3 server when no --url / S3KV_URL is given.")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel shards per cluster.")
-@click.option("--load-mode", type=click.Choice(["async", "sync"]), default="async", show_default=True)
-def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode: str) -> None:
+@click.option("--tp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
+              help="Tensor-parallel shards per cluster.")
+@click.option("--load-mode", type=click.Choice(["async", "sync"]), default=None,
+              help="Overrides S3KV_LOAD_MODE (default: that setting, else async).")
+@click.option("--keep", is_flag=True,
+              help="Keep what the demo wrote: the embedded server keeps running until Ctrl-C (its "
+              "environment is printed), or the objects under --url are not deleted.")
+def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode: str | None, keep: bool) -> None:
     """Cold cluster A, then warm cluster B, sharing only the bucket."""
-    shape = DemoShape(tp_size=tp, load_mode=load_mode)
-    url = url or os.environ.get("S3KV_URL")
-    env = dict(os.environ)
+    from .cli import debug_enabled, export_lines, wait_for_interrupt
+    from .config import ConfigError, explicit_settings, load_settings, unknown_env_names
+
+    shape = DemoShape(tp_size=tp)
+    forced = {"load_mode": load_mode} if load_mode else {}
+    try:
+        url = url or load_settings(require_url=False).url or None
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if url and url.strip().lower().startswith("memory://"):
+        raise click.UsageError(
+            f"{url} is a store inside one process, and the demo's two clusters are separate "
+            "processes: they could not share it. Use file:///tmp/s3kv-demo, an s3:// bucket, "
+            "or no URL (an embedded S3 server)."
+        )
+    # The clusters read the same env; variables s3kv does not know were already warned about.
+    unknown = set(unknown_env_names())
+    env = {k: v for k, v in os.environ.items() if k not in unknown}
+    env["S3KV_LOG_LEVEL"] = logging.getLevelName(logging.getLogger("s3kv").getEffectiveLevel())
+    if debug_enabled(click.get_current_context(silent=True)):
+        env["S3KV_DEBUG"] = "1"
     emb = None
     if url:
-        env["S3KV_URL"] = url.rstrip("/") + f"/demo-{int(time.time())}"
-        where = url
+        run_url = url.strip().rstrip("/") + f"/demo-{int(time.time())}"
+        try:
+            _check_settings(run_url, forced, shape)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from exc
+        env["S3KV_URL"] = run_url
+        where = "your store"
+        _check_access(run_url)
     else:
+        try:  # the user's other settings must be valid before a server starts
+            _check_settings("s3://s3kv-demo/demo", forced, shape)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from exc
         from .store.embedded import EmbeddedS3
 
         emb = EmbeddedS3(kind=server, bucket="s3kv-demo", prefix="demo").start()  # type: ignore[arg-type]
         env.update(emb.env())
-        where = f"embedded {emb.kind} at {emb.endpoint_url}"
+        run_url = emb.url
+        where = f"embedded {emb.kind} S3 server at {emb.endpoint_url}"
     try:
-        cold = _spawn("A", shape, env)
-        warm = _spawn("B", shape, env)
+        _progress(f"demo: cluster A (cold), then cluster B (warm), on {run_url} ({where})")
+        cold = _spawn("A", shape, forced, env)
+        _progress("demo: cluster A done; starting cluster B")
+        warm = _spawn("B", shape, forced, env)
+        cleanup = None
+        if url and not keep:
+            cleanup = _delete_under(run_url)
+        elif url:
+            cleanup = f"kept; look with: s3kv ls --url {run_url}"
+        chosen = {k: v for k, v in explicit_settings().items() if k in demo_defaults(shape) and k not in forced}
+        res = {"cold": cold, "warm": warm, "store": where, "store_url": run_url, "shape": asdict(shape),
+               "user_settings": chosen, "cleanup": cleanup}
+        if as_json:
+            click.echo(json.dumps(res, indent=2))
+        else:
+            click.echo(_table(res))
+        if emb is not None and keep:
+            out = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+            out(f"\nThe {emb.kind} server keeps running with the demo's objects. In another shell:")
+            for line in export_lines(emb.env()):
+                out(f"  {line}")
+            out("  s3kv ls")
+            out("Press Ctrl-C to stop it.")
+            wait_for_interrupt()
     finally:
         if emb is not None:
             emb.stop()
-    res = {"cold": cold, "warm": warm, "store": where, "shape": asdict(shape)}
-    if as_json:
-        click.echo(json.dumps(res, indent=2))
-    else:
-        click.echo(_table(res))
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
 
 
 def _main(argv: Sequence[str]) -> None:
-    role, out, shape_json = argv
+    """A demo cluster process: writes its result (or its one-line error) as JSON to ``out``."""
+    role, out, shape_json, forced_json = argv
+    from .cli import debug_enabled, one_line
     from .logs import configure_logging
 
-    configure_logging(os.environ.get("S3KV_LOG_LEVEL", "WARNING"))
-    result = run_cluster(role, DemoShape(**json.loads(shape_json)))
+    configure_logging(os.environ.get("S3KV_LOG_LEVEL", "WARNING"), fmt="text")
+    try:
+        result = run_cluster(role, DemoShape(**json.loads(shape_json)), json.loads(forced_json))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
+        if debug_enabled():
+            traceback.print_exc()
+        with open(out, "w") as f:
+            json.dump({"error": one_line(exc)}, f)
+        raise SystemExit(1) from None
     with open(out, "w") as f:
         json.dump(result, f)
 

@@ -123,6 +123,9 @@ def fault_settings(url: str, **overrides: Any) -> Settings:
         retry_deadline_s=4.0,
         max_attempts=6,
         load_timeout_s=20.0,
+        # Fault runs measure what faults cost, not the scheduling-path budget (tens of ms by
+        # default): a slow loopback server through the proxy must not turn hits into misses.
+        lookup_timeout_s=5.0,
         check_access=False,
     )
     values.update(overrides)
@@ -139,14 +142,14 @@ def store_from_settings(
     keys are passed in rather than read from the process environment.
     """
     from .runtime import s3_options
-    from .store.factory import parse_store_url
-    from .store.s3 import S3Store
+    from .store.factory import make_s3_store, parse_store_url
 
     scheme, bucket, prefix = parse_store_url(settings.url)
     if scheme != "s3":
         raise ValueError(f"fault runs need an s3:// URL, got {settings.url!r}")
     options = dataclasses.replace(s3_options(settings), region=region)
-    store = S3Store(
+    # The client production uses (S3KV_S3_CLIENT: obstore by default, boto3 when asked).
+    store = make_s3_store(
         bucket,
         endpoint_url=endpoint_url,
         options=options,

@@ -112,12 +112,21 @@ class Chain:
         """Digest every full block of ``tokens`` not digested yet; returns the whole list."""
         tpb = self.tokens_per_block
         full = len(tokens) // tpb
+        start = len(self.digests)
+        if full <= start:
+            return self.digests
         prev = self.digests[-1] if self.digests else self.root
-        for i in range(len(self.digests), full):
-            h = hashlib.blake2b(prev, digest_size=DIGEST_SIZE, person=b"s3kv-blk")
-            h.update(_tokens_bytes(tokens[i * tpb : (i + 1) * tpb]))
+        # One conversion of every new block's tokens, then a slice per block: the same bytes as
+        # converting block by block, at a fraction of the cost (this runs on the engine's
+        # scheduling path for every new prompt - 128k tokens are 4096 blocks).
+        raw = memoryview(_tokens_bytes(tokens[start * tpb : full * tpb]))
+        step = tpb * 8
+        blake2b, append = hashlib.blake2b, self.digests.append
+        for off in range(0, (full - start) * step, step):
+            h = blake2b(prev, digest_size=DIGEST_SIZE, person=b"s3kv-blk")
+            h.update(raw[off : off + step])
             prev = h.digest()
-            self.digests.append(prev)
+            append(prev)
         return self.digests
 
     def __len__(self) -> int:

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -29,6 +30,7 @@ from .objects import ObjectFormatError, ObjectIdentity, span_from_metadata
 from .plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
 from .policy import StoragePolicy, object_sizes
 from .store.base import HeadBatch, ObjectStore, StoreError
+from .summary import NamespaceSummary, SummaryGroup
 
 log = logging.getLogger("s3kv.leader")
 
@@ -48,6 +50,10 @@ def _group_lists(by_group: Any, num_groups: int) -> list[list[int]]:
 
 class _LookupTimeout(Exception):
     """The lookup's HEAD budget ran out (a miss)."""
+
+
+class _LookupBusy(Exception):
+    """Too many timed-out HEAD waves still run in the background: skip the network (a miss)."""
 
 
 @dataclass
@@ -87,6 +93,8 @@ class _Request:
     parked: bool = False
     #: The next metadata must declare this request's async load (even with nothing to load).
     declare_async: bool = False
+    #: time.monotonic() of the last call about it (state of requests the engine forgot expires).
+    seen: float = 0.0
     #: How far the lookup saw the full-attention chain stored (``LookupResult.spine_blocks``).
     spine_blocks: int = 0
     #: Branch-point tail: its end ordinal (0: none) and, per sliding group, its buffer while open.
@@ -103,6 +111,8 @@ class _Request:
 @dataclass
 class LeaderStats:
     lookups: int = 0
+    #: Prompt tokens of every request asked about (replays counted once).
+    prompt_tokens: int = 0
     hits: int = 0
     misses: int = 0
     hit_tokens: int = 0
@@ -110,6 +120,13 @@ class LeaderStats:
     lookup_asks: int = 0
     lookup_errors: int = 0
     lookup_timeouts: int = 0
+    #: Lookups answered "miss" at once because earlier waves still hang in the background.
+    lookup_busy: int = 0
+    #: Lookups answered from the namespace summary (a miss without a request, or a verified hit).
+    lookup_summary_misses: int = 0
+    lookup_summary_hits: int = 0
+    #: Summary candidates the verify wave refuted (stale summary: fell back to probing).
+    lookup_summary_stale: int = 0
     foreign_objects: int = 0
     #: Objects refused on HEAD, by reason (foreign, untrusted, span, ...); their sum is foreign_objects.
     rejected: dict[str, int] = field(default_factory=dict)
@@ -118,6 +135,10 @@ class LeaderStats:
     finish_plan_mismatches: int = 0
     #: Requests reported without a lookup (no full identity): never saved.
     unkeyed_not_saved: int = 0
+    #: Device matches ending inside a block (partial reuse): no S3 hit possible.
+    partial_block_misses: int = 0
+    requests_expired: int = 0
+    loads_cancelled_by_engine: int = 0
     honoured_less: int = 0
     #: Smaller honours served by a correct smaller load.
     honoured_less_served: int = 0
@@ -184,6 +205,9 @@ class LeaderCore:
         self._lookup_pool: ThreadPoolExecutor | None = None
         self._lookup_deadline = float("inf")
         self._timed_out = False
+        self._pending_waves = 0  # HEAD waves submitted to the lookup pool and not finished
+        self._pending_lock = threading.Lock()
+        self._summary: NamespaceSummary | None = None
         self.stats = LeaderStats()
 
     # ------------------------------------------------------------------ geometry
@@ -219,7 +243,7 @@ class LeaderCore:
         self._identities = {
             (grp.group_id, s): ObjectIdentity(
                 self.namespace, grp.fingerprint, s, g.tp_size, g.tokens_per_block, grp.page_bytes,
-                self.settings.integrity,
+                self.settings.integrity, grp.window,
             )
             for grp in g.groups
             for s in range(g.tp_size)
@@ -254,8 +278,12 @@ class LeaderCore:
             if old is not None:
                 # A replay: the engine re-allocates from scratch; whatever we staged is stale.
                 self._discards.add(request_id)
+            else:
+                # The denominator of "share of prompt tokens served from S3" (once per request).
+                self.stats.prompt_tokens += int(prompt_len)
             g = self.geometry
-            prompt = list(tokens[:prompt_len])
+            # One copy (a list's slice is already one); the request's token list is ours to extend.
+            prompt = tokens[:prompt_len] if isinstance(tokens, list) else list(tokens[:prompt_len])
             if g is None:
                 log.warning("s3kv: no KV cache layout registered yet; request %s is a miss", request_id,
                             extra={"request_id": request_id})
@@ -276,29 +304,24 @@ class LeaderCore:
                 return 0, False
             chain = Chain(root, g.tokens_per_block)
             chain.extend_to(prompt)
-            st = _Request(request_id, root, chain, prompt, prompt_len)
+            st = _Request(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
             self._requests[request_id] = st
             tpb = g.tokens_per_block
             st.d_blocks = num_computed_tokens // tpb
             st.h_blocks = st.d_blocks
             self.stats.lookups += 1
             if num_computed_tokens % tpb or not store_available:
-                # A device match that ends mid-block leaves nothing whole to append to.
+                # A device match that ends mid-block (partial reuse) leaves nothing whole to
+                # append to: an S3 load must start on a block boundary.
                 self.stats.misses += 1
+                if num_computed_tokens % tpb:
+                    self.stats.partial_block_misses += 1
                 return 0, False
             hmax = (prompt_len - 1) // tpb
             budget = self.settings.lookup_timeout_s
             self._lookup_deadline = time.monotonic() + budget if budget > 0 else float("inf")
             self._timed_out = False
-            result = find_hit(
-                g,
-                self.params,
-                st.d_blocks,
-                prompt_len // tpb,
-                hmax,
-                lambda asks: self._probe(st, asks),
-                count_wave=lambda asks: self._last_probe_used_network,
-            )
+            result = self._lookup(st, g, prompt_len // tpb, hmax)
             self.stats.lookup_waves += result.waves
             self.stats.lookup_asks += result.asks
             st.spine_blocks = result.spine_blocks
@@ -321,6 +344,181 @@ class LeaderCore:
 
     _last_probe_used_network = False
 
+    def _lookup(self, st: _Request, g: CacheGeometry, full_blocks: int, hmax: int) -> LookupResult:
+        """The largest servable history: from the namespace summary when one is ready (a miss
+        costs no request, a hit one verify wave), else by probing with HEAD waves."""
+        summary = self._summary_snapshot(g)
+        waves = asks = 0
+        if summary is not None:
+            picked: dict[Ask, str] = {}
+            cand = find_hit(
+                g, self.params, st.d_blocks, full_blocks, hmax,
+                lambda a: self._probe_local(st, a, summary, picked),
+                count_wave=lambda a: False,
+            )
+            if cand.h_blocks - st.d_blocks < self.settings.min_hit_blocks:
+                self.stats.lookup_summary_misses += 1
+                return cand
+            trust = self.settings.lookup_summary_trust_s
+            if trust > 0 and self._summary is not None and self._summary.age_s() <= trust:
+                # A listing this fresh is the store's own answer, as a HEAD's is for the index.
+                self.stats.lookup_summary_hits += 1
+                return cand
+            verified = self._verify(st, g, cand, picked)
+            if verified is not None:  # confirmed, or a miss because the wave failed / timed out
+                if verified.h_blocks > st.d_blocks:
+                    self.stats.lookup_summary_hits += 1
+                return verified
+            # A refuted candidate: the summary is stale here. The verify wave's answers are in
+            # the index now; probe what is left of the budget.
+            self.stats.lookup_summary_stale += 1
+            waves, asks = 1, len(picked)
+        result = find_hit(
+            g,
+            self.params,
+            st.d_blocks,
+            full_blocks,
+            hmax,
+            lambda a: self._probe(st, a),
+            count_wave=lambda a: self._last_probe_used_network,
+        )
+        result.waves += waves
+        result.asks += asks
+        return result
+
+    def _summary_snapshot(self, g: CacheGeometry) -> Any:
+        """The namespace summary's current snapshot, or None (off, not ready, or store in doubt)."""
+        summary = self.lookup_summary()
+        if summary is None or not self.store.available:
+            return None
+        return summary.start().snapshot()
+
+    def lookup_summary(self) -> NamespaceSummary | None:
+        """The namespace summary (made on first use; its refresher starts with the first
+        lookup), or None when ``lookup_summary_s`` is 0 or the layout is not known yet.
+        Call ``.refresh()`` on it to have a snapshot before the first lookup."""
+        g = self.geometry
+        if self.settings.lookup_summary_s <= 0 or g is None:
+            return None
+        if self._summary is None:
+            groups = {x.fingerprint: SummaryGroup(x.group_id, x.page_bytes) for x in g.groups}
+            self._summary = NamespaceSummary(
+                self.store,
+                self.scheme,
+                groups,
+                interval_s=self.settings.lookup_summary_s,
+                max_objects=self.settings.lookup_summary_max_objects,
+            )
+            # The refresher holds no reference to the leader; it stops when the leader goes.
+            weakref.finalize(self, self._summary.stop)
+        return self._summary
+
+    def close_lookup(self) -> None:
+        """Stop the lookup's background work (summary refresher, pool). Idempotent."""
+        if self._summary is not None:
+            self._summary.stop()
+        if self._lookup_pool is not None:
+            self._lookup_pool.shutdown(wait=False, cancel_futures=True)
+
+    def _key_prefixes(self) -> dict[tuple[int, int], str]:
+        """(group, shard) -> the key prefix its objects share (``scheme.object_key`` less the
+        digest), built once: a lookup names hundreds of keys on the scheduling path."""
+        g = self._geometry
+        assert g is not None
+        cached = getattr(self, "_prefix_cache", None)
+        if cached is None or cached[0] is not self.scheme:
+            table = {
+                (grp.group_id, s): self.scheme.group_prefix(grp.fingerprint, s)
+                for grp in g.groups
+                for s in range(g.tp_size)
+            }
+            cached = (self.scheme, table)
+            self._prefix_cache = cached
+        return cached[1]
+
+    def _probe_local(
+        self, st: _Request, asks: set[Ask], summary: Any, picked: dict[Ask, str]
+    ) -> dict[Ask, Span | None]:
+        """Answer asks from the index, else the summary (noting which came from the summary)."""
+        assert st.chain is not None and self._geometry is not None
+        out: dict[Ask, Span | None] = {}
+        prefixes = self._key_prefixes()
+        digests = st.chain.digests
+        index_get = self.index.get
+        for a in asks:
+            grp, shard, end = a
+            digest = digests[end - 1]
+            key = prefixes[(grp, shard)] + digest.hex()
+            v = index_get(key)
+            if v is MISSING:
+                out[a] = None
+            elif v is not None:
+                out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
+            else:
+                count = summary.get((grp, shard), {}).get(digest)
+                if count is None or count > end:
+                    out[a] = None
+                else:
+                    out[a] = Span(end - count, end)
+                    picked[a] = key
+        return out
+
+    def _verify(
+        self, st: _Request, g: CacheGeometry, cand: LookupResult, picked: dict[Ask, str]
+    ) -> LookupResult | None:
+        """HEAD (one wave) every summary-derived object the candidate hit would load; the hit
+        with only confirmed objects in its coverage, or None if the store refuted any."""
+        h, d, tpb = cand.h_blocks, st.d_blocks, g.tokens_per_block
+        todo: dict[str, Ask] = {}
+        for grp in g.groups:
+            lo, hi = required_range(grp, tpb, d, h, self.settings.window_margin_blocks)
+            if hi <= lo:
+                continue
+            for shard in range(g.tp_size):
+                for end, span in cand.coverage.get((grp.group_id, shard), {}).items():
+                    a = (grp.group_id, shard, end)
+                    if a in picked and span.first < hi and span.end > lo:
+                        todo[picked[a]] = a
+        result = LookupResult(
+            h, coverage={k: dict(v) for k, v in cand.coverage.items()}, asks=len(todo), spine_blocks=cand.spine_blocks
+        )
+        # Only confirmed spans may reach a plan: drop every summary answer, re-add what the HEADs say.
+        for a in picked:
+            result.coverage.get((a[0], a[1]), {}).pop(a[2], None)
+        if todo:
+            try:
+                batch = self._head_wave(todo)
+            except (_LookupTimeout, _LookupBusy) as e:
+                self._note_skipped(st, e)
+                return LookupResult(d, waves=1 if isinstance(e, _LookupTimeout) else 0, asks=len(todo))
+            except StoreError as e:
+                self.stats.lookup_errors += 1
+                log.warning("s3kv: lookup verify wave failed (%s); treating as miss", e,
+                            extra={"request_id": st.request_id})
+                return LookupResult(d, waves=1, asks=len(todo))
+            result.waves = 1
+            spans = self._absorb(todo, batch)
+            for a in todo.values():
+                got = spans.get(a)
+                want = cand.coverage[(a[0], a[1])][a[2]]
+                if got is None or got != want:
+                    return None
+                result.coverage.setdefault((a[0], a[1]), {})[a[2]] = got
+        if not servable(g, result.coverage, d, h, self.settings.window_margin_blocks):
+            return None
+        return result
+
+    def _note_skipped(self, st: _Request, e: BaseException) -> None:
+        if isinstance(e, _LookupBusy):
+            self.stats.lookup_busy += 1
+            log.warning("s3kv: lookup of request %s skipped: %d earlier HEAD waves still running; a miss",
+                        st.request_id, self._pending_waves, extra={"request_id": st.request_id})
+        elif not self._timed_out:
+            self._timed_out = True
+            self.stats.lookup_timeouts += 1
+            log.warning("s3kv: lookup of request %s ran out of its %.3f s budget; a miss",
+                        st.request_id, self.settings.lookup_timeout_s, extra={"request_id": st.request_id})
+
     def _probe(self, st: _Request, asks: set[Ask]) -> dict[Ask, Span | None]:
         assert st.chain is not None
         out: dict[Ask, Span | None] = {}
@@ -331,7 +529,7 @@ class LeaderCore:
         trust_index = self.store.available
         for a in asks:
             grp, shard, end = a
-            key = self.scheme.object_key(self._geometry.groups[grp].fingerprint, shard, st.chain.digests[end - 1])  # type: ignore[union-attr]
+            key = self._key_prefixes()[(grp, shard)] + st.chain.digests[end - 1].hex()
             v = self.index.get(key)
             if v is MISSING:
                 out[a] = None
@@ -344,12 +542,8 @@ class LeaderCore:
             return out
         try:
             batch = self._head_wave(todo)
-        except _LookupTimeout:
-            if not self._timed_out:
-                self._timed_out = True
-                self.stats.lookup_timeouts += 1
-                log.warning("s3kv: lookup of request %s ran out of its %.1f s budget; a miss",
-                            st.request_id, self.settings.lookup_timeout_s, extra={"request_id": st.request_id})
+        except (_LookupTimeout, _LookupBusy) as e:
+            self._note_skipped(st, e)
             return {**out, **{a: None for a in todo.values()}}
         except StoreError as e:
             # A store error during lookup is a miss, never an exception.
@@ -369,23 +563,40 @@ class LeaderCore:
         if self._lookup_deadline == float("inf"):
             return self.store.head_many(keys)
         remaining = self._lookup_deadline - time.monotonic()
-        if remaining <= 0:
+        if remaining <= 0 or self._timed_out:
             self._last_probe_used_network = False  # nothing sent: not a round trip
             raise _LookupTimeout
+        with self._pending_lock:
+            # Bounded backlog: waves that outlived their lookup still hold the pool. A store that
+            # hangs must cost each lookup nothing more, not queue waves without end.
+            if self._pending_waves >= max(1, self.settings.lookup_max_pending):
+                self._last_probe_used_network = False
+                raise _LookupBusy
+            self._pending_waves += 1
         if self._lookup_pool is None:
-            self._lookup_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="s3kv-lookup")
+            self._lookup_pool = ThreadPoolExecutor(
+                max_workers=max(1, self.settings.lookup_max_pending), thread_name_prefix="s3kv-lookup"
+            )
+        asks = dict(todo)
+        timed_out = [False]
+
+        def done(f: Future) -> None:
+            with self._pending_lock:
+                self._pending_waves -= 1
+            if timed_out[0] and not f.cancelled() and f.exception() is None:
+                # A late answer still warms the index: the next lookup of this prefix is local.
+                self._absorb(asks, f.result(), count=False)
+
         fut = self._lookup_pool.submit(self.store.head_many, keys)
         try:
             return fut.result(timeout=remaining)
         except FutureTimeout:
-            asks = dict(todo)
-
-            def late(f: Future) -> None:
-                if f.exception() is None:
-                    self._absorb(asks, f.result(), count=False)
-
-            fut.add_done_callback(late)
+            timed_out[0] = True
+            # A hung store never fails a call, so count the timeout where health is judged.
+            self.store.note_timeout("head")
             raise _LookupTimeout from None
+        finally:
+            fut.add_done_callback(done)
 
     def _absorb(self, todo: dict[str, Ask], batch: HeadBatch, *, count: bool = True) -> dict[Ask, Span | None]:
         """HEAD answers -> spans (foreign objects rejected) and the index."""
@@ -477,6 +688,50 @@ class LeaderCore:
                 st.pending_loads = self._plan_loads(st, lists)
             except PlanMismatch as e:
                 self._broken(st, str(e))
+
+    def _expire(self, now: float) -> None:
+        """Forget requests the engine has not mentioned for ``request_state_ttl_s``.
+
+        The engine reports every running request each iteration and calls request_finished
+        at the end; a request that does neither for that long was dropped without telling
+        us (an aborted admission, an engine bug). Its worker-side buffers are discarded.
+        """
+        ttl = self.settings.request_state_ttl_s
+        if ttl <= 0:
+            return
+        for st in self._requests.values():
+            if not st.seen:
+                st.seen = now  # first sweep since it appeared without a report
+        stale = [rid for rid, st in self._requests.items() if now - st.seen > ttl and not st.parked]
+        for rid in stale:
+            del self._requests[rid]
+            self._discards.add(rid)
+        if stale:
+            self.stats.requests_expired += len(stale)
+            log.warning("s3kv: forgot %d request(s) not seen for %.0f s: %s", len(stale), ttl, stale[:8])
+
+    def cancel_load(self, request_id: int, start: int, end: int) -> None:
+        """Engine hook (some V2 lines): the offered tokens ``[start, end)`` will not be consumed.
+
+        Nothing was loaded yet (the commit follows), so this only shrinks what the leader plans
+        for; a cancel that takes the whole offer before any commit forgets the request."""
+        with self._lock:
+            st = self._requests.get(request_id)
+            g = self._geometry
+            if st is None or g is None or not st.offered_blocks:
+                return
+            tpb = g.tokens_per_block
+            keep = max(0, min(st.offered_blocks, (int(start) - st.d_blocks * tpb) // tpb))
+            if int(end) >= (st.d_blocks + st.offered_blocks) * tpb:
+                st.offered_blocks = keep
+            self.stats.loads_cancelled_by_engine += 1
+
+    def request_reset(self, request_id: int) -> None:
+        """Engine hook (some V2 lines): the request's allocation died and it will be replayed;
+        drop what was staged for it (the replay starts from a fresh lookup)."""
+        with self._lock:
+            if self._requests.pop(request_id, None) is not None:
+                self._discards.add(request_id)
 
     def break_promise(self, request_id: int, reason: str) -> None:
         """The adapter's fallback when planning a load raised: the request takes the failure rung."""
@@ -598,6 +853,11 @@ class LeaderCore:
                 seals.extend(st.pending_seals)
                 releases.extend(st.pending_releases)
                 st.pending_stages, st.pending_seals, st.pending_releases = [], [], []
+            now = time.monotonic()
+            for st in reported:
+                st.seen = now
+            if self._iteration % 256 == 0:
+                self._expire(now)
             # Standing finish plans, for every request that computes in this pass (only they change).
             plans: list[FinishPlan] = []
             for st in reported:

@@ -12,12 +12,21 @@ Feeding it:
 * leader and worker: their stats objects hold cumulative counters; call
   :meth:`Metrics.observe_leader` / :meth:`Metrics.observe_worker` now and then (each scrape, each
   iteration - it is cheap) and the deltas since the last call are added to the counters;
-* retries: :meth:`Metrics.record_retry` from whatever owns the retry loop.
+* retries: :meth:`Metrics.record_retry` from whatever owns the retry loop;
+* prompt tokens: :meth:`Metrics.observe_prompt_tokens` once per new request the scheduler asks
+  about (or a cumulative ``prompt_tokens`` field in the leader's stats), so that
+  ``hit_tokens_total / prompt_tokens_total`` is the share of prompt tokens served from the store.
+
+Export: :func:`serve_for_rank` serves rank ``r`` of a tensor-parallel engine on ``port + r``
+(each rank is its own process with its own registry), bound to 127.0.0.1 unless told otherwise.
+:func:`read_endpoint` and :func:`figures` turn a scrape back into the few numbers a person asks
+for (examples/trtllm_vswa.py prints them).
 
 Metric names (all prefixed ``s3kv_``)::
 
     lookups_total, lookup_hits_total, lookup_misses_total, lookup_errors_total,
-    lookup_waves_total, lookup_not_cacheable_total, hit_tokens_total, hit_blocks_total{group}
+    lookup_waves_total, lookup_not_cacheable_total, hit_tokens_total, hit_blocks_total{group},
+    prompt_tokens_total, rank_info{rank,tp_size}
     store_requests_total{op}, store_bytes_total{op,direction}, store_request_seconds{op},
     store_retries_total{op}, store_errors_total{op,type}
     breaker_state (0 closed, 1 half-open, 2 open), breaker_transitions_total{from_state,to_state}
@@ -37,6 +46,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import start_http_server as _prom_start_http_server
+from prometheus_client.parser import text_string_to_metric_families
 
 from .store.base import (
     Buffer,
@@ -50,6 +60,9 @@ from .store.base import (
 )
 
 PREFIX = "s3kv"
+#: Where the metrics server binds unless told otherwise: metrics name buckets and key prefixes,
+#: so they are not for the whole network by default (``S3KV_METRICS_ADDR`` opens them up).
+DEFAULT_ADDR = "127.0.0.1"
 STORE_OPS = ("head", "put", "get", "delete", "list")
 DROP_REASONS = ("staging_full", "store_error", "breaker_open", "other")
 REJECT_REASONS = ("foreign", "corrupt")
@@ -165,6 +178,15 @@ class Metrics:
             f"{p}_lookup_not_cacheable", "Requests whose KV cannot be keyed (skipped).", registry=r
         )
         self.hit_tokens = Counter(f"{p}_hit_tokens", "Prompt tokens served from the store.", registry=r)
+        self.prompt_tokens = Counter(
+            f"{p}_prompt_tokens",
+            "Prompt tokens of the requests looked up (the denominator of the share served from the store).",
+            registry=r,
+        )
+        self.rank_info = Gauge(
+            f"{p}_rank_info", "1 for the tensor-parallel rank this endpoint belongs to.", ["rank", "tp_size"],
+            registry=r,
+        )
         self.hit_blocks = Counter(
             f"{p}_hit_blocks", "Blocks a hit needed from each layer group.", ["group"], registry=r
         )
@@ -227,6 +249,25 @@ class Metrics:
         self.pages_loaded = Counter(f"{p}_pages_loaded", "Pages loaded into the KV cache.", registry=r)
         self.loaded_bytes = Counter(f"{p}_loaded_bytes", "Page bytes loaded into the KV cache.", registry=r)
         self.load_failures = Counter(f"{p}_load_failures", "Promised loads that failed.", registry=r)
+        self.failed_load_rungs = Counter(
+            f"{p}_failed_load_rungs",
+            "Requests whose promised load failed, by the outcome taken (docs/failures.md): "
+            "engine_recompute (the engine's failed-load hook), parked_retry (parked while retried).",
+            ["rung"],
+            registry=r,
+        )
+        self.parked_loads_ended = Counter(
+            f"{p}_parked_loads_ended",
+            "Parked (retried) loads that ended: recovered (served from the store) or cancelled.",
+            ["outcome"],
+            registry=r,
+        )
+        self.parked_requests = Gauge(
+            f"{p}_parked_requests", "Requests parked right now while their failed load is retried.", registry=r
+        )
+        self.uploads_dropped_at_exit = Counter(
+            f"{p}_uploads_dropped_at_exit", "Uploads still queued when the exit drain ran out of time.", registry=r
+        )
         self.objects_rejected = Counter(
             f"{p}_objects_rejected",
             "Objects refused on HEAD or load (foreign or corrupt).",
@@ -265,6 +306,15 @@ class Metrics:
             self.store_bytes.labels(op, "down").inc(bytes_down)
         for etype, n in (errors or {}).items():
             self.store_errors.labels(op, etype).inc(n)
+
+    def observe_prompt_tokens(self, n: int) -> None:
+        """Count a new request's prompt tokens (call once per request, where its lookup happens)."""
+        if n > 0:
+            self.prompt_tokens.inc(n)
+
+    def set_rank(self, rank: int, tp_size: int) -> None:
+        """Label this registry's endpoint with its tensor-parallel rank (``s3kv_rank_info``)."""
+        self.rank_info.labels(str(rank), str(tp_size)).set(1)
 
     def record_retry(self, op: str, n: int = 1) -> None:
         self.store_retries.labels(op).inc(n)
@@ -317,6 +367,7 @@ class Metrics:
             (self.lookup_waves, ("lookup_waves",)),
             (self.not_cacheable, ("not_cacheable",)),
             (self.hit_tokens, ("hit_tokens",)),
+            (self.prompt_tokens, ("prompt_tokens",)),
         ):
             self._feed(metric, source, names[0], _first(stats, names))
         self._feed(
@@ -355,6 +406,15 @@ class Metrics:
             self._feed(
                 self.objects_rejected.labels(reason), source, f"reject[{reason}]", _first(stats, names)
             )
+        for label, name in (("engine_recompute", "rung_engine_recompute"), ("parked_retry", "rung_parked_retry")):
+            self._feed(self.failed_load_rungs.labels(label), source, f"rung[{label}]", _first(stats, (name,)))
+        for label, name in (("recovered", "parked_loads_recovered"), ("cancelled", "parked_loads_cancelled")):
+            self._feed(self.parked_loads_ended.labels(label), source, f"parked[{label}]", _first(stats, (name,)))
+        self._feed(self.uploads_dropped_at_exit, source, "uploads_dropped_at_exit",
+                   _first(stats, ("uploads_dropped_at_exit",)))
+        parked = _first(stats, ("parked_now",))
+        if parked is not None:
+            self.parked_requests.set(parked)
         staging = _field(stats, "staging")
         values = {}
         for gauge, names in _WORKER_GAUGES.items():
@@ -388,18 +448,95 @@ class Metrics:
         """The Prometheus text format of this registry (what a scrape returns)."""
         return generate_latest(self.registry)
 
-    def serve(self, port: int, addr: str = "0.0.0.0") -> Any:
+    def serve(self, port: int, addr: str = DEFAULT_ADDR) -> Any:
         return start_http_server(self, port, addr)
 
 
-def start_http_server(metrics: Metrics | CollectorRegistry, port: int, addr: str = "0.0.0.0") -> Any:
+def start_http_server(metrics: Metrics | CollectorRegistry, port: int, addr: str = DEFAULT_ADDR) -> Any:
     """Serve ``metrics``' registry on ``addr:port`` (port 0 picks a free one) from a daemon thread.
 
-    Returns the HTTP server (``.server_port``; ``.shutdown()`` stops it).
+    Binds loopback by default. Returns the HTTP server (``.server_port``; ``.shutdown()`` stops it).
     """
     registry = metrics.registry if isinstance(metrics, Metrics) else metrics
     result = _prom_start_http_server(port, addr=addr, registry=registry)
     return result[0] if isinstance(result, tuple) else result
+
+
+def rank_port(base_port: int, rank: int) -> int:
+    """The port rank ``rank`` serves on: ``base_port + rank`` (0 stays 0: metrics off)."""
+    if base_port <= 0:
+        return 0
+    port = base_port + rank
+    if port > 65535:
+        raise ValueError(f"S3KV_METRICS_PORT={base_port} + rank {rank} is past the last TCP port")
+    return port
+
+
+def serve_for_rank(
+    metrics: Metrics, base_port: int, rank: int = 0, tp_size: int = 1, addr: str = DEFAULT_ADDR
+) -> Any:
+    """Serve one rank's metrics on ``base_port + rank`` (None when ``base_port`` is 0).
+
+    Every rank of a tensor-parallel engine runs in its own process with its own registry, so each
+    needs its own port; Prometheus scrapes them as separate targets and ``s3kv_rank_info`` says
+    which rank a target is. Leader-side counters (lookups, hit and prompt tokens) come from the
+    rank that hosts the scheduler (rank 0); worker counters (saves, loads, staging) from every rank.
+    """
+    port = rank_port(base_port, rank)
+    if not port:
+        return None
+    metrics.set_rank(rank, tp_size)
+    return start_http_server(metrics, port, addr)
+
+
+def read_endpoint(url: str, timeout_s: float = 2.0) -> dict[str, float]:
+    """Scrape a metrics endpoint: ``{'name{label="v",...}': value}`` as :meth:`Metrics.snapshot`."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - an http:// URL we were given
+        text = resp.read().decode()
+    return parse_exposition(text)
+
+
+def parse_exposition(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            if s.labels:
+                inner = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{inner}}}"] = s.value
+            else:
+                out[s.name] = s.value
+    return out
+
+
+def figures(samples: Mapping[str, float]) -> dict[str, float]:
+    """The numbers a person asks first, from a snapshot or a scrape: tokens served from the store
+    (and their share of prompt tokens), bytes each way, store requests by operation."""
+
+    def total(name: str) -> float:
+        return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+    def by_op(name: str, op: str) -> float:
+        return sum(v for k, v in samples.items() if k.startswith(name + "{") and f'op="{op}"' in k)
+
+    hit, prompt = total(f"{PREFIX}_hit_tokens_total"), total(f"{PREFIX}_prompt_tokens_total")
+    out = {
+        "hit_tokens": hit,
+        "prompt_tokens": prompt,
+        "hit_share": hit / prompt if prompt else 0.0,
+        "loaded_bytes": total(f"{PREFIX}_loaded_bytes_total"),
+        "saved_bytes": total(f"{PREFIX}_saved_bytes_total"),
+        "objects_saved": total(f"{PREFIX}_objects_saved_total"),
+        "objects_loaded": total(f"{PREFIX}_objects_loaded_total"),
+        "saves_dropped": total(f"{PREFIX}_saves_dropped_total"),
+        "load_failures": total(f"{PREFIX}_load_failures_total"),
+    }
+    for op in STORE_OPS:
+        out[f"{op}_requests"] = by_op(f"{PREFIX}_store_requests_total", op)
+    return out
 
 
 class MetricsStore(StoreWrapper):
@@ -460,6 +597,19 @@ class MetricsStore(StoreWrapper):
             "get", self._clock() - t0, requests=len(ranges), bytes_down=sum(len(b) for b in out)
         )
         return out
+
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        t0 = self._clock()
+        try:
+            self.inner.get_ranges_into(key, ranges, out)
+        except StoreError as exc:
+            self.metrics.record_request(
+                "get", self._clock() - t0, requests=len(ranges), errors={type(exc).__name__: 1}
+            )
+            raise
+        self.metrics.record_request(
+            "get", self._clock() - t0, requests=len(ranges), bytes_down=sum(r.length for r in ranges)
+        )
 
     def delete_many(self, keys: Sequence[str]) -> None:
         t0 = self._clock()

@@ -121,6 +121,9 @@ class ObjectIdentity:
     tokens_per_block: int
     page_bytes: int
     integrity: IntegrityKeys | None = field(default=None, compare=False, repr=False)
+    #: The group's attention window (None: full attention), written to the metadata for operators
+    #: (``s3kv ls``); the group fingerprint already binds it, so it is not compared.
+    window: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,7 @@ def object_metadata(
         "s3kv-page-bytes": str(identity.page_bytes),
         "s3kv-first": str(first_ordinal),
         "s3kv-count": str(page_count),
+        "s3kv-window": "full" if identity.window is None else str(identity.window),
     }
     if identity.integrity is not None:
         if key is None:

@@ -2,19 +2,23 @@
 
 They walk the key layout of :mod:`s3kv.keys` (``{prefix}/{namespace}/{group}.{shard}of{tp}/{digest}``)
 through the store interface only (``list``, ``head_many``, ``get_ranges``, ``delete_many``), so they
-work the same on ``s3://``, ``file://`` and ``memory://``. Keys under the prefix that do not fit the
+work the same on ``s3://``, ``file://`` and ``memory://``. A namespace may sit deeper than the prefix
+(``s3://b/kv`` also finds ``kv/demo-1/{namespace}/...``, what ``s3kv demo --url s3://b/kv`` writes);
+such rows are shown with their sub-prefix (``demo-1/``). Keys under the prefix that do not fit the
 layout are counted as *unrecognised* and never touched.
 
-Every command takes ``--url`` (default: the ``S3KV_URL`` env var) and ``--json`` (one JSON object
+Every command takes ``--url`` (default: the ``S3KV_URL`` setting, from the env or the file named by
+``S3KV_CONFIG_FILE``, whose timeouts and retry settings apply too) and ``--json`` (one JSON object
 on stdout instead of a table). ``verify`` exits 1 when it finds a bad object or cannot read one;
-``gc`` needs at least one filter (``--older-than`` / ``--namespace``).
+objects of a format version this build does not read are *skipped* (never deleted). ``gc`` needs
+at least one filter (``--older-than`` / ``--namespace``) and asks before deleting more than
+``--confirm-above`` objects unless ``--yes``.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import statistics
 import sys
 import time
@@ -25,19 +29,33 @@ from typing import Any
 
 import click
 
+from .config import ConfigError, load_settings
 from .keys import DIGEST_SIZE, ParsedKey, parse_key
 from .objects import (
     ForeignObject,
     ObjectFormatError,
     ObjectIdentity,
+    TruncatedObject,
+    UnsupportedVersion,
+    decode_header,
     decode_object,
+    header_len,
     span_from_metadata,
+    verify_page,
 )
 from .store.base import ByteRange, NotFound, ObjectInfo, ObjectStore, StoreError
-from .store.factory import SETTING, open_store, parse_store_url
 
+SETTING = "S3KV_URL"
 DELETE_BATCH = 1000
 HEAD_BATCH = 256
+#: verify reads an object in parts of about this many bytes (at least one page), so a huge
+#: (or crafted) object never sits in memory whole.
+VERIFY_READ_BYTES = 64 * 1024 * 1024
+#: verify does not read pages larger than this (no real model has pages near it); such objects
+#: are reported as skipped, never judged or deleted.
+MAX_PAGE_BYTES = 512 * 1024 * 1024
+#: gc asks before deleting more objects than this (unless --yes).
+CONFIRM_ABOVE = 1000
 _NS_HEX = 2 * DIGEST_SIZE
 
 
@@ -52,16 +70,28 @@ class _Ctx:
 
 
 def _open(url: str | None, as_json: bool) -> _Ctx:
-    url = url or os.environ.get(SETTING, "")
-    if not url.strip():
-        raise click.UsageError(f"no store URL: pass --url or set {SETTING} (e.g. s3://bucket/prefix)")
+    """The store behind ``--url`` (else the S3KV_URL setting), opened with the user's settings:
+    ``S3KV_CONFIG_FILE`` and the env's timeouts, retries and SSE apply as in an engine."""
+    from .runtime import open_runtime_store
+
     try:
-        parsed = parse_store_url(url)
-        store = open_store(url)
+        settings = load_settings(require_url=False, url=url.strip() if url else None)
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if not settings.url:
+        raise click.UsageError(f"no store URL: pass --url or set {SETTING} (e.g. s3://bucket/prefix)")
+    if settings.url.startswith("memory://"):
+        click.echo(
+            f"s3kv: warning: {settings.url} lives inside one process; this command starts with it empty "
+            "(use file:///dir or s3:// to share a cache between processes)",
+            err=True,
+        )
+    try:
+        store, prefix = open_runtime_store(settings)
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
-    root = f"{parsed.prefix}/" if parsed.prefix else ""
-    return _Ctx(url, store, root, as_json)
+    root = f"{prefix}/" if prefix else ""
+    return _Ctx(settings.url, store, root, as_json)
 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -71,7 +101,7 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
         "--url",
         default=None,
         metavar="URL",
-        help=f"Cache location (s3://bucket/prefix, file:///dir, memory://name). Default: ${SETTING}.",
+        help=f"Cache location (s3://bucket/prefix, file:///dir). Default: the {SETTING} setting.",
     )
     @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
     @functools.wraps(fn)
@@ -150,23 +180,34 @@ def _round(x: float | None) -> float | None:
 class Entry:
     info: ObjectInfo
     parsed: ParsedKey
+    #: Where the namespace sits below the URL's prefix: "" or e.g. "demo-1712345678/".
+    sub: str = ""
 
     @property
     def group(self) -> str:
         p = self.parsed
         return f"{p.group_fingerprint}.{p.shard}of{p.tp_size}"
 
+    @property
+    def where(self) -> str:
+        """The namespace as shown: with its sub-prefix when it has one."""
+        return self.sub + self.parsed.namespace
+
 
 def _walk(ctx: _Ctx, namespace: str | None = None) -> Iterator[Entry | ObjectInfo]:
-    """Layout entries under the prefix (or one namespace); non-layout keys come back as ObjectInfo."""
-    base = ctx.root + (f"{namespace}/" if namespace else "")
-    for info in ctx.store.list(base):
+    """Layout entries at any depth under the prefix (or of one namespace); other keys come back
+    as ObjectInfo."""
+    for info in ctx.store.list(ctx.root):
         rel = info.key[len(ctx.root) :]
-        parsed = parse_key(rel) if rel.count("/") == 2 else None
+        parsed = parse_key(rel)
         if parsed is None or parsed.tp_size < 1 or not 0 <= parsed.shard < parsed.tp_size:
             yield info
-        else:
-            yield Entry(info, parsed)
+            continue
+        if namespace and parsed.namespace != namespace:
+            continue
+        tail = f"{parsed.namespace}/{rel.rsplit('/', 2)[1]}/{parsed.digest}"
+        sub = rel[: len(rel) - len(tail)]
+        yield Entry(info, parsed, sub)
 
 
 def _is_ns(text: str) -> bool:
@@ -247,27 +288,60 @@ def _group_doc(group: str) -> dict[str, Any]:
 
 
 # -- ls --------------------------------------------------------------------------------------
+def _window_of(md: Mapping[str, str] | None) -> str:
+    """``w=256`` / ``full`` from an object's ``s3kv-window`` metadata; ``w=?`` when it has none."""
+    raw = {k.lower(): v for k, v in (md or {}).items()}.get("s3kv-window")
+    if raw is None:
+        return "w=?"
+    return "full" if raw.strip().lower() in ("full", "none", "") else f"w={raw.strip()}"
+
+
+def _group_windows(ctx: _Ctx, first_keys: Mapping[str, str]) -> dict[str, str]:
+    """Window label per group, from one HEAD of one object of each group."""
+    heads = ctx.store.head_many(list(first_keys.values()))
+    return {g: _window_of(heads.found[k].metadata if k in heads.found else None) for g, k in first_keys.items()}
+
+
+def _windows_text(labels: Iterable[str]) -> str:
+    """``full + w=256`` for a namespace: each group's window once, full attention first."""
+    uniq = sorted(set(labels), key=lambda x: (x != "full", len(x), x))
+    return " + ".join(uniq) if uniq else "-"
+
+
 @click.command("ls")
 @_common
 @click.option("--namespace", "-n", default=None, help="List this namespace's groups (full or unique prefix).")
 def ls_command(ctx: _Ctx, namespace: str | None) -> None:
-    """Namespaces under the prefix (or one namespace's groups) with object counts, bytes and ages."""
+    """Namespaces under the prefix (or one namespace's groups) with windows, objects, bytes and ages."""
     ns = _resolve_ns(ctx, namespace)
     buckets: dict[str, _Agg] = {}
+    first_key: dict[str, str] = {}  # group row -> one of its keys (for its window)
+    group_of_row: dict[str, set[str]] = {}  # namespace row -> its groups' rows
     other = _Agg()
     for e in _walk(ctx, ns):
         if isinstance(e, Entry):
-            name = e.group if ns else e.parsed.namespace
+            grow = e.sub + e.group
+            name = grow if ns else e.where
             buckets.setdefault(name, _Agg()).add(ctx, e.info)
+            first_key.setdefault(e.where + "/" + e.group, e.info.key)
+            group_of_row.setdefault(name, set()).add(e.where + "/" + e.group)
         else:
             other.add(ctx, e)
+    windows = _group_windows(ctx, first_key) if first_key else {}
+    win = {row: _windows_text(windows[g] for g in groups) for row, groups in group_of_row.items()}
     total = _Agg(sum(a.objects for a in buckets.values()), sum(a.bytes for a in buckets.values()))
     if ns:
-        rows_doc = [{**_group_doc(g), **a.ls_doc()} for g, a in sorted(buckets.items())]
+        rows_doc = [
+            {**_group_doc(g.rsplit("/", 1)[-1]), "path": _sub_of(g), "window": win[g], **a.ls_doc()}
+            for g, a in sorted(buckets.items())
+        ]
         doc: dict[str, Any] = {"url": ctx.url, "namespace": ns, "groups": rows_doc}
         title = "GROUP"
     else:
-        rows_doc = [{"namespace": n, **a.ls_doc()} for n, a in sorted(buckets.items())]
+        rows_doc = [
+            {"namespace": n.rsplit("/", 1)[-1], "path": _sub_of(n), "windows": win[n], **a.ls_doc()}
+            for n, a in sorted(buckets.items())
+        ]
         doc = {"url": ctx.url, "namespaces": rows_doc}
         title = "NAMESPACE"
     doc["total"] = {"objects": total.objects, "bytes": total.bytes}
@@ -275,18 +349,26 @@ def ls_command(ctx: _Ctx, namespace: str | None) -> None:
 
     def text() -> Iterator[str]:
         rows = [
-            (name, a.objects, fmt_bytes(a.bytes), fmt_age(a.oldest), fmt_age(a.newest))
+            (name, win[name], a.objects, fmt_bytes(a.bytes), fmt_age(a.oldest), fmt_age(a.newest))
             for name, a in sorted(buckets.items())
         ]
         if not rows:
             yield f"no s3kv objects under {ctx.url}" + (f" in namespace {ns}" if ns else "")
         else:
-            yield from _table((title, "OBJECTS", "BYTES", "OLDEST", "NEWEST"), rows)
+            yield from _table((title, "WINDOW" if ns else "WINDOWS", "OBJECTS", "BYTES", "OLDEST", "NEWEST"), rows)
             yield f"total: {total.objects} objects, {fmt_bytes(total.bytes)}"
+            if any(_sub_of(n) for n in buckets):
+                yield f"(a name with a '/' sits below {ctx.url}: pass --url {ctx.url.rstrip('/')}/<that path> to see it alone)"
         if other.objects:
             yield f"unrecognised keys (not s3kv layout, ignored): {other.objects}, {fmt_bytes(other.bytes)}"
 
     _emit(ctx, doc, text)
+
+
+def _sub_of(row: str) -> str:
+    """The sub-prefix part of a row name ("demo-1/abcd..." -> "demo-1/"; "abcd..." -> "")."""
+    head, sep, _ = row.rpartition("/")
+    return head + sep
 
 
 # -- stats -------------------------------------------------------------------------------------
@@ -334,7 +416,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
     other = _Agg()
     for e in _walk(ctx, ns):
         if isinstance(e, Entry):
-            groups.setdefault((e.parsed.namespace, e.group), []).append(e)
+            groups.setdefault((e.where, e.group), []).append(e)
         else:
             other.add(ctx, e)
 
@@ -350,11 +432,13 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         asked = keys if deep else keys[:3]
         heads = _head_all(ctx.store, asked)
         page_bytes = tpb = None
+        window = "w=?"
         for k in asked:  # the group's page size, from the first object whose metadata has it
             info = heads.get(k)
             page_bytes = _meta_int(info.metadata, "s3kv-page-bytes") if info else None
             if page_bytes is not None:
                 tpb = _meta_int(info.metadata, "s3kv-tpb") if info else None
+                window = _window_of(info.metadata if info else None)
                 break
         counts: list[int | None] = []
         for e in entries:
@@ -370,6 +454,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         pages = None if any(c is None for c in counts) else sum(c for c in counts if c is not None)
         gdoc = {
             **_group_doc(g),
+            "window": window,
             "objects": agg.objects,
             "bytes": agg.bytes,
             "pages": pages,
@@ -377,7 +462,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
             "tokens_per_block": tpb,
             "age_s": agg.age_doc(),
         }
-        nd = ns_docs.setdefault(n, {"namespace": n, "groups": []})
+        nd = ns_docs.setdefault(n, {"namespace": n.rsplit("/", 1)[-1], "path": _sub_of(n), "groups": []})
         nd["groups"].append(gdoc)
         na = ns_aggs.setdefault(n, _Agg())
         na.objects += agg.objects
@@ -391,7 +476,9 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         a = ns_aggs[n]
         namespaces.append(
             {
-                "namespace": n,
+                "namespace": nd["namespace"],
+                "path": nd["path"],
+                "windows": _windows_text(gd["window"] for gd in nd["groups"]),
                 "objects": a.objects,
                 "bytes": a.bytes,
                 "pages": ns_pages[n],
@@ -424,7 +511,8 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
             ages = d["age_s"]
             rows.append(
                 (
-                    d["namespace"],
+                    d["path"] + d["namespace"],
+                    d["windows"],
                     d["objects"],
                     fmt_bytes(d["bytes"]),
                     _dash(d["pages"]),
@@ -438,6 +526,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
                 rows.append(
                     (
                         f"  {gd['group']}",
+                        gd["window"],
                         gd["objects"],
                         fmt_bytes(gd["bytes"]),
                         _dash(gd["pages"]),
@@ -448,7 +537,8 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
                 )
         if rows:
             yield from _table(
-                ("NAMESPACE / GROUP", "OBJECTS", "BYTES", "PAGES", "MIN AGE", "MEDIAN", "MAX AGE"), rows
+                ("NAMESPACE / GROUP", "WINDOW", "OBJECTS", "BYTES", "PAGES", "MIN AGE", "MEDIAN", "MAX AGE"),
+                rows,
             )
             t = doc["total"]
             yield f"total: {t['objects']} objects, {fmt_bytes(t['bytes'])}, {_dash(t['pages'])} pages"
@@ -468,7 +558,7 @@ def _dash(x: Any) -> str:
 @dataclass(frozen=True)
 class Verdict:
     key: str
-    status: str  # ok | bad | error | vanished
+    status: str  # ok | bad | skipped | error | vanished
     reason: str = ""
     detail: str = ""
     pages: int = 0
@@ -512,16 +602,55 @@ def check_object(parsed: ParsedKey, info: ObjectInfo, data: bytes) -> int:
     return len(pages)
 
 
+class _TooLarge(ObjectFormatError):
+    reason = "page_too_large"
+
+
+def _verify_streamed(store: ObjectStore, parsed: ParsedKey, info: ObjectInfo) -> int:
+    """``check_object`` without holding the object: sizes from the HEAD first, then the header,
+    then the pages in parts of about VERIFY_READ_BYTES. Returns the page count."""
+    key = info.key
+    identity = identity_from(parsed, info.metadata, key)
+    # The HEAD's size must be what the metadata's page count implies before a byte is read.
+    span = span_from_metadata(identity, info.metadata, info.size, key)
+    if identity.page_bytes > MAX_PAGE_BYTES:
+        raise _TooLarge(f"pages of {identity.page_bytes} bytes are past verify's limit of {MAX_PAGE_BYTES}", key)
+    hlen = header_len(span.count)
+    head = store.get_ranges(key, [ByteRange(0, hlen)])[0]
+    header = decode_header(head, identity, key)
+    if (header.first_ordinal, header.page_count) != (span.first, span.count):
+        raise ForeignObject(
+            f"header holds ordinals {header.first_ordinal}+{header.page_count}, metadata says "
+            f"{span.first}+{span.count}",
+            key,
+        )
+    if header.last_digest.hex() != parsed.digest:
+        raise ForeignObject("header chain digest differs from the key's (object stored under the wrong key)", key)
+    if header.total_len != info.size:
+        raise TruncatedObject(f"object is {info.size} bytes, header says {header.total_len}", key)
+    pb = identity.page_bytes
+    per_read = max(1, VERIFY_READ_BYTES // max(1, pb))
+    for first in range(0, header.page_count, per_read):
+        idx = range(first, min(header.page_count, first + per_read))
+        pages = store.get_ranges(key, [ByteRange(header.page_offset(i), pb) for i in idx])
+        for i, page in zip(idx, pages, strict=True):
+            verify_page(header, i, page, key)
+    return header.page_count
+
+
 def _verify_one(store: ObjectStore, e: Entry) -> Verdict:
     key = e.info.key
     try:
         info = store.head(key)
         if info is None:
             return Verdict(key, "vanished")
-        data = store.get_ranges(key, [ByteRange(0, info.size)])[0] if info.size else b""
-        pages = check_object(e.parsed, info, data)
+        pages = _verify_streamed(store, e.parsed, info)
     except NotFound:
         return Verdict(key, "vanished")
+    except (UnsupportedVersion, _TooLarge) as exc:
+        # Written by another s3kv version (or not plausibly by any): not ours to judge, and never
+        # ours to delete.
+        return Verdict(key, "skipped", exc.reason, _without_key(str(exc), key))
     except ObjectFormatError as exc:
         return Verdict(key, "bad", exc.reason, _without_key(str(exc), key))
     except StoreError as exc:
@@ -552,14 +681,18 @@ def _sampled(digest: str, fraction: float) -> bool:
     "--jobs", "-j", type=click.IntRange(min=1), default=8, show_default=True, help="Parallel downloads."
 )
 @click.option(
-    "--delete-bad", is_flag=True, help="Delete objects found bad (never ones that could not be read)."
+    "--delete-bad",
+    is_flag=True,
+    help="Delete objects found bad (never ones that could not be read, nor ones of another format version).",
 )
 def verify_command(
     ctx: _Ctx, namespace: str | None, limit: int | None, sample: float | None, jobs: int, delete_bad: bool
 ) -> None:
-    """Download objects and check header, identity (against key and metadata) and every page checksum.
+    """Read objects and check header, identity (against key and metadata) and every page checksum.
 
-    Exit code 1 if any object is bad or could not be read.
+    Sizes are checked against the metadata before any read, and objects are read in parts, so a
+    huge object never sits in memory whole. Objects of a format version this build does not read
+    are reported as skipped and never deleted. Exit code 1 if any object is bad or unreadable.
     """
     ns = _resolve_ns(ctx, namespace)
     entries: list[Entry] = []
@@ -580,6 +713,7 @@ def verify_command(
             bar.update(1)
     bad = [v for v in verdicts if v.status == "bad"]
     errors = [v for v in verdicts if v.status == "error"]
+    skipped = [v for v in verdicts if v.status == "skipped"]
     by_reason: dict[str, int] = {}
     for v in bad:
         by_reason[v.reason] = by_reason.get(v.reason, 0) + 1
@@ -600,6 +734,7 @@ def verify_command(
         "bad": [{"key": v.key, "reason": v.reason, "detail": v.detail} for v in bad],
         "bad_by_reason": by_reason,
         "errors": [{"key": v.key, "error": v.reason, "detail": v.detail} for v in errors],
+        "skipped": [{"key": v.key, "reason": v.reason, "detail": v.detail} for v in skipped],
         "vanished": sum(v.status == "vanished" for v in verdicts),
         "unrecognised": unrecognised,
         "deleted": deleted,
@@ -613,11 +748,15 @@ def verify_command(
                 yield f"    {v.reason}: {v.detail}"
         for v in errors:
             yield f"could not read {v.key}: {v.reason}: {v.detail}"
+        for v in skipped:
+            yield f"skipped {v.key}: {v.detail}"
         summary = f"checked {len(verdicts)} objects: {len(ok)} ok, {len(bad)} bad"
         if by_reason:
             summary += " (" + ", ".join(f"{r}: {n}" for r, n in sorted(by_reason.items())) + ")"
         if errors:
             summary += f", {len(errors)} unreadable"
+        if skipped:
+            summary += f", {len(skipped)} skipped (another format version; not checked, not deleted)"
         if doc["vanished"]:
             summary += f", {doc['vanished']} vanished while checking"
         yield summary
@@ -644,9 +783,23 @@ def verify_command(
 )
 @click.option("--namespace", "-n", default=None, help="Delete only this namespace (the full 32 hex digits).")
 @click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking, however many objects match.")
+@click.option(
+    "--confirm-above",
+    type=click.IntRange(min=0),
+    default=CONFIRM_ABOVE,
+    show_default=True,
+    help="Ask before deleting more objects than this (unless --yes).",
+)
 @click.option("--verbose", "-v", is_flag=True, help="Also list every key (table) / add 'keys' (JSON).")
 def gc_command(
-    ctx: _Ctx, older_than: float | None, namespace: str | None, dry_run: bool, verbose: bool
+    ctx: _Ctx,
+    older_than: float | None,
+    namespace: str | None,
+    dry_run: bool,
+    yes: bool,
+    confirm_above: int,
+    verbose: bool,
 ) -> None:
     """Delete s3kv objects by age and/or namespace (at least one filter is required).
 
@@ -673,6 +826,8 @@ def gc_command(
         a.bytes += e.info.size
     matched = _Agg(len(victims), sum(e.info.size for e in victims))
 
+    if not dry_run and not yes and len(victims) > confirm_above:
+        _confirm_delete(ctx, matched)
     deleted = _Agg()
     failure: StoreError | None = None
     if not dry_run and victims:
@@ -720,6 +875,21 @@ def gc_command(
     _emit(ctx, doc, text)
     if failure is not None:
         raise SystemExit(1)
+
+
+def _confirm_delete(ctx: _Ctx, matched: _Agg) -> None:
+    what = f"{matched.objects} objects ({fmt_bytes(matched.bytes)}) under {ctx.url}"
+    refuse = click.ClickException(
+        f"not deleting {what} without confirmation: pass --yes, or look first with --dry-run"
+    )
+    if ctx.json:
+        raise refuse  # a script reading JSON cannot answer a prompt
+    try:
+        ok = click.confirm(f"Delete {what}?", default=False, err=True)
+    except click.Abort:  # no terminal / end of input
+        raise refuse from None
+    if not ok:
+        raise refuse
 
 
 def ops_commands() -> dict[str, click.Command]:

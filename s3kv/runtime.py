@@ -23,7 +23,7 @@ from typing import Any
 from .config import Settings
 from .index import KeyIndex
 from .layout import CacheGeometry
-from .metrics import Metrics, MetricsStore, start_http_server
+from .metrics import Metrics, MetricsStore, serve_for_rank
 from .store.base import ObjectStore
 from .store.breaker import BreakerPolicy, CircuitBreakerStore
 
@@ -45,6 +45,8 @@ class EngineRuntime:
     #: Close the store with the runtime only if the runtime opened it (a caller's store is theirs).
     owns_store: bool = True
     _last_observed: float = 0.0
+    _geometry_ready: bool = False
+    _geometry_callbacks: list[Any] = field(default_factory=list)
 
     def observe(self, leader_stats: Any = None, worker_stats: Any = None, source: str = "worker") -> None:
         """Copy cumulative connector stats into the Prometheus metrics."""
@@ -66,6 +68,21 @@ class EngineRuntime:
 
     def get_geometry(self) -> CacheGeometry | None:
         return self.geometry
+
+    def on_geometry(self, callback: Any) -> None:
+        """Call ``callback()`` once the rank-0 worker registered the layout (at once if it has)."""
+        with self.lock:
+            if not self._geometry_ready:
+                self._geometry_callbacks.append(callback)
+                return
+        callback()
+
+    def geometry_ready(self) -> None:
+        with self.lock:
+            self._geometry_ready = True
+            callbacks, self._geometry_callbacks = self._geometry_callbacks, []
+        for cb in callbacks:
+            cb()
 
 
 _REGISTRY: dict[str, EngineRuntime] = {}
@@ -98,6 +115,8 @@ def s3_options(settings: Settings) -> Any:
         part_size=settings.multipart_part_mib * mib,
         sse=settings.sse or None,  # type: ignore[arg-type]  # validated by Settings
         sse_kms_key_id=settings.sse_kms_key_id or None,
+        client=settings.s3_client,  # type: ignore[arg-type]  # validated by Settings
+        head_concurrency=settings.lookup_head_concurrency,
     )
 
 
@@ -151,11 +170,18 @@ def acquire_runtime(
                 owns_store=owns_store,
             )
             if settings.metrics_port:
+                # Every tensor-parallel rank is its own process with its own registry: rank r
+                # serves port + r (only rank 0's would be seen otherwise).
+                mapping = llm_args.parallel_config.to_mapping()
+                port = settings.metrics_port + int(mapping.tp_rank)
                 try:
-                    rt.http_server = start_http_server(metrics, settings.metrics_port)
-                    log.info("s3kv metrics on port %d", settings.metrics_port)
-                except OSError as e:  # another engine in this process already serves the port
-                    log.warning("s3kv: cannot serve metrics on port %d: %s", settings.metrics_port, e)
+                    rt.http_server = serve_for_rank(
+                        metrics, settings.metrics_port, int(mapping.tp_rank), int(mapping.tp_size),
+                        settings.metrics_addr,
+                    )
+                    log.info("s3kv metrics on %s:%d", settings.metrics_addr, port)
+                except (OSError, ValueError) as e:  # port taken (another engine here) or past 65535
+                    log.warning("s3kv: cannot serve metrics on port %d: %s", port, e)
             _REGISTRY[key] = rt
         rt.refs += 1
         return rt

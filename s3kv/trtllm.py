@@ -162,6 +162,9 @@ class S3KvConnectorLeader(KvCacheConnectorScheduler):
                 "hit (counted as partial_block_misses); set kv_cache_config.enable_partial_reuse=False "
                 "for full S3 hits"
             )
+        # The namespace summary's first LIST should not race the first lookups: start its
+        # refresher (background thread) once the worker has registered the layout.
+        self._runtime.on_geometry(self._start_summary)
         self.core = LeaderCore(
             self.settings,
             self._runtime.store,
@@ -178,6 +181,14 @@ class S3KvConnectorLeader(KvCacheConnectorScheduler):
     def errors(self) -> Counter[str]:
         """Exceptions contained per hook (each one would have killed the engine)."""
         return self._contain.errors
+
+    def _start_summary(self) -> None:
+        try:
+            summary = self.core.lookup_summary()
+            if summary is not None:
+                summary.start()
+        except Exception as e:  # noqa: BLE001 - an optional accelerator; lookups probe without it
+            self._contain("lookup_summary", e)
 
     # -- allocation --------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -236,6 +247,19 @@ class S3KvConnectorLeader(KvCacheConnectorScheduler):
                 self._contain("observe", e)
         return meta
 
+    # -- optional engine hooks (some TensorRT-LLM lines call them; feature-detected by the engine) --
+    def cancel_load(self, request: Any, start: int, end: int) -> None:
+        try:
+            self.core.cancel_load(int(request.request_id), int(start), int(end))
+        except Exception as e:  # noqa: BLE001
+            self._contain("cancel_load", e)
+
+    def request_reset(self, request: Any) -> None:
+        try:
+            self.core.request_reset(int(request.request_id))
+        except Exception as e:  # noqa: BLE001
+            self._contain("request_reset", e)
+
     # -- end of a request --------------------------------------------------
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         return self.request_finished_by_layer_group(request, [list(cache_block_ids)])
@@ -252,6 +276,7 @@ class S3KvConnectorLeader(KvCacheConnectorScheduler):
     def shutdown(self) -> None:
         try:
             self._runtime.observe(leader_stats=self.core.stats)
+            self.core.close_lookup()
         except Exception as e:  # noqa: BLE001
             self._contain("shutdown", e)
         finally:
@@ -313,6 +338,8 @@ class S3KvConnectorWorker(KvCacheConnectorWorker):
         self.core.register_layout(layout)
         geometry: CacheGeometry = self.core.geometry
         self._runtime.publish_geometry(geometry)
+        if self.tp_rank == 0:
+            self._runtime.geometry_ready()
         kv = getattr(self._llm_args, "kv_cache_config", None)
         max_seq_len = getattr(self._llm_args, "max_seq_len", None)
         expected = expected_windows(getattr(kv, "max_attention_window", None), max_seq_len)

@@ -1,8 +1,8 @@
 """TensorRT-LLM's connector types: the real ones when importable, faithful stand-ins otherwise.
 
 s3kv must import (and its simulator must run) on machines without TensorRT-LLM.
-The stand-ins follow ../shared/trtllm-connector-api.md field for field, so the
-adapter code is the same either way. ``HAVE_TRTLLM`` says which ones are in use.
+The stand-ins follow TensorRT-LLM's connector API (``tensorrt_llm._torch.pyexecutor.
+kv_cache_connector``) field for field, so the adapter code is the same either way. ``HAVE_TRTLLM`` says which ones are in use.
 """
 
 from __future__ import annotations

@@ -117,6 +117,16 @@ class WorkerStats:
     staging_high_water: int
     staging_drops: int
     staging_pinned: bool
+    #: Failed promised loads by rung (docs/failures.md), and how parked ones ended.
+    rung_engine_recompute: int = 0
+    rung_parked_retry: int = 0
+    parked_loads_recovered: int = 0
+    parked_loads_cancelled: int = 0
+    #: Requests parked right now while their load is retried (rung 3).
+    parked_now: int = 0
+    load_retries: int = 0
+    objects_quarantined: int = 0
+    uploads_dropped_at_exit: int = 0
     #: S3 requests the saves and loads cost, as S3 bills them (s3kv/cost.py): PUT-class (a
     #: multipart upload is create + parts + complete) and GETs (long ranges split). HEADs are
     #: the lookups' (the store's request counters). For $ per token: ``cost.usage_from_stats``.
@@ -260,6 +270,8 @@ class WorkerCore:
         # Standing finish plans (request id -> plan), run when the id reaches get_finished.
         self._finish_plans: dict[int, FinishPlan] = {}
         self._last_stream: Any = None  # the forward stream of the latest wait_for_save
+        self._last_drop_warn = 0.0
+        self._dropped_since_warn = 0
         self._closed = False
 
     # -- set-up -----------------------------------------------------------
@@ -295,6 +307,7 @@ class WorkerCore:
                     tokens_per_block=geometry.tokens_per_block,
                     page_bytes=g.page_bytes,
                     integrity=self.settings.integrity,
+                    window=g.window,
                 )
                 for g in geometry.groups
             }
@@ -315,6 +328,19 @@ class WorkerCore:
                 name=f"s3kv-down-r{self.tp_rank}",
             )
             self._geometry = geometry
+            # Saves need a buffer per open object and group; with room for fewer than a few
+            # objects of the largest group, most saves would be dropped.
+            from .policy import object_sizes
+
+            blocks, _ = object_sizes([g.page_bytes for g in geometry.groups], geometry.tokens_per_block, self.settings)
+            biggest = max(b * g.page_bytes for b, g in zip(blocks, geometry.groups, strict=True))
+            if self._pool.capacity < 4 * biggest * max(1, geometry.num_groups):
+                log.warning(
+                    "s3kv: S3KV_STAGING_MIB=%d holds fewer than 4 objects per layer group (largest object "
+                    "%.1f MiB, %d groups): saves will be dropped under load; raise it to at least %d",
+                    self.settings.staging_mib, biggest / 2**20, geometry.num_groups,
+                    -(-4 * biggest * geometry.num_groups // 2**20),
+                )
             log.info(
                 "s3kv worker rank %d/%d: %d layer group(s), namespace %s, staging %d MiB (%s) on %s",
                 self.tp_rank,
@@ -793,6 +819,14 @@ class WorkerCore:
             staging_high_water=s.high_water if s else 0,
             staging_drops=s.drops if s else 0,
             staging_pinned=s.pinned if s else False,
+            rung_engine_recompute=n("rung_engine_recompute"),
+            rung_parked_retry=n("rung_parked_retry"),
+            parked_loads_recovered=n("parked_loads_recovered"),
+            parked_loads_cancelled=n("parked_loads_cancelled"),
+            parked_now=sum(1 for st in list(self._async.values()) if st.attempts),
+            load_retries=n("load_retries"),
+            objects_quarantined=n("objects_quarantined"),
+            uploads_dropped_at_exit=n("uploads_dropped_at_exit"),
             put_requests=n("put_requests"),
             get_requests=n("get_requests"),
         )
@@ -848,7 +882,7 @@ class WorkerCore:
             page_bytes = self._identity[bid.group].page_bytes
             buf = self._pool.try_acquire(bid.capacity * page_bytes, SAVE)
             if buf is None:
-                log.debug("s3kv: staging full; dropping save of %s", bid)
+                self._warn_dropped(bid)
                 self._dropped.add(bid)
                 self._counters.add("saves_dropped_staging_full")
                 self._counters.add("stages_dropped")
@@ -865,6 +899,18 @@ class WorkerCore:
             self._counters.add("restages_ignored")
             return None
         return ob
+
+    def _warn_dropped(self, bid: BufferId) -> None:
+        """Saves dropped for staging room: a WARNING at most every 30 s, with the count since."""
+        self._dropped_since_warn += 1
+        now = time.monotonic()
+        if now - self._last_drop_warn >= 30.0:
+            log.warning(
+                "s3kv: host staging full: %d save(s) dropped (latest %s); raise S3KV_STAGING_MIB "
+                "(now %d) or check the store's upload speed", self._dropped_since_warn, bid, self.settings.staging_mib,
+            )
+            self._last_drop_warn = now
+            self._dropped_since_warn = 0
 
     def _seal(self, seal: SealOp) -> None:
         bid = seal.buffer

@@ -95,7 +95,19 @@ def make_case(
         return StoreCase(kind, MemoryStore(), prefix)
     if kind == "file":
         return StoreCase(kind, FsspecStore(f"file://{tmp_path}/store", fsync=False), prefix)
-    server = s3_server(request, kind)
+    server_kind, _, client = kind.partition("-")
+    server = s3_server(request, server_kind)
+    if client == "obstore":
+        from s3kv.store.obstore_store import ObstoreS3Store
+
+        store: ObjectStore = ObstoreS3Store(
+            server.bucket,
+            endpoint_url=server.endpoint_url,
+            options=options or TEST_S3_OPTIONS,
+            aws_access_key_id=server.access_key,
+            aws_secret_access_key=server.secret_key,
+        )
+        return StoreCase(server_kind, store, prefix, server)
     return StoreCase(kind, server.make_store(options=options or TEST_S3_OPTIONS), prefix, server)
 
 

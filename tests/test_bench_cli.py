@@ -182,3 +182,53 @@ def test_prefill_flop_model_matches_hand_count() -> None:
     assert m.prefill_flops(0) == 0
     # A 13 MiB local-group page at TP 1 -> 2 blocks per object (s3kv's ~32 MiB target).
     assert m.page_bytes(32) == {"full": 10 * 262144, "sliding": 52 * 262144}
+
+
+# --------------------------------------------------------------------------- issue 13.6: words for users
+
+
+@pytest.mark.parametrize("bench", ["lookup", "transfer", "staging", "e2e"])
+def test_plot_dependency_is_checked_before_the_run(bench: str, tmp_path: Path, monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    r = CliRunner().invoke(main, ["bench", bench, "--quick", "--plot", str(tmp_path / "x.png")])
+    assert r.exit_code == 2
+    assert "--plot needs matplotlib: pip install 's3kv[plot]'" in r.output
+    assert f"{bench}: store" not in r.output and "staging:" not in r.output  # nothing ran
+
+
+def test_help_texts_speak_plainly() -> None:
+    for args in (["bench", "--help"], *([["bench", b, "--help"] for b in ("lookup", "transfer", "staging", "e2e")])):
+        r = CliRunner().invoke(main, list(args))
+        assert r.exit_code == 0
+        assert "seed" not in r.output.lower(), (args, r.output)
+    r = CliRunner().invoke(main, ["bench", "transfer", "--help"])
+    assert "one object per block, synchronous" in " ".join(r.output.split())
+
+
+@pytest.mark.parametrize(
+    "bench,args,columns",
+    [
+        ("lookup", ["--quick", "--latency-ms", "2", "--prompts", "1k"],
+         ["speedup", "warm RTs", "seq HEADs", "wall RTs", "client"]),
+        ("transfer", ["--quick", "--total-mib", "4"], ["vs fastest", "vs example", "CPU s/GB"]),
+        ("e2e", ["--quick", "--url", "memory://bench-legend", "--rounds", "1"], ["hit", "window / all"]),
+    ],
+)
+def test_every_printed_ratio_is_explained(bench: str, args: list[str], columns: list[str]) -> None:
+    r = CliRunner().invoke(main, ["bench", bench, *args], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    table, _, legend = r.stdout.partition("what the numbers mean:")
+    assert legend, r.stdout
+    explained = [ln.strip() for ln in legend.splitlines() if ln.strip()]
+    for col in columns:
+        assert col in table, (col, table)
+        assert any(ln.startswith(col) or f" {col} " in f" {ln} " for ln in explained), (col, explained)
+    assert any(ln.startswith("targets:") for ln in explained)
+
+
+def test_bench_url_scheme_is_checked_first() -> None:
+    r = CliRunner().invoke(main, ["bench", "lookup", "--quick", "--url", "http://u:pw@example.com/kv"])
+    assert r.exit_code == 2
+    assert "scheme 'http://' is not allowed" in r.output and "pw" not in r.output

@@ -8,7 +8,17 @@ import sys
 
 import pytest
 
-from s3kv.config import ConfigError, Settings, auto_blocks_per_object, load_settings
+from s3kv.config import (
+    URL_SCHEMES,
+    ConfigError,
+    Settings,
+    auto_blocks_per_object,
+    check_url,
+    explicit_settings,
+    load_settings,
+    redact,
+    unknown_env_vars,
+)
 
 URL = "s3://bucket/prefix"
 
@@ -198,13 +208,21 @@ INVALID = {
     "quarantine_s": ["-1"],
     "delete_corrupt": ["perhaps"],
     "exit_drain_s": ["-2"],
+    "request_state_ttl_s": ["-3"],
     "multipart_threshold_mib": ["0"],
     "multipart_part_mib": ["4", "-8"],
     "sse": ["aes256", "kms"],
     "breaker_failures": ["0"],
     "breaker_reset_s": ["-1"],
     "lookup_timeout_s": ["-1"],
+    "lookup_max_pending": ["-1"],
+    "lookup_head_concurrency": ["0"],
+    "lookup_summary_s": ["-1", "often"],
+    "lookup_summary_max_objects": ["0"],
+    "lookup_summary_trust_s": ["-1"],
+    "s3_client": ["curl", "BOTO3"],
     "metrics_port": ["-1", "65536"],
+    "metrics_addr": ["example.com", "300.1.1.1", ""],
     "check_access": ["sometimes"],
     "cost_put_per_1k_usd": ["-0.005", "cheap"],
     "cost_get_per_1k_usd": ["-1", "inf"],
@@ -271,3 +289,66 @@ def test_auto_blocks_per_object():
     assert auto_blocks_per_object(64 * 1024, s) == 64  # capped
     assert auto_blocks_per_object(100 * mib, s) == 1  # at least one
     assert auto_blocks_per_object(mib, s.replace(blocks_per_object=5)) == 5  # explicit wins
+
+
+# ---------------------------------------------------------------- URL allow-list, credentials (issue 17.7)
+
+
+@pytest.mark.parametrize(
+    "url", ["http://example.com/kv", "ftp://host/kv", "ssh://host/kv", "zip://a.zip", "reference://x", "git://r"]
+)
+def test_only_allowed_schemes(url):
+    with pytest.raises(ConfigError) as ei:
+        load_settings({"S3KV_URL": url})
+    assert "is not allowed" in str(ei.value) and "S3KV_URL" in str(ei.value)
+
+
+@pytest.mark.parametrize("scheme", URL_SCHEMES)
+def test_allowed_schemes_pass_the_check(scheme):
+    assert check_url(f"{scheme}://somewhere/kv") == f"{scheme}://somewhere/kv"
+
+
+def test_credentials_in_urls_are_refused_and_never_shown():
+    for url in ("s3://AKIA123:s3cr3t@bucket/kv", "gs://token@bucket/kv", "ftp://u:pw@h/kv"):
+        with pytest.raises(ConfigError) as ei:
+            load_settings({"S3KV_URL": url})
+        msg = str(ei.value)
+        assert "s3cr3t" not in msg and "AKIA123" not in msg and "token@" not in msg and "pw@" not in msg
+        assert "***@" in msg
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/kv?versionId=1", "s3://bucket/kv#frag", "s3://bucket/team?a/kv"])
+def test_question_marks_and_fragments_are_refused_in_s3_urls(url):
+    with pytest.raises(ConfigError, match="'\\?' and '#' are not allowed"):
+        load_settings({"S3KV_URL": url})
+
+
+def test_redact():
+    assert redact("S3KV_URL='s3://k:v@b/p' and gs://tok@x/y, not s3://b/p@q") == (
+        "S3KV_URL='s3://***@b/p' and gs://***@x/y, not s3://b/p@q"
+    )
+
+
+# ---------------------------------------------------------------- unknown env vars, explicit settings (issue 13.2)
+
+
+def test_unknown_env_vars_name_the_closest_setting():
+    msgs = unknown_env_vars({"S3KV_URL": URL, "S3KV_STAGING_MB": "1", "S3KV_ZZZ": "1", "S3KV_LOG_LEVEL": "INFO"})
+    assert msgs == [
+        "S3KV_STAGING_MB is not an s3kv setting and is ignored; did you mean S3KV_STAGING_MIB?",
+        "S3KV_ZZZ is not an s3kv setting and is ignored",
+    ]
+
+
+def test_unknown_env_vars_are_logged_once(caplog):
+    with caplog.at_level("WARNING", logger="s3kv.config"):
+        for _ in range(3):
+            load_settings({"S3KV_URL": URL, "S3KV_UPLOAD_THREAD": "2"})
+    hits = [r for r in caplog.records if "S3KV_UPLOAD_THREAD " in r.getMessage()]
+    assert len(hits) == 1 and "did you mean S3KV_UPLOAD_THREADS?" in hits[0].getMessage()
+
+
+def test_explicit_settings_say_where_each_came_from(tmp_path):
+    path = write_json(tmp_path, {"staging_mib": 64, "url": URL})
+    got = explicit_settings({"S3KV_CONFIG_FILE": path, "S3KV_LOAD_MODE": "sync", "S3KV_URL": URL})
+    assert got == {"staging_mib": "S3KV_CONFIG_FILE", "url": "S3KV_URL", "load_mode": "S3KV_LOAD_MODE"}

@@ -26,12 +26,11 @@ from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
 def test_put_requests_single_and_multipart():
     assert put_requests(1) == 1
-    assert put_requests(16 * MiB - 1) == 1
-    # create + 2 parts of 8 MiB + complete
-    assert put_requests(16 * MiB) == 4
-    assert put_requests(30 * MiB) == 2 + 4
-    assert put_requests(30 * MiB, threshold=64 * MiB) == 1
-    assert put_requests(30 * MiB, part_size=16 * MiB) == 2 + 2
+    assert put_requests(64 * MiB - 1) == 1  # S3KV_MULTIPART_THRESHOLD_MIB's default: one PUT
+    # create + 8 parts of 8 MiB + complete
+    assert put_requests(64 * MiB) == 10
+    assert put_requests(30 * MiB, threshold=16 * MiB) == 2 + 4
+    assert put_requests(30 * MiB, threshold=16 * MiB, part_size=16 * MiB) == 2 + 2
 
 
 def test_get_requests_follow_the_range_split():
@@ -122,7 +121,7 @@ def test_multipart_counted_at_the_configured_threshold():
 
     up = Uploader(MemoryStore(), threads=1)
     try:
-        assert (up.multipart_threshold, up.part_size) == (16 * MiB, 8 * MiB)
+        assert (up.multipart_threshold, up.part_size) == (64 * MiB, 8 * MiB)
     finally:
         up.close()
     store = MemoryStore()

@@ -259,3 +259,55 @@ def test_uploads_in_flight_at_process_exit_are_drained_within_a_bound(tmp_path, 
         assert len(written) == 6
     else:
         assert len(written) < 6 and "dropped" in out.stderr
+
+
+# ----------------------------------------------------------------------------- bring-up
+
+
+def _args(**kw):
+    import dataclasses as dc
+
+    from s3kv.sim import SimCacheConfig, make_llm_args
+
+    a = make_llm_args(gemma3_like(WINDOW, num_layers=6, kv_heads=2, head_dim=8),
+                      SimCacheConfig(tokens_per_block=TPB, max_seq_len=4096), 1, 0)
+    return dc.replace(a, **kw)
+
+
+@pytest.mark.parametrize("cls", [S3KvConnectorLeader, S3KvConnectorWorker])
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("disable_overlap_scheduler", False, "disable_overlap_scheduler=True"),
+    ("enable_attention_dp", True, "attention data parallelism"),
+])
+def test_bring_up_refuses_what_it_cannot_serve(cls, field, value, message):
+    from s3kv.trtllm import UnsupportedEngine
+
+    s = Settings(url="memory://unused", check_access=False)
+    with pytest.raises(UnsupportedEngine, match=message):
+        cls(_args(**{field: value}), settings=s, store=MemoryStore(), engine_key=f"bringup-{next(_keys)}")
+
+
+def test_bring_up_refuses_a_layout_without_the_page_api():
+    from types import SimpleNamespace
+
+    from s3kv.trtllm import UnsupportedEngine
+
+    s = Settings(url="memory://unused", check_access=False)
+    w = S3KvConnectorWorker(_args(), settings=s, store=MemoryStore(), engine_key=f"bringup-{next(_keys)}")
+    region = SimpleNamespace(base=0, size=64, stride=64, num_slots=4, buffers=())  # no slot_tensor/as_tensor
+    group = SimpleNamespace(layer_group_id=0, layer_ids=(0,), window_size=None, regions=(region,))
+    with pytest.raises(UnsupportedEngine, match="slot_tensor"):
+        w.register_kv_cache_layout(SimpleNamespace(tokens_per_block=TPB, groups=(group,)))
+    group2 = SimpleNamespace(layer_group_id=0, layer_ids=(0,), window_size=None, regions=(),
+                             replicated_regions=(region,))
+    with pytest.raises(UnsupportedEngine, match="replicated"):
+        w.register_kv_cache_layout(SimpleNamespace(tokens_per_block=TPB, groups=(group2,)))
+
+
+def test_per_group_page_lists_as_a_dict_are_accepted():
+    """One V2 branch passes per-group page lists as a dict keyed by group id."""
+    from s3kv.leader import _group_lists
+
+    assert _group_lists({1: [5, 6], 0: [-1, 3]}, 2) == [[-1, 3], [5, 6]]
+    assert _group_lists([[1], [2]], 2) == [[1], [2]]
+    assert _group_lists(None, 2) == []

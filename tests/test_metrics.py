@@ -275,3 +275,55 @@ def test_http_server_serves_its_own_registry():
         server.server_close()
     assert 's3kv_store_retries_total{op="get"} 3.0' in body
     assert "python_gc_objects_collected_total" not in body  # not the default registry
+
+
+# --------------------------------------------------------------------------- issue 13.5 / 17.7
+
+
+def test_prompt_tokens_counter_gives_the_share_served_from_the_store():
+    m = Metrics()
+    m.observe_prompt_tokens(1000)
+    m.observe_prompt_tokens(0)  # nothing to count
+    m.observe_leader({"hit_tokens": 600})
+    m.observe_leader({"hit_tokens": 750, "prompt_tokens": 500})  # a cumulative field works too
+    s = scrape(m)
+    assert sample(s, "s3kv_prompt_tokens_total") == 1500
+    assert sample(s, "s3kv_hit_tokens_total") == 750
+    from s3kv.metrics import figures
+
+    f = figures(m.snapshot())
+    assert (f["hit_tokens"], f["prompt_tokens"]) == (750, 1500) and f["hit_share"] == 0.5
+
+
+def test_metrics_server_binds_loopback_by_default():
+    m = Metrics()
+    server = start_http_server(m, 0)
+    try:
+        assert server.server_address[0] == "127.0.0.1"
+    finally:
+        server.shutdown()
+
+
+def test_every_rank_serves_on_its_own_port():
+    """TP > 1: rank r serves on base + r and says which rank it is; a scrape reads its figures."""
+    from s3kv.metrics import rank_port, read_endpoint, serve_for_rank
+    from s3kv.store.embedded import free_port_pair
+
+    base = free_port_pair(set(), offset=1)  # base and base + 1 both free
+    ranks = [Metrics(), Metrics()]
+    servers = []
+    try:
+        for r, m in enumerate(ranks):
+            m.observe_worker({"bytes_loaded": 100 * (r + 1)})
+            servers.append(serve_for_rank(m, base, rank=r, tp_size=2))
+        assert [srv.server_port for srv in servers] == [base, base + 1]
+        for r in range(2):
+            got = read_endpoint(f"http://127.0.0.1:{base + r}/metrics")
+            assert got[f's3kv_rank_info{{rank="{r}",tp_size="2"}}'] == 1
+            assert got["s3kv_loaded_bytes_total"] == 100 * (r + 1)
+    finally:
+        for srv in servers:
+            srv.shutdown()
+    assert serve_for_rank(Metrics(), 0, rank=3) is None and rank_port(0, 3) == 0
+    with pytest.raises(ValueError, match="past the last TCP port"):
+        rank_port(65535, 1)

@@ -23,7 +23,9 @@ def written(moto_s3):
     specs = shared_prefix_workload(n_users=3, system_len=160, user_len=64)
     metrics = {}
     for role, wl in (("cold", specs), ("warm", repeat_workload(specs, 100))):
-        s = Settings(url=moto_s3.store_url(prefix), staging_mib=32, check_access=False)
+        # A generous lookup budget: the assertions count hits, and moto on a busy 2-core machine can
+        # take longer than the default 50 ms (then a lookup is a miss, by design).
+        s = Settings(url=moto_s3.store_url(prefix), staging_mib=32, check_access=False, lookup_timeout_s=5)
         eng = SimEngine(gemma3_like(64), SimCacheConfig(tokens_per_block=16, max_seq_len=1024),
                         S3KvConnectorLeader, S3KvConnectorWorker, tp_size=2,
                         connector_kwargs=dict(settings=s, store=store, key_prefix=prefix,

@@ -1,4 +1,5 @@
-"""The ObjectStore contract, run on every back end: memory, file:// (fsspec), moto, SeaweedFS."""
+"""The ObjectStore contract, run on every back end: memory, file:// (fsspec), moto, SeaweedFS -
+the S3 servers through both S3 clients (boto3's S3Store and obstore's ObstoreS3Store)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,21 @@ from s3kv.store.instrument import InstrumentedStore
 from s3kv.store.retrying import RetryingStore, RetryPolicy
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     from conftest import StoreCase
+
+from conftest import STORE_KINDS, make_case
+
+#: Every kind of the shared fixture, plus the S3 servers through the obstore client.
+CONTRACT_KINDS = (*STORE_KINDS, "moto-obstore", "seaweedfs-obstore")
+
+
+@pytest.fixture(params=CONTRACT_KINDS)
+def case(request: pytest.FixtureRequest, tmp_path) -> Iterator[StoreCase]:
+    c = make_case(request, request.param, tmp_path)
+    yield c
+    c.store.close()
 
 
 def test_head_present_missing_many(case: StoreCase) -> None:
@@ -173,3 +188,17 @@ def test_deadline_names_the_key(case: StoreCase) -> None:
     assert isinstance(batch.failed[k], DeadlineExceeded) and k in str(batch.failed[k])
     faulty.set_down(False)
     assert store.head(k) is None
+
+
+def test_ranges_land_in_caller_buffers(case: StoreCase) -> None:
+    """get_ranges_into writes each range into its own buffer (the load path's staging)."""
+    store = case.store
+    k = case.key("into")
+    body = os.urandom(2 * 1024 * 1024 + 77)
+    assert store.put(k, body) is True
+    ranges = [ByteRange(0, 33), ByteRange(1000, 1_500_000), ByteRange(len(body) - 5, 5)]
+    bufs = [bytearray(r.length) for r in ranges]
+    store.get_ranges_into(k, ranges, [memoryview(b) for b in bufs])
+    assert [bytes(b) for b in bufs] == [body[r.offset : r.end] for r in ranges]
+    with pytest.raises(StoreError):
+        store.get_ranges_into(k, [ByteRange(len(body) - 5, 10)], [memoryview(bytearray(10))])

@@ -89,7 +89,10 @@ def test_other_fsspec_scheme(tmp_path: Any) -> None:
         open_store("gs://some-bucket/prefix")  # gcsfs is not installed here: one clear message
 
 
-def test_s3_url_uses_boto_env_chain(moto_s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("client", ["auto", "boto3"])
+def test_s3_url_uses_boto_env_chain(moto_s3: Any, monkeypatch: pytest.MonkeyPatch, client: str) -> None:
+    from s3kv.store.obstore_store import ObstoreS3Store, available
+
     for name, value in moto_s3.env(prefix="team/a").items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("AWS_REGION")
@@ -97,9 +100,10 @@ def test_s3_url_uses_boto_env_chain(moto_s3: Any, monkeypatch: pytest.MonkeyPatc
     url = moto_s3.store_url("team/a")
     scheme, bucket, prefix = parse_store_url(url)
     assert (scheme, bucket, prefix) == ("s3", moto_s3.bucket, "team/a")
-    store = open_store(url, options=S3Options(retry=RetryPolicy(max_attempts=2, deadline_s=5)))
+    store = open_store(url, options=S3Options(retry=RetryPolicy(max_attempts=2, deadline_s=5), client=client))  # type: ignore[arg-type]
     try:
-        assert isinstance(store, S3Store)
+        # "auto" is the obstore client where it is installed; either way the same env chain.
+        assert isinstance(store, ObstoreS3Store if client == "auto" and available() else S3Store)
         assert store.endpoint_url == moto_s3.endpoint_url
         assert store.region == "us-east-1"  # the default when nothing sets one
         assert store.url == url

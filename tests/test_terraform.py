@@ -1,10 +1,13 @@
-"""Apply infra/terraform for real against a local moto server.
+"""Apply infra/terraform for real against local S3 servers: moto, and SeaweedFS with auth.
 
-The example root module (``infra/terraform/examples/basic``) is copied to a temp
-dir together with the module it uses, initialised, format-checked, validated,
-applied with its S3/IAM/STS/KMS endpoints pointed at an in-process moto server,
-inspected through boto3, updated (SSE-KMS, no delete, role attachment), checked
-for drift and destroyed.
+moto: the example root module (``infra/terraform/examples/basic``) is copied to a temp dir
+together with the module it uses, initialised, format-checked, validated, applied with its
+S3/IAM/STS/KMS endpoints pointed at an in-process moto server, inspected through boto3, updated
+(SSE-KMS, engine and operator roles), checked for drift and destroyed.
+
+SeaweedFS (``weed mini`` enforcing SigV4 with one admin identity): the MinIO walkthrough of
+``docs/s3-compatible.md`` is run block by block as written, with the endpoint and keys swapped
+for the test server's; in between, the test turns on what SeaweedFS also supports and checks it.
 
 Provider source: if a filesystem mirror exists (``$S3KV_TF_PLUGIN_MIRROR``,
 default ``/opt/tf-plugins``) terraform installs ``hashicorp/*`` only from it and
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import urllib.parse
@@ -117,6 +121,10 @@ class Terraform:
             "iam_endpoint": self.endpoint,
             "sts_endpoint": self.endpoint,
             "kms_endpoint": self.endpoint,
+            # moto takes any keys; passing them as variables covers that path (SeaweedFS below
+            # takes them from the environment, as the docs do).
+            "access_key": "test",
+            "secret_key": "test",
             **extra,
         }
         args = []
@@ -205,17 +213,9 @@ def _outputs(tf: Terraform) -> dict[str, Any]:
     return {k: v["value"] for k, v in raw.items()}
 
 
-def _check_iam_policy(iam: Any, policy_arn: str, bucket: str, *, delete: bool, kms_key: str | None):
-    doc = _policy_document(iam, policy_arn)
+def _check_policy(doc: dict[str, Any], bucket: str, object_actions: set[str], kms: set[str], kms_key: str | None):
     bucket_arn = f"arn:aws:s3:::{bucket}"
     objects_arn = f"{bucket_arn}/{PREFIX}/*"
-
-    object_actions = {
-        "s3:GetObject",
-        "s3:PutObject",
-        "s3:AbortMultipartUpload",
-        "s3:ListMultipartUploadParts",
-    } | ({"s3:DeleteObject"} if delete else set())
     assert _allowed(doc, objects_arn) == object_actions, doc
     # Nothing may reach outside the prefix.
     for st in _statements(doc):
@@ -227,16 +227,46 @@ def _check_iam_policy(iam: Any, policy_arn: str, bucket: str, *, delete: bool, k
     assert len(list_st) == 1, doc
     assert _as_list(list_st[0]["Resource"]) == [bucket_arn]
     assert list_st[0]["Condition"] == {"StringLike": {"s3:prefix": f"{PREFIX}/*"}}, list_st[0]
-    assert "s3:ListBucketMultipartUploads" in _allowed(doc, bucket_arn)
+    assert _allowed(doc, bucket_arn) == {"s3:ListBucket"}  # no multipart listing: s3kv never lists uploads
 
     kms_st = [st for st in _statements(doc) if any(a.startswith("kms:") for a in _as_list(st["Action"]))]
     if kms_key is None:
         assert kms_st == [], doc
     else:
         assert len(kms_st) == 1, doc
-        assert set(_as_list(kms_st[0]["Action"])) == {"kms:Encrypt", "kms:Decrypt", "kms:GenerateDataKey"}
+        assert set(_as_list(kms_st[0]["Action"])) == kms  # never kms:Encrypt: S3 does not call it
         assert _as_list(kms_st[0]["Resource"]) == [kms_key]
         assert kms_st[0]["Condition"] == {"StringEquals": {"kms:ViaService": f"s3.{REGION}.amazonaws.com"}}
+
+
+def _check_iam_policies(iam: Any, out: dict[str, Any], bucket: str, *, kms_key: str | None) -> None:
+    engine = _policy_document(iam, out["engine_policy_arn"])
+    operator = _policy_document(iam, out["operator_policy_arn"])
+    # Engines read and write once and never delete; operators list, read and delete, never write.
+    _check_policy(engine, bucket, {"s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"},
+                  {"kms:Decrypt", "kms:GenerateDataKey"}, kms_key)
+    _check_policy(operator, bucket, {"s3:GetObject", "s3:DeleteObject"}, {"kms:Decrypt"}, kms_key)
+    assert json.loads(out["engine_policy_json"]) == engine and json.loads(out["operator_policy_json"]) == operator
+
+
+def _check_bucket_policy(bp: dict[str, Any], bucket: str, *, tls: bool, prefix: str = PREFIX) -> None:
+    sts = _statements(bp)
+    deny_tls = [st for st in sts if st.get("Condition", {}).get("Bool", {}).get("aws:SecureTransport") in ("false", False)]
+    if tls:
+        assert len(deny_tls) == 1, bp
+        assert deny_tls[0]["Effect"] == "Deny" and deny_tls[0]["Principal"] in ("*", {"AWS": "*"}), deny_tls
+        assert _as_list(deny_tls[0]["Action"]) == ["s3:*"], deny_tls
+        assert set(_as_list(deny_tls[0]["Resource"])) == {f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"}
+    else:
+        assert deny_tls == [], bp
+    # Write once: creating an object under the prefix without If-None-Match is denied to everyone;
+    # the multipart steps that cannot carry the header (ObjectCreationOperation false) pass.
+    [once] = [st for st in sts if st.get("Sid") == "DenyOverwritesUnderPrefix"]
+    assert once["Effect"] == "Deny" and once["Principal"] in ("*", {"AWS": "*"}), once
+    assert _as_list(once["Action"]) == ["s3:PutObject"]
+    assert _as_list(once["Resource"]) == [f"arn:aws:s3:::{bucket}/{prefix}/*"]
+    cond = {k: {kk: str(vv).lower() for kk, vv in v.items()} for k, v in once["Condition"].items()}
+    assert cond == {"Null": {"s3:if-none-match": "true"}, "Bool": {"s3:ObjectCreationOperation": "true"}}, once
 
 
 # --------------------------------------------------------------------------- tests
@@ -261,22 +291,30 @@ def test_module_rejects_bad_variables(tf: Terraform) -> None:
     err = " ".join((proc.stdout + proc.stderr).split())  # terraform wraps long lines
     assert "prefix must be non-empty, must not start or end with '/'" in err, err
     assert "expiration_days must be a whole number greater than 0" in err, err
+    # '?' is a wildcard in ARNs and in the s3:prefix condition: "team?" would grant "teamX/" too.
+    for bad in ("team?/s3kv", "team*", "kv#1"):
+        proc = tf.run("plan", "-input=false", "-no-color", "-lock=false",
+                      *tf.var_args(bucket_name="s3kv-bad-vars", prefix=bad), check=False)
+        assert proc.returncode != 0
+        assert "must not contain '//', '*', '?' or '#'" in " ".join((proc.stdout + proc.stderr).split()), bad
 
 
 def test_apply_inspect_update_destroy(tf: Terraform, moto_endpoint: str) -> None:
     c = _clients(moto_endpoint)
     s3, iam, kms = c["s3"], c["iam"], c["kms"]
     bucket = f"s3kv-tf-{uuid.uuid4().hex[:12]}"
-    base_vars = dict(bucket_name=bucket, prefix=PREFIX, expiration_days=EXPIRATION_DAYS)
+    # The endpoint is plain http; ask for the TLS-only statement anyway (moto does not enforce it).
+    base_vars = dict(bucket_name=bucket, prefix=PREFIX, expiration_days=EXPIRATION_DAYS, require_tls=True)
 
-    # ---- apply with defaults (SSE-S3, delete allowed, no role) -------------------
+    # ---- apply with defaults (SSE-S3, no roles attached) ---------------------------
     tf.run("apply", "-auto-approve", "-input=false", "-no-color", *tf.var_args(**base_vars), timeout=T_APPLY)
 
     out = _outputs(tf)
     assert out["s3kv_url"] == f"s3://{bucket}/{PREFIX}"
     assert out["bucket_arn"] == f"arn:aws:s3:::{bucket}"
-    policy_arn = out["policy_arn"]
-    assert policy_arn.startswith("arn:aws:iam::") and policy_arn.endswith(f":policy/s3kv-{bucket}")
+    for role in ("engine", "operator"):
+        arn = out[f"{role}_policy_arn"]
+        assert arn.startswith("arn:aws:iam::") and arn.endswith(f":policy/s3kv-{bucket}-{role}"), arn
 
     # Lifecycle: one rule on "<prefix>/" with expiry + abort-multipart.
     rules = s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]
@@ -303,21 +341,11 @@ def test_apply_inspect_update_destroy(tf: Terraform, moto_endpoint: str) -> None
     own = s3.get_bucket_ownership_controls(Bucket=bucket)["OwnershipControls"]["Rules"]
     assert own == [{"ObjectOwnership": "BucketOwnerEnforced"}], own
 
-    # Bucket policy: deny everything over plain HTTP, on the bucket and its objects.
-    bp = json.loads(s3.get_bucket_policy(Bucket=bucket)["Policy"])
-    deny = [
-        st
-        for st in _statements(bp)
-        if st["Effect"] == "Deny"
-        and st.get("Condition", {}).get("Bool", {}).get("aws:SecureTransport") in ("false", False)
-    ]
-    assert len(deny) == 1, bp
-    assert deny[0]["Principal"] in ("*", {"AWS": "*"}), deny
-    assert _as_list(deny[0]["Action"]) == ["s3:*"], deny
-    assert set(_as_list(deny[0]["Resource"])) == {f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/*"}
+    # Bucket policy: TLS only, and write once under the prefix.
+    _check_bucket_policy(json.loads(s3.get_bucket_policy(Bucket=bucket)["Policy"]), bucket, tls=True)
 
-    # IAM policy: exactly what s3kv needs, on the prefix only.
-    _check_iam_policy(iam, policy_arn, bucket, delete=True, kms_key=None)
+    # IAM policies: exactly what each role needs, on the prefix only.
+    _check_iam_policies(iam, out, bucket, kms_key=None)
 
     # ---- no drift: a fresh plan against moto finds nothing to change --------------
     plan = tf.run(
@@ -327,25 +355,22 @@ def test_apply_inspect_update_destroy(tf: Terraform, moto_endpoint: str) -> None
         f"unexpected drift after apply (rc={plan.returncode}):\n{plan.stdout[-6000:]}"
     )
 
-    # ---- update: SSE-KMS, no delete, attach to a role -----------------------------
+    # ---- update: SSE-KMS, an engine role and an operator role ---------------------
     key_arn = kms.create_key(Description="s3kv terraform test")["KeyMetadata"]["Arn"]
-    role = "s3kv-inference-node"
-    iam.create_role(
-        RoleName=role,
-        AssumeRolePolicyDocument=json.dumps(
-            {
-                "Version": "2012-10-17",
-                "Statement": [
-                    {
-                        "Effect": "Allow",
-                        "Principal": {"Service": "ec2.amazonaws.com"},
-                        "Action": "sts:AssumeRole",
-                    }
-                ],
-            }
-        ),
+    trust = json.dumps(
+        {
+            "Version": "2012-10-17",
+            "Statement": [
+                {"Effect": "Allow", "Principal": {"Service": "ec2.amazonaws.com"}, "Action": "sts:AssumeRole"}
+            ],
+        }
     )
-    upd_vars = dict(base_vars, kms_key_arn=key_arn, allow_delete=False, role_names=[role])
+    roles = {"engine": "s3kv-inference-node", "operator": "s3kv-operator"}
+    for name in roles.values():
+        iam.create_role(RoleName=name, AssumeRolePolicyDocument=trust)
+    upd_vars = dict(
+        base_vars, kms_key_arn=key_arn, engine_role_names=[roles["engine"]], operator_role_names=[roles["operator"]]
+    )
     tf.run("apply", "-auto-approve", "-input=false", "-no-color", *tf.var_args(**upd_vars), timeout=T_APPLY)
 
     sse = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
@@ -354,9 +379,11 @@ def test_apply_inspect_update_destroy(tf: Terraform, moto_endpoint: str) -> None
         "KMSMasterKeyID": key_arn,
     }, sse
     assert sse[0]["BucketKeyEnabled"] is True, sse
-    _check_iam_policy(iam, policy_arn, bucket, delete=False, kms_key=key_arn)
-    attached = iam.list_attached_role_policies(RoleName=role)["AttachedPolicies"]
-    assert [p["PolicyArn"] for p in attached] == [policy_arn], attached
+    out = _outputs(tf)
+    _check_iam_policies(iam, out, bucket, kms_key=key_arn)
+    for role, name in roles.items():
+        attached = iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"]
+        assert [p["PolicyArn"] for p in attached] == [out[f"{role}_policy_arn"]], attached
 
     # ---- destroy: bucket, policy and attachment are gone --------------------------
     tf.run("destroy", "-auto-approve", "-input=false", "-no-color", *tf.var_args(**upd_vars), timeout=T_APPLY)
@@ -366,8 +393,104 @@ def test_apply_inspect_update_destroy(tf: Terraform, moto_endpoint: str) -> None
     with pytest.raises(s3.exceptions.ClientError) as ei:
         s3.head_bucket(Bucket=bucket)
     assert ei.value.response["Error"]["Code"] in ("404", "NoSuchBucket"), ei.value.response
-    with pytest.raises(iam.exceptions.NoSuchEntityException):
-        iam.get_policy(PolicyArn=policy_arn)
-    assert iam.list_attached_role_policies(RoleName=role)["AttachedPolicies"] == []
+    for role, name in roles.items():
+        with pytest.raises(iam.exceptions.NoSuchEntityException):
+            iam.get_policy(PolicyArn=out[f"{role}_policy_arn"])
+        assert iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"] == []
     state = tf.run("state", "list", "-no-color").stdout.strip()
     assert state == "", state
+
+
+# --------------------------------------------------------------------------- SeaweedFS with auth
+
+
+WALKTHROUGH = REPO / "docs" / "s3-compatible.md"
+
+
+@pytest.fixture(scope="module")
+def weed_auth() -> Iterator[Any]:
+    from s3kv.store.embedded import EmbeddedS3, weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("SeaweedFS `weed` binary not found")
+    # weed enforces SigV4 for the one identity it is started with; the walkthrough creates its own bucket.
+    with EmbeddedS3("seaweedfs", bucket="s3kv-tf-bootstrap", access_key="s3kvadmin", secret_key="s3kvadminsecret") as s:
+        yield s
+
+
+def test_walkthrough_on_seaweedfs_with_auth(tmp_path: Path, weed_auth: Any) -> None:
+    """docs/s3-compatible.md's commands, block by block, against SeaweedFS with authentication."""
+    import sys as _sys
+
+    import boto3
+    import botocore.exceptions
+    from docshell import DocShell, shell_blocks
+
+    sys_path = os.environ["PATH"]
+
+    box = tmp_path / "repo"
+    shutil.copytree(INFRA, box / "infra", ignore=shutil.ignore_patterns(".terraform*", "*.tfstate*"))
+    endpoint = weed_auth.endpoint_url
+    env = {
+        "PATH": f"{Path(_sys.executable).parent}{os.pathsep}{sys_path}",
+        "PYTHONPATH": str(REPO),
+        "HOME": str(tmp_path),
+        "TF_CLI_CONFIG_FILE": str(_cli_config(tmp_path / "cli.tfrc")),
+        "TF_IN_AUTOMATION": "1",
+        "CHECKPOINT_DISABLE": "1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    subst = {
+        "AWS_ACCESS_KEY_ID=minioadmin": f"AWS_ACCESS_KEY_ID={weed_auth.access_key}",
+        "AWS_SECRET_ACCESS_KEY=minioadmin": f"AWS_SECRET_ACCESS_KEY={weed_auth.secret_key}",
+        "http://127.0.0.1:9000": endpoint,
+    }
+    shell = DocShell(box, env, subst)
+    create, use, destroy = shell_blocks(WALKTHROUGH)
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name=REGION,
+                      aws_access_key_id=weed_auth.access_key, aws_secret_access_key=weed_auth.secret_key)
+
+    out = shell.run(create, timeout=T_APPLY)
+    assert out.stdout.strip().splitlines()[-1] == "s3://s3kv-dev/s3kv"  # terraform output -raw s3kv_url
+    workdir = box / "infra" / "terraform" / "examples" / "basic"
+    engine = json.loads((workdir / "s3kv-engine-policy.json").read_text())
+    assert _allowed(engine, "arn:aws:s3:::s3kv-dev/s3kv/*") == {"s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"}
+    rules = s3.get_bucket_lifecycle_configuration(Bucket="s3kv-dev")["Rules"]
+    assert [r["Filter"] for r in rules] == [{"Prefix": "s3kv/"}] and rules[0]["Expiration"] == {"Days": 30}
+
+    # Authentication is on: the same Terraform with a wrong key cannot even read the bucket.
+    wrong = {k: v for k, v in env.items()}
+    wrong.update(AWS_ACCESS_KEY_ID="not-a-key", AWS_SECRET_ACCESS_KEY="not-a-secret", AWS_REGION=REGION)
+    tf = Terraform(workdir, Path(env["TF_CLI_CONFIG_FILE"]), endpoint)
+    tf.env = {**wrong, "PATH": env["PATH"]}
+    denied = tf.run("plan", "-input=false", "-no-color", "-lock=false", "-var", "bucket_name=s3kv-dev",
+                    "-var", f"s3_endpoint={endpoint}", "-var", "create_iam=false",
+                    "-var", "manage_public_access_block=false", check=False)
+    assert denied.returncode != 0
+    assert re.search(r"InvalidAccessKeyId|403|AccessDenied", denied.stdout + denied.stderr)
+
+    used = shell.run(use)
+    assert "kv_mismatches: 0" in used.stdout and re.search(r"^demo-\d+/[0-9a-f]{32}\s", used.stdout, re.M)
+    assert re.search(r"deleted [1-9]\d* objects", used.stdout), used.stdout
+
+    # What SeaweedFS supports beyond the MinIO flags: default encryption and the bucket policy.
+    # (It stores ownership controls but never deletes them, so destroy would wait forever.)
+    tf.env = {**env, "AWS_ACCESS_KEY_ID": weed_auth.access_key, "AWS_SECRET_ACCESS_KEY": weed_auth.secret_key,
+              "AWS_REGION": REGION, "PATH": env["PATH"]}
+    more = ["-var", "bucket_name=s3kv-dev", "-var", f"s3_endpoint={endpoint}", "-var", "create_iam=false",
+            "-var", "manage_public_access_block=false", "-var", "manage_ownership_controls=false"]
+    tf.run("apply", "-auto-approve", "-input=false", "-no-color", *more, timeout=T_APPLY)
+    sse = s3.get_bucket_encryption(Bucket="s3kv-dev")["ServerSideEncryptionConfiguration"]["Rules"]
+    assert sse[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
+    bp = json.loads(s3.get_bucket_policy(Bucket="s3kv-dev")["Policy"])
+    # Plain http endpoint: no TLS-only statement (it would lock everyone out), write once is there.
+    _check_bucket_policy(bp, "s3kv-dev", tls=False, prefix="s3kv")
+    # s3kv still reads and writes under that policy (it always sends If-None-Match).
+    r = subprocess.run([_sys.executable, "-m", "s3kv.cli", "demo", "--url", "s3://s3kv-dev/s3kv", "--json"],
+                       env={**tf.env, "AWS_ENDPOINT_URL_S3": endpoint}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["warm"]["kv_mismatches"] == 0
+
+    shell.run(destroy, timeout=T_APPLY)
+    with pytest.raises(botocore.exceptions.ClientError):
+        s3.head_bucket(Bucket="s3kv-dev")

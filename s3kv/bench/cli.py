@@ -1,10 +1,89 @@
-"""``s3kv bench <lookup|transfer|staging|e2e|integrity|trace>``. Heavy imports stay inside the commands."""
+"""``s3kv bench <lookup|transfer|jitter|staging|e2e|integrity|trace>``. Heavy imports stay inside the commands.
+
+Every table ends with a legend that says what each ratio divides by what, so a number can be
+read without this source. The baseline the benchmarks compare with is what s3kv replaces: one
+object per block, written and read synchronously (found by one HEAD per block per layer group,
+in order) -- the shape of TensorRT-LLM's own VSWA connector example, moved to S3.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import click
 
 from .common import common_options, finish, progress
+
+#: What every ratio and column a table prints means, by command (printed under the table).
+LEGENDS: dict[str, tuple[str, ...]] = {
+    "lookup": (
+        "cold RTs / HEADs / cold ms: round trips (waves of parallel HEADs), HEAD requests and time of "
+        "one lookup with an empty local index",
+        "warm RTs / warm ms: the same lookup again; 0 round trips means the local index answered",
+        "seq HEADs / seq ms: a sequential scan, one HEAD per block per layer group in order (one object "
+        "per block, synchronous)",
+        "speedup = seq ms / cold ms (how many times faster s3kv finds the stored prefix)",
+        "hit: prompt tokens the lookup found servable (at most the prompt minus its last token)",
+        "per client: wall RTs = wall ms / the injected latency (round trips actually paid); exec = CPU ms "
+        "on the calling (executor) thread; proc = the whole process's CPU ms; chain = hashing the "
+        "prompt's block chain; client = proc - chain (the lookup's and the S3 client's own CPU)",
+        "paths: probe = HEAD waves; summary_hit = namespace summary + one verify wave; "
+        "summary_trusted_hit = a fresh listing trusted as the presence check; summary_miss = a cold miss",
+    ),
+    "transfer": (
+        "save / load MiB/s: bytes moved per second by s3kv (on its default client), by the fastest "
+        "plain client library doing the same puts/gets with the same threads (boto3, obstore, awscrt), "
+        "and by one object per block, synchronous (the upstream example's path)",
+        "vs fastest = s3kv MiB/s / the fastest raw client's MiB/s (1.00: as fast as the fastest plain "
+        "client; the target is >= 0.9)",
+        "vs example = s3kv MiB/s / the one-object-per-block synchronous path's MiB/s (how many times faster)",
+        "CPU s/GB: process CPU seconds per GB moved, per client (lower leaves more CPU to the engine)",
+    ),
+    "staging": (
+        "GB/s: bytes copied per second between GPU pages and pinned host staging, scattered pages",
+        "ratio = s3kv's copy GB/s / one contiguous memcpy of the same bytes (1.00: the hardware's own "
+        "speed; the 'all' row shows the worst of the headline page sizes)",
+        "GPU-time ratio: the same ratio timed on the GPU alone (without host launch overhead)",
+        "per-page copies: the ratio when each page is its own copy call (the fallback without batching)",
+    ),
+    "e2e": (
+        "hit = prompt tokens served from S3 / prompt tokens; ms/req and TTFT: mean per request in the "
+        "simulator (no GPU time for skipped prefill)",
+        "window / all = bytes stored under the window policy / bytes stored when every block is kept",
+        "pages stored per distinct block: 1.0 means no block was written twice",
+        "prefill saved: FLOPs the warm cluster did not spend, priced on the named GPU at the stated MFU",
+    ),
+}
+TARGETS_NOTE = "targets: MET / NOT MET against the goals s3kv is built to (a NOT MET is a finding, not an error)"
+
+
+def explained(name: str, table: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
+    """``table`` followed by the legend of ``name``'s ratios and columns."""
+
+    def render(res: dict[str, Any]) -> str:
+        text = table(res)
+        if res.get("skipped"):
+            return text
+        lines = ["", "what the numbers mean:"] + [f"  {line}" for line in (*LEGENDS[name], TARGETS_NOTE)]
+        return text + "\n" + "\n".join(lines)
+
+    return render
+
+
+def _check_plot(plot_path: str | None, url: str | None = None) -> None:
+    """What can be checked before a benchmark starts: --plot's dependency, --url's scheme."""
+    if plot_path:
+        from .plot import require_matplotlib
+
+        require_matplotlib()
+    if url:
+        from ..config import ConfigError, check_url
+
+        try:
+            check_url(url, "--url")
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc).removeprefix("--url: "), param_hint="--url") from None
 
 
 @click.group("bench", context_settings={"help_option_names": ["-h", "--help"]})
@@ -65,7 +144,12 @@ def lookup_command(
     blocks_per_object: int,
     seq_cap: int | None,
 ) -> None:
-    """Lookup round trips and latency, 1k-128k-token prompts, vs the seed's per-block HEAD scan."""
+    """Lookup round trips and latency, 1k-128k-token prompts, vs a sequential per-block HEAD scan.
+
+    The scan is what one object per block, read synchronously, needs: one HEAD per block per layer
+    group, in order, until the first miss.
+    """
+    _check_plot(plot_path, url)
     from . import lookup, plot
     from .common import bench_store
 
@@ -75,7 +159,7 @@ def lookup_command(
     with bench_store(url, server=server, latency_ms=latency_ms, name="lookup", keep=keep) as bs:
         progress(f"lookup: store {bs.where}, {latency_ms:g} ms injected per request")
         res = lookup.run_lookup(bs, cfg)
-    finish(res, as_json=as_json, table=lookup.table, plot_path=plot_path, plot=plot.plot_lookup)
+    finish(res, as_json=as_json, table=explained("lookup", lookup.table), plot_path=plot_path, plot=plot.plot_lookup)
 
 
 # --------------------------------------------------------------------------- transfer
@@ -94,7 +178,7 @@ def lookup_command(
     type=float,
     default=1.0,
     show_default=True,
-    help="Page (block) size; the seed-style path stores one page per object.",
+    help="Page (block) size; the one-object-per-block path stores one page per object.",
 )
 @click.option("--repeats", type=int, default=1, show_default=True, help="Best of this many runs per method.")
 def transfer_command(
@@ -110,7 +194,8 @@ def transfer_command(
     page_mib: float,
     repeats: int,
 ) -> None:
-    """Save/load throughput of s3kv's pipelines vs raw parallel boto3 and a seed-style sequential path."""
+    """Save/load throughput of s3kv's pipelines vs plain parallel boto3 and one object per block, synchronous."""
+    _check_plot(plot_path, url)
     from . import plot, transfer
     from .common import bench_store
 
@@ -122,7 +207,50 @@ def transfer_command(
     with bench_store(url, server=server, latency_ms=latency_ms, name="transfer", keep=keep) as bs:
         progress(f"transfer: store {bs.where}, {latency_ms:g} ms injected per request")
         res = transfer.run_transfer(bs, cfg)
-    finish(res, as_json=as_json, table=transfer.table, plot_path=plot_path, plot=plot.plot_transfer)
+    finish(
+        res, as_json=as_json, table=explained("transfer", transfer.table), plot_path=plot_path, plot=plot.plot_transfer
+    )
+
+
+# --------------------------------------------------------------------------- jitter
+
+
+@bench_group.command("jitter")
+@common_options(default_latency_ms=0.0)
+@click.option("--phase-s", type=float, default=None, help="Seconds per phase (default 3, --quick 0.5).")
+@click.option("--object-mib", type=float, default=8.0, show_default=True, help="Object size of the transfers.")
+def jitter_command(
+    as_json: bool,
+    plot_path: str | None,
+    url: str | None,
+    server: str,
+    latency_ms: float,
+    quick: bool,
+    keep: bool,
+    phase_s: float | None,
+    object_mib: float,
+) -> None:
+    """A stand-in executor loop's p50/p99 idle vs during lookups and full-speed transfers, per client."""
+    from . import jitter
+
+    cfg = jitter.JitterConfig(
+        phase_s=phase_s or (0.5 if quick else 3.0),
+        object_mib=1.0 if quick else object_mib,
+        objects=4 if quick else 16,
+        prompt_tokens=2048 if quick else 16384,
+    )
+    with bench_store_for(url, server, latency_ms, "jitter", keep) as bs:
+        progress(f"jitter: store {bs.where}, {latency_ms:g} ms injected per request")
+        res = jitter.run_jitter(bs, cfg)
+    if plot_path:
+        progress("jitter: no plot for this bench; --plot ignored")
+    finish(res, as_json=as_json, table=jitter.table, plot_path=None, plot=lambda r, p: None)
+
+
+def bench_store_for(url: str | None, server: str, latency_ms: float, name: str, keep: bool):  # noqa: ANN201
+    from .common import bench_store
+
+    return bench_store(url, server=server, latency_ms=latency_ms, name=name, keep=keep)
 
 
 # --------------------------------------------------------------------------- staging
@@ -145,6 +273,7 @@ def staging_command(
     as_json: bool, plot_path: str | None, quick: bool, page_mib: str | None, pages: int | None, device: str
 ) -> None:
     """Device<->pinned-host page copies through s3kv's copy path vs one contiguous memcpy (needs CUDA)."""
+    _check_plot(plot_path)
     from . import plot, staging
 
     sizes = _floats(page_mib) or ((1.0,) if quick else staging.DEFAULT_PAGE_MIB)
@@ -152,7 +281,9 @@ def staging_command(
     res = staging.run_staging(sizes, n, device)
     if res.get("skipped"):
         progress(f"staging: skipped -- {res['reason']}")
-    finish(res, as_json=as_json, table=staging.table, plot_path=plot_path, plot=plot.plot_staging)
+    finish(
+        res, as_json=as_json, table=explained("staging", staging.table), plot_path=plot_path, plot=plot.plot_staging
+    )
 
 
 # --------------------------------------------------------------------------- e2e
@@ -190,6 +321,7 @@ def e2e_command(
     checkpoint_tokens: int | None,
 ) -> None:
     """Multi-turn VSWA workload: cold then warm cluster, both storage policies, prefill saved, memory soak."""
+    _check_plot(plot_path, url)
     from . import e2e, plot
     from .common import bench_store
 
@@ -205,7 +337,7 @@ def e2e_command(
     with bench_store(url, server=server, latency_ms=latency_ms, name="e2e", keep=keep) as bs:
         progress(f"e2e: store {bs.where}, {latency_ms:g} ms injected per request")
         res = e2e.run_e2e(bs, cfg)
-    finish(res, as_json=as_json, table=e2e.table, plot_path=plot_path, plot=plot.plot_e2e)
+    finish(res, as_json=as_json, table=explained("e2e", e2e.table), plot_path=plot_path, plot=plot.plot_e2e)
 
 
 # --------------------------------------------------------------------------- integrity

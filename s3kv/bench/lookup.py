@@ -17,6 +17,17 @@ Measured, per prompt, on the same store:
 * **cold**: a fresh ``LeaderCore`` (empty index) -> ``get_num_new_matched_tokens``; round trips are
   the leader's lookup waves, requests are HEADs counted at the store;
 * **warm**: the same leader, the same prompt again (index hit: expected 0 round trips);
+* **summary**: a fresh ``LeaderCore`` whose namespace summary was refreshed (untimed, as an
+  engine's background refresher would have) -> the same lookup: one verify wave of HEADs; and a
+  prompt that was never stored: a miss with no request at all;
+* per client (boto3's ``S3Store`` and obstore's ``ObstoreS3Store``): the cold probe and the
+  summary lookups again, with each client's own HEAD fan-out in the latency model.
+
+For every lookup: wall time also in round trips of the injected latency (``wall_round_trips``),
+the calling (executor) thread's CPU time, and the process's CPU time (all threads: HEAD threads
+and native client threads too). ``chain_cpu_ms`` is what hashing the prompt's block chain costs
+alone (the leader needs that chain for saves anyway); ``client_cpu_ms`` is the process CPU of the
+lookup less that hashing: the lookup's own work plus the S3 client's.
 * **sequential**: the seed's method -- one HEAD per block per group, in order, stopping at the
   first miss. It is linear (every HEAD costs the same), so past ``--seq-cap`` HEADs it is not run
   to the end: the rest is extrapolated at the measured mean per HEAD (``sequential_extrapolated``;
@@ -39,6 +50,7 @@ from ..layout import CacheGeometry, GroupGeometry
 from ..leader import LeaderCore
 from ..objects import ObjectIdentity, encode_object, object_metadata
 from ..plan import SealOp
+from .clients import fan_out, s3kv_stores, shaped
 from .common import GEMMA3_27B, BenchStore, ModelSpec, machine_info, progress, rnd
 
 DEFAULT_PROMPTS = (1024, 4096, 16384, 65536, 131072)
@@ -48,6 +60,10 @@ PAGE_BYTES = 64
 VOCAB = 32000
 TARGET_ROUND_TRIPS = 3
 TARGET_SPEEDUP = 20.0
+#: Summary lookups: wall time at most this many round trips of the injected latency.
+TARGET_WALL_ROUND_TRIPS = 2.5
+#: Client CPU (the lookup's own work and the S3 client's) per lookup.
+TARGET_CLIENT_CPU_MS = 2.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +183,55 @@ def populate(
     return {"s3kv_objects": len(objects), "seed_objects": len(seed)}
 
 
+@dataclass
+class _Measured:
+    n: int
+    hit: int
+    round_trips: int
+    requests: int
+    wall_s: float
+    injected_ms: float
+    thread_cpu_s: float
+    process_cpu_s: float
+
+
+def _measure(bs: BenchStore, store: Any, lat: Any, leader: LeaderCore, rid: int, prompt: list[int]) -> _Measured:
+    before = store.snapshot()
+    rt0 = lat.round_trips if lat is not None else 0
+    waves = leader.stats.lookup_waves
+    c0, p0, t0 = time.thread_time(), time.process_time(), time.perf_counter()
+    hit, _ = leader.get_num_new_matched_tokens(rid, prompt, len(prompt), 0)
+    wall = time.perf_counter() - t0
+    c1, p1 = time.thread_time(), time.process_time()
+    io = store.snapshot() - before
+    injected = ((lat.round_trips if lat is not None else 0) - rt0) * bs.latency_ms
+    return _Measured(len(prompt), hit, leader.stats.lookup_waves - waves, io.head, wall, injected, c1 - c0, p1 - p0)
+
+
+def _chain_cpu_s(namespace: bytes, prompt: list[int], tpb: int, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        c0 = time.thread_time()
+        Chain(chain_root(namespace), tpb).extend_to(prompt)
+        best = min(best, time.thread_time() - c0)
+    return best
+
+
+def _row(m: _Measured, bs: BenchStore, chain_s: float) -> dict[str, Any]:
+    return {
+        "hit_tokens": m.hit,
+        "round_trips": m.round_trips,
+        "requests": m.requests,
+        "latency_ms": rnd(m.wall_s * 1e3, 2),
+        "latency_injected_ms": rnd(m.injected_ms, 1),
+        "wall_round_trips": rnd(m.wall_s * 1e3 / bs.latency_ms, 2) if bs.latency_ms else None,
+        "executor_cpu_ms": rnd(m.thread_cpu_s * 1e3, 3),
+        "process_cpu_ms": rnd(m.process_cpu_s * 1e3, 3),
+        "chain_cpu_ms": rnd(chain_s * 1e3, 3),
+        "client_cpu_ms": rnd(max(0.0, m.process_cpu_s - chain_s) * 1e3, 3),
+    }
+
+
 def sequential_scan(bs: BenchStore, keys: Sequence[str], cap: int) -> tuple[int, float, bool]:
     """(HEADs done, seconds, stopped at a miss) of the seed's in-order scan, at most ``cap`` HEADs."""
     todo = keys if not cap else keys[:cap]
@@ -191,9 +256,46 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
     counts = populate(bs, cfg, settings, geom, stream, sizing)
     tpb = geom.tokens_per_block
     rows: list[dict[str, Any]] = []
+    plain = s3kv_stores(bs, head_concurrency=settings.lookup_head_concurrency)
+    clients = {
+        name: shaped(bs, st, fan_out(name, bs, settings.lookup_head_concurrency)) for name, st in plain.items()
+    }
+    default_client = "obstore" if "obstore" in clients else next(iter(clients))
+    # The probe path counts round trips with no budget (a budget would cut it short); the summary
+    # path runs with the default budget, as an engine would.
+    probe_settings = settings.replace(lookup_timeout_s=0.0)
+    summary_settings = settings.replace(lookup_summary_s=3600.0, lookup_timeout_s=0.0)
+    trusted_settings = settings.replace(lookup_summary_s=3600.0, lookup_summary_trust_s=60.0)
+    other = random.Random("s3kv-bench/lookup-miss")
     for i, n in enumerate(cfg.prompts):
         prompt = stream[:n]
-        leader = _leader(settings, bs.store, bs.key("s3kv"), geom, sizing)  # fresh index: a cold lookup
+        miss_prompt = [other.randrange(VOCAB) for _ in range(n)]
+        ns = _leader(settings, bs.raw, "", geom, sizing)
+        assert ns.geometry is not None
+        chain_s = _chain_cpu_s(ns.namespace, prompt, tpb)
+        per_client: dict[str, Any] = {}
+        for cname, (cstore, clat) in clients.items():
+            probe = _leader(probe_settings, cstore, bs.key("s3kv"), geom, sizing)
+            m = _measure(bs, cstore, clat, probe, 10 * i + 7, prompt)
+            summ = _leader(summary_settings, cstore, bs.key("s3kv"), geom, sizing)
+            summary = summ.lookup_summary()
+            assert summary is not None and summary.refresh(), "summary refresh failed"
+            sm = _measure(bs, cstore, clat, summ, 10 * i + 8, prompt)
+            mm = _measure(bs, cstore, clat, summ, 10 * i + 9, miss_prompt)
+            summ.close_lookup()
+            trusted = _leader(trusted_settings, cstore, bs.key("s3kv"), geom, sizing)
+            tsum = trusted.lookup_summary()
+            assert tsum is not None and tsum.refresh(), "summary refresh failed"
+            tm = _measure(bs, cstore, clat, trusted, 10 * i + 6, prompt)
+            trusted.close_lookup()
+            per_client[cname] = {
+                "probe": _row(m, bs, chain_s),
+                "summary_hit": _row(sm, bs, chain_s),
+                "summary_trusted_hit": _row(tm, bs, chain_s),
+                "summary_miss": _row(mm, bs, chain_s),
+                "summary_objects": summary.objects,
+            }
+        leader = _leader(probe_settings, bs.store, bs.key("s3kv"), geom, sizing)  # fresh index: a cold lookup
         before = bs.store.snapshot()
         rt0 = bs.injected_round_trips()
         t0 = time.perf_counter()
@@ -235,6 +337,11 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
                 "sequential_extrapolated": done < total,
                 "sequential_latency_ms": rnd(seq_total_s * 1e3, 1),
                 "speedup_vs_sequential": rnd(speedup, 1),
+                "wall_round_trips": rnd(cold_s * 1e3 / bs.latency_ms, 2) if bs.latency_ms else None,
+                "summary": per_client[default_client]["summary_hit"],
+                "summary_trusted": per_client[default_client]["summary_trusted_hit"],
+                "summary_miss": per_client[default_client]["summary_miss"],
+                "clients": per_client,
             }
         )
         progress(
@@ -242,7 +349,25 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
             f"{warm_s * 1e3:.2f} ms warm; sequential {seq_total_s * 1e3:.0f} ms"
             + (f" ({done} of {total} HEADs measured)" if done < total else "")
         )
+    lat_ok = bool(bs.latency_ms)
     met = {
+        "summary_wall_le_2.5_rt": lat_ok
+        and all(
+            r["summary"]["wall_round_trips"] <= TARGET_WALL_ROUND_TRIPS
+            and r["summary"]["hit_tokens"] == r["expected_hit_tokens"]
+            for r in rows
+        ),
+        "summary_trusted_wall_le_2.5_rt": lat_ok
+        and all(
+            r["summary_trusted"]["wall_round_trips"] <= TARGET_WALL_ROUND_TRIPS
+            and r["summary_trusted"]["hit_tokens"] == r["expected_hit_tokens"]
+            for r in rows
+        ),
+        "summary_miss_no_request": all(r["summary_miss"]["requests"] == 0 for r in rows),
+        "client_cpu_le_2ms": all(r["summary"]["client_cpu_ms"] <= TARGET_CLIENT_CPU_MS for r in rows),
+        "trusted_client_cpu_le_2ms": all(
+            r["summary_trusted"]["client_cpu_ms"] <= TARGET_CLIENT_CPU_MS for r in rows
+        ),
         "round_trips_le_3": all(r["round_trips"] <= TARGET_ROUND_TRIPS for r in rows),
         "warm_zero_round_trips": all(r["warm_round_trips"] == 0 for r in rows),
         "speedup_ge_20x": all(r["speedup_vs_sequential"] >= TARGET_SPEEDUP for r in rows),
@@ -270,7 +395,17 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
         },
         "prepopulated": counts,
         "results": rows,
+        "s3kv_client": default_client,
+        "lookup_budget_ms": settings.lookup_timeout_s * 1e3,
         "targets": {
+            "summary_wall_le_2.5_rt": f"a cold lookup with the namespace summary: wall <= {TARGET_WALL_ROUND_TRIPS} "
+            "x the injected latency, full hit",
+            "summary_trusted_wall_le_2.5_rt": f"the same with lookup_summary_trust_s > 0 (a fresh listing "
+            f"counts as the presence check): wall <= {TARGET_WALL_ROUND_TRIPS} x the injected latency, full hit",
+            "trusted_client_cpu_le_2ms": f"client CPU <= {TARGET_CLIENT_CPU_MS:g} ms with a trusted summary",
+            "summary_miss_no_request": "a cold miss with the namespace summary sends no request",
+            "client_cpu_le_2ms": f"the lookup's own and the S3 client's CPU <= {TARGET_CLIENT_CPU_MS:g} ms "
+            "(process CPU less hashing the prompt's chain)",
             "round_trips_le_3": f"<= {TARGET_ROUND_TRIPS} round trips per cold lookup up to 128k tokens",
             "warm_zero_round_trips": "a repeat is answered by the local index",
             "speedup_ge_20x": f">= {TARGET_SPEEDUP:g}x faster than the sequential scan"
@@ -306,5 +441,22 @@ def table(res: dict[str, Any]) -> str:
             "* sequential scan measured for the first HEADs, the rest extrapolated at the measured mean "
             "(it is linear); --seq-cap 0 runs it all"
         )
+    lines += [
+        "",
+        "per client (wall in round trips of the injected latency; CPU in ms: executor thread / process / "
+        "client = process less chain hashing):",
+        f"{'prompt':>8} {'client':>8} {'path':>19} | {'HEADs':>6} {'wall ms':>8} {'wall RTs':>8} | "
+        f"{'exec':>6} {'proc':>6} {'chain':>6} {'client':>6} | {'hit':>7}",
+    ]
+    for r in res["results"]:
+        for cname, c in r.get("clients", {}).items():
+            for path in ("probe", "summary_hit", "summary_trusted_hit", "summary_miss"):
+                x = c[path]
+                rts = "" if x["wall_round_trips"] is None else f"{x['wall_round_trips']:.2f}"
+                lines.append(
+                    f"{r['tokens']:>8} {cname:>8} {path:>19} | {x['requests']:>6} {x['latency_ms']:>8.1f} {rts:>8} | "
+                    f"{x['executor_cpu_ms']:>6.2f} {x['process_cpu_ms']:>6.2f} {x['chain_cpu_ms']:>6.2f} "
+                    f"{x['client_cpu_ms']:>6.2f} | {x['hit_tokens']:>7}"
+                )
     lines.append(targets_line(res))
     return "\n".join(lines)

@@ -128,8 +128,9 @@ class RealSizeStore(StoreWrapper):
     (S3Store's split), and the bytes stored per group from the objects this run created.
     """
 
-    def __init__(self, inner: Any):
+    def __init__(self, inner: Any, multipart_threshold: int, part_size: int):
         super().__init__(inner)
+        self.multipart_threshold, self.part_size = multipart_threshold, part_size
         self.sim_page: dict[str, int] = {}  # group fingerprint -> sim page bytes
         self.real_page: dict[str, int] = {}
         self.names: dict[str, str] = {}
@@ -158,7 +159,7 @@ class RealSizeStore(StoreWrapper):
         md = {k.lower(): v for k, v in (metadata or {}).items()}
         fp, n = md.get("s3kv-group", ""), int(md.get("s3kv-count", "0") or 0)
         real = header_len(n) + n * self.real_page.get(fp, 0)
-        self.real_put += put_requests(real)
+        self.real_put += put_requests(real, self.multipart_threshold, self.part_size)
         created = self.inner.put(key, data, metadata)
         if created:
             self._count[key] = n
@@ -355,7 +356,7 @@ def replay(
         lookup_timeout_s=0,  # no time budget: a slow moment on a busy machine must not turn a hit into a miss
     )
     sizing = real_page_bytes(cfg.model, tpb)
-    counter = RealSizeStore(bs.store)
+    counter = RealSizeStore(bs.store, settings.multipart_threshold_mib << 20, settings.multipart_part_mib << 20)
     before = bs.store.snapshot()
     synth = TokenSynth(block_tokens, SIM_VOCAB)
     history: dict[int, list[int]] = {}
@@ -773,11 +774,11 @@ def table(res: dict[str, Any]) -> str:
 
 
 def plot_trace(res: dict[str, Any], path: str) -> None:
-    from .plot import RAW, S3KV, SEED, WARM, _plt, _save
+    from .plot import BASELINE, RAW, S3KV, WARM, _plt, _save
 
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    colors = {"window": S3KV, "window-no-branch": "#9467bd", "all": RAW, "upstream-example": SEED, "ideal": WARM}
+    colors = {"window": S3KV, "window-no-branch": "#9467bd", "all": RAW, "upstream-example": BASELINE, "ideal": WARM}
     ax = axes[0]
     c = res["curves"]
     x = [v / 1e6 for v in c["prompt_tokens"]]

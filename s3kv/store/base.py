@@ -135,6 +135,30 @@ class ObjectStore(abc.ABC):
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
         """Bytes of each range, in order. Raises NotFound if the object is gone."""
 
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        """Bytes of each range written into ``out[i]`` (a writable buffer of exactly that length).
+
+        The load path reads into pinned staging through this, so a store that can land bytes
+        in the caller's memory (obstore: one copy from the response) saves the intermediate
+        ``bytes``. This default reads with :meth:`get_ranges` and copies - correct for any
+        store, and the one wrappers get unless they forward this call themselves.
+        """
+        if len(out) != len(ranges):
+            raise ValueError(f"{len(ranges)} ranges but {len(out)} buffers")
+        for r, dst, data in zip(ranges, out, self.get_ranges(key, ranges), strict=True):
+            view = memoryview(dst).cast("B")
+            got = memoryview(data).nbytes
+            if got != r.length or view.nbytes != r.length:
+                raise IntegrityError(
+                    f"range {r.offset}+{r.length} returned {got} bytes into a {view.nbytes}-byte buffer", key=key
+                )
+            view[:] = memoryview(data).cast("B")
+
+    def note_timeout(self, op: str, key: str | None = None) -> None:  # noqa: B027 - optional hook
+        """A caller gave up waiting on a call of this store (e.g. a lookup's HEAD wave ran past
+        its budget while the call itself still runs). Wrappers that judge the store's health
+        (the circuit breaker) count it as a failure; plain stores ignore it."""
+
     def get(self, key: str) -> bytes:
         info = self.head(key)
         if info is None:
@@ -204,6 +228,9 @@ class StoreWrapper(ObjectStore):
     @property
     def available(self) -> bool:
         return self.inner.available
+
+    def note_timeout(self, op: str, key: str | None = None) -> None:
+        self.inner.note_timeout(op, key)
 
     def check_access(self) -> None:
         self.inner.check_access()

@@ -110,12 +110,15 @@ Transition = Callable[[BreakerState, BreakerState], None]
 class _Probe:
     """Admission ticket of one call; settles exactly once (success, failure or neutral)."""
 
-    __slots__ = ("probe", "epoch", "done")
+    __slots__ = ("probe", "epoch", "done", "timed_out")
 
     def __init__(self, probe: bool, epoch: int = -1):
         self.probe = probe
         self.epoch = epoch  # the half-open period a probe was admitted in
         self.done = False
+        #: A caller gave up on this call (``note_timeout``): already counted as a failure, so its
+        #: late outcome settles nothing more (a slow success must not reset the count).
+        self.timed_out = False
 
 
 class CircuitBreakerStore(StoreWrapper):
@@ -144,6 +147,8 @@ class CircuitBreakerStore(StoreWrapper):
         self.rejected = 0
         #: How many times the breaker opened.
         self.trips = 0
+        #: HEAD batches admitted and not settled, oldest first (for ``note_timeout``).
+        self._heads_in_flight: list[_Probe] = []
 
     # -- state -------------------------------------------------------------------------
     @property
@@ -231,6 +236,10 @@ class CircuitBreakerStore(StoreWrapper):
             return
         ticket.done = True
         with self._lock:
+            if ticket in self._heads_in_flight:
+                self._heads_in_flight.remove(ticket)
+            if ticket.timed_out:
+                ok = None  # counted when the caller gave up
             # A probe only speaks for the half-open period it was admitted in.
             probe = ticket.probe and ticket.epoch == self._epoch and self._state is BreakerState.HALF_OPEN
             if probe:
@@ -273,6 +282,8 @@ class CircuitBreakerStore(StoreWrapper):
             ticket = self._admit("head", unique[0] if len(unique) == 1 else None)
         except StoreUnavailable:
             return HeadBatch({}, frozenset(), {k: self._unavailable("head", k) for k in unique})
+        with self._lock:
+            self._heads_in_flight.append(ticket)
         try:
             batch = self.inner.head_many(unique)
         except StoreError as exc:
@@ -296,6 +307,23 @@ class CircuitBreakerStore(StoreWrapper):
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
         return self._guard("get", key, lambda: self.inner.get_ranges(key, ranges))
+
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        self._guard("get", key, lambda: self.inner.get_ranges_into(key, ranges, out))
+
+    def note_timeout(self, op: str, key: str | None = None) -> None:
+        """A caller gave up on a call that still runs (a hung store answers nothing, so no
+        call of it ever fails): count it as one failed call, so a store whose every lookup
+        times out opens the breaker like one that errors. The oldest unsettled HEAD batch is
+        taken to be that call; its late answer then settles nothing (a success arriving
+        seconds late must not reset the count)."""
+        with self._lock:
+            late = next((t for t in self._heads_in_flight if not t.timed_out), None) if op == "head" else None
+            if late is not None:
+                late.timed_out = True
+            probe = late is not None and late.probe
+        self._settle(_Probe(probe, late.epoch if late is not None else -1), False, f"{op} timed out in the caller")
+        self.inner.note_timeout(op, key)
 
     def delete_many(self, keys: Sequence[str]) -> None:
         if not keys:

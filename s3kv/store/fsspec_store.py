@@ -27,6 +27,7 @@ import concurrent.futures as cf
 import errno
 import json
 import os
+import stat
 import struct
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -155,9 +156,14 @@ class FsspecStore(ObjectStore):
         try:
             mtime: float | None
             if self._local:
-                with open(path, "rb") as f:
-                    raw = f.read(ENVELOPE_SIZE)
-                    st = os.fstat(f.fileno())
+                fd = _open_regular(path, key)
+                if fd is None:
+                    return None  # not a regular file: nothing this store wrote (see _open_regular)
+                try:
+                    raw = os.pread(fd, ENVELOPE_SIZE, 0)
+                    st = os.fstat(fd)
+                finally:
+                    os.close(fd)
                 size, mtime = st.st_size, st.st_mtime
             else:
                 with self.fs.open(path, "rb") as f:
@@ -255,7 +261,9 @@ class FsspecStore(ObjectStore):
         def read_all() -> list[bytes]:
             out: list[bytes] = []
             if self._local:
-                fd = os.open(path, os.O_RDONLY)
+                fd = _open_regular(path, key)
+                if fd is None:
+                    raise NotFound("not a regular file", key=key)
                 try:
                     # pread: no shared file position, so concurrent readers never interfere.
                     out = [
@@ -310,8 +318,11 @@ class FsspecStore(ObjectStore):
                         key = self._key_of(full)
                         if TMP_MARK in name or not key.startswith(prefix):
                             continue
-                        st = os.stat(full)
-                        if st.st_size >= ENVELOPE_SIZE:
+                        try:
+                            st = os.lstat(full)  # a link is not an object, nor is a FIFO
+                        except OSError:
+                            continue  # deleted while we walked, or unreadable
+                        if stat.S_ISREG(st.st_mode) and st.st_size >= ENVELOPE_SIZE:
                             items.append(ObjectInfo(key, st.st_size - ENVELOPE_SIZE, {}, st.st_mtime))
             else:
                 if not self.fs.exists(base):
@@ -354,6 +365,35 @@ class FsspecStore(ObjectStore):
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.url!r})"
+
+
+def _open_regular(path: str, key: str) -> int | None:
+    """A read-only descriptor of ``path`` if it is a regular file, else None (missing too).
+
+    Only regular files are objects. Opening a FIFO for reading blocks until a writer comes
+    (forever, on a lookup's thread), and a symlink can point anywhere: both are refused -
+    ``O_NONBLOCK`` makes the open of a FIFO return at once, ``O_NOFOLLOW`` refuses a link, and
+    ``fstat`` on the open descriptor (no race with a swap) checks the type.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        return None
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.ENOTDIR):  # a link; a FIFO/socket; a path through a file
+            return None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _mtime(info: Mapping[str, Any]) -> float | None:

@@ -89,6 +89,14 @@ class InstrumentedStore(StoreWrapper):
         self._add(get=len(ranges), bytes_down=sum(len(b) for b in out))
         return out
 
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        try:
+            self.inner.get_ranges_into(key, ranges, out)
+        except StoreError:
+            self._add(get=len(ranges), errors=1)
+            raise
+        self._add(get=len(ranges), bytes_down=sum(r.length for r in ranges))
+
     def delete_many(self, keys: Sequence[str]) -> None:
         try:
             self.inner.delete_many(keys)

@@ -187,6 +187,15 @@ class RetryingStore(StoreWrapper):
 
         return self.policy.call(attempt, op="get", key=key, retry_on=(TransientError, _ShortRead))
 
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        # Every attempt rewrites every buffer whole, so a retried read never leaves a mix.
+        self.policy.call(
+            lambda: self.inner.get_ranges_into(key, ranges, out),
+            op="get",
+            key=key,
+            retry_on=(TransientError, _ShortRead),
+        )
+
     def delete_many(self, keys: Sequence[str]) -> None:
         self.policy.call(
             lambda: self.inner.delete_many(keys), op="delete", key=keys[0] if len(keys) == 1 else None

@@ -133,7 +133,7 @@ class S3Options:
     #: One policy per request; see :class:`RetryPolicy`.
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     #: Bodies at least this large go up as multipart (parts in parallel).
-    multipart_threshold: int = 16 * MiB
+    multipart_threshold: int = 64 * MiB
     part_size: int = 8 * MiB
     #: A range much longer than this is fetched as parallel sub-ranges of about this size.
     range_split_bytes: int = 8 * MiB
@@ -148,6 +148,12 @@ class S3Options:
     addressing_style: Literal["auto", "virtual", "path"] | None = None
     #: None: the boto3 chain (AWS_REGION / AWS_DEFAULT_REGION / profile), else us-east-1.
     region: str | None = None
+    #: Which client ``open_store`` builds for s3:// (S3KV_S3_CLIENT): "auto" (obstore when it is
+    #: installed, else boto3), "obstore" or "boto3". See s3kv/store/obstore_store.py for why.
+    client: Literal["auto", "obstore", "boto3"] = "auto"
+    #: HEADs of one batch in flight at once on the obstore client (its requests hold no GIL, so a
+    #: lookup's wave goes out in one round trip); the boto3 store fans out over max_concurrency.
+    head_concurrency: int = 128
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.upload_concurrency < 1:
@@ -163,6 +169,10 @@ class S3Options:
             raise ValueError(
                 f"S3Options.multipart_threshold must be >= 5 MiB, got {self.multipart_threshold}"
             )
+        if self.client not in ("auto", "obstore", "boto3"):
+            raise ValueError(f"S3Options.client must be auto|obstore|boto3, got {self.client!r}")
+        if self.head_concurrency < 1:
+            raise ValueError(f"S3Options.head_concurrency must be >= 1, got {self.head_concurrency}")
         if self.range_split_bytes < 1:
             raise ValueError(f"S3Options.range_split_bytes must be >= 1, got {self.range_split_bytes}")
         if self.sse not in (None, "AES256", "aws:kms"):

@@ -72,6 +72,11 @@ class ThrottledStore(StoreWrapper):
         self._down.transfer(sum(len(b) for b in out))
         return out
 
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        self._rtt()
+        self.inner.get_ranges_into(key, ranges, out)
+        self._down.transfer(sum(r.length for r in ranges))
+
     def delete_many(self, keys: Sequence[str]) -> None:
         self._rtt()
         self.inner.delete_many(keys)

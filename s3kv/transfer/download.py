@@ -1,12 +1,14 @@
 """Verified loads: ranged reads of stored objects into cache slots.
 
 One :class:`LoadJob` per object (the load ops of an iteration grouped by key):
-one ``store.get_ranges(key, [header] + pages)`` with adjacent pages coalesced
-into one range, run on a download thread. The header is verified against the
-identity we expect (``decode_header``: magic, version, namespace, group, shard,
+one ``store.get_ranges_into(key, [header] + pages, staging views)`` with adjacent
+pages coalesced into one range, run on a download thread: the bytes land in
+(pinned) staging straight from the store, one host copy (obstore writes each
+response there; stores without a native path copy once from their ``bytes``).
+The header is verified against the identity we expect (``decode_header``: magic, version, namespace, group, shard,
 geometry, header checksum) and must name exactly the span (first ordinal, page
 count) and chain digest the plan promised for this shard. The wanted pages are
-copied into host staging and **every page's checksum is verified there, before
+in host staging and **every page's checksum is verified there, before
 any byte is copied to the device** — the bytes verified are the bytes copied.
 Only then are the host->device copies enqueued (``Copier.load``).
 
@@ -37,12 +39,15 @@ from ..objects import (
     trailer_range,
     verify_page,
 )
-from ..store.base import ByteRange, IntegrityError, ObjectStore, StoreError
+from ..store.base import ByteRange, ObjectStore, StoreError
 from .copies import Copier, PageCopy
 from .counters import Counters
 from .staging import LOAD, StagingBuffer, StagingPool
 
 log = logging.getLogger(__name__)
+
+#: Pages start at a multiple of this inside a load's staging (the header sits just before).
+_ALIGN = 4096
 
 PENDING, PLACING, DONE, FAILED, CANCELLED = "pending", "placing", "done", "failed", "cancelled"
 
@@ -155,7 +160,11 @@ class Downloader:
         self.pool = pool
         self.copier = copier
         self.counters = counters or Counters()
-        self._executor = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix=name)
+        # ``threads`` GETs in flight, and as many threads again so that verifying and placing
+        # one object's pages overlaps the next objects' GETs instead of idling a connection
+        # (measured on the 16-core GPU host: a 15-25% bubble at 3-4 GB/s without it).
+        self._gets = threading.BoundedSemaphore(max(1, threads))
+        self._executor = ThreadPoolExecutor(max_workers=2 * max(1, threads), thread_name_prefix=name)
 
     def submit(self, job: LoadJob) -> LoadJob:
         job.future = self._executor.submit(self._run, job)
@@ -198,29 +207,47 @@ class Downloader:
                 f"span {job.first}+{job.count} for shard {job.identity.shard}"
             )
         hl = header_len(job.count)
-        # Integrity on: the trailer of keyed tags rides in the same request wave.
-        tr = trailer_range(job.identity, job.count)
-        extra = [ByteRange(*tr)] if tr is not None else []
-        t0 = time.monotonic()
+        nbytes = len(idx) * pb
+        # Bytes land in staging straight from the store (one host copy): the header just in
+        # front of the first page, the pages packed in index order from a page-aligned offset.
+        base = -(-hl // _ALIGN) * _ALIGN
+        buf = self.pool.try_acquire(base + nbytes, LOAD)
+        if buf is None:
+            self.counters.add("load_staging_fallbacks")
+            buf = StagingBuffer.standalone(base + nbytes)
+        with job.lock:
+            job.buffer = buf
+        page_views: list[memoryview] = []
+        pos = base
+        for r in ranges:
+            page_views.append(buf.memoryview(pos, r.length))
+            pos += r.length
         if ranges and ranges[0].offset == hl:
             # The first wanted page follows the header: one request for both (a whole-object
             # load is then a single GET, as cheap as any client's).
-            asked = [ByteRange(0, hl + ranges[0].length), *ranges[1:], *extra]
-            self.counters.add("get_requests", sum(get_requests(r.length) for r in asked))
-            merged: list[bytes | memoryview] = list(self.store.get_ranges(job.key, asked))
-            if merged and memoryview(merged[0]).nbytes >= hl:
-                head = memoryview(merged[0])
-                merged = [head[:hl], head[hl:], *merged[1:]]
-            datas = merged
+            want = [ByteRange(0, hl + ranges[0].length), *ranges[1:]]
+            into = [buf.memoryview(base - hl, hl + ranges[0].length), *page_views[1:]]
         else:
-            asked = [ByteRange(0, hl), *ranges, *extra]
-            self.counters.add("get_requests", sum(get_requests(r.length) for r in asked))
-            datas = list(self.store.get_ranges(job.key, asked))
-        self.counters.add("download_seconds", time.monotonic() - t0)
-        if len(datas) != len(ranges) + 1 + len(extra):
-            raise IntegrityError(f"asked for {len(ranges) + 1 + len(extra)} ranges, got {len(datas)}", key=job.key)
-        trailer = datas.pop() if extra else None
-        header = decode_header(datas[0], job.identity, job.key, trailer)
+            want = [ByteRange(0, hl), *ranges]
+            into = [buf.memoryview(base - hl, hl), *page_views]
+        # Integrity on: the trailer of keyed tags rides in the same request wave.
+        tr = trailer_range(job.identity, job.count)
+        trailer: bytearray | None = None
+        if tr is not None:
+            trailer = bytearray(tr[1])
+            want.append(ByteRange(*tr))
+            into.append(memoryview(trailer))
+        with self._gets:
+            if job.state != PENDING:  # cancelled while it waited for a connection slot
+                with job.lock:
+                    job.buffer = None
+                buf.release()
+                return
+            t0 = time.monotonic()
+            self.counters.add("get_requests", sum(get_requests(r.length) for r in want))
+            self.store.get_ranges_into(job.key, want, into)
+            self.counters.add("download_seconds", time.monotonic() - t0)
+        header = decode_header(buf.memoryview(base - hl, hl), job.identity, job.key, trailer)
         if header.first_ordinal != job.first or header.page_count != job.count:
             # The plan's span ends at the block the key names (checked on HEAD): a header
             # claiming other blocks is span poisoning, never loaded.
@@ -232,26 +259,11 @@ class Downloader:
         if header.last_digest != job.last_digest:
             raise LoadPlanError(f"object {job.key!r} names another chain digest than its key")
 
-        nbytes = len(idx) * pb
-        buf = self.pool.try_acquire(nbytes, LOAD)
-        if buf is None:
-            self.counters.add("load_staging_fallbacks")
-            buf = StagingBuffer.standalone(nbytes)
-        with job.lock:
-            job.buffer = buf
-        # Bytes into staging, packed in index order (ranges are in index order too).
-        pos = 0
-        for r, data in zip(ranges, datas[1:], strict=True):
-            got = memoryview(data).nbytes
-            if got != r.length:
-                raise IntegrityError(f"range {r.offset}+{r.length} returned {got} bytes", key=job.key)
-            buf.memoryview(pos, got)[:] = memoryview(data).cast("B")
-            pos += got
         # Verify every page in staging before anything reaches the device.
         where: dict[int, int] = {}
         for k, i in enumerate(idx):
-            verify_page(header, i, buf.memoryview(k * pb, pb), job.key)
-            where[i] = k * pb
+            verify_page(header, i, buf.memoryview(base + k * pb, pb), job.key)
+            where[i] = base + k * pb
         with job.lock:
             if job.state != PENDING:  # cancelled while we downloaded
                 job.buffer = None

@@ -27,6 +27,7 @@ def test_vswa_cold_warm_on_cuda(load_mode, tp):
         s = Settings(url="memory://cuda", staging_mib=256, check_access=False, load_mode=load_mode)
         return SimEngine(gemma3_like(64, kv_heads=4, head_dim=64), SimCacheConfig(tokens_per_block=32, max_seq_len=4096),
                          S3KvConnectorLeader, S3KvConnectorWorker, tp_size=tp, device="cuda", chunk_size=96,
+                         failed_load_hook=load_mode == "sync",  # sync loads need an engine with the hook
                          connector_kwargs=dict(settings=s, store=store, engine_key=f"cuda-{name}-{tp}-{load_mode}"))
 
     with engine("A") as a:
@@ -38,3 +39,43 @@ def test_vswa_cold_warm_on_cuda(load_mode, tp):
         warm = b.run(repeat_workload(specs, 1000))
     assert cold.kv_mismatches == 0 and warm.kv_mismatches == 0
     assert warm.hit_rate >= 0.9, warm.summary()
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_finish_plans_on_cuda(tp):
+    """Issue 12 on the GPU: A finishes (history several windows long) while B decodes, and the engine
+    goes idle after B. The finish plan's device->host copies run on the side stream from get_finished;
+    the next turn of A, on a fresh engine, is served its whole history bit-exact; held pages are
+    released by the next traffic."""
+    import random
+
+    from s3kv.config import Settings
+    from s3kv.sim import SimCacheConfig, SimEngine, SimRequestSpec, gemma3_like, random_tokens
+    from s3kv.store.memory import MemoryStore
+    from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+
+    store = MemoryStore()
+    rng = random.Random(tp)
+
+    def engine(name):
+        s = Settings(url="memory://cuda", staging_mib=256, check_access=False, blocks_per_object=4,
+                     checkpoint_tokens=256)
+        return SimEngine(gemma3_like(64, kv_heads=4, head_dim=64), SimCacheConfig(tokens_per_block=16, max_seq_len=4096),
+                         S3KvConnectorLeader, S3KvConnectorWorker, tp_size=tp, device="cuda", chunk_size=48,
+                         connector_kwargs=dict(settings=s, store=store, engine_key=f"cuda-fin-{name}-{tp}"))
+
+    a = SimRequestSpec(1, tuple(random_tokens(rng, 215, 32000)), max_new_tokens=70)
+    b = SimRequestSpec(2, tuple(random_tokens(rng, 150, 32000)), max_new_tokens=260)
+    with engine("A") as e:
+        rep = e.run([a, b])
+        for w in e.workers:
+            assert w.flush(60)
+        e.drain_held()
+        assert 1 not in e.held_request_ids and 2 not in e.held_request_ids
+    assert rep.kv_mismatches == 0
+    out = rep.by_id(1).output_tokens
+    turn2 = SimRequestSpec(3, a.prompt + out + tuple(random_tokens(rng, 40, 32000)), max_new_tokens=4)
+    with engine("B") as e2:
+        rep2 = e2.run([turn2])
+    assert rep2.kv_mismatches == 0
+    assert rep2.requests[0].matched_tokens == (len(a.prompt) + len(out) - 1) // 16 * 16

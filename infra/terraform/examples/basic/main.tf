@@ -1,15 +1,18 @@
 locals {
-  # Local mode: any endpoint override means a local S3-compatible server.
+  # Local mode: any endpoint override means an S3-compatible server (MinIO, SeaweedFS, moto ...).
   local_mode = var.s3_endpoint != null
+  # A TLS-only bucket policy on a plain-http server would deny every request, the admin's too.
+  require_tls = var.require_tls != null ? var.require_tls : !startswith(coalesce(var.s3_endpoint, "https://"), "http://")
 }
 
 provider "aws" {
   region = var.region
 
-  # Static dummy credentials only in local mode; on AWS the provider uses its
-  # normal chain (env vars, profile, instance/IRSA role).
-  access_key = local.local_mode ? "test" : null
-  secret_key = local.local_mode ? "test" : null
+  # null (the default) leaves credentials to the provider's normal chain: AWS_ACCESS_KEY_ID /
+  # AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance or IRSA roles. Set them only for a local server
+  # whose keys you do not want in the environment.
+  access_key = var.access_key
+  secret_key = var.secret_key
 
   skip_credentials_validation = local.local_mode
   skip_requesting_account_id  = local.local_mode
@@ -28,11 +31,18 @@ provider "aws" {
 module "s3kv_bucket" {
   source = "../../modules/s3kv-bucket"
 
-  bucket_name     = var.bucket_name
-  prefix          = var.prefix
-  force_destroy   = var.force_destroy
-  expiration_days = var.expiration_days
-  kms_key_arn     = var.kms_key_arn
-  allow_delete    = var.allow_delete
-  role_names      = var.role_names
+  bucket_name                = var.bucket_name
+  prefix                     = var.prefix
+  force_destroy              = var.force_destroy
+  expiration_days            = var.expiration_days
+  kms_key_arn                = var.kms_key_arn
+  require_tls                = local.require_tls
+  enforce_write_once         = var.enforce_write_once
+  create_iam                 = var.create_iam
+  manage_public_access_block = var.manage_public_access_block
+  manage_ownership_controls  = var.manage_ownership_controls
+  manage_encryption          = var.manage_encryption
+  manage_bucket_policy       = var.manage_bucket_policy
+  engine_role_names          = var.engine_role_names
+  operator_role_names        = var.operator_role_names
 }

@@ -8,7 +8,22 @@ output "bucket_arn" {
   value       = module.s3kv_bucket.bucket_arn
 }
 
-output "policy_arn" {
-  description = "ARN of the s3kv access policy."
-  value       = module.s3kv_bucket.policy_arn
+output "engine_policy_arn" {
+  description = "ARN of the engine policy (null when create_iam = false)."
+  value       = module.s3kv_bucket.engine_policy_arn
+}
+
+output "operator_policy_arn" {
+  description = "ARN of the operator policy (null when create_iam = false)."
+  value       = module.s3kv_bucket.operator_policy_arn
+}
+
+output "engine_policy_json" {
+  description = "The engine policy document (for MinIO, IRSA roles managed elsewhere ...)."
+  value       = module.s3kv_bucket.engine_policy_json
+}
+
+output "operator_policy_json" {
+  description = "The operator policy document."
+  value       = module.s3kv_bucket.operator_policy_json
 }

@@ -7,16 +7,6 @@ locals {
   objects_arn     = "${aws_s3_bucket.this.arn}/${var.prefix}/*"
   use_kms         = var.kms_key_arn != null
   iam_policy_name = coalesce(var.iam_policy_name, "s3kv-${var.bucket_name}")
-
-  object_actions = concat(
-    [
-      "s3:GetObject",
-      "s3:PutObject",
-      "s3:AbortMultipartUpload",
-      "s3:ListMultipartUploadParts",
-    ],
-    var.allow_delete ? ["s3:DeleteObject"] : [],
-  )
 }
 
 resource "aws_s3_bucket" "this" {
@@ -26,6 +16,8 @@ resource "aws_s3_bucket" "this" {
 }
 
 resource "aws_s3_bucket_ownership_controls" "this" {
+  count = var.manage_ownership_controls ? 1 : 0
+
   bucket = aws_s3_bucket.this.id
 
   rule {
@@ -34,6 +26,8 @@ resource "aws_s3_bucket_ownership_controls" "this" {
 }
 
 resource "aws_s3_bucket_public_access_block" "this" {
+  count = var.manage_public_access_block ? 1 : 0
+
   bucket = aws_s3_bucket.this.id
 
   block_public_acls       = true
@@ -43,6 +37,8 @@ resource "aws_s3_bucket_public_access_block" "this" {
 }
 
 resource "aws_s3_bucket_server_side_encryption_configuration" "this" {
+  count = var.manage_encryption ? 1 : 0
+
   bucket = aws_s3_bucket.this.id
 
   rule {
@@ -77,29 +73,69 @@ resource "aws_s3_bucket_lifecycle_configuration" "this" {
 }
 
 data "aws_iam_policy_document" "bucket" {
-  statement {
-    sid     = "DenyInsecureTransport"
-    effect  = "Deny"
-    actions = ["s3:*"]
-    resources = [
-      aws_s3_bucket.this.arn,
-      "${aws_s3_bucket.this.arn}/*",
-    ]
+  # TLS only. Off only for a local server reached over plain http, which this statement would
+  # lock out entirely (servers that enforce bucket policies, e.g. SeaweedFS, deny every call).
+  dynamic "statement" {
+    for_each = var.require_tls ? [1] : []
 
-    principals {
-      type        = "*"
-      identifiers = ["*"]
+    content {
+      sid     = "DenyInsecureTransport"
+      effect  = "Deny"
+      actions = ["s3:*"]
+      resources = [
+        aws_s3_bucket.this.arn,
+        "${aws_s3_bucket.this.arn}/*",
+      ]
+
+      principals {
+        type        = "*"
+        identifiers = ["*"]
+      }
+
+      condition {
+        test     = "Bool"
+        variable = "aws:SecureTransport"
+        values   = ["false"]
+      }
     }
+  }
 
-    condition {
-      test     = "Bool"
-      variable = "aws:SecureTransport"
-      values   = ["false"]
+  # Write once: an object under the prefix can only be created with If-None-Match, so nobody
+  # (engine, operator or admin) can overwrite KV that engines may be reading. s3kv sends the
+  # header on PutObject and CompleteMultipartUpload; CreateMultipartUpload and UploadPart
+  # cannot carry it, and s3:ObjectCreationOperation is false for exactly those, so they pass.
+  dynamic "statement" {
+    for_each = var.enforce_write_once ? [1] : []
+
+    content {
+      sid       = "DenyOverwritesUnderPrefix"
+      effect    = "Deny"
+      actions   = ["s3:PutObject"]
+      resources = [local.objects_arn]
+
+      principals {
+        type        = "*"
+        identifiers = ["*"]
+      }
+
+      condition {
+        test     = "Null"
+        variable = "s3:if-none-match"
+        values   = ["true"]
+      }
+
+      condition {
+        test     = "Bool"
+        variable = "s3:ObjectCreationOperation"
+        values   = ["true"]
+      }
     }
   }
 }
 
 resource "aws_s3_bucket_policy" "this" {
+  count = var.manage_bucket_policy && (var.require_tls || var.enforce_write_once) ? 1 : 0
+
   bucket = aws_s3_bucket.this.id
   policy = data.aws_iam_policy_document.bucket.json
 
@@ -111,18 +147,20 @@ resource "aws_s3_bucket_policy" "this" {
   ]
 }
 
-data "aws_iam_policy_document" "access" {
+# ListBucket is what lets S3 answer a HEAD/GET for a missing key with 404 instead of 403, so a
+# cache miss is a miss and not an error. S3 evaluates that implicit check with s3:prefix set to
+# the requested key, so the prefix condition still covers it; it also keeps `s3kv ls`/`gc`
+# listings inside the prefix. Both roles need it.
+data "aws_iam_policy_document" "engine" {
+  # Engines read, write once, and abort their own failed multipart uploads. No DeleteObject:
+  # an engine never deletes (write-once objects expire by lifecycle, or `s3kv gc` removes them).
   statement {
-    sid       = "S3kvObjects"
+    sid       = "S3kvEngineObjects"
     effect    = "Allow"
-    actions   = local.object_actions
+    actions   = ["s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"]
     resources = [local.objects_arn]
   }
 
-  # ListBucket is what lets S3 answer a HEAD/GET for a missing key with 404
-  # instead of 403, so a cache miss is a miss and not an error. S3 evaluates
-  # that implicit check with s3:prefix set to the requested key, so the prefix
-  # condition still covers it; it also keeps `s3kv ls`/`gc` inside the prefix.
   statement {
     sid       = "S3kvListPrefix"
     effect    = "Allow"
@@ -136,23 +174,14 @@ data "aws_iam_policy_document" "access" {
     }
   }
 
-  # ListMultipartUploads (used by gc to find stale uploads) has no s3:prefix
-  # condition key, so a prefix condition would never match. It lists only the
-  # keys and ids of uploads in flight, never object data.
-  statement {
-    sid       = "S3kvListMultipartUploads"
-    effect    = "Allow"
-    actions   = ["s3:ListBucketMultipartUploads"]
-    resources = [aws_s3_bucket.this.arn]
-  }
-
+  # Uploads need a data key, reads need Decrypt; kms:Encrypt is never called by S3 for SSE-KMS.
   dynamic "statement" {
     for_each = local.use_kms ? [var.kms_key_arn] : []
 
     content {
       sid       = "S3kvKmsViaS3"
       effect    = "Allow"
-      actions   = ["kms:Encrypt", "kms:Decrypt", "kms:GenerateDataKey"]
+      actions   = ["kms:Decrypt", "kms:GenerateDataKey"]
       resources = [statement.value]
 
       condition {
@@ -164,17 +193,77 @@ data "aws_iam_policy_document" "access" {
   }
 }
 
-resource "aws_iam_policy" "access" {
-  name        = local.iam_policy_name
+data "aws_iam_policy_document" "operator" {
+  # `s3kv ls`/`stats` list and HEAD, `verify` reads, `gc` and `verify --delete-bad` delete.
+  # No PutObject: an operator never writes KV.
+  statement {
+    sid       = "S3kvOperatorObjects"
+    effect    = "Allow"
+    actions   = ["s3:GetObject", "s3:DeleteObject"]
+    resources = [local.objects_arn]
+  }
+
+  statement {
+    sid       = "S3kvListPrefix"
+    effect    = "Allow"
+    actions   = ["s3:ListBucket"]
+    resources = [aws_s3_bucket.this.arn]
+
+    condition {
+      test     = "StringLike"
+      variable = "s3:prefix"
+      values   = ["${var.prefix}/*"]
+    }
+  }
+
+  dynamic "statement" {
+    for_each = local.use_kms ? [var.kms_key_arn] : []
+
+    content {
+      sid       = "S3kvKmsViaS3"
+      effect    = "Allow"
+      actions   = ["kms:Decrypt"]
+      resources = [statement.value]
+
+      condition {
+        test     = "StringEquals"
+        variable = "kms:ViaService"
+        values   = ["s3.${data.aws_region.current.name}.amazonaws.com"]
+      }
+    }
+  }
+}
+
+resource "aws_iam_policy" "engine" {
+  count = var.create_iam ? 1 : 0
+
+  name        = "${local.iam_policy_name}-engine"
   path        = var.iam_policy_path
-  description = "s3kv KV-cache access to s3://${var.bucket_name}/${var.prefix}"
-  policy      = data.aws_iam_policy_document.access.json
+  description = "s3kv engines: read and write-once KV under s3://${var.bucket_name}/${var.prefix}"
+  policy      = data.aws_iam_policy_document.engine.json
   tags        = var.tags
 }
 
-resource "aws_iam_role_policy_attachment" "access" {
-  for_each = toset(var.role_names)
+resource "aws_iam_policy" "operator" {
+  count = var.create_iam ? 1 : 0
+
+  name        = "${local.iam_policy_name}-operator"
+  path        = var.iam_policy_path
+  description = "s3kv operators: list, verify and delete KV under s3://${var.bucket_name}/${var.prefix}"
+  policy      = data.aws_iam_policy_document.operator.json
+  tags        = var.tags
+}
+
+resource "aws_iam_role_policy_attachment" "engine" {
+  for_each = var.create_iam ? toset(var.engine_role_names) : toset([])
 
   role       = each.value
-  policy_arn = aws_iam_policy.access.arn
+  policy_arn = aws_iam_policy.engine[0].arn
+}
+
+resource "aws_iam_role_policy_attachment" "operator" {
+  for_each = var.create_iam ? toset(var.operator_role_names) : toset([])
+
+  role       = each.value
+  policy_arn = aws_iam_policy.operator[0].arn
 }

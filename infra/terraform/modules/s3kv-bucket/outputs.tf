@@ -13,14 +13,24 @@ output "prefix" {
   value       = var.prefix
 }
 
-output "policy_arn" {
-  description = "ARN of the IAM policy granting s3kv access to the prefix; attach it to the inference nodes' roles."
-  value       = aws_iam_policy.access.arn
+output "engine_policy_arn" {
+  description = "ARN of the engine policy (read, write once, no delete); attach it to the inference nodes' roles. null when create_iam = false."
+  value       = var.create_iam ? aws_iam_policy.engine[0].arn : null
 }
 
-output "policy_json" {
-  description = "The IAM policy document, for use in a permission boundary or an IRSA role outside this module."
-  value       = data.aws_iam_policy_document.access.json
+output "operator_policy_arn" {
+  description = "ARN of the operator policy (list, read, delete, no write) for `s3kv ls/stats/verify/gc`. null when create_iam = false."
+  value       = var.create_iam ? aws_iam_policy.operator[0].arn : null
+}
+
+output "engine_policy_json" {
+  description = "The engine policy document, for roles managed elsewhere (IRSA, a permission boundary) or a MinIO policy."
+  value       = data.aws_iam_policy_document.engine.json
+}
+
+output "operator_policy_json" {
+  description = "The operator policy document, for roles managed elsewhere or a MinIO policy."
+  value       = data.aws_iam_policy_document.operator.json
 }
 
 output "s3kv_url" {

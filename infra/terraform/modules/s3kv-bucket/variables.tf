@@ -13,9 +13,11 @@ variable "prefix" {
   type        = string
   default     = "s3kv"
 
+  # '*' and '?' are wildcards in the ARN and the s3:prefix condition: "team?" would also grant
+  # "teamX/". '#' and '?' also break the s3:// URL the prefix ends up in.
   validation {
-    condition     = length(var.prefix) > 0 && !startswith(var.prefix, "/") && !endswith(var.prefix, "/") && !strcontains(var.prefix, "//") && !strcontains(var.prefix, "*")
-    error_message = "prefix must be non-empty, must not start or end with '/', and must not contain '//' or '*'."
+    condition     = length(var.prefix) > 0 && !startswith(var.prefix, "/") && !endswith(var.prefix, "/") && !strcontains(var.prefix, "//") && length(regexall("[*?#]", var.prefix)) == 0
+    error_message = "prefix must be non-empty, must not start or end with '/', and must not contain '//', '*', '?' or '#'."
   }
 }
 
@@ -48,7 +50,7 @@ variable "abort_incomplete_multipart_days" {
 }
 
 variable "kms_key_arn" {
-  description = "ARN of a KMS key for SSE-KMS (with an S3 Bucket Key, which cuts KMS request cost). null (default) uses SSE-S3 (AES256). When set, the IAM policy also grants kms:Encrypt, kms:Decrypt and kms:GenerateDataKey on this key, only via S3."
+  description = "ARN of a KMS key for SSE-KMS (with an S3 Bucket Key, which cuts KMS request cost). null (default) uses SSE-S3 (AES256). When set, the engine policy also grants kms:GenerateDataKey and kms:Decrypt, the operator policy kms:Decrypt, on this key and only via S3."
   type        = string
   default     = null
 
@@ -58,20 +60,56 @@ variable "kms_key_arn" {
   }
 }
 
-variable "allow_delete" {
-  description = "Grant s3:DeleteObject on the prefix (needed by `s3kv gc`). Set false for read/write-only clients that must never delete."
+variable "require_tls" {
+  description = "Bucket policy: deny every request that does not use TLS. Turn off only for a local server reached over plain http (it would lock everyone out)."
+  type        = bool
+  default     = true
+}
+
+variable "enforce_write_once" {
+  description = "Bucket policy: deny creating an object under the prefix without If-None-Match (s3:if-none-match), so no one can overwrite KV that engines read. s3kv always sends it."
+  type        = bool
+  default     = true
+}
+
+variable "create_iam" {
+  description = "Create the engine and operator IAM policies (and attach them to the roles below). false for S3-compatible servers without IAM (MinIO, SeaweedFS ...): the policy documents are still output as JSON."
+  type        = bool
+  default     = true
+}
+
+variable "manage_public_access_block" {
+  description = "Create the bucket's public access block (all four flags on). false for servers without that API."
+  type        = bool
+  default     = true
+}
+
+variable "manage_ownership_controls" {
+  description = "Set object ownership to BucketOwnerEnforced (ACLs off). false for servers without that API."
+  type        = bool
+  default     = true
+}
+
+variable "manage_encryption" {
+  description = "Set default server-side encryption (SSE-S3, or SSE-KMS with kms_key_arn). false for servers without it."
+  type        = bool
+  default     = true
+}
+
+variable "manage_bucket_policy" {
+  description = "Attach the bucket policy (TLS only; write once). false for servers without bucket policies."
   type        = bool
   default     = true
 }
 
 variable "iam_policy_name" {
-  description = "Name of the IAM policy that grants s3kv access to the prefix. null (default) derives \"s3kv-<bucket_name>\"."
+  description = "Base name of the IAM policies; \"-engine\" and \"-operator\" are appended. null (default) derives \"s3kv-<bucket_name>\"."
   type        = string
   default     = null
 
   validation {
-    condition     = var.iam_policy_name == null || can(regex("^[A-Za-z0-9+=,.@_-]{1,128}$", var.iam_policy_name))
-    error_message = "iam_policy_name must be 1-128 characters of letters, digits and +=,.@_-."
+    condition     = var.iam_policy_name == null || can(regex("^[A-Za-z0-9+=,.@_-]{1,119}$", var.iam_policy_name))
+    error_message = "iam_policy_name must be 1-119 characters of letters, digits and +=,.@_- (a suffix such as -operator is appended)."
   }
 }
 
@@ -86,14 +124,20 @@ variable "iam_policy_path" {
   }
 }
 
-variable "role_names" {
-  description = "Names of existing IAM roles (e.g. the inference nodes' instance or IRSA roles) to attach the s3kv policy to. Empty (default) attaches nothing."
+variable "engine_role_names" {
+  description = "Existing IAM roles of the inference engines (instance or IRSA roles) to attach the engine policy to: read and write-once, no delete."
+  type        = list(string)
+  default     = []
+}
+
+variable "operator_role_names" {
+  description = "Existing IAM roles of operators (people or jobs running `s3kv ls/stats/verify/gc`) to attach the operator policy to: list, read, delete, no write."
   type        = list(string)
   default     = []
 }
 
 variable "tags" {
-  description = "Tags applied to the bucket and the IAM policy."
+  description = "Tags applied to the bucket and the IAM policies."
   type        = map(string)
   default     = {}
 }

@@ -1,0 +1,86 @@
+"""Leader bookkeeping the engine may never end for us, and the optional engine hooks."""
+
+from __future__ import annotations
+
+import logging
+
+from test_leader_plan import (
+    Slots,
+    engine_slots,
+    finish,
+    geometry,
+    make_core,
+    run_prefill,
+    save_through_store,
+    toks,
+)
+
+from s3kv.store.memory import MemoryStore
+
+TPB = 16
+
+
+def test_state_of_requests_the_engine_forgot_expires(monkeypatch):
+    import s3kv.leader as leader_mod
+
+    now = [1000.0]
+    monkeypatch.setattr(leader_mod.time, "monotonic", lambda: now[0])
+    g = geometry()
+    core = make_core(g, request_state_ttl_s=60)
+    tokens = toks(9 * TPB + 1)
+    core.get_num_new_matched_tokens(1, tokens, len(tokens), 0)
+    run_prefill(core, 1, tokens, Slots(g).alloc(10))  # reported once, never finished
+    core.get_num_new_matched_tokens(2, tokens, len(tokens), 0)  # looked up, never reported
+    assert core.active_requests() == 2
+    now[0] += 61
+    for _ in range(600):  # the sweep runs every 256 iterations
+        m = core.build_connector_meta([], [])
+        if m.discard_ids:
+            break
+    assert core.active_requests() == 0 and core.stats.requests_expired == 2
+    assert m.discard_ids == frozenset({1, 2})  # the workers drop what they staged for them
+
+
+def test_engine_cancel_load_shrinks_the_offer_and_request_reset_discards():
+    g = geometry()
+    store = MemoryStore()
+    tokens = toks(12 * TPB + 5, seed=6)
+    save_through_store(g, store, tokens)
+    core = make_core(g, store)
+    n, _ = core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)
+    assert n == 12 * TPB
+    core.cancel_load(5, 8 * TPB, 12 * TPB)  # the engine hands back the tail of the offer
+    slots = engine_slots(g, Slots(g), 13, 8)  # V2's page rule at the honoured history
+    core.update_state_after_alloc(5, slots, honoured_tokens=8 * TPB)
+    meta = core.build_connector_meta([], [])
+    assert not meta.failed_load_ids and max(o for op in meta.loads for o in op.ordinals) == 7
+    core.request_reset(5)
+    assert core.active_requests() == 0 and 5 in core.build_connector_meta([], []).discard_ids
+
+
+def test_partial_block_device_match_is_a_counted_miss():
+    g = geometry()
+    core = make_core(g)
+    tokens = toks(9 * TPB + 1)
+    assert core.get_num_new_matched_tokens(1, tokens, len(tokens), TPB + 3) == (0, False)
+    assert core.stats.partial_block_misses == 1
+
+
+def test_finish_plan_pages_the_engine_no_longer_holds_are_reported(caplog):
+    g = geometry()
+    core = make_core(g, storage_policy="window", checkpoint_tokens=64 * TPB)
+    P = 20 * TPB + 3
+    tokens = toks(P)
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    src = Slots(g)
+    slots = src.alloc(21)
+    metas = run_prefill(core, 1, tokens, slots)
+    from test_leader_plan import decode
+
+    metas += decode(core, 1, tokens, slots, src, 4 * TPB)
+    # The engine claims it freed every sliding page (it does not follow the page rule s3kv assumes).
+    live = [[-1] * len(slots[0]), slots[1]]
+    with caplog.at_level(logging.ERROR):
+        busy, _ = finish(core, 1, live, metas)
+    assert busy and core.stats.finish_plan_mismatches == 1 and "please report" in caplog.text
+

@@ -1,0 +1,224 @@
+"""Lookups off the critical path (issue 16) and lookups that cannot stall (issue 17, point 5).
+
+* a hung store costs each lookup at most its budget, the background backlog is bounded
+  (further lookups are misses at once), and the timeouts open the circuit breaker;
+* ``file://`` serves only regular files: a FIFO or a symlink under a key is no object (a FIFO
+  would block a reader forever);
+* the namespace summary answers a cold miss with no request and a cold hit with one verify
+  wave, and a stale summary never makes a promise the store did not just confirm;
+* the key index does bounded work per insert.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+from test_lookup import TPB, geo, put_prefix, tokens_of
+
+from s3kv.config import Settings
+from s3kv.index import MISSING, KeyIndex
+from s3kv.leader import LeaderCore
+from s3kv.objects import ObjectSpan
+from s3kv.store.base import ByteRange, HeadBatch, NotFound, StoreWrapper
+from s3kv.store.breaker import BreakerPolicy, BreakerState, CircuitBreakerStore
+from s3kv.store.fsspec_store import FsspecStore
+from s3kv.store.instrument import InstrumentedStore
+from s3kv.store.memory import MemoryStore
+
+
+class HungHeads(StoreWrapper):
+    """HEADs block until released (a store that stopped answering)."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.release = threading.Event()
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def head_many(self, keys) -> HeadBatch:
+        with self._lock:
+            self.calls += 1
+        self.release.wait(30)
+        return super().head_many(keys)
+
+
+def _leader(store, g, **settings) -> LeaderCore:
+    s = Settings(url="memory://t", **{"blocks_per_object": 4, "checkpoint_tokens": 16 * TPB, **settings})
+    return LeaderCore(s, store, "pfx", tp_size=g.tp_size, model_id=g.model_id, kv_dtype=g.kv_dtype,
+                      index=KeyIndex(10_000, 600.0, 2.0), geometry=g)
+
+
+def test_hung_store_costs_a_budget_per_lookup_bounds_the_backlog_and_opens_the_breaker():
+    g = geo()
+    mem = MemoryStore()
+    hung = HungHeads(mem)
+    breaker = CircuitBreakerStore(hung, BreakerPolicy(failures=3, reset_s=60))
+    core = _leader(breaker, g, lookup_timeout_s=0.05, lookup_max_pending=2)
+    try:
+        times = []
+        for i in range(6):
+            prompt = tokens_of(20 * TPB + 3, seed=i + 1)
+            t0 = time.monotonic()
+            assert core.get_num_new_matched_tokens(i, prompt, len(prompt), 0) == (0, False)
+            times.append(time.monotonic() - t0)
+        # Each lookup: at most its budget (plus scheduling slack), never the hang.
+        assert max(times) < 0.5, times
+        # Two waves hang in the background; the third lookup found the pool busy.
+        assert hung.calls == 2
+        assert core.stats.lookup_timeouts == 2
+        assert core.stats.lookup_busy >= 1
+        assert breaker.state is BreakerState.CLOSED  # two timeouts so far; busy misses send nothing
+    finally:
+        hung.release.set()
+    deadline = time.monotonic() + 5
+    while core._pending_waves and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core._pending_waves == 0
+    # The late answers settled nothing (they were counted as timeouts): a third timeout opens it.
+    hung.release.clear()
+    try:
+        prompt = tokens_of(20 * TPB + 3, seed=99)
+        core.get_num_new_matched_tokens(99, prompt, len(prompt), 0)
+        assert breaker.state is BreakerState.OPEN  # three timeouts: a hung store trips it
+        calls = hung.calls
+        t0 = time.monotonic()
+        prompt = tokens_of(20 * TPB + 3, seed=100)
+        assert core.get_num_new_matched_tokens(100, prompt, len(prompt), 0) == (0, False)
+        assert time.monotonic() - t0 < 0.05 and hung.calls == calls  # open: not even tried
+    finally:
+        hung.release.set()
+        core.close_lookup()
+
+
+def test_fifo_and_symlinks_are_not_objects(tmp_path):
+    store = FsspecStore(f"file://{tmp_path}/store", fsync=False)
+    assert store.put("ns/real", b"payload") is True
+    os.makedirs(tmp_path / "store" / "ns", exist_ok=True)
+    os.mkfifo(tmp_path / "store" / "ns" / "fifo")
+    os.symlink(tmp_path / "store" / "ns" / "real", tmp_path / "store" / "ns" / "link")
+    os.symlink(tmp_path / "nowhere", tmp_path / "store" / "ns" / "dangling")
+    done = threading.Event()
+    out: dict = {}
+
+    def probe() -> None:
+        out["batch"] = store.head_many(["ns/fifo", "ns/link", "ns/real", "ns/dangling"])
+        try:
+            store.get_ranges("ns/fifo", [ByteRange(0, 1)])
+        except NotFound as e:
+            out["get"] = e
+        out["list"] = [i.key for i in store.list("ns/")]
+        done.set()
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    assert done.wait(5), "a FIFO under file:// blocked the store"
+    batch = out["batch"]
+    assert set(batch.found) == {"ns/real"}
+    assert batch.missing == frozenset({"ns/fifo", "ns/link", "ns/dangling"})
+    assert isinstance(out["get"], NotFound)
+    assert out["list"] == ["ns/real"]  # links skipped, the dangling one does not abort the walk
+
+
+def test_summary_cold_miss_is_free_and_cold_hit_is_one_verified_wave():
+    g = geo(tp=2)
+    mem = MemoryStore()
+    stored = tokens_of(40 * TPB + 9, seed=3)
+    put_prefix(mem, g, stored, 40, 4)
+    counted = InstrumentedStore(mem)
+    core = _leader(counted, g, lookup_timeout_s=0, lookup_summary_s=3600)
+    summary = core.lookup_summary()
+    assert summary is not None and summary.refresh() and summary.objects == 10 * 2 * len(g.groups)
+    try:
+        before = counted.snapshot()
+        other = tokens_of(40 * TPB + 9, seed=4)
+        assert core.get_num_new_matched_tokens(1, other, len(other), 0) == (0, False)
+        assert (counted.snapshot() - before).head == 0  # a cold miss: no request at all
+        assert core.stats.lookup_summary_misses == 1
+
+        before = counted.snapshot()
+        n, _ = core.get_num_new_matched_tokens(2, stored, len(stored), 0)
+        assert n == 40 * TPB
+        io = counted.snapshot() - before
+        assert core.stats.lookup_summary_hits == 1 and core.stats.lookup_waves == 1
+        # One wave, and only objects the hit loads (all 10 chunks of every group and shard).
+        assert 0 < io.head <= 10 * 2 * len(g.groups)
+        # Promised spans come from the HEADs (metadata), and the repeat is index-only.
+        before = counted.snapshot()
+        assert core.get_num_new_matched_tokens(3, stored, len(stored), 0)[0] == 40 * TPB
+        assert (counted.snapshot() - before).head == 0
+    finally:
+        core.close_lookup()
+
+
+def test_stale_summary_never_promises_a_deleted_object():
+    g = geo()
+    mem = MemoryStore()
+    stored = tokens_of(40 * TPB + 9, seed=5)
+    keys = put_prefix(mem, g, stored, 40, 4)
+    core = _leader(mem, g, lookup_timeout_s=0, lookup_summary_s=3600)
+    summary = core.lookup_summary()
+    assert summary is not None and summary.refresh()
+    try:
+        # Delete a spine chunk in the middle after the listing: the summary still lists it.
+        from s3kv.keys import chain_digests, chain_root
+
+        digests = chain_digests(chain_root(core.namespace), stored, TPB)
+        spine = g.groups[g.spine_group].fingerprint
+        victim = core.scheme.object_key(spine, 0, digests[19])  # the chunk of blocks 16..19
+        assert victim in keys
+        mem.delete_many([victim])
+        n, _ = core.get_num_new_matched_tokens(1, stored, len(stored), 0)
+        assert core.stats.lookup_summary_stale == 1
+        assert n <= 16 * TPB  # at most what is contiguous below the hole
+        assert core.index.get(victim) is MISSING
+    finally:
+        core.close_lookup()
+
+
+def test_summary_ignores_foreign_sizes_and_gives_up_past_its_bound():
+    g = geo()
+    mem = MemoryStore()
+    stored = tokens_of(16 * TPB + 9, seed=6)
+    keys = put_prefix(mem, g, stored, 16, 4)
+    core = _leader(mem, g, lookup_summary_s=3600, lookup_summary_max_objects=2)
+    summary = core.lookup_summary()
+    assert summary is not None
+    assert summary.refresh() is False and not summary.ready  # more objects than the bound
+    core.close_lookup()
+    core = _leader(mem, g, lookup_summary_s=3600)
+    mem.put(keys[0][:-32] + "0" * 32, b"not an object")  # our path, a size no page count fits
+    summary = core.lookup_summary()
+    assert summary is not None and summary.refresh() and summary.objects == len(keys)
+    core.close_lookup()
+
+
+def test_index_does_bounded_work_per_insert():
+    now = [0.0]
+    idx = KeyIndex(max_entries=1_000_000, ttl_s=600, negative_ttl_s=2, clock=lambda: now[0])
+    for i in range(50_000):
+        idx.put_missing(f"n{i}")
+    now[0] = 10.0
+    idx.put_present("p", ObjectSpan(0, 1))
+    # One insert removed a handful of expired entries, not all 50,000 at once.
+    assert 50_000 - 20 <= len(idx) <= 50_000
+    t0 = time.perf_counter()
+    for i in range(10_000):
+        idx.put_present(f"q{i}", ObjectSpan(0, 1))
+    assert time.perf_counter() - t0 < 1.0
+    assert len(idx) == 10_001 + max(0, 50_000 - 8 * 10_001)  # swept as fast as it filled
+    assert idx.get("n1") is None and idx.get("p") == ObjectSpan(0, 1)
+    # The bound drops negatives before positives.
+    small = KeyIndex(max_entries=3, ttl_s=600, negative_ttl_s=2, clock=lambda: now[0])
+    small.put_present("a", ObjectSpan(0, 1))
+    small.put_missing("b")
+    small.put_present("c", ObjectSpan(0, 1))
+    small.put_present("d", ObjectSpan(0, 1))
+    assert small.get("b") is None and small.get("a") is not None and len(small) == 3
+
+
+@pytest.mark.parametrize("budget", [0.05])
+def test_default_budget_is_tens_of_ms(budget):
+    assert Settings().lookup_timeout_s == budget

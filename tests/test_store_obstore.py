@@ -1,0 +1,248 @@
+"""The obstore S3 client (s3kv/store/obstore_store.py) on real loopback servers.
+
+The generic contract runs in test_store_contract.py (moto-obstore, seaweedfs-obstore); here
+what is specific to this client: the multipart hand-off to boto3 stays write-once, SSE and
+the HEAD-then-PUT fallback reach the wire, the factory's choice, the AWS env chain, and the
+wire faults of test_faultproxy.py under this client.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from test_faultproxy import OPTS, STALL_OPTS, run_ops, verify_behind
+
+from s3kv.store.base import ByteRange, DeadlineExceeded, PermissionDenied, StoreError
+from s3kv.store.embedded import EmbeddedS3
+from s3kv.store.factory import make_s3_store, open_store
+from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
+from s3kv.store.obstore_store import ObstoreS3Store
+from s3kv.store.retrying import RetryPolicy
+from s3kv.store.s3 import MiB, S3Options, S3Store
+
+pytest.importorskip("obstore")
+
+TEST_OPTS = S3Options(
+    max_concurrency=8,
+    connect_timeout_s=2.0,
+    read_timeout_s=20.0,
+    retry=RetryPolicy(max_attempts=4, base_s=0.005, max_backoff_s=0.05, deadline_s=10.0),
+    multipart_threshold=5 * MiB,
+    part_size=5 * MiB,
+    range_split_bytes=1 * MiB,
+)
+
+
+def _native(server: EmbeddedS3, options: S3Options = TEST_OPTS, **kw: Any) -> ObstoreS3Store:
+    args: dict[str, Any] = {
+        "endpoint_url": server.endpoint_url,
+        "aws_access_key_id": server.access_key,
+        "aws_secret_access_key": server.secret_key,
+        **kw,
+    }
+    return ObstoreS3Store(server.bucket, options=options, **args)
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def server(request: pytest.FixtureRequest) -> EmbeddedS3:
+    return request.getfixturevalue({"moto": "moto_s3", "seaweedfs": "seaweed_s3"}[request.param])
+
+
+@pytest.fixture
+def prefix(request: pytest.FixtureRequest) -> str:
+    return f"ob/{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
+
+
+def _uploads(server: EmbeddedS3, key: str) -> list[Any]:
+    r = server.client().list_multipart_uploads(Bucket=server.bucket, Prefix=key)
+    return r.get("Uploads", [])
+
+
+def test_multipart_is_write_once_through_the_boto3_hand_off(server: EmbeddedS3, prefix: str) -> None:
+    with _native(server) as store:
+        size = 12 * MiB + 777
+        body = bytearray(os.urandom(size))
+        cuts = [0, 3, 6 * MiB + 1, size]
+        parts = [memoryview(body)[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+        k = f"{prefix}/big"
+        assert store.put(k, parts, {"Layout": "v1"}) is True
+        info = store.head(k)
+        assert info is not None and info.size == size and info.metadata == {"layout": "v1"}
+        got = bytearray(size)
+        store.get_ranges_into(k, [ByteRange(0, size)], [memoryview(got)])
+        assert got == body
+        # A second large writer: False, the first body stays, no upload left open.
+        assert store.put(k, os.urandom(6 * MiB)) is False
+        # Past the pre-upload HEAD (a race): CompleteMultipartUpload's If-None-Match says 412.
+        store._boto._head_one = lambda key: None  # type: ignore[method-assign]
+        assert store.put(k, os.urandom(6 * MiB)) is False
+        assert store.get_ranges(k, [ByteRange(0, 64)])[0] == bytes(body[:64])
+        assert _uploads(server, k) == []
+        # Small bodies are one conditional PUT through obstore: also never an overwrite.
+        small = f"{prefix}/small"
+        assert store.put(small, [b"abc", memoryview(b"def")]) is True
+        assert store.put(small, b"zzzzzz") is False
+        assert store.get(small) == b"abcdef"
+
+
+def test_sse_reaches_the_wire(moto_s3: EmbeddedS3, prefix: str) -> None:
+    with _native(moto_s3, dataclasses.replace(TEST_OPTS, sse="AES256")) as store:
+        k = f"{prefix}/sse"
+        assert store.put(k, b"secret-ish") is True
+        head = moto_s3.client().head_object(Bucket=moto_s3.bucket, Key=k)
+        assert head["ServerSideEncryption"] == "AES256"
+
+
+def test_conditional_fallback_never(server: EmbeddedS3, prefix: str) -> None:
+    with _native(server, dataclasses.replace(TEST_OPTS, conditional_put="never")) as store:
+        k = f"{prefix}/fallback"
+        assert store.put(k, b"v1") is True
+        assert store.put(k, b"v2") is False  # HEAD-then-PUT: it saw the object
+        assert store.get(k) == b"v1"
+
+
+def test_not_implemented_switches_to_fallback(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """A server answering 501 to If-None-Match: the store falls back (auto) or refuses (always)."""
+    from obstore.exceptions import GenericError
+
+    with _native(moto_s3) as store:
+        import obstore
+
+        real = obstore.put
+        calls = [0]
+
+        def old_server(st: Any, key: str, body: Any, **kw: Any) -> Any:
+            if kw.get("mode") == "create":
+                calls[0] += 1
+                raise GenericError("Server returned non-2xx status code: 501 Not Implemented: If-None-Match")
+            return real(st, key, body, **kw)
+
+        store._obs = _Shim(obstore, put=old_server)
+        k = f"{prefix}/old-server"
+        assert store.put(k, b"v1") is True
+        assert store.put(k, b"v2") is False
+        assert calls[0] == 1 and store.get(k) == b"v1"
+
+
+class _Shim:
+    def __init__(self, module: Any, **over: Any):
+        self._m = module
+        self._over = over
+
+    def __getattr__(self, name: str) -> Any:
+        return self._over.get(name, getattr(self._m, name))
+
+
+def test_missing_key_and_past_end(server: EmbeddedS3, prefix: str) -> None:
+    with _native(server) as store:
+        k = f"{prefix}/k"
+        store.put(k, b"0123456789")
+        assert store.head(f"{prefix}/none") is None
+        with pytest.raises(StoreError):
+            store.get_ranges(k, [ByteRange(8, 5)])  # runs past the end: never short bytes
+        with pytest.raises(StoreError):
+            store.get_ranges(k, [ByteRange(20, 1)])  # starts past the end (416)
+
+
+def test_wrong_keys_are_permission_denied_on_seaweedfs(seaweed_s3: EmbeddedS3) -> None:
+    with _native(seaweed_s3, aws_access_key_id="wrong", aws_secret_access_key="wrong") as store:
+        with pytest.raises(PermissionDenied):
+            store.get_ranges("x/y", [ByteRange(0, 1)])
+        batch = store.head_many(["x/y"])
+        assert isinstance(batch.failed["x/y"], PermissionDenied)
+
+
+def test_deadline_when_nobody_listens(closed_port: int) -> None:
+    opts = dataclasses.replace(TEST_OPTS, retry=RetryPolicy(max_attempts=3, base_s=0.001, deadline_s=2))
+    store = ObstoreS3Store(
+        "s3kv-nowhere", endpoint_url=f"http://127.0.0.1:{closed_port}", options=opts,
+        aws_access_key_id="k", aws_secret_access_key="s",
+    )
+    with store:
+        with pytest.raises(DeadlineExceeded) as info:
+            store.get_ranges("a/b", [ByteRange(0, 1)])
+        assert "a/b" in str(info.value)
+        assert isinstance(store.head_many(["a/b"]).failed["a/b"], DeadlineExceeded)
+
+
+def test_factory_picks_the_client(moto_s3: EmbeddedS3, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in moto_s3.env().items():
+        monkeypatch.setenv(k, v)  # the usual AWS env chain: AWS_ENDPOINT_URL_S3, keys, region
+    with open_store(moto_s3.store_url("p")) as auto:
+        assert isinstance(auto, ObstoreS3Store) and auto.endpoint_url == moto_s3.endpoint_url
+        auto.check_access()
+        assert auto.put("p/env", b"1") is True and auto.head("p/env") is not None
+    boto = open_store(moto_s3.store_url("p"), options=S3Options(client="boto3"))
+    with boto:
+        assert isinstance(boto, S3Store) and boto.head("p/env") is not None
+    monkeypatch.setattr("s3kv.store.obstore_store.available", lambda: False)
+    assert isinstance(make_s3_store(moto_s3.bucket), S3Store)  # auto without obstore: boto3
+    with pytest.raises(StoreError, match="S3KV_S3_CLIENT"):
+        make_s3_store(moto_s3.bucket, options=S3Options(client="obstore"))
+    with pytest.raises(ValueError, match="client"):
+        S3Options(client="curl")  # type: ignore[arg-type]
+
+
+# -- wire faults (s3kv/store/faultproxy.py) under this client ------------------------------
+
+
+@pytest.fixture
+def proxies() -> Iterator[list[FaultProxy]]:
+    made: list[FaultProxy] = []
+    yield made
+    for px in made:
+        px.stop()
+
+
+def _through(server: EmbeddedS3, px: FaultProxy, options: S3Options) -> ObstoreS3Store:
+    return ObstoreS3Store(
+        server.bucket, endpoint_url=px.endpoint_url, options=options,
+        aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key,
+    )
+
+
+@pytest.mark.parametrize("fault", ["slowdown_503", "error_500", "reset", "stall", "truncate", "truncate_head"])
+def test_fault_at_30_percent(moto_s3: EmbeddedS3, proxies: list, prefix: str, fault: str) -> None:
+    stall = fault == "stall"
+    px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan(**{fault: 0.3}, stall_s=1.0), seed=11).start()
+    proxies.append(px)
+    with _through(moto_s3, px, STALL_OPTS if stall else OPTS) as store:
+        out = run_ops(store, prefix, 50, big=0 if stall else 6 * MiB)
+    verify_behind(moto_s3, out)
+    st = px.stats()
+    assert st["faults"][fault] >= 5, st
+    assert out.ok >= 40, [str(e) for e in out.errors]
+
+
+def test_outage_fails_fast_and_recovers(moto_s3: EmbeddedS3, proxies: list, prefix: str) -> None:
+    import time
+
+    px = FaultProxy.for_url(moto_s3.endpoint_url).start()
+    proxies.append(px)
+    with _through(moto_s3, px, OPTS) as store:
+        store.put(f"{prefix}/k", b"v" * 10)
+        px.set_down(True, mode="503")
+        for op in (lambda: store.get(f"{prefix}/k"), lambda: store.put(f"{prefix}/k2", b"x")):
+            t0 = time.monotonic()
+            with pytest.raises(StoreError):
+                op()
+            assert time.monotonic() - t0 < 3.0
+        px.set_down(False)
+        assert store.get(f"{prefix}/k") == b"v" * 10
+        assert store.put(f"{prefix}/k2", b"x") is True
+
+
+def test_seaweedfs_through_proxy(seaweed_s3: EmbeddedS3, proxies: list, prefix: str) -> None:
+    px = FaultProxy.for_url(
+        seaweed_s3.endpoint_url, WireFaultPlan(slowdown_503=0.1, error_500=0.1, reset=0.1, truncate=0.1), seed=3
+    ).start()
+    proxies.append(px)
+    with _through(seaweed_s3, px, OPTS) as store:
+        out = run_ops(store, prefix, 30, big=6 * MiB)
+    verify_behind(seaweed_s3, out)
+    assert px.stats()["faults_total"] >= 5 and out.ok >= 25, [str(e) for e in out.errors]
