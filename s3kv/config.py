@@ -118,6 +118,11 @@ class Settings:
     window_margin_blocks: int = 0
     #: Smallest hit worth a load, in blocks.
     min_hit_blocks: int = 1
+    #: Window policy: a request whose lookup found the full-attention chain stored past the last
+    #: servable sliding tail (a shared prefix that is not a checkpoint, then a different suffix)
+    #: also stores a sliding tail ending at that branch point, so the next request with that
+    #: prefix hits it. Costs one sliding tail per such request (docs/trace-replay.md).
+    branch_tails: bool = True
     #: Model identity in the namespace; default is llm_args.model.
     model_id: str = ""
     #: Host staging pool for saves and loads.
@@ -188,6 +193,13 @@ class Settings:
     #: Address the metrics server binds; loopback unless you mean to expose it (e.g. "0.0.0.0"
     #: for a Prometheus scraping the pod IP).
     metrics_addr: str = "127.0.0.1"
+    #: List prices for the cost estimate (s3kv/cost.py; S3 Standard, us-east-1): PUT-class and
+    #: GET-class (GET, HEAD) requests in $ per 1,000, storage in $ per GB-month, and how long an
+    #: object is kept (the bucket's lifecycle expiry; infra/terraform's default is 30 days).
+    cost_put_per_1k_usd: float = 0.005
+    cost_get_per_1k_usd: float = 0.0004
+    cost_gb_month_usd: float = 0.023
+    cost_retention_days: float = 30.0
     #: Check at start-up that the bucket/prefix is reachable and readable.
     check_access: bool = True
     #: Secret for keyed integrity tags (>= 32 chars, e.g. `openssl rand -hex 32`): objects are
@@ -294,6 +306,9 @@ def validate(s: Settings) -> None:
     need(s.breaker_failures > 0, "breaker_failures", "must be > 0", s.breaker_failures)
     need(0 <= s.metrics_port < 65536, "metrics_port", "must be a TCP port or 0", s.metrics_port)
     need(_is_bind_address(s.metrics_addr), "metrics_addr", "expected an IP address or 'localhost'", s.metrics_addr)
+    for name in ("cost_put_per_1k_usd", "cost_get_per_1k_usd", "cost_gb_month_usd", "cost_retention_days"):
+        v = getattr(s, name)
+        need(v >= 0 and v != float("inf"), name, "must be a finite number >= 0", v)
     # Reads key files now, so a bad or missing key fails at start-up (messages never show a secret).
     _ = s.integrity
 

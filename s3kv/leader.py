@@ -95,6 +95,17 @@ class _Request:
     declare_async: bool = False
     #: time.monotonic() of the last call about it (state of requests the engine forgot expires).
     seen: float = 0.0
+    #: How far the lookup saw the full-attention chain stored (``LookupResult.spine_blocks``).
+    spine_blocks: int = 0
+    #: Branch-point tail: its end ordinal (0: none) and, per sliding group, its buffer while open.
+    branch_end: int = 0
+    branch_open: dict[int, _Buffer] = field(default_factory=dict)
+    #: Per sliding group: next ordinal of the branch tail to stage.
+    branch_next: dict[int, int] = field(default_factory=dict)
+    #: Bumped when the engine re-sends the whole page lists (a first report).
+    lists_epoch: int = 0
+    #: The last finish plan computed and what it was computed from (see ``_finish_plan``).
+    finish_memo: tuple[Any, FinishPlan] | None = None
 
 
 @dataclass
@@ -138,6 +149,16 @@ class LeaderStats:
     planned_pages_loaded: int = 0
     #: Per group id: blocks a hit needed from that group (its in-window tail for sliding groups).
     hit_blocks_by_group: dict[int, int] = field(default_factory=dict)
+    #: Tokens whose KV this leader planned to save for the first time on this engine: blocks of
+    #: the full-attention group (every group under ``storage_policy=all``) past what was served,
+    #: times tokens per block. With ``hit_tokens`` the denominators of requests and dollars per
+    #: token (``s3kv.cost``).
+    tokens_saved: int = 0
+    #: Branch-point tails planned (one per sliding group and request) and the pages they hold.
+    branch_tails: int = 0
+    branch_tail_pages: int = 0
+    #: Branch-point tails abandoned: a page of the tail was gone before it could be staged.
+    branch_tails_abandoned: int = 0
 
 
 class LeaderCore:
@@ -210,7 +231,7 @@ class LeaderCore:
         self.bpo = self.group_blocks[g.spine_group]
         self.policy = StoragePolicy(
             g, self.bpo, cp_blocks, self.settings.storage_policy, self.settings.window_margin_blocks,
-            group_blocks=self.group_blocks,
+            group_blocks=self.group_blocks, branch_tails=self.settings.branch_tails,
         )
         self.params = LookupParams(
             blocks_per_object=self.bpo,
@@ -303,6 +324,7 @@ class LeaderCore:
             result = self._lookup(st, g, prompt_len // tpb, hmax)
             self.stats.lookup_waves += result.waves
             self.stats.lookup_asks += result.asks
+            st.spine_blocks = result.spine_blocks
             if self._on_lookup:
                 self._on_lookup(request_id, result)
             gain = result.h_blocks - st.d_blocks
@@ -457,7 +479,9 @@ class LeaderCore:
                     a = (grp.group_id, shard, end)
                     if a in picked and span.first < hi and span.end > lo:
                         todo[picked[a]] = a
-        result = LookupResult(h, coverage={k: dict(v) for k, v in cand.coverage.items()}, asks=len(todo))
+        result = LookupResult(
+            h, coverage={k: dict(v) for k, v in cand.coverage.items()}, asks=len(todo), spine_blocks=cand.spine_blocks
+        )
         # Only confirmed spans may reach a plan: drop every summary answer, re-add what the HEADs say.
         for a in picked:
             result.coverage.get((a[0], a[1]), {}).pop(a[2], None)
@@ -882,11 +906,14 @@ class LeaderCore:
             if not st.reported:
                 st.tokens = list(rd.new_tokens) if rd.new_tokens else st.tokens
             st.slots = [list(x) for x in by_group] if by_group else [[] for _ in g.groups]
+            st.lists_epoch += 1
             loaded_end = max(st.h_blocks, rd.computed_position // tpb)
             st.save_from = (loaded_end // self.bpo) * self.bpo
             st.completed = max(st.completed, st.save_from)
             st.reported = True
             st.parked = False
+            if not st.branch_end:
+                self._open_branch(st)
         else:
             st.tokens.extend(rd.new_tokens)
             for gi, delta in enumerate(by_group):
@@ -911,6 +938,8 @@ class LeaderCore:
     def _plan_saves(self, st: _Request, complete_blocks: int) -> None:
         g = self._geometry
         assert g is not None and st.chain is not None
+        if st.branch_next:
+            self._plan_branch(st, complete_blocks)
         if complete_blocks <= st.completed:
             return
         prompt_blocks = st.prompt_len // g.tokens_per_block
@@ -919,6 +948,7 @@ class LeaderCore:
             if complete_blocks <= st.completed:
                 return
         st.chain.extend_to(st.tokens)
+        self.stats.tokens_saved += max(0, complete_blocks - max(st.completed, st.h_blocks)) * g.tokens_per_block
         for o in range(st.completed, complete_blocks):
             for grp in g.groups:
                 gid = grp.group_id
@@ -940,6 +970,59 @@ class LeaderCore:
                     # object keeps filling with generated blocks.
                     self._seal(st, gid, close=not self.policy.keeps(gid, o + 1, prompt_blocks))
         st.completed = complete_blocks
+
+    def _open_branch(self, st: _Request) -> None:
+        """Decide, at the request's first report (its served point is final), whether it stores a
+        branch-point tail (``StoragePolicy.branch_end``); if so, start staging it per sliding group."""
+        g = self._geometry
+        assert g is not None
+        end = self.policy.branch_end(st.spine_blocks, st.h_blocks, st.prompt_len // g.tokens_per_block)
+        if end is None:
+            return
+        st.branch_end = end
+        for grp in g.groups:
+            if grp.is_sliding:
+                st.branch_next[grp.group_id] = self.policy.tail(grp.group_id, end)[0]
+
+    def _plan_branch(self, st: _Request, complete_blocks: int) -> None:
+        """Stage the branch-point tail's pages as they complete, into one object per sliding group
+        ending at the branch point.
+
+        Its own buffer, beside the policy's regular ones: the pages below the served point were
+        loaded, not computed, so the regular plan (which starts at ``save_from``) never sees them,
+        and a regular tail that overlaps this one must stay whole for its own hits. A page with no
+        slot (already freed) makes the tail useless: it is dropped and counted.
+        """
+        end = st.branch_end
+        for gid, nxt in list(st.branch_next.items()):
+            slots = st.slots[gid] if gid < len(st.slots) else []
+            lo = self.policy.tail(gid, end)[0]
+            o = nxt
+            while o < min(end, complete_blocks):
+                slot = slots[o] if o < len(slots) else -1
+                if slot < 0:
+                    old = st.branch_open.pop(gid, None)
+                    if old is not None:
+                        st.pending_releases.append(old.bid)
+                    del st.branch_next[gid]
+                    self.stats.branch_tails_abandoned += 1
+                    break
+                buf = st.branch_open.get(gid)
+                if buf is None:
+                    buf = st.branch_open[gid] = _Buffer(BufferId(st.request_id, gid, lo, end - lo))
+                st.pending_stages.append(StageOp(buf.bid, o, slot))
+                buf.count += 1
+                o += 1
+            else:
+                if o < end:
+                    st.branch_next[gid] = o
+                    continue
+                buf = st.branch_open.pop(gid)
+                del st.branch_next[gid]
+                assert st.chain is not None
+                st.pending_seals.append(SealOp(buf.bid, buf.count, st.chain.digests[end - 1], True))
+                self.stats.branch_tails += 1
+                self.stats.branch_tail_pages += buf.count
 
     def _stage_evicted(self, st: _Request, upto: int) -> None:
         """Keep a host copy of the sliding block that leaves the window after this pass.
@@ -1029,7 +1112,9 @@ class LeaderCore:
             sent = st.finish_sent
             if sent is not None and sent.stages:
                 self._check_live(st, sent, block_ids_by_group)
-            return bool(st.open or st.evicted or (sent is not None and not sent.empty) or st.parked)
+            return bool(
+                st.open or st.evicted or st.branch_open or (sent is not None and not sent.empty) or st.parked
+            )
 
     def _check_live(self, st: _Request, plan: FinishPlan, lists: Sequence[Sequence[int]]) -> None:
         """The finish plan copies pages it expects the engine to still hold; say so loudly if not.
@@ -1061,6 +1146,31 @@ class LeaderCore:
             self.index.quarantine(keys, self.settings.index_ttl_s)
 
     def _finish_plan(self, st: _Request) -> FinishPlan:
+        """``_make_finish_plan``, recomputed only when what it reads changed.
+
+        It runs for every request in every pass; during decode its inputs change once a block
+        (a block completes, a page is added, a sliding page leaves the window), not once a token.
+        """
+        g = self._geometry
+        assert g is not None
+        tpb = g.tokens_per_block
+        key = (
+            st.completed,
+            st.save_from,
+            st.lists_epoch,
+            tuple(len(x) for x in st.slots),
+            tuple((st.kv_tokens + 1 - grp.window) // tpb for grp in g.groups if grp.window is not None),
+            tuple((gid, b.bid, b.count, b.sealed) for gid, b in st.open.items()),
+            tuple((gid, b.bid, b.count) for gid, b in st.evicted.items()),
+            tuple(b.bid for b in st.branch_open.values()),
+        )
+        if st.finish_memo is not None and st.finish_memo[0] == key:
+            return st.finish_memo[1]
+        plan = self._make_finish_plan(st)
+        st.finish_memo = (key, plan)
+        return plan
+
+    def _make_finish_plan(self, st: _Request) -> FinishPlan:
         """What the workers must do if ``st`` finishes right after this iteration's pass.
 
         A dry run on a copy of the request's buffers: close every open object and,
@@ -1127,6 +1237,8 @@ class LeaderCore:
                 if o + 1 == buf.bid.first + buf.bid.capacity or o + 1 == hi:
                     self._seal(sim, gid, close=True)
             self._close(sim, gid)
+        # A branch-point tail still open (the request ends before reaching it) is dropped.
+        sim.pending_releases += [buf.bid for buf in st.branch_open.values()]
         return FinishPlan(
             st.request_id, tuple(sim.pending_stages), tuple(sim.pending_seals), tuple(sim.pending_releases)
         )

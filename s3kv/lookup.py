@@ -55,6 +55,11 @@ class LookupResult:
     coverage: dict[tuple[int, int], dict[int, Span]] = field(default_factory=dict)
     waves: int = 0
     asks: int = 0
+    #: How far (blocks) the full-attention chain was seen stored, contiguous from the device
+    #: match on every shard, capped at hmax (the device match when not looked at, or when
+    #: no group has full attention). Past ``h_blocks`` it marks a branch point: the prefix is
+    #: stored but no sliding tail ends there (see ``StoragePolicy.branch_end``).
+    spine_blocks: int = 0
 
 
 def _strided(ends: list[int], budget: int) -> list[int]:
@@ -85,7 +90,7 @@ def find_hit(
     """
     spine = geometry.spine_group
     bpo = params.bpo(spine)
-    result = LookupResult(h_blocks=d_blocks)
+    result = LookupResult(h_blocks=d_blocks, spine_blocks=d_blocks)
     if hmax_blocks <= d_blocks:
         return result
     known: dict[Ask, Span | None] = {}
@@ -183,7 +188,7 @@ def find_hit(
         for h in cands:
             if servable(geometry, result.coverage, d_blocks, h, params.margin):
                 result.h_blocks = h
-                return result
+                return _with_spine(result, geometry, d_blocks, hmax_blocks)
         # A hole: fall back to what is contiguous on every shard of the spine.
         hole_best = min(
             _contiguous_end(result.coverage.get((spine, s), {}), d_blocks) for s in range(geometry.tp_size)
@@ -196,6 +201,17 @@ def find_hit(
             best = hole_best
         if best <= d_blocks:
             break
+    return _with_spine(result, geometry, d_blocks, hmax_blocks)
+
+
+def _with_spine(result: LookupResult, geometry: CacheGeometry, d_blocks: int, hmax_blocks: int) -> LookupResult:
+    """Fill ``result.spine_blocks`` from the full-attention spans the waves saw."""
+    spine = geometry.spine_group
+    if not geometry.groups[spine].is_sliding:
+        end = min(
+            _contiguous_end(result.coverage.get((spine, s), {}), d_blocks) for s in range(geometry.tp_size)
+        )
+        result.spine_blocks = max(d_blocks, min(end, hmax_blocks))
     return result
 
 

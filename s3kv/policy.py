@@ -9,7 +9,12 @@ the in-window tails a future hit can use, ending at *hit boundaries*:
   ends on an object boundary) -- hits for prompts that share a long prefix;
 * the prompt's last full block -- exact repeats;
 * the end of the request's history, staged at ``request_finished`` from the
-  still-live window -- multi-turn continuations.
+  still-live window -- multi-turn continuations;
+* a request's *branch point* (``branch_end``): where its lookup found the
+  full-attention chain stored past the last servable sliding tail -- a shared
+  system prompt or document followed by different questions. The request
+  recomputes that prefix anyway, so it also stores the tail ending there, and
+  the next request with that prefix hits it (``S3KV_BRANCH_TAILS``).
 
 Full-attention groups store every block. The "all" policy stores every block
 of every group. The tail is derived from ``hitrule.required_range`` so what is
@@ -19,7 +24,7 @@ stored and what a hit needs can never drift apart.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .config import Settings, auto_blocks_per_object
 from .hitrule import required_range
@@ -56,6 +61,11 @@ class StoragePolicy:
     #: Blocks per object of each group (default: ``blocks_per_object`` for all). Small pages
     #: (a full-attention group of few layers) pack more blocks per object: fewer PUTs and HEADs.
     group_blocks: tuple[int, ...] | None = None
+    #: Store a sliding tail at a request's branch point (see ``branch_end``).
+    branch_tails: bool = True
+    _tails: dict[tuple[int, int], tuple[int, int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
 
     def __post_init__(self) -> None:
         for b in self.group_blocks or (self.blocks_per_object,):
@@ -71,6 +81,16 @@ class StoragePolicy:
         One block below: a prompt of exactly k full blocks can be served only up
         to k-1 blocks (the engine never asks for the last prompt token).
         """
+        # Asked for every block of every sliding group the leader plans: memoised.
+        key = (group, boundary)
+        hit = self._tails.get(key)
+        if hit is None:
+            hit = self._tails[key] = self._tail(group, boundary)
+            if len(self._tails) > 65536:
+                self._tails.clear()
+        return hit
+
+    def _tail(self, group: int, boundary: int) -> tuple[int, int]:
         g = self.geometry.groups[group]
         tpb = self.geometry.tokens_per_block
         lo_below, _ = required_range(g, tpb, 0, max(0, boundary - 1), self.margin)
@@ -116,3 +136,24 @@ class StoragePolicy:
     def chunk_end(self, ordinal: int, group: int | None = None) -> int:
         b = self.blocks_per_object if group is None else self.bpo(group)
         return (ordinal // b + 1) * b
+
+    def branch_end(self, spine_blocks: int, served_blocks: int, prompt_blocks: int) -> int | None:
+        """End of the branch-point tail a request stores, or None.
+
+        ``spine_blocks``: how far its lookup found the full-attention chain stored
+        (every shard, capped at what the engine lets a hit serve); ``served_blocks``:
+        what it was served. Past the served point the request recomputes a prefix
+        whose full-attention pages are already stored but which no sliding tail
+        can serve: the next request diverging there (a shared system prompt or
+        document, then another question) misses it again. A tail ending at that
+        point makes it servable. None when the policy stores every block, has no
+        sliding group to serve, or already stores a tail ending there (a
+        checkpoint, the prompt's end).
+        """
+        if not self.branch_tails or self.mode != "window" or spine_blocks <= served_blocks:
+            return None
+        if spine_blocks % self.checkpoint_blocks == 0 or spine_blocks >= prompt_blocks:
+            return None
+        if not any(g.is_sliding for g in self.geometry.groups):
+            return None
+        return spine_blocks

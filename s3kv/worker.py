@@ -127,6 +127,11 @@ class WorkerStats:
     load_retries: int = 0
     objects_quarantined: int = 0
     uploads_dropped_at_exit: int = 0
+    #: S3 requests the saves and loads cost, as S3 bills them (s3kv/cost.py): PUT-class (a
+    #: multipart upload is create + parts + complete) and GETs (long ranges split). HEADs are
+    #: the lookups' (the store's request counters). For $ per token: ``cost.usage_from_stats``.
+    put_requests: int = 0
+    get_requests: int = 0
 
 
 @dataclass
@@ -232,6 +237,8 @@ class WorkerCore:
             wait_event=Copier.synchronize,
             name=f"s3kv-up-r{rank}",
         )
+        self._uploader.multipart_threshold = settings.multipart_threshold_mib << 20
+        self._uploader.part_size = settings.multipart_part_mib << 20
         # Set by register_layout.
         self._geometry: CacheGeometry | None = None
         self._keys: KeyScheme | None = None
@@ -820,6 +827,8 @@ class WorkerCore:
             load_retries=n("load_retries"),
             objects_quarantined=n("objects_quarantined"),
             uploads_dropped_at_exit=n("uploads_dropped_at_exit"),
+            put_requests=n("put_requests"),
+            get_requests=n("get_requests"),
         )
 
     # -- internals: saves -------------------------------------------------

@@ -24,7 +24,7 @@ from docshell import REPO, DocShell, blocks, shell_blocks
 DOCS = REPO / "docs"
 #: Pages other people write (docs/failures.md, docs/security.md): linked to from here; they may
 #: arrive in another branch.
-ELSEWHERE = {"failures.md", "security.md"}
+ELSEWHERE = {"failures.md", "security.md", "trace-replay.md"}
 #: Pages whose shell blocks another test runs, and which test.
 RUN_ELSEWHERE = {"s3-compatible.md": "tests/test_terraform.py::test_walkthrough_on_seaweedfs_with_auth"}
 MINE = [

@@ -1,4 +1,4 @@
-"""``s3kv bench <lookup|transfer|jitter|staging|e2e|integrity>``. Heavy imports stay inside the commands.
+"""``s3kv bench <lookup|transfer|jitter|staging|e2e|integrity|trace>``. Heavy imports stay inside the commands.
 
 Every table ends with a legend that says what each ratio divides by what, so a number can be
 read without this source. The baseline the benchmarks compare with is what s3kv replaces: one
@@ -361,3 +361,124 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
     )
     res = integrity.run_integrity(cfg)
     finish(res, as_json=as_json, table=integrity.table, plot_path=None, plot=lambda r, p: None)
+
+
+# --------------------------------------------------------------------------- trace
+
+
+@bench_group.command("trace")
+@click.argument("trace_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["mooncake"]), default="mooncake", show_default=True)
+@click.option(
+    "--model",
+    type=click.Choice(["gemma-3-27b", "gemma-3-12b", "gemma-3-4b"]),
+    default="gemma-3-27b",
+    show_default=True,
+    help="Geometry for page sizes, objects and prefill FLOPs.",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["window", "all", "both"]),
+    default="both",
+    show_default=True,
+    help="Storage policies replayed (the upstream example's rule is always counted).",
+)
+@click.option(
+    "--branch-tails",
+    type=click.Choice(["on", "off", "compare"]),
+    default="compare",
+    show_default=True,
+    help="Window policy with branch-point tails, without, or both (what they add).",
+)
+@click.option("--limit", type=int, default=None, help="Only the first N requests.")
+@click.option("--tokens-per-block", type=int, default=64, show_default=True, help="Simulator block size.")
+@click.option("--full-outputs", is_flag=True, help="Generate every answer in full (slow; default: the ones re-read).")
+@click.option("--checkpoint-tokens", type=int, default=4096, show_default=True)
+@click.option("--put-per-1k", type=float, default=None, help="$ per 1,000 PUT-class requests (default 0.005).")
+@click.option("--get-per-1k", type=float, default=None, help="$ per 1,000 GET/HEAD requests (default 0.0004).")
+@click.option("--gb-month", type=float, default=None, help="$ per GB-month stored (default 0.023).")
+@click.option("--retention-days", type=float, default=None, help="Days an object is kept (default 30).")
+@click.option("--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s (default H100/H200, 989.4).")
+@click.option("--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation (default 0.40).")
+@click.option("--audit", is_flag=True, help="Re-verify every page when the engine frees it (slower).")
+@click.option(
+    "--jobs", type=int, default=None, help="Replays run at once, one process each (default: min(2, cores))."
+)
+@click.option("--url", default=None, help="Store to replay on (default: in-process memory://, one per replay).")
+@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
+@click.option(
+    "--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write a PNG chart here."
+)
+def trace_command(
+    trace_file: str,
+    fmt: str,
+    model: str,
+    policy: str,
+    branch_tails: str,
+    limit: int | None,
+    tokens_per_block: int,
+    full_outputs: bool,
+    checkpoint_tokens: int,
+    put_per_1k: float | None,
+    get_per_1k: float | None,
+    gb_month: float | None,
+    retention_days: float | None,
+    gpu_tflops: float | None,
+    mfu: float | None,
+    audit: bool,
+    jobs: int | None,
+    url: str | None,
+    as_json: bool,
+    plot_path: str | None,
+) -> None:
+    """Replay a request trace (Mooncake format) through the simulator and the real adapter: tokens
+    served from S3 per storage policy vs the ideal and the upstream example's rule, bytes stored,
+    S3 requests and dollars, prefill saved."""
+    import os
+
+    from ..cost import Prices
+    from ..trace import TraceError
+    from . import trace
+    from .common import bench_store
+
+    if tokens_per_block <= 0 or tokens_per_block % 4:
+        raise click.BadParameter("must be a positive multiple of 4", param_hint="--tokens-per-block")
+    runs: list[str] = []
+    if policy in ("window", "both"):
+        runs += {"on": ["window"], "off": ["window-no-branch"], "compare": ["window", "window-no-branch"]}[branch_tails]
+    if policy in ("all", "both"):
+        runs.append("all")
+    d = Prices()
+    try:
+        prices = Prices(
+            d.put_per_1k if put_per_1k is None else put_per_1k,
+            d.get_per_1k if get_per_1k is None else get_per_1k,
+            d.gb_month if gb_month is None else gb_month,
+            d.retention_days if retention_days is None else retention_days,
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    cfg = trace.TraceConfig(
+        path=trace_file,
+        fmt=fmt,
+        model=trace.MODELS[model],
+        runs=tuple(runs),
+        limit=limit,
+        tokens_per_block=tokens_per_block,
+        full_outputs=full_outputs,
+        checkpoint_tokens=checkpoint_tokens,
+        prices=prices,
+        audit=audit,
+        jobs=max(1, jobs if jobs is not None else min(2, os.cpu_count() or 1)),
+        url=url,
+    )
+    if gpu_tflops is not None:
+        cfg = cfg.replace(gpu_tflops=gpu_tflops)
+    if mfu is not None:
+        cfg = cfg.replace(mfu=mfu)
+    with bench_store(url or trace.DEFAULT_URL, name="trace") as bs:
+        try:
+            res = trace.run_trace(bs, cfg)
+        except TraceError as e:
+            raise click.ClickException(str(e)) from None
+    finish(res, as_json=as_json, table=trace.table, plot_path=plot_path, plot=trace.plot_trace)

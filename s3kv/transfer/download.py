@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..cost import get_requests
 from ..objects import (
     ObjectFormatError,
     ObjectIdentity,
@@ -243,6 +244,7 @@ class Downloader:
                 buf.release()
                 return
             t0 = time.monotonic()
+            self.counters.add("get_requests", sum(get_requests(r.length) for r in want))
             self.store.get_ranges_into(job.key, want, into)
             self.counters.add("download_seconds", time.monotonic() - t0)
         header = decode_header(buf.memoryview(base - hl, hl), job.identity, job.key, trailer)

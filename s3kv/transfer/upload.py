@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..cost import MULTIPART_THRESHOLD, PART_SIZE, put_requests
 from ..index import KeyIndex
 from ..objects import ObjectIdentity, ObjectSpan, encode_object, object_metadata
 from ..store.base import ObjectStore, StoreError
@@ -73,6 +74,10 @@ class Uploader:
         self.store = store
         self.index = index
         self.counters = counters or Counters()
+        #: S3 puts bodies this large as multipart uploads of ``part_size`` parts (S3KV_MULTIPART_*):
+        #: what ``put_requests`` counts (PUT-class requests, as S3 bills them).
+        self.multipart_threshold = MULTIPART_THRESHOLD
+        self.part_size = PART_SIZE
         self._wait_event = wait_event or (lambda ev: ev.synchronize() if ev is not None else None)
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=max(1, queue_size))
         self._cond = threading.Condition()
@@ -180,6 +185,7 @@ class Uploader:
         body = encode_object(job.identity, job.first, job.last_digest, pages, job.key)
         nbytes = sum(memoryview(b).nbytes for b in body)
         meta = object_metadata(job.identity, job.first, job.count, job.key)
+        self.counters.add("put_requests", put_requests(nbytes, self.multipart_threshold, self.part_size))
         t0 = time.monotonic()
         try:
             created = self.store.put(job.key, body, meta)

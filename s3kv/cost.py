@@ -1,0 +1,150 @@
+"""What S3 costs per token: list prices, request counts at real object sizes, $ per 1M tokens. Pure.
+
+Prices are S3 Standard list prices in us-east-1 (the defaults of the ``cost_*`` settings):
+
+* PUT, COPY, POST, LIST: $0.005 per 1,000 requests -- every PUT, and for a multipart upload
+  its CreateMultipartUpload, each UploadPart and the CompleteMultipartUpload;
+* GET and all other requests (HEAD included): $0.0004 per 1,000 -- each ranged GET;
+* storage: $0.023 per GB-month (first 50 TB; S3 bills GB = 2^30 bytes), kept for
+  ``cost_retention_days`` (default 30: the lifecycle expiry infra/terraform sets);
+* data transfer to compute in the same region: free (not counted).
+
+Other storage classes, regions or negotiated prices: set the ``cost_*`` settings (or the bench's
+options). How s3kv's requests map to S3's: an object at least ``multipart_threshold`` bytes long
+goes up as a multipart upload of ``part_size`` parts; a GET range much longer than
+``range_split`` is fetched as parallel sub-ranges of about that size (``S3Store``); a lookup
+sends one HEAD per key it cannot answer from its index.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+MiB = 1 << 20
+GiB = 1 << 30
+#: The defaults of S3KV_MULTIPART_THRESHOLD_MIB / S3KV_MULTIPART_PART_MIB and of the S3 clients'
+#: range split (``S3Options.range_split_bytes``).
+MULTIPART_THRESHOLD = 64 * MiB
+PART_SIZE = 8 * MiB
+RANGE_SPLIT = 8 * MiB
+DAYS_PER_MONTH = 365.25 / 12
+
+
+@dataclass(frozen=True)
+class Prices:
+    put_per_1k: float = 0.005
+    get_per_1k: float = 0.0004
+    gb_month: float = 0.023
+    retention_days: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("put_per_1k", "get_per_1k", "gb_month", "retention_days"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"price {name} must be a finite number >= 0, got {v!r}")
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Prices:
+        return cls(
+            settings.cost_put_per_1k_usd,
+            settings.cost_get_per_1k_usd,
+            settings.cost_gb_month_usd,
+            settings.cost_retention_days,
+        )
+
+
+def put_requests(size: int, threshold: int = MULTIPART_THRESHOLD, part_size: int = PART_SIZE) -> int:
+    """PUT-class requests to store one object of ``size`` bytes."""
+    if size < threshold:
+        return 1
+    return 2 + -(-size // part_size)  # create + parts + complete
+
+
+def get_requests(length: int, split: int = RANGE_SPLIT) -> int:
+    """GET requests to read one range of ``length`` bytes (S3Store's split rule)."""
+    return max(1, round(length / split))
+
+
+@dataclass(frozen=True)
+class Usage:
+    """S3 traffic and what it bought. Requests as S3 bills them (see the module doc)."""
+
+    put_requests: int = 0
+    get_requests: int = 0
+    head_requests: int = 0
+    #: Bytes written (kept for the retention period).
+    bytes_stored: int = 0
+    #: Prompt tokens served from the store (prefill skipped).
+    tokens_served: int = 0
+    #: Tokens whose KV was saved.
+    tokens_saved: int = 0
+
+
+@dataclass(frozen=True)
+class Cost:
+    put_usd: float
+    get_usd: float
+    head_usd: float
+    storage_usd: float
+
+    @property
+    def requests_usd(self) -> float:
+        return self.put_usd + self.get_usd + self.head_usd
+
+    @property
+    def total_usd(self) -> float:
+        return self.requests_usd + self.storage_usd
+
+
+def cost(usage: Usage, prices: Prices = Prices()) -> Cost:
+    """Dollars for ``usage``: its requests, and its bytes kept for the retention period."""
+    months = prices.retention_days / DAYS_PER_MONTH
+    return Cost(
+        put_usd=usage.put_requests * prices.put_per_1k / 1000,
+        get_usd=usage.get_requests * prices.get_per_1k / 1000,
+        head_usd=usage.head_requests * prices.get_per_1k / 1000,
+        storage_usd=usage.bytes_stored / GiB * prices.gb_month * months,
+    )
+
+
+def per_1k_tokens(n: float, tokens: int) -> float | None:
+    return None if tokens <= 0 else 1000.0 * n / tokens
+
+
+def usd_per_million_tokens_served(usage: Usage, prices: Prices = Prices()) -> float | None:
+    """Everything S3 cost (requests, and storage over the retention period) per 1M tokens served."""
+    if usage.tokens_served <= 0:
+        return None
+    return cost(usage, prices).total_usd * 1e6 / usage.tokens_served
+
+
+def usage_from_stats(leader: Any, workers: Any, head_requests: int) -> Usage:
+    """A :class:`Usage` from a leader's ``LeaderStats`` (tokens served and saved), its workers'
+    ``WorkerStats`` (one or several ranks: PUT/GET requests, bytes uploaded) and the HEADs its
+    lookups sent (the store's request counter, e.g. ``s3kv_store_requests_total{op="head"}``)."""
+    ws = list(workers) if isinstance(workers, list | tuple) else [workers]
+    return Usage(
+        put_requests=sum(int(getattr(w, "put_requests", 0)) for w in ws),
+        get_requests=sum(int(getattr(w, "get_requests", 0)) for w in ws),
+        head_requests=int(head_requests),
+        bytes_stored=sum(int(getattr(w, "bytes_uploaded", 0)) for w in ws),
+        tokens_served=int(getattr(leader, "hit_tokens", 0)),
+        tokens_saved=int(getattr(leader, "tokens_saved", 0)),
+    )
+
+
+def summary(usage: Usage, prices: Prices = Prices()) -> dict[str, float | None]:
+    """The figures ``s3kv stats`` and the metrics show: requests per 1k tokens saved / served,
+    bytes per token saved, and $ per 1M tokens served."""
+    c = cost(usage, prices)
+    return {
+        "put_per_1k_tokens_saved": per_1k_tokens(usage.put_requests, usage.tokens_saved),
+        "get_per_1k_tokens_served": per_1k_tokens(usage.get_requests, usage.tokens_served),
+        "head_per_1k_tokens_served": per_1k_tokens(usage.head_requests, usage.tokens_served),
+        "bytes_per_token_saved": None if usage.tokens_saved <= 0 else usage.bytes_stored / usage.tokens_saved,
+        "usd_requests": c.requests_usd,
+        "usd_storage": c.storage_usd,
+        "usd_per_1m_tokens_served": usd_per_million_tokens_served(usage, prices),
+    }

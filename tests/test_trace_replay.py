@@ -1,0 +1,265 @@
+"""``s3kv bench trace`` on a checked-in slice of the Mooncake trace, against an independent count.
+
+The bench replays every request through the simulator and the real adapter classes. This file
+counts, with its own arithmetic over token blocks (a chained hash of its own; nothing from
+s3kv's keys, policy, lookup or the bench's oracle), what each run must serve and store, from the
+rules as documented:
+
+* ideal: every block some earlier request computed (prompt, or the part of its answer whose KV
+  exists) is stored; a request is served its longest such prefix, one token short of its prompt;
+* full-attention objects: a request that was served ``h`` blocks stores objects ending at every
+  multiple of the group's blocks-per-object past ``save_from = h rounded down to an object``, at
+  its prompt's last full block and at its history's end; a lookup finds the furthest one its
+  own prompt reaches (its "spine"), capped at what the engine lets a hit serve;
+* store-everything: every group stores every block, so that spine is the hit;
+* window policy: sliding groups store only in-window tails ``[((b-1)*tpb+1-W)//tpb, b)`` (from
+  ``save_from`` on) ending at checkpoints, at the prompt's end and at the history's end -- one
+  object per tail, named by its end; where tails overlap, the later one starts where the
+  earlier ended -- plus, with branch tails, one ending at the spine when the request was served
+  less than it; a lookup tries the spine, then the checkpoints below it (three at most), highest
+  first, and serves the first whose tail the objects it asks for cover (with one block per
+  sliding object: those ending inside the tail, one block past it, and at the prompt's end) on
+  its own prefix;
+* write once: of two objects with the same name, the first one stays.
+
+The inputs (tokens from the hash ids, answers from the simulator's sampler) are built here too,
+and the bench's token fingerprint must match them, so both count the same stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from s3kv.bench.common import GEMMA3_27B, bench_store
+from s3kv.bench.trace import SIM_VOCAB, TraceConfig, run_trace
+from s3kv.cli import main
+from s3kv.sim import generate_tokens, request_root
+from s3kv.trace import TokenSynth, find_continuations, read_trace
+
+FIXTURE = Path(__file__).parent / "fixtures" / "mooncake_slice.jsonl"
+TPB = 64
+W = GEMMA3_27B.window
+VOCAB = SIM_VOCAB
+MiB = 1 << 20
+
+
+def object_blocks(page_bytes: int, target_mib: int = 32, cap: int = 64) -> int:
+    """README: objects of ~32 MiB (at most 64 blocks), at least one block."""
+    return max(1, min(cap, target_mib * MiB // page_bytes))
+
+
+def page_bytes(layers: int) -> int:
+    m = GEMMA3_27B
+    return layers * 2 * TPB * m.kv_heads * m.head_dim * 2
+
+
+FULL_BPO = object_blocks(page_bytes(len(GEMMA3_27B.global_layers)))
+SLIDING_BPO = object_blocks(page_bytes(len(GEMMA3_27B.local_layers)))
+# Checkpoints every 4096 tokens, rounded up to whole objects of the largest count.
+CP = -(-(4096 // TPB) // max(FULL_BPO, SLIDING_BPO)) * max(FULL_BPO, SLIDING_BPO)
+
+
+def chain(tokens: Sequence[int], n: int) -> list[bytes]:
+    raw = array("q", tokens[: n * TPB]).tobytes()
+    out, prev = [], b"independent"
+    for k in range(n):
+        prev = hashlib.sha256(prev + raw[k * TPB * 8 : (k + 1) * TPB * 8]).digest()
+        out.append(prev)
+    return out
+
+
+def lo(h: int) -> int:
+    """First block a sliding group holds a page for at history h (the engine's rule)."""
+    return max(0, (h * TPB + 1 - W) // TPB)
+
+
+def token_streams(path: Path) -> list[tuple[list[int], list[int]]]:
+    """(prompt, answer) per request, as the bench's documented rules make them."""
+    reqs, bt = read_trace(path)
+    conts = find_continuations(reqs, bt)
+    continued = set(conts.values())
+    synth = TokenSynth(bt, VOCAB)
+    history: dict[int, list[int]] = {}
+    out = []
+    for r in reqs:
+        a = conts.get(r.index)
+        if a is None:
+            prompt = synth.prompt(r)
+        else:
+            prompt = synth.prompt(r, history[a], reqs[a].full_blocks(bt) * bt)
+        n = r.output_length if r.index in continued else min(r.output_length, TPB - r.input_length % TPB + 1)
+        answer = generate_tokens(request_root(), prompt, n, VOCAB)
+        if r.index in continued:
+            history[r.index] = prompt[r.full_blocks(bt) * bt :] + answer
+        out.append((prompt, answer))
+    return out
+
+
+def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
+    kv: set[bytes] = set()
+    ideal: list[int] = []
+    runs = ("window", "window-no-branch", "all")
+    spine: dict[str, set[bytes]] = {r: set() for r in runs}
+    # Sliding objects: digest of the prefix they end at -> their first block.
+    objects: dict[str, dict[bytes, int]] = {r: {} for r in runs}
+    sliding: dict[str, set[bytes]] = {r: set() for r in runs}  # pages stored (distinct)
+    served: dict[str, list[int]] = {r: [] for r in runs}
+
+    def covered(run: str, d: list[bytes], h: int, top: int) -> bool:
+        asked = set(range(lo(h) + 1, h + 1)) | {min(h + 1, top), top}
+        spans = sorted((objects[run][d[e - 1]], e) for e in asked if 0 < e <= len(d) and d[e - 1] in objects[run])
+        pos = lo(h)
+        for first, end in spans:
+            if first <= pos < end:
+                pos = end
+        return pos >= h
+
+    def store(run: str, d: list[bytes], first: int, end: int) -> None:
+        if first < end:
+            objects[run].setdefault(d[end - 1], first)
+            sliding[run].update(d[first:end])
+
+    for prompt, answer in streams:
+        plen = len(prompt)
+        P, hmax, E = plen // TPB, (plen - 1) // TPB, (plen + len(answer) - 1) // TPB
+        d = chain(prompt + answer, E)
+        k = 0
+        while k < hmax and d[k] in kv:
+            k += 1
+        ideal.append(k * TPB)
+        for run in runs:
+            S = max((e for e in range(1, P + 1) if d[e - 1] in spine[run]), default=0)
+            best = min(S, hmax)
+            if run == "all":
+                h = best
+            else:
+                cands = [best] + [c for c in range((best - 1) // CP * CP, 0, -CP)][:3]
+                h = next((c for c in cands if c > 0 and covered(run, d, c, P)), 0)
+            served[run].append(h * TPB)
+            save_from = h // FULL_BPO * FULL_BPO
+            ends = {e for e in range(save_from + 1, E + 1) if e % FULL_BPO == 0} | {P, E}
+            spine[run].update(d[e - 1] for e in ends if e > save_from)
+            if run == "all":
+                for e in range(save_from + 1, E + 1):
+                    store(run, d, e - 1, e)
+                continue
+            prev = 0
+            for b in sorted({c for c in range(CP, E + 1, CP)} | {P} | ({E} if E > P else set())):
+                if b > save_from:
+                    store(run, d, max(lo(b - 1), save_from, prev), b)
+                prev = b
+            if run == "window" and S > h and S % CP and S < P:
+                store(run, d, lo(S - 1), S)
+        kv.update(d)
+    return {
+        "ideal": ideal,
+        "served": served,
+        "full_pages": len(kv),
+        "sliding_pages": {r: len(s) for r, s in sliding.items()},
+    }
+
+
+@pytest.fixture(scope="module")
+def replayed() -> dict:
+    cfg = TraceConfig(path=str(FIXTURE), tokens_per_block=TPB, per_request=True, jobs=1)
+    with bench_store("memory://test-trace-replay", name="trace") as bs:
+        return run_trace(bs, cfg)
+
+
+def test_object_sizes_the_count_assumes():
+    # Gemma-3-27B at 64 tokens per block: 5 MiB full-attention pages, 26 MiB sliding ones.
+    assert (FULL_BPO, SLIDING_BPO, CP) == (6, 1, 66)
+
+
+def test_replay_matches_the_independent_count(replayed):
+    streams = token_streams(FIXTURE)
+    fp = hashlib.blake2b(digest_size=16)
+    for prompt, answer in streams:
+        fp.update(array("i", prompt + answer).tobytes())
+    assert replayed["tokens_fingerprint"] == fp.hexdigest()  # the same token stream
+
+    want = independent_count(streams)
+    got = replayed["per_request"]
+    assert got["ideal"] == want["ideal"]
+    for run in ("all", "window", "window-no-branch"):
+        assert got[run] == want["served"][run], run
+    pol = replayed["policies"]
+    assert pol["all"]["distinct_pages_by_group"] == {"full": want["full_pages"], "sliding1024": want["full_pages"]}
+    for run in ("window", "window-no-branch"):
+        assert pol[run]["distinct_pages_by_group"] == {
+            "full": want["full_pages"],
+            "sliding1024": want["sliding_pages"][run],
+        }, run
+
+
+def test_the_headline_ratios_are_those_of_the_count(replayed):
+    want = independent_count(token_streams(FIXTURE))
+    ideal = sum(want["ideal"])
+    served = {r: sum(v) for r, v in want["served"].items()}
+    ratios = replayed["window_vs_all"]
+    assert ideal > 0 and served["window"] > 0
+    assert ratios["served"] == round(served["window"] / served["all"], 4)
+    assert ratios["served_vs_ideal"] == round(served["window"] / ideal, 4)
+    pol = replayed["policies"]
+    assert pol["window"]["served_pct_of_ideal"] == round(100 * served["window"] / ideal, 2)
+    # Bytes: each page the count says must be stored, once (exact); objects may hold a page twice
+    # (a prompt-end snapshot and then the whole chunk, a history-end tail over the prompt-end
+    # one), so the bytes S3 bills sit between that and twice that.
+    full, slid = page_bytes(10), page_bytes(52)
+    must = {
+        "all": want["full_pages"] * (full + slid),
+        "window": want["full_pages"] * full + want["sliding_pages"]["window"] * slid,
+    }
+    for run in ("all", "window"):
+        assert pol[run]["distinct_page_bytes"] == must[run], run
+        assert must[run] <= pol[run]["stored_bytes"] <= 2 * must[run], run
+    assert ratios["distinct_page_bytes"] == round(must["window"] / must["all"], 4)
+    assert ratios["distinct_page_bytes"] <= ratios["stored_bytes"] <= 2 * ratios["distinct_page_bytes"]
+
+
+def test_every_page_served_is_right_and_nothing_was_dropped(replayed):
+    assert replayed["kv_mismatches"] == 0 and replayed["guard_violations"] == 0
+    assert replayed["load_failures"] == 0
+    assert all(replayed["targets_met"].values())
+
+
+def test_the_slice_exercises_what_it_is_for(replayed):
+    """Continuations, branch-point tails and hits of every kind happen in this slice."""
+    assert replayed["trace"]["continuations"] >= 5
+    bt = replayed["branch_tails"]
+    assert bt["tails_stored"] > 0 and bt["served_tokens_added"] > 0
+    pol = replayed["policies"]
+    assert 0 < pol["window-no-branch"]["served_tokens"] < pol["window"]["served_tokens"] <= pol["all"]["served_tokens"]
+    up = pol["upstream-example"]
+    assert 0 < up["served_tokens"] < pol["window"]["served_tokens"]
+
+
+def test_cli_json_and_plot(tmp_path):
+    png = tmp_path / "trace.png"
+    result = CliRunner().invoke(
+        main,
+        ["bench", "trace", str(FIXTURE), "--json", "--plot", str(png), "--limit", "12", "--policy", "window",
+         "--branch-tails", "on", "--jobs", "1"],
+        catch_exceptions=False,
+    )
+    assert result.exit_code == 0, result.output
+    res = json.loads(result.stdout)
+    assert res["bench"] == "trace" and res["trace"]["requests"] == 12
+    assert set(res["policies"]) == {"window", "upstream-example"}
+    assert res["sim"]["tokens_per_block"] == 64 and "sizing_note" in res["sim"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_a_bad_trace_line(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0, "input_length": 600, "output_length": 1, "hash_ids": [1]}\n')
+    result = CliRunner().invoke(main, ["bench", "trace", str(bad), "--json"])
+    assert result.exit_code != 0
+    assert "bad.jsonl:1" in result.output and "hash_ids" in result.output
