@@ -178,6 +178,17 @@ class Metrics:
             f"{p}_lookup_not_cacheable", "Requests whose KV cannot be keyed (skipped).", registry=r
         )
         self.hit_tokens = Counter(f"{p}_hit_tokens", "Prompt tokens served from the store.", registry=r)
+        self.saved_tokens = Counter(f"{p}_saved_tokens", "Tokens whose KV was saved to the store.", registry=r)
+        self.branch_tails = Counter(
+            f"{p}_branch_tails", "Sliding-window tails stored at a branch point a lookup found.", registry=r
+        )
+        self.billed_requests = Counter(
+            f"{p}_billed_requests",
+            "S3 requests as S3 bills them (multipart parts, split ranged GETs), by op; with HEADs from "
+            "store_requests_total they price the traffic (see docs/sizing.md).",
+            ["op"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             f"{p}_prompt_tokens",
             "Prompt tokens of the requests looked up (the denominator of the share served from the store).",
@@ -368,6 +379,8 @@ class Metrics:
             (self.not_cacheable, ("not_cacheable",)),
             (self.hit_tokens, ("hit_tokens",)),
             (self.prompt_tokens, ("prompt_tokens",)),
+            (self.saved_tokens, ("tokens_saved",)),
+            (self.branch_tails, ("branch_tails",)),
         ):
             self._feed(metric, source, names[0], _first(stats, names))
         self._feed(
@@ -412,6 +425,8 @@ class Metrics:
             self._feed(self.parked_loads_ended.labels(label), source, f"parked[{label}]", _first(stats, (name,)))
         self._feed(self.uploads_dropped_at_exit, source, "uploads_dropped_at_exit",
                    _first(stats, ("uploads_dropped_at_exit",)))
+        for op, name in (("put", "put_requests"), ("get", "get_requests")):
+            self._feed(self.billed_requests.labels(op), source, f"billed[{op}]", _first(stats, (name,)))
         parked = _first(stats, ("parked_now",))
         if parked is not None:
             self.parked_requests.set(parked)

@@ -67,6 +67,8 @@ class _Ctx:
     root: str  # "" or "prefix/"
     json: bool
     now: float = field(default_factory=time.time)
+    #: The user's settings (list prices for the cost figures of ``stats``).
+    settings: Any = None
 
 
 def _open(url: str | None, as_json: bool) -> _Ctx:
@@ -91,7 +93,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     except StoreError as exc:
         raise click.ClickException(str(exc)) from exc
     root = f"{prefix}/" if prefix else ""
-    return _Ctx(settings.url, store, root, as_json)
+    return _Ctx(settings.url, store, root, as_json, settings=settings)
 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -500,6 +502,21 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         },
         "unrecognised": {"objects": other.objects, "bytes": other.bytes},
     }
+    # What keeping this costs at list prices (S3KV_COST_* settings), and what a stored token weighs.
+    from .cost import GiB, Prices
+
+    prices = Prices.from_settings(ctx.settings) if ctx.settings is not None else Prices()
+    stored_tokens = 0
+    for d in namespaces:
+        for gd in d["groups"]:
+            if gd["pages"] is not None and gd["tokens_per_block"]:
+                stored_tokens = max(stored_tokens, gd["pages"] * gd["tokens_per_block"])
+    doc["cost"] = {
+        "storage_usd_per_month": round(doc["total"]["bytes"] / GiB * prices.gb_month, 4),
+        "gb_month_usd": prices.gb_month,
+        # Bytes per token across every group, over the tokens of the group with the most pages.
+        "bytes_per_token": round(doc["total"]["bytes"] / stored_tokens, 1) if stored_tokens else None,
+    }
     if deep:
         doc["inconsistent"] = inconsistent
 
@@ -542,6 +559,10 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
             )
             t = doc["total"]
             yield f"total: {t['objects']} objects, {fmt_bytes(t['bytes'])}, {_dash(t['pages'])} pages"
+            c = doc["cost"]
+            per_token = "" if c["bytes_per_token"] is None else f", {fmt_bytes(int(c['bytes_per_token']))} per token"
+            yield (f"storage at ${c['gb_month_usd']:g}/GB-month: ${c['storage_usd_per_month']:.2f} a month"
+                   f"{per_token}")
         if deep and inconsistent:
             yield f"objects whose metadata and size disagree (run verify): {inconsistent}"
         if other.objects:

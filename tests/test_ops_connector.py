@@ -81,6 +81,11 @@ def test_ls_stats_verify_gc_on_connector_objects(written):
     groups = st["namespaces"][0]["groups"]
     assert {(g["shard"], g["tp_size"]) for g in groups} == {(0, 2), (1, 2)}  # TP=2 wrote both shards
     assert sum(g["objects"] for g in groups) == len(keys)
+    # Cost figures at list prices: storage a month from the bytes, bytes per stored token.
+    total = st["total"]["bytes"]
+    assert abs(st["cost"]["storage_usd_per_month"] - total / 2**30 * 0.023) < 1e-3
+    tokens = max(g["pages"] * g["tokens_per_block"] for g in groups)
+    assert st["cost"]["bytes_per_token"] == round(total / tokens, 1)
 
     code, ver = _cli(s3, prefix, "verify")
     assert code == 0 and ver["checked"] == len(keys) and ver["bad_count"] == 0
