@@ -94,6 +94,20 @@ class Terraform:
         self.env = env
 
     def run(self, *args: str, timeout: int = T_SHORT, check: bool = True, cwd: Path | None = None):
+        proc = self._run(args, timeout, cwd)
+        if args and args[0] == "apply" and proc.returncode != 0 and "couldn't find resource" in proc.stdout + proc.stderr:
+            # The AWS provider reads a just-created sub-resource back (SSE, lifecycle) and gives up
+            # when the server has not shown it yet; a loaded SeaweedFS sometimes lags. Apply is
+            # idempotent: once more, as an operator would.
+            proc = self._run(args, timeout, cwd)
+        if check and proc.returncode != 0:
+            pytest.fail(
+                f"`terraform {' '.join(args)}` exited {proc.returncode}\n"
+                f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
+            )
+        return proc
+
+    def _run(self, args: tuple[str, ...], timeout: int, cwd: Path | None) -> subprocess.CompletedProcess[str]:
         cmd = [str(TERRAFORM), *args]
         try:
             proc = subprocess.run(
@@ -107,11 +121,6 @@ class Terraform:
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
             pytest.fail(f"`terraform {' '.join(args)}` timed out after {timeout}s:\n{out[-4000:]}")
-        if check and proc.returncode != 0:
-            pytest.fail(
-                f"`terraform {' '.join(args)}` exited {proc.returncode}\n"
-                f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
-            )
         return proc
 
     def var_args(self, **extra: Any) -> list[str]:
