@@ -36,7 +36,7 @@ def one_line(exc: BaseException) -> str:
     else is shown with its type, which is what makes it searchable.
     """
     from .config import ConfigError, redact
-    from .errors import S3KvError
+    from .core.errors import S3KvError
     from .store.base import StoreError
 
     text = str(exc).strip()

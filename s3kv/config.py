@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
-    from .integrity import IntegrityKeys
+    from .core.integrity import IntegrityKeys
 
 log = logging.getLogger("s3kv.config")
 
@@ -216,7 +216,7 @@ class Settings:
     @cached_property
     def integrity(self) -> IntegrityKeys | None:
         """The integrity keys (None: integrity tags off). Files are read once, at construction."""
-        from .integrity import keys_from_settings
+        from .core.integrity import keys_from_settings
 
         return keys_from_settings(self)
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 
-from .keys import parse_key
+from .core.keys import parse_key
 
 
 @dataclass(frozen=True)

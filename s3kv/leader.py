@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Settings
-from .errors import PlanMismatch
-from .hitrule import Span, required_range, servable
+from .core.errors import PlanMismatch
+from .core.hitrule import Span, required_range, servable
+from .core.keys import Chain, KeyScheme, NotCacheable, chain_root, namespace_digest
+from .core.layout import CacheGeometry
+from .core.lookup import Ask, LookupParams, LookupResult, find_hit
+from .core.objects import ObjectFormatError, ObjectIdentity, span_from_metadata
+from .core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
+from .core.policy import StoragePolicy, object_sizes
 from .index import MISSING, KeyIndex
-from .keys import Chain, KeyScheme, NotCacheable, chain_root, namespace_digest
-from .layout import CacheGeometry
-from .lookup import Ask, LookupParams, LookupResult, find_hit
-from .objects import ObjectFormatError, ObjectIdentity, span_from_metadata
-from .plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
-from .policy import StoragePolicy, object_sizes
 from .store.base import HeadBatch, ObjectStore, StoreError
 from .summary import NamespaceSummary, SummaryGroup
 

@@ -30,8 +30,8 @@ from typing import Any
 import click
 
 from .config import ConfigError, load_settings
-from .keys import DIGEST_SIZE, ParsedKey, parse_key
-from .objects import (
+from .core.keys import DIGEST_SIZE, ParsedKey, parse_key
+from .core.objects import (
     ForeignObject,
     ObjectFormatError,
     ObjectIdentity,
@@ -383,7 +383,7 @@ def _meta_int(md: Mapping[str, str], name: str) -> int | None:
 
 def _pages_from_size(size: int, page_bytes: int) -> int | None:
     """Pages of an object of ``size`` bytes (header_len(n) + n * page_bytes = 88 + n * (8 + page_bytes))."""
-    from .objects import header_len
+    from .core.objects import header_len
 
     fixed = header_len(0)
     per = 8 + page_bytes
@@ -503,7 +503,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         "unrecognised": {"objects": other.objects, "bytes": other.bytes},
     }
     # What keeping this costs at list prices (S3KV_COST_* settings), and what a stored token weighs.
-    from .cost import GiB, Prices
+    from .core.cost import GiB, Prices
 
     prices = Prices.from_settings(ctx.settings) if ctx.settings is not None else Prices()
     stored_tokens = 0

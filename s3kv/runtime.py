@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .config import Settings
+from .core.layout import CacheGeometry
 from .index import KeyIndex
-from .layout import CacheGeometry
 from .metrics import Metrics, MetricsStore, serve_for_rank
 from .store.base import ObjectStore
 from .store.breaker import BreakerPolicy, CircuitBreakerStore

@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass
 
 from .bench.common import GEMMA3_27B, ModelSpec
 from .config import Settings
-from .hitrule import object_ends_needed, required_range
-from .layout import CacheGeometry, GroupGeometry
-from .objects import header_len
-from .policy import StoragePolicy, object_sizes
+from .core.hitrule import object_ends_needed, required_range
+from .core.layout import CacheGeometry, GroupGeometry
+from .core.objects import header_len
+from .core.policy import StoragePolicy, object_sizes
 
 #: Models with published configs (text decoder; KV in 16-bit). Llama has no sliding layers.
 PRESETS: dict[str, ModelSpec] = {

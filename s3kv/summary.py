@@ -38,8 +38,8 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .keys import DIGEST_SIZE, KeyScheme
-from .objects import header_len
+from .core.keys import DIGEST_SIZE, KeyScheme
+from .core.objects import header_len
 from .store.base import ObjectStore, StoreError
 
 log = logging.getLogger("s3kv.summary")

@@ -32,10 +32,10 @@ from collections import Counter
 from typing import Any
 
 from .config import Settings, load_settings
-from .errors import LoadFailed, S3KvError
-from .layout import CacheGeometry, expected_windows
+from .core.errors import LoadFailed, S3KvError
+from .core.layout import CacheGeometry, expected_windows
+from .core.plan import ConnectorMetadata
 from .leader import LeaderCore
-from .plan import ConnectorMetadata
 from .runtime import EngineRuntime, acquire_runtime, release_runtime
 from .store.base import ObjectStore
 from .trtllm_api import (

@@ -175,7 +175,7 @@ def test_version():
 
 
 def test_ops_read_the_url_and_settings_from_the_config_file(tmp_path):
-    from s3kv.keys import KeyScheme
+    from s3kv.core.keys import KeyScheme
     from s3kv.store.factory import open_store
 
     cache = tmp_path / "cache"
@@ -233,8 +233,8 @@ def test_ops_use_the_retry_settings():
 
 
 def _population(tmp_path, n: int) -> str:
-    from s3kv.keys import KeyScheme
-    from s3kv.objects import ObjectIdentity, encode_object, object_metadata
+    from s3kv.core.keys import KeyScheme
+    from s3kv.core.objects import ObjectIdentity, encode_object, object_metadata
     from s3kv.store.factory import open_store
 
     url = f"file://{tmp_path}/gc"
@@ -275,8 +275,8 @@ def test_gc_asks_before_deleting_many_objects(tmp_path):
 
 
 def test_ls_and_stats_show_group_windows(tmp_path):
-    from s3kv.keys import KeyScheme
-    from s3kv.objects import ObjectIdentity, encode_object, object_metadata
+    from s3kv.core.keys import KeyScheme
+    from s3kv.core.objects import ObjectIdentity, encode_object, object_metadata
     from s3kv.store.factory import open_store
 
     url = f"file://{tmp_path}/w"

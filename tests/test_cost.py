@@ -7,7 +7,7 @@ import math
 import pytest
 
 from s3kv.config import Settings
-from s3kv.cost import (
+from s3kv.core.cost import (
     GiB,
     MiB,
     Prices,

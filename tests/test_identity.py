@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from s3kv.core.keys import namespace_digest
+from s3kv.core.layout import CacheGeometry, GroupGeometry
 from s3kv.identity import model_identity, normalize_dtype
-from s3kv.keys import namespace_digest
-from s3kv.layout import CacheGeometry, GroupGeometry
 from s3kv.sim.config import SimCacheConfig, SimModel
 from s3kv.sim.llm_args import SimKvCacheConfig, SimLlmArgs, make_llm_args
 

@@ -14,12 +14,11 @@ from test_connector_sim import make_engine, run
 from test_worker import digest, load_md, make_core, save_object, step
 
 from s3kv.config import ConfigError, Settings, load_settings
-from s3kv.errors import LoadFailed
-from s3kv.integrity import IntegrityKeys, TagKey, keys_from_settings
-from s3kv.keys import chain_digests, chain_root, parse_key
-from s3kv.layout import CacheGeometry, GroupGeometry
-from s3kv.leader import LeaderCore
-from s3kv.objects import (
+from s3kv.core.errors import LoadFailed
+from s3kv.core.integrity import IntegrityKeys, TagKey, keys_from_settings
+from s3kv.core.keys import chain_digests, chain_root, parse_key
+from s3kv.core.layout import CacheGeometry, GroupGeometry
+from s3kv.core.objects import (
     FIXED_LEN,
     MAX_PAGES_PER_OBJECT,
     ObjectFormatError,
@@ -37,6 +36,7 @@ from s3kv.objects import (
     trailer_range,
     verify_page,
 )
+from s3kv.leader import LeaderCore
 from s3kv.ops import identity_from
 from s3kv.sim import gemma3_like, multi_turn_workload, repeat_workload
 from s3kv.store.base import ByteRange

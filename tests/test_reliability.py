@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from s3kv.core.objects import header_len
 from s3kv.faultmatrix import (
     SMALL,
     Cell,
@@ -35,7 +36,6 @@ from s3kv.faultmatrix import (
     store_from_settings,
     workload,
 )
-from s3kv.objects import header_len
 from s3kv.sim.request import SimRequestSpec
 from s3kv.store.base import NotFound, ObjectStore, StoreWrapper
 from s3kv.store.breaker import CircuitBreakerStore

@@ -10,9 +10,16 @@ import pytest
 import torch
 
 from s3kv.config import Settings
+from s3kv.core.objects import (
+    ObjectIdentity,
+    ObjectSpan,
+    decode_object,
+    encode_object,
+    header_len,
+    object_metadata,
+)
+from s3kv.core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
 from s3kv.index import KeyIndex
-from s3kv.objects import ObjectIdentity, ObjectSpan, decode_object, encode_object, header_len, object_metadata
-from s3kv.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
 from s3kv.store.base import StoreWrapper, TransientError
 from s3kv.store.memory import MemoryStore
 from s3kv.transfer.testing import GroupSpec, make_layout, page_bytes, write_page

@@ -436,7 +436,7 @@ def trace_command(
     S3 requests and dollars, prefill saved."""
     import os
 
-    from ..cost import Prices
+    from ..core.cost import Prices
     from ..trace import TraceError
     from . import trace
     from .common import bench_store

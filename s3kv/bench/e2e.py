@@ -131,7 +131,7 @@ def _flush(engine: Any) -> None:
 
 def _kv_blocks(tokens: Any, tokens_per_block: int) -> set[bytes]:
     """Chain digests of the full blocks whose KV a request wrote (prompt + answer, less the last token)."""
-    from ..keys import Chain
+    from ..core.keys import Chain
 
     return set(Chain(b"\0" * 16, tokens_per_block).extend_to(list(tokens)[:-1]))
 
@@ -221,8 +221,8 @@ def _stored_by_group(
     bs: BenchStore, policy: str, groups: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, int]]:
     """Objects, bytes and pages stored under the policy's prefix, per layer group."""
-    from ..keys import parse_key
-    from ..objects import header_len
+    from ..core.keys import parse_key
+    from ..core.objects import header_len
 
     out: dict[str, dict[str, int]] = {
         g["name"]: {"objects": 0, "bytes": 0, "pages": 0} for g in groups.values()

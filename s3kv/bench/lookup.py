@@ -45,11 +45,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import Settings
-from ..keys import Chain, chain_root
-from ..layout import CacheGeometry, GroupGeometry
+from ..core.keys import Chain, chain_root
+from ..core.layout import CacheGeometry, GroupGeometry
+from ..core.objects import ObjectIdentity, encode_object, object_metadata
+from ..core.plan import SealOp
 from ..leader import LeaderCore
-from ..objects import ObjectIdentity, encode_object, object_metadata
-from ..plan import SealOp
 from .clients import fan_out, s3kv_stores, shaped
 from .common import GEMMA3_27B, BenchStore, ModelSpec, machine_info, progress, rnd
 

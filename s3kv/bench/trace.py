@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cost import Prices, Usage, cost, get_requests, put_requests, usd_per_million_tokens_served
+from ..core.cost import Prices, Usage, cost, get_requests, put_requests, usd_per_million_tokens_served
 from ..store.base import Buffer, ByteRange, HeadBatch, StoreWrapper
 from ..trace import (
     TokenSynth,
@@ -153,7 +153,7 @@ class RealSizeStore(StoreWrapper):
         return self.inner.head_many(keys)
 
     def put(self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None) -> bool:
-        from ..objects import header_len
+        from ..core.objects import header_len
         from ..store.base import as_buffers, total_size
 
         md = {k.lower(): v for k, v in (metadata or {}).items()}
@@ -180,8 +180,8 @@ class RealSizeStore(StoreWrapper):
         return created
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
-        from ..keys import parse_key
-        from ..objects import header_len
+        from ..core.keys import parse_key
+        from ..core.objects import header_len
 
         pk = parse_key(key)
         fp = pk.group_fingerprint if pk else ""

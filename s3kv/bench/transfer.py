@@ -73,7 +73,7 @@ class _Size:
     def __init__(self, bs: BenchStore, cfg: TransferConfig, object_mib: float):
         import torch
 
-        from ..objects import header_len
+        from ..core.objects import header_len
         from ..transfer.staging import host_memoryview
         from ..transfer.testing import GroupSpec, make_layout
 
@@ -125,7 +125,7 @@ class _Size:
     def _warm(self, saver: Any, loader: Any, prefix: str) -> None:
         """Untimed, so the timed run sees a long-running engine's steady state: staging arenas
         touched (a pinned CUDA arena is, at allocation), worker threads and connections up."""
-        from ..plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
+        from ..core.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
         from ..transfer.staging import LOAD
 
         for core in (saver, loader):
@@ -161,7 +161,7 @@ class _Size:
 
     def s3kv(self, rep: int, store: Any = None, tag: str = "s3kv") -> tuple[float, float, bool, float, float]:
         """(save s, load s, bit exact, save CPU s, load CPU s) of s3kv's pipelines on ``store``."""
-        from ..plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
+        from ..core.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
         from ..transfer.testing import GroupSpec, make_layout
 
         prefix = f"{self.root}/{tag}-r{rep}"

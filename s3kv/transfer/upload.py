@@ -28,9 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..cost import MULTIPART_THRESHOLD, PART_SIZE, put_requests
+from ..core.cost import MULTIPART_THRESHOLD, PART_SIZE, put_requests
+from ..core.objects import ObjectIdentity, ObjectSpan, encode_object, object_metadata
 from ..index import KeyIndex
-from ..objects import ObjectIdentity, ObjectSpan, encode_object, object_metadata
 from ..store.base import ObjectStore, StoreError
 from .counters import Counters
 from .staging import StagingBuffer

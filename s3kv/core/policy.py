@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .config import Settings, auto_blocks_per_object
+from ..config import Settings, auto_blocks_per_object
 from .hitrule import required_range
 from .layout import CacheGeometry
 

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import blake3
 
 if TYPE_CHECKING:
-    from .config import Settings
+    from ..config import Settings
 
 MIN_SECRET_CHARS = 32
 KEY_ID_BYTES = 8
@@ -155,7 +155,7 @@ def _read_secrets(path: str, setting: str) -> list[str]:
 
 
 def _config_error(message: str) -> Exception:
-    from .config import ConfigError
+    from ..config import ConfigError
 
     return ConfigError(message)
 
