@@ -118,7 +118,7 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
     own defaults fill only what the user left unset, and ``forced`` (command-line flags) wins.
     """
     from .config import load_settings
-    from .runtime import open_runtime_store
+    from .engine.runtime import open_runtime_store
     from .sim import SimCacheConfig, SimEngine, gemma3_like
     from .store.instrument import InstrumentedStore
     from .trtllm import S3KvConnectorLeader, S3KvConnectorWorker
@@ -300,7 +300,7 @@ def _check_settings(url: str, forced: dict[str, Any], shape: DemoShape) -> Any:
 def _check_access(url: str) -> None:
     """One clear line (no bucket, no credentials, dead endpoint) before any cluster starts."""
     from .config import load_settings
-    from .runtime import open_runtime_store
+    from .engine.runtime import open_runtime_store
     from .store.base import StoreError
 
     store, _ = open_runtime_store(load_settings(url=url))
@@ -315,7 +315,7 @@ def _check_access(url: str) -> None:
 def _delete_under(url: str) -> str:
     """Delete what the demo wrote under its own run prefix; one line saying how it went."""
     from .config import load_settings
-    from .runtime import open_runtime_store
+    from .engine.runtime import open_runtime_store
     from .store.base import StoreError
 
     store, prefix = open_runtime_store(load_settings(url=url))

@@ -137,11 +137,11 @@ def store_from_settings(
 ) -> tuple[ObjectStore, str]:
     """The S3 store ``open_runtime_store`` would build from ``settings``, at an explicit endpoint.
 
-    Same options mapping as :func:`s3kv.runtime.open_runtime_store` (timeouts, retry policy,
+    Same options mapping as :func:`s3kv.engine.runtime.open_runtime_store` (timeouts, retry policy,
     multipart, SSE) so a fault run exercises the production store; only the endpoint and the
     keys are passed in rather than read from the process environment.
     """
-    from .runtime import s3_options
+    from .engine.runtime import s3_options
     from .store.factory import make_s3_store, parse_store_url
 
     scheme, bucket, prefix = parse_store_url(settings.url)

@@ -74,7 +74,7 @@ class _Ctx:
 def _open(url: str | None, as_json: bool) -> _Ctx:
     """The store behind ``--url`` (else the S3KV_URL setting), opened with the user's settings:
     ``S3KV_CONFIG_FILE`` and the env's timeouts, retries and SSE apply as in an engine."""
-    from .runtime import open_runtime_store
+    from .engine.runtime import open_runtime_store
 
     try:
         settings = load_settings(require_url=False, url=url.strip() if url else None)

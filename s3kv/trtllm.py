@@ -35,8 +35,8 @@ from .config import Settings, load_settings
 from .core.errors import LoadFailed, S3KvError
 from .core.layout import CacheGeometry, expected_windows
 from .core.plan import ConnectorMetadata
-from .leader import LeaderCore
-from .runtime import EngineRuntime, acquire_runtime, release_runtime
+from .engine.leader import LeaderCore
+from .engine.runtime import EngineRuntime, acquire_runtime, release_runtime
 from .store.base import ObjectStore
 from .trtllm_api import (
     FAILED_LOAD_HOOK,
@@ -301,7 +301,7 @@ class S3KvConnectorWorker(KvCacheConnectorWorker):
     ):
         super().__init__(llm_args)
         _check_engine(llm_args)
-        from .worker import WorkerCore  # imported here: it pulls in the transfer threads
+        from .engine.worker import WorkerCore  # imported here: it pulls in the transfer threads
 
         self._llm_args = llm_args
         self._observed_at = 0.0

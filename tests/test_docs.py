@@ -172,7 +172,7 @@ def test_sizing_commands_print_what_the_page_shows(tmp_path):
 
 
 def _metric_families() -> dict[str, str]:
-    from s3kv.metrics import Metrics
+    from s3kv.engine.metrics import Metrics
 
     return {fam.name: fam.type for fam in Metrics().registry.collect()}
 

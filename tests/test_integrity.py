@@ -36,7 +36,7 @@ from s3kv.core.objects import (
     trailer_range,
     verify_page,
 )
-from s3kv.leader import LeaderCore
+from s3kv.engine.leader import LeaderCore
 from s3kv.ops import identity_from
 from s3kv.sim import gemma3_like, multi_turn_workload, repeat_workload
 from s3kv.store.base import ByteRange

@@ -14,7 +14,7 @@ from s3kv.core.keys import KeyScheme, chain_digests, chain_root, namespace_diges
 from s3kv.core.layout import CacheGeometry, GroupGeometry
 from s3kv.core.objects import ObjectIdentity, encode_object, object_metadata
 from s3kv.core.plan import ConnectorMetadata
-from s3kv.leader import LeaderCore
+from s3kv.engine.leader import LeaderCore
 from s3kv.store.base import StoreWrapper
 from s3kv.store.memory import MemoryStore
 

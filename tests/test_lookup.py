@@ -12,8 +12,8 @@ from s3kv.core.keys import KeyScheme, chain_digests, chain_root, namespace_diges
 from s3kv.core.layout import CacheGeometry, GroupGeometry
 from s3kv.core.lookup import LookupParams, find_hit
 from s3kv.core.objects import ObjectIdentity, encode_object, object_metadata
-from s3kv.index import KeyIndex
-from s3kv.leader import LeaderCore
+from s3kv.engine.index import KeyIndex
+from s3kv.engine.leader import LeaderCore
 from s3kv.store.base import HeadBatch, StoreError, StoreWrapper, TransientError
 from s3kv.store.memory import MemoryStore
 

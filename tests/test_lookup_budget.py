@@ -20,8 +20,8 @@ from test_lookup import TPB, geo, put_prefix, tokens_of
 
 from s3kv.config import Settings
 from s3kv.core.objects import ObjectSpan
-from s3kv.index import MISSING, KeyIndex
-from s3kv.leader import LeaderCore
+from s3kv.engine.index import MISSING, KeyIndex
+from s3kv.engine.leader import LeaderCore
 from s3kv.store.base import ByteRange, HeadBatch, NotFound, StoreWrapper
 from s3kv.store.breaker import BreakerPolicy, BreakerState, CircuitBreakerStore
 from s3kv.store.fsspec_store import FsspecStore

@@ -10,7 +10,7 @@ from s3kv.config import Settings
 from s3kv.core.hitrule import Span, servable
 from s3kv.core.layout import CacheGeometry, GroupGeometry
 from s3kv.core.policy import StoragePolicy
-from s3kv.leader import LeaderCore
+from s3kv.engine.leader import LeaderCore
 from s3kv.store.memory import MemoryStore
 
 TPB = 32

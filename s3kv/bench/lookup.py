@@ -49,7 +49,7 @@ from ..core.keys import Chain, chain_root
 from ..core.layout import CacheGeometry, GroupGeometry
 from ..core.objects import ObjectIdentity, encode_object, object_metadata
 from ..core.plan import SealOp
-from ..leader import LeaderCore
+from ..engine.leader import LeaderCore
 from .clients import fan_out, s3kv_stores, shaped
 from .common import GEMMA3_27B, BenchStore, ModelSpec, machine_info, progress, rnd
 

@@ -112,7 +112,7 @@ class _Size:
         )
 
     def _worker(self, layout: Any, prefix: str, store: Any = None) -> Any:
-        from ..worker import WorkerCore
+        from ..engine.worker import WorkerCore
 
         core = WorkerCore(
             self.settings, store if store is not None else self.bs.store, prefix, 0, 1,

@@ -189,7 +189,7 @@ def test_save_through_the_batch_waits_for_the_forward():
 
 @pytest.mark.parametrize("batch_copies", [True, False], ids=["batch", "per-page"])
 def test_worker_setting_picks_the_copy_path(batch_copies):
-    from s3kv.worker import WorkerCore
+    from s3kv.engine.worker import WorkerCore
 
     layout = make_layout([SPECS["multi-region"]], num_slots=16, device=DEV, fill_seed=4)
     core = WorkerCore(Settings(staging_mib=16, batch_copies=batch_copies), MemoryStore(), "kv", 0, 1, "m", "bf16")

@@ -20,10 +20,10 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
 from s3kv.config import Settings  # noqa: E402
 from s3kv.core.objects import decode_object, header_len  # noqa: E402
 from s3kv.core.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp  # noqa: E402
+from s3kv.engine.worker import WorkerCore  # noqa: E402
 from s3kv.store.base import StoreWrapper  # noqa: E402
 from s3kv.store.memory import MemoryStore  # noqa: E402
 from s3kv.transfer.testing import GroupSpec, make_layout, page_bytes  # noqa: E402
-from s3kv.worker import WorkerCore  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

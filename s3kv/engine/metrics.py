@@ -48,7 +48,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import start_http_server as _prom_start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
-from .store.base import (
+from ..store.base import (
     Buffer,
     ByteRange,
     HeadBatch,
@@ -369,7 +369,7 @@ class Metrics:
             counter.inc(d)
 
     def observe_leader(self, stats: Any, source: str = "leader") -> None:
-        """Copy a :class:`s3kv.leader.LeaderStats` (or any object / mapping with those fields)."""
+        """Copy a :class:`s3kv.engine.leader.LeaderStats` (or any object / mapping with those fields)."""
         for metric, names in (
             (self.lookups, ("lookups",)),
             (self.hits, ("hits",)),

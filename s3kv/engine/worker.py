@@ -64,19 +64,19 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Settings
-from .core.errors import LoadFailed
-from .core.keys import KeyScheme, namespace_digest
-from .core.layout import CacheGeometry
-from .core.objects import ObjectIdentity
-from .core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, SealOp, StageOp
+from ..config import Settings
+from ..core.errors import LoadFailed
+from ..core.keys import KeyScheme, namespace_digest
+from ..core.layout import CacheGeometry
+from ..core.objects import ObjectIdentity
+from ..core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, SealOp, StageOp
+from ..store.base import ObjectStore
+from ..transfer.copies import Copier, PageCopy
+from ..transfer.counters import Counters, MetricsHook
+from ..transfer.download import DONE, PENDING, Downloader, LoadJob, LoadPlanError, build_jobs
+from ..transfer.staging import SAVE, StagingBuffer, StagingPool
+from ..transfer.upload import Uploader, UploadJob
 from .index import KeyIndex
-from .store.base import ObjectStore
-from .transfer.copies import Copier, PageCopy
-from .transfer.counters import Counters, MetricsHook
-from .transfer.download import DONE, PENDING, Downloader, LoadJob, LoadPlanError, build_jobs
-from .transfer.staging import SAVE, StagingBuffer, StagingPool
-from .transfer.upload import Uploader, UploadJob
 
 log = logging.getLogger(__name__)
 
@@ -330,7 +330,7 @@ class WorkerCore:
             self._geometry = geometry
             # Saves need a buffer per open object and group; with room for fewer than a few
             # objects of the largest group, most saves would be dropped.
-            from .core.policy import object_sizes
+            from ..core.policy import object_sizes
 
             blocks, _ = object_sizes([g.page_bytes for g in geometry.groups], geometry.tokens_per_block, self.settings)
             biggest = max(b * g.page_bytes for b, g in zip(blocks, geometry.groups, strict=True))

@@ -15,7 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-from .core.objects import ObjectSpan
+from ..core.objects import ObjectSpan
 
 
 class _Missing:

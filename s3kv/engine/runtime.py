@@ -20,12 +20,12 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Settings
-from .core.layout import CacheGeometry
+from ..config import Settings
+from ..core.layout import CacheGeometry
+from ..store.base import ObjectStore
+from ..store.breaker import BreakerPolicy, CircuitBreakerStore
 from .index import KeyIndex
 from .metrics import Metrics, MetricsStore, serve_for_rank
-from .store.base import ObjectStore
-from .store.breaker import BreakerPolicy, CircuitBreakerStore
 
 log = logging.getLogger("s3kv.runtime")
 
@@ -102,8 +102,8 @@ def engine_key_for(llm_args: Any, settings: Settings) -> str:
 
 def s3_options(settings: Settings) -> Any:
     """The ``S3Options`` the settings describe (timeouts, retries, multipart, SSE)."""
-    from .store.retrying import RetryPolicy
-    from .store.s3 import S3Options
+    from ..store.retrying import RetryPolicy
+    from ..store.s3 import S3Options
 
     mib = 1024 * 1024
     return S3Options(
@@ -122,7 +122,7 @@ def s3_options(settings: Settings) -> Any:
 
 def open_runtime_store(settings: Settings) -> tuple[ObjectStore, str]:
     """The store behind ``settings.url`` and the key prefix to build keys under."""
-    from .store.factory import open_store, parse_store_url
+    from ..store.factory import open_store, parse_store_url
 
     scheme, _bucket, prefix = parse_store_url(settings.url)
     store = open_store(settings.url, options=s3_options(settings) if scheme == "s3" else None)

@@ -19,17 +19,17 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Settings
-from .core.errors import PlanMismatch
-from .core.hitrule import Span, required_range, servable
-from .core.keys import Chain, KeyScheme, NotCacheable, chain_root, namespace_digest
-from .core.layout import CacheGeometry
-from .core.lookup import Ask, LookupParams, LookupResult, find_hit
-from .core.objects import ObjectFormatError, ObjectIdentity, span_from_metadata
-from .core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
-from .core.policy import StoragePolicy, object_sizes
+from ..config import Settings
+from ..core.errors import PlanMismatch
+from ..core.hitrule import Span, required_range, servable
+from ..core.keys import Chain, KeyScheme, NotCacheable, chain_root, namespace_digest
+from ..core.layout import CacheGeometry
+from ..core.lookup import Ask, LookupParams, LookupResult, find_hit
+from ..core.objects import ObjectFormatError, ObjectIdentity, span_from_metadata
+from ..core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
+from ..core.policy import StoragePolicy, object_sizes
+from ..store.base import HeadBatch, ObjectStore, StoreError
 from .index import MISSING, KeyIndex
-from .store.base import HeadBatch, ObjectStore, StoreError
 from .summary import NamespaceSummary, SummaryGroup
 
 log = logging.getLogger("s3kv.leader")

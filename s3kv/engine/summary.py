@@ -38,9 +38,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from .core.keys import DIGEST_SIZE, KeyScheme
-from .core.objects import header_len
-from .store.base import ObjectStore, StoreError
+from ..core.keys import DIGEST_SIZE, KeyScheme
+from ..core.objects import header_len
+from ..store.base import ObjectStore, StoreError
 
 log = logging.getLogger("s3kv.summary")
 
