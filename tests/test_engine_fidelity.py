@@ -217,7 +217,7 @@ EXIT_SCRIPT = textwrap.dedent(
     from s3kv.core.plan import BufferId, ConnectorMetadata, SealOp, StageOp
     from s3kv.store.base import StoreWrapper
     from s3kv.store.fsspec_store import FsspecStore
-    from s3kv.transfer.testing import GroupSpec, make_layout
+    from s3kv.sim.layouts import GroupSpec, make_layout
     from s3kv.engine.worker import WorkerCore
 
     class Slow(StoreWrapper):

@@ -39,9 +39,9 @@ from s3kv.core.objects import (
 from s3kv.engine.leader import LeaderCore
 from s3kv.ops import identity_from
 from s3kv.sim import gemma3_like, multi_turn_workload, repeat_workload
+from s3kv.sim.layouts import page_bytes
 from s3kv.store.base import ByteRange
 from s3kv.store.memory import MemoryStore
-from s3kv.transfer.testing import page_bytes
 
 SECRET = "0123456789abcdef" * 4
 OLD_SECRET = "fedcba9876543210" * 4

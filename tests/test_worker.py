@@ -21,9 +21,9 @@ from s3kv.core.objects import (
 from s3kv.core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
 from s3kv.engine.index import KeyIndex
 from s3kv.engine.worker import WorkerCore
+from s3kv.sim.layouts import GroupSpec, make_layout, page_bytes, write_page
 from s3kv.store.base import StoreWrapper, TransientError
 from s3kv.store.memory import MemoryStore
-from s3kv.transfer.testing import GroupSpec, make_layout, page_bytes, write_page
 
 # Group 0: full attention, one padded region. Group 1: sliding, two regions (data + scales).
 GROUPS = [GroupSpec((0, 2), None, (192,), pad=64), GroupSpec((1, 3), 64, (128, 32))]

@@ -1,6 +1,6 @@
 """``s3kv bench staging``: scattered page copies through s3kv's copy path vs one contiguous memcpy.
 
-A thin front end to :func:`s3kv.transfer.staging_bench.bench_staging` (see there for the method):
+A thin front end to :func:`s3kv.bench.staging_copies.bench_staging` (see there for the method):
 device->pinned-host (save) and pinned-host->device (load) copies of scattered pages, against one
 ``copy_`` of the same bytes. Needs a CUDA device; without one it says so and exits 0
 (``{"skipped": "needs CUDA"}``). ``--device cpu`` runs the same code on host memory (a smoke test
@@ -39,7 +39,7 @@ def run_staging(page_mib: Sequence[float], pages: int, device: str) -> dict[str,
             "targets": {},
             "targets_met": {},
         }
-    from ..transfer.staging_bench import bench_staging
+    from .staging_copies import bench_staging
 
     t0 = time.perf_counter()
     res = bench_staging(tuple(page_mib), pages, device)

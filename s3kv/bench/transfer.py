@@ -74,8 +74,8 @@ class _Size:
         import torch
 
         from ..core.objects import header_len
+        from ..sim.layouts import GroupSpec, make_layout
         from ..transfer.staging import host_memoryview
-        from ..transfer.testing import GroupSpec, make_layout
 
         self.bs = bs
         self.cfg = cfg
@@ -162,7 +162,7 @@ class _Size:
     def s3kv(self, rep: int, store: Any = None, tag: str = "s3kv") -> tuple[float, float, bool, float, float]:
         """(save s, load s, bit exact, save CPU s, load CPU s) of s3kv's pipelines on ``store``."""
         from ..core.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
-        from ..transfer.testing import GroupSpec, make_layout
+        from ..sim.layouts import GroupSpec, make_layout
 
         prefix = f"{self.root}/{tag}-r{rep}"
         digests = [_digest(self.object_mib, rep, o) for o in range(self.objects)]

@@ -33,7 +33,7 @@ DIGEST_SIZE = 16
 def namespace_digest(geometry: CacheGeometry, *, tagged: bool = False) -> bytes:
     """Everything that makes bytes incompatible goes in: a different geometry never shares a key.
 
-    ``geometry.model_id`` is the model identity (``s3kv.identity``: name, revision,
+    ``geometry.model_id`` is the model identity (``s3kv.trtllm.identity``: name, revision,
     model dtype, quantization, config digest) and ``kv_dtype`` the resolved KV dtype,
     so fp16 and bf16 loads of one checkpoint never share a key. ``tagged``: engines
     that sign objects (integrity key set) keep their own namespace -- untagged

@@ -53,7 +53,7 @@ class CacheGeometry:
     #: Indexed by group id (ids are dense from 0).
     groups: tuple[GroupGeometry, ...]
     tp_size: int
-    #: The dtype pages really hold, resolved ("auto" -> model dtype or KV quantization; s3kv/identity.py).
+    #: The dtype pages really hold, resolved ("auto" -> model dtype or KV quantization; s3kv/trtllm/identity.py).
     kv_dtype: str
     #: Model identity: name, revision, model dtype, quantization, config digest (``ModelIdentity.model_id``).
     model_id: str

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from ..trtllm_api import RequestData, SchedulerOutput
+from ..trtllm.api import RequestData, SchedulerOutput
 from .checker import KvChecker, PageCheck
 from .config import GroupSpec, SimCacheConfig, SimModel, layer_groups, sliding_cutoff
 from .llm_args import SimLlmArgs, make_llm_args

@@ -15,10 +15,10 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from s3kv.config import Settings  # noqa: E402
+from s3kv.sim.layouts import GroupSpec, make_layout, page_bytes  # noqa: E402
 from s3kv.store.memory import MemoryStore  # noqa: E402
 from s3kv.transfer.copies import Copier, PageCopy  # noqa: E402
 from s3kv.transfer.memcpy_batch import MemcpyBatch, MemcpyBatchError  # noqa: E402
-from s3kv.transfer.testing import GroupSpec, make_layout, page_bytes  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 

@@ -1,6 +1,6 @@
 """Tensor-backed KV cache layouts for tests and benchmarks (CPU or CUDA).
 
-Uses the tensor-backed layout classes of :mod:`s3kv.trtllm_api` (the stand-ins when
+Uses the tensor-backed layout classes of :mod:`s3kv.trtllm.api` (the stand-ins when
 TensorRT-LLM is absent; the real ``KvCacheRegion`` addresses raw device memory), so
 each region is backed by a uint8 tensor the test can inspect and overwrite.
 """
@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from .. import trtllm_api
-from .staging import host_memoryview
+from ..transfer.staging import host_memoryview
+from ..trtllm import api as trtllm_api
 
 
 @dataclass(frozen=True)
