@@ -37,11 +37,11 @@ from s3kv.core.objects import (
     verify_page,
 )
 from s3kv.engine.leader import LeaderCore
-from s3kv.ops import identity_from
 from s3kv.sim import gemma3_like, multi_turn_workload, repeat_workload
 from s3kv.sim.layouts import page_bytes
 from s3kv.store.base import ByteRange
 from s3kv.store.memory import MemoryStore
+from s3kv.tools.ops import identity_from
 
 SECRET = "0123456789abcdef" * 4
 OLD_SECRET = "fedcba9876543210" * 4
@@ -497,7 +497,7 @@ def test_simulated_fleet_planted_kv(key):
 
 
 def test_operator_check_reads_tagged_objects_without_the_key():
-    from s3kv.ops import check_object
+    from s3kv.tools.ops import check_object
 
     store = MemoryStore()
     key = "kv/" + "00" * 16 + "/0123456789abcdef.1of2/" + DIGEST.hex()

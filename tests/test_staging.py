@@ -173,7 +173,7 @@ def test_cpu_copier_has_no_events():
 
 
 def test_bench_staging_runs_on_cpu():
-    from s3kv.bench.staging_copies import bench_staging
+    from s3kv.tools.bench.staging_copies import bench_staging
 
     r = bench_staging(page_sizes_mib=(1 / 64, 1 / 16), pages=8, device="cpu", repeats=2)
     assert len(r["results"]) == 2 and r["pinned"] is False

@@ -275,7 +275,7 @@ def test_staging_bound_and_drops_on_cuda(fwd):
 
 
 def test_bench_staging_smoke():
-    from s3kv.bench.staging_copies import bench_staging
+    from s3kv.tools.bench.staging_copies import bench_staging
 
     r = bench_staging(page_sizes_mib=(1, 4), pages=16, device="cuda", repeats=3)
     assert r["pinned"] is True

@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 
-from ..sim.layouts import GroupSpec, make_layout
-from ..transfer.copies import Copier, PageCopy
-from ..transfer.staging import SAVE, StagingPool
+from ...sim.layouts import GroupSpec, make_layout
+from ...transfer.copies import Copier, PageCopy
+from ...transfer.staging import SAVE, StagingPool
 
 
 def _sync(device: torch.device) -> None:

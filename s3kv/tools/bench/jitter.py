@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Settings
+from ...config import Settings
 from .clients import s3kv_stores
 from .common import BenchStore, MiB, machine_info, progress, rnd
 
@@ -155,7 +155,7 @@ def run_jitter(bs: BenchStore, cfg: JitterConfig) -> dict[str, Any]:
             r["lookups"]["lookups_per_s"] = rnd(n / cfg.phase_s, 1)
 
             def download(stop: threading.Event, store: Any = store) -> float:
-                from ..store.base import ByteRange
+                from ...store.base import ByteRange
 
                 bufs = [bytearray(size) for _ in range(cfg.download_threads)]
                 moved = [0]

@@ -2,7 +2,7 @@
 
 Every request of the trace, in arrival order, goes through ``SimEngine`` driving the real
 ``S3KvConnectorLeader`` / ``S3KvConnectorWorker`` on one store, once per storage policy, from an
-empty bucket each time. Its prompt is synthesised from the trace's hash ids (``s3kv.trace``:
+empty bucket each time. Its prompt is synthesised from the trace's hash ids (``s3kv.tools.bench.tracefile``:
 equal ids give equal tokens; a request that continues an earlier one re-sends that request's
 prompt tail and the answer the engine really generated). The simulator's checker compares
 every page the connector served with what recomputation writes (``kv_mismatches``).
@@ -47,16 +47,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.cost import Prices, Usage, cost, get_requests, put_requests, usd_per_million_tokens_served
-from ..store.base import Buffer, ByteRange, HeadBatch, StoreWrapper
-from ..trace import (
-    TokenSynth,
-    TraceRequest,
-    duration_hours,
-    find_continuations,
-    read_trace,
-    trace_reuse_tokens,
-)
+from ...core.cost import Prices, Usage, cost, get_requests, put_requests, usd_per_million_tokens_served
+from ...store.base import Buffer, ByteRange, HeadBatch, StoreWrapper
 from .common import (
     GEMMA3_27B,
     GPU_NAME,
@@ -67,6 +59,14 @@ from .common import (
     machine_info,
     progress,
     rnd,
+)
+from .tracefile import (
+    TokenSynth,
+    TraceRequest,
+    duration_hours,
+    find_continuations,
+    read_trace,
+    trace_reuse_tokens,
 )
 
 #: Gemma-3 text decoders (published configs): layers, hidden, MLP, query heads, KV heads, head
@@ -153,8 +153,8 @@ class RealSizeStore(StoreWrapper):
         return self.inner.head_many(keys)
 
     def put(self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None) -> bool:
-        from ..core.objects import header_len
-        from ..store.base import as_buffers, total_size
+        from ...core.objects import header_len
+        from ...store.base import as_buffers, total_size
 
         md = {k.lower(): v for k, v in (metadata or {}).items()}
         fp, n = md.get("s3kv-group", ""), int(md.get("s3kv-count", "0") or 0)
@@ -180,8 +180,8 @@ class RealSizeStore(StoreWrapper):
         return created
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
-        from ..core.keys import parse_key
-        from ..core.objects import header_len
+        from ...core.keys import parse_key
+        from ...core.objects import header_len
 
         pk = parse_key(key)
         fp = pk.group_fingerprint if pk else ""
@@ -268,7 +268,7 @@ class _Oracle:
 
 
 def _sim_model(cfg: TraceConfig) -> Any:
-    from ..sim import FULL_ATTENTION, SimModel
+    from ...sim import FULL_ATTENTION, SimModel
 
     return SimModel(
         num_layers=2,
@@ -287,7 +287,7 @@ def real_page_bytes(model: ModelSpec, tpb: int) -> list[int]:
 
 
 def _leader_class(sizing: Sequence[int]) -> Any:
-    from ..trtllm import S3KvConnectorLeader
+    from ...trtllm import S3KvConnectorLeader
 
     class SizedLeader(S3KvConnectorLeader):
         """The real adapter, told to size objects from the real model's pages (it moves tiny ones)."""
@@ -306,7 +306,7 @@ class _Shared(StoreWrapper):
 
 @functools.cache
 def _spec_class() -> Any:
-    from ..sim import SimRequestSpec
+    from ...sim import SimRequestSpec
 
     class TraceSpec(SimRequestSpec):
         """Its tokens are ints already: skips the per-token conversion (~20 s of a whole-trace replay)."""
@@ -336,9 +336,9 @@ def replay(
     oracle: _Oracle | None = None,
 ) -> dict[str, Any]:
     """One policy over the whole trace, from an empty prefix; per-request served tokens and totals."""
-    from ..config import Settings
-    from ..sim import SimCacheConfig, SimEngine
-    from ..trtllm import S3KvConnectorWorker
+    from ...config import Settings
+    from ...sim import SimCacheConfig, SimEngine
+    from ...trtllm import S3KvConnectorWorker
 
     policy, branch = RUNS[run]
     tpb = cfg.tokens_per_block

@@ -29,8 +29,8 @@ from typing import Any
 
 import click
 
-from ..store.base import HeadBatch, ObjectStore
-from ..store.throttle import ThrottledStore
+from ...store.base import HeadBatch, ObjectStore
+from ...store.throttle import ThrottledStore
 
 MiB = 1 << 20
 #: Bucket the embedded server is started with.
@@ -315,7 +315,7 @@ def bench_store(
     keep: bool = False,
 ) -> Iterator[BenchStore]:
     """The store a benchmark runs on, with a run-unique key prefix; cleaned up on exit."""
-    from ..store.instrument import InstrumentedStore
+    from ...store.instrument import InstrumentedStore
 
     if latency_ms < 0:
         raise click.BadParameter("must be >= 0", param_hint="--latency-ms")
@@ -327,8 +327,8 @@ def bench_store(
     cleanup = False
     try:
         if not url:
-            from ..store.embedded import EmbeddedS3
-            from ..store.s3 import S3Options
+            from ...store.embedded import EmbeddedS3
+            from ...store.s3 import S3Options
 
             emb = EmbeddedS3(kind=server, bucket=BENCH_BUCKET).start()  # type: ignore[arg-type]
             raw = emb.make_store(options=S3Options(max_concurrency=concurrency))
@@ -345,11 +345,11 @@ def bench_store(
             kind: str = emb.kind
             where = f"embedded {emb.kind} at {emb.endpoint_url}"
         else:
-            from ..store.factory import open_store, parse_store_url
+            from ...store.factory import open_store, parse_store_url
 
             scheme, bucket, url_prefix = parse_store_url(url)
             if scheme == "s3":
-                from ..store.s3 import S3Options, S3Store
+                from ...store.s3 import S3Options, S3Store
 
                 raw = open_store(url, options=S3Options(max_concurrency=concurrency))
                 assert isinstance(raw, S3Store)

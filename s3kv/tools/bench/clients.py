@@ -18,13 +18,13 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..store.base import ObjectStore
+from ...store.base import ObjectStore
 from .common import BenchStore, RawClient, RegionLatency
 
 
 def s3_endpoint(bs: BenchStore) -> tuple[str, str, Any] | None:
     """(bucket, endpoint URL, boto3 session) of the bench store, or None if it is not S3."""
-    from ..store.s3 import S3Store
+    from ...store.s3 import S3Store
 
     raw = bs.raw
     boto = getattr(raw, "_boto", raw)
@@ -39,8 +39,8 @@ def s3kv_stores(bs: BenchStore, *, head_concurrency: int = 128) -> dict[str, Obj
     if ep is None:
         return {"store": bs.raw}
     bucket, endpoint, session = ep
-    from ..store.obstore_store import ObstoreS3Store, available
-    from ..store.s3 import S3Options, S3Store
+    from ...store.obstore_store import ObstoreS3Store, available
+    from ...store.s3 import S3Options, S3Store
 
     out: dict[str, ObjectStore] = {}
     opts = S3Options(max_concurrency=bs.concurrency, head_concurrency=head_concurrency)
@@ -57,7 +57,7 @@ def fan_out(client: str, bs: BenchStore, head_concurrency: int = 128) -> int:
 
 def shaped(bs: BenchStore, store: ObjectStore, concurrency: int) -> tuple[Any, RegionLatency | None]:
     """``InstrumentedStore(RegionLatency(store))`` as the bench store is built, for another client."""
-    from ..store.instrument import InstrumentedStore
+    from ...store.instrument import InstrumentedStore
 
     lat = RegionLatency(store, bs.latency_ms / 1000.0, concurrency) if bs.latency_ms else None
     return InstrumentedStore(lat if lat is not None else store), lat

@@ -78,7 +78,7 @@ def _check_plot(plot_path: str | None, url: str | None = None) -> None:
 
         require_matplotlib()
     if url:
-        from ..config import ConfigError, check_url
+        from ...config import ConfigError, check_url
 
         try:
             check_url(url, "--url")
@@ -436,10 +436,10 @@ def trace_command(
     S3 requests and dollars, prefill saved."""
     import os
 
-    from ..core.cost import Prices
-    from ..trace import TraceError
+    from ...core.cost import Prices
     from . import trace
     from .common import bench_store
+    from .tracefile import TraceError
 
     if tokens_per_block <= 0 or tokens_per_block % 4:
         raise click.BadParameter("must be a positive multiple of 4", param_hint="--tokens-per-block")

@@ -28,7 +28,7 @@ from typing import Any
 
 import click
 
-from .core.keys import parse_key
+from ..core.keys import parse_key
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,8 @@ class DemoShape:
 
 def _workload(shape: DemoShape, role: str) -> list[list[Any]]:
     """Phases of requests: one per conversation turn (users think between turns), new users last."""
-    from .sim import multi_turn_workload, random_tokens
-    from .sim.request import SimRequestSpec
+    from ..sim import multi_turn_workload, random_tokens
+    from ..sim.request import SimRequestSpec
 
     turns = shape.turns_a if role == "A" else shape.turns_b
     base = multi_turn_workload(
@@ -103,7 +103,7 @@ def demo_defaults(shape: DemoShape) -> dict[str, Any]:
 def demo_overrides(shape: DemoShape, forced: dict[str, Any] | None = None,
                    env: dict[str, str] | None = None) -> dict[str, Any]:
     """The demo's defaults minus what the user set (env or config file), plus ``forced`` (flags)."""
-    from .config import explicit_settings
+    from ..config import explicit_settings
 
     chosen = explicit_settings(env)
     out = {k: v for k, v in demo_defaults(shape).items() if k not in chosen}
@@ -117,11 +117,11 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
     Settings come from the environment (and ``S3KV_CONFIG_FILE``) like an engine's; the demo's
     own defaults fill only what the user left unset, and ``forced`` (command-line flags) wins.
     """
-    from .config import load_settings
-    from .engine.runtime import open_runtime_store
-    from .sim import SimCacheConfig, SimEngine, gemma3_like
-    from .store.instrument import InstrumentedStore
-    from .trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+    from ..config import load_settings
+    from ..engine.runtime import open_runtime_store
+    from ..sim import SimCacheConfig, SimEngine, gemma3_like
+    from ..store.instrument import InstrumentedStore
+    from ..trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
     settings = load_settings(**demo_overrides(shape, forced))
     raw, prefix = open_runtime_store(settings)
@@ -141,7 +141,7 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
         max_batch=4,
         connector_kwargs=dict(settings=settings, store=store, key_prefix=prefix, engine_key=f"demo-{role}"),
     )
-    from .sim import SimEngineCrash, SimHang
+    from ..sim import SimEngineCrash, SimHang
 
     reports = []
     crashes: list[str] = []
@@ -226,7 +226,7 @@ def _spawn(role: str, shape: DemoShape, forced: dict[str, Any], env: dict[str, s
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out = f.name
     try:
-        cmd = [sys.executable, "-m", "s3kv.demo", role, out, json.dumps(asdict(shape)), json.dumps(forced)]
+        cmd = [sys.executable, "-m", "s3kv.tools.demo", role, out, json.dumps(asdict(shape)), json.dumps(forced)]
         # stdout stays ours (--json prints one object there); the child's stderr is the user's.
         proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=_stderr_target(), timeout=900)
         try:
@@ -292,16 +292,16 @@ def _table(res: dict[str, Any]) -> str:
 def _check_settings(url: str, forced: dict[str, Any], shape: DemoShape) -> Any:
     """The user's settings (env, config file) with the demo's defaults where they chose nothing;
     ConfigError names what is wrong before any cluster starts."""
-    from .config import load_settings
+    from ..config import load_settings
 
     return load_settings(url=url, **demo_overrides(shape, forced))
 
 
 def _check_access(url: str) -> None:
     """One clear line (no bucket, no credentials, dead endpoint) before any cluster starts."""
-    from .config import load_settings
-    from .engine.runtime import open_runtime_store
-    from .store.base import StoreError
+    from ..config import load_settings
+    from ..engine.runtime import open_runtime_store
+    from ..store.base import StoreError
 
     store, _ = open_runtime_store(load_settings(url=url))
     try:
@@ -314,9 +314,9 @@ def _check_access(url: str) -> None:
 
 def _delete_under(url: str) -> str:
     """Delete what the demo wrote under its own run prefix; one line saying how it went."""
-    from .config import load_settings
-    from .engine.runtime import open_runtime_store
-    from .store.base import StoreError
+    from ..config import load_settings
+    from ..engine.runtime import open_runtime_store
+    from ..store.base import StoreError
 
     store, prefix = open_runtime_store(load_settings(url=url))
     try:
@@ -348,8 +348,8 @@ def _delete_under(url: str) -> str:
               "environment is printed), or the objects under --url are not deleted.")
 def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode: str | None, keep: bool) -> None:
     """Cold cluster A, then warm cluster B, sharing only the bucket."""
+    from ..config import ConfigError, explicit_settings, load_settings, unknown_env_names
     from .cli import debug_enabled, export_lines, wait_for_interrupt
-    from .config import ConfigError, explicit_settings, load_settings, unknown_env_names
 
     shape = DemoShape(tp_size=tp)
     forced = {"load_mode": load_mode} if load_mode else {}
@@ -384,7 +384,7 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
             _check_settings("s3://s3kv-demo/demo", forced, shape)
         except ConfigError as exc:
             raise click.ClickException(str(exc)) from exc
-        from .store.embedded import EmbeddedS3
+        from ..store.embedded import EmbeddedS3
 
         emb = EmbeddedS3(kind=server, bucket="s3kv-demo", prefix="demo").start()  # type: ignore[arg-type]
         env.update(emb.env())

@@ -15,8 +15,8 @@ connector and store overhead, not GPU time), S3 requests and bytes, and bytes st
 group under each policy.
 
 Prefill saved: the warm cluster's per-request served prefixes, priced on a real model's geometry
-(:data:`~s3kv.bench.common.GEMMA3_27B`) with ``2 x params x tokens + attention`` FLOPs
-(:meth:`~s3kv.bench.common.ModelSpec.prefill_flops`), converted to seconds at an assumed GPU peak
+(:data:`~s3kv.tools.bench.common.GEMMA3_27B`) with ``2 x params x tokens + attention`` FLOPs
+(:meth:`~s3kv.tools.bench.common.ModelSpec.prefill_flops`), converted to seconds at an assumed GPU peak
 and MFU (``--gpu-tflops``, ``--mfu``).
 
 Memory soak: a third cluster serves ``rounds`` rounds of new conversations plus repeats of the
@@ -33,8 +33,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...store.base import StoreWrapper
 from ..demo import DemoShape
-from ..store.base import StoreWrapper
 from .common import (
     GEMMA3_27B,
     GPU_NAME,
@@ -92,9 +92,9 @@ class _Shared(StoreWrapper):
 
 
 def _engine(cfg: E2EConfig, bs: BenchStore, policy: str, prefix: str, name: str) -> Any:
-    from ..config import Settings
-    from ..sim import SimCacheConfig, SimEngine, gemma3_like
-    from ..trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+    from ...config import Settings
+    from ...sim import SimCacheConfig, SimEngine, gemma3_like
+    from ...trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
     s = cfg.shape
     settings = Settings(
@@ -131,7 +131,7 @@ def _flush(engine: Any) -> None:
 
 def _kv_blocks(tokens: Any, tokens_per_block: int) -> set[bytes]:
     """Chain digests of the full blocks whose KV a request wrote (prompt + answer, less the last token)."""
-    from ..core.keys import Chain
+    from ...core.keys import Chain
 
     return set(Chain(b"\0" * 16, tokens_per_block).extend_to(list(tokens)[:-1]))
 
@@ -221,8 +221,8 @@ def _stored_by_group(
     bs: BenchStore, policy: str, groups: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, int]]:
     """Objects, bytes and pages stored under the policy's prefix, per layer group."""
-    from ..core.keys import parse_key
-    from ..core.objects import header_len
+    from ...core.keys import parse_key
+    from ...core.objects import header_len
 
     out: dict[str, dict[str, int]] = {
         g["name"]: {"objects": 0, "bytes": 0, "pages": 0} for g in groups.values()
@@ -242,7 +242,7 @@ def _stored_by_group(
 
 
 def _soak(cfg: E2EConfig, bs: BenchStore) -> dict[str, Any]:
-    from ..sim import multi_turn_workload, repeat_workload
+    from ...sim import multi_turn_workload, repeat_workload
 
     s = cfg.shape
     samples: list[float] = []

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..config import Settings
+from ..core.hitrule import object_ends_needed, required_range
+from ..core.layout import CacheGeometry, GroupGeometry
+from ..core.objects import header_len
+from ..core.policy import StoragePolicy, object_sizes
 from .bench.common import GEMMA3_27B, ModelSpec
-from .config import Settings
-from .core.hitrule import object_ends_needed, required_range
-from .core.layout import CacheGeometry, GroupGeometry
-from .core.objects import header_len
-from .core.policy import StoragePolicy, object_sizes
 
 #: Models with published configs (text decoder; KV in 16-bit). Llama has no sliding layers.
 PRESETS: dict[str, ModelSpec] = {

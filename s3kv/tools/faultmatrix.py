@@ -1,7 +1,7 @@
 """Fault matrix: the real connector, a simulated TP=2 VSWA engine, a real loopback S3 server, and
 wire-level faults in between.
 
-    python -m s3kv.faultmatrix [--json] [--rates 0.05,0.3] [--server moto|seaweedfs] [--faults a,b]
+    python -m s3kv.tools.faultmatrix [--json] [--rates 0.05,0.3] [--server moto|seaweedfs] [--faults a,b]
 
 For every fault type and rate, a fresh key prefix, and two clusters (separate engines sharing
 only the bucket): cluster A runs the first turns of some multi-turn conversations (cold: saves),
@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .config import Settings
-from .store.base import ObjectStore
-from .store.faultproxy import FaultProxy, WireFaultPlan
+from ..config import Settings
+from ..store.base import ObjectStore
+from ..store.faultproxy import FaultProxy, WireFaultPlan
 
 log = logging.getLogger("s3kv.faultmatrix")
 
@@ -75,8 +75,8 @@ SMALL = Shape(conversations=2, turns_a=1, turns_b=2, new_users=1, system_len=96,
 
 def workload(shape: Shape, role: str, first_id: int) -> list[list[Any]]:
     """Phases of requests (one per turn, users think between turns; new users last in B)."""
-    from .sim import multi_turn_workload, random_tokens
-    from .sim.request import SimRequestSpec
+    from ..sim import multi_turn_workload, random_tokens
+    from ..sim.request import SimRequestSpec
 
     base = multi_turn_workload(
         n_conversations=shape.conversations,
@@ -141,8 +141,8 @@ def store_from_settings(
     multipart, SSE) so a fault run exercises the production store; only the endpoint and the
     keys are passed in rather than read from the process environment.
     """
-    from .engine.runtime import s3_options
-    from .store.factory import make_s3_store, parse_store_url
+    from ..engine.runtime import s3_options
+    from ..store.factory import make_s3_store, parse_store_url
 
     scheme, bucket, prefix = parse_store_url(settings.url)
     if scheme != "s3":
@@ -207,8 +207,8 @@ def make_engine(
 
     ``store`` None: the connectors open it themselves from ``settings`` (None: from the
     environment), exactly as in production (start-up access check included)."""
-    from .sim import SimCacheConfig, gemma3_like
-    from .trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+    from ..sim import SimCacheConfig, gemma3_like
+    from ..trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
     model = gemma3_like(
         shape.window,
@@ -216,7 +216,7 @@ def make_engine(
         kv_heads=shape.kv_heads * shape.tp_size,
         head_dim=shape.head_dim,
     )
-    from .sim import SimEngine
+    from ..sim import SimEngine
 
     engine_kwargs.setdefault("failed_load_hook", shape.failed_load_hook)
     return SimEngine(
@@ -241,7 +241,7 @@ def run_phases(
     idle_iterations: int = 60_000,
 ) -> ClusterResult:
     """Run each phase to completion (bounded), flushing uploads between phases; fill ``result``."""
-    from .sim import SimEngineCrash, SimHang
+    from ..sim import SimEngineCrash, SimHang
 
     t0 = time.perf_counter()
     # Worker counters are cumulative over the engine's life: count this call's share only.
@@ -518,7 +518,7 @@ def acceptance(cells: Sequence[Cell], *, low_rate: float = 0.05, tolerance: floa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m s3kv.faultmatrix", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m s3kv.tools.faultmatrix", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--rates", default="0.05,0.3", help="comma-separated fault rates (default 0.05,0.3)")
     ap.add_argument("--server", choices=("moto", "seaweedfs"), default="moto")
@@ -542,8 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown fault(s) {unknown}; known: {sorted(FAULT_LABELS)}")
 
+    from ..store.embedded import EmbeddedS3
     from .logs import configure_logging
-    from .store.embedded import EmbeddedS3
 
     configure_logging(args.log_level)
     shape = SMALL if args.small else Shape()

@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 
-from .config import redact
+from ..config import redact
 
 
 class KeyValueFormatter(logging.Formatter):

@@ -38,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import Settings
+from ...config import Settings
 from .clients import fan_out, raw_clients, s3kv_stores, shaped, timed_cpu
 from .common import BenchStore, MiB, machine_info, progress, rnd
 
@@ -73,9 +73,9 @@ class _Size:
     def __init__(self, bs: BenchStore, cfg: TransferConfig, object_mib: float):
         import torch
 
-        from ..core.objects import header_len
-        from ..sim.layouts import GroupSpec, make_layout
-        from ..transfer.staging import host_memoryview
+        from ...core.objects import header_len
+        from ...sim.layouts import GroupSpec, make_layout
+        from ...transfer.staging import host_memoryview
 
         self.bs = bs
         self.cfg = cfg
@@ -112,7 +112,7 @@ class _Size:
         )
 
     def _worker(self, layout: Any, prefix: str, store: Any = None) -> Any:
-        from ..engine.worker import WorkerCore
+        from ...engine.worker import WorkerCore
 
         core = WorkerCore(
             self.settings, store if store is not None else self.bs.store, prefix, 0, 1,
@@ -125,8 +125,8 @@ class _Size:
     def _warm(self, saver: Any, loader: Any, prefix: str) -> None:
         """Untimed, so the timed run sees a long-running engine's steady state: staging arenas
         touched (a pinned CUDA arena is, at allocation), worker threads and connections up."""
-        from ..core.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
-        from ..transfer.staging import LOAD
+        from ...core.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
+        from ...transfer.staging import LOAD
 
         for core in (saver, loader):
             pool = core.staging
@@ -161,8 +161,8 @@ class _Size:
 
     def s3kv(self, rep: int, store: Any = None, tag: str = "s3kv") -> tuple[float, float, bool, float, float]:
         """(save s, load s, bit exact, save CPU s, load CPU s) of s3kv's pipelines on ``store``."""
-        from ..core.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
-        from ..sim.layouts import GroupSpec, make_layout
+        from ...core.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
+        from ...sim.layouts import GroupSpec, make_layout
 
         prefix = f"{self.root}/{tag}-r{rep}"
         digests = [_digest(self.object_mib, rep, o) for o in range(self.objects)]

@@ -44,12 +44,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..config import Settings
-from ..core.keys import Chain, chain_root
-from ..core.layout import CacheGeometry, GroupGeometry
-from ..core.objects import ObjectIdentity, encode_object, object_metadata
-from ..core.plan import SealOp
-from ..engine.leader import LeaderCore
+from ...config import Settings
+from ...core.keys import Chain, chain_root
+from ...core.layout import CacheGeometry, GroupGeometry
+from ...core.objects import ObjectIdentity, encode_object, object_metadata
+from ...core.plan import SealOp
+from ...engine.leader import LeaderCore
 from .clients import fan_out, s3kv_stores, shaped
 from .common import GEMMA3_27B, BenchStore, ModelSpec, machine_info, progress, rnd
 

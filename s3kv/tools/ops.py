@@ -29,9 +29,9 @@ from typing import Any
 
 import click
 
-from .config import ConfigError, load_settings
-from .core.keys import DIGEST_SIZE, ParsedKey, parse_key
-from .core.objects import (
+from ..config import ConfigError, load_settings
+from ..core.keys import DIGEST_SIZE, ParsedKey, parse_key
+from ..core.objects import (
     ForeignObject,
     ObjectFormatError,
     ObjectIdentity,
@@ -43,7 +43,7 @@ from .core.objects import (
     span_from_metadata,
     verify_page,
 )
-from .store.base import ByteRange, NotFound, ObjectInfo, ObjectStore, StoreError
+from ..store.base import ByteRange, NotFound, ObjectInfo, ObjectStore, StoreError
 
 SETTING = "S3KV_URL"
 DELETE_BATCH = 1000
@@ -74,7 +74,7 @@ class _Ctx:
 def _open(url: str | None, as_json: bool) -> _Ctx:
     """The store behind ``--url`` (else the S3KV_URL setting), opened with the user's settings:
     ``S3KV_CONFIG_FILE`` and the env's timeouts, retries and SSE apply as in an engine."""
-    from .engine.runtime import open_runtime_store
+    from ..engine.runtime import open_runtime_store
 
     try:
         settings = load_settings(require_url=False, url=url.strip() if url else None)
@@ -383,7 +383,7 @@ def _meta_int(md: Mapping[str, str], name: str) -> int | None:
 
 def _pages_from_size(size: int, page_bytes: int) -> int | None:
     """Pages of an object of ``size`` bytes (header_len(n) + n * page_bytes = 88 + n * (8 + page_bytes))."""
-    from .core.objects import header_len
+    from ..core.objects import header_len
 
     fixed = header_len(0)
     per = 8 + page_bytes
@@ -503,7 +503,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         "unrecognised": {"objects": other.objects, "bytes": other.bytes},
     }
     # What keeping this costs at list prices (S3KV_COST_* settings), and what a stored token weighs.
-    from .core.cost import GiB, Prices
+    from ..core.cost import GiB, Prices
 
     prices = Prices.from_settings(ctx.settings) if ctx.settings is not None else Prices()
     stored_tokens = 0

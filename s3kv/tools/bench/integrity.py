@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..core.integrity import IntegrityKeys
-from ..core.objects import ObjectIdentity, decode_object, encode_object
+from ...core.integrity import IntegrityKeys
+from ...core.objects import ObjectIdentity, decode_object, encode_object
 
 DEFAULT_PAGE_MIB = (0.25, 1.0, 4.0)
 _KEY = "pfx/00000000000000000000000000000000/0123456789abcdef.0of1/" + "ab" * 16

@@ -1,6 +1,6 @@
 """``s3kv bench staging``: scattered page copies through s3kv's copy path vs one contiguous memcpy.
 
-A thin front end to :func:`s3kv.bench.staging_copies.bench_staging` (see there for the method):
+A thin front end to :func:`s3kv.tools.bench.staging_copies.bench_staging` (see there for the method):
 device->pinned-host (save) and pinned-host->device (load) copies of scattered pages, against one
 ``copy_`` of the same bytes. Needs a CUDA device; without one it says so and exits 0
 (``{"skipped": "needs CUDA"}``). ``--device cpu`` runs the same code on host memory (a smoke test
