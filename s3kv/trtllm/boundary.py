@@ -98,7 +98,19 @@ class Contain:
 
 
 class ConnectorSide:
-    """What both connector sides share: bring-up in one order, contained errors, throttled metrics."""
+    """What both connector sides share: bring-up in one order, contained errors, throttled metrics.
+
+    First in each side's bases, so its ``__init__`` is the one TensorRT-LLM calls as
+    ``cls(llm_args)``; the keyword arguments exist for the simulator and tests (an explicit
+    store, settings, engine key or engine features), never needed in production. The side's
+    own set-up follows in :meth:`_start`.
+    """
+
+    #: Names the side in contained-error logs.
+    role = ""
+    supports_attention_dp = False
+    #: Honoured by TensorRT-LLM lines that know the flag; older ones are checked in ``check_engine``.
+    requires_disable_overlap_scheduler = True
 
     settings: Settings
     features: frozenset[str]
@@ -107,30 +119,34 @@ class ConnectorSide:
     _llm_args: Any
     _observed_at: float
 
-    def _bring_up(
+    def __init__(
         self,
-        role: str,
         llm_args: Any,
         *,
-        settings: Settings | None,
-        store: ObjectStore | None,
-        key_prefix: str | None,
-        engine_key: str | None,
-        engine_features: Any,
-    ) -> Any:
+        settings: Settings | None = None,
+        store: ObjectStore | None = None,
+        key_prefix: str | None = None,
+        engine_key: str | None = None,
+        engine_features: Any = None,
+    ):
         """Refuse an engine s3kv cannot serve, read the settings and the engine's features, join
-        the engine's runtime (store, index, geometry). Returns the engine's parallel mapping."""
+        the engine's runtime (store, index, geometry), then the side's own set-up."""
+        super().__init__(llm_args)  # type: ignore[call-arg]  # TensorRT-LLM's connector base class
         check_engine(llm_args)
         self._llm_args = llm_args
         self._observed_at = 0.0
-        self._contain = Contain(role)
+        self._contain = Contain(self.role)
         self.settings = settings if settings is not None else load_settings()
         self.features = frozenset(engine_features) if engine_features is not None else detected_features()
         mapping = llm_args.parallel_config.to_mapping()
         self._runtime = acquire_runtime(
             llm_args, self.settings, store=store, key_prefix=key_prefix, engine_key=engine_key
         )
-        return mapping
+        self._start(llm_args, mapping)
+
+    def _start(self, llm_args: Any, mapping: Any) -> None:
+        """The side's own set-up, once the runtime is joined (``mapping``: the engine's parallel mapping)."""
+        raise NotImplementedError
 
     @property
     def errors(self) -> Counter[str]:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import Settings
 from ..engine.leader import LeaderCore
 from ..engine.runtime import release_runtime
-from ..store.base import ObjectStore
 from .api import FAILED_LOAD_HOOK, KvCacheConnectorScheduler
 from .boundary import ConnectorSide, kv_dtype, log, model_id
 
@@ -22,25 +20,9 @@ __all__ = ["S3KvConnectorLeader"]
 class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
     """Scheduler side (rank 0): lookups, load plans, save plans."""
 
-    supports_attention_dp = False
-    #: Honoured by TensorRT-LLM lines that know the flag; older ones are checked in __init__.
-    requires_disable_overlap_scheduler = True
+    role = "leader"
 
-    def __init__(
-        self,
-        llm_args: Any,
-        *,
-        settings: Settings | None = None,
-        store: ObjectStore | None = None,
-        key_prefix: str | None = None,
-        engine_key: str | None = None,
-        engine_features: Any = None,
-    ):
-        super().__init__(llm_args)
-        mapping = self._bring_up(
-            "leader", llm_args, settings=settings, store=store, key_prefix=key_prefix,
-            engine_key=engine_key, engine_features=engine_features,
-        )
+    def _start(self, llm_args: Any, mapping: Any) -> None:
         hook = FAILED_LOAD_HOOK in self.features
         if self.settings.load_mode == "sync" and not hook:
             log.warning(

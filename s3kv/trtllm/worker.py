@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import Settings
 from ..core.layout import CacheGeometry, expected_windows
 from ..engine.runtime import release_runtime
-from ..store.base import ObjectStore
 from .api import (
     FAILED_LOAD_HOOK,
     KvCacheBufferRef,
@@ -29,24 +27,9 @@ __all__ = ["S3KvConnectorWorker"]
 class S3KvConnectorWorker(ConnectorSide, KvCacheConnectorWorker):
     """Worker side (every rank): moves pages between the device and the store."""
 
-    supports_attention_dp = False
-    requires_disable_overlap_scheduler = True
+    role = "worker"
 
-    def __init__(
-        self,
-        llm_args: Any,
-        *,
-        settings: Settings | None = None,
-        store: ObjectStore | None = None,
-        key_prefix: str | None = None,
-        engine_key: str | None = None,
-        engine_features: Any = None,
-    ):
-        super().__init__(llm_args)
-        mapping = self._bring_up(
-            "worker", llm_args, settings=settings, store=store, key_prefix=key_prefix,
-            engine_key=engine_key, engine_features=engine_features,
-        )
+    def _start(self, llm_args: Any, mapping: Any) -> None:
         from ..engine.worker import WorkerCore  # imported here: it pulls in the transfer threads
 
         self.tp_rank = int(mapping.tp_rank)

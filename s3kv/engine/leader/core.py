@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...config import Settings
-from ...core.keys import Chain, KeyScheme, NotCacheable, chain_root
+from ...core.keys import Chain, NotCacheable, chain_root
 from ...core.layout import CacheGeometry
-from ...core.lookup import LookupParams, LookupResult
+from ...core.lookup import LookupResult
 from ...core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, SealOp, StageOp
-from ...core.policy import StoragePolicy
 from ...store.base import ObjectStore
 from ..index import KeyIndex
 from ..summary import NamespaceSummary
@@ -102,6 +101,9 @@ class LeaderCore:
         ctx = LeaderContext.build(g, self.settings, self.key_prefix, self._sizing_page_bytes)
         self._ctx = ctx
         self._lookups.bind(ctx)
+        # What callers read off the leader (tests, benchmarks, the demo's bucket listing).
+        self.namespace, self.scheme, self.policy, self.params = ctx.namespace, ctx.scheme, ctx.policy, ctx.params
+        self.group_blocks, self.bpo = ctx.group_blocks, ctx.bpo
         log.info(
             "s3kv geometry: %d groups (%s), tpb=%d, tp=%d, blocks/object %s, checkpoints every %d blocks, ns=%s",
             g.num_groups,
@@ -112,35 +114,6 @@ class LeaderCore:
             ctx.checkpoint_blocks,
             ctx.namespace.hex()[:12],
         )
-
-    def _context(self) -> LeaderContext:
-        if self._ctx is None:
-            raise AttributeError("no KV cache layout registered yet")
-        return self._ctx
-
-    @property
-    def namespace(self) -> bytes:
-        return self._context().namespace
-
-    @property
-    def scheme(self) -> KeyScheme:
-        return self._context().scheme
-
-    @property
-    def group_blocks(self) -> tuple[int, ...]:
-        return self._context().group_blocks
-
-    @property
-    def bpo(self) -> int:
-        return self._context().bpo
-
-    @property
-    def policy(self) -> StoragePolicy:
-        return self._context().policy
-
-    @property
-    def params(self) -> LookupParams:
-        return self._context().params
 
     # ------------------------------------------------------------------ lookup
     def get_num_new_matched_tokens(

@@ -43,11 +43,11 @@ from ...core.policy import object_sizes
 from ...store.base import ObjectStore
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters, MetricsHook
-from ...transfer.download import Downloader, LoadJob
+from ...transfer.download import Downloader
 from ...transfer.staging import StagingPool
 from ...transfer.upload import Uploader
 from ..index import KeyIndex
-from .loads import AsyncLoad, Failures, LoadJobs, LoadTimeout
+from .loads import Failures, LoadJobs, LoadTimeout
 from .rank import RankLayout
 from .saves import SaveJobs
 
@@ -135,6 +135,7 @@ class WorkerCore:
         if not 0 <= rank < tp_size:
             raise ValueError(f"tp rank {rank} outside [0, {tp_size})")
         self.settings = settings
+        self.store = store
         self.prefix = key_prefix.rstrip("/")
         self.tp_rank = int(rank)
         self.tp_size = int(tp_size)
@@ -156,10 +157,10 @@ class WorkerCore:
         )
         self._uploader.multipart_threshold = settings.multipart_threshold_mib << 20
         self._uploader.part_size = settings.multipart_part_mib << 20
-        self._loads = LoadJobs(
-            settings, store, index, self._counters, tp_rank=self.tp_rank, failed_load_hook=failed_load_hook
-        )
+        self._loads = LoadJobs(settings, index, self._counters, failed_load_hook=failed_load_hook)
         self._saves = SaveJobs(settings, self._counters, self._uploader)
+        # Load state tests and tools look at (the same objects the load jobs change in place).
+        self._async, self._failed_report, self._jobs = self._loads.parked, self._loads.failed_report, self._loads.jobs
         # Set by register_layout.
         self._rank: RankLayout | None = None
         self._copier: Copier | None = None
@@ -242,14 +243,6 @@ class WorkerCore:
         if self._pool is None:
             raise RuntimeError("no KV cache layout registered yet")
         return self._pool
-
-    @property
-    def store(self) -> ObjectStore:
-        return self._loads.store
-
-    @store.setter
-    def store(self, store: ObjectStore) -> None:
-        self._loads.store = store
 
     def identity(self, group: int) -> ObjectIdentity:
         if self._rank is None:
@@ -399,21 +392,10 @@ class WorkerCore:
         self._loads.reap()
         self._saves.reap()
 
-    # -- introspection (tests and tools read these) -------------------------
-    @property
-    def _async(self) -> dict[int, AsyncLoad]:
-        return self._loads.parked
-
-    @property
-    def _failed_report(self) -> set[int]:
-        return self._loads.failed_report
-
-    @property
-    def _jobs(self) -> list[LoadJob]:
-        return self._loads.jobs
-
+    # -- introspection ----------------------------------------------------
     @property
     def _retry_base_s(self) -> float:
+        """First delay of a parked load's retries (rung 3); tests shorten it."""
         return self._loads.retry_base_s
 
     @_retry_base_s.setter

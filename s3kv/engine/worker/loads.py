@@ -31,7 +31,6 @@ from typing import Any
 from ...config import Settings
 from ...core.errors import LoadFailed
 from ...core.plan import ConnectorMetadata
-from ...store.base import ObjectStore
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters
 from ...transfer.download import DONE, PENDING, Downloader, LoadJob, build_jobs
@@ -90,21 +89,8 @@ class LoadJobs:
     """One rank's loads and their failure rungs. Called under the worker's lock, except
     :meth:`wait_jobs` (a sync load's host wait)."""
 
-    def __init__(
-        self,
-        settings: Settings,
-        store: ObjectStore,
-        index: KeyIndex | None,
-        counters: Counters,
-        *,
-        tp_rank: int,
-        failed_load_hook: bool,
-    ):
-        self.settings = settings
-        self.store = store
-        self.index = index
-        self.counters = counters
-        self.tp_rank = tp_rank
+    def __init__(self, settings: Settings, index: KeyIndex | None, counters: Counters, *, failed_load_hook: bool):
+        self.settings, self.index, self.counters = settings, index, counters
         #: The engine polls ``take_failed_load_request_ids`` and recomputes those requests (rung 1).
         self.failed_load_hook = failed_load_hook
         #: load_timeout_s <= 0 means no deadline.
@@ -113,6 +99,7 @@ class LoadJobs:
         self.rank: RankLayout | None = None
         self.copier: Copier | None = None
         self.downloader: Downloader | None = None
+        # The containers below are never replaced, only changed in place (the worker shows them).
         self.jobs: list[LoadJob] = []  # every job whose staging may still be held
         self.group_events: dict[int, list[Any]] = {}  # sync copies the forward has not waited on
         self.parked: dict[int, AsyncLoad] = {}  # async loads by request id
@@ -144,7 +131,7 @@ class LoadJobs:
         self.copier.begin_loads(stream)
         jobs, errors = build_jobs(
             md.loads,
-            tp_rank=self.tp_rank,
+            tp_rank=self.rank.tp_rank,
             is_async=lambda rid: rid in md.async_load_ids,
             resolve=self.rank.resolve,
             deadline=now + self.timeout,
@@ -226,7 +213,8 @@ class LoadJobs:
         return sync
 
     def take_failed(self) -> set[int]:
-        out, self.failed_report = self.failed_report, set()
+        out = set(self.failed_report)
+        self.failed_report.clear()
         return out
 
     # -- the forward --------------------------------------------------------
@@ -383,9 +371,10 @@ class LoadJobs:
         if corrupt:
             self.counters.add("objects_quarantined", len(corrupt))
             if self.settings.delete_corrupt:
+                assert self.downloader is not None  # a load failed: the layout is registered
                 for k in corrupt:
                     try:
-                        self.store.delete_many([k])
+                        self.downloader.store.delete_many([k])
                     except Exception as e:  # noqa: BLE001 - best effort; engines may lack DeleteObject
                         log.warning("s3kv: could not delete corrupt object %s: %s", k, e)
         reasons = sorted({f"{r} (object {k!r})" if k and k not in r else r for k, r in failed.values()})
@@ -427,4 +416,4 @@ class LoadJobs:
     def reap(self) -> None:
         """Free the staging of placed loads whose copies completed."""
         if self.jobs:
-            self.jobs = [j for j in self.jobs if not j.release_if_complete(Copier.done)]
+            self.jobs[:] = [j for j in self.jobs if not j.release_if_complete(Copier.done)]
