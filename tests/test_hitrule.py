@@ -1,4 +1,4 @@
-"""The window-aware hit rule (s3kv/hitrule.py), checked against the engine's page rule."""
+"""The window-aware hit rule (s3kv/core/hitrule.py), checked against the engine's page rule."""
 
 from __future__ import annotations
 

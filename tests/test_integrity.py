@@ -1,4 +1,4 @@
-"""Keyed integrity tags (s3kv/integrity.py, s3kv/objects.py) and span checks: the attacks of
+"""Keyed integrity tags (s3kv/core/integrity.py, s3kv/core/objects.py) and span checks: the attacks of
 issue #17 points 1 and 2 reproduced, then refused -- as counted misses, never loads."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Namespaces, chained-prefix digests and object keys (s3kv/keys.py)."""
+"""Namespaces, chained-prefix digests and object keys (s3kv/core/keys.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""LeaderCore's per-iteration plans, driven directly with RequestData-shaped fakes (s3kv/leader.py)."""
+"""LeaderCore's per-iteration plans, driven directly with RequestData-shaped fakes (s3kv/engine/leader/)."""
 
 from __future__ import annotations
 

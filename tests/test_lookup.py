@@ -1,4 +1,4 @@
-"""Finding the largest servable prefix in few HEAD waves (s3kv/lookup.py, LeaderCore lookups)."""
+"""Finding the largest servable prefix in few HEAD waves (s3kv/core/lookup.py, LeaderCore lookups)."""
 
 from __future__ import annotations
 

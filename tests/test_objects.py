@@ -1,4 +1,4 @@
-"""The object format (s3kv/objects.py): round trips and named rejections."""
+"""The object format (s3kv/core/objects.py): round trips and named rejections."""
 
 from __future__ import annotations
 

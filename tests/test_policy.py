@@ -1,4 +1,4 @@
-"""Which blocks each layer group stores (s3kv/policy.py), alone and through LeaderCore's save plan."""
+"""Which blocks each layer group stores (s3kv/core/policy.py), alone and through LeaderCore's save plan."""
 
 from __future__ import annotations
 

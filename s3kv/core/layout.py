@@ -2,7 +2,7 @@
 
 Built by the worker from TensorRT-LLM's ``KvCacheLayout`` (the only source that
 knows which group id holds which window, how many bytes a page has, and which
-layers a group holds) and shared with the leader (see ``runtime.py``).
+layers a group holds) and shared with the leader (see ``s3kv.engine.runtime``).
 """
 
 from __future__ import annotations

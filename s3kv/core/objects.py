@@ -16,7 +16,7 @@ checksum and the header (magic, version, flags, fingerprint, geometry, digest)
 matched. The same facts are mirrored in object metadata so a HEAD can reject a
 foreign object without downloading it.
 
-Integrity (``s3kv.integrity``): xxh3 catches corruption, not forgery. With a
+Integrity (``s3kv.core.integrity``): xxh3 catches corruption, not forgery. With a
 secret configured, writers append a trailer of keyed tags (why a trailer: the
 header and its length stay what every reader expects, so a reader without the
 key still reads a tagged object) and a metadata tag; a reader holding the key
@@ -32,6 +32,9 @@ blocks its key never named.
 
 Versions and flags a build does not know are ``UnsupportedVersion`` (skip the
 object, never delete it): a newer writer may change the layout behind them.
+
+Why this is one module: the format is one contract -- the encoder, the decoder and the metadata
+mirror must change together.
 """
 
 from __future__ import annotations

@@ -35,6 +35,9 @@ Metric names (all prefixed ``s3kv_``)::
     pages_staged_total, objects_saved_total, saved_bytes_total, objects_already_present_total,
     objects_loaded_total, pages_loaded_total, loaded_bytes_total, load_failures_total,
     objects_rejected_total{reason}  (foreign, corrupt)
+
+Why this is one module: every metric name is defined once here; the exporter, the store wrapper that
+feeds it and the reader that parses an endpoint must agree on each name.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ recomputation would have written (``kv_mismatches``).
 
 By default the bucket is an embedded loopback S3 server (SeaweedFS when
 installed, else moto's server); ``--url`` / ``S3KV_URL`` point at a real one.
+
+Why this is one module: the parent (``s3kv demo``) and the child processes it spawns (``python -m
+s3kv.tools.demo``) share the workload shape and the result format.
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ allows (docs/failures.md): on the merged TensorRT-LLM line the request stays par
 load is retried (rung 3, ``parked``), on a line with a failed-load hook the engine recomputes it
 (rung 1, ``recomputed``; ``--failed-load-hook``). A run that does not finish within its bound is a
 ``hang``.
+
+Why this is one module: one experiment -- its workload, fault plans, clusters and table are parts of
+one run.
 """
 
 from __future__ import annotations

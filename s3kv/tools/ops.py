@@ -1,6 +1,6 @@
 """Operator commands: ``s3kv ls``, ``stats``, ``verify``, ``gc``.
 
-They walk the key layout of :mod:`s3kv.keys` (``{prefix}/{namespace}/{group}.{shard}of{tp}/{digest}``)
+They walk the key layout of :mod:`s3kv.core.keys` (``{prefix}/{namespace}/{group}.{shard}of{tp}/{digest}``)
 through the store interface only (``list``, ``head_many``, ``get_ranges``, ``delete_many``), so they
 work the same on ``s3://``, ``file://`` and ``memory://``. A namespace may sit deeper than the prefix
 (``s3://b/kv`` also finds ``kv/demo-1/{namespace}/...``, what ``s3kv demo --url s3://b/kv`` writes);
@@ -13,6 +13,9 @@ on stdout instead of a table). ``verify`` exits 1 when it finds a bad object or 
 objects of a format version this build does not read are *skipped* (never deleted). ``gc`` needs
 at least one filter (``--older-than`` / ``--namespace``) and asks before deleting more than
 ``--confirm-above`` objects unless ``--yes``.
+
+Why this is one module: ``ls``, ``stats``, ``verify`` and ``gc`` share the bucket walk, the
+namespace resolution and the output helpers.
 """
 
 from __future__ import annotations

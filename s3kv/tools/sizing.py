@@ -1,8 +1,8 @@
 """Sizing and cost: what a model's prompts cost in S3 bytes, requests and dollars. Pure.
 
-Everything is computed with the connector's own rules -- :class:`s3kv.policy.StoragePolicy` for
-what a prompt stores, :func:`s3kv.hitrule.required_range` for what a hit reads, the object
-packing of :func:`s3kv.policy.object_sizes` -- on a model's real geometry, so the numbers cannot
+Everything is computed with the connector's own rules -- :class:`s3kv.core.policy.StoragePolicy` for
+what a prompt stores, :func:`s3kv.core.hitrule.required_range` for what a hit reads, the object
+packing of :func:`s3kv.core.policy.object_sizes` -- on a model's real geometry, so the numbers cannot
 drift from what s3kv does. ``s3kv size`` prints them (docs/sizing.md explains the columns).
 
 Scope of the estimate (said again in the output): one prompt, saved once, then hit in full by a

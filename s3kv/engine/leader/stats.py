@@ -53,7 +53,7 @@ class LeaderStats:
     #: Tokens whose KV this leader planned to save for the first time on this engine: blocks of
     #: the full-attention group (every group under ``storage_policy=all``) past what was served,
     #: times tokens per block. With ``hit_tokens`` the denominators of requests and dollars per
-    #: token (``s3kv.cost``).
+    #: token (``s3kv.core.cost``).
     tokens_saved: int = 0
     #: Branch-point tails planned (one per sliding group and request) and the pages they hold.
     branch_tails: int = 0

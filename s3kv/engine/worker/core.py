@@ -8,10 +8,11 @@ the simulator call it with the connector's per-iteration order::
 
 This facade holds the lock and the per-iteration state and runs each hook in that order; the
 work lives in the module named for it: ``rank`` (what ``register_layout`` fixes: geometry,
-keys, regions), ``saves`` (object buffers in host staging, stage copies, seals, finish plans)
-and ``loads`` (verified downloads, and the failure rungs of a promised load that cannot
-complete). Nothing here ever raises into the engine from a save or a load: a save is dropped
-and counted, a failed load takes the least harmful outcome the engine allows (docs/failures.md).
+keys, regions), ``saves`` (object buffers in host staging, stage copies, seals, finish plans),
+``loads`` (verified downloads, and the failure rungs of a promised load that cannot
+complete) and ``stats`` (the counters). Nothing here ever raises into the engine from a save
+or a load: a save is dropped and counted, a failed load takes the least harmful outcome the
+engine allows (docs/failures.md).
 
 Finishing requests: ``metadata.finish_plans`` keep, per request, what to save
 if it finishes after the current pass. When its id reaches ``get_finished``
@@ -31,7 +32,6 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 from ...config import Settings
@@ -50,57 +50,9 @@ from ..index import KeyIndex
 from .loads import Failures, LoadJobs, LoadTimeout
 from .rank import RankLayout
 from .saves import SaveJobs
+from .stats import WorkerStats, worker_stats
 
 log = logging.getLogger("s3kv.worker")
-
-
-@dataclass(frozen=True)
-class WorkerStats:
-    pages_staged: int
-    bytes_staged: int
-    #: Seals handed to the upload threads.
-    seals_submitted: int
-    objects_uploaded: int
-    bytes_uploaded: int
-    #: put() answered "already exists" (another writer won): success, not uploaded by us.
-    objects_already_present: int
-    #: Object buffers that found no staging room (the save is dropped).
-    saves_dropped_staging_full: int
-    #: Stages skipped because their buffer was dropped.
-    stages_dropped: int
-    #: Seals ignored because their buffer was dropped.
-    seals_dropped: int
-    #: Uploads that failed after the store's retries.
-    saves_dropped_store_error: int
-    #: Everything else that dropped a save: full upload queue, incomplete seal, bad op.
-    saves_dropped_other: int
-    uploads_pending: int
-    pages_loaded: int
-    bytes_loaded: int
-    objects_loaded: int
-    loads_failed_objects: int
-    requests_failed: int
-    load_staging_fallbacks: int
-    staging_capacity: int
-    staging_in_use: int
-    staging_high_water: int
-    staging_drops: int
-    staging_pinned: bool
-    #: Failed promised loads by rung (docs/failures.md), and how parked ones ended.
-    rung_engine_recompute: int = 0
-    rung_parked_retry: int = 0
-    parked_loads_recovered: int = 0
-    parked_loads_cancelled: int = 0
-    #: Requests parked right now while their load is retried (rung 3).
-    parked_now: int = 0
-    load_retries: int = 0
-    objects_quarantined: int = 0
-    uploads_dropped_at_exit: int = 0
-    #: S3 requests the saves and loads cost, as S3 bills them (s3kv/cost.py): PUT-class (a
-    #: multipart upload is create + parts + complete) and GETs (long ranges split). HEADs are
-    #: the lookups' (the store's request counters). For $ per token: ``cost.usage_from_stats``.
-    put_requests: int = 0
-    get_requests: int = 0
 
 
 class WorkerCore:
@@ -432,46 +384,11 @@ class WorkerCore:
         self.close()
 
     def stats(self) -> WorkerStats:
-        c = self._counters.snapshot()
-        s = self._pool.stats() if self._pool is not None else None
-
-        def n(name: str) -> int:
-            return int(c.get(name, 0))
-
-        return WorkerStats(
-            pages_staged=n("pages_staged"),
-            bytes_staged=n("bytes_staged"),
-            seals_submitted=n("seals_submitted"),
-            objects_uploaded=n("objects_uploaded"),
-            bytes_uploaded=n("bytes_uploaded"),
-            objects_already_present=n("objects_already_present"),
-            saves_dropped_staging_full=n("saves_dropped_staging_full"),
-            stages_dropped=n("stages_dropped"),
-            seals_dropped=n("seals_dropped"),
-            saves_dropped_store_error=n("saves_dropped_store_error"),
-            saves_dropped_other=n("saves_dropped_other") + n("saves_dropped_error") + n("uploads_cancelled"),
+        return worker_stats(
+            self._counters.snapshot(),
+            self._pool.stats() if self._pool is not None else None,
             uploads_pending=self._uploader.pending,
-            pages_loaded=n("pages_loaded"),
-            bytes_loaded=n("bytes_loaded"),
-            objects_loaded=n("objects_loaded"),
-            loads_failed_objects=n("loads_failed_objects"),
-            requests_failed=n("requests_failed"),
-            load_staging_fallbacks=n("load_staging_fallbacks"),
-            staging_capacity=s.capacity if s else 0,
-            staging_in_use=s.in_use if s else 0,
-            staging_high_water=s.high_water if s else 0,
-            staging_drops=s.drops if s else 0,
-            staging_pinned=s.pinned if s else False,
-            rung_engine_recompute=n("rung_engine_recompute"),
-            rung_parked_retry=n("rung_parked_retry"),
-            parked_loads_recovered=n("parked_loads_recovered"),
-            parked_loads_cancelled=n("parked_loads_cancelled"),
             parked_now=self._loads.parked_now(),
-            load_retries=n("load_retries"),
-            objects_quarantined=n("objects_quarantined"),
-            uploads_dropped_at_exit=n("uploads_dropped_at_exit"),
-            put_requests=n("put_requests"),
-            get_requests=n("get_requests"),
         )
 
 

@@ -14,6 +14,9 @@ goes to ``take_failed_load_request_ids`` and the engine recomputes it; rung 3, o
 request stays parked and its objects are re-read with backoff until the load succeeds or the
 request is cancelled (it arrives in ``finished_gen_req_ids``). Before a request is failed or
 released, no copy of its may still land in its pages (``_quiesce``). See docs/failures.md.
+
+Why this is one module: the failure rungs act on the load jobs' own state (parked loads, jobs to
+quiesce, retries); split, each half would reach into the other's.
 """
 
 from __future__ import annotations

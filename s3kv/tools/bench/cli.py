@@ -4,6 +4,9 @@ Every table ends with a legend that says what each ratio divides by what, so a n
 read without this source. The baseline the benchmarks compare with is what s3kv replaces: one
 object per block, written and read synchronously (found by one HEAD per block per layer group,
 in order) -- the shape of TensorRT-LLM's own VSWA connector example, moved to S3.
+
+Why this is one module: the ``s3kv bench`` command group, one thin command per benchmark; the heavy
+code stays in the benchmark modules.
 """
 
 from __future__ import annotations

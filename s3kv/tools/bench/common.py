@@ -11,6 +11,9 @@ connections, so a batch wider than that cannot finish in one. (``ThrottledStore`
 batch one round trip whatever its width, which flatters wide waves.) The sleep is added to the
 local server's own service time, never overlapped with it, so injected numbers are conservative
 for the batched path and for the baselines alike.
+
+Why this is one module: the plumbing every benchmark imports (store under test, latency model,
+machine facts, output); one place keeps their numbers comparable.
 """
 
 from __future__ import annotations

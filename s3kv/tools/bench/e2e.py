@@ -22,6 +22,9 @@ and MFU (``--gpu-tflops``, ``--mfu``).
 Memory soak: a third cluster serves ``rounds`` rounds of new conversations plus repeats of the
 previous round's (saves and loads every round); the process RSS and the staging pool are sampled
 after each round. ``rss_mib_start`` is the sample after the first round (warm-up done).
+
+Why this is one module: one benchmark -- its set-up, the runs it compares and the table and plot
+that report them.
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ lookup less that hashing: the lookup's own work plus the S3 client's.
   first miss. It is linear (every HEAD costs the same), so past ``--seq-cap`` HEADs it is not run
   to the end: the rest is extrapolated at the measured mean per HEAD (``sequential_extrapolated``;
   ``--seq-cap 0`` runs every HEAD).
+
+Why this is one module: one benchmark -- its set-up, the runs it compares and the table and plot
+that report them.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ Scale: the whole trace in minutes on two cores, so --
   bench does), so every key, object boundary, HEAD, PUT and GET is the real one, but the pages
   it moves are tiny (``sim_page_bytes``): 1 sliding and 1 full-attention layer. Bytes stored
   and requests are reported at the real page sizes (multipart parts and range splits included,
-  ``s3kv.cost``);
+  ``s3kv.core.cost``);
 * tokens per block is ``--tokens-per-block`` (default 64; TensorRT-LLM's default is 32): the
   hit granularity, the sliding tail (window + one block) and the blocks per object follow it;
 * answers: a request that a later one continues generates its whole answer (it is re-read);
@@ -34,6 +34,9 @@ Scale: the whole trace in minutes on two cores, so --
 The upstream example's rule (the VSWA connector example in TensorRT-LLM) is counted, not
 replayed: every group stores every full prompt block as its own object, a lookup HEADs block by
 block until the first miss, and the hit is capped by the smallest window.
+
+Why this is one module: one benchmark -- the replay, the store model it prices, the ideal it
+compares with and the table and plot that report them.
 """
 
 from __future__ import annotations

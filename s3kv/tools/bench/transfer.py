@@ -25,6 +25,9 @@ interval (every thread, native ones too) per GB of payload. Best of ``--repeats`
 run the baselines before s3kv, even ones after). Headline numbers add up every object size
 (total bytes / total seconds per method). The targets compare s3kv with the *fastest* raw client
 of the run.
+
+Why this is one module: one benchmark -- its set-up, the runs it compares and the table and plot
+that report them.
 """
 
 from __future__ import annotations
