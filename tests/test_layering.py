@@ -212,3 +212,30 @@ def test_the_docs_check_can_fail(monkeypatch):
         test_readme_layout_names_real_paths()
     with pytest.raises(AssertionError, match="s3kv/engine/worker/"):
         test_readme_layout_names_every_package()
+
+
+# --------------------------------------------------------------------------- what users import
+
+
+def test_public_surfaces_import_as_users_import_them():
+    """A fresh interpreter, the way TensorRT-LLM (``connector_module="s3kv.trtllm"``), the console
+    script (``s3kv = "s3kv.cli:main"``) and ``python -m`` reach s3kv -- nothing else imported first."""
+    import subprocess
+    import sys as _sys
+
+    script = (
+        "import importlib, importlib.util, tomllib\n"
+        "m = importlib.import_module('s3kv.trtllm')\n"
+        "from s3kv.trtllm.api import KvCacheConnectorScheduler, KvCacheConnectorWorker\n"
+        "assert issubclass(getattr(m, 'S3KvConnectorLeader'), KvCacheConnectorScheduler)\n"
+        "assert issubclass(getattr(m, 'S3KvConnectorWorker'), KvCacheConnectorWorker)\n"
+        "target = tomllib.load(open('pyproject.toml', 'rb'))['project']['scripts']['s3kv']\n"
+        "mod, _, attr = target.partition(':')\n"
+        "assert callable(getattr(importlib.import_module(mod), attr))\n"
+        "for name in ('s3kv.cli', 's3kv.tools.demo', 's3kv.tools.faultmatrix'):\n"
+        "    assert importlib.util.find_spec(name) is not None, name\n"
+    )
+    if _sys.version_info < (3, 11):
+        pytest.skip("tomllib needs Python 3.11")
+    r = subprocess.run([_sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
