@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from s3kv.demo import DemoShape, run_cluster
+from s3kv.tools.demo import DemoShape, run_cluster
 from s3kv.store.embedded import EmbeddedS3
 
 

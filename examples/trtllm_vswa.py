@@ -68,7 +68,7 @@ def free_port() -> int:
 
 def scrape_ranks(port: int, tp: int) -> list[dict[str, float]]:
     """Every rank's metrics (rank r serves on port + r); a rank that does not answer is left out."""
-    from s3kv.metrics import read_endpoint
+    from s3kv.engine.metrics import read_endpoint
 
     out = []
     for rank in range(tp):
@@ -81,7 +81,7 @@ def scrape_ranks(port: int, tp: int) -> list[dict[str, float]]:
 
 def summarize(phase: str, scrapes: Sequence[dict[str, float]], prompt_tokens: int) -> str:
     """One line of s3kv figures for a phase, summed over the ranks that answered."""
-    from s3kv.metrics import figures
+    from s3kv.engine.metrics import figures
 
     if not scrapes:
         return f"{phase}: no s3kv metrics endpoint answered (is S3KV_METRICS_PORT free?)"

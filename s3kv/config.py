@@ -6,6 +6,9 @@ wins over the file; explicit keyword overrides win over both. Invalid values fai
 at start-up with a ``ConfigError`` that names the setting and what it accepts.
 AWS credentials, region and endpoints come from boto3's own chain
 (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL_S3``, profiles, instance roles …).
+
+Why this is one module: each setting's name, default, conversion and validation sit together, so the
+env var, the file key and the error message cannot disagree.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 if TYPE_CHECKING:
-    from .integrity import IntegrityKeys
+    from .core.integrity import IntegrityKeys
 
 log = logging.getLogger("s3kv.config")
 
@@ -193,7 +196,7 @@ class Settings:
     #: Address the metrics server binds; loopback unless you mean to expose it (e.g. "0.0.0.0"
     #: for a Prometheus scraping the pod IP).
     metrics_addr: str = "127.0.0.1"
-    #: List prices for the cost estimate (s3kv/cost.py; S3 Standard, us-east-1): PUT-class and
+    #: List prices for the cost estimate (s3kv/core/cost.py; S3 Standard, us-east-1): PUT-class and
     #: GET-class (GET, HEAD) requests in $ per 1,000, storage in $ per GB-month, and how long an
     #: object is kept (the bucket's lifecycle expiry; infra/terraform's default is 30 days).
     cost_put_per_1k_usd: float = 0.005
@@ -216,7 +219,7 @@ class Settings:
     @cached_property
     def integrity(self) -> IntegrityKeys | None:
         """The integrity keys (None: integrity tags off). Files are read once, at construction."""
-        from .integrity import keys_from_settings
+        from .core.integrity import keys_from_settings
 
         return keys_from_settings(self)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from s3kv.sim import PrefixHasher, request_root, sliding_cutoff, token_bytes
-from s3kv.trtllm_api import KvCacheConnectorScheduler, KvCacheConnectorWorker, valid_page_slots
+from s3kv.trtllm.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, valid_page_slots
 
 
 class OracleStore:

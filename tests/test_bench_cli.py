@@ -171,7 +171,7 @@ def test_e2e_quick_json_and_plot(tmp_path: Path) -> None:
 
 
 def test_prefill_flop_model_matches_hand_count() -> None:
-    from s3kv.bench.common import GEMMA3_27B as m
+    from s3kv.tools.bench.common import GEMMA3_27B as m
 
     assert len(m.global_layers) == 10 and len(m.local_layers) == 52
     # ~25.6 B matmul weights in the decoder layers (27 B with the tied 262k x 5376 embedding).

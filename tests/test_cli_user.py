@@ -117,7 +117,7 @@ def test_a_failing_cluster_is_one_line_and_debug_shows_the_traceback(tmp_path):
     """A cluster process reports its failure as one line; --debug (S3KV_DEBUG) adds the traceback."""
     out = tmp_path / "result.json"
     bad_shape = json.dumps({"window": -5})  # the model cannot be built
-    cmd = [sys.executable, "-m", "s3kv.demo", "A", str(out), bad_shape, "{}"]
+    cmd = [sys.executable, "-m", "s3kv.tools.demo", "A", str(out), bad_shape, "{}"]
     env = _clean_env(S3KV_URL=f"file://{tmp_path}/c")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1
@@ -130,7 +130,7 @@ def test_a_failing_cluster_is_one_line_and_debug_shows_the_traceback(tmp_path):
     # And the parent turns it into one line naming the cluster.
     import click
 
-    from s3kv.demo import DemoShape, _spawn
+    from s3kv.tools.demo import DemoShape, _spawn
 
     with pytest.raises(click.ClickException) as ei:
         _spawn("A", DemoShape(window=-5), {}, env)
@@ -139,12 +139,12 @@ def test_a_failing_cluster_is_one_line_and_debug_shows_the_traceback(tmp_path):
 
 
 def test_unexpected_errors_are_one_line_unless_debug(monkeypatch, tmp_path):
-    import s3kv.ops
+    import s3kv.tools.ops
 
     def boom(*a, **k):
         raise RuntimeError("disk on fire\nsecond line")
 
-    monkeypatch.setattr(s3kv.ops, "_walk", boom)
+    monkeypatch.setattr(s3kv.tools.ops, "_walk", boom)
     url = f"file://{tmp_path}/c"
     r = invoke("ls", "--url", url)
     assert r.exit_code == 1
@@ -175,7 +175,7 @@ def test_version():
 
 
 def test_ops_read_the_url_and_settings_from_the_config_file(tmp_path):
-    from s3kv.keys import KeyScheme
+    from s3kv.core.keys import KeyScheme
     from s3kv.store.factory import open_store
 
     cache = tmp_path / "cache"
@@ -233,8 +233,8 @@ def test_ops_use_the_retry_settings():
 
 
 def _population(tmp_path, n: int) -> str:
-    from s3kv.keys import KeyScheme
-    from s3kv.objects import ObjectIdentity, encode_object, object_metadata
+    from s3kv.core.keys import KeyScheme
+    from s3kv.core.objects import ObjectIdentity, encode_object, object_metadata
     from s3kv.store.factory import open_store
 
     url = f"file://{tmp_path}/gc"
@@ -275,8 +275,8 @@ def test_gc_asks_before_deleting_many_objects(tmp_path):
 
 
 def test_ls_and_stats_show_group_windows(tmp_path):
-    from s3kv.keys import KeyScheme
-    from s3kv.objects import ObjectIdentity, encode_object, object_metadata
+    from s3kv.core.keys import KeyScheme
+    from s3kv.core.objects import ObjectIdentity, encode_object, object_metadata
     from s3kv.store.factory import open_store
 
     url = f"file://{tmp_path}/w"

@@ -181,7 +181,7 @@ def test_deleted_middle_object_stops_the_hit_before_it():
     full_gid = next(g.group_id for g in eng.leader.core.geometry.groups if g.window is None)
     fp = eng.leader.core.geometry.groups[full_gid].fingerprint
     # The object holding blocks [16, 20) of the full-attention group.
-    from s3kv.keys import Chain, chain_root
+    from s3kv.core.keys import Chain, chain_root
 
     core = eng.leader.core
     chain = Chain(chain_root(core.namespace), 16)
@@ -202,7 +202,7 @@ def test_tp2_missing_shard_object_means_no_hit_for_that_chunk():
     eng = make_engine(store, model, **kw)
     run(eng, [SimRequestSpec(1, prompt)])
     core = eng.leader.core
-    from s3kv.keys import Chain, chain_root
+    from s3kv.core.keys import Chain, chain_root
 
     chain = Chain(chain_root(core.namespace), 16)
     chain.extend_to(list(prompt))

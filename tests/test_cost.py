@@ -1,4 +1,4 @@
-"""s3kv/cost.py: requests as S3 bills them, dollars at list prices, and the counters that feed them."""
+"""s3kv/core/cost.py: requests as S3 bills them, dollars at list prices, and the counters that feed them."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import pytest
 
 from s3kv.config import Settings
-from s3kv.cost import (
+from s3kv.core.cost import (
     GiB,
     MiB,
     Prices,

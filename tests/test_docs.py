@@ -29,7 +29,7 @@ ELSEWHERE = {"failures.md", "security.md", "trace-replay.md"}
 RUN_ELSEWHERE = {"s3-compatible.md": "tests/test_terraform.py::test_walkthrough_on_seaweedfs_with_auth"}
 MINE = [
     "README.md", "getting-started.md", "configuration.md", "operations.md", "sizing.md",
-    "metrics.md", "kubernetes.md", "s3-compatible.md",
+    "metrics.md", "kubernetes.md", "s3-compatible.md", "architecture.md",
 ]
 
 
@@ -172,7 +172,7 @@ def test_sizing_commands_print_what_the_page_shows(tmp_path):
 
 
 def _metric_families() -> dict[str, str]:
-    from s3kv.metrics import Metrics
+    from s3kv.engine.metrics import Metrics
 
     return {fam.name: fam.type for fam in Metrics().registry.collect()}
 

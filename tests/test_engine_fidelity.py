@@ -214,11 +214,11 @@ EXIT_SCRIPT = textwrap.dedent(
     """
     import sys, time
     from s3kv.config import Settings
-    from s3kv.plan import BufferId, ConnectorMetadata, SealOp, StageOp
+    from s3kv.core.plan import BufferId, ConnectorMetadata, SealOp, StageOp
     from s3kv.store.base import StoreWrapper
     from s3kv.store.fsspec_store import FsspecStore
-    from s3kv.transfer.testing import GroupSpec, make_layout
-    from s3kv.worker import WorkerCore
+    from s3kv.sim.layouts import GroupSpec, make_layout
+    from s3kv.engine.worker import WorkerCore
 
     class Slow(StoreWrapper):
         def put(self, key, data, metadata=None):
@@ -306,7 +306,7 @@ def test_bring_up_refuses_a_layout_without_the_page_api():
 
 def test_per_group_page_lists_as_a_dict_are_accepted():
     """One V2 branch passes per-group page lists as a dict keyed by group id."""
-    from s3kv.leader import _group_lists
+    from s3kv.engine.leader.requests import group_lists as _group_lists
 
     assert _group_lists({1: [5, 6], 0: [-1, 3]}, 2) == [[-1, 3], [5, 6]]
     assert _group_lists([[1], [2]], 2) == [[1], [2]]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from s3kv.metrics import Metrics, serve_for_rank
+from s3kv.engine.metrics import Metrics, serve_for_rank
 from s3kv.store.embedded import free_port_pair
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,11 +1,11 @@
-"""The window-aware hit rule (s3kv/hitrule.py), checked against the engine's page rule."""
+"""The window-aware hit rule (s3kv/core/hitrule.py), checked against the engine's page rule."""
 
 from __future__ import annotations
 
 import pytest
 
-from s3kv.hitrule import Span, covers, object_ends_needed, required_range, servable, sliding_lo
-from s3kv.layout import CacheGeometry, GroupGeometry
+from s3kv.core.hitrule import Span, covers, object_ends_needed, required_range, servable, sliding_lo
+from s3kv.core.layout import CacheGeometry, GroupGeometry
 
 SLIDING = GroupGeometry(0, 64, (0, 1), (100,))
 FULL = GroupGeometry(1, None, (2,), (100,))

@@ -1,4 +1,4 @@
-"""Model identity in the namespace (s3kv/identity.py): issue #17 point 3.
+"""Model identity in the namespace (s3kv/trtllm/identity.py): issue #17 point 3.
 
 fp16 and bf16 loads of one model path used to share a namespace (KV dtype was
 the literal "auto", the model identity just the ``model`` string)."""
@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
-from s3kv.identity import model_identity, normalize_dtype
-from s3kv.keys import namespace_digest
-from s3kv.layout import CacheGeometry, GroupGeometry
+from s3kv.core.keys import namespace_digest
+from s3kv.core.layout import CacheGeometry, GroupGeometry
 from s3kv.sim.config import SimCacheConfig, SimModel
 from s3kv.sim.llm_args import SimKvCacheConfig, SimLlmArgs, make_llm_args
+from s3kv.trtllm.identity import model_identity, normalize_dtype
 
 
 class QuantAlgo(enum.Enum):  # stands in for tensorrt_llm's enum

@@ -1,4 +1,4 @@
-"""Keyed integrity tags (s3kv/integrity.py, s3kv/objects.py) and span checks: the attacks of
+"""Keyed integrity tags (s3kv/core/integrity.py, s3kv/core/objects.py) and span checks: the attacks of
 issue #17 points 1 and 2 reproduced, then refused -- as counted misses, never loads."""
 
 from __future__ import annotations
@@ -14,12 +14,11 @@ from test_connector_sim import make_engine, run
 from test_worker import digest, load_md, make_core, save_object, step
 
 from s3kv.config import ConfigError, Settings, load_settings
-from s3kv.errors import LoadFailed
-from s3kv.integrity import IntegrityKeys, TagKey, keys_from_settings
-from s3kv.keys import chain_digests, chain_root, parse_key
-from s3kv.layout import CacheGeometry, GroupGeometry
-from s3kv.leader import LeaderCore
-from s3kv.objects import (
+from s3kv.core.errors import LoadFailed
+from s3kv.core.integrity import IntegrityKeys, TagKey, keys_from_settings
+from s3kv.core.keys import chain_digests, chain_root, parse_key
+from s3kv.core.layout import CacheGeometry, GroupGeometry
+from s3kv.core.objects import (
     FIXED_LEN,
     MAX_PAGES_PER_OBJECT,
     ObjectFormatError,
@@ -37,11 +36,12 @@ from s3kv.objects import (
     trailer_range,
     verify_page,
 )
-from s3kv.ops import identity_from
+from s3kv.engine.leader import LeaderCore
 from s3kv.sim import gemma3_like, multi_turn_workload, repeat_workload
+from s3kv.sim.layouts import page_bytes
 from s3kv.store.base import ByteRange
 from s3kv.store.memory import MemoryStore
-from s3kv.transfer.testing import page_bytes
+from s3kv.tools.ops import identity_from
 
 SECRET = "0123456789abcdef" * 4
 OLD_SECRET = "fedcba9876543210" * 4
@@ -497,7 +497,7 @@ def test_simulated_fleet_planted_kv(key):
 
 
 def test_operator_check_reads_tagged_objects_without_the_key():
-    from s3kv.ops import check_object
+    from s3kv.tools.ops import check_object
 
     store = MemoryStore()
     key = "kv/" + "00" * 16 + "/0123456789abcdef.1of2/" + DIGEST.hex()

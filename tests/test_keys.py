@@ -1,4 +1,4 @@
-"""Namespaces, chained-prefix digests and object keys (s3kv/keys.py)."""
+"""Namespaces, chained-prefix digests and object keys (s3kv/core/keys.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from s3kv.keys import (
+from s3kv.core.keys import (
     DIGEST_SIZE,
     Chain,
     KeyScheme,
@@ -18,7 +18,7 @@ from s3kv.keys import (
     namespace_digest,
     parse_key,
 )
-from s3kv.layout import CacheGeometry, GroupGeometry
+from s3kv.core.layout import CacheGeometry, GroupGeometry
 
 TPB = 4
 

@@ -21,7 +21,7 @@ TPB = 16
 
 
 def test_state_of_requests_the_engine_forgot_expires(monkeypatch):
-    import s3kv.leader as leader_mod
+    import s3kv.engine.leader.core as leader_mod
 
     now = [1000.0]
     monkeypatch.setattr(leader_mod.time, "monotonic", lambda: now[0])

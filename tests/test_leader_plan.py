@@ -1,4 +1,4 @@
-"""LeaderCore's per-iteration plans, driven directly with RequestData-shaped fakes (s3kv/leader.py)."""
+"""LeaderCore's per-iteration plans, driven directly with RequestData-shaped fakes (s3kv/engine/leader/)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from types import SimpleNamespace
 import pytest
 
 from s3kv.config import Settings
-from s3kv.hitrule import Span, servable
-from s3kv.keys import KeyScheme, chain_digests, chain_root, namespace_digest
-from s3kv.layout import CacheGeometry, GroupGeometry
-from s3kv.leader import LeaderCore
-from s3kv.objects import ObjectIdentity, encode_object, object_metadata
-from s3kv.plan import ConnectorMetadata
+from s3kv.core.hitrule import Span, servable
+from s3kv.core.keys import KeyScheme, chain_digests, chain_root, namespace_digest
+from s3kv.core.layout import CacheGeometry, GroupGeometry
+from s3kv.core.objects import ObjectIdentity, encode_object, object_metadata
+from s3kv.core.plan import ConnectorMetadata
+from s3kv.engine.leader import LeaderCore
 from s3kv.store.base import StoreWrapper
 from s3kv.store.memory import MemoryStore
 

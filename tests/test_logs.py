@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 
-from s3kv.logs import KeyValueFormatter
+from s3kv.tools.logs import KeyValueFormatter
 
 
 def test_log_lines_are_json_with_request_ids():
@@ -17,7 +17,7 @@ def test_log_lines_are_json_with_request_ids():
 
 
 def test_credentials_never_reach_a_log_line():
-    from s3kv.logs import TextFormatter
+    from s3kv.tools.logs import TextFormatter
 
     rec = logging.LogRecord("s3kv.x", logging.WARNING, __file__, 1, "cannot open %s", ("s3://AK:SECRET@b/kv",), None)
     rec.url = "gs://token@bucket/p"

@@ -1,4 +1,4 @@
-"""Finding the largest servable prefix in few HEAD waves (s3kv/lookup.py, LeaderCore lookups)."""
+"""Finding the largest servable prefix in few HEAD waves (s3kv/core/lookup.py, LeaderCore lookups)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from collections.abc import Sequence
 import pytest
 
 from s3kv.config import Settings
-from s3kv.hitrule import Span, servable
-from s3kv.index import KeyIndex
-from s3kv.keys import KeyScheme, chain_digests, chain_root, namespace_digest
-from s3kv.layout import CacheGeometry, GroupGeometry
-from s3kv.leader import LeaderCore
-from s3kv.lookup import LookupParams, find_hit
-from s3kv.objects import ObjectIdentity, encode_object, object_metadata
+from s3kv.core.hitrule import Span, servable
+from s3kv.core.keys import KeyScheme, chain_digests, chain_root, namespace_digest
+from s3kv.core.layout import CacheGeometry, GroupGeometry
+from s3kv.core.lookup import LookupParams, find_hit
+from s3kv.core.objects import ObjectIdentity, encode_object, object_metadata
+from s3kv.engine.index import KeyIndex
+from s3kv.engine.leader import LeaderCore
 from s3kv.store.base import HeadBatch, StoreError, StoreWrapper, TransientError
 from s3kv.store.memory import MemoryStore
 
@@ -397,7 +397,7 @@ def test_sync_mode_and_min_hit_blocks():
 
 
 def test_index_sweeps_expired_negatives():
-    from s3kv.objects import ObjectSpan
+    from s3kv.core.objects import ObjectSpan
 
     now = [0.0]
     idx = KeyIndex(max_entries=100_000, ttl_s=600, negative_ttl_s=2, clock=lambda: now[0])
@@ -429,7 +429,7 @@ def test_slow_store_lookup_is_a_bounded_miss_and_warms_the_index_later():
     writer = LeaderCore(Settings(url="memory://x", blocks_per_object=4), store, "p", tp_size=1,
                         model_id="m", kv_dtype="bf16", geometry=g)
     # Store every object of the prompt (as a writer's uploads would).
-    from s3kv.objects import ObjectIdentity, encode_object, object_metadata
+    from s3kv.core.objects import ObjectIdentity, encode_object, object_metadata
 
     assert writer.geometry is not None
     root = chain_root(writer.namespace)

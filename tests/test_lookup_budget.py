@@ -19,9 +19,9 @@ import pytest
 from test_lookup import TPB, geo, put_prefix, tokens_of
 
 from s3kv.config import Settings
-from s3kv.index import MISSING, KeyIndex
-from s3kv.leader import LeaderCore
-from s3kv.objects import ObjectSpan
+from s3kv.core.objects import ObjectSpan
+from s3kv.engine.index import MISSING, KeyIndex
+from s3kv.engine.leader import LeaderCore
 from s3kv.store.base import ByteRange, HeadBatch, NotFound, StoreWrapper
 from s3kv.store.breaker import BreakerPolicy, BreakerState, CircuitBreakerStore
 from s3kv.store.fsspec_store import FsspecStore
@@ -163,7 +163,7 @@ def test_stale_summary_never_promises_a_deleted_object():
     assert summary is not None and summary.refresh()
     try:
         # Delete a spine chunk in the middle after the listing: the summary still lists it.
-        from s3kv.keys import chain_digests, chain_root
+        from s3kv.core.keys import chain_digests, chain_root
 
         digests = chain_digests(chain_root(core.namespace), stored, TPB)
         spine = g.groups[g.spine_group].fingerprint

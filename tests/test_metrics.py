@@ -7,8 +7,8 @@ import pytest
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from s3kv.leader import LeaderStats
-from s3kv.metrics import Metrics, MetricsStore, start_http_server
+from s3kv.engine.leader import LeaderStats
+from s3kv.engine.metrics import Metrics, MetricsStore, start_http_server
 from s3kv.store.base import ByteRange, NotFound, TransientError
 from s3kv.store.breaker import BreakerPolicy, CircuitBreakerStore, StoreUnavailable
 from s3kv.store.faults import FaultInjectingStore
@@ -289,7 +289,7 @@ def test_prompt_tokens_counter_gives_the_share_served_from_the_store():
     s = scrape(m)
     assert sample(s, "s3kv_prompt_tokens_total") == 1500
     assert sample(s, "s3kv_hit_tokens_total") == 750
-    from s3kv.metrics import figures
+    from s3kv.engine.metrics import figures
 
     f = figures(m.snapshot())
     assert (f["hit_tokens"], f["prompt_tokens"]) == (750, 1500) and f["hit_share"] == 0.5
@@ -306,7 +306,7 @@ def test_metrics_server_binds_loopback_by_default():
 
 def test_every_rank_serves_on_its_own_port():
     """TP > 1: rank r serves on base + r and says which rank it is; a scrape reads its figures."""
-    from s3kv.metrics import rank_port, read_endpoint, serve_for_rank
+    from s3kv.engine.metrics import rank_port, read_endpoint, serve_for_rank
     from s3kv.store.embedded import free_port_pair
 
     base = free_port_pair(set(), offset=1)  # base and base + 1 both free

@@ -1,4 +1,4 @@
-"""The object format (s3kv/objects.py): round trips and named rejections."""
+"""The object format (s3kv/core/objects.py): round trips and named rejections."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from s3kv.objects import (
+from s3kv.core.objects import (
     FIXED_LEN,
     MAGIC,
     BadMagic,
@@ -118,7 +118,7 @@ def _restamp(data: bytes, n: int, fixed_changes: dict[int, object]) -> bytes:
     """Rewrite fixed-header fields (by struct index) and recompute the header checksum."""
     import xxhash
 
-    from s3kv.objects import _FIXED
+    from s3kv.core.objects import _FIXED
 
     hlen = header_len(n)
     vals = list(_FIXED.unpack(data[:FIXED_LEN]))

@@ -12,11 +12,11 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from s3kv.keys import KeyScheme
-from s3kv.objects import ObjectIdentity, encode_object, header_len, object_metadata
-from s3kv.ops import ops_commands
+from s3kv.core.keys import KeyScheme
+from s3kv.core.objects import ObjectIdentity, encode_object, header_len, object_metadata
 from s3kv.store.base import ObjectStore
 from s3kv.store.embedded import EmbeddedS3
+from s3kv.tools.ops import ops_commands
 
 BUCKET = "s3kv-ops-cli-test"
 PREFIX = "cache/v1"

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from s3kv.cli import main
 from s3kv.config import Settings
-from s3kv.keys import parse_key
+from s3kv.core.keys import parse_key
 from s3kv.sim import SimCacheConfig, SimEngine, gemma3_like, repeat_workload, shared_prefix_workload
 from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 

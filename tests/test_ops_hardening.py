@@ -18,10 +18,10 @@ from pathlib import Path
 import xxhash
 from click.testing import CliRunner
 
-import s3kv.ops as ops
+import s3kv.tools.ops as ops
 from s3kv.cli import main
-from s3kv.keys import KeyScheme, parse_key
-from s3kv.objects import FIXED_LEN, ObjectIdentity, encode_object, header_len, object_metadata
+from s3kv.core.keys import KeyScheme, parse_key
+from s3kv.core.objects import FIXED_LEN, ObjectIdentity, encode_object, header_len, object_metadata
 from s3kv.store.base import ObjectStore, StoreWrapper
 from s3kv.store.factory import open_store
 from s3kv.store.fsspec_store import ENVELOPE_SIZE, encode_envelope

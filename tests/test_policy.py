@@ -1,4 +1,4 @@
-"""Which blocks each layer group stores (s3kv/policy.py), alone and through LeaderCore's save plan."""
+"""Which blocks each layer group stores (s3kv/core/policy.py), alone and through LeaderCore's save plan."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 
 from s3kv.config import Settings
-from s3kv.hitrule import Span, servable
-from s3kv.layout import CacheGeometry, GroupGeometry
-from s3kv.leader import LeaderCore
-from s3kv.policy import StoragePolicy
+from s3kv.core.hitrule import Span, servable
+from s3kv.core.layout import CacheGeometry, GroupGeometry
+from s3kv.core.policy import StoragePolicy
+from s3kv.engine.leader import LeaderCore
 from s3kv.store.memory import MemoryStore
 
 TPB = 32

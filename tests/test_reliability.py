@@ -8,7 +8,7 @@ call is an engine crash and fails the test. A promised load that fails takes the
 the engine allows (docs/failures.md): ``failed_load_hook=True`` models a line whose engine
 recomputes the request (rung 1); without it (the merged line) the request stays parked while the
 load is retried (rung 3) until it succeeds or the request is cancelled. The full fault matrix is
-``python -m s3kv.faultmatrix`` (docs/reliability.md); here a reduced one runs.
+``python -m s3kv.tools.faultmatrix`` (docs/reliability.md); here a reduced one runs.
 """
 
 from __future__ import annotations
@@ -23,7 +23,15 @@ from typing import Any
 
 import pytest
 
-from s3kv.faultmatrix import (
+from s3kv.core.objects import header_len
+from s3kv.sim.request import SimRequestSpec
+from s3kv.store.base import NotFound, ObjectStore, StoreWrapper
+from s3kv.store.breaker import CircuitBreakerStore
+from s3kv.store.embedded import EmbeddedS3
+from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
+from s3kv.store.faults import FaultInjectingStore
+from s3kv.store.memory import MemoryStore
+from s3kv.tools.faultmatrix import (
     SMALL,
     Cell,
     ClusterResult,
@@ -35,14 +43,6 @@ from s3kv.faultmatrix import (
     store_from_settings,
     workload,
 )
-from s3kv.objects import header_len
-from s3kv.sim.request import SimRequestSpec
-from s3kv.store.base import NotFound, ObjectStore, StoreWrapper
-from s3kv.store.breaker import CircuitBreakerStore
-from s3kv.store.embedded import EmbeddedS3
-from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
-from s3kv.store.faults import FaultInjectingStore
-from s3kv.store.memory import MemoryStore
 
 pytestmark = pytest.mark.timeout(120)
 

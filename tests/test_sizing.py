@@ -7,7 +7,7 @@ import json
 from click.testing import CliRunner
 
 from s3kv.cli import main
-from s3kv.sizing import PRESETS, size
+from s3kv.tools.sizing import PRESETS, size
 
 
 def test_bytes_per_token_from_the_geometry():

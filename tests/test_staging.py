@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
+from s3kv.sim.layouts import GroupSpec, make_layout, page_bytes
 from s3kv.transfer.copies import Copier, PageCopy, _plan, copy_to_device, copy_to_host
 from s3kv.transfer.staging import ALIGN, LOAD, SAVE, StagingBuffer, StagingPool, host_memoryview
-from s3kv.transfer.testing import GroupSpec, make_layout, page_bytes
 
 
 def test_acquire_release_reuses_memory_and_tracks_stats():
@@ -173,7 +173,7 @@ def test_cpu_copier_has_no_events():
 
 
 def test_bench_staging_runs_on_cpu():
-    from s3kv.transfer.staging_bench import bench_staging
+    from s3kv.tools.bench.staging_copies import bench_staging
 
     r = bench_staging(page_sizes_mib=(1 / 64, 1 / 16), pages=8, device="cpu", repeats=2)
     assert len(r["results"]) == 2 and r["pinned"] is False

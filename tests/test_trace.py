@@ -1,4 +1,4 @@
-"""s3kv/trace.py: reading Mooncake traces, finding next turns, tokens from hash ids."""
+"""s3kv/tools/bench/tracefile.py: reading Mooncake traces, finding next turns, tokens from hash ids."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from s3kv.trace import (
+from s3kv.tools.bench.tracefile import (
     TokenSynth,
     TraceError,
     TraceRequest,

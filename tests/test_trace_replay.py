@@ -37,11 +37,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from s3kv.bench.common import GEMMA3_27B, bench_store
-from s3kv.bench.trace import SIM_VOCAB, TraceConfig, run_trace
 from s3kv.cli import main
 from s3kv.sim import generate_tokens, request_root
-from s3kv.trace import TokenSynth, find_continuations, read_trace
+from s3kv.tools.bench.common import GEMMA3_27B, bench_store
+from s3kv.tools.bench.trace import SIM_VOCAB, TraceConfig, run_trace
+from s3kv.tools.bench.tracefile import TokenSynth, find_continuations, read_trace
 
 FIXTURE = Path(__file__).parent / "fixtures" / "mooncake_slice.jsonl"
 TPB = 64

@@ -10,13 +10,20 @@ import pytest
 import torch
 
 from s3kv.config import Settings
-from s3kv.index import KeyIndex
-from s3kv.objects import ObjectIdentity, ObjectSpan, decode_object, encode_object, header_len, object_metadata
-from s3kv.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
+from s3kv.core.objects import (
+    ObjectIdentity,
+    ObjectSpan,
+    decode_object,
+    encode_object,
+    header_len,
+    object_metadata,
+)
+from s3kv.core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, ObjectRef, SealOp, StageOp
+from s3kv.engine.index import KeyIndex
+from s3kv.engine.worker import WorkerCore
+from s3kv.sim.layouts import GroupSpec, make_layout, page_bytes, write_page
 from s3kv.store.base import StoreWrapper, TransientError
 from s3kv.store.memory import MemoryStore
-from s3kv.transfer.testing import GroupSpec, make_layout, page_bytes, write_page
-from s3kv.worker import WorkerCore
 
 # Group 0: full attention, one padded region. Group 1: sliding, two regions (data + scales).
 GROUPS = [GroupSpec((0, 2), None, (192,), pad=64), GroupSpec((1, 3), 64, (128, 32))]
@@ -424,7 +431,7 @@ def test_corrupted_page_fails_the_request_naming_the_object(store, caplog):
     assert "ChecksumMismatch" in e
     assert b.stats().loads_failed_objects == 1 and b.stats().requests_failed == 1
     # Quarantined: later lookups on this engine miss instead of promising the same broken load.
-    from s3kv.index import MISSING
+    from s3kv.engine.index import MISSING
 
     assert index.get(key) is MISSING
     b.close()

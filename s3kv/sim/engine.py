@@ -31,6 +31,10 @@ event loop dies on one and the other TP ranks hang. ``failed_load_hook`` models
 branches that offer ``take_failed_load_request_ids`` / ``recompute_failed_load``.
 
 Everything runs in one process and one thread; the leader is rank 0's.
+
+Why this is one module: the executor loop is one state machine (scheduling, metadata, forward,
+sampling, finishing, hand-over, in TensorRT-LLM's order); split, the call order would no longer read
+top to bottom.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from typing import Any
 
 import torch
 
-from ..trtllm_api import RequestData, SchedulerOutput
+from ..trtllm.api import RequestData, SchedulerOutput
 from .checker import KvChecker, PageCheck
 from .config import GroupSpec, SimCacheConfig, SimModel, layer_groups, sliding_cutoff
 from .llm_args import SimLlmArgs, make_llm_args

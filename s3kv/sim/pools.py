@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..trtllm_api import (
+from ..trtllm.api import (
     HAVE_TRTLLM_LAYOUT,
     KvCacheBufferRef,
     KvCacheLayerGroupLayout,

@@ -27,7 +27,7 @@ retries inside), so a fast failure is never retried and a failure the breaker co
 whose retries already ran out.
 
 Every transition is logged on logger ``s3kv.breaker`` (with ``from_state``/``to_state``
-extras) and passed to ``on_transition(old, new)`` (e.g. :meth:`s3kv.metrics.Metrics.
+extras) and passed to ``on_transition(old, new)`` (e.g. :meth:`s3kv.engine.metrics.Metrics.
 on_breaker_transition`). The callback runs under the breaker's lock, so transitions are
 reported in order; it must be quick and must not call into the store.
 """

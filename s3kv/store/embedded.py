@@ -27,6 +27,9 @@ SeaweedFS notes (4.48, checked by hand):
 moto notes: ``ThreadedMotoServer`` serves from a thread of this process, so the server lives
 as long as this process does; all moto servers in one process share one backend state (use
 distinct bucket names). It accepts any credentials.
+
+Why this is one module: both servers sit behind one ``EmbeddedS3`` (start, env, store, stop) and
+share its port and retry rules.
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ Wire notes (boto3 1.44 over plain HTTP, ``request_checksum_calculation='when_req
 checksums go in a header); PutObject and UploadPart send ``Expect: 100-continue`` and a
 ``bytes`` body goes out in the same ``send`` as the head; ``Host`` (with the proxy's port) is
 signed, so it is forwarded untouched. Chunked bodies (either direction) are relayed verbatim.
+
+Why this is one module: the proxy's HTTP parsing, forwarding and fault injection act on the same
+connection state.
 """
 
 from __future__ import annotations

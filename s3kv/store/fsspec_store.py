@@ -19,6 +19,9 @@ silently replaces. Two writers racing on one key: exactly one link succeeds (Tru
 gets False, and a reader only ever sees a complete file. Non-local fsspec file systems have no
 such primitive: they use exists-check then move, which can let two racing writers both win
 (the last whole body stays; never a torn object) - the same trade as S3Store's fallback.
+
+Why this is one module: the envelope format, write-once publishing and the store calls over them are
+one contract that must change together.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ always talk to the same place with the same identity. The payload is signed (SHA
 plain HTTP, as botocore does; over HTTPS it is sent as UNSIGNED-PAYLOAD (TLS protects it, and
 every page carries its own checksum). No flexible-checksum headers are sent
 (``when_required``), which non-AWS servers often reject.
+
+Why this is one module: one ``ObjectStore`` implementation; each method maps one store call onto
+obstore, and its errors onto the store's.
 """
 
 from __future__ import annotations

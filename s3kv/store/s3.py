@@ -22,6 +22,9 @@ SeaweedFS 4.48 ``weed mini``):
   body says NoSuchBucket or NoSuchKey;
 * SeaweedFS enforces SigV4 against the keys it was started with (403 InvalidAccessKeyId
   otherwise); moto accepts any keys.
+
+Why this is one module: one ``ObjectStore`` implementation on boto3, with the multipart and
+write-once protocol its methods share.
 """
 
 from __future__ import annotations

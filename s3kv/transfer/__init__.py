@@ -4,5 +4,4 @@
 * :mod:`.copies` — page copies device<->host, stream-ordered on CUDA.
 * :mod:`.upload` — background uploads of sealed objects.
 * :mod:`.download` — verified ranged reads of objects into cache slots.
-* :mod:`.testing` — tensor-backed cache layouts for tests and benchmarks.
 """

@@ -29,8 +29,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..cost import get_requests
-from ..objects import (
+from ..core.cost import get_requests
+from ..core.objects import (
     ObjectFormatError,
     ObjectIdentity,
     SpanMismatch,

@@ -10,7 +10,7 @@ another writer already stored it, which is success).
 
 A failed put (any :class:`StoreError`, after the store's own retries) is a
 dropped save: a log line and a counter, never an error to the engine. Confirmed
-creations are reported to the :class:`~s3kv.index.KeyIndex`. Either way the job's
+creations are reported to the engine's key index (:class:`KnownKeys`). Either way the job's
 buffer reference is released, so the buffer is freed after the last seal that
 used it.
 
@@ -26,11 +26,10 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from ..cost import MULTIPART_THRESHOLD, PART_SIZE, put_requests
-from ..index import KeyIndex
-from ..objects import ObjectIdentity, ObjectSpan, encode_object, object_metadata
+from ..core.cost import MULTIPART_THRESHOLD, PART_SIZE, put_requests
+from ..core.objects import ObjectIdentity, ObjectSpan, encode_object, object_metadata
 from ..store.base import ObjectStore, StoreError
 from .counters import Counters
 from .staging import StagingBuffer
@@ -56,6 +55,15 @@ class UploadJob:
         return [self.buffer.memoryview(i * pb, pb) for i in range(self.count)]
 
 
+class KnownKeys(Protocol):
+    """Where confirmed uploads are reported: the engine's key index (``s3kv.engine.index``).
+
+    A protocol, not an import: the transfer layer sits below the engine and knows only this call.
+    """
+
+    def put_present(self, key: str, span: ObjectSpan) -> None: ...
+
+
 _STOP = object()
 
 
@@ -66,7 +74,7 @@ class Uploader:
         *,
         threads: int = 4,
         queue_size: int = 1024,
-        index: KeyIndex | None = None,
+        index: KnownKeys | None = None,
         counters: Counters | None = None,
         wait_event: Callable[[Any], None] | None = None,
         name: str = "s3kv-upload",

@@ -15,10 +15,10 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from s3kv.config import Settings  # noqa: E402
+from s3kv.sim.layouts import GroupSpec, make_layout, page_bytes  # noqa: E402
 from s3kv.store.memory import MemoryStore  # noqa: E402
 from s3kv.transfer.copies import Copier, PageCopy  # noqa: E402
 from s3kv.transfer.memcpy_batch import MemcpyBatch, MemcpyBatchError  # noqa: E402
-from s3kv.transfer.testing import GroupSpec, make_layout, page_bytes  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -189,7 +189,7 @@ def test_save_through_the_batch_waits_for_the_forward():
 
 @pytest.mark.parametrize("batch_copies", [True, False], ids=["batch", "per-page"])
 def test_worker_setting_picks_the_copy_path(batch_copies):
-    from s3kv.worker import WorkerCore
+    from s3kv.engine.worker import WorkerCore
 
     layout = make_layout([SPECS["multi-region"]], num_slots=16, device=DEV, fill_seed=4)
     core = WorkerCore(Settings(staging_mib=16, batch_copies=batch_copies), MemoryStore(), "kv", 0, 1, "m", "bf16")

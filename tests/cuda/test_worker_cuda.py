@@ -18,12 +18,12 @@ if not torch.cuda.is_available():  # pragma: no cover - depends on the machine
     pytest.skip("needs a CUDA device", allow_module_level=True)
 
 from s3kv.config import Settings  # noqa: E402
-from s3kv.objects import decode_object, header_len  # noqa: E402
-from s3kv.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp  # noqa: E402
+from s3kv.core.objects import decode_object, header_len  # noqa: E402
+from s3kv.core.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp  # noqa: E402
+from s3kv.engine.worker import WorkerCore  # noqa: E402
+from s3kv.sim.layouts import GroupSpec, make_layout, page_bytes  # noqa: E402
 from s3kv.store.base import StoreWrapper  # noqa: E402
 from s3kv.store.memory import MemoryStore  # noqa: E402
-from s3kv.transfer.testing import GroupSpec, make_layout, page_bytes  # noqa: E402
-from s3kv.worker import WorkerCore  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -275,7 +275,7 @@ def test_staging_bound_and_drops_on_cuda(fwd):
 
 
 def test_bench_staging_smoke():
-    from s3kv.transfer.staging_bench import bench_staging
+    from s3kv.tools.bench.staging_copies import bench_staging
 
     r = bench_staging(page_sizes_mib=(1, 4), pages=16, device="cuda", repeats=3)
     assert r["pinned"] is True

@@ -1,0 +1,180 @@
+"""Namespaces, the chained-prefix digest, and object keys. Pure functions.
+
+Why a chain: a page's KV is a function of the *whole* token prefix up to its
+block (every layer sees all earlier tokens through the layers below), so the
+key must name the whole prefix. ``c_i = H(c_{i-1}, tokens of block i)`` does that
+in O(block) per block, and one chain serves every layer group and shard; group
+and shard go into the object key beside it. Keys hold digests only, never tokens.
+
+Key layout (decided here, documented in the README)::
+
+    {prefix}/{namespace:32 hex}/{group fingerprint:16 hex}.{shard}of{tp}/{chain digest:32 hex}
+
+* one path per namespace, so ``s3kv ls``/``gc`` can walk or drop a model's cache;
+* group and shard next, so per-group stats are a prefix listing;
+* the chain digest last: uniformly random, so S3 can split a hot
+  ``…/group.shard/`` prefix on its first characters when load grows (each S3
+  prefix partition serves ~5,500 GET/HEAD and ~3,500 PUT per second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .layout import CacheGeometry
+
+FORMAT_VERSION = 1
+DIGEST_SIZE = 16
+
+
+def namespace_digest(geometry: CacheGeometry, *, tagged: bool = False) -> bytes:
+    """Everything that makes bytes incompatible goes in: a different geometry never shares a key.
+
+    ``geometry.model_id`` is the model identity (``s3kv.trtllm.identity``: name, revision,
+    model dtype, quantization, config digest) and ``kv_dtype`` the resolved KV dtype,
+    so fp16 and bf16 loads of one checkpoint never share a key. ``tagged``: engines
+    that sign objects (integrity key set) keep their own namespace -- untagged
+    objects would be misses for them, and write-once would let an untagged object
+    squat the key a signed one needs. The key itself stays out: rotating it must
+    not empty the cache.
+    """
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"s3kv-ns")
+    fields: tuple[object, ...] = (
+        FORMAT_VERSION,
+        geometry.model_id,
+        geometry.kv_dtype,
+        geometry.tokens_per_block,
+        geometry.tp_size,
+        tuple(g.fingerprint for g in geometry.groups),
+    )
+    if tagged:
+        # Appended only when on, so untagged namespaces keep their digests.
+        fields += ("integrity-tagged",)
+    h.update(repr(fields).encode())
+    return h.digest()
+
+
+class NotCacheable(ValueError):
+    """A request whose KV depends on something the key cannot name (e.g. images without hashes)."""
+
+
+def chain_root(
+    namespace: bytes,
+    *,
+    cache_salt: str | int | None = None,
+    lora_id: int | None = None,
+    multimodal_hashes: Sequence[object] | None = None,
+    has_multimodal: bool = False,
+) -> bytes:
+    """c_0: the namespace plus everything besides tokens that changes the KV.
+
+    The salt isolates tenants: two salts never share a chain, so never a hit.
+    """
+    if has_multimodal and not multimodal_hashes:
+        raise NotCacheable("request has multimodal inputs but no multimodal hashes; its KV cannot be keyed")
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"s3kv-root")
+    h.update(namespace)
+    h.update(repr(("salt", cache_salt)).encode())
+    h.update(repr(("lora", lora_id)).encode())
+    mm = tuple(_hash_repr(x) for x in (multimodal_hashes or ()))
+    h.update(repr(("mm", mm)).encode())
+    return h.digest()
+
+
+def _hash_repr(x: object) -> object:
+    # Multimodal hashes arrive as ints, lists of ints or bytes depending on the
+    # build; normalise so the same content always hashes the same.
+    if isinstance(x, (list, tuple)):
+        return tuple(_hash_repr(y) for y in x)
+    if isinstance(x, (bytes, bytearray)):
+        return bytes(x).hex()
+    return x
+
+
+def _tokens_bytes(tokens: Sequence[int]) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+class Chain:
+    """Incremental chained digests over full blocks of a growing token list."""
+
+    __slots__ = ("root", "tokens_per_block", "digests")
+
+    def __init__(self, root: bytes, tokens_per_block: int):
+        self.root = root
+        self.tokens_per_block = tokens_per_block
+        self.digests: list[bytes] = []
+
+    def extend_to(self, tokens: Sequence[int]) -> list[bytes]:
+        """Digest every full block of ``tokens`` not digested yet; returns the whole list."""
+        tpb = self.tokens_per_block
+        full = len(tokens) // tpb
+        start = len(self.digests)
+        if full <= start:
+            return self.digests
+        prev = self.digests[-1] if self.digests else self.root
+        # One conversion of every new block's tokens, then a slice per block: the same bytes as
+        # converting block by block, at a fraction of the cost (this runs on the engine's
+        # scheduling path for every new prompt - 128k tokens are 4096 blocks).
+        raw = memoryview(_tokens_bytes(tokens[start * tpb : full * tpb]))
+        step = tpb * 8
+        blake2b, append = hashlib.blake2b, self.digests.append
+        for off in range(0, (full - start) * step, step):
+            h = blake2b(prev, digest_size=DIGEST_SIZE, person=b"s3kv-blk")
+            h.update(raw[off : off + step])
+            prev = h.digest()
+            append(prev)
+        return self.digests
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+
+def chain_digests(root: bytes, tokens: Sequence[int], tokens_per_block: int) -> list[bytes]:
+    return Chain(root, tokens_per_block).extend_to(tokens)
+
+
+@dataclass(frozen=True)
+class KeyScheme:
+    prefix: str
+    namespace: bytes
+    tp_size: int
+
+    @property
+    def namespace_prefix(self) -> str:
+        return f"{self.prefix}/{self.namespace.hex()}/" if self.prefix else f"{self.namespace.hex()}/"
+
+    def group_prefix(self, group_fingerprint: str, shard: int) -> str:
+        return f"{self.namespace_prefix}{group_fingerprint}.{shard}of{self.tp_size}/"
+
+    def object_key(self, group_fingerprint: str, shard: int, last_digest: bytes) -> str:
+        return self.group_prefix(group_fingerprint, shard) + last_digest.hex()
+
+
+@dataclass(frozen=True)
+class ParsedKey:
+    namespace: str
+    group_fingerprint: str
+    shard: int
+    tp_size: int
+    digest: str
+
+
+def parse_key(key: str) -> ParsedKey | None:
+    """Inverse of ``KeyScheme.object_key`` for operator tools; None for foreign keys."""
+    parts = key.rsplit("/", 3)
+    if len(parts) < 3:
+        return None
+    ns, gs, digest = parts[-3], parts[-2], parts[-1]
+    try:
+        gfp, shard_s = gs.split(".", 1)
+        shard, tp = (int(x) for x in shard_s.split("of", 1))
+        if len(ns) != 2 * DIGEST_SIZE or len(digest) != 2 * DIGEST_SIZE or len(gfp) != 16:
+            return None
+        int(ns, 16), int(digest, 16), int(gfp, 16)
+    except ValueError:
+        return None
+    return ParsedKey(ns, gfp, shard, tp, digest)

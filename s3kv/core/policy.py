@@ -1,0 +1,159 @@
+"""Which blocks each layer group stores. Pure; shares its window arithmetic with the hit rule.
+
+Saving every block of a sliding group stores the whole prompt for layers that
+will only ever read a tail (Gemma-3-27B at 32k tokens: ~15.5 GiB stored vs
+~2.9 GiB a hit can use). The "window" policy stores, for sliding groups, only
+the in-window tails a future hit can use, ending at *hit boundaries*:
+
+* every ``checkpoint_blocks`` (a multiple of ``blocks_per_object``, so a tail
+  ends on an object boundary) -- hits for prompts that share a long prefix;
+* the prompt's last full block -- exact repeats;
+* the end of the request's history, staged at ``request_finished`` from the
+  still-live window -- multi-turn continuations;
+* a request's *branch point* (``branch_end``): where its lookup found the
+  full-attention chain stored past the last servable sliding tail -- a shared
+  system prompt or document followed by different questions. The request
+  recomputes that prefix anyway, so it also stores the tail ending there, and
+  the next request with that prefix hits it (``S3KV_BRANCH_TAILS``).
+
+Full-attention groups store every block. The "all" policy stores every block
+of every group. The tail is derived from ``hitrule.required_range`` so what is
+stored and what a hit needs can never drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from ..config import Settings, auto_blocks_per_object
+from .hitrule import required_range
+from .layout import CacheGeometry
+
+
+def object_sizes(page_bytes: Sequence[int], tokens_per_block: int, settings: Settings) -> tuple[tuple[int, ...], int]:
+    """(blocks per object of each group, checkpoint stride in blocks).
+
+    Each group packs objects of ~``target_object_mib`` from its own page size (a
+    full-attention group of few layers has small pages: many blocks per object,
+    so fewer PUTs and fewer HEADs per lookup). An object never spans a
+    checkpoint, so a checkpoint is an object boundary a lookup can find by key:
+    round the stride up to the largest count, then each count down to a divisor.
+    """
+    cp = max(1, settings.checkpoint_tokens // tokens_per_block)
+    raw = [min(auto_blocks_per_object(p, settings), cp) for p in page_bytes]
+    cp = -(-cp // max(raw)) * max(raw)
+    out = []
+    for b in raw:
+        while cp % b:
+            b -= 1
+        out.append(b)
+    return tuple(out), cp
+
+
+@dataclass(frozen=True)
+class StoragePolicy:
+    geometry: CacheGeometry
+    blocks_per_object: int
+    checkpoint_blocks: int
+    mode: str = "window"  # or "all"
+    margin: int = 0
+    #: Blocks per object of each group (default: ``blocks_per_object`` for all). Small pages
+    #: (a full-attention group of few layers) pack more blocks per object: fewer PUTs and HEADs.
+    group_blocks: tuple[int, ...] | None = None
+    #: Store a sliding tail at a request's branch point (see ``branch_end``).
+    branch_tails: bool = True
+    _tails: dict[tuple[int, int], tuple[int, int]] = field(
+        default_factory=dict, init=False, repr=False, compare=False, hash=False
+    )
+
+    def __post_init__(self) -> None:
+        for b in self.group_blocks or (self.blocks_per_object,):
+            if self.checkpoint_blocks % b:
+                raise ValueError("checkpoint_blocks must be a multiple of every group's blocks per object")
+
+    def bpo(self, group: int) -> int:
+        return self.group_blocks[group] if self.group_blocks else self.blocks_per_object
+
+    def tail(self, group: int, boundary: int) -> tuple[int, int]:
+        """Ordinals a sliding group stores for hits at ``boundary`` and one block below it.
+
+        One block below: a prompt of exactly k full blocks can be served only up
+        to k-1 blocks (the engine never asks for the last prompt token).
+        """
+        # Asked for every block of every sliding group the leader plans: memoised.
+        key = (group, boundary)
+        hit = self._tails.get(key)
+        if hit is None:
+            hit = self._tails[key] = self._tail(group, boundary)
+            if len(self._tails) > 65536:
+                self._tails.clear()
+        return hit
+
+    def _tail(self, group: int, boundary: int) -> tuple[int, int]:
+        g = self.geometry.groups[group]
+        tpb = self.geometry.tokens_per_block
+        lo_below, _ = required_range(g, tpb, 0, max(0, boundary - 1), self.margin)
+        lo_at, _ = required_range(g, tpb, 0, boundary, self.margin)
+        return min(lo_below, lo_at), boundary
+
+    def stores_everything(self, group: int) -> bool:
+        return self.mode == "all" or not self.geometry.groups[group].is_sliding
+
+    def keeps(self, group: int, ordinal: int, prompt_blocks: int) -> bool:
+        """Is ``ordinal`` stored when it completes (before the request's end is known)?"""
+        if self.stores_everything(group):
+            return True
+        if ordinal < prompt_blocks:
+            lo, hi = self.tail(group, prompt_blocks)
+            if lo <= ordinal < hi:
+                return True
+        cp = self.checkpoint_blocks
+        next_checkpoint = (ordinal // cp + 1) * cp
+        lo, hi = self.tail(group, next_checkpoint)
+        return lo <= ordinal < hi
+
+    def tail_end(self, group: int, ordinal: int, prompt_blocks: int) -> int | None:
+        """The furthest hit boundary whose stored tail holds ``ordinal`` (None: not stored).
+
+        A sliding group's tail is stored as ONE object ending at its boundary
+        (not split at chunk ends): two different objects of one request must
+        never end at the same block, or write-once would keep whichever came
+        first -- possibly the shorter one.
+        """
+        best = None
+        if ordinal < prompt_blocks:
+            lo, hi = self.tail(group, prompt_blocks)
+            if lo <= ordinal < hi:
+                best = prompt_blocks
+        cp = self.checkpoint_blocks
+        boundary = (ordinal // cp + 1) * cp
+        lo, hi = self.tail(group, boundary)
+        if lo <= ordinal < hi:
+            best = max(best or 0, boundary)
+        return best
+
+    def chunk_end(self, ordinal: int, group: int | None = None) -> int:
+        b = self.blocks_per_object if group is None else self.bpo(group)
+        return (ordinal // b + 1) * b
+
+    def branch_end(self, spine_blocks: int, served_blocks: int, prompt_blocks: int) -> int | None:
+        """End of the branch-point tail a request stores, or None.
+
+        ``spine_blocks``: how far its lookup found the full-attention chain stored
+        (every shard, capped at what the engine lets a hit serve); ``served_blocks``:
+        what it was served. Past the served point the request recomputes a prefix
+        whose full-attention pages are already stored but which no sliding tail
+        can serve: the next request diverging there (a shared system prompt or
+        document, then another question) misses it again. A tail ending at that
+        point makes it servable. None when the policy stores every block, has no
+        sliding group to serve, or already stores a tail ending there (a
+        checkpoint, the prompt's end).
+        """
+        if not self.branch_tails or self.mode != "window" or spine_blocks <= served_blocks:
+            return None
+        if spine_blocks % self.checkpoint_blocks == 0 or spine_blocks >= prompt_blocks:
+            return None
+        if not any(g.is_sliding for g in self.geometry.groups):
+            return None
+        return spine_blocks

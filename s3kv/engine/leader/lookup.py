@@ -1,0 +1,396 @@
+"""The leader's lookups: the largest servable history, in few round trips, within a budget.
+
+``s3kv.core.lookup.find_hit`` plans which objects to ask about; this module answers its asks:
+from the local index, from the namespace summary (a cold miss then costs no request, a hit one
+verify wave), else with parallel HEAD waves. A wave has what is left of the lookup's time budget;
+past it the wave keeps running on its thread and feeds the index when it ends, and at most
+``lookup_max_pending`` such waves may hang at once. A store error, a timeout or a full backlog
+is a miss, never an exception. HEAD answers are checked against the object identity the key
+promises before they reach the index or a plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+from ...config import Settings
+from ...core.hitrule import Span, required_range, servable
+from ...core.lookup import Ask, LookupResult, find_hit
+from ...core.objects import ObjectFormatError, span_from_metadata
+from ...store.base import HeadBatch, ObjectStore, StoreError
+from ..index import MISSING, KeyIndex
+from ..summary import NamespaceSummary, SummaryGroup
+from .context import LeaderContext
+from .requests import RequestState
+from .stats import LeaderStats
+
+log = logging.getLogger("s3kv.leader")
+
+
+class _LookupTimeout(Exception):
+    """The lookup's HEAD budget ran out (a miss)."""
+
+
+class _LookupBusy(Exception):
+    """Too many timed-out HEAD waves still run in the background: skip the network (a miss)."""
+
+
+class Lookups:
+    """Answers a request's lookup; holds the HEAD pool, the time budget and the namespace summary."""
+
+    def __init__(self, settings: Settings, store: ObjectStore, index: KeyIndex, stats: LeaderStats):
+        self.settings = settings
+        self.store = store
+        self.index = index
+        self.stats = stats
+        self.ctx: LeaderContext | None = None  # bound when the geometry arrives
+        self._pool: ThreadPoolExecutor | None = None
+        self._deadline = float("inf")
+        self._timed_out = False
+        #: HEAD waves submitted to the lookup pool and not finished.
+        self.pending_waves = 0
+        self._pending_lock = threading.Lock()
+        self._summary: NamespaceSummary | None = None
+        self._last_probe_used_network = False
+
+    def bind(self, ctx: LeaderContext) -> None:
+        self.ctx = ctx
+
+    # ------------------------------------------------------------------ one request's lookup
+    def offer(
+        self,
+        st: RequestState,
+        num_computed_tokens: int,
+        *,
+        store_available: bool,
+        load_async: bool,
+        on_lookup: Callable[[int, LookupResult], None] | None,
+    ) -> tuple[int, bool]:
+        """What the connector offers ``st`` on top of its device match: (tokens, async)."""
+        ctx = self.ctx
+        assert ctx is not None
+        g = ctx.geometry
+        tpb = g.tokens_per_block
+        ld = st.load
+        ld.d_blocks = num_computed_tokens // tpb
+        ld.h_blocks = ld.d_blocks
+        self.stats.lookups += 1
+        if num_computed_tokens % tpb or not store_available:
+            # A device match that ends mid-block (partial reuse) leaves nothing whole to
+            # append to: an S3 load must start on a block boundary.
+            self.stats.misses += 1
+            if num_computed_tokens % tpb:
+                self.stats.partial_block_misses += 1
+            return 0, False
+        prompt_len = st.prompt_len
+        hmax = (prompt_len - 1) // tpb
+        budget = self.settings.lookup_timeout_s
+        self._deadline = time.monotonic() + budget if budget > 0 else float("inf")
+        self._timed_out = False
+        result = self._find(st, prompt_len // tpb, hmax)
+        self.stats.lookup_waves += result.waves
+        self.stats.lookup_asks += result.asks
+        ld.spine_blocks = result.spine_blocks
+        if on_lookup:
+            on_lookup(st.request_id, result)
+        gain = result.h_blocks - ld.d_blocks
+        if gain < self.settings.min_hit_blocks:
+            self.stats.misses += 1
+            return 0, False
+        ld.coverage = result.coverage
+        ld.offered_blocks = gain
+        ld.load_async = load_async
+        self.stats.hits += 1
+        log.debug(
+            "s3kv: request %s hit %d of %d tokens (%d waves, %d asks)",
+            st.request_id, gain * tpb, prompt_len, result.waves, result.asks,
+            extra={"request_id": st.request_id, "hit_tokens": gain * tpb, "prompt_tokens": prompt_len},
+        )
+        return gain * tpb, ld.load_async
+
+    def recheck(self, st: RequestState, h: int) -> LookupResult:
+        """Verify a smaller history ``h`` than offered (the index answers most of it)."""
+        ctx = self.ctx
+        assert ctx is not None
+        g = ctx.geometry
+        return find_hit(g, ctx.params, st.load.d_blocks, st.prompt_len // g.tokens_per_block, h,
+                        lambda asks: self._probe(st, asks))
+
+    def _find(self, st: RequestState, full_blocks: int, hmax: int) -> LookupResult:
+        """The largest servable history: from the namespace summary when one is ready (a miss
+        costs no request, a hit one verify wave), else by probing with HEAD waves."""
+        ctx = self.ctx
+        assert ctx is not None
+        g = ctx.geometry
+        summary = self._summary_snapshot()
+        waves = asks = 0
+        if summary is not None:
+            picked: dict[Ask, str] = {}
+            cand = find_hit(
+                g, ctx.params, st.load.d_blocks, full_blocks, hmax,
+                lambda a: self._probe_local(st, a, summary, picked),
+                count_wave=lambda a: False,
+            )
+            if cand.h_blocks - st.load.d_blocks < self.settings.min_hit_blocks:
+                self.stats.lookup_summary_misses += 1
+                return cand
+            trust = self.settings.lookup_summary_trust_s
+            if trust > 0 and self._summary is not None and self._summary.age_s() <= trust:
+                # A listing this fresh is the store's own answer, as a HEAD's is for the index.
+                self.stats.lookup_summary_hits += 1
+                return cand
+            verified = self._verify(st, cand, picked)
+            if verified is not None:  # confirmed, or a miss because the wave failed / timed out
+                if verified.h_blocks > st.load.d_blocks:
+                    self.stats.lookup_summary_hits += 1
+                return verified
+            # A refuted candidate: the summary is stale here. The verify wave's answers are in
+            # the index now; probe what is left of the budget.
+            self.stats.lookup_summary_stale += 1
+            waves, asks = 1, len(picked)
+        result = find_hit(
+            g,
+            ctx.params,
+            st.load.d_blocks,
+            full_blocks,
+            hmax,
+            lambda a: self._probe(st, a),
+            count_wave=lambda a: self._last_probe_used_network,
+        )
+        result.waves += waves
+        result.asks += asks
+        return result
+
+    # ------------------------------------------------------------------ the namespace summary
+    def _summary_snapshot(self) -> Any:
+        """The namespace summary's current snapshot, or None (off, not ready, or store in doubt)."""
+        summary = self.summary()
+        if summary is None or not self.store.available:
+            return None
+        return summary.start().snapshot()
+
+    def summary(self) -> NamespaceSummary | None:
+        """The namespace summary (made on first use; its refresher starts with the first lookup),
+        or None when ``lookup_summary_s`` is 0 or the geometry is not bound yet."""
+        ctx = self.ctx
+        if self.settings.lookup_summary_s <= 0 or ctx is None:
+            return None
+        if self._summary is None:
+            groups = {x.fingerprint: SummaryGroup(x.group_id, x.page_bytes) for x in ctx.geometry.groups}
+            self._summary = NamespaceSummary(
+                self.store,
+                ctx.scheme,
+                groups,
+                interval_s=self.settings.lookup_summary_s,
+                max_objects=self.settings.lookup_summary_max_objects,
+            )
+            # The refresher holds no reference to the lookups (nor the leader holding them); it
+            # stops when they go.
+            weakref.finalize(self, self._summary.stop)
+        return self._summary
+
+    def close(self) -> None:
+        """Stop the background work (summary refresher, pool). Idempotent."""
+        if self._summary is not None:
+            self._summary.stop()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ answering asks
+    def _probe_local(
+        self, st: RequestState, asks: set[Ask], summary: Any, picked: dict[Ask, str]
+    ) -> dict[Ask, Span | None]:
+        """Answer asks from the index, else the summary (noting which came from the summary)."""
+        assert st.chain is not None and self.ctx is not None
+        out: dict[Ask, Span | None] = {}
+        prefixes = self.ctx.prefixes
+        digests = st.chain.digests
+        index_get = self.index.get
+        for a in asks:
+            grp, shard, end = a
+            digest = digests[end - 1]
+            key = prefixes[(grp, shard)] + digest.hex()
+            v = index_get(key)
+            if v is MISSING:
+                out[a] = None
+            elif v is not None:
+                out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
+            else:
+                count = summary.get((grp, shard), {}).get(digest)
+                if count is None or count > end:
+                    out[a] = None
+                else:
+                    out[a] = Span(end - count, end)
+                    picked[a] = key
+        return out
+
+    def _verify(self, st: RequestState, cand: LookupResult, picked: dict[Ask, str]) -> LookupResult | None:
+        """HEAD (one wave) every summary-derived object the candidate hit would load; the hit
+        with only confirmed objects in its coverage, or None if the store refuted any."""
+        assert self.ctx is not None
+        g = self.ctx.geometry
+        h, d, tpb = cand.h_blocks, st.load.d_blocks, g.tokens_per_block
+        todo: dict[str, Ask] = {}
+        for grp in g.groups:
+            lo, hi = required_range(grp, tpb, d, h, self.settings.window_margin_blocks)
+            if hi <= lo:
+                continue
+            for shard in range(g.tp_size):
+                for end, span in cand.coverage.get((grp.group_id, shard), {}).items():
+                    a = (grp.group_id, shard, end)
+                    if a in picked and span.first < hi and span.end > lo:
+                        todo[picked[a]] = a
+        result = LookupResult(
+            h, coverage={k: dict(v) for k, v in cand.coverage.items()}, asks=len(todo), spine_blocks=cand.spine_blocks
+        )
+        # Only confirmed spans may reach a plan: drop every summary answer, re-add what the HEADs say.
+        for a in picked:
+            result.coverage.get((a[0], a[1]), {}).pop(a[2], None)
+        if todo:
+            try:
+                batch = self._head_wave(todo)
+            except (_LookupTimeout, _LookupBusy) as e:
+                self._note_skipped(st, e)
+                return LookupResult(d, waves=1 if isinstance(e, _LookupTimeout) else 0, asks=len(todo))
+            except StoreError as e:
+                self.stats.lookup_errors += 1
+                log.warning("s3kv: lookup verify wave failed (%s); treating as miss", e,
+                            extra={"request_id": st.request_id})
+                return LookupResult(d, waves=1, asks=len(todo))
+            result.waves = 1
+            spans = self._absorb(todo, batch)
+            for a in todo.values():
+                got = spans.get(a)
+                want = cand.coverage[(a[0], a[1])][a[2]]
+                if got is None or got != want:
+                    return None
+                result.coverage.setdefault((a[0], a[1]), {})[a[2]] = got
+        if not servable(g, result.coverage, d, h, self.settings.window_margin_blocks):
+            return None
+        return result
+
+    def _note_skipped(self, st: RequestState, e: BaseException) -> None:
+        if isinstance(e, _LookupBusy):
+            self.stats.lookup_busy += 1
+            log.warning("s3kv: lookup of request %s skipped: %d earlier HEAD waves still running; a miss",
+                        st.request_id, self.pending_waves, extra={"request_id": st.request_id})
+        elif not self._timed_out:
+            self._timed_out = True
+            self.stats.lookup_timeouts += 1
+            log.warning("s3kv: lookup of request %s ran out of its %.3f s budget; a miss",
+                        st.request_id, self.settings.lookup_timeout_s, extra={"request_id": st.request_id})
+
+    def _probe(self, st: RequestState, asks: set[Ask]) -> dict[Ask, Span | None]:
+        assert st.chain is not None and self.ctx is not None
+        out: dict[Ask, Span | None] = {}
+        todo: dict[str, Ask] = {}
+        # With the store in doubt (breaker not closed), a remembered object is no
+        # promise: ask the store, which fails fast while open (a miss) and whose
+        # answer closes a half-open breaker before anything is promised.
+        trust_index = self.store.available
+        for a in asks:
+            grp, shard, end = a
+            key = self.ctx.prefixes[(grp, shard)] + st.chain.digests[end - 1].hex()
+            v = self.index.get(key)
+            if v is MISSING:
+                out[a] = None
+            elif v is not None and trust_index:
+                out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
+            else:
+                todo[key] = a
+        self._last_probe_used_network = bool(todo)
+        if not todo:
+            return out
+        try:
+            batch = self._head_wave(todo)
+        except (_LookupTimeout, _LookupBusy) as e:
+            self._note_skipped(st, e)
+            return {**out, **{a: None for a in todo.values()}}
+        except StoreError as e:
+            # A store error during lookup is a miss, never an exception.
+            self.stats.lookup_errors += 1
+            log.warning("s3kv: lookup HEAD wave failed (%s); treating as miss", e,
+                        extra={"request_id": st.request_id})
+            return {**out, **{a: None for a in todo.values()}}
+        return {**out, **self._absorb(todo, batch)}
+
+    def _head_wave(self, todo: dict[str, Ask]) -> HeadBatch:
+        """One HEAD wave within what is left of the lookup's budget.
+
+        Past the budget the wave keeps running on its thread and, when it ends,
+        feeds the index, so the next lookup of this prefix is answered locally.
+        """
+        keys = list(todo)
+        if self._deadline == float("inf"):
+            return self.store.head_many(keys)
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0 or self._timed_out:
+            self._last_probe_used_network = False  # nothing sent: not a round trip
+            raise _LookupTimeout
+        with self._pending_lock:
+            # Bounded backlog: waves that outlived their lookup still hold the pool. A store that
+            # hangs must cost each lookup nothing more, not queue waves without end.
+            if self.pending_waves >= max(1, self.settings.lookup_max_pending):
+                self._last_probe_used_network = False
+                raise _LookupBusy
+            self.pending_waves += 1
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=max(1, self.settings.lookup_max_pending), thread_name_prefix="s3kv-lookup"
+            )
+        asks = dict(todo)
+        timed_out = [False]
+
+        def done(f: Future) -> None:
+            with self._pending_lock:
+                self.pending_waves -= 1
+            if timed_out[0] and not f.cancelled() and f.exception() is None:
+                # A late answer still warms the index: the next lookup of this prefix is local.
+                self._absorb(asks, f.result(), count=False)
+
+        fut = self._pool.submit(self.store.head_many, keys)
+        try:
+            return fut.result(timeout=remaining)
+        except FutureTimeout:
+            timed_out[0] = True
+            # A hung store never fails a call, so count the timeout where health is judged.
+            self.store.note_timeout("head")
+            raise _LookupTimeout from None
+        finally:
+            fut.add_done_callback(done)
+
+    def _absorb(self, todo: dict[str, Ask], batch: HeadBatch, *, count: bool = True) -> dict[Ask, Span | None]:
+        """HEAD answers -> spans (foreign objects rejected) and the index."""
+        assert self.ctx is not None
+        out: dict[Ask, Span | None] = {}
+        for key, a in todo.items():
+            info = batch.found.get(key)
+            if info is not None:
+                try:
+                    # The key names the object ending at block a[2]: its span must end there.
+                    span = span_from_metadata(self.ctx.identities[(a[0], a[1])], info.metadata, info.size, key,
+                                              end=a[2])
+                except ObjectFormatError as e:
+                    if count:
+                        self.stats.foreign_objects += 1
+                        self.stats.rejected[e.reason] = self.stats.rejected.get(e.reason, 0) + 1
+                    log.warning("s3kv: ignoring object: %s", e)
+                    out[a] = None
+                    continue
+                self.index.put_present(key, span)
+                out[a] = Span(span.first, span.end)
+            elif key in batch.failed:
+                if count:
+                    self.stats.lookup_errors += 1
+                out[a] = None
+            else:
+                self.index.put_missing(key)
+                out[a] = None
+        return out

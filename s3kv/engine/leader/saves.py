@@ -1,0 +1,193 @@
+"""Save planning: which of a request's pages are staged and sealed into objects, and when.
+
+Each report of what the engine computed (``build_connector_meta``'s ``RequestData``) is folded
+into the request's state, then the blocks it completed are planned under the storage policy:
+full-attention groups store every block, sliding groups only the tails a future hit can use
+(before every checkpoint, at the prompt's end). Two extras keep sliding tails whole: the block
+that leaves the window during decode is kept in host staging (``stage_evicted``) so the
+finish plan can store the whole history-end tail, and a request served short of where the
+full-attention chain is stored stages a tail ending at that branch point (``BranchTail``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...core.plan import BufferId, SealOp, StageOp
+from .context import LeaderContext
+from .requests import Buffer, RequestState, group_lists
+from .stats import LeaderStats
+
+
+class SavePlanner:
+    def __init__(self, stats: LeaderStats):
+        self.stats = stats
+
+    def on_report(self, ctx: LeaderContext, st: RequestState, rd: Any, *, first: bool) -> None:
+        """Fold one RequestData into the request's state and plan this pass's saves."""
+        g = ctx.geometry
+        tpb = g.tokens_per_block
+        by_group = group_lists(getattr(rd, "new_block_ids_by_layer_group", None), g.num_groups)
+        if not by_group and g.num_groups == 1:
+            by_group = [list(rd.new_block_ids)]
+        if first:
+            if not st.reported:
+                st.tokens = list(rd.new_tokens) if rd.new_tokens else st.tokens
+            st.slots = [list(x) for x in by_group] if by_group else [[] for _ in g.groups]
+            st.lists_epoch += 1
+            loaded_end = max(st.load.h_blocks, rd.computed_position // tpb)
+            st.saves.save_from = (loaded_end // ctx.bpo) * ctx.bpo
+            st.saves.completed = max(st.saves.completed, st.saves.save_from)
+            st.reported = True
+            st.load.parked = False
+            if not st.branch.end:
+                self._open_branch(ctx, st)
+        else:
+            st.tokens.extend(rd.new_tokens)
+            for gi, delta in enumerate(by_group):
+                if gi < len(st.slots):
+                    st.slots[gi].extend(delta)
+        if len(st.slots) < g.num_groups:
+            st.slots += [[] for _ in range(g.num_groups - len(st.slots))]
+        begin = rd.computed_position
+        if first and not st.load.load_async:
+            # A sync load's first report has the honoured offer subtracted (it marks where the
+            # load begins); this pass computes from h. (An async load's report is not reduced,
+            # and a discarded async load really does restart at the device match.)
+            begin = max(begin, st.load.h_blocks * tpb)
+        upto = min(begin + rd.num_scheduled_tokens, max(st.prompt_len, begin + 1))
+        upto = min(upto, len(st.tokens))
+        self._plan(ctx, st, upto // tpb)
+        self._stage_evicted(ctx, st, upto)
+        st.kv_tokens = max(st.kv_tokens, upto)
+
+    def _plan(self, ctx: LeaderContext, st: RequestState, complete_blocks: int) -> None:
+        g = ctx.geometry
+        policy = ctx.policy
+        sv = st.saves
+        assert st.chain is not None
+        if st.branch.next:
+            self._plan_branch(ctx, st, complete_blocks)
+        if complete_blocks <= sv.completed:
+            return
+        prompt_blocks = st.prompt_len // g.tokens_per_block
+        if not ctx.settings.save_decode:
+            complete_blocks = min(complete_blocks, prompt_blocks)
+            if complete_blocks <= sv.completed:
+                return
+        st.chain.extend_to(st.tokens)
+        self.stats.tokens_saved += max(0, complete_blocks - max(sv.completed, st.load.h_blocks)) * g.tokens_per_block
+        for o in range(sv.completed, complete_blocks):
+            for grp in g.groups:
+                gid = grp.group_id
+                slot = st.slots[gid][o] if o < len(st.slots[gid]) else -1
+                if slot >= 0 and policy.keeps(gid, o, prompt_blocks):
+                    if policy.stores_everything(gid):
+                        cap = policy.chunk_end(o, gid) - o
+                    else:
+                        cap = (policy.tail_end(gid, o, prompt_blocks) or o + 1) - o
+                    sv.stage(gid, o, slot, cap)
+                else:
+                    sv.close(gid)
+                buf = sv.open.get(gid)
+                if buf is None:
+                    continue
+                if o + 1 == buf.bid.first + buf.bid.capacity:
+                    sv.seal(gid, close=True)
+                elif o + 1 == prompt_blocks:
+                    # Prompt-end snapshot: exact repeats hit here even though the
+                    # object keeps filling with generated blocks.
+                    sv.seal(gid, close=not policy.keeps(gid, o + 1, prompt_blocks))
+        sv.completed = complete_blocks
+
+    def _open_branch(self, ctx: LeaderContext, st: RequestState) -> None:
+        """Decide, at the request's first report (its served point is final), whether it stores a
+        branch-point tail (``StoragePolicy.branch_end``); if so, start staging it per sliding group."""
+        g = ctx.geometry
+        end = ctx.policy.branch_end(st.load.spine_blocks, st.load.h_blocks, st.prompt_len // g.tokens_per_block)
+        if end is None:
+            return
+        st.branch.end = end
+        for grp in g.groups:
+            if grp.is_sliding:
+                st.branch.next[grp.group_id] = ctx.policy.tail(grp.group_id, end)[0]
+
+    def _plan_branch(self, ctx: LeaderContext, st: RequestState, complete_blocks: int) -> None:
+        """Stage the branch-point tail's pages as they complete, into one object per sliding group
+        ending at the branch point.
+
+        Its own buffer, beside the policy's regular ones: the pages below the served point were
+        loaded, not computed, so the regular plan (which starts at ``save_from``) never sees them,
+        and a regular tail that overlaps this one must stay whole for its own hits. A page with no
+        slot (already freed) makes the tail useless: it is dropped and counted.
+        """
+        br, sv = st.branch, st.saves
+        end = br.end
+        for gid, nxt in list(br.next.items()):
+            slots = st.slots[gid] if gid < len(st.slots) else []
+            lo = ctx.policy.tail(gid, end)[0]
+            o = nxt
+            while o < min(end, complete_blocks):
+                slot = slots[o] if o < len(slots) else -1
+                if slot < 0:
+                    old = br.open.pop(gid, None)
+                    if old is not None:
+                        sv.releases.append(old.bid)
+                    del br.next[gid]
+                    self.stats.branch_tails_abandoned += 1
+                    break
+                buf = br.open.get(gid)
+                if buf is None:
+                    buf = br.open[gid] = Buffer(BufferId(st.request_id, gid, lo, end - lo))
+                sv.stages.append(StageOp(buf.bid, o, slot))
+                buf.count += 1
+                o += 1
+            else:
+                if o < end:
+                    br.next[gid] = o
+                    continue
+                buf = br.open.pop(gid)
+                del br.next[gid]
+                assert st.chain is not None
+                sv.seals.append(SealOp(buf.bid, buf.count, st.chain.digests[end - 1], True))
+                self.stats.branch_tails += 1
+                self.stats.branch_tail_pages += buf.count
+
+    def _stage_evicted(self, ctx: LeaderContext, st: RequestState, upto: int) -> None:
+        """Keep a host copy of the sliding block that leaves the window after this pass.
+
+        A conversation's next turn needs, for history ``h``, the blocks from
+        ``(h+1-W)//tpb``; when the request ends, the engine has already freed
+        the one just below its live window whenever the last block is nearly
+        full. Capturing each block as it leaves (one page per sliding group and
+        request, replaced every block) lets ``request_finished`` store the whole
+        tail without holding extra device pages.
+        """
+        g = ctx.geometry
+        settings = ctx.settings
+        sv = st.saves
+        prompt_blocks = st.prompt_len // g.tokens_per_block
+        if not settings.save_decode or settings.storage_policy != "window":
+            return
+        if upto <= prompt_blocks * g.tokens_per_block or settings.window_margin_blocks:
+            return
+        tpb = g.tokens_per_block
+        for grp in g.groups:
+            if not grp.is_sliding:
+                continue
+            gid = grp.group_id
+            assert grp.window is not None
+            leaving = (upto + 1 - grp.window) // tpb - 1  # highest ordinal freed after this pass
+            before = (st.kv_tokens + 1 - grp.window) // tpb - 1
+            if leaving <= before or leaving < sv.save_from:
+                continue
+            slot = st.slots[gid][leaving] if leaving < len(st.slots[gid]) else -1
+            sv.release_evicted(gid)
+            if slot < 0:
+                continue
+            # Room for the evicted block plus the live window the finish tail appends.
+            cap = -(-grp.window // tpb) + 3
+            buf = Buffer(BufferId(st.request_id, gid, leaving, cap))
+            sv.stages.append(StageOp(buf.bid, leaving, slot))
+            buf.count = 1
+            sv.evicted[gid] = buf

@@ -1,0 +1,655 @@
+"""Prometheus metrics for one connector instance (one engine, one rank) in its own registry.
+
+Nothing here touches prometheus_client's global default registry: several engines, ranks of a
+simulator, or tests in one process each own a :class:`Metrics` and never collide. Export with
+:func:`start_http_server` (or ``Metrics.serve``), or read values with :meth:`Metrics.snapshot` /
+:meth:`Metrics.value`.
+
+Feeding it:
+
+* store traffic: wrap the store in :class:`MetricsStore` (requests, bytes, latency, errors);
+* the circuit breaker: ``CircuitBreakerStore(..., on_transition=metrics.on_breaker_transition)``;
+* leader and worker: their stats objects hold cumulative counters; call
+  :meth:`Metrics.observe_leader` / :meth:`Metrics.observe_worker` now and then (each scrape, each
+  iteration - it is cheap) and the deltas since the last call are added to the counters;
+* retries: :meth:`Metrics.record_retry` from whatever owns the retry loop;
+* prompt tokens: :meth:`Metrics.observe_prompt_tokens` once per new request the scheduler asks
+  about (or a cumulative ``prompt_tokens`` field in the leader's stats), so that
+  ``hit_tokens_total / prompt_tokens_total`` is the share of prompt tokens served from the store.
+
+Export: :func:`serve_for_rank` serves rank ``r`` of a tensor-parallel engine on ``port + r``
+(each rank is its own process with its own registry), bound to 127.0.0.1 unless told otherwise.
+:func:`read_endpoint` and :func:`figures` turn a scrape back into the few numbers a person asks
+for (examples/trtllm_vswa.py prints them).
+
+Metric names (all prefixed ``s3kv_``)::
+
+    lookups_total, lookup_hits_total, lookup_misses_total, lookup_errors_total,
+    lookup_waves_total, lookup_not_cacheable_total, hit_tokens_total, hit_blocks_total{group},
+    prompt_tokens_total, rank_info{rank,tp_size}
+    store_requests_total{op}, store_bytes_total{op,direction}, store_request_seconds{op},
+    store_retries_total{op}, store_errors_total{op,type}
+    breaker_state (0 closed, 1 half-open, 2 open), breaker_transitions_total{from_state,to_state}
+    saves_dropped_total{reason}  (staging_full, store_error, breaker_open, other)
+    staging_bytes_in_use, staging_capacity_bytes, staging_high_water_bytes
+    pages_staged_total, objects_saved_total, saved_bytes_total, objects_already_present_total,
+    objects_loaded_total, pages_loaded_total, loaded_bytes_total, load_failures_total,
+    objects_rejected_total{reason}  (foreign, corrupt)
+
+Why this is one module: every metric name is defined once here; the exporter, the store wrapper that
+feeds it and the reader that parses an endpoint must agree on each name.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import start_http_server as _prom_start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from ..store.base import (
+    Buffer,
+    ByteRange,
+    HeadBatch,
+    ObjectInfo,
+    ObjectStore,
+    StoreError,
+    StoreWrapper,
+    total_size,
+)
+
+PREFIX = "s3kv"
+#: Where the metrics server binds unless told otherwise: metrics name buckets and key prefixes,
+#: so they are not for the whole network by default (``S3KV_METRICS_ADDR`` opens them up).
+DEFAULT_ADDR = "127.0.0.1"
+STORE_OPS = ("head", "put", "get", "delete", "list")
+DROP_REASONS = ("staging_full", "store_error", "breaker_open", "other")
+REJECT_REASONS = ("foreign", "corrupt")
+BREAKER_LEVELS = {"closed": 0, "half_open": 1, "open": 2}
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# Worker stats fields, by what they feed. Each tuple lists the names a stats object (dataclass
+# or mapping) may use, first match wins; a missing one is simply not observed.
+_WORKER_COUNTERS: dict[str, tuple[str, ...]] = {
+    "pages_staged": ("pages_staged", "staged_pages", "saved_pages", "pages_saved"),
+    "objects_saved": ("objects_uploaded", "uploaded_objects", "objects_saved", "saved_objects"),
+    "saved_bytes": ("bytes_uploaded", "uploaded_bytes", "bytes_saved", "saved_bytes"),
+    "objects_already_present": ("objects_already_present", "already_present"),
+    "objects_loaded": ("objects_loaded", "loaded_objects"),
+    "pages_loaded": ("pages_loaded", "loaded_pages"),
+    "loaded_bytes": ("bytes_loaded", "loaded_bytes"),
+    "load_failures": ("loads_failed", "failed_loads", "load_failures", "loads_failed_objects"),
+}
+_WORKER_DROPS: dict[str, tuple[str, ...]] = {
+    "staging_full": (
+        "saves_dropped_staging_full",
+        "saves_dropped_staging",
+        "dropped_saves_staging_full",
+        "dropped_staging_full",
+        "staging_full_drops",
+        "save_drops",
+    ),
+    "store_error": (
+        "saves_dropped_store_error",
+        "dropped_saves_store_error",
+        "dropped_store_error",
+        "save_errors",
+    ),
+    "breaker_open": (
+        "saves_dropped_breaker_open",
+        "saves_dropped_breaker",
+        "dropped_saves_breaker_open",
+        "dropped_breaker_open",
+    ),
+    # e.g. an unexpected exception on an upload thread
+    "other": ("saves_dropped_error", "saves_dropped_other", "dropped_saves_other"),
+}
+_WORKER_REJECTS: dict[str, tuple[str, ...]] = {
+    "foreign": ("foreign_objects", "objects_foreign", "rejected_foreign"),
+    "corrupt": ("corrupt_objects", "objects_corrupt", "checksum_failures", "rejected_corrupt"),
+}
+_WORKER_GAUGES: dict[str, tuple[str, ...]] = {
+    "staging_in_use": ("staging_bytes_in_use", "staging_in_use", "staging_in_use_bytes"),
+    "staging_capacity": ("staging_capacity_bytes", "staging_capacity", "staging_bytes_capacity"),
+    "staging_high_water": ("staging_high_water_bytes", "staging_high_water", "staging_high_water_mark"),
+}
+_STAGING_FIELDS = {
+    "staging_in_use": "in_use",
+    "staging_capacity": "capacity",
+    "staging_high_water": "high_water",
+}
+
+
+def _field(stats: Any, name: str) -> Any:
+    if isinstance(stats, Mapping):
+        return stats.get(name)
+    return getattr(stats, name, None)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _first(stats: Any, names: Sequence[str]) -> float | None:
+    for name in names:
+        v = _number(_field(stats, name))
+        if v is not None:
+            return v
+    return None
+
+
+def _mapping(stats: Any, names: Sequence[str]) -> Mapping[Any, Any] | None:
+    for name in names:
+        v = _field(stats, name)
+        if isinstance(v, Mapping):
+            return v
+    return None
+
+
+def _state_name(state: Any) -> str:
+    name = str(getattr(state, "value", state)).lower().replace("-", "_")
+    if name not in BREAKER_LEVELS:
+        raise ValueError(f"unknown breaker state {state!r}")
+    return name
+
+
+class Metrics:
+    """All s3kv metrics, in a registry owned by this object."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        p = PREFIX
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, str], float] = {}
+
+        # -- leader / lookups ----------------------------------------------------------
+        self.lookups = Counter(f"{p}_lookups", "Lookups (requests asked about).", registry=r)
+        self.hits = Counter(f"{p}_lookup_hits", "Lookups that found servable KV.", registry=r)
+        self.misses = Counter(f"{p}_lookup_misses", "Lookups that found nothing servable.", registry=r)
+        self.lookup_errors = Counter(
+            f"{p}_lookup_errors", "Lookups that met a store error (answered as a miss).", registry=r
+        )
+        self.lookup_waves = Counter(f"{p}_lookup_waves", "Batched HEAD waves sent by lookups.", registry=r)
+        self.not_cacheable = Counter(
+            f"{p}_lookup_not_cacheable", "Requests whose KV cannot be keyed (skipped).", registry=r
+        )
+        self.hit_tokens = Counter(f"{p}_hit_tokens", "Prompt tokens served from the store.", registry=r)
+        self.saved_tokens = Counter(f"{p}_saved_tokens", "Tokens whose KV was saved to the store.", registry=r)
+        self.branch_tails = Counter(
+            f"{p}_branch_tails", "Sliding-window tails stored at a branch point a lookup found.", registry=r
+        )
+        self.billed_requests = Counter(
+            f"{p}_billed_requests",
+            "S3 requests as S3 bills them (multipart parts, split ranged GETs), by op; with HEADs from "
+            "store_requests_total they price the traffic (see docs/sizing.md).",
+            ["op"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            f"{p}_prompt_tokens",
+            "Prompt tokens of the requests looked up (the denominator of the share served from the store).",
+            registry=r,
+        )
+        self.rank_info = Gauge(
+            f"{p}_rank_info", "1 for the tensor-parallel rank this endpoint belongs to.", ["rank", "tp_size"],
+            registry=r,
+        )
+        self.hit_blocks = Counter(
+            f"{p}_hit_blocks", "Blocks a hit needed from each layer group.", ["group"], registry=r
+        )
+
+        # -- store traffic -------------------------------------------------------------
+        self.store_requests = Counter(
+            f"{p}_store_requests",
+            "Store requests (HEAD keys, GET ranges, PUTs, DELETE keys, LIST calls).",
+            ["op"],
+            registry=r,
+        )
+        self.store_bytes = Counter(
+            f"{p}_store_bytes",
+            "Bytes moved to (up) and from (down) the store.",
+            ["op", "direction"],
+            registry=r,
+        )
+        self.store_latency = Histogram(
+            f"{p}_store_request_seconds",
+            "Latency of one store call (a HEAD batch is one call).",
+            ["op"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.store_retries = Counter(f"{p}_store_retries", "Store request retries.", ["op"], registry=r)
+        self.store_errors = Counter(
+            f"{p}_store_errors",
+            "Store calls (HEAD: keys) that ended in an error, by error type.",
+            ["op", "type"],
+            registry=r,
+        )
+
+        # -- breaker -------------------------------------------------------------------
+        self.breaker_state = Gauge(
+            f"{p}_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.", registry=r
+        )
+        self.breaker_transitions = Counter(
+            f"{p}_breaker_transitions",
+            "Circuit breaker state changes.",
+            ["from_state", "to_state"],
+            registry=r,
+        )
+
+        # -- worker --------------------------------------------------------------------
+        self.saves_dropped = Counter(
+            f"{p}_saves_dropped", "Saves given up (best effort), by reason.", ["reason"], registry=r
+        )
+        self.staging_in_use = Gauge(f"{p}_staging_bytes_in_use", "Host staging bytes held now.", registry=r)
+        self.staging_capacity = Gauge(f"{p}_staging_capacity_bytes", "Host staging pool size.", registry=r)
+        self.staging_high_water = Gauge(
+            f"{p}_staging_high_water_bytes", "Most host staging bytes held at once.", registry=r
+        )
+        self.pages_staged = Counter(f"{p}_pages_staged", "Pages copied to staging for saving.", registry=r)
+        self.objects_saved = Counter(f"{p}_objects_saved", "Objects written to the store.", registry=r)
+        self.saved_bytes = Counter(f"{p}_saved_bytes", "Object bytes written to the store.", registry=r)
+        self.objects_already_present = Counter(
+            f"{p}_objects_already_present", "Saves that found the object already written.", registry=r
+        )
+        self.objects_loaded = Counter(f"{p}_objects_loaded", "Objects read and verified.", registry=r)
+        self.pages_loaded = Counter(f"{p}_pages_loaded", "Pages loaded into the KV cache.", registry=r)
+        self.loaded_bytes = Counter(f"{p}_loaded_bytes", "Page bytes loaded into the KV cache.", registry=r)
+        self.load_failures = Counter(f"{p}_load_failures", "Promised loads that failed.", registry=r)
+        self.failed_load_rungs = Counter(
+            f"{p}_failed_load_rungs",
+            "Requests whose promised load failed, by the outcome taken (docs/failures.md): "
+            "engine_recompute (the engine's failed-load hook), parked_retry (parked while retried).",
+            ["rung"],
+            registry=r,
+        )
+        self.parked_loads_ended = Counter(
+            f"{p}_parked_loads_ended",
+            "Parked (retried) loads that ended: recovered (served from the store) or cancelled.",
+            ["outcome"],
+            registry=r,
+        )
+        self.parked_requests = Gauge(
+            f"{p}_parked_requests", "Requests parked right now while their failed load is retried.", registry=r
+        )
+        self.uploads_dropped_at_exit = Counter(
+            f"{p}_uploads_dropped_at_exit", "Uploads still queued when the exit drain ran out of time.", registry=r
+        )
+        self.objects_rejected = Counter(
+            f"{p}_objects_rejected",
+            "Objects refused on HEAD or load (foreign or corrupt).",
+            ["reason"],
+            registry=r,
+        )
+
+        # Labelled series that should read 0 before anything happens.
+        for op in STORE_OPS:
+            self.store_requests.labels(op)
+            self.store_retries.labels(op)
+        for op, direction in (("put", "up"), ("get", "down")):
+            self.store_bytes.labels(op, direction)
+        for reason in DROP_REASONS:
+            self.saves_dropped.labels(reason)
+        for reason in REJECT_REASONS:
+            self.objects_rejected.labels(reason)
+        self.breaker_state.set(0)
+
+    # -- direct recording --------------------------------------------------------------
+    def record_request(
+        self,
+        op: str,
+        seconds: float,
+        *,
+        requests: int = 1,
+        bytes_up: int = 0,
+        bytes_down: int = 0,
+        errors: Mapping[str, int] | None = None,
+    ) -> None:
+        self.store_requests.labels(op).inc(requests)
+        self.store_latency.labels(op).observe(seconds)
+        if bytes_up:
+            self.store_bytes.labels(op, "up").inc(bytes_up)
+        if bytes_down:
+            self.store_bytes.labels(op, "down").inc(bytes_down)
+        for etype, n in (errors or {}).items():
+            self.store_errors.labels(op, etype).inc(n)
+
+    def observe_prompt_tokens(self, n: int) -> None:
+        """Count a new request's prompt tokens (call once per request, where its lookup happens)."""
+        if n > 0:
+            self.prompt_tokens.inc(n)
+
+    def set_rank(self, rank: int, tp_size: int) -> None:
+        """Label this registry's endpoint with its tensor-parallel rank (``s3kv_rank_info``)."""
+        self.rank_info.labels(str(rank), str(tp_size)).set(1)
+
+    def record_retry(self, op: str, n: int = 1) -> None:
+        self.store_retries.labels(op).inc(n)
+
+    def record_dropped_save(self, reason: str, n: int = 1) -> None:
+        self.saves_dropped.labels(reason if reason in DROP_REASONS else "other").inc(n)
+
+    def record_rejected(self, reason: str, n: int = 1) -> None:
+        self.objects_rejected.labels(reason).inc(n)
+
+    def set_staging(
+        self, in_use: float | None = None, capacity: float | None = None, high_water: float | None = None
+    ) -> None:
+        if in_use is not None:
+            self.staging_in_use.set(in_use)
+        if capacity is not None:
+            self.staging_capacity.set(capacity)
+        if high_water is not None:
+            self.staging_high_water.set(high_water)
+
+    def on_breaker_transition(self, old: Any, new: Any) -> None:
+        """A ``CircuitBreakerStore(on_transition=...)`` callback."""
+        o, n = _state_name(old), _state_name(new)
+        self.breaker_state.set(BREAKER_LEVELS[n])
+        self.breaker_transitions.labels(o, n).inc()
+
+    # -- cumulative stats -> counters ---------------------------------------------------
+    def _delta(self, source: str, name: str, value: float) -> float:
+        """Increase of a cumulative value since the last observation (a reset counts from 0)."""
+        key = (source, name)
+        with self._lock:
+            last = self._last.get(key, 0.0)
+            self._last[key] = value
+        return value - last if value >= last else value
+
+    def _feed(self, counter: Any, source: str, name: str, value: float | None) -> None:
+        if value is None:
+            return
+        d = self._delta(source, name, value)
+        if d > 0:
+            counter.inc(d)
+
+    def observe_leader(self, stats: Any, source: str = "leader") -> None:
+        """Copy a :class:`s3kv.engine.leader.LeaderStats` (or any object / mapping with those fields)."""
+        for metric, names in (
+            (self.lookups, ("lookups",)),
+            (self.hits, ("hits",)),
+            (self.misses, ("misses",)),
+            (self.lookup_errors, ("lookup_errors",)),
+            (self.lookup_waves, ("lookup_waves",)),
+            (self.not_cacheable, ("not_cacheable",)),
+            (self.hit_tokens, ("hit_tokens",)),
+            (self.prompt_tokens, ("prompt_tokens",)),
+            (self.saved_tokens, ("tokens_saved",)),
+            (self.branch_tails, ("branch_tails",)),
+        ):
+            self._feed(metric, source, names[0], _first(stats, names))
+        self._feed(
+            self.objects_rejected.labels("foreign"),
+            source,
+            "foreign_objects",
+            _first(stats, ("foreign_objects",)),
+        )
+        by_group = _mapping(stats, ("hit_blocks_by_group",))
+        for group, n in (by_group or {}).items():
+            v = _number(n)
+            self._feed(self.hit_blocks.labels(str(group)), source, f"hit_blocks[{group}]", v)
+
+    def observe_worker(self, stats: Any, source: str = "worker") -> None:
+        """Copy a worker's cumulative stats (dataclass, object, or ``Counters.snapshot()`` mapping).
+
+        Every field is optional: see ``_WORKER_*`` for the names read. A ``dropped_saves`` (or
+        ``saves_dropped``) mapping of reason -> count is used as is; staging gauges are read from
+        top-level fields or from a nested ``staging`` object (``StagingStats``).
+        """
+        for attr, names in _WORKER_COUNTERS.items():
+            self._feed(getattr(self, attr), source, attr, _first(stats, names))
+        drops = _mapping(stats, ("dropped_saves", "saves_dropped", "dropped_saves_by_reason"))
+        if drops is not None:
+            for reason, n in drops.items():
+                reason = str(reason) if str(reason) in DROP_REASONS else "other"
+                self._feed(self.saves_dropped.labels(reason), source, f"drop[{reason}]", _number(n))
+        else:
+            staging_stats = _field(stats, "staging")
+            for reason, names in _WORKER_DROPS.items():
+                v = _first(stats, names)
+                if v is None and reason == "staging_full" and staging_stats is not None:
+                    v = _number(_field(staging_stats, "save_drops"))  # StagingStats: saves refused a buffer
+                self._feed(self.saves_dropped.labels(reason), source, f"drop[{reason}]", v)
+        for reason, names in _WORKER_REJECTS.items():
+            self._feed(
+                self.objects_rejected.labels(reason), source, f"reject[{reason}]", _first(stats, names)
+            )
+        for label, name in (("engine_recompute", "rung_engine_recompute"), ("parked_retry", "rung_parked_retry")):
+            self._feed(self.failed_load_rungs.labels(label), source, f"rung[{label}]", _first(stats, (name,)))
+        for label, name in (("recovered", "parked_loads_recovered"), ("cancelled", "parked_loads_cancelled")):
+            self._feed(self.parked_loads_ended.labels(label), source, f"parked[{label}]", _first(stats, (name,)))
+        self._feed(self.uploads_dropped_at_exit, source, "uploads_dropped_at_exit",
+                   _first(stats, ("uploads_dropped_at_exit",)))
+        for op, name in (("put", "put_requests"), ("get", "get_requests")):
+            self._feed(self.billed_requests.labels(op), source, f"billed[{op}]", _first(stats, (name,)))
+        parked = _first(stats, ("parked_now",))
+        if parked is not None:
+            self.parked_requests.set(parked)
+        staging = _field(stats, "staging")
+        values = {}
+        for gauge, names in _WORKER_GAUGES.items():
+            v = _first(stats, names)
+            if v is None and staging is not None:
+                v = _number(_field(staging, _STAGING_FIELDS[gauge]))
+            values[gauge] = v
+        self.set_staging(values["staging_in_use"], values["staging_capacity"], values["staging_high_water"])
+
+    # -- reading -----------------------------------------------------------------------
+    def value(self, name: str, **labels: str) -> float:
+        """One sample's value (0.0 if it does not exist yet), e.g. ``value("s3kv_lookups_total")``."""
+        v = self.registry.get_sample_value(name, labels)
+        return 0.0 if v is None else v
+
+    def snapshot(self) -> dict[str, float]:
+        """Every current sample as ``{'name{label="v",...}': value}`` (``*_created`` omitted)."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            for s in family.samples:
+                if s.name.endswith("_created"):
+                    continue
+                if s.labels:
+                    inner = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                    out[f"{s.name}{{{inner}}}"] = s.value
+                else:
+                    out[s.name] = s.value
+        return out
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of this registry (what a scrape returns)."""
+        return generate_latest(self.registry)
+
+    def serve(self, port: int, addr: str = DEFAULT_ADDR) -> Any:
+        return start_http_server(self, port, addr)
+
+
+def start_http_server(metrics: Metrics | CollectorRegistry, port: int, addr: str = DEFAULT_ADDR) -> Any:
+    """Serve ``metrics``' registry on ``addr:port`` (port 0 picks a free one) from a daemon thread.
+
+    Binds loopback by default. Returns the HTTP server (``.server_port``; ``.shutdown()`` stops it).
+    """
+    registry = metrics.registry if isinstance(metrics, Metrics) else metrics
+    result = _prom_start_http_server(port, addr=addr, registry=registry)
+    return result[0] if isinstance(result, tuple) else result
+
+
+def rank_port(base_port: int, rank: int) -> int:
+    """The port rank ``rank`` serves on: ``base_port + rank`` (0 stays 0: metrics off)."""
+    if base_port <= 0:
+        return 0
+    port = base_port + rank
+    if port > 65535:
+        raise ValueError(f"S3KV_METRICS_PORT={base_port} + rank {rank} is past the last TCP port")
+    return port
+
+
+def serve_for_rank(
+    metrics: Metrics, base_port: int, rank: int = 0, tp_size: int = 1, addr: str = DEFAULT_ADDR
+) -> Any:
+    """Serve one rank's metrics on ``base_port + rank`` (None when ``base_port`` is 0).
+
+    Every rank of a tensor-parallel engine runs in its own process with its own registry, so each
+    needs its own port; Prometheus scrapes them as separate targets and ``s3kv_rank_info`` says
+    which rank a target is. Leader-side counters (lookups, hit and prompt tokens) come from the
+    rank that hosts the scheduler (rank 0); worker counters (saves, loads, staging) from every rank.
+    """
+    port = rank_port(base_port, rank)
+    if not port:
+        return None
+    metrics.set_rank(rank, tp_size)
+    return start_http_server(metrics, port, addr)
+
+
+def read_endpoint(url: str, timeout_s: float = 2.0) -> dict[str, float]:
+    """Scrape a metrics endpoint: ``{'name{label="v",...}': value}`` as :meth:`Metrics.snapshot`."""
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:  # noqa: S310 - an http:// URL we were given
+        text = resp.read().decode()
+    return parse_exposition(text)
+
+
+def parse_exposition(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.endswith("_created"):
+                continue
+            if s.labels:
+                inner = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{inner}}}"] = s.value
+            else:
+                out[s.name] = s.value
+    return out
+
+
+def figures(samples: Mapping[str, float]) -> dict[str, float]:
+    """The numbers a person asks first, from a snapshot or a scrape: tokens served from the store
+    (and their share of prompt tokens), bytes each way, store requests by operation."""
+
+    def total(name: str) -> float:
+        return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+    def by_op(name: str, op: str) -> float:
+        return sum(v for k, v in samples.items() if k.startswith(name + "{") and f'op="{op}"' in k)
+
+    hit, prompt = total(f"{PREFIX}_hit_tokens_total"), total(f"{PREFIX}_prompt_tokens_total")
+    out = {
+        "hit_tokens": hit,
+        "prompt_tokens": prompt,
+        "hit_share": hit / prompt if prompt else 0.0,
+        "loaded_bytes": total(f"{PREFIX}_loaded_bytes_total"),
+        "saved_bytes": total(f"{PREFIX}_saved_bytes_total"),
+        "objects_saved": total(f"{PREFIX}_objects_saved_total"),
+        "objects_loaded": total(f"{PREFIX}_objects_loaded_total"),
+        "saves_dropped": total(f"{PREFIX}_saves_dropped_total"),
+        "load_failures": total(f"{PREFIX}_load_failures_total"),
+    }
+    for op in STORE_OPS:
+        out[f"{op}_requests"] = by_op(f"{PREFIX}_store_requests_total", op)
+    return out
+
+
+class MetricsStore(StoreWrapper):
+    """Times and counts every store call into a :class:`Metrics`.
+
+    Counting unit as in :class:`s3kv.store.instrument.InstrumentedStore`: head counts keys,
+    get counts ranges, put counts calls, delete counts keys, list counts calls. Latency is per
+    call (a HEAD batch, a multi-range GET, a whole listing).
+    """
+
+    def __init__(
+        self, inner: ObjectStore, metrics: Metrics, *, clock: Callable[[], float] = time.perf_counter
+    ):
+        super().__init__(inner)
+        self.metrics = metrics
+        self._clock = clock
+
+    def head_many(self, keys: Sequence[str]) -> HeadBatch:
+        t0 = self._clock()
+        try:
+            batch = self.inner.head_many(keys)
+        except StoreError as exc:
+            self.metrics.record_request(
+                "head", self._clock() - t0, requests=len(keys), errors={type(exc).__name__: len(keys)}
+            )
+            raise
+        errors: dict[str, int] = {}
+        for err in batch.failed.values():
+            errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
+        self.metrics.record_request("head", self._clock() - t0, requests=len(keys), errors=errors)
+        return batch
+
+    def put(
+        self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None
+    ) -> bool:
+        size = total_size(data)
+        t0 = self._clock()
+        try:
+            created = self.inner.put(key, data, metadata)
+        except StoreError as exc:
+            self.metrics.record_request(
+                "put", self._clock() - t0, bytes_up=size, errors={type(exc).__name__: 1}
+            )
+            raise
+        self.metrics.record_request("put", self._clock() - t0, bytes_up=size)
+        return created
+
+    def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
+        t0 = self._clock()
+        try:
+            out = self.inner.get_ranges(key, ranges)
+        except StoreError as exc:
+            self.metrics.record_request(
+                "get", self._clock() - t0, requests=len(ranges), errors={type(exc).__name__: 1}
+            )
+            raise
+        self.metrics.record_request(
+            "get", self._clock() - t0, requests=len(ranges), bytes_down=sum(len(b) for b in out)
+        )
+        return out
+
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        t0 = self._clock()
+        try:
+            self.inner.get_ranges_into(key, ranges, out)
+        except StoreError as exc:
+            self.metrics.record_request(
+                "get", self._clock() - t0, requests=len(ranges), errors={type(exc).__name__: 1}
+            )
+            raise
+        self.metrics.record_request(
+            "get", self._clock() - t0, requests=len(ranges), bytes_down=sum(r.length for r in ranges)
+        )
+
+    def delete_many(self, keys: Sequence[str]) -> None:
+        t0 = self._clock()
+        try:
+            self.inner.delete_many(keys)
+        except StoreError as exc:
+            self.metrics.record_request(
+                "delete", self._clock() - t0, requests=len(keys), errors={type(exc).__name__: 1}
+            )
+            raise
+        self.metrics.record_request("delete", self._clock() - t0, requests=len(keys))
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        return self._list(prefix)
+
+    def _list(self, prefix: str) -> Iterator[ObjectInfo]:
+        t0 = self._clock()
+        errors: dict[str, int] = {}
+        try:
+            yield from self.inner.list(prefix)
+        except StoreError as exc:
+            errors[type(exc).__name__] = 1
+            raise
+        finally:  # also when the caller stops early
+            self.metrics.record_request("list", self._clock() - t0, errors=errors)

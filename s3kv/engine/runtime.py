@@ -1,0 +1,205 @@
+"""What the leader and the workers of one engine share inside one process.
+
+TensorRT-LLM builds the scheduler-side connector and the rank-0 worker in the
+same process from the same ``llm_args``. Only the worker is told the cache
+layout (``register_kv_cache_layout``), and only it learns which uploads
+succeeded -- yet the leader needs the layout to name keys and the confirmed
+uploads to answer warm lookups without a HEAD. ``EngineRuntime`` is that shared
+piece: one store client (one connection pool), one key index, the geometry.
+
+The registry below is the one process-global in s3kv. It is keyed by the
+engine's identity (URL, model, block size, windows, TP size -- or an explicit
+``engine_key``), so several ranks or several simulated engines in one process
+never mix, and a leader built before its worker still finds the layout later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import Settings
+from ..core.layout import CacheGeometry
+from ..store.base import ObjectStore
+from ..store.breaker import BreakerPolicy, CircuitBreakerStore
+from .index import KeyIndex
+from .metrics import Metrics, MetricsStore, serve_for_rank
+
+log = logging.getLogger("s3kv.runtime")
+
+
+@dataclass
+class EngineRuntime:
+    key: str
+    settings: Settings
+    store: ObjectStore
+    key_prefix: str
+    index: KeyIndex
+    metrics: Metrics = field(default_factory=Metrics)
+    geometry: CacheGeometry | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    refs: int = 0
+    http_server: Any = None
+    #: Close the store with the runtime only if the runtime opened it (a caller's store is theirs).
+    owns_store: bool = True
+    _last_observed: float = 0.0
+    _geometry_ready: bool = False
+    _geometry_callbacks: list[Any] = field(default_factory=list)
+
+    def observe(self, leader_stats: Any = None, worker_stats: Any = None, source: str = "worker") -> None:
+        """Copy cumulative connector stats into the Prometheus metrics."""
+        if leader_stats is not None:
+            self.metrics.observe_leader(leader_stats)
+        if worker_stats is not None:
+            self.metrics.observe_worker(worker_stats, source=source)
+
+    def publish_geometry(self, geometry: CacheGeometry) -> None:
+        with self.lock:
+            if self.geometry is not None and self.geometry != geometry:
+                # Ranks of one engine agree on the geometry by construction; a
+                # difference means two engines collided on one key.
+                raise RuntimeError(
+                    f"s3kv engine {self.key!r}: a worker registered a different cache geometry "
+                    f"({geometry}) than another ({self.geometry}); give each engine its own engine_key"
+                )
+            self.geometry = geometry
+
+    def get_geometry(self) -> CacheGeometry | None:
+        return self.geometry
+
+    def on_geometry(self, callback: Any) -> None:
+        """Call ``callback()`` once the rank-0 worker registered the layout (at once if it has)."""
+        with self.lock:
+            if not self._geometry_ready:
+                self._geometry_callbacks.append(callback)
+                return
+        callback()
+
+    def geometry_ready(self) -> None:
+        with self.lock:
+            self._geometry_ready = True
+            callbacks, self._geometry_callbacks = self._geometry_callbacks, []
+        for cb in callbacks:
+            cb()
+
+
+_REGISTRY: dict[str, EngineRuntime] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def engine_key_for(llm_args: Any, settings: Settings) -> str:
+    kv = getattr(llm_args, "kv_cache_config", None)
+    windows = tuple(getattr(kv, "max_attention_window", None) or ())
+    tpb = getattr(kv, "tokens_per_block", None)
+    mapping = llm_args.parallel_config.to_mapping()
+    return repr(
+        (settings.url, settings.model_id or str(getattr(llm_args, "model", "")), tpb, windows,
+         getattr(llm_args, "max_seq_len", None), mapping.tp_size)
+    )
+
+
+def s3_options(settings: Settings) -> Any:
+    """The ``S3Options`` the settings describe (timeouts, retries, multipart, SSE)."""
+    from ..store.retrying import RetryPolicy
+    from ..store.s3 import S3Options
+
+    mib = 1024 * 1024
+    return S3Options(
+        max_concurrency=settings.max_concurrency,
+        connect_timeout_s=settings.connect_timeout_s,
+        read_timeout_s=settings.read_timeout_s,
+        retry=RetryPolicy(max_attempts=settings.max_attempts, deadline_s=settings.retry_deadline_s),
+        multipart_threshold=settings.multipart_threshold_mib * mib,
+        part_size=settings.multipart_part_mib * mib,
+        sse=settings.sse or None,  # type: ignore[arg-type]  # validated by Settings
+        sse_kms_key_id=settings.sse_kms_key_id or None,
+        client=settings.s3_client,  # type: ignore[arg-type]  # validated by Settings
+        head_concurrency=settings.lookup_head_concurrency,
+    )
+
+
+def open_runtime_store(settings: Settings) -> tuple[ObjectStore, str]:
+    """The store behind ``settings.url`` and the key prefix to build keys under."""
+    from ..store.factory import open_store, parse_store_url
+
+    scheme, _bucket, prefix = parse_store_url(settings.url)
+    store = open_store(settings.url, options=s3_options(settings) if scheme == "s3" else None)
+    return store, prefix
+
+
+def acquire_runtime(
+    llm_args: Any,
+    settings: Settings,
+    *,
+    store: ObjectStore | None = None,
+    key_prefix: str | None = None,
+    engine_key: str | None = None,
+) -> EngineRuntime:
+    key = engine_key or engine_key_for(llm_args, settings)
+    with _REGISTRY_LOCK:
+        rt = _REGISTRY.get(key)
+        if rt is None:
+            owns_store = store is None
+            if store is None:
+                store, prefix = open_runtime_store(settings)
+                if settings.check_access:
+                    # One clear error at start-up rather than per-request noise.
+                    store.check_access()
+            else:
+                prefix = key_prefix or ""
+            if key_prefix is not None:
+                prefix = key_prefix
+            metrics = Metrics()
+            # Metrics count every request that reaches the store; the breaker sits
+            # outside them so an open breaker answers at once without touching it.
+            wrapped: ObjectStore = CircuitBreakerStore(
+                MetricsStore(store, metrics),
+                BreakerPolicy.from_settings(settings),
+                on_transition=metrics.on_breaker_transition,
+                name=key,
+            )
+            rt = EngineRuntime(
+                key=key,
+                settings=settings,
+                store=wrapped,
+                key_prefix=prefix,
+                index=KeyIndex(settings.index_max_entries, settings.index_ttl_s, settings.negative_ttl_s),
+                metrics=metrics,
+                owns_store=owns_store,
+            )
+            if settings.metrics_port:
+                # Every tensor-parallel rank is its own process with its own registry: rank r
+                # serves port + r (only rank 0's would be seen otherwise).
+                mapping = llm_args.parallel_config.to_mapping()
+                port = settings.metrics_port + int(mapping.tp_rank)
+                try:
+                    rt.http_server = serve_for_rank(
+                        metrics, settings.metrics_port, int(mapping.tp_rank), int(mapping.tp_size),
+                        settings.metrics_addr,
+                    )
+                    log.info("s3kv metrics on %s:%d", settings.metrics_addr, port)
+                except (OSError, ValueError) as e:  # port taken (another engine here) or past 65535
+                    log.warning("s3kv: cannot serve metrics on port %d: %s", port, e)
+            _REGISTRY[key] = rt
+        rt.refs += 1
+        return rt
+
+
+def release_runtime(rt: EngineRuntime) -> None:
+    with _REGISTRY_LOCK:
+        rt.refs -= 1
+        if rt.refs <= 0 and _REGISTRY.get(rt.key) is rt:
+            del _REGISTRY[rt.key]
+            if rt.http_server is not None:
+                try:
+                    rt.http_server.shutdown()
+                except Exception:  # noqa: BLE001
+                    log.debug("stopping the metrics server failed", exc_info=True)
+            if not rt.owns_store:
+                return
+            try:
+                rt.store.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                log.debug("closing store failed", exc_info=True)

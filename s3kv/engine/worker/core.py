@@ -1,0 +1,395 @@
+"""The worker side of s3kv: executes each iteration's plan on one rank.
+
+``WorkerCore`` is engine-agnostic: the TensorRT-LLM adapter (``s3kv.trtllm``) and
+the simulator call it with the connector's per-iteration order::
+
+    bind(metadata) -> start_load_kv(stream) -> [wait_for_layer_load(i) ... save_kv_layer(i)]*
+                   -> wait_for_save(stream) -> get_finished(finished_gen, started_loading)
+
+This facade holds the lock and the per-iteration state and runs each hook in that order; the
+work lives in the module named for it: ``rank`` (what ``register_layout`` fixes: geometry,
+keys, regions), ``saves`` (object buffers in host staging, stage copies, seals, finish plans),
+``loads`` (verified downloads, and the failure rungs of a promised load that cannot
+complete) and ``stats`` (the counters). Nothing here ever raises into the engine from a save
+or a load: a save is dropped and counted, a failed load takes the least harmful outcome the
+engine allows (docs/failures.md).
+
+Finishing requests: ``metadata.finish_plans`` keep, per request, what to save
+if it finishes after the current pass. When its id reaches ``get_finished``
+(same iteration as ``request_finished``, possibly on an engine about to go
+idle) the plan's pages are copied off the device, its objects sealed and
+uploaded in the background, and the id is returned once those copies completed.
+
+``get_finished`` hand-over state machine (per id, per hand-over): an id is
+returned only after it was passed in, exactly once; a saving id as soon as every
+stage copy of that request issued so far has completed (at once when nothing is
+pending; at once on CPU), a loading id once all its pages are in place.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from ...config import Settings
+from ...core.keys import KeyScheme
+from ...core.layout import CacheGeometry
+from ...core.objects import ObjectIdentity
+from ...core.plan import ConnectorMetadata
+from ...core.policy import object_sizes
+from ...store.base import ObjectStore
+from ...transfer.copies import Copier
+from ...transfer.counters import Counters, MetricsHook
+from ...transfer.download import Downloader
+from ...transfer.staging import StagingPool
+from ...transfer.upload import Uploader
+from ..index import KeyIndex
+from .loads import Failures, LoadJobs, LoadTimeout
+from .rank import RankLayout
+from .saves import SaveJobs
+from .stats import WorkerStats, worker_stats
+
+log = logging.getLogger("s3kv.worker")
+
+
+class WorkerCore:
+    """One rank's connector worker. Thread-safe; holds no global state."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        store: ObjectStore,
+        key_prefix: str = "",
+        rank: int = 0,
+        tp_size: int = 1,
+        model_id: str = "",
+        kv_dtype: str = "",
+        index: KeyIndex | None = None,
+        metrics: MetricsHook | None = None,
+        *,
+        tp_rank: int | None = None,
+        prefix: str | None = None,
+        load_reserve_fraction: float = 0.25,
+        upload_queue_size: int = 1024,
+        failed_load_hook: bool = False,
+    ):
+        """``rank`` is the tensor-parallel rank (``tp_rank`` is accepted as an alias, as is
+        ``prefix`` for ``key_prefix``); ``metrics(name, delta)`` is called on every counter change.
+        ``failed_load_hook``: the engine polls ``take_failed_load_request_ids`` and recomputes
+        the requests it names (rung 1); without it a failed parked load stays parked and retries."""
+        if tp_rank is not None:
+            rank = tp_rank
+        if prefix is not None:
+            key_prefix = prefix
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"tp rank {rank} outside [0, {tp_size})")
+        self.settings = settings
+        self.store = store
+        self.prefix = key_prefix.rstrip("/")
+        self.tp_rank = int(rank)
+        self.tp_size = int(tp_size)
+        self.model_id = model_id
+        self.kv_dtype = str(kv_dtype)
+        self.index = index
+        self.failed_load_hook = failed_load_hook
+        self._load_reserve_fraction = load_reserve_fraction
+        self._counters = Counters(metrics)
+        self._lock = threading.RLock()
+        self._uploader = Uploader(
+            store,
+            threads=settings.upload_threads,
+            queue_size=upload_queue_size,
+            index=index,
+            counters=self._counters,
+            wait_event=Copier.synchronize,
+            name=f"s3kv-up-r{rank}",
+        )
+        self._uploader.multipart_threshold = settings.multipart_threshold_mib << 20
+        self._uploader.part_size = settings.multipart_part_mib << 20
+        self._loads = LoadJobs(settings, index, self._counters, failed_load_hook=failed_load_hook)
+        self._saves = SaveJobs(settings, self._counters, self._uploader)
+        # Load state tests and tools look at (the same objects the load jobs change in place).
+        self._async, self._failed_report, self._jobs = self._loads.parked, self._loads.failed_report, self._loads.jobs
+        # Set by register_layout.
+        self._rank: RankLayout | None = None
+        self._copier: Copier | None = None
+        self._pool: StagingPool | None = None
+        self._downloader: Downloader | None = None
+        # Per iteration.
+        self._metadata: ConnectorMetadata | None = None
+        self._loads_started = False
+        self._saves_done = False
+        self._failed_now: set[int] = set()  # requests whose sync load failed this iteration
+        self._closed = False
+
+    # -- set-up -----------------------------------------------------------
+    def register_layout(self, layout: Any) -> CacheGeometry:
+        with self._lock:
+            if self._rank is not None:
+                raise RuntimeError("register_layout called twice")
+            rank = RankLayout.from_layout(
+                layout, self.settings, prefix=self.prefix, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                model_id=self.model_id, kv_dtype=self.kv_dtype,
+            )
+            geometry, device = rank.geometry, rank.device
+            copier = Copier(device, batch=self.settings.batch_copies)
+            pool = StagingPool.for_device(
+                self.settings.staging_bytes,
+                device,
+                pinned=self.settings.pinned,
+                load_reserve_fraction=self._load_reserve_fraction,
+            )
+            downloader = Downloader(
+                self.store,
+                pool,
+                copier,
+                threads=self.settings.download_threads,
+                counters=self._counters,
+                name=f"s3kv-down-r{self.tp_rank}",
+            )
+            self._copier, self._pool, self._downloader = copier, pool, downloader
+            self._loads.attach(rank, copier, downloader)
+            self._saves.attach(rank, copier, pool)
+            self._rank = rank
+            # Saves need a buffer per open object and group; with room for fewer than a few
+            # objects of the largest group, most saves would be dropped.
+            blocks, _ = object_sizes([g.page_bytes for g in geometry.groups], geometry.tokens_per_block, self.settings)
+            biggest = max(b * g.page_bytes for b, g in zip(blocks, geometry.groups, strict=True))
+            if pool.capacity < 4 * biggest * max(1, geometry.num_groups):
+                log.warning(
+                    "s3kv: S3KV_STAGING_MIB=%d holds fewer than 4 objects per layer group (largest object "
+                    "%.1f MiB, %d groups): saves will be dropped under load; raise it to at least %d",
+                    self.settings.staging_mib, biggest / 2**20, geometry.num_groups,
+                    -(-4 * biggest * geometry.num_groups // 2**20),
+                )
+            log.info(
+                "s3kv worker rank %d/%d: %d layer group(s), namespace %s, staging %d MiB (%s) on %s",
+                self.tp_rank,
+                self.tp_size,
+                geometry.num_groups,
+                rank.namespace.hex(),
+                pool.capacity >> 20,
+                "pinned" if pool.pinned else "pageable",
+                device,
+            )
+            return geometry
+
+    def _layout(self) -> RankLayout:
+        if self._rank is None:
+            raise RuntimeError("no KV cache layout registered yet")
+        return self._rank
+
+    @property
+    def geometry(self) -> CacheGeometry:
+        return self._layout().geometry
+
+    @property
+    def keys(self) -> KeyScheme:
+        return self._layout().keys
+
+    @property
+    def staging(self) -> StagingPool:
+        if self._pool is None:
+            raise RuntimeError("no KV cache layout registered yet")
+        return self._pool
+
+    def identity(self, group: int) -> ObjectIdentity:
+        if self._rank is None:
+            raise KeyError(group)
+        return self._rank.identity[group]
+
+    def object_key(self, group: int, last_digest: bytes) -> str:
+        """This rank's key of the object of ``group`` ending at ``last_digest``."""
+        return self._layout().object_key(group, last_digest)
+
+    # -- per iteration ----------------------------------------------------
+    def bind(self, metadata: ConnectorMetadata | None) -> None:
+        with self._lock:
+            self._metadata = metadata
+            self._loads_started = False
+            self._saves_done = False
+            self._failed_now = set()
+            if metadata is None:
+                return
+            self._saves.bind(metadata)
+
+    def start_load_kv(self, stream: Any = None) -> None:
+        """Start every load of the bound plan; sync ones are downloaded and verified before return.
+
+        Never raises: a load that cannot be completed with verified bytes takes the
+        failure rung this engine allows (see :meth:`_load_failed_now`).
+        """
+        with self._lock:
+            md = self._metadata
+            if md is None or self._loads_started:
+                return
+            self._loads_started = True
+            self._reap()
+            now = time.monotonic()
+            sync = self._loads.start(md, stream, now)
+        if sync is None:
+            return
+        sync_jobs, sync_errors = sync
+        self._loads.wait_jobs(sync_jobs, now + self._loads.timeout)
+        with self._lock:
+            failed = self._loads.sync_results(sync_jobs, sync_errors)
+            if failed:
+                self._load_failed_now(failed)
+
+    def _load_failed_now(self, failed: Failures) -> None:
+        """Sync loads that failed: no copy may still land, nothing of theirs is saved, and the
+        engine's failed-load hook (the only safe outcome for a sync load) is told."""
+        # The engine may still run this iteration's forward for the other requests; the
+        # failed ones' pages hold no verified KV, so nothing of theirs may be saved from
+        # them (it would poison the shared cache).
+        self._failed_now |= set(failed)
+        self._loads.fail_now(failed)
+
+    def fail_bound_loads(self, reason: str) -> None:
+        """The adapter's fallback when ``start_load_kv`` raised: every load of the bound plan
+        takes the failure rung (its state is unknown, so none of it may be trusted)."""
+        with self._lock:
+            md = self._metadata
+            if md is None:
+                return
+            sync = self._loads.fail_bound(md, reason, time.monotonic())
+            if sync:
+                self._load_failed_now(sync)
+
+    def install_exit_drain(self, timeout_s: float) -> None:
+        """Drain queued uploads (at most ``timeout_s``) when the process exits normally.
+
+        TensorRT-LLM calls no connector ``shutdown()``; without this, saves still in the
+        upload queue at exit would be lost silently. What could not finish is counted and logged.
+        """
+        import atexit
+        import weakref
+
+        ref = weakref.ref(self)
+
+        def drain() -> None:
+            core = ref()
+            if core is None or core._closed:
+                return
+            pending = core._uploader.pending
+            if not pending:
+                return
+            t0 = time.monotonic()
+            drained = core.flush(timeout_s)
+            left = core._uploader.pending
+            if drained:
+                log.info("s3kv: drained %d upload(s) at exit in %.1f s", pending, time.monotonic() - t0)
+            else:
+                core._counters.add("uploads_dropped_at_exit", left)
+                log.warning("s3kv: %d upload(s) still queued after %.1f s at exit; dropped", left, timeout_s)
+
+        atexit.register(drain)
+
+    def take_failed_load_request_ids(self) -> set[int]:
+        """Rung 1 (engines that offer it): requests whose promised load failed, to be recomputed."""
+        with self._lock:
+            return self._loads.take_failed()
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any = None) -> None:
+        """Make the forward stream wait for the copies into the layer's group (no host wait)."""
+        with self._lock:
+            self._loads.wait_for_layer_load(layer_idx, stream)
+
+    def save_kv_layer(self, layer_idx: int, stream: Any = None) -> None:
+        """No-op: a page spans every layer of its group, so it is copied once in wait_for_save."""
+
+    def wait_for_save(self, stream: Any = None) -> None:
+        """Copy the iteration's staged pages to host (stream-ordered) and hand seals to the uploader."""
+        with self._lock:
+            self._saves.last_stream = stream
+            self._loads.order_remaining(stream)
+            self._reap()
+            md = self._metadata
+            if md is None or self._saves_done:
+                return
+            self._saves_done = True
+            self._saves.run(md, stream, self._failed_now)
+
+    def get_finished(
+        self, finished_gen_req_ids: Iterable[int], started_loading_req_ids: Iterable[int]
+    ) -> tuple[list[int], list[int]]:
+        """(finished saving, finished loading) ids; see the module doc for the rules. Never raises.
+
+        A finishing id runs its standing finish plan here (pages copied off the
+        device, objects sealed) and is returned once those copies completed. A
+        parked request whose load failed takes the engine's failed-load hook
+        (rung 1) or stays parked while the load is retried (rung 3).
+        """
+        with self._lock:
+            self._reap()
+            now = time.monotonic()
+            for rid in finished_gen_req_ids:
+                rid = int(rid)
+                self._finish_request(rid)
+                self._saves.hand(rid)
+            self._loads.hand(started_loading_req_ids, now)
+            self._loads.settle(now)
+            return self._saves.finished(), self._loads.finished()
+
+    def _finish_request(self, rid: int) -> None:
+        """The request ended: stop its load if still parked, run its finish plan, drop the rest."""
+        self._loads.cancel_parked(rid)
+        self._saves.finish(rid, self._failed_now)
+
+    def _reap(self) -> None:
+        """Free the staging of placed loads whose copies completed; forget completed copy events."""
+        self._loads.reap()
+        self._saves.reap()
+
+    # -- introspection ----------------------------------------------------
+    @property
+    def _retry_base_s(self) -> float:
+        """First delay of a parked load's retries (rung 3); tests shorten it."""
+        return self._loads.retry_base_s
+
+    @_retry_base_s.setter
+    def _retry_base_s(self, seconds: float) -> None:
+        self._loads.retry_base_s = seconds
+
+    # -- lifecycle --------------------------------------------------------
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every upload queued so far has finished (True) or ``timeout`` passed (False)."""
+        return self._uploader.flush(timeout)
+
+    def close(self, timeout: float | None = 30.0, cancel: bool = False) -> bool:
+        """Drain (or cancel) uploads, stop the threads, free staging. True if drained in time."""
+        with self._lock:
+            if self._closed:
+                return True
+            self._closed = True
+        drained = self._uploader.close(timeout, cancel=cancel)
+        with self._lock:
+            if self._downloader is not None:
+                self._downloader.close()
+            self._saves.close()
+            self._reap()
+            if self._copier is not None:
+                self._copier.drain()
+            if self._pool is not None:
+                self._pool.close()
+        return drained
+
+    def __enter__(self) -> WorkerCore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> WorkerStats:
+        return worker_stats(
+            self._counters.snapshot(),
+            self._pool.stats() if self._pool is not None else None,
+            uploads_pending=self._uploader.pending,
+            parked_now=self._loads.parked_now(),
+        )
+
+
+__all__ = ["LoadTimeout", "WorkerCore", "WorkerStats"]

@@ -1,0 +1,422 @@
+"""Load jobs on one rank, and the failure rungs of a promised load that cannot complete.
+
+``start_load_kv`` groups the plan's ``LoadOp``s by object and reads each on a download thread
+(header + wanted pages, verified in staging before any host->device copy). Sync requests are
+waited for inside ``start_load_kv`` (downloads and verification); on CUDA their host->device
+copies overlap the first layers and the forward stream waits for a group's copies in
+``wait_for_layer_load`` of that group's layers. Async requests (``metadata.async_load_ids``)
+are reported from ``get_finished`` once their pages are on the device (every id exactly once,
+after it was handed in).
+
+A load that fails after the store's retries is quarantined (the index remembers the object as
+missing, so later lookups miss) and then: rung 1, on engines with a failed-load hook, the id
+goes to ``take_failed_load_request_ids`` and the engine recomputes it; rung 3, otherwise, the
+request stays parked and its objects are re-read with backoff until the load succeeds or the
+request is cancelled (it arrives in ``finished_gen_req_ids``). Before a request is failed or
+released, no copy of its may still land in its pages (``_quiesce``). See docs/failures.md.
+
+Why this is one module: the failure rungs act on the load jobs' own state (parked loads, jobs to
+quiesce, retries); split, each half would reach into the other's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...config import Settings
+from ...core.errors import LoadFailed
+from ...core.plan import ConnectorMetadata
+from ...transfer.copies import Copier
+from ...transfer.counters import Counters
+from ...transfer.download import DONE, PENDING, Downloader, LoadJob, build_jobs
+from ..index import KeyIndex
+from .rank import RankLayout
+
+log = logging.getLogger("s3kv.worker")
+
+#: (object key or None, reason) of a failed load, by request id.
+Failures = dict[int, tuple[str | None, str]]
+
+
+class LoadTimeout(Exception):
+    """A promised load did not complete within ``settings.load_timeout_s``."""
+
+
+@dataclass
+class AsyncLoad:
+    since: float
+    declared: bool = False
+    handed: bool = False
+    jobs: list[LoadJob] = field(default_factory=list)
+    #: (key, reason) of a plan error found before any job ran.
+    error: tuple[str | None, str] | None = None
+    #: Rung 3 (parked, retrying): attempts so far, when to retry next, the jobs to re-read.
+    attempts: int = 0
+    retry_at: float | None = None
+    failed_jobs: list[tuple[LoadJob, list[tuple[int, int]]]] = field(default_factory=list)
+
+
+#: Failure reasons (exception type names, see ``describe``) by what they say about the object.
+_CORRUPT = frozenset({"BadMagic", "HeaderCorrupt", "TruncatedObject", "ChecksumMismatch", "IntegrityError",
+                      "ObjectFormatError"})
+#: Not ours to judge (another format version, another namespace, another span): never deleted.
+_UNUSABLE = frozenset({"UnsupportedVersion", "ForeignObject", "LoadPlanError", "Unauthenticated", "SpanMismatch"})
+
+
+def _kind(reason: str) -> str:
+    name = reason.split(":", 1)[0]
+    if name == "NotFound":
+        return "missing"
+    if name in _CORRUPT:
+        return "corrupt"
+    if name in _UNUSABLE:
+        return "unusable"
+    return "transient"
+
+
+def describe(e: BaseException | None) -> str:
+    if e is None:
+        return "unknown error"
+    return f"{type(e).__name__}: {e}"
+
+
+class LoadJobs:
+    """One rank's loads and their failure rungs. Called under the worker's lock, except
+    :meth:`wait_jobs` (a sync load's host wait)."""
+
+    def __init__(self, settings: Settings, index: KeyIndex | None, counters: Counters, *, failed_load_hook: bool):
+        self.settings, self.index, self.counters = settings, index, counters
+        #: The engine polls ``take_failed_load_request_ids`` and recomputes those requests (rung 1).
+        self.failed_load_hook = failed_load_hook
+        #: load_timeout_s <= 0 means no deadline.
+        self.timeout = settings.load_timeout_s if settings.load_timeout_s > 0 else float("inf")
+        # Set by attach (register_layout).
+        self.rank: RankLayout | None = None
+        self.copier: Copier | None = None
+        self.downloader: Downloader | None = None
+        # The containers below are never replaced, only changed in place (the worker shows them).
+        self.jobs: list[LoadJob] = []  # every job whose staging may still be held
+        self.group_events: dict[int, list[Any]] = {}  # sync copies the forward has not waited on
+        self.parked: dict[int, AsyncLoad] = {}  # async loads by request id
+        self.failed_report: set[int] = set()  # for take_failed_load_request_ids
+        self.retry_base_s = 0.5
+        self.retry_max_s = 30.0
+
+    def attach(self, rank: RankLayout, copier: Copier, downloader: Downloader) -> None:
+        self.rank, self.copier, self.downloader = rank, copier, downloader
+
+    # -- start_load_kv ----------------------------------------------------
+    def start(self, md: ConnectorMetadata, stream: Any, now: float) -> tuple[list[LoadJob], Failures] | None:
+        """Start every load of the plan: the sync jobs to wait for and the sync requests that
+        already failed, or None when there is nothing to wait for."""
+        for rid in md.async_load_ids:
+            st = self.parked.get(rid)
+            if st is None:
+                st = self.parked[rid] = AsyncLoad(since=now)
+            st.declared = True
+        broken: Failures = {
+            rid: (None, "s3kv could not plan the promised load (see the leader's log)")
+            for rid in md.failed_load_ids
+        }
+        if not md.loads and not broken:
+            return None
+        if self.rank is None:
+            raise RuntimeError("no KV cache layout registered yet")
+        assert self.copier is not None and self.downloader is not None
+        self.copier.begin_loads(stream)
+        jobs, errors = build_jobs(
+            md.loads,
+            tp_rank=self.rank.tp_rank,
+            is_async=lambda rid: rid in md.async_load_ids,
+            resolve=self.rank.resolve,
+            deadline=now + self.timeout,
+        )
+        for rid, err in errors.items():
+            log.error("s3kv: request %d: load plan does not fit: %s (object %s)", rid, err[1], err[0],
+                      extra={"request_id": rid})
+            broken.setdefault(rid, err)
+        sync_errors: Failures = {}
+        for rid, err in broken.items():
+            if rid in md.async_load_ids:
+                self.parked[rid].error = err
+            else:
+                sync_errors[rid] = err
+        for job in jobs:
+            self.jobs.append(job)
+            self.downloader.submit(job)
+            if job.is_async:
+                for rid in job.request_ids:
+                    self.parked[rid].jobs.append(job)
+        sync_jobs = [j for j in jobs if not j.is_async]
+        if not sync_jobs and not sync_errors:
+            return None
+        return sync_jobs, sync_errors
+
+    def wait_jobs(self, jobs: list[LoadJob], deadline: float) -> None:
+        for job in jobs:
+            fut = job.future
+            assert fut is not None
+            try:
+                fut.result(
+                    timeout=None if deadline == float("inf") else max(0.0, deadline - time.monotonic())
+                )
+            except (FutureTimeout, CancelledError):
+                pass
+            if not job.finished:
+                if not self._cancel(job):
+                    # Already placing pages: local copies, finish them rather than leave them half done.
+                    try:
+                        fut.result()
+                    except CancelledError:
+                        pass
+
+    def sync_results(self, sync_jobs: list[LoadJob], sync_errors: Failures) -> Failures:
+        """After the wait: queue the done jobs' copies for the forward; the requests that failed."""
+        failed: Failures = dict(sync_errors)
+        for job in sync_jobs:
+            if job.state == DONE:
+                self.group_events.setdefault(job.group, []).append(job.event)
+            else:
+                for rid in job.request_ids:
+                    failed.setdefault(rid, (job.key, describe(job.error)))
+        return failed
+
+    def fail_now(self, failed: Failures) -> None:
+        """Sync loads that failed: no copy may still land, and the engine's failed-load hook (the
+        only safe outcome for a sync load) is told."""
+        self._quiesce(set(failed))
+        self._note_failed(failed)
+        if self.failed_load_hook:
+            self.failed_report |= set(failed)
+            self.counters.add("rung_engine_recompute", len(failed))
+        else:
+            # The leader plans sync loads only on engines with the hook; reaching this is a bug.
+            self.counters.add("rung_none", len(failed))
+            log.critical("s3kv: sync load failed on an engine without a failed-load hook: %s", failed)
+
+    def fail_bound(self, md: ConnectorMetadata, reason: str, now: float) -> Failures:
+        """Every load of the plan takes the failure rung; returns the sync ones (to ``fail_now``)."""
+        rids = {op.request_id for op in md.loads} | set(md.failed_load_ids) | set(md.async_load_ids)
+        sync: Failures = {}
+        for rid in rids:
+            if rid in md.async_load_ids:
+                st = self.parked.setdefault(rid, AsyncLoad(since=now))
+                st.declared = True
+                st.error = (None, reason)
+            else:
+                sync[rid] = (None, reason)
+        return sync
+
+    def take_failed(self) -> set[int]:
+        out = set(self.failed_report)
+        self.failed_report.clear()
+        return out
+
+    # -- the forward --------------------------------------------------------
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        """Make the forward stream wait for the copies into the layer's group (no host wait)."""
+        group = self.rank.layer_group.get(int(layer_idx)) if self.rank is not None else None
+        events = self.group_events.pop(group, None) if group is not None else None
+        if events and self.copier is not None:
+            for ev in events:
+                self.copier.wait_on(ev, stream)
+
+    def order_remaining(self, stream: Any) -> None:
+        """Copies into groups whose layer hook never ran: order them before later work anyway."""
+        if self.group_events and self.copier is not None:
+            for events in self.group_events.values():
+                for ev in events:
+                    self.copier.wait_on(ev, stream)
+            self.group_events.clear()
+
+    # -- get_finished -------------------------------------------------------
+    def hand(self, rids: Iterable[int], now: float) -> None:
+        for rid in rids:
+            rid = int(rid)
+            st = self.parked.get(rid)
+            if st is None:
+                st = self.parked[rid] = AsyncLoad(since=now)
+            st.handed = True
+
+    def finished(self) -> list[int]:
+        """Handed, declared async loads whose pages are all in place: returned (once)."""
+        loading: list[int] = []
+        for rid, st in list(self.parked.items()):
+            if (
+                st.handed
+                and st.declared
+                and st.error is None
+                and st.retry_at is None  # not parked for a retry
+                and not st.failed_jobs
+                and all(j.state == DONE and Copier.done(j.event) for j in st.jobs)
+            ):
+                loading.append(rid)
+                if st.attempts:
+                    self.counters.add("parked_loads_recovered")
+                    if self.index is not None:  # quarantined while it failed; it is good now
+                        self.index.forget(j.key for j in st.jobs)
+                    log.warning("s3kv: request %d: load succeeded after %d retries", rid, st.attempts,
+                                extra={"request_id": rid})
+                del self.parked[rid]
+        return loading
+
+    def cancel_parked(self, rid: int) -> None:
+        """The request ended while parked: make sure no load copy can still land in its pages
+        (the engine frees them once every rank returns the id)."""
+        st = self.parked.pop(rid, None)
+        if st is not None:
+            self._quiesce({rid})
+            self.counters.add("loads_cancelled")
+            if st.attempts:
+                self.counters.add("parked_loads_cancelled")
+
+    def parked_now(self) -> int:
+        """Requests parked right now while their load is retried (rung 3)."""
+        return sum(1 for st in list(self.parked.values()) if st.attempts)
+
+    def settle(self, now: float) -> None:
+        """Parked loads that failed: rung 1 (engine hook) or rung 3 (stay parked, retry with backoff)."""
+        for rid, st in list(self.parked.items()):
+            if st.retry_at is not None:
+                if now >= st.retry_at and st.handed:
+                    self._retry(rid, st, now)
+                continue
+            failed = self._async_failure(st, now)
+            if failed is None:
+                continue
+            key, reason = failed
+            # The request's own targets in each job, taken before quiescing drops them from
+            # jobs still pending (a retry re-reads exactly these).
+            wanted = {id(j): [(o, s) for o, s in j.targets if j.owners.get(s) == rid] for j in st.jobs}
+            self._quiesce({rid})
+            first_failure = st.attempts == 0
+            self._note_failed({rid: failed}, quiet=not first_failure)
+            if self.failed_load_hook:
+                del self.parked[rid]
+                self.failed_report.add(rid)
+                self.counters.add("rung_engine_recompute")
+                continue
+            # Rung 3: the merged engine has no way to fail a load, and returning the id would
+            # serve unverified KV. The request stays parked (visibly) while the load is retried.
+            delay = min(self.retry_max_s, self.retry_base_s * (2 ** min(st.attempts, 16)))
+            st.retry_at = now + delay
+            st.failed_jobs = [(j, wanted.get(id(j), [])) for j in st.jobs if j.state != DONE]
+            st.jobs = [j for j in st.jobs if j.state == DONE]
+            if first_failure:
+                self.counters.add("rung_parked_retry")
+            st.attempts += 1
+            (log.warning if first_failure or st.attempts % 10 == 0 else log.info)(
+                "s3kv: request %d stays parked: its load failed (%s); retry %d in %.1f s",
+                rid, reason if not key or key in reason else f"{reason} (object {key!r})", st.attempts, delay,
+                extra={"request_id": rid, "key": key},
+            )
+
+    def _async_failure(self, st: AsyncLoad, now: float) -> tuple[str | None, str] | None:
+        if st.error is not None:
+            return st.error
+        for job in st.jobs:
+            if not job.finished and now > job.deadline:
+                self._cancel(job)
+            if job.finished and job.state != DONE:
+                return job.key, describe(job.error)
+        if st.handed and not st.declared and now - st.since > self.timeout:
+            return None, "handed over as loading but no load was ever planned for it"
+        return None
+
+    def _retry(self, rid: int, st: AsyncLoad, now: float) -> None:
+        """Resubmit the failed objects of a parked request (fresh jobs, fresh deadline)."""
+        st.retry_at = None
+        if st.error is not None or not st.failed_jobs:
+            # Nothing to re-read (the plan itself could not be made): it stays parked until the
+            # request is cancelled; say so now and then.
+            st.retry_at = now + self.retry_max_s
+            return
+        assert self.downloader is not None
+        for old, targets in st.failed_jobs:
+            if not targets:
+                continue
+            job = dataclasses.replace(
+                old, targets=targets, request_ids={rid}, owners={s: rid for _, s in targets},
+                state=PENDING, error=None, event=None, buffer=None, future=None, lock=threading.Lock(),
+                deadline=now + self.timeout,
+            )
+            self.jobs.append(job)
+            self.downloader.submit(job)
+            st.jobs.append(job)
+        st.failed_jobs = []
+        self.counters.add("load_retries")
+
+    def _note_failed(self, failed: Failures, *, quiet: bool = False) -> None:
+        """Count and log failed loads; quarantine the objects that failed so later lookups miss.
+        ``quiet``: a retry of a load already reported (counted as a retry, logged at INFO)."""
+        if quiet:
+            self.counters.add("load_retry_failures", len(failed))
+        else:
+            self.counters.add("requests_failed", len(failed))
+        keys = sorted({k for k, _ in failed.values() if k})
+        bad = sorted({k for k, r in failed.values() if k and _kind(r) != "transient"})
+        if self.index is not None and keys:
+            # A stale positive would keep promising the same broken load to every request on this
+            # prefix. An object that is gone or bad is remembered as missing for a while (later
+            # lookups miss at once); after a store outage the entry is only dropped (the next
+            # lookup asks the store again).
+            self.index.forget(keys)
+            self.index.quarantine(bad, self.settings.quarantine_s)
+        corrupt = sorted({k for k, r in failed.values() if k and _kind(r) == "corrupt"})
+        if corrupt:
+            self.counters.add("objects_quarantined", len(corrupt))
+            if self.settings.delete_corrupt:
+                assert self.downloader is not None  # a load failed: the layout is registered
+                for k in corrupt:
+                    try:
+                        self.downloader.store.delete_many([k])
+                    except Exception as e:  # noqa: BLE001 - best effort; engines may lack DeleteObject
+                        log.warning("s3kv: could not delete corrupt object %s: %s", k, e)
+        reasons = sorted({f"{r} (object {k!r})" if k and k not in r else r for k, r in failed.values()})
+        (log.info if quiet else log.error)("s3kv: promised load failed: %s", "; ".join(reasons),
+                                           extra={"request_ids": sorted(failed), "keys": keys})
+
+    def _quiesce(self, failed: set[int]) -> None:
+        """Before failing requests: make sure no load copy can still land in their slots.
+
+        The engine frees a failed request's pages and may hand them to another
+        request at once. Pending jobs forget the failed requests' targets (and are
+        cancelled when nothing is left); jobs already placing or placed are waited
+        for until their copies completed. Rare path, so a short host wait is fine.
+        """
+        reason = LoadFailed("request failed", request_ids=failed)
+        for job in list(self.jobs):
+            if not job.request_ids & failed and not any(r in failed for r in job.owners.values()):
+                continue
+            if job.drop_requests(failed, reason):
+                continue
+            if job.future is not None:
+                try:
+                    job.future.result()
+                except CancelledError:
+                    pass
+            Copier.synchronize(job.event)
+
+    def _cancel(self, job: LoadJob) -> bool:
+        """Give up on a job past its deadline; False if it is already placing pages."""
+        stopped, now = job.try_cancel(
+            LoadTimeout(f"not loaded within load_timeout_s={self.settings.load_timeout_s}")
+        )
+        if now:
+            log.error("s3kv: load of %s timed out after %.1f s", job.key, self.settings.load_timeout_s)
+            self.counters.add("loads_failed_objects")
+            self.counters.add("loads_timed_out")
+        return stopped
+
+    def reap(self) -> None:
+        """Free the staging of placed loads whose copies completed."""
+        if self.jobs:
+            self.jobs[:] = [j for j in self.jobs if not j.release_if_complete(Copier.done)]

@@ -1,0 +1,277 @@
+"""Save jobs on one rank: object buffers in host staging, stage copies, seals, finish plans.
+
+Best effort, never an engine error, never a stall. ``wait_for_save`` runs the iteration's
+``StageOp``s: the first stage of an object opens its buffer in host staging
+(``BufferId.capacity`` pages; no room -> the buffer is dropped and counted, its later stages
+and seals ignored and counted) and the pages are copied device->host in one stream-ordered
+batch (:mod:`s3kv.transfer.copies`). ``SealOp``s go to the upload threads with a reference on
+the buffer; ``close`` drops the plan's reference, so the bytes are freed after the last upload
+that reads them. A seal with ``close=False`` (a snapshot) pins pages ``[0, count)``: later
+stages of the same buffer go to higher pages, and a re-stage of a pinned page is ignored (the
+chain digest names the same KV; the in-flight upload keeps the bytes it hashed).
+
+Finishing requests: the standing finish plans (``metadata.finish_plans``) are run when the id
+reaches ``get_finished``; the id is handed back once every stage copy of that request issued
+so far has completed (at once on CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...config import Settings
+from ...core.plan import BufferId, ConnectorMetadata, FinishPlan, SealOp, StageOp
+from ...transfer.copies import Copier, PageCopy
+from ...transfer.counters import Counters
+from ...transfer.staging import SAVE, StagingBuffer, StagingPool
+from ...transfer.upload import Uploader, UploadJob
+from .rank import RankLayout
+
+log = logging.getLogger("s3kv.worker")
+
+
+@dataclass
+class OpenBuffer:
+    bid: BufferId
+    buf: StagingBuffer
+    page_bytes: int
+    staged: set[int] = field(default_factory=set)
+    #: Pages [0, pinned) are read by a seal already issued: never re-staged.
+    pinned: int = 0
+    #: Completion event of the latest copies into this buffer (None: complete).
+    ready: Any = None
+
+
+class SaveJobs:
+    """One rank's saves. Called under the worker's lock."""
+
+    def __init__(self, settings: Settings, counters: Counters, uploader: Uploader):
+        self.settings = settings
+        self.counters = counters
+        self.uploader = uploader
+        # Set by attach (register_layout).
+        self.rank: RankLayout | None = None
+        self.copier: Copier | None = None
+        self.pool: StagingPool | None = None
+        self.buffers: dict[BufferId, OpenBuffer] = {}
+        self.dropped: set[BufferId] = set()
+        self.copy_events: dict[int, Any] = {}  # request id -> latest stage copy event
+        self.handed: dict[int, None] = {}  # ordered set: ids handed to get_finished, not yet returned
+        # Standing finish plans (request id -> plan), run when the id reaches get_finished.
+        self.finish_plans: dict[int, FinishPlan] = {}
+        self.last_stream: Any = None  # the forward stream of the latest wait_for_save
+        self._last_drop_warn = 0.0
+        self._dropped_since_warn = 0
+
+    def attach(self, rank: RankLayout, copier: Copier, pool: StagingPool) -> None:
+        self.rank, self.copier, self.pool = rank, copier, pool
+
+    # -- per iteration ----------------------------------------------------
+    def bind(self, md: ConnectorMetadata) -> None:
+        """Take the metadata's finish plans (a discarded request's plan goes first)."""
+        for rid in md.discard_ids:
+            self.finish_plans.pop(rid, None)
+        for plan in md.finish_plans:
+            if plan.empty:
+                self.finish_plans.pop(plan.request_id, None)
+            else:
+                self.finish_plans[plan.request_id] = plan
+
+    def run(self, md: ConnectorMetadata, stream: Any, failed: set[int]) -> None:
+        """``wait_for_save``: stage, seal and release what the plan says; nothing of a request
+        whose sync load failed this iteration (its pages hold no verified KV)."""
+        if not (md.stages or md.seals or md.discard_ids or md.releases):
+            return
+        if self.rank is None:
+            log.error("s3kv: save ops before register_layout; dropped")
+            self.counters.add("saves_dropped_other", len(md.seals))
+            return
+        try:
+            for rid in set(md.discard_ids) | failed:
+                self.discard(rid)
+            self._stage([op for op in md.stages if op.buffer.request_id not in failed], stream)
+            for seal in md.seals:
+                if seal.buffer.request_id not in failed:
+                    self._seal(seal)
+            # A released buffer's last seal already went out; free its staging now.
+            for bid in md.releases:
+                self._close_buffer(bid)
+                self.dropped.discard(bid)
+        except Exception:  # noqa: BLE001 - saves are best effort; never fail the engine
+            log.exception("s3kv: save path failed; this iteration's saves may be dropped")
+            self.counters.add("saves_dropped_other")
+
+    def finish(self, rid: int, failed_now: set[int]) -> None:
+        """The request ended: run its finish plan (unless its sync load failed), drop the rest."""
+        plan = self.finish_plans.pop(rid, None)
+        if plan is not None and self.rank is not None and rid not in failed_now:
+            try:
+                self._stage(plan.stages, self.last_stream)
+                for seal in plan.seals:
+                    self._seal(seal)
+                for bid in plan.releases:
+                    self._close_buffer(bid)
+                    self.dropped.discard(bid)
+            except Exception:  # noqa: BLE001 - saves are best effort; never fail the engine
+                log.exception("s3kv: finish plan of request %d failed; its last saves are dropped", rid)
+                self.counters.add("saves_dropped_other")
+        self.discard(rid)
+
+    def hand(self, rid: int) -> None:
+        self.handed.setdefault(rid, None)
+
+    def finished(self) -> list[int]:
+        """Handed ids whose stage copies completed: returned (once) from ``get_finished``."""
+        saving: list[int] = []
+        for rid in list(self.handed):
+            if Copier.done(self.copy_events.get(rid)):
+                saving.append(rid)
+                del self.handed[rid]
+                self.copy_events.pop(rid, None)
+        return saving
+
+    def reap(self) -> None:
+        """Forget completed copy events of requests not waiting in ``get_finished``."""
+        if self.copy_events:
+            done = [rid for rid, ev in self.copy_events.items() if rid not in self.handed and Copier.done(ev)]
+            for rid in done:
+                del self.copy_events[rid]
+
+    def close(self) -> None:
+        for bid in list(self.buffers):
+            self._close_buffer(bid)
+        self.dropped.clear()
+
+    # -- buffers ----------------------------------------------------------
+    def _stage(self, stages: Iterable[StageOp], stream: Any) -> None:
+        assert self.copier is not None and self.rank is not None
+        copies: list[PageCopy] = []
+        touched: dict[BufferId, OpenBuffer] = {}
+        requests: set[int] = set()
+        nbytes = 0
+        for op in stages:
+            ob = self._buffer_for(op)
+            if ob is None:
+                continue
+            idx = op.ordinal - op.buffer.first
+            copies.append(
+                PageCopy(self.rank.regions[op.buffer.group], op.slot, ob.buf.tensor, idx * ob.page_bytes)
+            )
+            ob.staged.add(idx)
+            touched[op.buffer] = ob
+            requests.add(op.buffer.request_id)
+            nbytes += ob.page_bytes
+        if not copies:
+            return
+        event = self.copier.save(copies, stream)
+        for ob in touched.values():
+            ob.ready = event
+        if event is not None:
+            for rid in requests:
+                self.copy_events[rid] = event
+        self.counters.add("pages_staged", len(copies))
+        self.counters.add("bytes_staged", nbytes)
+
+    def _buffer_for(self, op: StageOp) -> OpenBuffer | None:
+        """The open buffer a stage goes to, or None (dropped / invalid; counted)."""
+        assert self.rank is not None
+        bid = op.buffer
+        ob = self.buffers.get(bid)
+        if ob is None:
+            if bid in self.dropped:
+                self.counters.add("stages_dropped")
+                return None
+            if bid.group not in self.rank.identity or bid.capacity <= 0:
+                log.error("s3kv: stage into invalid buffer %s; save dropped", bid)
+                self.dropped.add(bid)
+                self.counters.add("saves_dropped_other")
+                return None
+            assert self.pool is not None
+            page_bytes = self.rank.identity[bid.group].page_bytes
+            buf = self.pool.try_acquire(bid.capacity * page_bytes, SAVE)
+            if buf is None:
+                self._warn_dropped(bid)
+                self.dropped.add(bid)
+                self.counters.add("saves_dropped_staging_full")
+                self.counters.add("stages_dropped")
+                return None
+            ob = self.buffers[bid] = OpenBuffer(bid, buf, page_bytes)
+        idx = op.ordinal - bid.first
+        regions = self.rank.regions[bid.group]
+        if not 0 <= idx < bid.capacity or not 0 <= op.slot < min(int(r.num_slots) for r in regions):
+            log.error("s3kv: invalid stage %s (page %d of %d); skipped", op, idx, bid.capacity)
+            self.counters.add("saves_dropped_other")
+            return None
+        if idx < ob.pinned and idx in ob.staged:
+            # Read by an issued seal: keep those bytes (same chain digest -> same KV).
+            self.counters.add("restages_ignored")
+            return None
+        return ob
+
+    def _warn_dropped(self, bid: BufferId) -> None:
+        """Saves dropped for staging room: a WARNING at most every 30 s, with the count since."""
+        self._dropped_since_warn += 1
+        now = time.monotonic()
+        if now - self._last_drop_warn >= 30.0:
+            log.warning(
+                "s3kv: host staging full: %d save(s) dropped (latest %s); raise S3KV_STAGING_MIB "
+                "(now %d) or check the store's upload speed", self._dropped_since_warn, bid, self.settings.staging_mib,
+            )
+            self._last_drop_warn = now
+            self._dropped_since_warn = 0
+
+    def _seal(self, seal: SealOp) -> None:
+        assert self.rank is not None
+        bid = seal.buffer
+        ob = self.buffers.get(bid)
+        if ob is None:
+            if bid in self.dropped:
+                self.counters.add("seals_dropped")
+                if seal.close:
+                    self.dropped.discard(bid)
+            else:
+                log.warning("s3kv: seal of a buffer never staged (%s); ignored", bid)
+                self.counters.add("saves_dropped_other")
+            return
+        try:
+            missing = [i for i in range(seal.count) if i not in ob.staged]
+            if not 0 < seal.count <= bid.capacity or missing:
+                log.warning(
+                    "s3kv: seal of %s with %d pages, missing %s; save dropped", bid, seal.count, missing[:8]
+                )
+                self.counters.add("saves_dropped_other")
+                return
+            job = UploadJob(
+                key=self.rank.object_key(bid.group, seal.last_digest),
+                identity=self.rank.identity[bid.group],
+                buffer=ob.buf.retain(),
+                first=bid.first,
+                count=seal.count,
+                last_digest=seal.last_digest,
+                ready=ob.ready,
+                request_id=bid.request_id,
+            )
+            if self.uploader.submit(job):
+                ob.pinned = max(ob.pinned, seal.count)
+                self.counters.add("seals_submitted")
+            else:
+                job.buffer.release()
+                log.warning("s3kv: upload queue full or closed; save of %s dropped", job.key)
+                self.counters.add("saves_dropped_other")
+        finally:
+            if seal.close:
+                self._close_buffer(bid)
+
+    def _close_buffer(self, bid: BufferId) -> None:
+        ob = self.buffers.pop(bid, None)
+        if ob is not None:
+            ob.buf.release()
+
+    def discard(self, request_id: int) -> None:
+        for bid in [b for b in self.buffers if b.request_id == request_id]:
+            self._close_buffer(bid)
+        self.dropped = {b for b in self.dropped if b.request_id != request_id}

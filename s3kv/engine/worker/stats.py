@@ -1,0 +1,103 @@
+"""The worker's counters, as one frozen snapshot: what it staged, uploaded, loaded, dropped, failed.
+
+``s3kv.engine.metrics`` copies them into Prometheus, ``s3kv.core.cost`` weighs them into
+requests and dollars per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    pages_staged: int
+    bytes_staged: int
+    #: Seals handed to the upload threads.
+    seals_submitted: int
+    objects_uploaded: int
+    bytes_uploaded: int
+    #: put() answered "already exists" (another writer won): success, not uploaded by us.
+    objects_already_present: int
+    #: Object buffers that found no staging room (the save is dropped).
+    saves_dropped_staging_full: int
+    #: Stages skipped because their buffer was dropped.
+    stages_dropped: int
+    #: Seals ignored because their buffer was dropped.
+    seals_dropped: int
+    #: Uploads that failed after the store's retries.
+    saves_dropped_store_error: int
+    #: Everything else that dropped a save: full upload queue, incomplete seal, bad op.
+    saves_dropped_other: int
+    uploads_pending: int
+    pages_loaded: int
+    bytes_loaded: int
+    objects_loaded: int
+    loads_failed_objects: int
+    requests_failed: int
+    load_staging_fallbacks: int
+    staging_capacity: int
+    staging_in_use: int
+    staging_high_water: int
+    staging_drops: int
+    staging_pinned: bool
+    #: Failed promised loads by rung (docs/failures.md), and how parked ones ended.
+    rung_engine_recompute: int = 0
+    rung_parked_retry: int = 0
+    parked_loads_recovered: int = 0
+    parked_loads_cancelled: int = 0
+    #: Requests parked right now while their load is retried (rung 3).
+    parked_now: int = 0
+    load_retries: int = 0
+    objects_quarantined: int = 0
+    uploads_dropped_at_exit: int = 0
+    #: S3 requests the saves and loads cost, as S3 bills them (s3kv/core/cost.py): PUT-class (a
+    #: multipart upload is create + parts + complete) and GETs (long ranges split). HEADs are
+    #: the lookups' (the store's request counters). For $ per token: ``cost.usage_from_stats``.
+    put_requests: int = 0
+    get_requests: int = 0
+
+
+def worker_stats(c: Mapping[str, float], s: Any, *, uploads_pending: int, parked_now: int) -> WorkerStats:
+    """The snapshot from the counters ``c`` and the staging pool's stats ``s`` (None: no pool yet)."""
+
+    def n(name: str) -> int:
+        return int(c.get(name, 0))
+
+    return WorkerStats(
+        pages_staged=n("pages_staged"),
+        bytes_staged=n("bytes_staged"),
+        seals_submitted=n("seals_submitted"),
+        objects_uploaded=n("objects_uploaded"),
+        bytes_uploaded=n("bytes_uploaded"),
+        objects_already_present=n("objects_already_present"),
+        saves_dropped_staging_full=n("saves_dropped_staging_full"),
+        stages_dropped=n("stages_dropped"),
+        seals_dropped=n("seals_dropped"),
+        saves_dropped_store_error=n("saves_dropped_store_error"),
+        saves_dropped_other=n("saves_dropped_other") + n("saves_dropped_error") + n("uploads_cancelled"),
+        uploads_pending=uploads_pending,
+        pages_loaded=n("pages_loaded"),
+        bytes_loaded=n("bytes_loaded"),
+        objects_loaded=n("objects_loaded"),
+        loads_failed_objects=n("loads_failed_objects"),
+        requests_failed=n("requests_failed"),
+        load_staging_fallbacks=n("load_staging_fallbacks"),
+        staging_capacity=s.capacity if s else 0,
+        staging_in_use=s.in_use if s else 0,
+        staging_high_water=s.high_water if s else 0,
+        staging_drops=s.drops if s else 0,
+        staging_pinned=s.pinned if s else False,
+        rung_engine_recompute=n("rung_engine_recompute"),
+        rung_parked_retry=n("rung_parked_retry"),
+        parked_loads_recovered=n("parked_loads_recovered"),
+        parked_loads_cancelled=n("parked_loads_cancelled"),
+        parked_now=parked_now,
+        load_retries=n("load_retries"),
+        objects_quarantined=n("objects_quarantined"),
+        uploads_dropped_at_exit=n("uploads_dropped_at_exit"),
+        put_requests=n("put_requests"),
+        get_requests=n("get_requests"),
+    )

@@ -1,0 +1,487 @@
+"""``s3kv bench <lookup|transfer|jitter|staging|e2e|integrity|trace>``. Heavy imports stay inside the commands.
+
+Every table ends with a legend that says what each ratio divides by what, so a number can be
+read without this source. The baseline the benchmarks compare with is what s3kv replaces: one
+object per block, written and read synchronously (found by one HEAD per block per layer group,
+in order) -- the shape of TensorRT-LLM's own VSWA connector example, moved to S3.
+
+Why this is one module: the ``s3kv bench`` command group, one thin command per benchmark; the heavy
+code stays in the benchmark modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from .common import common_options, finish, progress
+
+#: What every ratio and column a table prints means, by command (printed under the table).
+LEGENDS: dict[str, tuple[str, ...]] = {
+    "lookup": (
+        "cold RTs / HEADs / cold ms: round trips (waves of parallel HEADs), HEAD requests and time of "
+        "one lookup with an empty local index",
+        "warm RTs / warm ms: the same lookup again; 0 round trips means the local index answered",
+        "seq HEADs / seq ms: a sequential scan, one HEAD per block per layer group in order (one object "
+        "per block, synchronous)",
+        "speedup = seq ms / cold ms (how many times faster s3kv finds the stored prefix)",
+        "hit: prompt tokens the lookup found servable (at most the prompt minus its last token)",
+        "per client: wall RTs = wall ms / the injected latency (round trips actually paid); exec = CPU ms "
+        "on the calling (executor) thread; proc = the whole process's CPU ms; chain = hashing the "
+        "prompt's block chain; client = proc - chain (the lookup's and the S3 client's own CPU)",
+        "paths: probe = HEAD waves; summary_hit = namespace summary + one verify wave; "
+        "summary_trusted_hit = a fresh listing trusted as the presence check; summary_miss = a cold miss",
+    ),
+    "transfer": (
+        "save / load MiB/s: bytes moved per second by s3kv (on its default client), by the fastest "
+        "plain client library doing the same puts/gets with the same threads (boto3, obstore, awscrt), "
+        "and by one object per block, synchronous (the upstream example's path)",
+        "vs fastest = s3kv MiB/s / the fastest raw client's MiB/s (1.00: as fast as the fastest plain "
+        "client; the target is >= 0.9)",
+        "vs example = s3kv MiB/s / the one-object-per-block synchronous path's MiB/s (how many times faster)",
+        "CPU s/GB: process CPU seconds per GB moved, per client (lower leaves more CPU to the engine)",
+    ),
+    "staging": (
+        "GB/s: bytes copied per second between GPU pages and pinned host staging, scattered pages",
+        "ratio = s3kv's copy GB/s / one contiguous memcpy of the same bytes (1.00: the hardware's own "
+        "speed; the 'all' row shows the worst of the headline page sizes)",
+        "GPU-time ratio: the same ratio timed on the GPU alone (without host launch overhead)",
+        "per-page copies: the ratio when each page is its own copy call (the fallback without batching)",
+    ),
+    "e2e": (
+        "hit = prompt tokens served from S3 / prompt tokens; ms/req and TTFT: mean per request in the "
+        "simulator (no GPU time for skipped prefill)",
+        "window / all = bytes stored under the window policy / bytes stored when every block is kept",
+        "pages stored per distinct block: 1.0 means no block was written twice",
+        "prefill saved: FLOPs the warm cluster did not spend, priced on the named GPU at the stated MFU",
+    ),
+}
+TARGETS_NOTE = "targets: MET / NOT MET against the goals s3kv is built to (a NOT MET is a finding, not an error)"
+
+
+def explained(name: str, table: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
+    """``table`` followed by the legend of ``name``'s ratios and columns."""
+
+    def render(res: dict[str, Any]) -> str:
+        text = table(res)
+        if res.get("skipped"):
+            return text
+        lines = ["", "what the numbers mean:"] + [f"  {line}" for line in (*LEGENDS[name], TARGETS_NOTE)]
+        return text + "\n" + "\n".join(lines)
+
+    return render
+
+
+def _check_plot(plot_path: str | None, url: str | None = None) -> None:
+    """What can be checked before a benchmark starts: --plot's dependency, --url's scheme."""
+    if plot_path:
+        from .plot import require_matplotlib
+
+        require_matplotlib()
+    if url:
+        from ...config import ConfigError, check_url
+
+        try:
+            check_url(url, "--url")
+        except ConfigError as exc:
+            raise click.BadParameter(str(exc).removeprefix("--url: "), param_hint="--url") from None
+
+
+@click.group("bench", context_settings={"help_option_names": ["-h", "--help"]})
+def bench_group() -> None:
+    """Measure s3kv against the baselines it replaces (table, --json, --plot)."""
+
+
+def _ints(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        mult = 1
+        if part.endswith("k"):
+            part, mult = part[:-1], 1024
+        out.append(int(float(part) * mult))
+    return tuple(out)
+
+
+def _floats(text: str | None) -> tuple[float, ...] | None:
+    return tuple(float(x) for x in text.split(",")) if text else None
+
+
+# --------------------------------------------------------------------------- lookup
+
+
+@bench_group.command("lookup")
+@common_options(default_latency_ms=20.0)
+@click.option(
+    "--prompts",
+    default=None,
+    help="Prompt lengths in tokens, e.g. 1k,4k,16k,64k,128k (the default; --quick: 1k,4k).",
+)
+@click.option(
+    "--blocks-per-object",
+    type=int,
+    default=0,
+    show_default=True,
+    help="0: what s3kv picks for Gemma-3-27B's real pages at TP 1.",
+)
+@click.option(
+    "--seq-cap",
+    type=int,
+    default=None,
+    help="HEADs of the sequential scan actually run per prompt before extrapolating "
+    "(default 256, --quick 64; 0 = run it all).",
+)
+def lookup_command(
+    as_json: bool,
+    plot_path: str | None,
+    url: str | None,
+    server: str,
+    latency_ms: float,
+    quick: bool,
+    keep: bool,
+    prompts: str | None,
+    blocks_per_object: int,
+    seq_cap: int | None,
+) -> None:
+    """Lookup round trips and latency, 1k-128k-token prompts, vs a sequential per-block HEAD scan.
+
+    The scan is what one object per block, read synchronously, needs: one HEAD per block per layer
+    group, in order, until the first miss.
+    """
+    _check_plot(plot_path, url)
+    from . import lookup, plot
+    from .common import bench_store
+
+    chosen = _ints(prompts) or (lookup.QUICK_PROMPTS if quick else lookup.DEFAULT_PROMPTS)
+    cap = seq_cap if seq_cap is not None else (64 if quick else 256)
+    cfg = lookup.LookupConfig(prompts=chosen, blocks_per_object=blocks_per_object, seq_cap=cap)
+    with bench_store(url, server=server, latency_ms=latency_ms, name="lookup", keep=keep) as bs:
+        progress(f"lookup: store {bs.where}, {latency_ms:g} ms injected per request")
+        res = lookup.run_lookup(bs, cfg)
+    finish(res, as_json=as_json, table=explained("lookup", lookup.table), plot_path=plot_path, plot=plot.plot_lookup)
+
+
+# --------------------------------------------------------------------------- transfer
+
+
+@bench_group.command("transfer")
+@common_options(default_latency_ms=0.0)
+@click.option(
+    "--object-mib", default=None, help="Object sizes in MiB, e.g. 4,8,16 (the default; --quick: 4)."
+)
+@click.option(
+    "--total-mib", type=int, default=None, help="Bytes moved per object size (default 256, --quick 16)."
+)
+@click.option(
+    "--page-mib",
+    type=float,
+    default=1.0,
+    show_default=True,
+    help="Page (block) size; the one-object-per-block path stores one page per object.",
+)
+@click.option("--repeats", type=int, default=1, show_default=True, help="Best of this many runs per method.")
+def transfer_command(
+    as_json: bool,
+    plot_path: str | None,
+    url: str | None,
+    server: str,
+    latency_ms: float,
+    quick: bool,
+    keep: bool,
+    object_mib: str | None,
+    total_mib: int | None,
+    page_mib: float,
+    repeats: int,
+) -> None:
+    """Save/load throughput of s3kv's pipelines vs plain parallel boto3 and one object per block, synchronous."""
+    _check_plot(plot_path, url)
+    from . import plot, transfer
+    from .common import bench_store
+
+    sizes = _floats(object_mib) or ((4.0,) if quick else transfer.DEFAULT_OBJECT_MIB)
+    total = total_mib or (16 if quick else 256)
+    cfg = transfer.TransferConfig(
+        object_mib=sizes, total_mib=total, page_mib=page_mib, repeats=max(1, repeats)
+    )
+    with bench_store(url, server=server, latency_ms=latency_ms, name="transfer", keep=keep) as bs:
+        progress(f"transfer: store {bs.where}, {latency_ms:g} ms injected per request")
+        res = transfer.run_transfer(bs, cfg)
+    finish(
+        res, as_json=as_json, table=explained("transfer", transfer.table), plot_path=plot_path, plot=plot.plot_transfer
+    )
+
+
+# --------------------------------------------------------------------------- jitter
+
+
+@bench_group.command("jitter")
+@common_options(default_latency_ms=0.0)
+@click.option("--phase-s", type=float, default=None, help="Seconds per phase (default 3, --quick 0.5).")
+@click.option("--object-mib", type=float, default=8.0, show_default=True, help="Object size of the transfers.")
+def jitter_command(
+    as_json: bool,
+    plot_path: str | None,
+    url: str | None,
+    server: str,
+    latency_ms: float,
+    quick: bool,
+    keep: bool,
+    phase_s: float | None,
+    object_mib: float,
+) -> None:
+    """A stand-in executor loop's p50/p99 idle vs during lookups and full-speed transfers, per client."""
+    from . import jitter
+
+    cfg = jitter.JitterConfig(
+        phase_s=phase_s or (0.5 if quick else 3.0),
+        object_mib=1.0 if quick else object_mib,
+        objects=4 if quick else 16,
+        prompt_tokens=2048 if quick else 16384,
+    )
+    with bench_store_for(url, server, latency_ms, "jitter", keep) as bs:
+        progress(f"jitter: store {bs.where}, {latency_ms:g} ms injected per request")
+        res = jitter.run_jitter(bs, cfg)
+    if plot_path:
+        progress("jitter: no plot for this bench; --plot ignored")
+    finish(res, as_json=as_json, table=jitter.table, plot_path=None, plot=lambda r, p: None)
+
+
+def bench_store_for(url: str | None, server: str, latency_ms: float, name: str, keep: bool):  # noqa: ANN201
+    from .common import bench_store
+
+    return bench_store(url, server=server, latency_ms=latency_ms, name=name, keep=keep)
+
+
+# --------------------------------------------------------------------------- staging
+
+
+@bench_group.command("staging")
+@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write a PNG chart here.",
+)
+@click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs).")
+@click.option("--page-mib", default=None, help="Page sizes in MiB (default 0.25,1,4,16; --quick 1).")
+@click.option("--pages", type=int, default=None, help="Pages per run (default 64, --quick 8).")
+@click.option("--device", default="cuda", show_default=True)
+def staging_command(
+    as_json: bool, plot_path: str | None, quick: bool, page_mib: str | None, pages: int | None, device: str
+) -> None:
+    """Device<->pinned-host page copies through s3kv's copy path vs one contiguous memcpy (needs CUDA)."""
+    _check_plot(plot_path)
+    from . import plot, staging
+
+    sizes = _floats(page_mib) or ((1.0,) if quick else staging.DEFAULT_PAGE_MIB)
+    n = pages or (8 if quick else 64)
+    res = staging.run_staging(sizes, n, device)
+    if res.get("skipped"):
+        progress(f"staging: skipped -- {res['reason']}")
+    finish(
+        res, as_json=as_json, table=explained("staging", staging.table), plot_path=plot_path, plot=plot.plot_staging
+    )
+
+
+# --------------------------------------------------------------------------- e2e
+
+
+@bench_group.command("e2e")
+@common_options(default_latency_ms=0.0)
+@click.option("--rounds", type=int, default=None, help="Rounds of the memory soak (default 12, --quick 3).")
+@click.option(
+    "--gpu-tflops",
+    type=float,
+    default=None,
+    help="GPU peak BF16 TFLOP/s for the prefill estimate (default: H100/H200 SXM dense, 989.4).",
+)
+@click.option(
+    "--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation assumed (default 0.40)."
+)
+@click.option(
+    "--checkpoint-tokens",
+    type=int,
+    default=None,
+    help="Sliding-group checkpoint spacing (default: the demo's 512; s3kv's own default is 4096).",
+)
+def e2e_command(
+    as_json: bool,
+    plot_path: str | None,
+    url: str | None,
+    server: str,
+    latency_ms: float,
+    quick: bool,
+    keep: bool,
+    rounds: int | None,
+    gpu_tflops: float | None,
+    mfu: float | None,
+    checkpoint_tokens: int | None,
+) -> None:
+    """Multi-turn VSWA workload: cold then warm cluster, both storage policies, prefill saved, memory soak."""
+    _check_plot(plot_path, url)
+    from . import e2e, plot
+    from .common import bench_store
+
+    cfg = e2e.E2EConfig.quick() if quick else e2e.E2EConfig()
+    if rounds is not None:
+        cfg = cfg.replace(rounds=rounds)
+    if gpu_tflops is not None:
+        cfg = cfg.replace(gpu_tflops=gpu_tflops)
+    if mfu is not None:
+        cfg = cfg.replace(mfu=mfu)
+    if checkpoint_tokens is not None:
+        cfg = cfg.replace(checkpoint_tokens=checkpoint_tokens)
+    with bench_store(url, server=server, latency_ms=latency_ms, name="e2e", keep=keep) as bs:
+        progress(f"e2e: store {bs.where}, {latency_ms:g} ms injected per request")
+        res = e2e.run_e2e(bs, cfg)
+    finish(res, as_json=as_json, table=explained("e2e", e2e.table), plot_path=plot_path, plot=plot.plot_e2e)
+
+
+# --------------------------------------------------------------------------- integrity
+
+
+@bench_group.command("integrity")
+@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout.")
+@click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs).")
+@click.option("--page-mib", default=None, help="Page sizes in MiB (default 0.25,1,4; --quick 0.25).")
+@click.option("--object-mib", type=float, default=None, help="Object size in MiB (default 32, --quick 2).")
+@click.option("--threads", type=int, default=0, show_default=True, help="Parallel columns' threads; 0 = min(4, cores).")
+def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_mib: float | None, threads: int) -> None:
+    """CPU cost of keyed integrity tags: signing and verifying GB/s vs xxh3 checksums alone."""
+    from . import integrity
+
+    cfg = integrity.IntegrityConfig(
+        page_mib=_floats(page_mib) or ((0.25,) if quick else integrity.DEFAULT_PAGE_MIB),
+        object_mib=object_mib or (2.0 if quick else 32.0),
+        threads=max(0, threads),
+        repeats=1 if quick else 3,
+    )
+    res = integrity.run_integrity(cfg)
+    finish(res, as_json=as_json, table=integrity.table, plot_path=None, plot=lambda r, p: None)
+
+
+# --------------------------------------------------------------------------- trace
+
+
+@bench_group.command("trace")
+@click.argument("trace_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--format", "fmt", type=click.Choice(["mooncake"]), default="mooncake", show_default=True)
+@click.option(
+    "--model",
+    type=click.Choice(["gemma-3-27b", "gemma-3-12b", "gemma-3-4b"]),
+    default="gemma-3-27b",
+    show_default=True,
+    help="Geometry for page sizes, objects and prefill FLOPs.",
+)
+@click.option(
+    "--policy",
+    type=click.Choice(["window", "all", "both"]),
+    default="both",
+    show_default=True,
+    help="Storage policies replayed (the upstream example's rule is always counted).",
+)
+@click.option(
+    "--branch-tails",
+    type=click.Choice(["on", "off", "compare"]),
+    default="compare",
+    show_default=True,
+    help="Window policy with branch-point tails, without, or both (what they add).",
+)
+@click.option("--limit", type=int, default=None, help="Only the first N requests.")
+@click.option("--tokens-per-block", type=int, default=64, show_default=True, help="Simulator block size.")
+@click.option("--full-outputs", is_flag=True, help="Generate every answer in full (slow; default: the ones re-read).")
+@click.option("--checkpoint-tokens", type=int, default=4096, show_default=True)
+@click.option("--put-per-1k", type=float, default=None, help="$ per 1,000 PUT-class requests (default 0.005).")
+@click.option("--get-per-1k", type=float, default=None, help="$ per 1,000 GET/HEAD requests (default 0.0004).")
+@click.option("--gb-month", type=float, default=None, help="$ per GB-month stored (default 0.023).")
+@click.option("--retention-days", type=float, default=None, help="Days an object is kept (default 30).")
+@click.option("--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s (default H100/H200, 989.4).")
+@click.option("--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation (default 0.40).")
+@click.option("--audit", is_flag=True, help="Re-verify every page when the engine frees it (slower).")
+@click.option(
+    "--jobs", type=int, default=None, help="Replays run at once, one process each (default: min(2, cores))."
+)
+@click.option("--url", default=None, help="Store to replay on (default: in-process memory://, one per replay).")
+@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
+@click.option(
+    "--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write a PNG chart here."
+)
+def trace_command(
+    trace_file: str,
+    fmt: str,
+    model: str,
+    policy: str,
+    branch_tails: str,
+    limit: int | None,
+    tokens_per_block: int,
+    full_outputs: bool,
+    checkpoint_tokens: int,
+    put_per_1k: float | None,
+    get_per_1k: float | None,
+    gb_month: float | None,
+    retention_days: float | None,
+    gpu_tflops: float | None,
+    mfu: float | None,
+    audit: bool,
+    jobs: int | None,
+    url: str | None,
+    as_json: bool,
+    plot_path: str | None,
+) -> None:
+    """Replay a request trace (Mooncake format) through the simulator and the real adapter: tokens
+    served from S3 per storage policy vs the ideal and the upstream example's rule, bytes stored,
+    S3 requests and dollars, prefill saved."""
+    import os
+
+    from ...core.cost import Prices
+    from . import trace
+    from .common import bench_store
+    from .tracefile import TraceError
+
+    if tokens_per_block <= 0 or tokens_per_block % 4:
+        raise click.BadParameter("must be a positive multiple of 4", param_hint="--tokens-per-block")
+    runs: list[str] = []
+    if policy in ("window", "both"):
+        runs += {"on": ["window"], "off": ["window-no-branch"], "compare": ["window", "window-no-branch"]}[branch_tails]
+    if policy in ("all", "both"):
+        runs.append("all")
+    d = Prices()
+    try:
+        prices = Prices(
+            d.put_per_1k if put_per_1k is None else put_per_1k,
+            d.get_per_1k if get_per_1k is None else get_per_1k,
+            d.gb_month if gb_month is None else gb_month,
+            d.retention_days if retention_days is None else retention_days,
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+    cfg = trace.TraceConfig(
+        path=trace_file,
+        fmt=fmt,
+        model=trace.MODELS[model],
+        runs=tuple(runs),
+        limit=limit,
+        tokens_per_block=tokens_per_block,
+        full_outputs=full_outputs,
+        checkpoint_tokens=checkpoint_tokens,
+        prices=prices,
+        audit=audit,
+        jobs=max(1, jobs if jobs is not None else min(2, os.cpu_count() or 1)),
+        url=url,
+    )
+    if gpu_tflops is not None:
+        cfg = cfg.replace(gpu_tflops=gpu_tflops)
+    if mfu is not None:
+        cfg = cfg.replace(mfu=mfu)
+    with bench_store(url or trace.DEFAULT_URL, name="trace") as bs:
+        try:
+            res = trace.run_trace(bs, cfg)
+        except TraceError as e:
+            raise click.ClickException(str(e)) from None
+    finish(res, as_json=as_json, table=trace.table, plot_path=plot_path, plot=trace.plot_trace)

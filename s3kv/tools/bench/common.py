@@ -1,0 +1,485 @@
+"""Plumbing shared by the benchmarks: the store under test, injected latency, machine facts, output.
+
+The store a benchmark runs s3kv on is ``InstrumentedStore(RegionLatency(raw))``: requests are
+counted, and each request pays ``latency_ms`` the way a store in another region would. Set-up
+(pre-populating objects) and clean-up go to ``raw`` directly, uncounted and without latency.
+
+Latency model (:class:`RegionLatency`): every PUT / GET / LIST / DELETE call is one round trip
+(as in :class:`~s3kv.store.throttle.ThrottledStore`), and a batched HEAD of ``n`` keys costs
+``ceil(n / concurrency)`` round trips -- a real client fans the batch out over ``concurrency``
+connections, so a batch wider than that cannot finish in one. (``ThrottledStore`` charges a
+batch one round trip whatever its width, which flatters wide waves.) The sleep is added to the
+local server's own service time, never overlapped with it, so injected numbers are conservative
+for the batched path and for the baselines alike.
+
+Why this is one module: the plumbing every benchmark imports (store under test, latency model,
+machine facts, output); one place keeps their numbers comparable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+from ...store.base import HeadBatch, ObjectStore
+from ...store.throttle import ThrottledStore
+
+MiB = 1 << 20
+#: Bucket the embedded server is started with.
+BENCH_BUCKET = "s3kv-bench"
+#: Connections a client fans a batch out over (S3Options.max_concurrency's default).
+DEFAULT_CONCURRENCY = 32
+
+
+# --------------------------------------------------------------------------- the model we quote
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A real model's geometry, for page sizes and the prefill FLOP model.
+
+    Gemma-3-27B (text decoder), from its published config: 62 layers, hidden 5376, MLP 21504
+    (gated, 3 matrices), 32 query heads and 16 KV heads of dim 128, vocab 262,144 (tied
+    embedding), sliding window 1024 on 5 of every 6 layers (layer ``i`` is global when
+    ``(i + 1) % 6 == 0``: 10 global, 52 local). KV in bf16.
+    """
+
+    name: str = "Gemma-3-27B"
+    layers: int = 62
+    hidden: int = 5376
+    intermediate: int = 21504
+    q_heads: int = 32
+    kv_heads: int = 16
+    head_dim: int = 128
+    vocab: int = 262_144
+    window: int = 1024
+    global_every: int = 6
+    kv_dtype_bytes: int = 2
+
+    def is_global(self, layer: int) -> bool:
+        return (layer + 1) % self.global_every == 0
+
+    @property
+    def global_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.layers) if self.is_global(i))
+
+    @property
+    def local_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.layers) if not self.is_global(i))
+
+    @property
+    def matmul_params_per_layer(self) -> int:
+        q = self.q_heads * self.head_dim
+        kv = self.kv_heads * self.head_dim
+        attn = self.hidden * q + 2 * self.hidden * kv + q * self.hidden
+        mlp = 3 * self.hidden * self.intermediate
+        return attn + mlp
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights every prefill token multiplies (decoder layers; the embedding is a lookup and the
+        LM head only runs for the last prompt token, so neither counts for skipped tokens)."""
+        return self.layers * self.matmul_params_per_layer
+
+    def page_bytes(self, tokens_per_block: int, tp_size: int = 1) -> dict[str, int]:
+        """Bytes of one block's page per layer group on one shard (K and V of every layer in the group)."""
+        per_layer = 2 * tokens_per_block * (self.kv_heads // tp_size) * self.head_dim * self.kv_dtype_bytes
+        return {"full": per_layer * len(self.global_layers), "sliding": per_layer * len(self.local_layers)}
+
+    def prefill_flops(self, tokens: int) -> float:
+        """FLOPs to prefill ``tokens`` tokens from nothing (causal): 2 x params x tokens + attention.
+
+        Attention per layer: QK^T and AV cost 2 x head_dim FLOPs each per (query, key) pair and
+        query head, so 4 x q_heads x head_dim x (sum over query positions of keys attended):
+        ``t + 1`` keys for a global layer, ``min(t + 1, window)`` for a local one.
+        """
+        n = max(0, int(tokens))
+        full_pairs = n * (n + 1) / 2
+        w = self.window
+        local_pairs = n * (n + 1) / 2 if n <= w else w * (w + 1) / 2 + (n - w) * w
+        per_pair = 4 * self.q_heads * self.head_dim
+        attn = per_pair * (len(self.global_layers) * full_pairs + len(self.local_layers) * local_pairs)
+        return 2.0 * self.matmul_params * n + attn
+
+
+GEMMA3_27B = ModelSpec()
+
+#: GPU we convert FLOPs into seconds with: H100/H200 SXM dense BF16 peak (no sparsity).
+GPU_NAME = "NVIDIA H100/H200 SXM (BF16 dense)"
+GPU_PEAK_TFLOPS = 989.4
+#: Model FLOPs utilisation we assume for long-prompt prefill on that GPU.
+PREFILL_MFU = 0.40
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+    }
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    info["cpu"] = line.split(":", 1)[1].strip()
+                    break
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        with open("/proc/meminfo") as f:
+            first = f.readline().split()
+            info["memory_gib"] = round(int(first[1]) / 2**20, 1)
+    with contextlib.suppress(OSError, AttributeError):
+        # Other work on the machine skews every number; record how busy it was.
+        info["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        info["torch"] = torch.__version__
+        with contextlib.suppress(Exception):
+            if torch.cuda.is_available():
+                info["cuda_device"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (psutil when installed, else /proc/self/statm)."""
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):  # pragma: no cover - non-Linux without psutil
+        import resource
+
+        return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+# --------------------------------------------------------------------------- latency
+
+
+class RegionLatency(ThrottledStore):
+    """ThrottledStore whose batched HEAD costs one round trip per ``concurrency`` keys (module doc)."""
+
+    def __init__(self, inner: ObjectStore, latency_s: float, concurrency: int = DEFAULT_CONCURRENCY):
+        super().__init__(inner, latency_s)
+        self.concurrency = max(1, int(concurrency))
+        #: Round trips charged so far (a benchmark reads differences).
+        self.round_trips = 0
+
+    def _rtt(self) -> None:
+        self.round_trips += 1
+        super()._rtt()
+
+    def head_many(self, keys: Sequence[str]) -> HeadBatch:
+        if self.latency_s and keys:
+            n = math.ceil(len(keys) / self.concurrency)
+            self.round_trips += n
+            time.sleep(self.latency_s * n)
+        return self.inner.head_many(keys)
+
+
+class RawClient:
+    """Plain single requests for the baselines: boto3 ``put_object`` / ``get_object`` on the same
+    server (or the store's own put/get where there is no boto3 endpoint), each paying the same
+    injected latency as s3kv's requests."""
+
+    def __init__(
+        self,
+        put: Callable[[str, bytes], None],
+        get: Callable[[str], bytes],
+        latency_s: float,
+        kind: str,
+    ):
+        self._put = put
+        self._get = get
+        self.latency_s = latency_s
+        self.kind = kind
+
+    def put(self, key: str, body: bytes) -> None:
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        self._put(key, body)
+
+    def get(self, key: str) -> bytes:
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        return self._get(key)
+
+
+def _boto3_raw(
+    bucket: str, endpoint_url: str | None, latency_s: float, creds: Mapping[str, str]
+) -> RawClient:
+    from urllib.parse import urlsplit
+
+    import boto3
+    from botocore.config import Config
+
+    host = urlsplit(endpoint_url or "").hostname or ""
+    on_aws = host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
+    # Same addressing rule as S3Store: path-style for any non-AWS endpoint.
+    style = "path" if endpoint_url and not on_aws else "auto"
+    client = boto3.session.Session(**creds).client(
+        "s3",
+        endpoint_url=endpoint_url,
+        config=Config(
+            retries={"max_attempts": 3, "mode": "standard"},
+            max_pool_connections=64,
+            # Same as S3Store: no flexible-checksum trailers, so both sides hash the same bytes (none).
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            s3={"addressing_style": style},
+            tcp_keepalive=True,
+        ),
+    )
+
+    def put(key: str, body: bytes) -> None:
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+
+    def get(key: str) -> bytes:
+        return client.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    return RawClient(put, get, latency_s, "boto3 put_object/get_object")
+
+
+def _store_raw(store: ObjectStore, latency_s: float) -> RawClient:
+    def put(key: str, body: bytes) -> None:
+        store.put(key, body)
+
+    return RawClient(put, store.get, latency_s, f"{type(store).__name__}.put/get")
+
+
+# --------------------------------------------------------------------------- the store under test
+
+
+@dataclass
+class BenchStore:
+    raw: ObjectStore
+    store: Any  # InstrumentedStore over RegionLatency (when latency > 0) over raw
+    prefix: str
+    kind: str
+    where: str
+    latency_ms: float
+    concurrency: int
+    raw_client: RawClient
+    latency: RegionLatency | None = None
+
+    def injected_round_trips(self) -> int:
+        """Round trips charged injected latency so far (0 without latency)."""
+        return self.latency.round_trips if self.latency is not None else 0
+
+    def key(self, *parts: str) -> str:
+        return "/".join(p.strip("/") for p in (self.prefix, *parts) if p)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "where": self.where,
+            "latency_ms_injected": self.latency_ms,
+            "latency_model": (
+                f"{self.latency_ms:g} ms per request; a HEAD batch of n keys costs ceil(n/{self.concurrency}) "
+                "round trips; added to the server's own service time"
+                if self.latency_ms
+                else "none (loopback)"
+            ),
+            "raw_baseline_client": self.raw_client.kind,
+        }
+
+    def delete_prefix(self, prefix: str) -> int:
+        keys = [i.key for i in self.raw.list(prefix)]
+        if keys:
+            self.raw.delete_many(keys)
+        return len(keys)
+
+
+@contextlib.contextmanager
+def bench_store(
+    url: str | None,
+    *,
+    server: str = "auto",
+    latency_ms: float = 0.0,
+    name: str = "bench",
+    concurrency: int = DEFAULT_CONCURRENCY,
+    keep: bool = False,
+) -> Iterator[BenchStore]:
+    """The store a benchmark runs on, with a run-unique key prefix; cleaned up on exit."""
+    from ...store.instrument import InstrumentedStore
+
+    if latency_ms < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--latency-ms")
+    latency_s = latency_ms / 1000.0
+    run = f"bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    emb = None
+    raw: ObjectStore
+    url_prefix = ""
+    cleanup = False
+    try:
+        if not url:
+            from ...store.embedded import EmbeddedS3
+            from ...store.s3 import S3Options
+
+            emb = EmbeddedS3(kind=server, bucket=BENCH_BUCKET).start()  # type: ignore[arg-type]
+            raw = emb.make_store(options=S3Options(max_concurrency=concurrency))
+            raw_client = _boto3_raw(
+                emb.bucket,
+                emb.endpoint_url,
+                latency_s,
+                {
+                    "aws_access_key_id": emb.access_key,
+                    "aws_secret_access_key": emb.secret_key,
+                    "region_name": emb.region,
+                },
+            )
+            kind: str = emb.kind
+            where = f"embedded {emb.kind} at {emb.endpoint_url}"
+        else:
+            from ...store.factory import open_store, parse_store_url
+
+            scheme, bucket, url_prefix = parse_store_url(url)
+            if scheme == "s3":
+                from ...store.s3 import S3Options, S3Store
+
+                raw = open_store(url, options=S3Options(max_concurrency=concurrency))
+                assert isinstance(raw, S3Store)
+                raw_client = _boto3_raw(bucket, raw.endpoint_url, latency_s, {})
+                kind, where, cleanup = "s3", url, True
+            else:
+                raw = open_store(url)
+                raw_client = _store_raw(raw, latency_s)
+                kind, where = scheme, url
+                cleanup = scheme != "memory"
+        shaped = RegionLatency(raw, latency_s, concurrency) if latency_s else None
+        store = InstrumentedStore(shaped if shaped is not None else raw)
+        prefix = "/".join(p for p in (url_prefix, run) if p)
+        bs = BenchStore(raw, store, prefix, kind, where, latency_ms, concurrency, raw_client, shaped)
+        try:
+            yield bs
+        finally:
+            if kind == "memory" or (cleanup and not keep):
+                with contextlib.suppress(Exception):
+                    bs.delete_prefix(prefix + "/")
+            with contextlib.suppress(Exception):
+                raw.close()
+    finally:
+        if emb is not None:
+            emb.stop()
+
+
+# --------------------------------------------------------------------------- output
+
+
+def progress(msg: str) -> None:
+    """Progress goes to stderr, so ``--json`` leaves stdout holding one JSON object."""
+    click.echo(msg, err=True)
+
+
+def header(result: Mapping[str, Any]) -> str:
+    s = result.get("store", {})
+    m = result.get("machine", {})
+    return (
+        f"store: {s.get('where', '?')} | injected latency: {s.get('latency_ms_injected', 0):g} ms | "
+        f"machine: {m.get('cores')} cores, {m.get('cpu', '?')}"
+    )
+
+
+def targets_line(result: Mapping[str, Any]) -> str:
+    met = result.get("targets_met", {})
+    want = result.get("targets", {})
+    parts = [f"{k} ({want.get(k, '')}): {'MET' if v else 'NOT MET'}" for k, v in met.items()]
+    return "targets: " + ("; ".join(parts) if parts else "none")
+
+
+def finish(
+    result: dict[str, Any],
+    *,
+    as_json: bool,
+    table: Callable[[dict[str, Any]], str],
+    plot_path: str | None,
+    plot: Callable[[dict[str, Any], str], None],
+) -> None:
+    if plot_path:
+        plot(result, plot_path)
+        result["plot"] = plot_path
+    if as_json:
+        click.echo(json.dumps(result, indent=2, default=_json_default))
+    else:
+        click.echo(table(result))
+        if plot_path:
+            click.echo(f"plot: {plot_path}")
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if hasattr(o, "__dict__"):
+        return vars(o)
+    return str(o)
+
+
+def rnd(x: float, nd: int = 3) -> float:
+    return round(float(x), nd)
+
+
+# --------------------------------------------------------------------------- click options
+
+
+def common_options(default_latency_ms: float) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def deco(f: Callable[..., Any]) -> Callable[..., Any]:
+        opts = [
+            click.option(
+                "--json",
+                "as_json",
+                is_flag=True,
+                help="Print ONE JSON object on stdout (progress on stderr).",
+            ),
+            click.option(
+                "--plot",
+                "plot_path",
+                type=click.Path(dir_okay=False, writable=True),
+                default=None,
+                help="Write a PNG chart here.",
+            ),
+            click.option(
+                "--url",
+                default=None,
+                help="Run on this store (s3://bucket/prefix, memory://name, file:///dir) instead of an "
+                "embedded loopback S3 server. A run-unique prefix is used and deleted afterwards.",
+            ),
+            click.option(
+                "--server",
+                type=click.Choice(["auto", "seaweedfs", "moto"]),
+                default="auto",
+                show_default=True,
+                help="Embedded server when no --url is given (auto: SeaweedFS if "
+                "`weed` is installed, else moto).",
+            ),
+            click.option(
+                "--latency-ms",
+                type=float,
+                default=default_latency_ms,
+                show_default=True,
+                help="Inject this much latency per request (imitates a store in another region).",
+            ),
+            click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs)."),
+            click.option("--keep", is_flag=True, help="Keep the objects written to a real bucket."),
+        ]
+        for o in reversed(opts):
+            f = o(f)
+        return f
+
+    return deco

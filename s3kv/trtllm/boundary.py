@@ -1,0 +1,162 @@
+"""What both connector sides guard at the engine boundary.
+
+At bring-up (the constructors, ``register_kv_cache_layout``): refuse, with one clear
+message, an engine configuration or cache layout s3kv cannot serve correctly
+(:class:`UnsupportedEngine`). At run time: contain every exception (:class:`Contain`),
+because TensorRT-LLM's executor dies on one. :class:`ConnectorSide` is the part the two
+sides share: bring-up in one order, the contained-error counts, throttled metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from typing import Any
+
+from ..config import Settings, load_settings
+from ..core.errors import S3KvError
+from ..engine.runtime import EngineRuntime, acquire_runtime
+from ..store.base import ObjectStore
+from .api import engine_features as detected_features
+
+log = logging.getLogger("s3kv.trtllm")
+
+#: Cumulative stats are copied into the Prometheus metrics at most this often (scheduler hot path).
+_OBSERVE_EVERY_S = 1.0
+
+
+class UnsupportedEngine(S3KvError, ValueError):
+    """Bring-up refused: this engine configuration cannot be served correctly (the message says why)."""
+
+
+def kv_dtype(llm_args: Any) -> str:
+    from .identity import model_identity
+
+    return model_identity(llm_args).kv_dtype  # resolved: "auto" -> the dtype the pages really hold
+
+
+def model_id(llm_args: Any, settings: Settings) -> str:
+    from .identity import model_identity
+
+    # Name, revision, model dtype, quantization, config digest (see s3kv/trtllm/identity.py).
+    return model_identity(llm_args, settings.model_id).model_id
+
+
+def check_engine(llm_args: Any) -> None:
+    """Refuse, at construction, engine settings s3kv cannot serve correctly."""
+    if getattr(llm_args, "enable_attention_dp", False):
+        raise UnsupportedEngine(
+            "s3kv does not support attention data parallelism (enable_attention_dp=True): "
+            "each DP rank would need its own scheduler-side state; turn it off for this engine"
+        )
+    if getattr(llm_args, "disable_overlap_scheduler", True) is False:
+        # The overlap loop reports generation one token behind and handles a request's end
+        # one iteration late; s3kv's finish plans are proven on the non-overlap loop only.
+        raise UnsupportedEngine(
+            "s3kv needs TensorRT-LLM's non-overlap executor loop: pass disable_overlap_scheduler=True "
+            "to LLM(...) (the overlap scheduler is on by default; upstream's connector examples turn it off)"
+        )
+
+
+def check_layout(layout: Any) -> None:
+    """Refuse at registration a layout whose page API s3kv does not rely on."""
+    groups = getattr(layout, "groups", None)
+    if not groups or getattr(layout, "tokens_per_block", None) is None:
+        raise UnsupportedEngine("s3kv: the KV cache layout has no groups or no tokens_per_block")
+    for g in groups:
+        if getattr(g, "replicated_regions", None):
+            raise UnsupportedEngine(
+                f"s3kv: layer group {getattr(g, 'layer_group_id', '?')} has replicated regions; this "
+                "TensorRT-LLM's layout is one s3kv does not save or load (upgrade TensorRT-LLM or s3kv)"
+            )
+        for r in getattr(g, "regions", ()) or ():
+            missing = [a for a in ("slot_tensor", "as_tensor", "size", "num_slots") if not hasattr(r, a)]
+            if missing:
+                raise UnsupportedEngine(
+                    "s3kv: this TensorRT-LLM's KvCacheRegion has no " + ", ".join(missing)
+                    + "; s3kv addresses pages only through them (a TensorRT-LLM with the V2 layout "
+                    "API, merged around 2026-09, has them)"
+                )
+
+
+class Contain:
+    """Catch, log and count what a hook raised; the engine must never see it."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.errors: Counter[str] = Counter()
+        self._last_log: dict[str, float] = {}
+
+    def __call__(self, hook: str, exc: BaseException) -> None:
+        self.errors[hook] += 1
+        now = time.monotonic()
+        if now - self._last_log.get(hook, 0.0) >= 10.0:  # one traceback per hook per 10 s
+            self._last_log[hook] = now
+            log.error("s3kv %s: %s() failed (contained; %d so far): %r", self.role, hook,
+                      self.errors[hook], exc, exc_info=exc)
+
+
+class ConnectorSide:
+    """What both connector sides share: bring-up in one order, contained errors, throttled metrics.
+
+    First in each side's bases, so its ``__init__`` is the one TensorRT-LLM calls as
+    ``cls(llm_args)``; the keyword arguments exist for the simulator and tests (an explicit
+    store, settings, engine key or engine features), never needed in production. The side's
+    own set-up follows in :meth:`_start`.
+    """
+
+    #: Names the side in contained-error logs.
+    role = ""
+    supports_attention_dp = False
+    #: Honoured by TensorRT-LLM lines that know the flag; older ones are checked in ``check_engine``.
+    requires_disable_overlap_scheduler = True
+
+    settings: Settings
+    features: frozenset[str]
+    _runtime: EngineRuntime
+    _contain: Contain
+    _llm_args: Any
+    _observed_at: float
+
+    def __init__(
+        self,
+        llm_args: Any,
+        *,
+        settings: Settings | None = None,
+        store: ObjectStore | None = None,
+        key_prefix: str | None = None,
+        engine_key: str | None = None,
+        engine_features: Any = None,
+    ):
+        """Refuse an engine s3kv cannot serve, read the settings and the engine's features, join
+        the engine's runtime (store, index, geometry), then the side's own set-up."""
+        super().__init__(llm_args)  # type: ignore[call-arg]  # TensorRT-LLM's connector base class
+        check_engine(llm_args)
+        self._llm_args = llm_args
+        self._observed_at = 0.0
+        self._contain = Contain(self.role)
+        self.settings = settings if settings is not None else load_settings()
+        self.features = frozenset(engine_features) if engine_features is not None else detected_features()
+        mapping = llm_args.parallel_config.to_mapping()
+        self._runtime = acquire_runtime(
+            llm_args, self.settings, store=store, key_prefix=key_prefix, engine_key=engine_key
+        )
+        self._start(llm_args, mapping)
+
+    def _start(self, llm_args: Any, mapping: Any) -> None:
+        """The side's own set-up, once the runtime is joined (``mapping``: the engine's parallel mapping)."""
+        raise NotImplementedError
+
+    @property
+    def errors(self) -> Counter[str]:
+        """Exceptions contained per hook (each one would have killed the engine)."""
+        return self._contain.errors
+
+    def _observe_due(self) -> bool:
+        """True at most once per ``_OBSERVE_EVERY_S``: time to copy stats into the metrics."""
+        now = time.monotonic()
+        if now - self._observed_at >= _OBSERVE_EVERY_S:
+            self._observed_at = now
+            return True
+        return False

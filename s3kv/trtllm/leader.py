@@ -1,0 +1,151 @@
+"""The scheduler side of the TensorRT-LLM adapter: engine requests in, ``LeaderCore`` calls out.
+
+Every hook translates the engine's objects into plain values for
+:class:`s3kv.engine.leader.LeaderCore` and contains whatever it raises (a lookup
+error is a miss, a failed load plan a broken promise): see ``s3kv.trtllm``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..engine.leader import LeaderCore
+from ..engine.runtime import release_runtime
+from .api import FAILED_LOAD_HOOK, KvCacheConnectorScheduler
+from .boundary import ConnectorSide, kv_dtype, log, model_id
+
+__all__ = ["S3KvConnectorLeader"]
+
+
+class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
+    """Scheduler side (rank 0): lookups, load plans, save plans."""
+
+    role = "leader"
+
+    def _start(self, llm_args: Any, mapping: Any) -> None:
+        hook = FAILED_LOAD_HOOK in self.features
+        if self.settings.load_mode == "sync" and not hook:
+            log.warning(
+                "s3kv: S3KV_LOAD_MODE=sync needs an engine that can recompute a request whose load "
+                "failed (a failed-load hook); this TensorRT-LLM has none, so loads are async "
+                "(see docs/failures.md)"
+            )
+        kv = getattr(llm_args, "kv_cache_config", None)
+        if getattr(kv, "enable_partial_reuse", False):
+            log.warning(
+                "s3kv: partial block reuse is on: a device match that ends inside a block gets no S3 "
+                "hit (counted as partial_block_misses); set kv_cache_config.enable_partial_reuse=False "
+                "for full S3 hits"
+            )
+        # The namespace summary's first LIST should not race the first lookups: start its
+        # refresher (background thread) once the worker has registered the layout.
+        self._runtime.on_geometry(self._start_summary)
+        self.core = LeaderCore(
+            self.settings,
+            self._runtime.store,
+            self._runtime.key_prefix,
+            tp_size=int(mapping.tp_size),
+            model_id=model_id(llm_args, self.settings),
+            kv_dtype=kv_dtype(llm_args),
+            index=self._runtime.index,
+            geometry=self._runtime.get_geometry,
+            failed_load_hook=hook,
+        )
+
+    def _start_summary(self) -> None:
+        try:
+            summary = self.core.lookup_summary()
+            if summary is not None:
+                summary.start()
+        except Exception as e:  # noqa: BLE001 - an optional accelerator; lookups probe without it
+            self._contain("lookup_summary", e)
+
+    # -- allocation --------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        try:
+            mm = getattr(request, "multimodal_hashes", None)
+            has_mm = bool(mm) or bool(getattr(request, "multimodal_positions", None))
+            salt = getattr(request, "cache_salt", None)
+            if salt is None:
+                salt = getattr(request, "cache_salt_id", None)
+            tokens = list(request.get_tokens(0))
+            prompt_len = int(getattr(request, "prompt_len", len(tokens)))
+            n, is_async = self.core.get_num_new_matched_tokens(
+                int(request.request_id),
+                tokens,
+                prompt_len,
+                int(num_computed_tokens),
+                cache_salt=salt,
+                lora_id=getattr(request, "lora_task_id", None),
+                multimodal_hashes=mm,
+                has_multimodal=has_mm,
+            )
+        except Exception as e:  # noqa: BLE001 - a lookup must never fail a request
+            self._contain("get_num_new_matched_tokens", e)
+            return 0, False
+        # (0, True) makes the engine raise: never answer async without tokens.
+        return (int(n), bool(is_async)) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        self.update_state_after_alloc_by_layer_group(request, [list(block_ids)])
+
+    def update_state_after_alloc_by_layer_group(self, request: Any, block_ids_by_layer_group: Any) -> None:
+        try:
+            honoured = getattr(request, "py_num_connector_matched_tokens", None)
+            self.core.update_state_after_alloc(
+                int(request.request_id), block_ids_by_layer_group, None if honoured is None else int(honoured)
+            )
+        except Exception as e:  # noqa: BLE001
+            self._contain("update_state_after_alloc", e)
+            self.core.break_promise(int(request.request_id), f"planning its load failed: {e!r}")
+
+    # -- per iteration -----------------------------------------------------
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        new = list(getattr(scheduler_output, "new_requests", None) or [])
+        cached = list(getattr(scheduler_output, "cached_requests", None) or [])
+        try:
+            meta = self.core.build_connector_meta(new, cached)
+        except Exception as e:  # noqa: BLE001
+            self._contain("build_connector_meta", e)
+            meta = self.core.fail_safe_meta()
+        if self._observe_due():
+            try:
+                self._runtime.observe(leader_stats=self.core.stats)
+            except Exception as e:  # noqa: BLE001
+                self._contain("observe", e)
+        return meta
+
+    # -- optional engine hooks (some TensorRT-LLM lines call them; feature-detected by the engine) --
+    def cancel_load(self, request: Any, start: int, end: int) -> None:
+        try:
+            self.core.cancel_load(int(request.request_id), int(start), int(end))
+        except Exception as e:  # noqa: BLE001
+            self._contain("cancel_load", e)
+
+    def request_reset(self, request: Any) -> None:
+        try:
+            self.core.request_reset(int(request.request_id))
+        except Exception as e:  # noqa: BLE001
+            self._contain("request_reset", e)
+
+    # -- end of a request --------------------------------------------------
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        return self.request_finished_by_layer_group(request, [list(cache_block_ids)])
+
+    def request_finished_by_layer_group(self, request: Any, cache_block_ids_by_layer_group: Any) -> bool:
+        try:
+            return self.core.request_finished(int(request.request_id), cache_block_ids_by_layer_group)
+        except Exception as e:  # noqa: BLE001
+            self._contain("request_finished", e)
+            # Hold the pages: the workers return the id at once when they have nothing for it,
+            # and holding costs one iteration while freeing under an in-flight copy costs KV.
+            return True
+
+    def shutdown(self) -> None:
+        try:
+            self._runtime.observe(leader_stats=self.core.stats)
+            self.core.close_lookup()
+        except Exception as e:  # noqa: BLE001
+            self._contain("shutdown", e)
+        finally:
+            release_runtime(self._runtime)
