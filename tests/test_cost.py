@@ -75,7 +75,8 @@ def test_prices_from_settings():
 
 
 def _engine(store, **settings):
-    s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=2, **settings)
+    s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=2,
+                 **{"lookup_timeout_s": 5.0, **settings})
     return SimEngine(
         gemma3_like(64, kv_heads=2),
         SimCacheConfig(tokens_per_block=16, max_seq_len=1024),

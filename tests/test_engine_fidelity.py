@@ -57,7 +57,7 @@ class RaisingWorker(S3KvConnectorWorker):
 
 
 def engine(store, *, worker=S3KvConnectorWorker, tp=1, honour=None, hook=False, max_batch=4, **settings):
-    s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=4,
+    s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=4, lookup_timeout_s=5.0,
                  checkpoint_tokens=8 * TPB, **settings)
     return SimEngine(
         gemma3_like(WINDOW, num_layers=6, kv_heads=2 * tp, head_dim=8),

@@ -283,7 +283,7 @@ def _geometry() -> CacheGeometry:
 
 
 def _leader(store, **kw) -> LeaderCore:
-    s = Settings(url="memory://t", blocks_per_object=4, checkpoint_tokens=16 * TPB, **kw)
+    s = Settings(url="memory://t", blocks_per_object=4, checkpoint_tokens=16 * TPB, **{"lookup_timeout_s": 5.0, **kw})
     g = _geometry()
     leader = LeaderCore(s, store, "pfx", tp_size=1, model_id=g.model_id, kv_dtype=g.kv_dtype, geometry=g)
     assert leader.geometry is not None  # sets the namespace

@@ -41,7 +41,7 @@ def make_core(g: CacheGeometry | None = None, store=None, **settings) -> LeaderC
     g = g or geometry()
     base = {"blocks_per_object": BPO, "checkpoint_tokens": 8 * BPO * TPB, "storage_policy": "all"}
     base.update(settings)
-    s = Settings(url="memory://t", **base)
+    s = Settings(url="memory://t", **{"lookup_timeout_s": 5.0, **base})
     # Sync loads exist only on engines with a failed-load hook (else the leader loads async).
     return LeaderCore(s, store if store is not None else MemoryStore(), "pfx", tp_size=g.tp_size,
                       model_id=g.model_id, kv_dtype=g.kv_dtype, geometry=g,

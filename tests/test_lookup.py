@@ -255,7 +255,8 @@ class Clock:
 
 
 def make_core(store, g, *, clock=None, **settings):
-    s = Settings(url="memory://t", **{"blocks_per_object": 4, "checkpoint_tokens": 16 * TPB, **settings})
+    s = Settings(url="memory://t", **{"blocks_per_object": 4, "checkpoint_tokens": 16 * TPB, "lookup_timeout_s": 5.0,
+                                         **settings})
     index = KeyIndex(10_000, 600.0, 2.0, clock=clock or Clock())
     # Sync loads exist only on engines with a failed-load hook (else the leader loads async).
     return LeaderCore(s, store, "pfx", tp_size=g.tp_size, model_id=g.model_id, kv_dtype=g.kv_dtype, index=index,

@@ -98,7 +98,7 @@ def test_checkpoint_must_be_multiple_of_object_size():
 
 def plan_one_prompt(g: CacheGeometry, prompt_len: int, policy: str, **settings):
     """Drive LeaderCore for one non-chunked prompt; return (core, all metadata)."""
-    s = Settings(url="memory://t", storage_policy=policy, **settings)
+    s = Settings(url="memory://t", storage_policy=policy, **{"lookup_timeout_s": 5.0, **settings})
     core = LeaderCore(s, MemoryStore(), "pfx", tp_size=g.tp_size, model_id=g.model_id, kv_dtype=g.kv_dtype,
                       geometry=g)
     tokens = [(i * 7 + 3) % 32000 for i in range(prompt_len)]

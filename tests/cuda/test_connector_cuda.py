@@ -24,7 +24,7 @@ def test_vswa_cold_warm_on_cuda(load_mode, tp):
                                 max_new_tokens=40)
 
     def engine(name):
-        s = Settings(url="memory://cuda", staging_mib=256, check_access=False, load_mode=load_mode)
+        s = Settings(url="memory://cuda", staging_mib=256, check_access=False, load_mode=load_mode, lookup_timeout_s=5.0)
         return SimEngine(gemma3_like(64, kv_heads=4, head_dim=64), SimCacheConfig(tokens_per_block=32, max_seq_len=4096),
                          S3KvConnectorLeader, S3KvConnectorWorker, tp_size=tp, device="cuda", chunk_size=96,
                          failed_load_hook=load_mode == "sync",  # sync loads need an engine with the hook
@@ -58,7 +58,7 @@ def test_finish_plans_on_cuda(tp):
     rng = random.Random(tp)
 
     def engine(name):
-        s = Settings(url="memory://cuda", staging_mib=256, check_access=False, blocks_per_object=4,
+        s = Settings(url="memory://cuda", staging_mib=256, check_access=False, blocks_per_object=4, lookup_timeout_s=5.0,
                      checkpoint_tokens=256)
         return SimEngine(gemma3_like(64, kv_heads=4, head_dim=64), SimCacheConfig(tokens_per_block=16, max_seq_len=4096),
                          S3KvConnectorLeader, S3KvConnectorWorker, tp_size=tp, device="cuda", chunk_size=48,
