@@ -361,7 +361,7 @@ class S3Store(ObjectStore):
             # Non-AWS servers often reject or mangle the default flexible checksums (CRC trailers).
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
-            s3={"addressing_style": addressing_style},
+            s3={"addressing_style": addressing_style},  # type: ignore[typeddict-item,arg-type]  # a Literal in the stubs
             tcp_keepalive=True,
         )
         return self._session.client(

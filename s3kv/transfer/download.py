@@ -247,7 +247,9 @@ class Downloader:
             self.counters.add("get_requests", sum(get_requests(r.length) for r in want))
             self.store.get_ranges_into(job.key, want, into)
             self.counters.add("download_seconds", time.monotonic() - t0)
-        header = decode_header(buf.memoryview(base - hl, hl), job.identity, job.key, trailer)
+        header = decode_header(
+            buf.memoryview(base - hl, hl), job.identity, job.key, None if trailer is None else memoryview(trailer)
+        )
         if header.first_ordinal != job.first or header.page_count != job.count:
             # The plan's span ends at the block the key names (checked on HEAD): a header
             # claiming other blocks is span poisoning, never loaded.

@@ -234,7 +234,7 @@ def _boto3_raw(
     on_aws = host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
     # Same addressing rule as S3Store: path-style for any non-AWS endpoint.
     style = "path" if endpoint_url and not on_aws else "auto"
-    client = boto3.session.Session(**creds).client(
+    client = boto3.session.Session(**dict(creds)).client(  # type: ignore[arg-type]  # keyword credentials
         "s3",
         endpoint_url=endpoint_url,
         config=Config(
@@ -243,7 +243,7 @@ def _boto3_raw(
             # Same as S3Store: no flexible-checksum trailers, so both sides hash the same bytes (none).
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
-            s3={"addressing_style": style},
+            s3={"addressing_style": style},  # type: ignore[typeddict-item,arg-type]  # a Literal in the stubs
             tcp_keepalive=True,
         ),
     )
