@@ -184,6 +184,28 @@ def test_prefill_flop_model_matches_hand_count() -> None:
     assert m.page_bytes(32) == {"full": 10 * 262144, "sliding": 52 * 262144}
 
 
+def test_transfer_single_object_times_every_raw_put() -> None:
+    """One object per size: the raw baseline's one PUT is timed (it once warmed the connection with
+    the only object and timed nothing, printing ~190 GB/s). Both sides PUT the same bytes to the
+    same server, so the raw rate stays within a small factor of s3kv's."""
+    res = run_json("transfer", "--quick", "--object-mib", "4", "--total-mib", "4", "--device", "cpu")
+    (row,) = res["results"]
+    assert row["objects"] == 1 and res["device"] == "cpu"
+    for client, rate in row["mib_s"].items():
+        if client.startswith("raw_") and client.endswith("_save"):
+            assert rate < 20 * row["save_mib_s"], (client, rate, row["save_mib_s"])
+
+
+def test_transfer_device_cuda_without_a_gpu_is_refused() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    r = CliRunner().invoke(main, ["bench", "transfer", "--quick", "--device", "cuda"])
+    assert r.exit_code == 2 and "--device" in r.output and "no CUDA device" in r.output
+    assert "transfer: store" not in r.output  # refused before any server started
+
+
 # --------------------------------------------------------------------------- issue 13.6: words for users
 
 

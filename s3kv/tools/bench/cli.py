@@ -11,6 +11,7 @@ code stays in the benchmark modules.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -58,7 +59,9 @@ LEGENDS: dict[str, tuple[str, ...]] = {
         "prefill saved: FLOPs the warm cluster did not spend, priced on the named GPU at the stated MFU",
     ),
 }
-TARGETS_NOTE = "targets: MET / NOT MET against the goals s3kv is built to (a NOT MET is a finding, not an error)"
+TARGETS_NOTE = (
+    "targets: MET / NOT MET against the goals s3kv is built to (a NOT MET is a finding, not an error)"
+)
 
 
 def explained(name: str, table: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
@@ -162,7 +165,13 @@ def lookup_command(
     with bench_store(url, server=server, latency_ms=latency_ms, name="lookup", keep=keep) as bs:
         progress(f"lookup: store {bs.where}, {latency_ms:g} ms injected per request")
         res = lookup.run_lookup(bs, cfg)
-    finish(res, as_json=as_json, table=explained("lookup", lookup.table), plot_path=plot_path, plot=plot.plot_lookup)
+    finish(
+        res,
+        as_json=as_json,
+        table=explained("lookup", lookup.table),
+        plot_path=plot_path,
+        plot=plot.plot_lookup,
+    )
 
 
 # --------------------------------------------------------------------------- transfer
@@ -174,7 +183,17 @@ def lookup_command(
     "--object-mib", default=None, help="Object sizes in MiB, e.g. 4,8,16 (the default; --quick: 4)."
 )
 @click.option(
-    "--total-mib", type=int, default=None, help="Bytes moved per object size (default 256, --quick 16)."
+    "--total-mib",
+    type=int,
+    default=None,
+    help="Bytes moved per object size (default 256 on <= 4 cores, else 1024; --quick 16).",
+)
+@click.option(
+    "--device",
+    type=click.Choice(["auto", "cpu", "cuda"]),
+    default="auto",
+    show_default=True,
+    help="Where the stand-in KV cache lives (auto: cuda when a GPU is visible, as in an engine).",
 )
 @click.option(
     "--page-mib",
@@ -196,6 +215,7 @@ def transfer_command(
     total_mib: int | None,
     page_mib: float,
     repeats: int,
+    device: str,
 ) -> None:
     """Save/load throughput of s3kv's pipelines vs plain parallel boto3 and one object per block, synchronous."""
     _check_plot(plot_path, url)
@@ -203,15 +223,22 @@ def transfer_command(
     from .common import bench_store
 
     sizes = _floats(object_mib) or ((4.0,) if quick else transfer.DEFAULT_OBJECT_MIB)
-    total = total_mib or (16 if quick else 256)
+    total = total_mib or (16 if quick else transfer.default_total_mib(os.cpu_count() or 1))
+    dev = transfer.default_device() if device == "auto" else device
+    if dev == "cuda" and transfer.default_device() != "cuda":
+        raise click.BadParameter("no CUDA device is visible", param_hint="--device")
     cfg = transfer.TransferConfig(
-        object_mib=sizes, total_mib=total, page_mib=page_mib, repeats=max(1, repeats)
+        object_mib=sizes, total_mib=total, page_mib=page_mib, repeats=max(1, repeats), device=dev
     )
     with bench_store(url, server=server, latency_ms=latency_ms, name="transfer", keep=keep) as bs:
         progress(f"transfer: store {bs.where}, {latency_ms:g} ms injected per request")
         res = transfer.run_transfer(bs, cfg)
     finish(
-        res, as_json=as_json, table=explained("transfer", transfer.table), plot_path=plot_path, plot=plot.plot_transfer
+        res,
+        as_json=as_json,
+        table=explained("transfer", transfer.table),
+        plot_path=plot_path,
+        plot=plot.plot_transfer,
     )
 
 
@@ -221,7 +248,9 @@ def transfer_command(
 @bench_group.command("jitter")
 @common_options(default_latency_ms=0.0)
 @click.option("--phase-s", type=float, default=None, help="Seconds per phase (default 3, --quick 0.5).")
-@click.option("--object-mib", type=float, default=8.0, show_default=True, help="Object size of the transfers.")
+@click.option(
+    "--object-mib", type=float, default=8.0, show_default=True, help="Object size of the transfers."
+)
 def jitter_command(
     as_json: bool,
     plot_path: str | None,
@@ -285,7 +314,11 @@ def staging_command(
     if res.get("skipped"):
         progress(f"staging: skipped -- {res['reason']}")
     finish(
-        res, as_json=as_json, table=explained("staging", staging.table), plot_path=plot_path, plot=plot.plot_staging
+        res,
+        as_json=as_json,
+        table=explained("staging", staging.table),
+        plot_path=plot_path,
+        plot=plot.plot_staging,
     )
 
 
@@ -351,8 +384,12 @@ def e2e_command(
 @click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs).")
 @click.option("--page-mib", default=None, help="Page sizes in MiB (default 0.25,1,4; --quick 0.25).")
 @click.option("--object-mib", type=float, default=None, help="Object size in MiB (default 32, --quick 2).")
-@click.option("--threads", type=int, default=0, show_default=True, help="Parallel columns' threads; 0 = min(4, cores).")
-def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_mib: float | None, threads: int) -> None:
+@click.option(
+    "--threads", type=int, default=0, show_default=True, help="Parallel columns' threads; 0 = min(4, cores)."
+)
+def integrity_command(
+    as_json: bool, quick: bool, page_mib: str | None, object_mib: float | None, threads: int
+) -> None:
     """CPU cost of keyed integrity tags: signing and verifying GB/s vs xxh3 checksums alone."""
     from . import integrity
 
@@ -395,22 +432,36 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
 )
 @click.option("--limit", type=int, default=None, help="Only the first N requests.")
 @click.option("--tokens-per-block", type=int, default=64, show_default=True, help="Simulator block size.")
-@click.option("--full-outputs", is_flag=True, help="Generate every answer in full (slow; default: the ones re-read).")
+@click.option(
+    "--full-outputs", is_flag=True, help="Generate every answer in full (slow; default: the ones re-read)."
+)
 @click.option("--checkpoint-tokens", type=int, default=4096, show_default=True)
-@click.option("--put-per-1k", type=float, default=None, help="$ per 1,000 PUT-class requests (default 0.005).")
-@click.option("--get-per-1k", type=float, default=None, help="$ per 1,000 GET/HEAD requests (default 0.0004).")
+@click.option(
+    "--put-per-1k", type=float, default=None, help="$ per 1,000 PUT-class requests (default 0.005)."
+)
+@click.option(
+    "--get-per-1k", type=float, default=None, help="$ per 1,000 GET/HEAD requests (default 0.0004)."
+)
 @click.option("--gb-month", type=float, default=None, help="$ per GB-month stored (default 0.023).")
 @click.option("--retention-days", type=float, default=None, help="Days an object is kept (default 30).")
-@click.option("--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s (default H100/H200, 989.4).")
+@click.option(
+    "--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s (default H100/H200, 989.4)."
+)
 @click.option("--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation (default 0.40).")
 @click.option("--audit", is_flag=True, help="Re-verify every page when the engine frees it (slower).")
 @click.option(
     "--jobs", type=int, default=None, help="Replays run at once, one process each (default: min(2, cores))."
 )
-@click.option("--url", default=None, help="Store to replay on (default: in-process memory://, one per replay).")
+@click.option(
+    "--url", default=None, help="Store to replay on (default: in-process memory://, one per replay)."
+)
 @click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
 @click.option(
-    "--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write a PNG chart here."
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write a PNG chart here.",
 )
 def trace_command(
     trace_file: str,
@@ -448,7 +499,9 @@ def trace_command(
         raise click.BadParameter("must be a positive multiple of 4", param_hint="--tokens-per-block")
     runs: list[str] = []
     if policy in ("window", "both"):
-        runs += {"on": ["window"], "off": ["window-no-branch"], "compare": ["window", "window-no-branch"]}[branch_tails]
+        runs += {"on": ["window"], "off": ["window-no-branch"], "compare": ["window", "window-no-branch"]}[
+            branch_tails
+        ]
     if policy in ("all", "both"):
         runs.append("all")
     d = Prices()
