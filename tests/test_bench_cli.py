@@ -188,9 +188,13 @@ def test_transfer_single_object_times_every_raw_put() -> None:
     """One object per size: the raw baseline's one PUT is timed (it once warmed the connection with
     the only object and timed nothing, printing ~190 GB/s). Both sides PUT the same bytes to the
     same server, so the raw rate stays within a small factor of s3kv's."""
-    res = run_json("transfer", "--quick", "--object-mib", "4", "--total-mib", "4", "--device", "cpu")
+    res = run_json(
+        "transfer", "--quick", "--object-mib", "4", "--total-mib", "4", "--device", "cpu",
+        "--upload-threads", "2", "--download-threads", "3",
+    )
     (row,) = res["results"]
     assert row["objects"] == 1 and res["device"] == "cpu"
+    assert res["concurrency"] == {"save": 2, "load": 3}
     for client, rate in row["mib_s"].items():
         if client.startswith("raw_") and client.endswith("_save"):
             assert rate < 20 * row["save_mib_s"], (client, rate, row["save_mib_s"])

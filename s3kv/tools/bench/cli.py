@@ -203,6 +203,18 @@ def lookup_command(
     help="Page (block) size; the one-object-per-block path stores one page per object.",
 )
 @click.option("--repeats", type=int, default=1, show_default=True, help="Best of this many runs per method.")
+@click.option(
+    "--upload-threads",
+    type=click.IntRange(1, 256),
+    default=None,
+    help="s3kv's upload threads, and the raw clients' PUT threads (default: S3KV_UPLOAD_THREADS' default).",
+)
+@click.option(
+    "--download-threads",
+    type=click.IntRange(1, 256),
+    default=None,
+    help="s3kv's download threads, and the raw clients' GET threads (default: S3KV_DOWNLOAD_THREADS' default).",
+)
 def transfer_command(
     as_json: bool,
     plot_path: str | None,
@@ -216,6 +228,8 @@ def transfer_command(
     page_mib: float,
     repeats: int,
     device: str,
+    upload_threads: int | None,
+    download_threads: int | None,
 ) -> None:
     """Save/load throughput of s3kv's pipelines vs plain parallel boto3 and one object per block, synchronous."""
     _check_plot(plot_path, url)
@@ -228,7 +242,13 @@ def transfer_command(
     if dev == "cuda" and transfer.default_device() != "cuda":
         raise click.BadParameter("no CUDA device is visible", param_hint="--device")
     cfg = transfer.TransferConfig(
-        object_mib=sizes, total_mib=total, page_mib=page_mib, repeats=max(1, repeats), device=dev
+        object_mib=sizes,
+        total_mib=total,
+        page_mib=page_mib,
+        repeats=max(1, repeats),
+        device=dev,
+        **({"upload_threads": upload_threads} if upload_threads else {}),
+        **({"download_threads": download_threads} if download_threads else {}),
     )
     with bench_store(url, server=server, latency_ms=latency_ms, name="transfer", keep=keep) as bs:
         progress(f"transfer: store {bs.where}, {latency_ms:g} ms injected per request")
