@@ -180,7 +180,7 @@ def lookup_command(
 @bench_group.command("transfer")
 @common_options(default_latency_ms=0.0)
 @click.option(
-    "--object-mib", default=None, help="Object sizes in MiB, e.g. 4,8,16 (the default; --quick: 4)."
+    "--object-mib", default=None, help="Object sizes in MiB, e.g. 8,16,32 (the default: around the ~32 MiB objects s3kv makes; --quick: 4)."
 )
 @click.option(
     "--total-mib",

@@ -45,7 +45,8 @@ from ...config import Settings
 from .clients import fan_out, raw_clients, s3kv_stores, shaped, timed_cpu
 from .common import BenchStore, MiB, machine_info, progress, rnd
 
-DEFAULT_OBJECT_MIB = (4.0, 8.0, 16.0)
+#: Around what s3kv makes (objects of ~target_object_mib = 32 MiB; smaller at prompt ends).
+DEFAULT_OBJECT_MIB = (8.0, 16.0, 32.0)
 TARGET_RATIO_VS_RAW = 0.9
 TARGET_SPEEDUP_VS_SEED = 5.0
 
