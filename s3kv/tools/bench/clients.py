@@ -120,18 +120,14 @@ def _crt_raw(bucket: str, endpoint: str, creds: Any, latency_s: float) -> RawCli
     client = s3.S3Client(
         bootstrap=boot,
         region="us-east-1",
-        credential_provider=auth.AwsCredentialsProvider.new_static(
-            creds.access_key, creds.secret_key, creds.token
-        ),
+        credential_provider=auth.AwsCredentialsProvider.new_static(creds.access_key, creds.secret_key, creds.token),
         tls_mode=s3.S3RequestTlsMode.DISABLED if parts.scheme == "http" else s3.S3RequestTlsMode.ENABLED,
         part_size=8 << 20,
         throughput_target_gbps=100.0,
     )
 
     def request(method: str, key: str, headers: list[tuple[str, str]], body: Any = None) -> Any:
-        return http.HttpRequest(
-            method, f"/{bucket}/{key}", http.HttpHeaders([("Host", host), *headers]), body
-        )
+        return http.HttpRequest(method, f"/{bucket}/{key}", http.HttpHeaders([("Host", host), *headers]), body)
 
     def put(key: str, body: bytes) -> None:
         req = request("PUT", key, [("Content-Length", str(len(body)))], io.BytesIO(body))

@@ -62,9 +62,7 @@ def _parallel(fns: Sequence[Callable[[], Any]], repeats: int) -> float:
     return _best(once, repeats)
 
 
-def _measure(
-    mib: float, cfg: IntegrityConfig, threads: int, keys: IntegrityKeys, mac_key: bytes
-) -> dict[str, Any]:
+def _measure(mib: float, cfg: IntegrityConfig, threads: int, keys: IntegrityKeys, mac_key: bytes) -> dict[str, Any]:
     page_bytes = max(64, int(mib * (1 << 20)))
     n = max(1, int(cfg.object_mib * (1 << 20)) // page_bytes)
     plain = ObjectIdentity(bytes(16), "0123456789abcdef", 0, 1, 32, page_bytes)

@@ -101,9 +101,7 @@ class Loop:
         }
 
 
-def _during(
-    work: int, phase_s: float, load: Callable[[threading.Event], Any]
-) -> tuple[dict[str, float], Any]:
+def _during(work: int, phase_s: float, load: Callable[[threading.Event], Any]) -> tuple[dict[str, float], Any]:
     """Loop stats while ``load(stop)`` runs (it must return soon after ``stop`` is set)."""
     stop = threading.Event()
     out: list[Any] = []
@@ -258,13 +256,7 @@ def table(res: dict[str, Any]) -> str:
         for phase in ("idle", "lookups", "download", "upload"):
             x = r[phase]
             ratio = f"{x['p99_vs_idle']:.2f}" if "p99_vs_idle" in x else ""
-            extra = (
-                f"{x['gb_s']:.3f}"
-                if "gb_s" in x
-                else (f"{x['lookups_per_s']:g}/s" if "lookups_per_s" in x else "")
-            )
-            lines.append(
-                f"{name:>8} {phase:>9} | {x['p50_ms']:>7.3f} {x['p99_ms']:>7.3f} {ratio:>8} | {extra:>6}"
-            )
+            extra = f"{x['gb_s']:.3f}" if "gb_s" in x else (f"{x['lookups_per_s']:g}/s" if "lookups_per_s" in x else "")
+            lines.append(f"{name:>8} {phase:>9} | {x['p50_ms']:>7.3f} {x['p99_ms']:>7.3f} {ratio:>8} | {extra:>6}")
     lines.append(targets_line(res))
     return "\n".join(lines)

@@ -99,13 +99,7 @@ def _leader(
     settings: Settings, store: Any, prefix: str, geom: CacheGeometry, sizing: list[int] | None = None
 ) -> LeaderCore:
     return LeaderCore(
-        settings,
-        store,
-        prefix,
-        tp_size=1,
-        model_id=geom.model_id,
-        kv_dtype=geom.kv_dtype,
-        geometry=geom,
+        settings, store, prefix, tp_size=1, model_id=geom.model_id, kv_dtype=geom.kv_dtype, geometry=geom,
         sizing_page_bytes=sizing,
     )
 
@@ -204,9 +198,7 @@ class _Measured:
     process_cpu_s: float
 
 
-def _measure(
-    bs: BenchStore, store: Any, lat: Any, leader: LeaderCore, rid: int, prompt: list[int]
-) -> _Measured:
+def _measure(bs: BenchStore, store: Any, lat: Any, leader: LeaderCore, rid: int, prompt: list[int]) -> _Measured:
     before = store.snapshot()
     rt0 = lat.round_trips if lat is not None else 0
     waves = leader.stats.lookup_waves
@@ -216,9 +208,7 @@ def _measure(
     c1, p1 = time.thread_time(), time.process_time()
     io = store.snapshot() - before
     injected = ((lat.round_trips if lat is not None else 0) - rt0) * bs.latency_ms
-    return _Measured(
-        len(prompt), hit, leader.stats.lookup_waves - waves, io.head, wall, injected, c1 - c0, p1 - p0
-    )
+    return _Measured(len(prompt), hit, leader.stats.lookup_waves - waves, io.head, wall, injected, c1 - c0, p1 - p0)
 
 
 def _chain_cpu_s(namespace: bytes, prompt: list[int], tpb: int, repeats: int = 3) -> float:
@@ -271,8 +261,7 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     plain = s3kv_stores(bs, head_concurrency=settings.lookup_head_concurrency)
     clients = {
-        name: shaped(bs, st, fan_out(name, bs, settings.lookup_head_concurrency))
-        for name, st in plain.items()
+        name: shaped(bs, st, fan_out(name, bs, settings.lookup_head_concurrency)) for name, st in plain.items()
     }
     default_client = "obstore" if "obstore" in clients else next(iter(clients))
     # The probe path counts round trips with no budget (a budget would cut it short); the summary

@@ -94,11 +94,7 @@ def table(res: dict[str, Any]) -> str:
             f"{r['page_mib']:>5g} MiB | {r['d2h_gbps']:>13.2f} {r['memcpy_d2h_gbps']:>8.2f} "
             f"{r['d2h_ratio_vs_memcpy']:>6.2f} | {r['h2d_gbps']:>13.2f} {r['memcpy_h2d_gbps']:>8.2f} "
             f"{r['h2d_ratio_vs_memcpy']:>6.2f}"
-            + (
-                f" | {r['device_d2h_ratio_vs_memcpy']:>11.2f} / {r['device_h2d_ratio_vs_memcpy']:<9.2f}"
-                if dv
-                else ""
-            )
+            + (f" | {r['device_d2h_ratio_vs_memcpy']:>11.2f} / {r['device_h2d_ratio_vs_memcpy']:<9.2f}" if dv else "")
             + (
                 f" | {r['per_page_d2h_ratio_vs_memcpy']:>11.2f} / {r['per_page_h2d_ratio_vs_memcpy']:<10.2f}"
                 if pp

@@ -81,14 +81,7 @@ def _device_best(enqueue: Callable[[], None], fwd: Any, repeats: int, warmup: in
 
 
 def _bench_one(
-    copiers: dict[str, Copier],
-    fwd: Any,
-    dev: torch.device,
-    pb: int,
-    pages: int,
-    repeats: int,
-    warmup: int,
-    seed: int,
+    copiers: dict[str, Copier], fwd: Any, dev: torch.device, pb: int, pages: int, repeats: int, warmup: int, seed: int
 ) -> tuple[dict[str, float], bool, bool]:
     """Seconds per run of d2h / h2d through each copier and of the contiguous memcpys."""
     total = pb * pages

@@ -155,9 +155,7 @@ class RealSizeStore(StoreWrapper):
         self.heads += len(keys)
         return self.inner.head_many(keys)
 
-    def put(
-        self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None
-    ) -> bool:
+    def put(self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None) -> bool:
         from ...core.objects import header_len
         from ...store.base import as_buffers, total_size
 
@@ -361,9 +359,7 @@ def replay(
         lookup_timeout_s=0,  # no time budget: a slow moment on a busy machine must not turn a hit into a miss
     )
     sizing = real_page_bytes(cfg.model, tpb)
-    counter = RealSizeStore(
-        bs.store, settings.multipart_threshold_mib << 20, settings.multipart_part_mib << 20
-    )
+    counter = RealSizeStore(bs.store, settings.multipart_threshold_mib << 20, settings.multipart_part_mib << 20)
     before = bs.store.snapshot()
     synth = TokenSynth(block_tokens, SIM_VOCAB)
     history: dict[int, list[int]] = {}
@@ -374,16 +370,15 @@ def replay(
     t0 = time.perf_counter()
     engine = SimEngine(
         _sim_model(cfg),
-        SimCacheConfig(tokens_per_block=tpb, max_seq_len=max_len, audit=cfg.audit, slot_padding=0, seed=1),
+        SimCacheConfig(
+            tokens_per_block=tpb, max_seq_len=max_len, audit=cfg.audit, slot_padding=0, seed=1
+        ),
         _leader_class(sizing),
         S3KvConnectorWorker,
         max_batch=1,
         chunk_size=cfg.chunk_tokens,
         connector_kwargs=dict(
-            settings=settings,
-            store=_Shared(counter),
-            key_prefix=bs.key(f"trace-{run}"),
-            engine_key=f"trace-{run}",
+            settings=settings, store=_Shared(counter), key_prefix=bs.key(f"trace-{run}"), engine_key=f"trace-{run}"
         ),
     )
     with engine:
@@ -442,8 +437,7 @@ def replay(
         "requests_sim": {"head": io.head, "put": io.put, "get": io.get},
         "requests_real": {"head": counter.heads, "put": counter.real_put, "get": counter.real_get},
         "stored_by_group": {
-            g: {**v, "distinct_pages": len(counter.distinct.get(g, ()))}
-            for g, v in sorted(counter.groups.items())
+            g: {**v, "distinct_pages": len(counter.distinct.get(g, ()))} for g, v in sorted(counter.groups.items())
         },
         "generated_tokens": generated,
         "answer_tokens_not_replayed": not_generated,
@@ -469,12 +463,7 @@ DEFAULT_URL = "memory://s3kv-bench-trace"
 
 
 def _replay_job(
-    cfg: TraceConfig,
-    reqs: Sequence[TraceRequest],
-    bt: int,
-    conts: Mapping[int, int],
-    run: str,
-    oracle: _Oracle | None,
+    cfg: TraceConfig, reqs: Sequence[TraceRequest], bt: int, conts: Mapping[int, int], run: str, oracle: _Oracle | None
 ) -> tuple[dict[str, Any], _Oracle | None]:
     """One replay in a process of its own, on a store of its own."""
     import torch
@@ -487,19 +476,11 @@ def _replay_job(
 
 
 def _replay_all(
-    cfg: TraceConfig,
-    bs: BenchStore,
-    reqs: Sequence[TraceRequest],
-    bt: int,
-    conts: Mapping[int, int],
-    oracle: _Oracle,
+    cfg: TraceConfig, bs: BenchStore, reqs: Sequence[TraceRequest], bt: int, conts: Mapping[int, int], oracle: _Oracle
 ) -> tuple[dict[str, dict[str, Any]], _Oracle]:
     """Every run of ``cfg.runs``; the first also feeds the oracle (the token streams are the same)."""
     if cfg.jobs <= 1 or len(cfg.runs) == 1:
-        runs = {
-            name: replay(cfg, bs, reqs, bt, conts, name, oracle if i == 0 else None)
-            for i, name in enumerate(cfg.runs)
-        }
+        runs = {name: replay(cfg, bs, reqs, bt, conts, name, oracle if i == 0 else None) for i, name in enumerate(cfg.runs)}
         return runs, oracle
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
@@ -510,9 +491,7 @@ def _replay_all(
         # Store-everything writes the most objects and takes longest: start it first.
         order = sorted(cfg.runs, key=lambda n: RUNS[n][0] != "all")
         futs = {
-            name: pool.submit(
-                _replay_job, cfg, reqs, bt, conts, name, oracle if name == cfg.runs[0] else None
-            )
+            name: pool.submit(_replay_job, cfg, reqs, bt, conts, name, oracle if name == cfg.runs[0] else None)
             for name in order
         }
         results = {name: futs[name].result() for name in cfg.runs}
@@ -605,9 +584,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "put": rnd(1000 * oracle.up["real_put"] / prompt_tokens, 4),
             "get": rnd(1000 * oracle.up["real_get"] / prompt_tokens, 4),
         },
-        **money(
-            oracle.up["real_put"], oracle.up["real_get"], oracle.up["head"], up_stored, sum(oracle.upstream)
-        ),
+        **money(oracle.up["real_put"], oracle.up["real_get"], oracle.up["head"], up_stored, sum(oracle.upstream)),
         **prefill(oracle.upstream),
         "modelled": "counted from its rule, not replayed",
     }
@@ -636,9 +613,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "checkpoint_tokens": cfg.checkpoint_tokens,
             "engine": f"one request at a time (uploads land before the next lookup), chunked prefill of "
             f"{cfg.chunk_tokens} tokens, no device prefix cache",
-            "answers": "full answers generated"
-            if cfg.full_outputs
-            else (
+            "answers": "full answers generated" if cfg.full_outputs else (
                 "continued requests generate their whole answer; others up to the first block it completes"
             ),
             "generated_tokens": next(iter(runs.values()))["generated_tokens"],
@@ -680,9 +655,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
         res["window_vs_all"] = {
             "served": rnd(w["served_tokens"] / a["served_tokens"], 4) if a["served_tokens"] else None,
             "served_vs_ideal": rnd(w["served_tokens"] / ideal, 4) if ideal else None,
-            "stored_bytes": rnd(
-                w["stored_bytes_incl_unreplayed_answers"] / a["stored_bytes_incl_unreplayed_answers"], 4
-            )
+            "stored_bytes": rnd(w["stored_bytes_incl_unreplayed_answers"] / a["stored_bytes_incl_unreplayed_answers"], 4)
             if a["stored_bytes"]
             else None,
             "distinct_page_bytes": rnd(w["distinct_page_bytes"] / a["distinct_page_bytes"], 4)
@@ -714,9 +687,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
     return res
 
 
-def _curves(
-    reqs: Sequence[TraceRequest], runs: Mapping[str, Mapping[str, Any]], oracle: _Oracle
-) -> dict[str, Any]:
+def _curves(reqs: Sequence[TraceRequest], runs: Mapping[str, Mapping[str, Any]], oracle: _Oracle) -> dict[str, Any]:
     """Cumulative served tokens against cumulative prompt tokens, ~200 points (for the plot)."""
     n = len(reqs)
     idx = sorted({min(n - 1, int(i * n / 200)) for i in range(200)} | {n - 1})
@@ -810,25 +781,13 @@ def plot_trace(res: dict[str, Any], path: str) -> None:
 
     plt = _plt()
     fig, axes = plt.subplots(1, 3, figsize=(17, 5))
-    colors = {
-        "window": S3KV,
-        "window-no-branch": "#9467bd",
-        "all": RAW,
-        "upstream-example": BASELINE,
-        "ideal": WARM,
-    }
+    colors = {"window": S3KV, "window-no-branch": "#9467bd", "all": RAW, "upstream-example": BASELINE, "ideal": WARM}
     ax = axes[0]
     c = res["curves"]
     x = [v / 1e6 for v in c["prompt_tokens"]]
     for name, ys in c["served"].items():
-        ax.plot(
-            x,
-            [y / 1e6 for y in ys],
-            label=name,
-            color=colors.get(name),
-            lw=1.5,
-            ls="--" if name in ("ideal", "upstream-example") else "-",
-        )
+        ax.plot(x, [y / 1e6 for y in ys], label=name, color=colors.get(name), lw=1.5,
+                ls="--" if name in ("ideal", "upstream-example") else "-")
     ax.set_xlabel("prompt tokens so far (M)")
     ax.set_ylabel("tokens served from S3 so far (M)")
     ax.set_title("Served over the trace")
@@ -841,9 +800,7 @@ def plot_trace(res: dict[str, Any], path: str) -> None:
     for gi, g in enumerate(groups):
         vals = [res["policies"][n]["stored_bytes_by_group"].get(g, 0) / 2**30 for n in names]
         ax.bar([i + gi * width for i in range(len(names))], vals, width, label=g)
-    ax.set_xticks(
-        [i + width * (len(groups) - 1) / 2 for i in range(len(names))], names, fontsize=8, rotation=15
-    )
+    ax.set_xticks([i + width * (len(groups) - 1) / 2 for i in range(len(names))], names, fontsize=8, rotation=15)
     ax.set_ylabel("stored (GiB, real page sizes)")
     ax.set_title("Bytes stored per layer group")
     ax.legend(fontsize=8)
@@ -853,20 +810,13 @@ def plot_trace(res: dict[str, Any], path: str) -> None:
     usd = [res["policies"][n]["usd_per_trace_hour"] or 0 for n in names]
     bars = ax.bar(names, served, color=[colors.get(n, RAW) for n in names])
     for b, u in zip(bars, usd, strict=True):
-        ax.annotate(
-            f"${u:.2f}/h",
-            (b.get_x() + b.get_width() / 2, b.get_height()),
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
+        ax.annotate(f"${u:.2f}/h", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
     ax.axhline(res["ideal_pct_of_prompt"], color=WARM, ls="--", lw=1, label="ideal")
     ax.set_ylabel("prompt tokens served from S3 (%)")
     ax.set_title("Served (bars) and S3 $ per hour of trace")
     ax.tick_params(axis="x", labelsize=8, rotation=15)
     ax.legend(fontsize=8)
     fig.suptitle(
-        f"{res['trace']['requests']} requests, {res['model']['name']}; kv_mismatches {res['kv_mismatches']}",
-        fontsize=10,
+        f"{res['trace']['requests']} requests, {res['model']['name']}; kv_mismatches {res['kv_mismatches']}", fontsize=10
     )
     _save(fig, path)

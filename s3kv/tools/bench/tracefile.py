@@ -78,10 +78,8 @@ def read_trace(
         raise TraceError(f"{path}: no requests")
     order = sorted(range(len(out)), key=lambda i: out[i].timestamp_ms)
     if order != list(range(len(out))):
-        out = [
-            TraceRequest(k, out[i].timestamp_ms, out[i].input_length, out[i].output_length, out[i].hash_ids)
-            for k, i in enumerate(order)
-        ]
+        out = [TraceRequest(k, out[i].timestamp_ms, out[i].input_length, out[i].output_length, out[i].hash_ids)
+               for k, i in enumerate(order)]
     return out, bt
 
 
