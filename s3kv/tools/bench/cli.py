@@ -59,9 +59,7 @@ LEGENDS: dict[str, tuple[str, ...]] = {
         "prefill saved: FLOPs the warm cluster did not spend, priced on the named GPU at the stated MFU",
     ),
 }
-TARGETS_NOTE = (
-    "targets: MET / NOT MET against the goals s3kv is built to (a NOT MET is a finding, not an error)"
-)
+TARGETS_NOTE = "targets: MET / NOT MET against the goals s3kv is built to (a NOT MET is a finding, not an error)"
 
 
 def explained(name: str, table: Callable[[dict[str, Any]], str]) -> Callable[[dict[str, Any]], str]:
@@ -157,21 +155,12 @@ def lookup_command(
     """
     _check_plot(plot_path, url)
     from . import lookup, plot
-    from .common import bench_store
 
     chosen = _ints(prompts) or (lookup.QUICK_PROMPTS if quick else lookup.DEFAULT_PROMPTS)
     cap = seq_cap if seq_cap is not None else (64 if quick else 256)
     cfg = lookup.LookupConfig(prompts=chosen, blocks_per_object=blocks_per_object, seq_cap=cap)
-    with bench_store(url, server=server, latency_ms=latency_ms, name="lookup", keep=keep) as bs:
-        progress(f"lookup: store {bs.where}, {latency_ms:g} ms injected per request")
-        res = lookup.run_lookup(bs, cfg)
-    finish(
-        res,
-        as_json=as_json,
-        table=explained("lookup", lookup.table),
-        plot_path=plot_path,
-        plot=plot.plot_lookup,
-    )
+    res = run_on_store("lookup", url, server, latency_ms, keep, lambda bs: lookup.run_lookup(bs, cfg))
+    finish(res, as_json=as_json, table=explained("lookup", lookup.table), plot_path=plot_path, plot=plot.plot_lookup)
 
 
 # --------------------------------------------------------------------------- transfer
@@ -180,7 +169,9 @@ def lookup_command(
 @bench_group.command("transfer")
 @common_options(default_latency_ms=0.0)
 @click.option(
-    "--object-mib", default=None, help="Object sizes in MiB, e.g. 8,16,32 (the default: around the ~32 MiB objects s3kv makes; --quick: 4)."
+    "--object-mib",
+    default=None,
+    help="Object sizes in MiB, e.g. 8,16,32 (the default: around the ~32 MiB objects s3kv makes; --quick: 4).",
 )
 @click.option(
     "--total-mib",
@@ -234,31 +225,21 @@ def transfer_command(
     """Save/load throughput of s3kv's pipelines vs plain parallel boto3 and one object per block, synchronous."""
     _check_plot(plot_path, url)
     from . import plot, transfer
-    from .common import bench_store
 
     sizes = _floats(object_mib) or ((4.0,) if quick else transfer.DEFAULT_OBJECT_MIB)
     total = total_mib or (16 if quick else transfer.default_total_mib(os.cpu_count() or 1))
-    dev = transfer.default_device() if device == "auto" else device
-    if dev == "cuda" and transfer.default_device() != "cuda":
+    visible = transfer.default_device()
+    if device == "cuda" and visible != "cuda":
         raise click.BadParameter("no CUDA device is visible", param_hint="--device")
+    dev = visible if device == "auto" else device
     cfg = transfer.TransferConfig(
-        object_mib=sizes,
-        total_mib=total,
-        page_mib=page_mib,
-        repeats=max(1, repeats),
-        device=dev,
+        object_mib=sizes, total_mib=total, page_mib=page_mib, repeats=max(1, repeats), device=dev,
         **({"upload_threads": upload_threads} if upload_threads else {}),
         **({"download_threads": download_threads} if download_threads else {}),
     )
-    with bench_store(url, server=server, latency_ms=latency_ms, name="transfer", keep=keep) as bs:
-        progress(f"transfer: store {bs.where}, {latency_ms:g} ms injected per request")
-        res = transfer.run_transfer(bs, cfg)
+    res = run_on_store("transfer", url, server, latency_ms, keep, lambda bs: transfer.run_transfer(bs, cfg))
     finish(
-        res,
-        as_json=as_json,
-        table=explained("transfer", transfer.table),
-        plot_path=plot_path,
-        plot=plot.plot_transfer,
+        res, as_json=as_json, table=explained("transfer", transfer.table), plot_path=plot_path, plot=plot.plot_transfer
     )
 
 
@@ -268,9 +249,7 @@ def transfer_command(
 @bench_group.command("jitter")
 @common_options(default_latency_ms=0.0)
 @click.option("--phase-s", type=float, default=None, help="Seconds per phase (default 3, --quick 0.5).")
-@click.option(
-    "--object-mib", type=float, default=8.0, show_default=True, help="Object size of the transfers."
-)
+@click.option("--object-mib", type=float, default=8.0, show_default=True, help="Object size of the transfers.")
 def jitter_command(
     as_json: bool,
     plot_path: str | None,
@@ -291,18 +270,21 @@ def jitter_command(
         objects=4 if quick else 16,
         prompt_tokens=2048 if quick else 16384,
     )
-    with bench_store_for(url, server, latency_ms, "jitter", keep) as bs:
-        progress(f"jitter: store {bs.where}, {latency_ms:g} ms injected per request")
-        res = jitter.run_jitter(bs, cfg)
+    res = run_on_store("jitter", url, server, latency_ms, keep, lambda bs: jitter.run_jitter(bs, cfg))
     if plot_path:
         progress("jitter: no plot for this bench; --plot ignored")
     finish(res, as_json=as_json, table=jitter.table, plot_path=None, plot=lambda r, p: None)
 
 
-def bench_store_for(url: str | None, server: str, latency_ms: float, name: str, keep: bool):  # noqa: ANN201
+def run_on_store(
+    name: str, url: str | None, server: str, latency_ms: float, keep: bool, run: Callable[[Any], dict[str, Any]]
+) -> dict[str, Any]:
+    """``run(bench store)`` on ``--url`` or an embedded server, announcing which (every store bench)."""
     from .common import bench_store
 
-    return bench_store(url, server=server, latency_ms=latency_ms, name=name, keep=keep)
+    with bench_store(url, server=server, latency_ms=latency_ms, name=name, keep=keep) as bs:
+        progress(f"{name}: store {bs.where}, {latency_ms:g} ms injected per request")
+        return run(bs)
 
 
 # --------------------------------------------------------------------------- staging
@@ -334,11 +316,7 @@ def staging_command(
     if res.get("skipped"):
         progress(f"staging: skipped -- {res['reason']}")
     finish(
-        res,
-        as_json=as_json,
-        table=explained("staging", staging.table),
-        plot_path=plot_path,
-        plot=plot.plot_staging,
+        res, as_json=as_json, table=explained("staging", staging.table), plot_path=plot_path, plot=plot.plot_staging
     )
 
 
@@ -379,7 +357,6 @@ def e2e_command(
     """Multi-turn VSWA workload: cold then warm cluster, both storage policies, prefill saved, memory soak."""
     _check_plot(plot_path, url)
     from . import e2e, plot
-    from .common import bench_store
 
     cfg = e2e.E2EConfig.quick() if quick else e2e.E2EConfig()
     if rounds is not None:
@@ -390,9 +367,7 @@ def e2e_command(
         cfg = cfg.replace(mfu=mfu)
     if checkpoint_tokens is not None:
         cfg = cfg.replace(checkpoint_tokens=checkpoint_tokens)
-    with bench_store(url, server=server, latency_ms=latency_ms, name="e2e", keep=keep) as bs:
-        progress(f"e2e: store {bs.where}, {latency_ms:g} ms injected per request")
-        res = e2e.run_e2e(bs, cfg)
+    res = run_on_store("e2e", url, server, latency_ms, keep, lambda bs: e2e.run_e2e(bs, cfg))
     finish(res, as_json=as_json, table=explained("e2e", e2e.table), plot_path=plot_path, plot=plot.plot_e2e)
 
 
@@ -404,12 +379,8 @@ def e2e_command(
 @click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs).")
 @click.option("--page-mib", default=None, help="Page sizes in MiB (default 0.25,1,4; --quick 0.25).")
 @click.option("--object-mib", type=float, default=None, help="Object size in MiB (default 32, --quick 2).")
-@click.option(
-    "--threads", type=int, default=0, show_default=True, help="Parallel columns' threads; 0 = min(4, cores)."
-)
-def integrity_command(
-    as_json: bool, quick: bool, page_mib: str | None, object_mib: float | None, threads: int
-) -> None:
+@click.option("--threads", type=int, default=0, show_default=True, help="Parallel columns' threads; 0 = min(4, cores).")
+def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_mib: float | None, threads: int) -> None:
     """CPU cost of keyed integrity tags: signing and verifying GB/s vs xxh3 checksums alone."""
     from . import integrity
 
@@ -452,36 +423,22 @@ def integrity_command(
 )
 @click.option("--limit", type=int, default=None, help="Only the first N requests.")
 @click.option("--tokens-per-block", type=int, default=64, show_default=True, help="Simulator block size.")
-@click.option(
-    "--full-outputs", is_flag=True, help="Generate every answer in full (slow; default: the ones re-read)."
-)
+@click.option("--full-outputs", is_flag=True, help="Generate every answer in full (slow; default: the ones re-read).")
 @click.option("--checkpoint-tokens", type=int, default=4096, show_default=True)
-@click.option(
-    "--put-per-1k", type=float, default=None, help="$ per 1,000 PUT-class requests (default 0.005)."
-)
-@click.option(
-    "--get-per-1k", type=float, default=None, help="$ per 1,000 GET/HEAD requests (default 0.0004)."
-)
+@click.option("--put-per-1k", type=float, default=None, help="$ per 1,000 PUT-class requests (default 0.005).")
+@click.option("--get-per-1k", type=float, default=None, help="$ per 1,000 GET/HEAD requests (default 0.0004).")
 @click.option("--gb-month", type=float, default=None, help="$ per GB-month stored (default 0.023).")
 @click.option("--retention-days", type=float, default=None, help="Days an object is kept (default 30).")
-@click.option(
-    "--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s (default H100/H200, 989.4)."
-)
+@click.option("--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s (default H100/H200, 989.4).")
 @click.option("--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation (default 0.40).")
 @click.option("--audit", is_flag=True, help="Re-verify every page when the engine frees it (slower).")
 @click.option(
     "--jobs", type=int, default=None, help="Replays run at once, one process each (default: min(2, cores))."
 )
-@click.option(
-    "--url", default=None, help="Store to replay on (default: in-process memory://, one per replay)."
-)
+@click.option("--url", default=None, help="Store to replay on (default: in-process memory://, one per replay).")
 @click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
 @click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False, writable=True),
-    default=None,
-    help="Write a PNG chart here.",
+    "--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write a PNG chart here."
 )
 def trace_command(
     trace_file: str,
@@ -519,9 +476,7 @@ def trace_command(
         raise click.BadParameter("must be a positive multiple of 4", param_hint="--tokens-per-block")
     runs: list[str] = []
     if policy in ("window", "both"):
-        runs += {"on": ["window"], "off": ["window-no-branch"], "compare": ["window", "window-no-branch"]}[
-            branch_tails
-        ]
+        runs += {"on": ["window"], "off": ["window-no-branch"], "compare": ["window", "window-no-branch"]}[branch_tails]
     if policy in ("all", "both"):
         runs.append("all")
     d = Prices()

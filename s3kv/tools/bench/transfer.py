@@ -112,9 +112,7 @@ class _Size:
         self.object_mib = self.bpo * self.page / MiB
         self.root = bs.key(f"transfer/{self.object_mib:g}m")
         groups = [GroupSpec((0,), None, (self.page,))]
-        self.src = make_layout(
-            groups, num_slots=self.pages, tokens_per_block=32, fill_seed=None, device=cfg.device
-        )
+        self.src = make_layout(groups, num_slots=self.pages, tokens_per_block=32, fill_seed=None, device=cfg.device)
         region = self.src.group(0).regions[0]
         gen = torch.Generator().manual_seed(int(object_mib * 1000))
         # Random int64 words are ~8x cheaper to make than random bytes; same entropy per byte.
@@ -141,13 +139,8 @@ class _Size:
         from ...engine.worker import WorkerCore
 
         core = WorkerCore(
-            self.settings,
-            store if store is not None else self.bs.store,
-            prefix,
-            0,
-            1,
-            model_id="s3kv-bench/transfer",
-            kv_dtype="bfloat16",
+            self.settings, store if store is not None else self.bs.store, prefix, 0, 1,
+            model_id="s3kv-bench/transfer", kv_dtype="bfloat16",
         )
         core.register_layout(layout)
         return core
@@ -209,10 +202,7 @@ class _Size:
             loads.append(LoadOp(o, ObjectRef(0, digests[o], ((first, self.bpo),)), ords, ords))
         saver = self._worker(self.src, prefix, store)
         dst = make_layout(
-            [GroupSpec((0,), None, (self.page,))],
-            num_slots=self.pages,
-            tokens_per_block=32,
-            fill_seed=None,
+            [GroupSpec((0,), None, (self.page,))], num_slots=self.pages, tokens_per_block=32, fill_seed=None,
             device=self.cfg.device,
         )
         loader = self._worker(dst, prefix, store)
@@ -421,12 +411,7 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
 
 
 def _measure(
-    sz: _Size,
-    cfg: TransferConfig,
-    raws: dict[str, Any],
-    s3kv_on: dict[str, Any],
-    keys: list[str],
-    cpu_keys: list[str],
+    sz: _Size, cfg: TransferConfig, raws: dict[str, Any], s3kv_on: dict[str, Any], keys: list[str], cpu_keys: list[str]
 ) -> tuple[dict[str, float], dict[str, float], bool]:
     """Best wall seconds (and the CPU seconds of that run) of every method at one object size."""
     best = {k: math.inf for k in keys}
@@ -514,7 +499,7 @@ def table(res: dict[str, Any]) -> str:
     lines = [
         f"s3kv bench transfer -- {res['total_mib']} MiB per object size, {res['page_mib']:g} MiB pages, "
         f"{c['save']} upload / {c['load']} download threads (raw clients use the same), best of {res['repeats']}; "
-        f"s3kv on {res['s3kv_client']}; KV cache on {res.get('device', 'cpu')}",
+        f"s3kv on {res['s3kv_client']}; KV cache on {res['device']}",
         header(res),
         "",
         f"{'object':>8} {'n':>4} | {'save MiB/s':^30} | {'load MiB/s':^30} | {'vs fastest':^11} | {'vs example':^11}",
@@ -535,12 +520,8 @@ def table(res: dict[str, Any]) -> str:
     for r in res["results"]:
         lines.append(line(f"{r['object_mib']:g} MiB", str(r["objects"]), r))
     agg = dict(res)
-    agg["fastest_raw_save_mib_s"] = (
-        res["clients"][f"raw_{res['fastest_raw_save_client']}"]["save_gb_s"] * 1e9 / MiB
-    )
-    agg["fastest_raw_load_mib_s"] = (
-        res["clients"][f"raw_{res['fastest_raw_load_client']}"]["load_gb_s"] * 1e9 / MiB
-    )
+    agg["fastest_raw_save_mib_s"] = res["clients"][f"raw_{res['fastest_raw_save_client']}"]["save_gb_s"] * 1e9 / MiB
+    agg["fastest_raw_load_mib_s"] = res["clients"][f"raw_{res['fastest_raw_load_client']}"]["load_gb_s"] * 1e9 / MiB
     lines.append(line("all", "", agg))
     lines += ["", f"{'client':>18} | {'save GB/s':>9} {'CPU s/GB':>9} | {'load GB/s':>9} {'CPU s/GB':>9}"]
     for name, d in res["clients"].items():
