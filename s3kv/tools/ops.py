@@ -527,34 +527,14 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         if not namespaces:
             yield f"no s3kv objects under {ctx.url}"
         rows: list[tuple[Any, ...]] = []
-        for d in namespaces:
+        def row(label: str, windows: Any, d: dict[str, Any]) -> tuple[Any, ...]:
             ages = d["age_s"]
-            rows.append(
-                (
-                    d["path"] + d["namespace"],
-                    d["windows"],
-                    d["objects"],
-                    fmt_bytes(d["bytes"]),
-                    _dash(d["pages"]),
-                    fmt_age(ages["min"]),
-                    fmt_age(ages["median"]),
-                    fmt_age(ages["max"]),
-                )
-            )
-            for gd in d["groups"]:
-                ages = gd["age_s"]
-                rows.append(
-                    (
-                        f"  {gd['group']}",
-                        gd["window"],
-                        gd["objects"],
-                        fmt_bytes(gd["bytes"]),
-                        _dash(gd["pages"]),
-                        fmt_age(ages["min"]),
-                        fmt_age(ages["median"]),
-                        fmt_age(ages["max"]),
-                    )
-                )
+            return (label, windows, d["objects"], fmt_bytes(d["bytes"]), _dash(d["pages"]),
+                    fmt_age(ages["min"]), fmt_age(ages["median"]), fmt_age(ages["max"]))
+
+        for d in namespaces:
+            rows.append(row(d["path"] + d["namespace"], d["windows"], d))
+            rows += [row(f"  {gd['group']}", gd["window"], gd) for gd in d["groups"]]
         if rows:
             yield from _table(
                 ("NAMESPACE / GROUP", "WINDOW", "OBJECTS", "BYTES", "PAGES", "MIN AGE", "MEDIAN", "MAX AGE"),
