@@ -500,6 +500,14 @@ def test_walkthrough_on_seaweedfs_with_auth(tmp_path: Path, weed_auth: Any) -> N
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["warm"]["kv_mismatches"] == 0
 
-    shell.run(destroy, timeout=T_APPLY)
+    try:
+        shell.run(destroy, timeout=T_APPLY)
+    except AssertionError as e:
+        # SeaweedFS sometimes answers with a just-deleted lifecycle configuration for minutes and
+        # the AWS provider stops waiting ("While waiting: found resource"). Destroy is idempotent:
+        # once more, as docs/s3-compatible.md tells an operator to. Anything else still fails.
+        if "While waiting: found resource" not in str(e):
+            raise
+        shell.run(destroy, timeout=T_APPLY)
     with pytest.raises(botocore.exceptions.ClientError):
         s3.head_bucket(Bucket="s3kv-dev")
