@@ -134,7 +134,11 @@ class Settings:
     #: Hand each save's/load's page copies to cudaMemcpyBatchAsync in a few calls (CUDA >= 12.8,
     #: pinned staging, compute capability < 10); off, or where unavailable, one copy per page.
     batch_copies: bool = True
-    upload_threads: int = 4
+    #: PUTs in flight. s3kv writes each object with one conditional PUT (object_store has no
+    #: conditional multipart), so its save concurrency is across objects: 8, measured on a
+    #: 16-core GPU host against loopback SeaweedFS, saved 1.6x faster than 4 (0.5 -> 0.8-0.9 GB/s)
+    #: and about matched awscrt's split-part PUTs; staging bounds the bytes held either way.
+    upload_threads: int = 8
     download_threads: int = 8
     max_concurrency: int = 32
     #: Lookup: strided probe size of the first HEAD wave.
