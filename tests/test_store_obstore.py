@@ -246,3 +246,33 @@ def test_seaweedfs_through_proxy(seaweed_s3: EmbeddedS3, proxies: list, prefix: 
         out = run_ops(store, prefix, 30, big=6 * MiB)
     verify_behind(seaweed_s3, out)
     assert px.stats()["faults_total"] >= 5 and out.ok >= 25, [str(e) for e in out.errors]
+
+
+def test_a_failed_part_never_writes_after_the_read_returns(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """One part of a split read fails at once while another is still downloading: the call
+    must not return before that other part is done, and the other part must not copy into
+    the buffer (the downloader frees a failed load's staging, and the next load may own it)."""
+    import time
+
+    import obstore
+
+    with _native(moto_s3) as store:
+        k = f"{prefix}/split"
+        body = bytes(range(256)) * (3 * MiB // 256)
+        assert store.put(k, body)
+        real = obstore.get
+
+        def get(st: Any, key: str, options: Any = None, **kw: Any) -> Any:
+            start = (options or {}).get("range", (0, 0))[0]
+            if start == 0:
+                raise PermissionError("403 Forbidden")  # the first part fails, not retried
+            r = real(st, key, options=options, **kw)
+            time.sleep(0.3)  # the second part's answer arrives after the first one failed
+            return r
+
+        store._obs = _Shim(obstore, get=get)
+        buf = bytearray(len(body))
+        with pytest.raises(StoreError):
+            store.get_ranges_into(k, [ByteRange(0, len(body))], [memoryview(buf)])
+        time.sleep(0.5)  # a straggler would copy now
+        assert not any(buf), "a part wrote into the buffer after the read had failed"

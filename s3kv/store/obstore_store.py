@@ -106,6 +106,10 @@ class _Credentials:
         }
 
 
+class _Abandoned(StoreError):
+    """A part of a ranged read stopped because another part failed (never retried)."""
+
+
 def _status(exc: BaseException) -> int:
     m = _STATUS_RE.search(str(exc))
     if not m:
@@ -342,10 +346,12 @@ class ObstoreS3Store(ObjectStore):
             jobs += [(i, off, r.offset + off, min(step, r.length - off)) for off in range(0, r.length, step)]
         return jobs
 
-    def _get_part(self, key: str, offset: int, length: int, dst: memoryview) -> str:
+    def _get_part(self, key: str, offset: int, length: int, dst: memoryview, abandon: threading.Event) -> str:
         obs = self._obs
 
         def attempt() -> str:
+            if abandon.is_set():
+                raise _Abandoned("another part of this read failed", key=key)
             r = obs.get(self._store, key, options={"range": (offset, offset + length)})
             data = r.bytes()
             got = len(data)
@@ -353,13 +359,21 @@ class ObstoreS3Store(ObjectStore):
                 raise IntegrityError(
                     f"range {offset}+{length} returned {got} bytes: object shorter than expected", key=key
                 )
+            if abandon.is_set():
+                # The caller is about to hand ``dst`` back (a failed load frees its staging,
+                # and the next load may reuse it): never write into it now.
+                raise _Abandoned("another part of this read failed", key=key)
             _copy_into(dst, data)
             return str(r.meta.get("e_tag") or "")
 
         return self._call("get", key, attempt)
 
     def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
-        """Each range straight into ``out[i]``: sub-ranges in parallel, one host copy each."""
+        """Each range straight into ``out[i]``: sub-ranges in parallel, one host copy each.
+
+        Returns or raises only once no part will write into ``out`` any more: a part that
+        failed stops the others before their copy, and the call waits for every part.
+        """
         if len(out) != len(ranges):
             raise ValueError(f"{len(ranges)} ranges but {len(out)} buffers")
         dsts = [memoryview(o).cast("B") for o in out]
@@ -367,7 +381,27 @@ class ObstoreS3Store(ObjectStore):
             if d.nbytes != r.length:
                 raise ValueError(f"buffer of {d.nbytes} bytes for range {r.offset}+{r.length}")
         jobs = self._jobs(ranges)
-        etags = self._map(lambda j: self._get_part(key, j[2], j[3], dsts[j[0]][j[1] : j[1] + j[3]]), jobs)
+        abandon = threading.Event()
+
+        def part(j: tuple[int, int, int, int]) -> str:
+            try:
+                return self._get_part(key, j[2], j[3], dsts[j[0]][j[1] : j[1] + j[3]], abandon)
+            except BaseException:
+                abandon.set()
+                raise
+
+        if len(jobs) <= 1:
+            etags = [part(j) for j in jobs]
+        else:
+            # Not Executor.map: on the first error it returns while other parts are still
+            # running, and one of them could then copy into staging that a later load owns.
+            futures = [self._pool.submit(part, j) for j in jobs]
+            cf.wait(futures)
+            errors = [f.exception() for f in futures if f.exception() is not None]
+            first = next((e for e in errors if not isinstance(e, _Abandoned)), errors[0] if errors else None)
+            if first is not None:
+                raise first
+            etags = [f.result() for f in futures]
         if len({e for e in etags if e}) > 1:
             # Write-once makes this "deleted and re-written between our reads"; refuse a mix.
             raise IntegrityError(f"object changed during a ranged read (ETags {sorted(set(etags))})", key=key)
