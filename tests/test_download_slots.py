@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
-from s3kv.transfer.download import RequestSlots
+from s3kv.transfer.slots import RequestSlots
 
 
 def _start(slots: RequestSlots, n: int, got: list[int]) -> threading.Thread:

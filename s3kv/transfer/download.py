@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -43,6 +42,7 @@ from ..core.objects import (
 from ..store.base import ByteRange, ObjectStore, StoreError
 from .copies import Copier, PageCopy
 from .counters import Counters
+from .slots import RequestSlots
 from .staging import LOAD, StagingBuffer, StagingPool
 
 log = logging.getLogger(__name__)
@@ -144,42 +144,6 @@ class LoadJob:
                 self.error = reason
                 return True, True
             return self.state in (FAILED, CANCELLED), False
-
-
-class RequestSlots:
-    """At most ``capacity`` GET requests in flight across jobs, granted first come, first served.
-
-    A job takes as many slots as the requests its ranges split into (capped at the capacity):
-    ``download_threads`` then bounds the streams on the wire, as a plain client's threads do.
-    Counting jobs instead let a 32 MiB object open 4 streams per slot, and measured on the
-    16-core GPU host against loopback SeaweedFS, more streams than that made loads slower,
-    not faster. A lone job still gets every slot it can use (a short prompt's one object
-    arrives in parallel parts). FIFO so a large job is not starved by a run of small ones.
-    """
-
-    def __init__(self, capacity: int):
-        self.capacity = max(1, capacity)
-        self._free = self.capacity
-        self._queue: deque[object] = deque()
-        self._cv = threading.Condition()
-
-    def acquire(self, n: int) -> int:
-        """Wait for ``min(n, capacity)`` slots; returns how many were taken (give them back)."""
-        n = max(1, min(n, self.capacity))
-        me = object()
-        with self._cv:
-            self._queue.append(me)
-            while self._queue[0] is not me or self._free < n:
-                self._cv.wait()
-            self._queue.popleft()
-            self._free -= n
-            self._cv.notify_all()  # the next in line may fit in what is left
-        return n
-
-    def release(self, n: int) -> None:
-        with self._cv:
-            self._free += n
-            self._cv.notify_all()
 
 
 class Downloader:
