@@ -136,8 +136,9 @@ class Settings:
     batch_copies: bool = True
     #: PUTs in flight. s3kv writes each object with one conditional PUT (object_store has no
     #: conditional multipart), so its save concurrency is across objects: 8, measured on a
-    #: 16-core GPU host against loopback SeaweedFS, saved 1.6x faster than 4 (0.5 -> 0.8-0.9 GB/s)
-    #: and about matched awscrt's split-part PUTs; staging bounds the bytes held either way.
+    #: 16-core GPU host against loopback SeaweedFS, saved 1.3-1.7x faster than 4 (0.5-0.64 ->
+    #: 0.78-1.07 GB/s), 0.8-0.97x of awscrt's split-part PUTs; staging bounds the bytes held
+    #: either way, and a real bucket gives each stream only ~100 MB/s.
     upload_threads: int = 8
     download_threads: int = 8
     max_concurrency: int = 32
