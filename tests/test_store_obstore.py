@@ -252,6 +252,7 @@ def test_a_failed_part_never_writes_after_the_read_returns(moto_s3: EmbeddedS3, 
     """One part of a split read fails at once while another is still downloading: the call
     must not return before that other part is done, and the other part must not copy into
     the buffer (the downloader frees a failed load's staging, and the next load may own it)."""
+    import threading
     import time
 
     import obstore
@@ -261,13 +262,17 @@ def test_a_failed_part_never_writes_after_the_read_returns(moto_s3: EmbeddedS3, 
         body = bytes(range(256)) * (3 * MiB // 256)
         assert store.put(k, body)
         real = obstore.get
+        failed = threading.Event()
 
         def get(st: Any, key: str, options: Any = None, **kw: Any) -> Any:
             start = (options or {}).get("range", (0, 0))[0]
             if start == 0:
+                failed.set()
                 raise PermissionError("403 Forbidden")  # the first part fails, not retried
             r = real(st, key, options=options, **kw)
-            time.sleep(0.3)  # the second part's answer arrives after the first one failed
+            # The other parts' answers arrive after the first part has failed.
+            failed.wait(10)
+            time.sleep(0.2)
             return r
 
         store._obs = _Shim(obstore, get=get)
