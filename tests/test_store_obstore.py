@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -252,9 +254,6 @@ def test_a_failed_part_never_writes_after_the_read_returns(moto_s3: EmbeddedS3, 
     """One part of a split read fails at once while another is still downloading: the call
     must not return before that other part is done, and the other part must not copy into
     the buffer (the downloader frees a failed load's staging, and the next load may own it)."""
-    import threading
-    import time
-
     import obstore
 
     with _native(moto_s3) as store:

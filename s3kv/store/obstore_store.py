@@ -249,9 +249,20 @@ class ObstoreS3Store(ObjectStore):
         return self.options.retry.call(attempt, op=f"S3 {op}", key=key)
 
     def _map(self, fn: Callable[[Any], T], items: Sequence[Any]) -> list[T]:
+        """``fn`` over ``items`` on the pool; returns or raises only once every call has ended.
+
+        Not ``Executor.map``: on the first error it returns while other calls still run, and a
+        ranged read's part could then copy into staging that a later load owns.
+        """
         if len(items) <= 1:
             return [fn(i) for i in items]
-        return list(self._pool.map(fn, items))
+        futures = [self._pool.submit(fn, i) for i in items]
+        cf.wait(futures)
+        errors = [e for e in (f.exception() for f in futures) if e is not None]
+        if errors:
+            # The root cause, not a part that stopped because of it.
+            raise next((e for e in errors if not isinstance(e, _Abandoned)), errors[0])
+        return [f.result() for f in futures]
 
     # -- HEAD ----------------------------------------------------------------------------
     def _head_one(self, key: str) -> ObjectInfo | None | StoreError:
@@ -390,18 +401,7 @@ class ObstoreS3Store(ObjectStore):
                 abandon.set()
                 raise
 
-        if len(jobs) <= 1:
-            etags = [part(j) for j in jobs]
-        else:
-            # Not Executor.map: on the first error it returns while other parts are still
-            # running, and one of them could then copy into staging that a later load owns.
-            futures = [self._pool.submit(part, j) for j in jobs]
-            cf.wait(futures)
-            errors = [f.exception() for f in futures if f.exception() is not None]
-            first = next((e for e in errors if not isinstance(e, _Abandoned)), errors[0] if errors else None)
-            if first is not None:
-                raise first
-            etags = [f.result() for f in futures]
+        etags = self._map(part, jobs)
         if len({e for e in etags if e}) > 1:
             # Write-once makes this "deleted and re-written between our reads"; refuse a mix.
             raise IntegrityError(f"object changed during a ranged read (ETags {sorted(set(etags))})", key=key)
