@@ -91,6 +91,25 @@ def test_chain_ignores_partial_block_and_is_incremental():
     assert all(len(d) == DIGEST_SIZE for d in c.digests)
 
 
+def test_chain_digests_are_stable_across_versions():
+    # Keys name objects other engines and earlier versions wrote: the digest of a fixed prompt
+    # must never change unnoticed. The constants were produced by the array("q") conversion
+    # s3kv used before the struct one (tokens spanning 0 to 2**40, a partial last block).
+    toks = [0, 1, 31999, 2**31, 2**40, 7] * 11 + [5]
+    r = chain_root(b"ns-golden", cache_salt="t")
+    assert r.hex() == "301d54f99794ec05070ca742608e97ae"
+    digests = chain_digests(r, toks, 8)
+    assert len(digests) == 8
+    assert digests[-1].hex() == "4b7b4c2b7aa6e63c37b9b43225c92ba7"
+
+
+def test_chain_rejects_a_token_that_is_not_an_int64():
+    with pytest.raises((OverflowError, TypeError, ValueError)):
+        chain_digests(root(), [2**63] * TPB, TPB)
+    with pytest.raises((OverflowError, TypeError, ValueError)):
+        chain_digests(root(), ["a"] * TPB, TPB)
+
+
 def test_chain_digest_is_per_block_not_token_concatenation():
     # [1,2,3,4 | 5,6,7,8] vs a different split of the same token stream is not
     # possible with a fixed tpb, but token values that concatenate ambiguously

@@ -222,3 +222,42 @@ def test_index_does_bounded_work_per_insert():
 @pytest.mark.parametrize("budget", [0.05])
 def test_default_budget_is_tens_of_ms(budget):
     assert Settings().lookup_timeout_s == budget
+
+
+def test_index_get_many_answers_like_get_and_expires_the_same():
+    now = [0.0]
+    idx = KeyIndex(max_entries=100, ttl_s=10, negative_ttl_s=2, clock=lambda: now[0])
+    idx.put_present("p", ObjectSpan(0, 4))
+    idx.put_missing("m")
+    idx.quarantine(["q"], ttl=5)
+    keys = ["p", "m", "q", "unknown"]
+    assert idx.get_many(keys) == [ObjectSpan(0, 4), MISSING, MISSING, None]
+    assert idx.get_many(keys) == [idx.get(k) for k in keys]
+    now[0] = 3.0  # the negative expired; the quarantine and the positive did not
+    assert idx.get_many(keys) == [ObjectSpan(0, 4), None, MISSING, None]
+    now[0] = 11.0
+    assert idx.get_many(keys) == [None, None, None, None]
+    assert len(idx) == 0  # expired entries read are dropped, as by get
+
+
+def test_lookup_counts_its_cpu_and_keeps_a_handed_over_token_list():
+    g = geo()
+    mem = MemoryStore()
+    stored = tokens_of(40 * TPB + 9, seed=7)
+    put_prefix(mem, g, stored, 40, 4)
+    core = _leader(mem, g, lookup_timeout_s=0)
+    try:
+        mine = list(stored)
+        assert core.get_num_new_matched_tokens(1, mine, len(mine), 0, owned=True)[0] == 40 * TPB
+        assert core._requests[1].tokens is mine  # handed over: not copied
+        theirs = list(stored)
+        assert core.get_num_new_matched_tokens(2, theirs, len(theirs), 0)[0] == 40 * TPB
+        kept = core._requests[2].tokens
+        assert kept is not theirs and kept == theirs  # not handed over: a copy of its own
+        longer = stored + [1, 2, 3]  # a replayed request with generated tokens: only the prompt is kept
+        core.get_num_new_matched_tokens(3, longer, len(stored), 0, owned=True)
+        assert core._requests[3].tokens == stored
+        st = core.stats
+        assert 0 < st.lookup_hash_cpu_s <= st.lookup_cpu_s
+    finally:
+        core.close_lookup()

@@ -156,9 +156,12 @@ def test_observe_leader_adds_deltas():
     st.lookups, st.hits, st.misses, st.hit_tokens = 3, 2, 1, 512
     st.foreign_objects = 1
     st.hit_blocks_by_group = {0: 16, 1: 4}
+    st.lookup_cpu_s, st.lookup_hash_cpu_s = 0.25, 0.125
     m.observe_leader(st)
     m.observe_leader(st)  # nothing new: no change
     s = scrape(m)
+    assert sample(s, "s3kv_lookup_cpu_seconds_total") == 0.25
+    assert sample(s, "s3kv_lookup_hash_cpu_seconds_total") == 0.125
     assert sample(s, "s3kv_lookups_total") == 3
     assert sample(s, "s3kv_lookup_hits_total") == 2
     assert sample(s, "s3kv_lookup_misses_total") == 1

@@ -22,7 +22,7 @@ checks the real allocation against the plan either way (``PlanMismatch``).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from .layout import CacheGeometry, GroupGeometry
 
@@ -42,8 +42,11 @@ def required_range(group: GroupGeometry, tokens_per_block: int, d_blocks: int, h
     return min(lo, hi), hi
 
 
-@dataclass(frozen=True)
-class Span:
+class Span(NamedTuple):
+    """Block ordinals ``[first, end)`` an object holds. A tuple, not a dataclass: a 128k-token
+    lookup makes and sorts hundreds of these on the scheduler's thread, and a tuple is made and
+    compared in C (sorted by ``(first, end)`` without a key function)."""
+
     first: int
     end: int
 
@@ -53,11 +56,12 @@ def covers(spans: Iterable[Span], lo: int, hi: int) -> bool:
     if lo >= hi:
         return True
     pos = lo
-    for s in sorted(spans, key=lambda s: (s.first, -s.end)):
-        if s.first > pos:
+    # In (first, end) order: of spans starting alike, the longest comes last and wins.
+    for first, end in sorted(spans):
+        if first > pos:
             break
-        if s.end > pos:
-            pos = s.end
+        if end > pos:
+            pos = end
             if pos >= hi:
                 return True
     return pos >= hi

@@ -218,8 +218,9 @@ def _with_spine(result: LookupResult, geometry: CacheGeometry, d_blocks: int, hm
 def _contiguous_end(spans_by_end: dict[int, Span], d_blocks: int) -> int:
     """How far from ``d_blocks`` the spans cover without a gap."""
     pos = d_blocks
-    for s in sorted(spans_by_end.values(), key=lambda s: (s.first, s.end)):
-        if s.first > pos:
+    for first, end in sorted(spans_by_end.values()):
+        if first > pos:
             break
-        pos = max(pos, s.end)
+        if end > pos:
+            pos = end
     return pos

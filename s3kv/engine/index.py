@@ -90,7 +90,8 @@ class KeyIndex:
             return
         with self._lock:
             now = self._clock()
-            if self._quarantined.get(key, 0.0) >= now:
+            until = self._quarantined.get(key)
+            if until is not None and until >= now:
                 return  # a late answer (HEAD wave, upload) must not lift a quarantine
             self._missing.pop(key, None)
             self._present.pop(key, None)
@@ -134,22 +135,31 @@ class KeyIndex:
     def get(self, key: str) -> ObjectSpan | _Missing | None:
         """The span if known present, MISSING if recently seen missing, None if unknown."""
         with self._lock:
-            now = self._clock()
-            entry = self._present.get(key)
-            if entry is not None:
-                if entry[0] < now:
-                    del self._present[key]
-                    return None
-                return entry[1]
-            for negatives in (self._quarantined, self._missing):
-                exp = negatives.get(key)
-                if exp is None:
-                    continue
-                if exp < now:
-                    del negatives[key]
-                    continue
-                return MISSING
-            return None
+            return self._get(key, self._clock())
+
+    def get_many(self, keys: Iterable[str]) -> list[ObjectSpan | _Missing | None]:
+        """``get`` of each key, under one lock and one clock reading: a 128k-token lookup asks
+        about hundreds of keys on the engine's scheduling path."""
+        with self._lock:
+            now, one = self._clock(), self._get
+            return [one(k, now) for k in keys]
+
+    def _get(self, key: str, now: float) -> ObjectSpan | _Missing | None:
+        entry = self._present.get(key)
+        if entry is not None:
+            if entry[0] < now:
+                del self._present[key]
+                return None
+            return entry[1]
+        for negatives in (self._quarantined, self._missing):
+            exp = negatives.get(key)
+            if exp is None:
+                continue
+            if exp < now:
+                del negatives[key]
+                continue
+            return MISSING
+        return None
 
     def __len__(self) -> int:
         with self._lock:

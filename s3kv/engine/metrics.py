@@ -26,7 +26,7 @@ Metric names (all prefixed ``s3kv_``)::
 
     lookups_total, lookup_hits_total, lookup_misses_total, lookup_errors_total,
     lookup_waves_total, lookup_not_cacheable_total, hit_tokens_total, hit_blocks_total{group},
-    prompt_tokens_total, rank_info{rank,tp_size}
+    lookup_cpu_seconds_total, lookup_hash_cpu_seconds_total, prompt_tokens_total, rank_info{rank,tp_size}
     store_requests_total{op}, store_bytes_total{op,direction}, store_request_seconds{op},
     store_retries_total{op}, store_errors_total{op,type}
     breaker_state (0 closed, 1 half-open, 2 open), breaker_transitions_total{from_state,to_state}
@@ -177,6 +177,16 @@ class Metrics:
             f"{p}_lookup_errors", "Lookups that met a store error (answered as a miss).", registry=r
         )
         self.lookup_waves = Counter(f"{p}_lookup_waves", "Batched HEAD waves sent by lookups.", registry=r)
+        self.lookup_cpu = Counter(
+            f"{p}_lookup_cpu_seconds",
+            "CPU time lookups took on the calling (scheduler) thread, hashing the prompt included.",
+            registry=r,
+        )
+        self.lookup_hash_cpu = Counter(
+            f"{p}_lookup_hash_cpu_seconds",
+            "Of lookup_cpu_seconds: hashing the prompts' block chains.",
+            registry=r,
+        )
         self.not_cacheable = Counter(
             f"{p}_lookup_not_cacheable", "Requests whose KV cannot be keyed (skipped).", registry=r
         )
@@ -379,6 +389,8 @@ class Metrics:
             (self.misses, ("misses",)),
             (self.lookup_errors, ("lookup_errors",)),
             (self.lookup_waves, ("lookup_waves",)),
+            (self.lookup_cpu, ("lookup_cpu_s",)),
+            (self.lookup_hash_cpu, ("lookup_hash_cpu_s",)),
             (self.not_cacheable, ("not_cacheable",)),
             (self.hit_tokens, ("hit_tokens",)),
             (self.prompt_tokens, ("prompt_tokens",)),

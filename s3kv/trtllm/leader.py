@@ -79,6 +79,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
                 lora_id=getattr(request, "lora_task_id", None),
                 multimodal_hashes=mm,
                 has_multimodal=has_mm,
+                owned=True,  # our own list() above
             )
         except Exception as e:  # noqa: BLE001 - a lookup must never fail a request
             self._contain("get_num_new_matched_tokens", e)

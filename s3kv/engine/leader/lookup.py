@@ -212,18 +212,15 @@ class Lookups:
         out: dict[Ask, Span | None] = {}
         prefixes = self.ctx.prefixes
         digests = st.chain.digests
-        index_get = self.index.get
-        for a in asks:
+        keys = {a: prefixes[(a[0], a[1])] + digests[a[2] - 1].hex() for a in asks}
+        for (a, key), v in zip(keys.items(), self.index.get_many(keys.values()), strict=True):
             grp, shard, end = a
-            digest = digests[end - 1]
-            key = prefixes[(grp, shard)] + digest.hex()
-            v = index_get(key)
             if v is MISSING:
                 out[a] = None
             elif v is not None:
                 out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
             else:
-                count = summary.get((grp, shard), {}).get(digest)
+                count = summary.get((grp, shard), {}).get(digests[end - 1])
                 if count is None or count > end:
                     out[a] = None
                 else:
@@ -295,10 +292,9 @@ class Lookups:
         # promise: ask the store, which fails fast while open (a miss) and whose
         # answer closes a half-open breaker before anything is promised.
         trust_index = self.store.available
-        for a in asks:
-            grp, shard, end = a
-            key = self.ctx.prefixes[(grp, shard)] + st.chain.digests[end - 1].hex()
-            v = self.index.get(key)
+        prefixes, digests = self.ctx.prefixes, st.chain.digests
+        keys = {a: prefixes[(a[0], a[1])] + digests[a[2] - 1].hex() for a in asks}
+        for (a, key), v in zip(keys.items(), self.index.get_many(keys.values()), strict=True):
             if v is MISSING:
                 out[a] = None
             elif v is not None and trust_index:

@@ -18,6 +18,11 @@ class LeaderStats:
     misses: int = 0
     hit_tokens: int = 0
     lookup_waves: int = 0
+    #: CPU seconds of the calling (executor) thread inside lookups, and of that, hashing the
+    #: prompts' block chains (which the saves need anyway). Measured where they run, so the
+    #: lookup's own cost is the difference.
+    lookup_cpu_s: float = 0.0
+    lookup_hash_cpu_s: float = 0.0
     lookup_asks: int = 0
     lookup_errors: int = 0
     lookup_timeouts: int = 0

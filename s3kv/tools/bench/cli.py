@@ -33,7 +33,8 @@ LEGENDS: dict[str, tuple[str, ...]] = {
         "on the calling (executor) thread; proc = the whole process's CPU ms; chain = hashing the "
         "prompt's block chain; client = proc - chain (the lookup's and the S3 client's own CPU)",
         "paths: probe = HEAD waves; summary_hit = namespace summary + one verify wave; "
-        "summary_trusted_hit = a fresh listing trusted as the presence check; summary_miss = a cold miss",
+        "summary_trusted_hit = a fresh listing trusted as the presence check; summary_miss = a cold miss; "
+        "the summary paths are medians of --repeats lookups on fresh leaders",
     ),
     "transfer": (
         "save / load MiB/s: bytes moved per second by s3kv (on its default client), by the fastest "
@@ -136,6 +137,13 @@ def _floats(text: str | None) -> tuple[float, ...] | None:
     help="HEADs of the sequential scan actually run per prompt before extrapolating "
     "(default 256, --quick 64; 0 = run it all).",
 )
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Summary-path lookups per prompt and client, each on a fresh leader; medians are shown "
+    "(default 5, --quick 1).",
+)
 def lookup_command(
     as_json: bool,
     plot_path: str | None,
@@ -147,6 +155,7 @@ def lookup_command(
     prompts: str | None,
     blocks_per_object: int,
     seq_cap: int | None,
+    repeats: int | None,
 ) -> None:
     """Lookup round trips and latency, 1k-128k-token prompts, vs a sequential per-block HEAD scan.
 
@@ -158,7 +167,8 @@ def lookup_command(
 
     chosen = _ints(prompts) or (lookup.QUICK_PROMPTS if quick else lookup.DEFAULT_PROMPTS)
     cap = seq_cap if seq_cap is not None else (64 if quick else 256)
-    cfg = lookup.LookupConfig(prompts=chosen, blocks_per_object=blocks_per_object, seq_cap=cap)
+    reps = repeats if repeats is not None else (1 if quick else 5)
+    cfg = lookup.LookupConfig(prompts=chosen, blocks_per_object=blocks_per_object, seq_cap=cap, repeats=reps)
     res = run_on_store("lookup", url, server, latency_ms, keep, lambda bs: lookup.run_lookup(bs, cfg))
     finish(res, as_json=as_json, table=explained("lookup", lookup.table), plot_path=plot_path, plot=plot.plot_lookup)
 
