@@ -106,10 +106,13 @@ def test_transfer_quick_json_and_plot(tmp_path: Path) -> None:
         "save_ratio_vs_raw",
         "load_ratio_vs_raw",
         "speedup_vs_seed_path",
+        "save_ratio_vs_fastest_raw_paired",
+        "load_ratio_vs_fastest_raw_paired",
     ):
         assert positive(res[key]), key
     assert res["bit_exact"] is True
     (row,) = res["results"]
+    assert positive(row["save_ratio_vs_fastest_raw_paired"]) and positive(row["load_ratio_vs_fastest_raw_paired"])
     assert row["object_mib"] == 4 and row["objects"] == 4 and row["pages"] == 16
     assert_png(png)
 
@@ -258,3 +261,19 @@ def test_bench_url_scheme_is_checked_first() -> None:
     r = CliRunner().invoke(main, ["bench", "lookup", "--quick", "--url", "http://u:pw@example.com/kv"])
     assert r.exit_code == 2
     assert "scheme 'http://' is not allowed" in r.output and "pw" not in r.output
+
+
+def test_transfer_paired_ratios_pair_each_repeat_with_its_own_raw_runs() -> None:
+    from s3kv.tools.bench.transfer import paired_ratios
+
+    # Repeat 2 ran on a server twice as slow for everyone: paired, s3kv is still at 0.8x of the
+    # fastest raw client (save) and 0.5x (load). Repeat 3 has one raw outlier: the median of
+    # three ignores it. Each repeat is paired with its own fastest raw client.
+    runs = [
+        {"s3kv_save": 1.25, "raw_a_save": 1.0, "raw_b_save": 1.1, "s3kv_load": 1.0, "raw_a_load": 1.0, "raw_b_load": 0.5},
+        {"s3kv_save": 2.5, "raw_a_save": 2.0, "raw_b_save": 2.2, "s3kv_load": 2.0, "raw_a_load": 2.0, "raw_b_load": 1.0},
+        {"s3kv_save": 1.25, "raw_a_save": 0.1, "raw_b_save": 1.1, "s3kv_load": 1.0, "raw_a_load": 1.0, "raw_b_load": 0.5},
+    ]
+    got = paired_ratios(runs, ["a", "b"])
+    assert got["save"] == pytest.approx(0.8) and got["load"] == pytest.approx(0.5)
+    assert math.isnan(paired_ratios([{"s3kv_save": 1.0}], ["a"])["save"])  # no raw run in that repeat

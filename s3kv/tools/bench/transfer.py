@@ -24,7 +24,8 @@ Throughput is payload bytes (pages) over wall time; CPU is the process's CPU tim
 interval (every thread, native ones too) per GB of payload. Best of ``--repeats`` (odd repeats
 run the baselines before s3kv, even ones after). Headline numbers add up every object size
 (total bytes / total seconds per method). The targets compare s3kv with the *fastest* raw client
-of the run.
+of the run. The ``*_paired`` ratios pair each repeat's s3kv run with that repeat's raw runs
+and take the median over repeats: steadier where the server's own speed drifts between runs.
 
 Why this is one module: one benchmark -- its set-up, the runs it compares and the table and plot
 that report them.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import math
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -325,6 +327,8 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
     cpu_totals = {f"{m}_{w}": 0.0 for m in methods if m != "seed" for w in ("save", "load")}
     payload_total = 0
     exact_all = True
+    #: Per repeat: seconds by method, summed over object sizes (for the paired ratios).
+    run_totals: list[dict[str, float]] = []
     try:
         for mib in cfg.object_mib:
             progress(f"transfer: {mib:g} MiB objects, preparing {cfg.total_mib} MiB of pages ...")
@@ -332,11 +336,17 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
             try:
                 sz.warm_up()
                 sz.warm_clients({c: r for c, r in raws.items() if c != "boto3"}, plain)
-                best, cpu, exact = _measure(sz, cfg, raws, s3kv_on, list(totals), list(cpu_totals))
+                runs: list[dict[str, float]] = []
+                best, cpu, exact = _measure(sz, cfg, raws, s3kv_on, list(totals), list(cpu_totals), runs)
                 exact_all &= exact
             finally:
                 sz.cleanup()
-            rows.append(_row(sz, best, cpu, raws))
+            rows.append(_row(sz, best, cpu, raws, paired_ratios(runs, list(raws))))
+            for i, r in enumerate(runs):
+                if i == len(run_totals):
+                    run_totals.append({})
+                for k, v in r.items():
+                    run_totals[i][k] = run_totals[i].get(k, 0.0) + v
             for k, v in best.items():
                 totals[k] += v
             for k, v in cpu.items():
@@ -362,6 +372,7 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
     load_vs_seed = agg["s3kv_load"] / agg["seed_load"]
     fast_save = max(raws, key=lambda c: agg[f"raw_{c}_save"])
     fast_load = max(raws, key=lambda c: agg[f"raw_{c}_load"])
+    paired = paired_ratios(run_totals, list(raws))
     res: dict[str, Any] = {
         "bench": "transfer",
         "store": bs.info(),
@@ -389,6 +400,9 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
         "fastest_raw_load_client": fast_load,
         "save_ratio_vs_fastest_raw": rnd(agg["s3kv_save"] / agg[f"raw_{fast_save}_save"]),
         "load_ratio_vs_fastest_raw": rnd(agg["s3kv_load"] / agg[f"raw_{fast_load}_load"]),
+        # Median over repeats of s3kv / the fastest raw client of the same repeat (paired_ratios).
+        "save_ratio_vs_fastest_raw_paired": rnd(paired["save"]),
+        "load_ratio_vs_fastest_raw_paired": rnd(paired["load"]),
         "clients": _clients(agg, res_cpu, methods),
         "clients_missing": raw_missing,
         "bit_exact": exact_all,
@@ -411,14 +425,22 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
 
 
 def _measure(
-    sz: _Size, cfg: TransferConfig, raws: dict[str, Any], s3kv_on: dict[str, Any], keys: list[str], cpu_keys: list[str]
+    sz: _Size,
+    cfg: TransferConfig,
+    raws: dict[str, Any],
+    s3kv_on: dict[str, Any],
+    keys: list[str],
+    cpu_keys: list[str],
+    runs: list[dict[str, float]],
 ) -> tuple[dict[str, float], dict[str, float], bool]:
-    """Best wall seconds (and the CPU seconds of that run) of every method at one object size."""
+    """Best wall seconds (and the CPU seconds of that run) of every method at one object size;
+    every repeat's seconds are appended to ``runs``."""
     best = {k: math.inf for k in keys}
     cpu = {k: math.inf for k in cpu_keys}
     exact_all = True
 
     def keep(m: str, save_s: float, load_s: float, save_cpu: float, load_cpu: float) -> None:
+        runs[-1][f"{m}_save"], runs[-1][f"{m}_load"] = save_s, load_s
         if save_s < best[f"{m}_save"]:
             best[f"{m}_save"], cpu[f"{m}_save"] = save_s, save_cpu
         if load_s < best[f"{m}_load"]:
@@ -432,6 +454,7 @@ def _measure(
         best["seed_load"] = min(best["seed_load"], d_load)
 
     for rep in range(cfg.repeats):
+        runs.append({})
         # Odd repeats run the baselines first, so neither side always meets a fresher server.
         if rep % 2:
             baselines(rep)
@@ -442,6 +465,24 @@ def _measure(
         if not rep % 2:
             baselines(rep)
     return best, cpu, exact_all
+
+
+def paired_ratios(runs: Sequence[dict[str, float]], raws: Sequence[str]) -> dict[str, float]:
+    """Median over repeats of s3kv's speed / the fastest raw client's speed *in that repeat*.
+
+    The best-of ratios compare bests that may come from different repeats; on a loopback server
+    whose own speed drifts by 20% from run to run, the ratio of two runs made back to back is
+    the steadier number. ``runs``: per repeat, seconds by method key (``s3kv_save``, ...).
+    """
+    out: dict[str, float] = {}
+    for w in ("save", "load"):
+        ratios = [
+            min(r[f"raw_{c}_{w}"] for c in raws) / r[f"s3kv_{w}"]
+            for r in runs
+            if r.get(f"s3kv_{w}") and all(f"raw_{c}_{w}" in r for c in raws)
+        ]
+        out[w] = float(statistics.median(ratios)) if ratios else math.nan
+    return out
 
 
 def _clients(agg: dict[str, float], cpu: dict[str, float], methods: list[str]) -> dict[str, Any]:
@@ -459,7 +500,9 @@ def _clients(agg: dict[str, float], cpu: dict[str, float], methods: list[str]) -
     return out
 
 
-def _row(sz: _Size, best: dict[str, float], cpu: dict[str, float], raws: dict[str, Any]) -> dict[str, Any]:
+def _row(
+    sz: _Size, best: dict[str, float], cpu: dict[str, float], raws: dict[str, Any], paired: dict[str, float]
+) -> dict[str, Any]:
     mb = sz.payload / MiB
     thr = {k: mb / v for k, v in best.items()}
     gb = sz.payload / 1e9
@@ -486,6 +529,8 @@ def _row(sz: _Size, best: dict[str, float], cpu: dict[str, float], raws: dict[st
         "fastest_raw_load_mib_s": rnd(thr[f"raw_{fast_load}_load"], 1),
         "save_ratio_vs_fastest_raw": rnd(thr["s3kv_save"] / thr[f"raw_{fast_save}_save"]),
         "load_ratio_vs_fastest_raw": rnd(thr["s3kv_load"] / thr[f"raw_{fast_load}_load"]),
+        "save_ratio_vs_fastest_raw_paired": rnd(paired["save"]),
+        "load_ratio_vs_fastest_raw_paired": rnd(paired["load"]),
         "mib_s": {k: rnd(v, 1) for k, v in thr.items()},
         "cpu_s_per_gb": {k: rnd(v / gb) for k, v in cpu.items()},
         "seconds": {k: rnd(v) for k, v in best.items()},
@@ -531,6 +576,10 @@ def table(res: dict[str, Any]) -> str:
         )
     for name, why in res.get("clients_missing", {}).items():
         lines.append(f"{name:>18} | not measured: {why}")
+    lines.append(
+        f"paired (median over repeats of s3kv / the fastest raw client of the same repeat): "
+        f"save {res['save_ratio_vs_fastest_raw_paired']:.2f}, load {res['load_ratio_vs_fastest_raw_paired']:.2f}"
+    )
     lines.append(f"loaded bytes identical to saved: {res['bit_exact']}")
     lines.append(targets_line(res))
     return "\n".join(lines)
