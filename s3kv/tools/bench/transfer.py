@@ -342,6 +342,7 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
             finally:
                 sz.cleanup()
             rows.append(_row(sz, best, cpu, raws, paired_ratios(runs, list(raws))))
+            rows[-1]["seconds_by_repeat"] = [{k: rnd(v) for k, v in r.items()} for r in runs]
             for i, r in enumerate(runs):
                 if i == len(run_totals):
                     run_totals.append({})
