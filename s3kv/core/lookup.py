@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
 
 from .hitrule import Span, object_ends_needed, required_range, servable
 from .layout import CacheGeometry
@@ -96,18 +97,23 @@ def find_hit(
     known: dict[Ask, Span | None] = {}
 
     def run(asks: Iterable[Ask]) -> None:
-        todo = {a for a in asks if a not in known}
+        todo = set(asks).difference(known)
         if not todo:
             return
         answers = probe(todo)
         if count_wave is None or count_wave(todo):
             result.waves += 1
         result.asks += len(todo)
+        coverage = result.coverage
         for a in todo:
             span = answers.get(a)
             known[a] = span
             if span is not None:
-                result.coverage.setdefault((a[0], a[1]), {})[a[2]] = span
+                grp, shard, end = a
+                by_end = coverage.get((grp, shard))
+                if by_end is None:
+                    by_end = coverage[(grp, shard)] = {}
+                by_end[end] = span
 
     def found(end: int, shard: int = 0, group: int = spine) -> bool:
         return known.get((group, shard, end)) is not None
@@ -170,9 +176,9 @@ def find_hit(
                 # An object ending a little past h covers it too: the prompt-end
                 # snapshot, or the chunk that h falls inside.
                 ends += [top, min(top, (hi // gb + 1) * gb)]
-            for e in ends:
-                for shard in range(geometry.tp_size):
-                    asks.add((g.group_id, shard, e))
+            for shard in range(geometry.tp_size):
+                # The tuples are made in C (a 128k-token prompt needs ~350 asks per candidate).
+                asks.update(zip(repeat(g.group_id), repeat(shard), ends))
         return asks
 
     tried: set[int] = set()

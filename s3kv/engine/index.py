@@ -145,20 +145,23 @@ class KeyIndex:
             return [one(k, now) for k in keys]
 
     def _get(self, key: str, now: float) -> ObjectSpan | _Missing | None:
+        # Unrolled (no loop over the maps): this runs for every ask of every lookup.
         entry = self._present.get(key)
         if entry is not None:
             if entry[0] < now:
                 del self._present[key]
                 return None
             return entry[1]
-        for negatives in (self._quarantined, self._missing):
-            exp = negatives.get(key)
-            if exp is None:
-                continue
-            if exp < now:
-                del negatives[key]
-                continue
-            return MISSING
+        exp = self._quarantined.get(key)
+        if exp is not None:
+            if exp >= now:
+                return MISSING
+            del self._quarantined[key]
+        exp = self._missing.get(key)
+        if exp is not None:
+            if exp >= now:
+                return MISSING
+            del self._missing[key]
         return None
 
     def __len__(self) -> int:

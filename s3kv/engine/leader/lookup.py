@@ -213,6 +213,7 @@ class Lookups:
         prefixes = self.ctx.prefixes
         digests = st.chain.digests
         keys = {a: prefixes[(a[0], a[1])] + digests[a[2] - 1].hex() for a in asks}
+        listed = {gs: summary.get(gs, {}) for gs in prefixes}
         for (a, key), v in zip(keys.items(), self.index.get_many(keys.values()), strict=True):
             grp, shard, end = a
             if v is MISSING:
@@ -220,7 +221,7 @@ class Lookups:
             elif v is not None:
                 out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
             else:
-                count = summary.get((grp, shard), {}).get(digests[end - 1])
+                count = listed[(grp, shard)].get(digests[end - 1])
                 if count is None or count > end:
                     out[a] = None
                 else:
