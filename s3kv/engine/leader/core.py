@@ -134,70 +134,53 @@ class LeaderCore:
         caller hands ``tokens`` over (a list nobody else changes), so it is kept, not copied."""
         c0 = time.thread_time()
         try:
-            return self._match(
-                request_id, tokens, prompt_len, num_computed_tokens, cache_salt, lora_id,
-                multimodal_hashes, has_multimodal, store_available, owned,
-            )
-        finally:
-            self.stats.lookup_cpu_s += time.thread_time() - c0
-
-    def _match(
-        self,
-        request_id: int,
-        tokens: Sequence[int],
-        prompt_len: int,
-        num_computed_tokens: int,
-        cache_salt: Any,
-        lora_id: int | None,
-        multimodal_hashes: Sequence[Any] | None,
-        has_multimodal: bool,
-        store_available: bool,
-        owned: bool,
-    ) -> tuple[int, bool]:
-        with self._lock:
-            old = self._requests.pop(request_id, None)
-            if old is not None:
-                # A replay: the engine re-allocates from scratch; whatever we staged is stale.
-                self._discards.add(request_id)
-            else:
-                # The denominator of "share of prompt tokens served from S3" (once per request).
-                self.stats.prompt_tokens += int(prompt_len)
-            g = self.geometry
-            # The request's token list is ours to extend: at most one copy (a list's slice is one).
-            # 128k tokens copy in ~0.3 ms and the copy is traversed again by the next garbage
-            # collection, on the scheduler's thread - so a list handed over is kept as it is.
-            if owned and isinstance(tokens, list) and len(tokens) == prompt_len:
-                prompt = tokens
-            else:
-                prompt = tokens[:prompt_len] if isinstance(tokens, list) else list(tokens[:prompt_len])
-            if g is None:
-                log.warning("s3kv: no KV cache layout registered yet; request %s is a miss", request_id,
-                            extra={"request_id": request_id})
-                self._requests[request_id] = RequestState(request_id, None, None, prompt, prompt_len)
-                return 0, False
-            try:
-                root = chain_root(
-                    self.namespace,
-                    cache_salt=cache_salt,
-                    lora_id=lora_id,
-                    multimodal_hashes=multimodal_hashes,
-                    has_multimodal=has_multimodal,
+            with self._lock:
+                old = self._requests.pop(request_id, None)
+                if old is not None:
+                    # A replay: the engine re-allocates from scratch; whatever we staged is stale.
+                    self._discards.add(request_id)
+                else:
+                    # The denominator of "share of prompt tokens served from S3" (once per request).
+                    self.stats.prompt_tokens += int(prompt_len)
+                g = self.geometry
+                # The request's token list is ours to extend: at most one copy (a list's slice is one).
+                # 128k tokens copy in ~0.3 ms and the copy is traversed again by the next garbage
+                # collection, on the scheduler's thread - so a list handed over is kept as it is.
+                if owned and isinstance(tokens, list) and len(tokens) == prompt_len:
+                    prompt = tokens
+                else:
+                    prompt = tokens[:prompt_len] if isinstance(tokens, list) else list(tokens[:prompt_len])
+                if g is None:
+                    log.warning("s3kv: no KV cache layout registered yet; request %s is a miss", request_id,
+                                extra={"request_id": request_id})
+                    self._requests[request_id] = RequestState(request_id, None, None, prompt, prompt_len)
+                    return 0, False
+                try:
+                    root = chain_root(
+                        self.namespace,
+                        cache_salt=cache_salt,
+                        lora_id=lora_id,
+                        multimodal_hashes=multimodal_hashes,
+                        has_multimodal=has_multimodal,
+                    )
+                except NotCacheable as e:
+                    self.stats.not_cacheable += 1
+                    log.info("s3kv: request %s not cached: %s", request_id, e, extra={"request_id": request_id})
+                    self._requests[request_id] = RequestState(request_id, None, None, prompt, prompt_len)
+                    return 0, False
+                chain = Chain(root, g.tokens_per_block)
+                h0 = time.thread_time()
+                chain.extend_to(prompt)
+                self.stats.lookup_hash_cpu_s += time.thread_time() - h0
+                st = RequestState(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
+                self._requests[request_id] = st
+                return self._lookups.offer(
+                    st, num_computed_tokens, store_available=store_available, load_async=self.load_async,
+                    on_lookup=self._on_lookup,
                 )
-            except NotCacheable as e:
-                self.stats.not_cacheable += 1
-                log.info("s3kv: request %s not cached: %s", request_id, e, extra={"request_id": request_id})
-                self._requests[request_id] = RequestState(request_id, None, None, prompt, prompt_len)
-                return 0, False
-            chain = Chain(root, g.tokens_per_block)
-            h0 = time.thread_time()
-            chain.extend_to(prompt)
-            self.stats.lookup_hash_cpu_s += time.thread_time() - h0
-            st = RequestState(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
-            self._requests[request_id] = st
-            return self._lookups.offer(
-                st, num_computed_tokens, store_available=store_available, load_async=self.load_async,
-                on_lookup=self._on_lookup,
-            )
+        finally:
+            # All of it runs on the scheduler thread: what the engine's batch waited for.
+            self.stats.lookup_cpu_s += time.thread_time() - c0
 
     def lookup_summary(self) -> NamespaceSummary | None:
         """The namespace summary (made on first use; its refresher starts with the first

@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -204,17 +204,23 @@ class Lookups:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ answering asks
+    def _indexed(self, st: RequestState, asks: set[Ask]) -> Iterator[tuple[Ask, str, Any]]:
+        """(ask, object key, what the index knows of it) for every ask, read in one pass."""
+        assert st.chain is not None and self.ctx is not None
+        prefixes, digests = self.ctx.prefixes, st.chain.digests
+        keys = {a: prefixes[(a[0], a[1])] + digests[a[2] - 1].hex() for a in asks}
+        for (a, key), v in zip(keys.items(), self.index.get_many(keys.values()), strict=True):
+            yield a, key, v
+
     def _probe_local(
         self, st: RequestState, asks: set[Ask], summary: Any, picked: dict[Ask, str]
     ) -> dict[Ask, Span | None]:
         """Answer asks from the index, else the summary (noting which came from the summary)."""
         assert st.chain is not None and self.ctx is not None
         out: dict[Ask, Span | None] = {}
-        prefixes = self.ctx.prefixes
         digests = st.chain.digests
-        keys = {a: prefixes[(a[0], a[1])] + digests[a[2] - 1].hex() for a in asks}
-        listed = {gs: summary.get(gs, {}) for gs in prefixes}
-        for (a, key), v in zip(keys.items(), self.index.get_many(keys.values()), strict=True):
+        listed = {gs: summary.get(gs, {}) for gs in self.ctx.prefixes}
+        for a, key, v in self._indexed(st, asks):
             grp, shard, end = a
             if v is MISSING:
                 out[a] = None
@@ -293,9 +299,7 @@ class Lookups:
         # promise: ask the store, which fails fast while open (a miss) and whose
         # answer closes a half-open breaker before anything is promised.
         trust_index = self.store.available
-        prefixes, digests = self.ctx.prefixes, st.chain.digests
-        keys = {a: prefixes[(a[0], a[1])] + digests[a[2] - 1].hex() for a in asks}
-        for (a, key), v in zip(keys.items(), self.index.get_many(keys.values()), strict=True):
+        for a, key, v in self._indexed(st, asks):
             if v is MISSING:
                 out[a] = None
             elif v is not None and trust_index:

@@ -341,8 +341,7 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
                 exact_all &= exact
             finally:
                 sz.cleanup()
-            rows.append(_row(sz, best, cpu, raws, paired_ratios(runs, list(raws))))
-            rows[-1]["seconds_by_repeat"] = [{k: rnd(v) for k, v in r.items()} for r in runs]
+            rows.append(_row(sz, best, cpu, raws, runs))
             for i, r in enumerate(runs):
                 if i == len(run_totals):
                     run_totals.append({})
@@ -502,9 +501,10 @@ def _clients(agg: dict[str, float], cpu: dict[str, float], methods: list[str]) -
 
 
 def _row(
-    sz: _Size, best: dict[str, float], cpu: dict[str, float], raws: dict[str, Any], paired: dict[str, float]
+    sz: _Size, best: dict[str, float], cpu: dict[str, float], raws: dict[str, Any], runs: list[dict[str, float]]
 ) -> dict[str, Any]:
     mb = sz.payload / MiB
+    paired = paired_ratios(runs, list(raws))
     thr = {k: mb / v for k, v in best.items()}
     gb = sz.payload / 1e9
     fast_save = max(raws, key=lambda c: thr[f"raw_{c}_save"])
@@ -535,6 +535,7 @@ def _row(
         "mib_s": {k: rnd(v, 1) for k, v in thr.items()},
         "cpu_s_per_gb": {k: rnd(v / gb) for k, v in cpu.items()},
         "seconds": {k: rnd(v) for k, v in best.items()},
+        "seconds_by_repeat": [{k: rnd(v) for k, v in r.items()} for r in runs],
     }
 
 
