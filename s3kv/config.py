@@ -151,8 +151,11 @@ class Settings:
     #: HEAD waves of timed-out lookups still running in the background; a lookup that finds this
     #: many is a miss at once (a hung store must not queue waves without bound).
     lookup_max_pending: int = 4
-    #: HEADs of one wave in flight at once (obstore client; boto3 uses max_concurrency).
-    lookup_head_concurrency: int = 128
+    #: HEADs in flight at once, over all of a leader's waves (obstore client: on one event loop,
+    #: no thread each; boto3 uses max_concurrency threads). A wave larger than this costs more
+    #: than one round trip: a 128k-token Gemma-3 prompt's verify wave is ~344 HEADs. Each HEAD in
+    #: flight holds a connection (a file descriptor), kept idle afterwards for reuse.
+    lookup_head_concurrency: int = 512
     #: Refresh a summary of the namespace's stored objects (one LIST pass) this often, so a cold
     #: miss costs no request and a cold hit one verify wave; 0 = off (lookups probe with HEADs).
     #: Off by default until engines start it at layout registration (first lookups would race

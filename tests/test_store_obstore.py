@@ -280,3 +280,105 @@ def test_a_failed_part_never_writes_after_the_read_returns(moto_s3: EmbeddedS3, 
             store.get_ranges_into(k, [ByteRange(0, len(body))], [memoryview(buf)])
         time.sleep(0.5)  # a straggler would copy now
         assert not any(buf), "a part wrote into the buffer after the read had failed"
+
+
+# -- HEAD waves on the event loop ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["slowdown_503", "error_500", "reset", "stall"])
+def test_head_wave_answers_every_key_through_faults(
+    moto_s3: EmbeddedS3, proxies: list, prefix: str, fault: str
+) -> None:
+    """A wave of HEADs (the lookup's path) retries each key on its own under the same policy as
+    a single request: every stored key is found with its metadata, every other one missing."""
+    stall = fault == "stall"
+    with _native(moto_s3) as direct:
+        stored = [f"{prefix}/in/{i:03d}" for i in range(24)]
+        for k in stored:
+            assert direct.put(k, b"v", {"s3kv-n": k[-3:]})
+    absent = [f"{prefix}/out/{i:03d}" for i in range(24)]
+    px = FaultProxy.for_url(
+        moto_s3.endpoint_url, WireFaultPlan(**{fault: 0.3}, stall_s=1.0, ops={"HEAD"}), seed=5
+    ).start()
+    proxies.append(px)
+    opts = dataclasses.replace(STALL_OPTS if stall else OPTS, head_concurrency=16)
+    with _through(moto_s3, px, opts) as store:
+        batch = store.head_many(stored + absent)
+    assert px.stats()["faults"][fault] >= 5, px.stats()
+    assert not batch.failed, {k: str(e) for k, e in batch.failed.items()}
+    assert set(batch.found) == set(stored)
+    assert all(batch.found[k].metadata["s3kv-n"] == k[-3:] for k in stored)
+    assert set(batch.missing) == set(absent)
+
+
+def test_head_wave_deadline_when_nobody_listens(closed_port: int) -> None:
+    opts = dataclasses.replace(TEST_OPTS, retry=RetryPolicy(max_attempts=3, base_s=0.001, deadline_s=2))
+    store = ObstoreS3Store(
+        "s3kv-nowhere", endpoint_url=f"http://127.0.0.1:{closed_port}", options=opts,
+        aws_access_key_id="k", aws_secret_access_key="s",
+    )
+    with store:
+        batch = store.head_many(["a/1", "a/2", "a/3"])
+    assert set(batch.failed) == {"a/1", "a/2", "a/3"}
+    assert all(isinstance(e, DeadlineExceeded) and k in str(e) for k, e in batch.failed.items())
+
+
+def test_head_wave_is_in_flight_at_once_up_to_the_bound(moto_s3: EmbeddedS3, proxies: list, prefix: str) -> None:
+    """``head_concurrency`` HEADs are in flight together, whatever ``max_concurrency`` (the
+    ranged-GET threads) is: a wave of 32 at 0.4 s per request is one round, not 32/4 = 8; and
+    never more than the bound: 12 keys at a bound of 4 take at least 3 rounds."""
+    lat = 0.4
+    px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan(latency_s=lat)).start()
+    proxies.append(px)
+    keys = [f"{prefix}/k{i:02d}" for i in range(32)]
+    wide = dataclasses.replace(OPTS, max_concurrency=4, head_concurrency=32)
+    with _through(moto_s3, px, wide) as store:
+        store.head_many(keys[:2])  # connections and credentials up
+        t0 = time.monotonic()
+        batch = store.head_many(keys)
+        wide_s = time.monotonic() - t0
+    assert set(batch.missing) == set(keys)
+    assert wide_s < 3 * lat, f"{wide_s:.2f}s for one round of {lat}s"
+    narrow = dataclasses.replace(OPTS, max_concurrency=32, head_concurrency=4)
+    with _through(moto_s3, px, narrow) as store:
+        t0 = time.monotonic()
+        batch = store.head_many(keys[:12])
+        narrow_s = time.monotonic() - t0
+    assert set(batch.missing) == set(keys[:12])
+    assert narrow_s >= 3 * lat, f"{narrow_s:.2f}s: more than 4 HEADs were in flight at once"
+
+
+def test_closing_during_a_head_wave_answers_it(moto_s3: EmbeddedS3, proxies: list, prefix: str) -> None:
+    """A wave still waiting when the store closes (a lookup wave that outlived its budget, at
+    shutdown) gets every key back as failed at once; it never hangs its thread."""
+    px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan(latency_s=30.0)).start()
+    proxies.append(px)
+    store = _through(moto_s3, px, OPTS)
+    got: list[Any] = []
+    waiter = threading.Thread(target=lambda: got.append(store.head_many([f"{prefix}/a", f"{prefix}/b"])))
+    waiter.start()
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    store.close()
+    waiter.join(10)
+    assert not waiter.is_alive() and time.monotonic() - t0 < 8
+    assert set(got[0].failed) == {f"{prefix}/a", f"{prefix}/b"}
+    after = store.head_many([f"{prefix}/a", f"{prefix}/b"])  # closed: answered, not raised
+    assert set(after.failed) == {f"{prefix}/a", f"{prefix}/b"}
+
+
+def test_head_width_stays_within_the_descriptor_limit(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each HEAD in flight holds a socket the engine's own files share: under a low ``ulimit -n``
+    the wave's width is cut to a quarter of it, with a warning naming the setting."""
+    import resource
+
+    from s3kv.store import obstore_store
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (1024, 4096))
+    assert obstore_store._fd_bounded(512) == 256
+    assert "S3KV_LOOKUP_HEAD_CONCURRENCY=512 lowered to 256" in caplog.text
+    assert obstore_store._fd_bounded(200) == 200
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    assert obstore_store._fd_bounded(512) == 512

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import FrozenInstanceError
+from typing import Any
 
 import pytest
 
@@ -12,6 +13,7 @@ from s3kv.store.base import (
     ByteRange,
     DeadlineExceeded,
     IntegrityError,
+    NotFound,
     PermissionDenied,
     TransientError,
 )
@@ -137,6 +139,55 @@ def test_retry_policy_deadline_bounds_time() -> None:
         RetryPolicy(max_attempts=1).call(always_503, op="get", key="obj")
     with pytest.raises(ValueError):
         RetryPolicy(max_attempts=0)
+
+
+@pytest.mark.parametrize("flavour", ["call", "acall"])
+def test_retry_policy_counts_attempts_and_time_from_the_first(flavour: str) -> None:
+    """Sync and async: the first attempt runs before any retry machinery and still counts, as
+    an attempt and against the deadline; answers (not ``retry_on``) are raised at once."""
+    import asyncio
+
+    def run(policy: RetryPolicy, fn: Any) -> Any:
+        if flavour == "call":
+            return policy.call(fn, op="get", key="obj")
+
+        async def afn() -> Any:
+            return fn()
+
+        return asyncio.run(policy.acall(afn, op="get", key="obj"))
+
+    calls = [0]
+
+    def flaky(fails: int, sleep_s: float = 0.0) -> Any:
+        def fn() -> str:
+            calls[0] += 1
+            time.sleep(sleep_s)
+            if calls[0] <= fails:
+                raise TransientError("503 SlowDown", key="obj")
+            return "ok"
+
+        calls[0] = 0
+        return fn
+
+    fast = RetryPolicy(max_attempts=4, base_s=0.001, max_backoff_s=0.002, deadline_s=10.0)
+    assert run(fast, flaky(0)) == "ok" and calls[0] == 1
+    assert run(fast, flaky(3)) == "ok" and calls[0] == 4
+    with pytest.raises(DeadlineExceeded, match="after 4 attempt"):
+        run(fast, flaky(4))
+    assert calls[0] == 4
+    # A first attempt that used up the deadline: no second one.
+    with pytest.raises(DeadlineExceeded, match="after 1 attempt"):
+        run(RetryPolicy(max_attempts=5, base_s=0.001, deadline_s=0.2), flaky(9, sleep_s=0.3))
+    assert calls[0] == 1
+
+    def gone() -> None:
+        calls[0] += 1
+        raise NotFound("no such key", key="obj")
+
+    calls[0] = 0
+    with pytest.raises(NotFound):
+        run(fast, gone)
+    assert calls[0] == 1
 
 
 def test_retrying_head_many_keeps_settled_keys() -> None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import tenacity
 
@@ -66,6 +66,12 @@ class RetryPolicy:
         if self.base_s < 0 or self.max_backoff_s < 0 or self.deadline_s <= 0:
             raise ValueError(f"RetryPolicy times must be positive: {self}")
 
+    # Why every call tries once before tenacity: a tenacity loop costs ~0.15 ms of Python per
+    # request (measured: a 344-HEAD wave spent 55 of its 143 ms of CPU there) and nearly every
+    # request succeeds at once. A first failure worth retrying is replayed as tenacity's first
+    # attempt, with the deadline counted from the real start: the same attempts, backoff, deadline
+    # and messages as a loop that ran from the beginning.
+
     def call(
         self,
         fn: Callable[[], T],
@@ -76,26 +82,74 @@ class RetryPolicy:
     ) -> T:
         """Run ``fn`` until it returns, raises something not in ``retry_on``, or the budget ends."""
         start = time.monotonic()
-        retryer = tenacity.Retrying(
-            stop=tenacity.stop_after_attempt(self.max_attempts) | _stop_by_deadline(self.deadline_s),
-            wait=tenacity.wait_random_exponential(multiplier=self.base_s, max=self.max_backoff_s),
-            retry=tenacity.retry_if_exception_type(retry_on),
-            before_sleep=_log_retry(op, key),
-            reraise=False,
-        )
         try:
-            return retryer(fn)
+            return fn()
+        except retry_on as exc:
+            first: BaseException | None = exc
+
+        def again() -> T:
+            nonlocal first
+            if first is not None:
+                e, first = first, None
+                raise e
+            return fn()
+
+        try:
+            return tenacity.Retrying(**self._tenacity(op, key, retry_on, start))(again)
         except tenacity.RetryError as exc:
-            last = exc.last_attempt.exception()
-            detail = str(last)
-            if isinstance(last, StoreError) and key is not None:
-                detail = detail.removesuffix(f" (object {key!r})")  # ours names the key once
-            raise DeadlineExceeded(
-                f"{op} gave up after {exc.last_attempt.attempt_number} attempt(s) in "
-                f"{time.monotonic() - start:.2f}s (limits: {self.max_attempts} attempts, "
-                f"{self.deadline_s:g}s deadline); last error: {type(last).__name__}: {detail}",
-                key=key,
-            ) from last
+            raise self._gave_up(exc, op, key, start) from exc.last_attempt.exception()
+
+    async def acall(
+        self,
+        fn: Callable[[], Awaitable[T]],
+        *,
+        op: str,
+        key: str | None = None,
+        retry_on: tuple[type[BaseException], ...] = (TransientError,),
+    ) -> T:
+        """:meth:`call` for a coroutine function: the same attempts, backoff and deadline, with
+        the backoff slept on the event loop (many requests wait at once without a thread each)."""
+        start = time.monotonic()
+        try:
+            return await fn()
+        except retry_on as exc:
+            first: BaseException | None = exc
+
+        async def again() -> T:
+            nonlocal first
+            if first is not None:
+                e, first = first, None
+                raise e
+            return await fn()
+
+        try:
+            return await tenacity.AsyncRetrying(**self._tenacity(op, key, retry_on, start))(again)
+        except tenacity.RetryError as exc:
+            raise self._gave_up(exc, op, key, start) from exc.last_attempt.exception()
+
+    def _tenacity(
+        self, op: str, key: str | None, retry_on: tuple[type[BaseException], ...], start: float
+    ) -> dict[str, Any]:
+        left = self.deadline_s - (time.monotonic() - start)  # the first attempt's time counts
+        return {
+            "stop": tenacity.stop_after_attempt(self.max_attempts) | _stop_by_deadline(left),
+            "wait": tenacity.wait_random_exponential(multiplier=self.base_s, max=self.max_backoff_s),
+            "retry": tenacity.retry_if_exception_type(retry_on),
+            "before_sleep": _log_retry(op, key),
+            "reraise": False,
+        }
+
+    def _gave_up(self, exc: tenacity.RetryError, op: str, key: str | None, start: float) -> DeadlineExceeded:
+        last = exc.last_attempt.exception()
+        detail = str(last)
+        if isinstance(last, StoreError) and key is not None:
+            detail = detail.removesuffix(f" (object {key!r})")  # ours names the key once
+        return DeadlineExceeded(
+            f"{op} gave up after {exc.last_attempt.attempt_number} attempt(s) in "
+            f"{time.monotonic() - start:.2f}s (limits: {self.max_attempts} attempts, "
+            f"{self.deadline_s:g}s deadline); last error: {type(last).__name__}: {detail}",
+            key=key,
+        )
 
 
 def _log_retry(op: str, key: str | None) -> Callable[[tenacity.RetryCallState], None]:

@@ -154,9 +154,10 @@ class S3Options:
     #: Which client ``open_store`` builds for s3:// (S3KV_S3_CLIENT): "auto" (obstore when it is
     #: installed, else boto3), "obstore" or "boto3". See s3kv/store/obstore_store.py for why.
     client: Literal["auto", "obstore", "boto3"] = "auto"
-    #: HEADs of one batch in flight at once on the obstore client (its requests hold no GIL, so a
-    #: lookup's wave goes out in one round trip); the boto3 store fans out over max_concurrency.
-    head_concurrency: int = 128
+    #: HEADs in flight at once on the obstore client, over all batches (they run on one event
+    #: loop and hold no GIL, so a lookup's wave goes out in one round trip); the boto3 store fans
+    #: out over max_concurrency threads.
+    head_concurrency: int = 512
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.upload_concurrency < 1:

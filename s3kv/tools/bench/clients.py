@@ -12,6 +12,7 @@ awscrt is optional (``pip install awscrt``); without it its rows are left out an
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ def s3_endpoint(bs: BenchStore) -> tuple[str, str, Any] | None:
     return boto.bucket, boto.endpoint_url, boto._session
 
 
-def s3kv_stores(bs: BenchStore, *, head_concurrency: int = 128) -> dict[str, ObjectStore]:
+def s3kv_stores(bs: BenchStore, *, head_concurrency: int | None = None) -> dict[str, ObjectStore]:
     """s3kv's store on every client it ships, same server (raw: no latency, no counting)."""
     ep = s3_endpoint(bs)
     if ep is None:
@@ -43,16 +44,24 @@ def s3kv_stores(bs: BenchStore, *, head_concurrency: int = 128) -> dict[str, Obj
     from ...store.s3 import S3Options, S3Store
 
     out: dict[str, ObjectStore] = {}
-    opts = S3Options(max_concurrency=bs.concurrency, head_concurrency=head_concurrency)
+    opts = S3Options(max_concurrency=bs.concurrency)
+    if head_concurrency is not None:
+        opts = dataclasses.replace(opts, head_concurrency=head_concurrency)
     out["boto3"] = S3Store(bucket, endpoint_url=endpoint, options=opts, session=session)
     if available():
         out["obstore"] = ObstoreS3Store(bucket, endpoint_url=endpoint, options=opts, session=session)
     return out
 
 
-def fan_out(client: str, bs: BenchStore, head_concurrency: int = 128) -> int:
+def fan_out(client: str, bs: BenchStore, head_concurrency: int | None = None) -> int:
     """HEADs a client has in flight at once (the latency model charges ceil(n / this) round trips)."""
-    return head_concurrency if client == "obstore" else bs.concurrency
+    if client != "obstore":
+        return bs.concurrency
+    if head_concurrency is None:
+        from ...store.s3 import S3Options
+
+        return S3Options.head_concurrency
+    return head_concurrency
 
 
 def shaped(bs: BenchStore, store: ObjectStore, concurrency: int) -> tuple[Any, RegionLatency | None]:
