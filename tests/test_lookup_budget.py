@@ -240,6 +240,36 @@ def test_index_get_many_answers_like_get_and_expires_the_same():
     assert len(idx) == 0  # expired entries read are dropped, as by get
 
 
+def test_index_put_many_does_what_single_puts_do():
+    """A HEAD wave's answers in one call: the same entries, expiries, quarantine rule, sweeping
+    and bound as putting them one at a time."""
+    def filled(batched: bool) -> KeyIndex:
+        now = [0.0]
+        idx = KeyIndex(max_entries=40, ttl_s=10, negative_ttl_s=2, clock=lambda: now[0])
+        for i in range(30):
+            idx.put_missing(f"old{i}")
+        idx.quarantine(["bad"], ttl=50)
+        now[0] = 5.0  # the 30 negatives expired
+        present = [(f"p{i}", ObjectSpan(i, 1)) for i in range(12)] + [("bad", ObjectSpan(0, 1))]
+        missing = [f"m{i}" for i in range(6)] + ["p0"]  # p0: missing after all (a later answer)
+        if batched:
+            idx.put_many(present, missing)
+        else:
+            for k, span in present:
+                idx.put_present(k, span)
+            for k in missing:
+                idx.put_missing(k)
+        return idx
+
+    one, many = filled(False), filled(True)
+    keys = [f"old{i}" for i in range(30)] + [f"p{i}" for i in range(12)] + [f"m{i}" for i in range(6)] + ["bad"]
+    assert many.get_many(keys) == one.get_many(keys)
+    assert many.get("bad") is MISSING and many.get("p0") is MISSING and many.get("p3") == ObjectSpan(3, 1)
+    assert len(many) == len(one) == 12 + 6 + 1  # expired negatives swept, as single puts sweep
+    many.put_many([(f"x{i}", ObjectSpan(0, 1)) for i in range(60)], [])
+    assert len(many) == 40  # bounded like single puts
+
+
 def test_lookup_counts_its_cpu_and_keeps_a_handed_over_token_list():
     g = geo()
     mem = MemoryStore()

@@ -39,6 +39,7 @@ mirror must change together.
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -127,6 +128,13 @@ class ObjectIdentity:
     #: The group's attention window (None: full attention), written to the metadata for operators
     #: (``s3kv ls``); the group fingerprint already binds it, so it is not compared.
     window: int | None = field(default=None, compare=False)
+
+    @functools.cached_property
+    def metadata_fields(self) -> tuple[tuple[str, str], ...]:
+        """The identity's fields as every object's metadata carries them (``object_metadata``).
+        Computed once: a long prompt's HEAD wave checks hundreds of objects of one identity."""
+        md = object_metadata(_without_integrity(self), 0, 0)
+        return tuple((f, md[f]) for f in ("s3kv-ns", "s3kv-group", "s3kv-shard", "s3kv-tpb", "s3kv-page-bytes"))
 
 
 @dataclass(frozen=True)
@@ -332,10 +340,9 @@ def span_from_metadata(
         raise ForeignObject("object has no s3kv metadata", key) from e
     if version != VERSION:
         raise UnsupportedVersion(f"object format version {version}, this build reads {VERSION}", key)
-    expected = object_metadata(_without_integrity(identity), 0, 0)
-    for f in ("s3kv-ns", "s3kv-group", "s3kv-shard", "s3kv-tpb", "s3kv-page-bytes"):
-        if md.get(f) != expected[f]:
-            raise ForeignObject(f"metadata {f}={md.get(f)!r}, expected {expected[f]!r}", key)
+    for f, want in identity.metadata_fields:
+        if md.get(f) != want:
+            raise ForeignObject(f"metadata {f}={md.get(f)!r}, expected {want!r}", key)
     try:
         span = ObjectSpan(int(md["s3kv-first"]), int(md["s3kv-count"]))
     except (KeyError, ValueError) as e:

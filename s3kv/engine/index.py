@@ -28,6 +28,10 @@ class _Missing:
 MISSING = _Missing()
 
 
+#: Expired entries dropped per map and insert (more than one, so sweeping outpaces inserting).
+_SWEEP = 8
+
+
 class KeyIndex:
     """Two maps, one per kind of entry, each kept in expiry order.
 
@@ -59,16 +63,17 @@ class KeyIndex:
         # so each map stays in expiry order (one TTL per map).
         self._quarantined: OrderedDict[str, float] = OrderedDict()
 
-    def _sweep(self, now: float) -> None:
+    def _sweep(self, now: float, limit: int = _SWEEP) -> None:
+        """Drop up to ``limit`` expired entries from the front of each map."""
         for negatives in (self._missing, self._quarantined):
-            for _ in range(_SWEEP):
+            for _ in range(limit):
                 if not negatives:
                     break
                 k, exp = next(iter(negatives.items()))
                 if exp >= now:
                     break
                 del negatives[k]
-        for _ in range(_SWEEP):
+        for _ in range(limit):
             if not self._present:
                 break
             k, (exp, _span) = next(iter(self._present.items()))
@@ -86,29 +91,39 @@ class KeyIndex:
                 self._present.popitem(last=False)
 
     def put_present(self, key: str, span: ObjectSpan) -> None:
-        if self.max_entries == 0 or self.ttl_s <= 0:
-            return
-        with self._lock:
-            now = self._clock()
-            until = self._quarantined.get(key)
-            if until is not None and until >= now:
-                return  # a late answer (HEAD wave, upload) must not lift a quarantine
-            self._missing.pop(key, None)
-            self._present.pop(key, None)
-            self._present[key] = (now + self.ttl_s, span)
-            self._sweep(now)
-            self._bound()
+        self.put_many([(key, span)], ())
 
     def put_missing(self, key: str) -> None:
-        if self.max_entries == 0 or self.negative_ttl_s <= 0:
-            return
+        self.put_many((), [key])
+
+    def put_many(self, present: Iterable[tuple[str, ObjectSpan]], missing: Iterable[str]) -> None:
+        """A HEAD wave's answers under one lock and one clock reading (hundreds per long prompt,
+        on the engine's scheduling path)."""
+        keep_present = self.max_entries > 0 and self.ttl_s > 0
+        keep_missing = self.max_entries > 0 and self.negative_ttl_s > 0
         with self._lock:
             now = self._clock()
-            self._present.pop(key, None)
-            self._missing.pop(key, None)
-            self._missing[key] = now + self.negative_ttl_s
-            self._sweep(now)
-            self._bound()
+            n = 0
+            if keep_present:
+                until, life = now + self.ttl_s, self._quarantined.get
+                for key, span in present:
+                    q = life(key)
+                    if q is not None and q >= now:
+                        continue  # a late answer (HEAD wave, upload) must not lift a quarantine
+                    self._missing.pop(key, None)
+                    self._present.pop(key, None)
+                    self._present[key] = (until, span)
+                    n += 1
+            if keep_missing:
+                until = now + self.negative_ttl_s
+                for key in missing:
+                    self._present.pop(key, None)
+                    self._missing.pop(key, None)
+                    self._missing[key] = until
+                    n += 1
+            if n:
+                self._sweep(now, _SWEEP * n)  # as much as n single inserts would sweep
+                self._bound()
 
     def quarantine(self, keys: Iterable[str], ttl: float) -> None:
         """Remember ``keys`` as missing for ``ttl`` seconds: objects that failed verification or
@@ -168,6 +183,3 @@ class KeyIndex:
         with self._lock:
             return len(self._present) + len(self._missing) + len(self._quarantined)
 
-
-#: Expired entries dropped per map and insert (more than one, so sweeping outpaces inserting).
-_SWEEP = 8

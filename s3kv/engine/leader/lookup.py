@@ -23,7 +23,7 @@ from typing import Any
 from ...config import Settings
 from ...core.hitrule import Span, required_range, servable
 from ...core.lookup import Ask, LookupResult, find_hit
-from ...core.objects import ObjectFormatError, span_from_metadata
+from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from ...store.base import HeadBatch, ObjectStore, StoreError
 from ..index import MISSING, KeyIndex
 from ..summary import NamespaceSummary, SummaryGroup
@@ -371,6 +371,8 @@ class Lookups:
         """HEAD answers -> spans (foreign objects rejected) and the index."""
         assert self.ctx is not None
         out: dict[Ask, Span | None] = {}
+        present: list[tuple[str, ObjectSpan]] = []
+        missing: list[str] = []
         for key, a in todo.items():
             info = batch.found.get(key)
             if info is not None:
@@ -385,13 +387,14 @@ class Lookups:
                     log.warning("s3kv: ignoring object: %s", e)
                     out[a] = None
                     continue
-                self.index.put_present(key, span)
+                present.append((key, span))
                 out[a] = Span(span.first, span.end)
             elif key in batch.failed:
                 if count:
                     self.stats.lookup_errors += 1
                 out[a] = None
             else:
-                self.index.put_missing(key)
+                missing.append(key)
                 out[a] = None
+        self.index.put_many(present, missing)
         return out
