@@ -108,3 +108,16 @@ def test_module_entry_point_runs_a_shared_server() -> None:
     finally:
         proc.stdin.close()
         assert proc.wait(timeout=30) == 0
+
+
+def test_weed_volume_size_fits_the_disk(monkeypatch) -> None:
+    """Large volumes (fewer growth stalls under a benchmark), but never so large that weed's
+    free-space / volume-size rule leaves fewer than 8 on the data disk."""
+    import collections
+
+    from s3kv.store import embedded
+
+    usage = collections.namedtuple("usage", "total used free")
+    for free_mb, want in ((1 << 20, 4096), (8 * 1000, 1000), (100, 128)):
+        monkeypatch.setattr(embedded.shutil, "disk_usage", lambda p, f=free_mb: usage(0, 0, f << 20))
+        assert embedded._volume_limit_mb("/data") == want
