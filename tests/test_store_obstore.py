@@ -382,3 +382,24 @@ def test_head_width_stays_within_the_descriptor_limit(
     assert obstore_store._fd_bounded(200) == 200
     monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     assert obstore_store._fd_bounded(512) == 512
+
+
+def test_a_head_wave_that_never_ends_is_given_up(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """Past the retry deadline and one attempt's timeouts (plus slack) a wave's caller stops
+    waiting: its keys fail with DeadlineExceeded (the loop would have to be wedged for this)."""
+    import asyncio
+
+    opts = dataclasses.replace(
+        TEST_OPTS, connect_timeout_s=0.1, read_timeout_s=0.1, retry=RetryPolicy(max_attempts=2, deadline_s=0.2)
+    )
+    with _native(moto_s3, options=opts) as store:
+        async def wedged(key: str, slots: Any) -> None:
+            await asyncio.sleep(60)
+
+        store._head_async = wedged  # type: ignore[method-assign]
+        store._WAVE_SLACK_S = 0.3
+        t0 = time.monotonic()
+        batch = store.head_many([f"{prefix}/a", f"{prefix}/b"])
+        assert time.monotonic() - t0 < 3
+    assert set(batch.failed) == {f"{prefix}/a", f"{prefix}/b"}
+    assert all(isinstance(e, DeadlineExceeded) for e in batch.failed.values())

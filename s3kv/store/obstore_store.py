@@ -55,6 +55,7 @@ from .base import (
     BucketNotFound,
     Buffer,
     ByteRange,
+    DeadlineExceeded,
     HeadBatch,
     IntegrityError,
     NotFound,
@@ -312,6 +313,7 @@ class ObstoreS3Store(ObjectStore):
     # A GET with ``head``: one HEAD request whose answer keeps the user metadata (obstore's
     # head() returns only size / etag / mtime).
     _HEAD: Mapping[str, Any] = {"head": True}
+    _WAVE_SLACK_S = 5.0
 
     @staticmethod
     def _info(key: str, r: Any) -> ObjectInfo:
@@ -359,19 +361,28 @@ class ObstoreS3Store(ObjectStore):
         if len(unique) <= 1:
             return HeadBatch.from_outcomes(unique, [self._head_one(k) for k in unique])
         outcomes: list[ObjectInfo | None | StoreError]
+
+        async def wave(slots: asyncio.Semaphore) -> list[ObjectInfo | None | StoreError]:
+            return list(await asyncio.gather(*(self._head_async(k, slots) for k in unique)))
+
+        # Every HEAD ends within the retry deadline plus one attempt's timeouts; waiting longer
+        # would mean the loop is gone (closed under us), and no caller may hang on that.
+        opts = self.options
+        limit = opts.retry.deadline_s + opts.connect_timeout_s + opts.read_timeout_s + self._WAVE_SLACK_S
         try:
-            loop, slots = self._head_loop()
-
-            async def wave() -> list[ObjectInfo | None | StoreError]:
-                return list(await asyncio.gather(*(self._head_async(k, slots) for k in unique)))
-
-            outcomes = asyncio.run_coroutine_threadsafe(wave(), loop).result()
+            fut = self._submit(wave)
+            outcomes = fut.result(timeout=limit)
         except (cf.CancelledError, _Closed):
-            gone = StoreError(f"S3 head s3://{self.bucket}: the store was closed")
-            outcomes = [gone] * len(unique)
+            outcomes = [StoreError(f"S3 head s3://{self.bucket}: the store was closed")] * len(unique)
+        except cf.TimeoutError:
+            fut.cancel()
+            outcomes = [DeadlineExceeded(f"S3 head wave gave up after {limit:g}s", key=k) for k in unique]
         return HeadBatch.from_outcomes(unique, outcomes)
 
-    def _head_loop(self) -> tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]:
+    def _submit(self, wave: Callable[[asyncio.Semaphore], Any]) -> cf.Future:
+        """Start ``wave(slots)`` on the HEAD loop (made on first use). Under the lock, so a
+        ``close`` cannot slip between the closed check and the submission: what was submitted
+        is then cancelled by ``_stop_loop``, never left waiting on a stopped loop."""
         with self._lock:
             if self._closed:
                 raise _Closed
@@ -381,7 +392,7 @@ class ObstoreS3Store(ObjectStore):
                 thread.start()
                 self._loop, self._loop_thread = loop, thread
                 self._head_slots = asyncio.Semaphore(self._head_width)
-            return self._loop, self._head_slots
+            return asyncio.run_coroutine_threadsafe(wave(self._head_slots), self._loop)
 
     def _stop_loop(self) -> None:
         """Cancel what runs on the HEAD loop (a waiting ``head_many`` then answers "closed",
