@@ -451,3 +451,52 @@ def test_slow_store_lookup_is_a_bounded_miss_and_warms_the_index_later():
     store.delay = 0.0
     n2, _ = leader.get_num_new_matched_tokens(2, tokens, len(tokens), 0)
     assert n2 > 0
+
+
+def test_a_lookup_that_ran_out_is_finished_in_the_background():
+    """A long prompt's probe needs two waves; a budget that covers less than one makes the
+    lookup a miss. Its remaining waves then run in the background (after the wave that ran
+    out, no HEAD asked twice), so the next lookup of the prefix is answered from the index
+    with no request at all -- with the store still as slow."""
+    import time as _time
+
+    from s3kv.store.base import StoreWrapper
+    from s3kv.store.instrument import InstrumentedStore
+    from s3kv.store.memory import MemoryStore
+
+    class SlowHeads(StoreWrapper):
+        delay = 0.0
+
+        def head_many(self, keys):
+            _time.sleep(self.delay)
+            return super().head_many(keys)
+
+    g = geo()
+    mem = MemoryStore()
+    tokens = tokens_of(64 * TPB + 5, seed=11)
+    put_prefix(mem, g, tokens, 64, 4)
+    store = InstrumentedStore(SlowHeads(mem))
+    store.inner.delay = 0.3
+    leader = make_core(store, g, lookup_timeout_s=0.1, lookup_probe_budget=8)
+    try:
+        assert leader.get_num_new_matched_tokens(1, tokens, len(tokens), 0)[0] == 0
+        assert leader.stats.lookup_timeouts == 1
+        deadline = _time.monotonic() + 10
+        while leader.stats.lookups_finished_late == 0 and _time.monotonic() < deadline:
+            _time.sleep(0.05)
+        assert leader.stats.lookups_finished_late == 1
+        heads = store.snapshot().head
+        n, _ = leader.get_num_new_matched_tokens(2, tokens, len(tokens), 0)
+        assert n == 64 * TPB
+        assert store.snapshot().head == heads  # answered by the index: no request
+        assert leader.stats.lookup_timeouts == 1
+    finally:
+        leader.close_lookup()
+    # The foreground waves and the background finish together asked what one unhurried lookup asks.
+    plain = InstrumentedStore(mem)
+    ref = make_core(plain, g, lookup_timeout_s=0, lookup_probe_budget=8)
+    try:
+        assert ref.get_num_new_matched_tokens(1, tokens, len(tokens), 0)[0] == 64 * TPB
+        assert ref.stats.lookup_waves >= 2 and plain.snapshot().head == heads
+    finally:
+        ref.close_lookup()

@@ -77,11 +77,18 @@ def test_hung_store_costs_a_budget_per_lookup_bounds_the_backlog_and_opens_the_b
     while core._pending_waves and time.monotonic() < deadline:
         time.sleep(0.01)
     assert core._pending_waves == 0
-    # The late answers settled nothing (they were counted as timeouts): a third timeout opens it.
+    core.close_lookup()
+    # The store answered (the late waves, and the timed-out lookups finished in the background):
+    # the breaker's count restarted. Hung again, three timeouts in a row trip it (a backlog of
+    # three lets three waves hang).
+    assert breaker.state is BreakerState.CLOSED
     hung.release.clear()
+    core = _leader(breaker, g, lookup_timeout_s=0.05, lookup_max_pending=3)
     try:
-        prompt = tokens_of(20 * TPB + 3, seed=99)
-        core.get_num_new_matched_tokens(99, prompt, len(prompt), 0)
+        for seed in (97, 98, 99):
+            prompt = tokens_of(20 * TPB + 3, seed=seed)
+            core.get_num_new_matched_tokens(seed, prompt, len(prompt), 0)
+        assert core.stats.lookup_timeouts == 3
         assert breaker.state is BreakerState.OPEN  # three timeouts: a hung store trips it
         calls = hung.calls
         t0 = time.monotonic()

@@ -59,6 +59,8 @@ class Lookups:
         self._pending_lock = threading.Lock()
         self._summary: NamespaceSummary | None = None
         self._last_probe_used_network = False
+        #: The wave this lookup's budget ran out on (still running), if any.
+        self._late_wave: Future | None = None
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -94,6 +96,7 @@ class Lookups:
         budget = self.settings.lookup_timeout_s
         self._deadline = time.monotonic() + budget if budget > 0 else float("inf")
         self._timed_out = False
+        self._late_wave = None
         result = self._find(st, prompt_len // tpb, hmax)
         self.stats.lookup_waves += result.waves
         self.stats.lookup_asks += result.asks
@@ -164,6 +167,8 @@ class Lookups:
             lambda a: self._probe(st, a),
             count_wave=lambda a: self._last_probe_used_network,
         )
+        if self._timed_out:
+            self._finish_late(st, full_blocks, hmax)
         result.waves += waves
         result.asks += asks
         return result
@@ -291,14 +296,12 @@ class Lookups:
             log.warning("s3kv: lookup of request %s ran out of its %.3f s budget; a miss",
                         st.request_id, self.settings.lookup_timeout_s, extra={"request_id": st.request_id})
 
-    def _probe(self, st: RequestState, asks: set[Ask]) -> dict[Ask, Span | None]:
-        assert st.chain is not None and self.ctx is not None
+    def _split(
+        self, st: RequestState, asks: set[Ask], trust_index: bool
+    ) -> tuple[dict[Ask, Span | None], dict[str, Ask]]:
+        """(what the index answers, key -> ask of what it does not)."""
         out: dict[Ask, Span | None] = {}
         todo: dict[str, Ask] = {}
-        # With the store in doubt (breaker not closed), a remembered object is no
-        # promise: ask the store, which fails fast while open (a miss) and whose
-        # answer closes a half-open breaker before anything is promised.
-        trust_index = self.store.available
         for a, key, v in self._indexed(st, asks):
             if v is MISSING:
                 out[a] = None
@@ -306,6 +309,14 @@ class Lookups:
                 out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
             else:
                 todo[key] = a
+        return out, todo
+
+    def _probe(self, st: RequestState, asks: set[Ask]) -> dict[Ask, Span | None]:
+        assert st.chain is not None and self.ctx is not None
+        # With the store in doubt (breaker not closed), a remembered object is no
+        # promise: ask the store, which fails fast while open (a miss) and whose
+        # answer closes a half-open breaker before anything is promised.
+        out, todo = self._split(st, asks, self.store.available)
         self._last_probe_used_network = bool(todo)
         if not todo:
             return out
@@ -361,11 +372,70 @@ class Lookups:
             return fut.result(timeout=remaining)
         except FutureTimeout:
             timed_out[0] = True
+            self._late_wave = fut
             # A hung store never fails a call, so count the timeout where health is judged.
             self.store.note_timeout("head")
             raise _LookupTimeout from None
         finally:
             fut.add_done_callback(done)
+
+    def _finish_late(self, st: RequestState, full_blocks: int, hmax: int) -> None:
+        """Run a probe lookup that ran out of its budget to its end in the background: every
+        wave, no budget, answers into the index only (nothing is offered from it).
+
+        Why: the budget cuts a long prompt's lookup after its first or second wave, and only the
+        wave in flight finishes by itself. The next lookup of the prefix (the request's next
+        turn, another request sharing it) would then pay the remaining waves on the scheduler's
+        path and could run out again; finished here, it is answered from the index. It starts
+        once the wave that ran out has ended and been absorbed (no HEAD asked twice; a store
+        that hangs or fails gets no more work) and counts in ``lookup_max_pending``.
+        """
+        ctx, pool, late = self.ctx, self._pool, self._late_wave
+        if ctx is None or pool is None:
+            return
+        d = st.load.d_blocks
+
+        def run() -> None:
+            try:
+                find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax, lambda a: self._probe_late(st, a))
+                with self._pending_lock:
+                    self.stats.lookups_finished_late += 1
+            except Exception:  # noqa: BLE001 - background warming must never fail anything
+                log.debug("s3kv: finishing request %s's lookup in the background failed", st.request_id,
+                          exc_info=True)
+            finally:
+                with self._pending_lock:
+                    self.pending_waves -= 1
+
+        def start(f: Future | None = None) -> None:
+            if f is not None and (f.cancelled() or f.exception() is not None):
+                return  # the store failed that wave: nothing to warm now
+            with self._pending_lock:
+                if self.pending_waves >= max(1, self.settings.lookup_max_pending):
+                    self.stats.lookups_not_finished += 1
+                    return  # the backlog bound holds for this too
+                self.pending_waves += 1
+            try:
+                pool.submit(run)
+            except RuntimeError:  # the pool was shut down (closing)
+                with self._pending_lock:
+                    self.pending_waves -= 1
+
+        if late is None:  # the budget ran out between two waves: nothing in flight
+            start()
+        else:
+            late.add_done_callback(start)  # after the wave's own callback has absorbed it
+
+    def _probe_late(self, st: RequestState, asks: set[Ask]) -> dict[Ask, Span | None]:
+        """``_probe`` for :meth:`_finish_late`: no budget, no foreground state, nothing counted."""
+        out, todo = self._split(st, asks, trust_index=True)
+        if todo:
+            try:
+                batch = self.store.head_many(list(todo))
+            except StoreError:
+                return {**out, **{a: None for a in todo.values()}}
+            out.update(self._absorb(todo, batch, count=False))
+        return out
 
     def _absorb(self, todo: dict[str, Ask], batch: HeadBatch, *, count: bool = True) -> dict[Ask, Span | None]:
         """HEAD answers -> spans (foreign objects rejected) and the index."""

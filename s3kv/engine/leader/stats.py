@@ -26,6 +26,10 @@ class LeaderStats:
     lookup_asks: int = 0
     lookup_errors: int = 0
     lookup_timeouts: int = 0
+    #: Timed-out probe lookups finished in the background (every wave, no budget) to warm the
+    #: index for the next lookup of the prefix; and those skipped because the backlog was full.
+    lookups_finished_late: int = 0
+    lookups_not_finished: int = 0
     #: Lookups answered "miss" at once because earlier waves still hang in the background.
     lookup_busy: int = 0
     #: Lookups answered from the namespace summary (a miss without a request, or a verified hit).
