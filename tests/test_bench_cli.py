@@ -75,6 +75,11 @@ def test_lookup_quick_json_and_plot(tmp_path: Path) -> None:
         assert r["sequential_requests"] == 2 * (r["tokens"] // 32)
         assert r["hit_tokens"] == r["expected_hit_tokens"] == (r["tokens"] - 1) // 32 * 32
         assert r["warm_hit_tokens"] == r["hit_tokens"]
+        for c in r["clients"].values():
+            # Out of the box (default budget): whether or not the first lookup ran out, the
+            # next one of the prefix is answered from the index in full.
+            assert c["budget_next"]["hit_tokens"] == r["hit_tokens"] and c["budget_next"]["requests"] == 0
+            assert c["budget_first"]["hit_tokens"] in (0, r["hit_tokens"])
     assert res["targets_met"]["round_trips_le_3"] and res["targets_met"]["full_hit"]
     assert_png(png)
 
