@@ -26,6 +26,7 @@ Metric names (all prefixed ``s3kv_``)::
 
     lookups_total, lookup_hits_total, lookup_misses_total, lookup_errors_total,
     lookup_waves_total, lookup_not_cacheable_total, hit_tokens_total, hit_blocks_total{group},
+    lookup_timeouts_total, lookup_busy_total, lookups_finished_late_total,
     lookup_cpu_seconds_total, lookup_hash_cpu_seconds_total, prompt_tokens_total, rank_info{rank,tp_size}
     store_requests_total{op}, store_bytes_total{op,direction}, store_request_seconds{op},
     store_retries_total{op}, store_errors_total{op,type}
@@ -177,6 +178,21 @@ class Metrics:
             f"{p}_lookup_errors", "Lookups that met a store error (answered as a miss).", registry=r
         )
         self.lookup_waves = Counter(f"{p}_lookup_waves", "Batched HEAD waves sent by lookups.", registry=r)
+        self.lookup_timeouts = Counter(
+            f"{p}_lookup_timeouts",
+            "Lookups that ran out of their budget (a miss; finished in the background when the backlog allows).",
+            registry=r,
+        )
+        self.lookup_busy = Counter(
+            f"{p}_lookup_busy",
+            "Lookups answered 'miss' at once because earlier timed-out waves still ran (the backlog bound).",
+            registry=r,
+        )
+        self.lookups_finished_late = Counter(
+            f"{p}_lookups_finished_late",
+            "Timed-out lookups finished in the background, warming the index for the next of that prefix.",
+            registry=r,
+        )
         self.lookup_cpu = Counter(
             f"{p}_lookup_cpu_seconds",
             "CPU time lookups took on the calling (scheduler) thread, hashing the prompt included.",
@@ -389,6 +405,9 @@ class Metrics:
             (self.misses, ("misses",)),
             (self.lookup_errors, ("lookup_errors",)),
             (self.lookup_waves, ("lookup_waves",)),
+            (self.lookup_timeouts, ("lookup_timeouts",)),
+            (self.lookup_busy, ("lookup_busy",)),
+            (self.lookups_finished_late, ("lookups_finished_late",)),
             (self.lookup_cpu, ("lookup_cpu_s",)),
             (self.lookup_hash_cpu, ("lookup_hash_cpu_s",)),
             (self.not_cacheable, ("not_cacheable",)),
