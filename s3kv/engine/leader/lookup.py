@@ -3,10 +3,15 @@
 ``s3kv.core.lookup.find_hit`` plans which objects to ask about; this module answers its asks:
 from the local index, from the namespace summary (a cold miss then costs no request, a hit one
 verify wave), else with parallel HEAD waves. A wave has what is left of the lookup's time budget;
-past it the wave keeps running on its thread and feeds the index when it ends, and at most
-``lookup_max_pending`` such waves may hang at once. A store error, a timeout or a full backlog
-is a miss, never an exception. HEAD answers are checked against the object identity the key
-promises before they reach the index or a plan.
+past it the wave keeps running on its thread and feeds the index when it ends, the rest of
+the lookup is then finished in the background (so the next lookup of that prefix is local), and
+at most ``lookup_max_pending`` such waves may run at once. A store error, a timeout or a full
+backlog is a miss, never an exception. HEAD answers are checked against the object identity the
+key promises before they reach the index or a plan.
+
+Why this is one module: the index, the summary, the HEAD waves and what happens past the budget
+all answer one lookup's asks and share its state (deadline, backlog, the wave that ran out);
+split apart, each piece would reach into the others.
 """
 
 from __future__ import annotations
