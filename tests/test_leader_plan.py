@@ -589,6 +589,43 @@ def test_full_honour_needs_no_more_io_and_less_honour_verifies_lower_tail():
     assert loaded == want
 
 
+def test_a_smaller_honours_recheck_has_a_budget_of_its_own():
+    """The re-check after a smaller honour runs on the scheduler path like a lookup and gets a
+    budget like one. Left with what the lookup did not use, a slow store made it run out and
+    break a promise the store could keep (on an engine without the failed-load hook, the request
+    would then stay parked until its client gave up)."""
+    import time as _time
+
+    class SlowHeads(CountingStore):
+        def head_many(self, keys):
+            _time.sleep(0.15)
+            return super().head_many(keys)
+
+    g = geometry(tp=2)
+    mem = MemoryStore()
+    tokens = toks(20 * TPB + 5, seed=4)
+    save_through_store(g, mem, tokens)
+    store = SlowHeads(mem)
+    probe = make_core(g, store, lookup_timeout_s=0)
+    assert probe.get_num_new_matched_tokens(5, tokens, len(tokens), 0)[0] == 20 * TPB
+    waves = store.head_calls
+    probe.close_lookup()
+    # A budget the lookup's waves fit in, with less than one wave's time left over.
+    core = make_core(g, store, lookup_timeout_s=0.15 * waves + 0.07)
+    try:
+        assert core.get_num_new_matched_tokens(6, tokens, len(tokens), 0)[0] == 20 * TPB
+        before = store.head_calls
+        slots = engine_slots(g, Slots(g), 21, 9)
+        core.update_state_after_alloc(6, slots, honoured_tokens=9 * TPB)
+        assert store.head_calls > before  # the lower tail was not known: the store was asked
+        assert core.stats.promises_broken == 0
+        meta = core.build_connector_meta([rd(6, tokens, slots, 0, len(tokens) - 9 * TPB)], [])
+        loaded = {(op.obj.group, o) for op in meta.loads if op.request_id == 6 for o in op.ordinals}
+        assert loaded == {(gi, o) for gi in (SLIDING, FULL) for o in range(9) if slots[gi][o] >= 0}
+    finally:
+        core.close_lookup()
+
+
 def test_honoured_less_without_stored_tail_is_a_broken_promise_not_an_error():
     """Window policy: sliding tails exist only at checkpoints and prompt ends. An honour that
     lands elsewhere cannot be served: never a load of garbage, never an exception into the

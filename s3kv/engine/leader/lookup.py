@@ -98,10 +98,7 @@ class Lookups:
             return 0, False
         prompt_len = st.prompt_len
         hmax = (prompt_len - 1) // tpb
-        budget = self.settings.lookup_timeout_s
-        self._deadline = time.monotonic() + budget if budget > 0 else float("inf")
-        self._timed_out = False
-        self._late_wave = None
+        self._start_budget()
         result = self._find(st, prompt_len // tpb, hmax)
         self.stats.lookup_waves += result.waves
         self.stats.lookup_asks += result.asks
@@ -128,8 +125,20 @@ class Lookups:
         ctx = self.ctx
         assert ctx is not None
         g = ctx.geometry
+        # A budget of its own, as a lookup has: left with what the last lookup did not use (or
+        # another request's), a wave to a slow store would run out at once and break a promise
+        # the store can keep -- on an engine without the failed-load hook the request would then
+        # stay parked until its client gave up.
+        self._start_budget()
         return find_hit(g, ctx.params, st.load.d_blocks, st.prompt_len // g.tokens_per_block, h,
                         lambda asks: self._probe(st, asks))
+
+    def _start_budget(self) -> None:
+        """One scheduler-path answer (a lookup, a re-check) starts: its time budget from now."""
+        budget = self.settings.lookup_timeout_s
+        self._deadline = time.monotonic() + budget if budget > 0 else float("inf")
+        self._timed_out = False
+        self._late_wave = None
 
     def _find(self, st: RequestState, full_blocks: int, hmax: int) -> LookupResult:
         """The largest servable history: from the namespace summary when one is ready (a miss
