@@ -53,15 +53,10 @@ def s3kv_stores(bs: BenchStore, *, head_concurrency: int | None = None) -> dict[
     return out
 
 
-def fan_out(client: str, bs: BenchStore, head_concurrency: int | None = None) -> int:
-    """HEADs a client has in flight at once (the latency model charges ceil(n / this) round trips)."""
-    if client != "obstore":
-        return bs.concurrency
-    if head_concurrency is None:
-        from ...store.s3 import S3Options
-
-        return S3Options.head_concurrency
-    return head_concurrency
+def fan_out(client: str, bs: BenchStore, store: ObjectStore) -> int:
+    """HEADs ``store`` (made by :func:`s3kv_stores` for ``client``) has in flight at once; the
+    latency model charges ceil(n / this) round trips."""
+    return int(store.options.head_concurrency) if client == "obstore" else bs.concurrency  # type: ignore[attr-defined]
 
 
 def shaped(bs: BenchStore, store: ObjectStore, concurrency: int) -> tuple[Any, RegionLatency | None]:

@@ -278,7 +278,7 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     plain = s3kv_stores(bs, head_concurrency=settings.lookup_head_concurrency)
     clients = {
-        name: shaped(bs, st, fan_out(name, bs, settings.lookup_head_concurrency)) for name, st in plain.items()
+        name: shaped(bs, st, fan_out(name, bs, st)) for name, st in plain.items()
     }
     default_client = "obstore" if "obstore" in clients else next(iter(clients))
     # The probe path counts round trips with no budget (a budget would cut it short); the summary

@@ -319,7 +319,7 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
     s3kv_on: dict[str, Any] = {}
     for name, st in plain.items():
         tag = "s3kv" if name == ("obstore" if "obstore" in plain else next(iter(plain))) else f"s3kv_{name}"
-        s3kv_on[tag] = shaped(bs, st, fan_out(name, bs))[0] if name != "store" else bs.store
+        s3kv_on[tag] = shaped(bs, st, fan_out(name, bs, st))[0] if name != "store" else bs.store
     default_client = "obstore" if "obstore" in plain else next(iter(plain))
     methods = [*s3kv_on, *(f"raw_{c}" for c in raws), "seed"]
     rows: list[dict[str, Any]] = []
