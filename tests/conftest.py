@@ -7,8 +7,10 @@ The servers are started by the suite itself on 127.0.0.1 (moto in-process, Seawe
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -97,17 +99,24 @@ def make_case(
         return StoreCase(kind, FsspecStore(f"file://{tmp_path}/store", fsync=False), prefix)
     server_kind, _, client = kind.partition("-")
     server = s3_server(request, server_kind)
-    if client == "obstore":
+    if client in ("obstore", "obstore+helpers"):
         from s3kv.store.obstore_store import ObstoreS3Store
 
-        store: ObjectStore = ObstoreS3Store(
+        opts = options or TEST_S3_OPTIONS
+        if client == "obstore+helpers":  # HEAD waves in a helper process (store/headprocs.py)
+            opts = dataclasses.replace(opts, head_processes=1)
+        obs = ObstoreS3Store(
             server.bucket,
             endpoint_url=server.endpoint_url,
-            options=options or TEST_S3_OPTIONS,
+            options=opts,
             aws_access_key_id=server.access_key,
             aws_secret_access_key=server.secret_key,
         )
-        return StoreCase(server_kind, store, prefix, server)
+        if obs.head_helpers is not None:
+            deadline = time.monotonic() + 30
+            while obs.head_helpers.ready_count() < 1 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return StoreCase(server_kind, obs, prefix, server)
     return StoreCase(kind, server.make_store(options=options or TEST_S3_OPTIONS), prefix, server)
 
 

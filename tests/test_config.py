@@ -217,6 +217,7 @@ INVALID = {
     "lookup_timeout_s": ["-1"],
     "lookup_max_pending": ["-1"],
     "lookup_head_concurrency": ["0"],
+    "lookup_head_processes": ["-2", "many"],
     "lookup_summary_s": ["-1", "often"],
     "lookup_summary_max_objects": ["0"],
     "lookup_summary_trust_s": ["-1"],

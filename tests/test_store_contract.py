@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 from conftest import STORE_KINDS, make_case
 
 #: Every kind of the shared fixture, plus the S3 servers through the obstore client.
-CONTRACT_KINDS = (*STORE_KINDS, "moto-obstore", "seaweedfs-obstore")
+CONTRACT_KINDS = (*STORE_KINDS, "moto-obstore", "seaweedfs-obstore", "seaweedfs-obstore+helpers")
 
 
 @pytest.fixture(params=CONTRACT_KINDS)

@@ -102,6 +102,7 @@ def engine_key_for(llm_args: Any, settings: Settings) -> str:
 
 def s3_options(settings: Settings) -> Any:
     """The ``S3Options`` the settings describe (timeouts, retries, multipart, SSE)."""
+    from ..store.headprocs import auto_processes
     from ..store.retrying import RetryPolicy
     from ..store.s3 import S3Options
 
@@ -117,6 +118,7 @@ def s3_options(settings: Settings) -> Any:
         sse_kms_key_id=settings.sse_kms_key_id or None,
         client=settings.s3_client,  # type: ignore[arg-type]  # validated by Settings
         head_concurrency=settings.lookup_head_concurrency,
+        head_processes=auto_processes() if settings.lookup_head_processes < 0 else settings.lookup_head_processes,
     )
 
 

@@ -76,6 +76,9 @@ T = TypeVar("T")
 #: Copies at least this large release the GIL (ctypes calls do), so a big GET landing in
 #: staging does not stall the engine's Python threads for the length of a memcpy.
 _GIL_FREE_COPY = 256 * 1024
+#: Smaller waves stay in this process even with helpers: a few HEADs cost less Python than
+#: the hand-off's two socket hops and the wake-ups around them.
+_OFFLOAD_MIN_KEYS = 4
 _STATUS_RE = re.compile(r"status code: (\d{3})|\b(\d{3}) (?:[A-Z][A-Za-z ]+):")
 
 
@@ -252,6 +255,18 @@ class ObstoreS3Store(ObjectStore):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: threading.Thread | None = None
         self._head_slots: asyncio.Semaphore | None = None
+        # Or in helper processes (started on first use), so the engine's process spends next to
+        # no CPU on a wave; see s3kv/store/headprocs.py.
+        self._helpers: Any = None
+        if opts.head_processes > 0:
+            from .headprocs import HeadHelpers, recipe_for
+
+            self._helpers = HeadHelpers(recipe_for(self, opts.head_processes), opts.head_processes)
+
+    @property
+    def head_helpers(self) -> Any:
+        """The :class:`~s3kv.store.headprocs.HeadHelpers` running HEAD waves, or None (in-process)."""
+        return self._helpers
 
     # -- request plumbing ----------------------------------------------------------------
     def _translate(self, exc: BaseException, op: str, key: str | None) -> StoreError:
@@ -369,6 +384,11 @@ class ObstoreS3Store(ObjectStore):
         # would mean the loop is gone (closed under us), and no caller may hang on that.
         opts = self.options
         limit = opts.retry.deadline_s + opts.connect_timeout_s + opts.read_timeout_s + self._WAVE_SLACK_S
+        helpers = self._helpers
+        if helpers is not None and len(unique) >= _OFFLOAD_MIN_KEYS and not self._closed:
+            offloaded = helpers.head_many(unique, limit)
+            if offloaded is not None:
+                return HeadBatch.from_outcomes(unique, offloaded)
         try:
             fut = self._submit(wave)
             outcomes = fut.result(timeout=limit)
@@ -577,6 +597,8 @@ class ObstoreS3Store(ObjectStore):
             if self._closed:
                 return
             self._closed = True
+        if self._helpers is not None:
+            self._helpers.close()
         self._stop_loop()
         self._pool.shutdown(wait=True)
         self._boto.close()

@@ -158,6 +158,9 @@ class S3Options:
     #: loop and hold no GIL, so a lookup's wave goes out in one round trip); the boto3 store fans
     #: out over max_concurrency threads.
     head_concurrency: int = 512
+    #: Helper processes that run the obstore client's HEAD waves (s3kv/store/headprocs.py says
+    #: why): 0 = in this process.
+    head_processes: int = 0
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1 or self.upload_concurrency < 1:
@@ -177,6 +180,8 @@ class S3Options:
             raise ValueError(f"S3Options.client must be auto|obstore|boto3, got {self.client!r}")
         if self.head_concurrency < 1:
             raise ValueError(f"S3Options.head_concurrency must be >= 1, got {self.head_concurrency}")
+        if self.head_processes < 0:
+            raise ValueError(f"S3Options.head_processes must be >= 0, got {self.head_processes}")
         if self.range_split_bytes < 1:
             raise ValueError(f"S3Options.range_split_bytes must be >= 1, got {self.range_split_bytes}")
         if self.sse not in (None, "AES256", "aws:kms"):

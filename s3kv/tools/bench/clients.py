@@ -34,8 +34,12 @@ def s3_endpoint(bs: BenchStore) -> tuple[str, str, Any] | None:
     return boto.bucket, boto.endpoint_url, boto._session
 
 
-def s3kv_stores(bs: BenchStore, *, head_concurrency: int | None = None) -> dict[str, ObjectStore]:
-    """s3kv's store on every client it ships, same server (raw: no latency, no counting)."""
+def s3kv_stores(
+    bs: BenchStore, *, head_concurrency: int | None = None, head_processes: int = 0
+) -> dict[str, ObjectStore]:
+    """s3kv's store on every client it ships, same server (raw: no latency, no counting); with
+    ``head_processes``, obstore once more as ``obstore_helpers``: its HEAD waves in that many
+    helper processes (ready when this returns)."""
     ep = s3_endpoint(bs)
     if ep is None:
         return {"store": bs.raw}
@@ -50,13 +54,25 @@ def s3kv_stores(bs: BenchStore, *, head_concurrency: int | None = None) -> dict[
     out["boto3"] = S3Store(bucket, endpoint_url=endpoint, options=opts, session=session)
     if available():
         out["obstore"] = ObstoreS3Store(bucket, endpoint_url=endpoint, options=opts, session=session)
+        if head_processes > 0:
+            procs = dataclasses.replace(opts, head_processes=head_processes)
+            st = out["obstore_helpers"] = ObstoreS3Store(bucket, endpoint_url=endpoint, options=procs, session=session)
+            deadline = time.monotonic() + 60
+            while st.head_helpers.ready_count() < head_processes and time.monotonic() < deadline:
+                time.sleep(0.05)
     return out
 
 
 def fan_out(client: str, bs: BenchStore, store: ObjectStore) -> int:
     """HEADs ``store`` (made by :func:`s3kv_stores` for ``client``) has in flight at once; the
     latency model charges ceil(n / this) round trips."""
-    return int(store.options.head_concurrency) if client == "obstore" else bs.concurrency  # type: ignore[attr-defined]
+    return int(store.options.head_concurrency) if client.startswith("obstore") else bs.concurrency  # type: ignore[attr-defined]
+
+
+def helper_cpu_s(store: ObjectStore) -> float:
+    """CPU seconds spent so far by ``store``'s HEAD helper processes (0 without any)."""
+    helpers = getattr(store, "head_helpers", None)
+    return float(helpers.cpu_s()) if helpers is not None else 0.0
 
 
 def shaped(bs: BenchStore, store: ObjectStore, concurrency: int) -> tuple[Any, RegionLatency | None]:

@@ -1,0 +1,484 @@
+"""HEAD waves in helper processes, so a lookup's requests cost the engine's process almost nothing.
+
+Why: the leader's lookup runs in TensorRT-LLM's process, and every millisecond of Python
+there is taken from the executor loop (one GIL). obstore sends a HEAD without the GIL, but
+each answer still costs ~0.2 ms of Python on the HEAD loop (the future, the retry wrapper,
+the metadata). A 128k-token Gemma-3 verify wave is ~344 HEADs: ~75 ms of the engine's CPU,
+and the wave's wall time is that CPU, not the network. Measured against a stub S3 that
+answers every HEAD after 20 ms, 344 HEADs on this 2-core box: in-process 65 ms wall / 75 ms
+of the engine's CPU; one helper process 64 ms / 0.5 ms; two helpers 55 ms / 0.6 ms. With
+more cores, more helpers split the wave's CPU, so the wall time approaches one round trip.
+
+Shape: :class:`HeadHelpers` owns up to N helpers (``python -m s3kv.store.headprocs FD``, not
+``multiprocessing``: spawn would re-import the engine's ``__main__``, fork would copy a CUDA
+process). Each holds its own :class:`~s3kv.store.obstore_store.ObstoreS3Store` built from a
+:class:`HelperRecipe` (same bucket, endpoint, region, addressing, options and identity) and
+answers a share of a wave over a socket pair. Only HEAD travels: the index, the breaker, the
+metrics and every wrapper stay in the engine's process, so the store's contract is unchanged.
+
+Failure policy (no exception may leave a connector call, nothing may hang):
+
+* helpers start in the background on first use; until one is ready, waves run in-process;
+* a helper that exits fails its share of the waves in flight as a transient store error
+  (those keys are a miss, never a wrong answer) and is restarted after a back-off;
+* a helper whose credentials differ from the engine's is never used (a warning says so):
+  two identities would make a hit depend on which process asked;
+* a share that does not come back within the wave's limit is a ``DeadlineExceeded``;
+* a helper exits when the engine's end of its socket closes, so a killed engine leaves none.
+
+Why this is one module: the helper's main loop and the engine's side of it speak one small
+protocol; keeping both here keeps them in step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .base import (
+    BucketNotFound,
+    DeadlineExceeded,
+    IntegrityError,
+    NotFound,
+    ObjectInfo,
+    PermissionDenied,
+    StoreConfigError,
+    StoreError,
+    TransientError,
+)
+from .s3 import S3Options
+
+log = logging.getLogger(__name__)
+
+Outcome = ObjectInfo | StoreError | None
+
+#: How long a helper may take to import and build its store before it counts as failed.
+START_TIMEOUT_S = 60.0
+#: Back-off before a helper that exited is started again (doubling, capped).
+RESTART_BACKOFF_S = (5.0, 300.0)
+#: Waves a helper runs at once (each blocks one of its threads; the HEADs share one loop).
+HELPER_WAVES = 16
+
+
+def auto_processes(cpus: int | None = None) -> int:
+    """Helpers for ``lookup_head_processes = -1``: none on one core (nothing to run them on),
+    else a quarter of the cores this process may use, 1 to 4 (a wave's share below ~90 HEADs
+    costs less CPU than a round trip; more helpers would only add processes)."""
+    if cpus is None:
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):  # pragma: no cover - non-Linux
+            cpus = os.cpu_count() or 1
+    if cpus < 2:
+        return 0
+    return max(1, min(4, cpus // 4))
+
+
+@dataclass(frozen=True)
+class HelperRecipe:
+    """What a helper needs to build the engine's store again. Sent over the socket, never on a
+    command line or in the environment (it may hold keys)."""
+
+    bucket: str
+    url: str
+    endpoint_url: str
+    #: Region and addressing style already resolved; ``head_processes`` 0 (no helpers of helpers).
+    options: S3Options
+    #: Static credentials (access key, secret, token), or None: boto3's chain in the helper
+    #: (roles and SSO refresh there on their own; the helper inherits the engine's environment).
+    keys: tuple[str, str, str | None] | None
+    profile: str | None
+    #: What the helper's credentials must look like: ("static", access key id) or ("chain", method).
+    identity: tuple[str, str] | None
+
+    def build(self) -> Any:
+        import boto3
+
+        from .obstore_store import ObstoreS3Store
+
+        if self.keys is not None:
+            ak, sk, token = self.keys
+            session = boto3.session.Session(aws_access_key_id=ak, aws_secret_access_key=sk, aws_session_token=token)
+        else:
+            session = boto3.session.Session(profile_name=self.profile)
+        return ObstoreS3Store(
+            self.bucket, endpoint_url=self.endpoint_url, options=self.options, session=session, url=self.url
+        )
+
+
+def identity_of(session: Any, static: bool) -> tuple[str, str] | None:
+    """The part of a session's identity two processes must share (see :class:`HelperRecipe`)."""
+    creds = session.get_credentials()
+    if creds is None:
+        return None
+    if static:
+        return ("static", creds.get_frozen_credentials().access_key)
+    # Temporary credentials differ per process (each assumes the role itself); their source
+    # must not.
+    return ("chain", str(getattr(creds, "method", "") or ""))
+
+
+def recipe_for(store: Any, processes: int) -> HelperRecipe:
+    """The recipe of an :class:`~s3kv.store.obstore_store.ObstoreS3Store` (its boto3 twin holds
+    the resolved endpoint, region, addressing style and session)."""
+    from botocore.credentials import RefreshableCredentials
+
+    boto = store._boto
+    session = boto._session
+    style = boto._client.meta.config.s3.get("addressing_style", "auto")
+    opts = store.options
+    options = replace(
+        opts,
+        region=store.region,
+        addressing_style=style,
+        head_processes=0,
+        # The wave is split over the helpers: together they keep head_concurrency in flight.
+        head_concurrency=max(1, -(-opts.head_concurrency // max(1, processes))),
+    )
+    creds = session.get_credentials()
+    static = creds is not None and not isinstance(creds, RefreshableCredentials)
+    keys = None
+    if static:
+        frozen = creds.get_frozen_credentials()
+        keys = (frozen.access_key, frozen.secret_key, frozen.token)
+    profile = session.profile_name
+    if profile == "default" and "default" not in session.available_profiles:
+        profile = None
+    return HelperRecipe(
+        store.bucket, store.url, store.endpoint_url, options, keys, profile, identity_of(session, static)
+    )
+
+
+# -- wire format ----------------------------------------------------------------------------
+# A helper answers a share with one entry per key, in order: None (missing), (size, metadata,
+# last modified) (found), or _Err (failed). Tuples, not ObjectInfo: the key is known to the
+# asker, and a tuple pickles in a fraction of the time.
+
+
+@dataclass(frozen=True)
+class _Err:
+    kind: str
+    message: str
+    key: str | None
+
+
+_ERRORS: dict[str, type[StoreError]] = {
+    c.__name__: c
+    for c in (
+        StoreError, NotFound, TransientError, PermissionDenied, BucketNotFound, DeadlineExceeded,
+        IntegrityError, StoreConfigError,
+    )
+}
+
+
+def _encode(outcome: Outcome) -> Any:
+    if outcome is None:
+        return None
+    if isinstance(outcome, ObjectInfo):
+        return (outcome.size, dict(outcome.metadata), outcome.last_modified)
+    kind = next((c.__name__ for c in type(outcome).__mro__ if c.__name__ in _ERRORS), "StoreError")
+    return _Err(kind, str(outcome), outcome.key)
+
+
+def _decode(key: str, wire: Any) -> Outcome:
+    if wire is None:
+        return None
+    if isinstance(wire, _Err):
+        cls = _ERRORS.get(wire.kind, StoreError)
+        exc = cls.__new__(cls)
+        Exception.__init__(exc, wire.message)  # the message already names the object
+        exc.key = wire.key
+        return exc
+    size, metadata, last_modified = wire
+    return ObjectInfo(key, size, metadata, last_modified)
+
+
+# -- the engine's side ----------------------------------------------------------------------
+
+
+class _HelperGone(Exception):
+    """Internal: the helper exited (or its socket broke) before answering."""
+
+
+class _Helper:
+    """One helper process and the thread that reads its answers."""
+
+    def __init__(self, index: int, recipe: HelperRecipe):
+        self.index = index
+        self.recipe = recipe
+        self.ready = False
+        self.done = threading.Event()  # set when it has exited or failed to start
+        self.failure = ""
+        self.pid: int | None = None
+        #: The helper's own CPU seconds, as of its last answer (benchmarks add it to the engine's).
+        self.cpu_s = 0.0
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._conn: Connection | None = None
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._pending: dict[int, cf.Future[list[Any]]] = {}
+        self._ids = itertools.count()
+
+    def start(self) -> None:
+        """Spawn the process and the reader thread; never raises (a failure marks it done)."""
+        try:
+            ours, theirs = socket.socketpair()
+            env = dict(os.environ)
+            # The helper must import this very s3kv, wherever the engine found it.
+            root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+            with theirs:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "s3kv.store.headprocs", str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    env=env,
+                    close_fds=True,
+                )
+            self.pid = self._proc.pid
+            self._conn = Connection(ours.detach())
+            self._conn.send(self.recipe)
+        except Exception as exc:
+            self._fail(f"could not start: {exc}")
+            return
+        threading.Thread(target=self._read, name=f"s3kv-headproc-{self.index}", daemon=True).start()
+
+    def _read(self) -> None:
+        conn = self._conn
+        assert conn is not None
+        try:
+            if not conn.poll(START_TIMEOUT_S):
+                raise _HelperGone(f"not ready after {START_TIMEOUT_S:g}s")
+            kind, detail, self.cpu_s = conn.recv()
+            if kind != "ready":
+                raise _HelperGone(str(detail))
+            if detail != self.recipe.identity:
+                raise _HelperGone(
+                    f"its credentials ({detail}) differ from the engine's ({self.recipe.identity}); "
+                    f"set S3KV_LOOKUP_HEAD_PROCESSES=0 or give both the same credentials"
+                )
+            self.ready = True
+            while True:
+                rid, wire, self.cpu_s = conn.recv()
+                with self._lock:
+                    fut = self._pending.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(wire)
+        except _HelperGone as exc:
+            self._fail(str(exc))
+        except (EOFError, OSError) as exc:
+            self._fail(f"exited ({type(exc).__name__})")
+        except Exception as exc:  # a garbled message: never let the reader die silently
+            self._fail(f"protocol error: {type(exc).__name__}: {exc}")
+
+    def _fail(self, why: str) -> None:
+        self.ready = False
+        self.failure = why
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(_HelperGone(why))
+        self.stop(graceful=False)
+        self.done.set()
+
+    def ask(self, keys: list[str]) -> cf.Future[list[Any]]:
+        fut: cf.Future[list[Any]] = cf.Future()
+        conn = self._conn
+        if not self.ready or conn is None:
+            fut.set_exception(_HelperGone(self.failure or "not ready"))
+            return fut
+        rid = next(self._ids)
+        with self._lock:
+            self._pending[rid] = fut
+        try:
+            with self._send_lock:
+                conn.send((rid, keys))
+        except (OSError, ValueError) as exc:
+            self._fail(f"exited ({type(exc).__name__})")
+        return fut
+
+    def forget(self, fut: cf.Future[list[Any]]) -> None:
+        with self._lock:
+            for rid, f in list(self._pending.items()):
+                if f is fut:
+                    del self._pending[rid]
+
+    def stop(self, graceful: bool = True) -> None:
+        conn, proc = self._conn, self._proc
+        if graceful and conn is not None:
+            with contextlib.suppress(Exception), self._send_lock:
+                conn.send(None)
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.wait(timeout=2.0 if graceful else 0.5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                with contextlib.suppress(Exception):
+                    proc.wait(timeout=2.0)
+
+
+class HeadHelpers:
+    """The helpers of one store: started on first use, restarted after a back-off, closed with it."""
+
+    def __init__(self, recipe: HelperRecipe, processes: int, *, restart_backoff_s: tuple[float, float] = RESTART_BACKOFF_S):
+        if processes < 1:
+            raise ValueError(f"HeadHelpers needs processes >= 1, got {processes}")
+        self.recipe = recipe
+        self.processes = processes
+        self._backoff = restart_backoff_s
+        self._lock = threading.Lock()
+        self._helpers: list[_Helper | None] = [None] * processes
+        self._retry_at = [0.0] * processes
+        self._delay = [restart_backoff_s[0]] * processes
+        self._closed = False
+        self._warned: set[str] = set()
+        #: Counters for tests and the bench: waves (shares) sent to helpers, helpers started.
+        self.waves_offloaded = 0
+        self.starts = 0
+        self._retired_cpu_s = 0.0
+
+    def _tend(self) -> list[_Helper]:
+        """The ready helpers; (re)starts the missing ones whose back-off has passed."""
+        now = time.monotonic()
+        ready: list[_Helper] = []
+        with self._lock:
+            if self._closed:
+                return []
+            for i, h in enumerate(self._helpers):
+                if h is not None and h.done.is_set():
+                    self._note_failure(h)
+                    self._retired_cpu_s += h.cpu_s
+                    self._retry_at[i] = now + self._delay[i]
+                    self._delay[i] = min(self._delay[i] * 2, self._backoff[1])
+                    self._helpers[i] = h = None
+                if h is None and now >= self._retry_at[i]:
+                    h = self._helpers[i] = _Helper(i, self.recipe)
+                    self.starts += 1
+                    # Spawning takes milliseconds: not on the caller's (the scheduler's) thread.
+                    threading.Thread(target=h.start, name=f"s3kv-headproc-start-{i}", daemon=True).start()
+                elif h is not None and h.ready:
+                    ready.append(h)
+        return ready
+
+    def _note_failure(self, h: _Helper) -> None:
+        if h.failure not in self._warned:
+            self._warned.add(h.failure)
+            log.warning(
+                "s3kv: a lookup helper process (pid %s) %s; its HEADs run in the engine's process "
+                "until it is back (S3KV_LOOKUP_HEAD_PROCESSES)", h.pid, h.failure,
+            )
+
+    def ready_count(self) -> int:
+        return len(self._tend())
+
+    def pids(self) -> list[int]:
+        with self._lock:
+            return [h.pid for h in self._helpers if h is not None and h.pid is not None and not h.done.is_set()]
+
+    def cpu_s(self) -> float:
+        """CPU seconds the helpers have spent, as of their last answers (helpers that exited
+        included): what a benchmark adds to the engine's own CPU to count a lookup whole."""
+        with self._lock:
+            return self._retired_cpu_s + sum(h.cpu_s for h in self._helpers if h is not None)
+
+    def head_many(self, keys: Sequence[str], limit_s: float) -> list[Outcome] | None:
+        """Outcomes of ``keys`` (in order) from the ready helpers, or None when none is ready
+        (the caller then runs the wave itself). Never raises; waits at most ``limit_s``."""
+        ready = self._tend()
+        if not ready:
+            return None
+        n = len(ready)
+        shares = [list(keys[i::n]) for i in range(n)]
+        asked = [(h, share, h.ask(share)) for h, share in zip(ready, shares, strict=True) if share]
+        self.waves_offloaded += len(asked)
+        deadline = time.monotonic() + limit_s
+        out: dict[str, Outcome] = {}
+        for h, share, fut in asked:
+            try:
+                wire = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                got: list[Outcome] = [_decode(k, w) for k, w in zip(share, wire, strict=True)]
+            except cf.TimeoutError:
+                h.forget(fut)
+                got = [DeadlineExceeded(f"S3 head: no answer from helper {h.index} within {limit_s:g}s", key=k) for k in share]
+            except Exception as exc:  # _HelperGone, or an answer of the wrong shape
+                got = [TransientError(f"S3 head: lookup helper {h.index} failed: {exc}", key=k) for k in share]
+            out.update(zip(share, got, strict=True))
+        return [out[k] for k in keys]
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            helpers, self._helpers = self._helpers, [None] * self.processes
+        for h in helpers:
+            if h is not None:
+                h.stop(graceful=True)
+
+
+# -- the helper's side ----------------------------------------------------------------------
+
+
+def _serve(fd: int) -> int:
+    # Ctrl-C in a terminal reaches the whole process group; the engine decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = Connection(fd)
+    try:
+        recipe: HelperRecipe = conn.recv()
+    except (EOFError, OSError):
+        return 0
+    try:
+        store = recipe.build()
+        static = recipe.keys is not None
+        conn.send(("ready", identity_of(store._boto._session, static), time.process_time()))
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"could not build its store: {type(exc).__name__}: {exc}", time.process_time()))
+        return 1
+    send_lock = threading.Lock()
+
+    def answer(rid: int, keys: list[str]) -> None:
+        try:
+            batch = store.head_many(keys)
+            wire = [_encode(batch.found.get(k) or batch.failed.get(k)) for k in keys]  # neither: missing
+        except BaseException as exc:  # the engine must get an answer for every key it asked
+            wire = [_Err("StoreError", f"S3 head in a lookup helper: {type(exc).__name__}: {exc}", k) for k in keys]
+        with contextlib.suppress(OSError, ValueError), send_lock:
+            conn.send((rid, wire, time.process_time()))
+
+    pool = cf.ThreadPoolExecutor(max_workers=HELPER_WAVES, thread_name_prefix="s3kv-headproc")
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):  # the engine closed its end, or died
+            break
+        if msg is None:
+            break
+        pool.submit(answer, *msg)
+    pool.shutdown(wait=False, cancel_futures=True)
+    with contextlib.suppress(Exception):
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    # os._exit: the HEAD loop's daemon thread may still hold the interpreter at shutdown.
+    code = _serve(int(sys.argv[1]))
+    sys.stdout.flush()
+    os._exit(code)

@@ -1,0 +1,265 @@
+"""HEAD waves in helper processes (s3kv/store/headprocs.py), on real loopback servers.
+
+What must hold: the answers are the in-process answers; wire faults are retried in the helper
+as in-process; a helper that exits, hangs, cannot start or resolves other credentials costs
+a miss (or an in-process wave), never an exception or a hang; helpers never outlive the store
+or the engine's process; and the setting is validated and resolved at start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from test_faultproxy import OPTS, STALL_OPTS
+
+from s3kv.config import ConfigError, Settings, validate
+from s3kv.engine.runtime import s3_options
+from s3kv.store.base import DeadlineExceeded, StoreError, TransientError
+from s3kv.store.embedded import EmbeddedS3
+from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
+from s3kv.store.headprocs import HeadHelpers, auto_processes, recipe_for
+from s3kv.store.obstore_store import ObstoreS3Store
+from s3kv.store.s3 import S3Options
+
+pytest.importorskip("obstore")
+
+
+def _store(server: EmbeddedS3, options: S3Options = OPTS, endpoint: str | None = None) -> ObstoreS3Store:
+    return ObstoreS3Store(
+        server.bucket, endpoint_url=endpoint or server.endpoint_url, options=options,
+        aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key,
+    )
+
+
+def _wait(cond: Any, timeout: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return bool(cond())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def server(request: pytest.FixtureRequest) -> EmbeddedS3:
+    return request.getfixturevalue({"moto": "moto_s3", "seaweedfs": "seaweed_s3"}[request.param])
+
+
+@pytest.fixture
+def prefix(request: pytest.FixtureRequest) -> str:
+    return f"hp/{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
+
+
+@pytest.fixture
+def proxies() -> Iterator[list[FaultProxy]]:
+    made: list[FaultProxy] = []
+    yield made
+    for px in made:
+        px.stop()
+
+
+def _stored(server: EmbeddedS3, prefix: str, n: int = 12) -> list[str]:
+    keys = [f"{prefix}/in/{i:03d}" for i in range(n)]
+    with _store(server) as direct:
+        for k in keys:
+            assert direct.put(k, k.encode() * 3, {"s3kv-n": k[-3:]})
+    return keys
+
+
+def test_helpers_answer_what_the_engine_would(server: EmbeddedS3, prefix: str) -> None:
+    """Same found objects (size, metadata, modification time), same misses, and the wave ran in
+    the helpers: the engine's own HEAD loop was never started."""
+    stored = _stored(server, prefix)
+    absent = [f"{prefix}/out/{i:03d}" for i in range(12)]
+    with _store(server) as plain:
+        want = plain.head_many(stored + absent)
+    with _store(server, dataclasses.replace(OPTS, head_processes=2)) as store:
+        helpers = store.head_helpers
+        assert helpers is not None and helpers.head_many(stored[:1], 5.0) is None  # starting: not ready yet
+        assert _wait(lambda: helpers.ready_count() == 2), "helpers did not start"
+        got = store.head_many(stored + absent)
+        assert helpers.waves_offloaded == 2 and store._loop is None
+        assert store.head_many(stored[:2]).found.keys() == set(stored[:2])  # small: in-process
+        assert store._loop is not None
+        assert helpers.cpu_s() > 0
+    assert not got.failed, {k: str(e) for k, e in got.failed.items()}
+    assert got.found == want.found and got.missing == want.missing == frozenset(absent)
+
+
+@pytest.mark.parametrize("fault", ["slowdown_503", "reset", "stall"])
+def test_a_helper_retries_wire_faults_as_the_engine_does(
+    moto_s3: EmbeddedS3, proxies: list, prefix: str, fault: str
+) -> None:
+    stored = _stored(moto_s3, prefix, 16)
+    absent = [f"{prefix}/out/{i:03d}" for i in range(16)]
+    px = FaultProxy.for_url(
+        moto_s3.endpoint_url, WireFaultPlan(**{fault: 0.3}, stall_s=1.0, ops={"HEAD"}), seed=9
+    ).start()
+    proxies.append(px)
+    opts = dataclasses.replace(STALL_OPTS if fault == "stall" else OPTS, head_processes=1)
+    with _store(moto_s3, opts, px.endpoint_url) as store:
+        assert _wait(lambda: store.head_helpers.ready_count() == 1)
+        batch = store.head_many(stored + absent)
+        assert store.head_helpers.waves_offloaded == 1
+    assert px.stats()["faults"][fault] >= 3, px.stats()
+    assert not batch.failed, {k: str(e) for k, e in batch.failed.items()}
+    assert set(batch.found) == set(stored) and set(batch.missing) == set(absent)
+    assert all(batch.found[k].metadata["s3kv-n"] == k[-3:] for k in stored)
+
+
+def test_a_helper_that_dies_is_a_miss_and_comes_back(moto_s3: EmbeddedS3, proxies: list, prefix: str) -> None:
+    """Killed with a wave in flight: that wave's keys fail at once (not after the wave's limit),
+    as a transient store error; the next wave runs in-process; after the back-off a new helper
+    serves again."""
+    stored = _stored(moto_s3, prefix, 8)
+    px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan(latency_s=3.0, ops={"HEAD"})).start()
+    proxies.append(px)
+    with _store(moto_s3, OPTS, px.endpoint_url) as slow:
+        helpers = HeadHelpers(recipe_for(slow, 1), 1, restart_backoff_s=(0.2, 1.0))
+        try:
+            assert _wait(lambda: helpers.ready_count() == 1)
+            (pid,) = helpers.pids()
+            got: list[Any] = []
+            waiter = threading.Thread(target=lambda: got.append(helpers.head_many(stored, 60.0)))
+            waiter.start()
+            time.sleep(0.5)
+            t0 = time.monotonic()
+            os.kill(pid, signal.SIGKILL)
+            waiter.join(10)
+            assert not waiter.is_alive() and time.monotonic() - t0 < 2.0
+            assert all(isinstance(o, TransientError) for o in got[0]), got[0]
+            assert helpers.head_many(stored, 5.0) is None  # none ready: the caller runs it itself
+            assert _wait(lambda: helpers.ready_count() == 1, 15), "no new helper after the back-off"
+            assert helpers.pids() != [pid] and helpers.starts == 2
+        finally:
+            helpers.close()
+    with _store(moto_s3) as direct:
+        helpers = HeadHelpers(recipe_for(direct, 1), 1)
+        try:
+            assert _wait(lambda: helpers.ready_count() == 1)
+            out = helpers.head_many(stored, 10.0)
+            assert out is not None and [o.key for o in out] == stored  # type: ignore[union-attr]
+        finally:
+            helpers.close()
+
+
+def test_a_helper_that_hangs_costs_the_wave_its_limit_only(moto_s3: EmbeddedS3, proxies: list, prefix: str) -> None:
+    px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan(latency_s=30.0, ops={"HEAD"})).start()
+    proxies.append(px)
+    keys = [f"{prefix}/k{i}" for i in range(6)]
+    with _store(moto_s3, dataclasses.replace(OPTS, head_processes=1), px.endpoint_url) as store:
+        assert _wait(lambda: store.head_helpers.ready_count() == 1)
+        t0 = time.monotonic()
+        out = store.head_helpers.head_many(keys, 1.0)
+        assert 0.9 < time.monotonic() - t0 < 3.0
+        assert all(isinstance(o, DeadlineExceeded) for o in out)
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 8.0, "closing waited on the hung wave"
+
+
+def test_helpers_never_outlive_the_store_or_the_engine(moto_s3: EmbeddedS3) -> None:
+    store = _store(moto_s3, dataclasses.replace(OPTS, head_processes=2))
+    assert _wait(lambda: store.head_helpers.ready_count() == 2)
+    pids = store.head_helpers.pids()
+    store.close()
+    assert _wait(lambda: not any(_alive(p) for p in pids), 10), "helpers outlived close()"
+    # The engine dying (SIGKILL: no close, no goodbye): the kernel closes its end of the socket.
+    script = textwrap.dedent(
+        """
+        import os, signal, sys, time
+        from s3kv.store.headprocs import HeadHelpers, recipe_for
+        from s3kv.store.obstore_store import ObstoreS3Store
+        from s3kv.store.s3 import S3Options
+        bucket, endpoint, ak, sk = sys.argv[1:5]
+        store = ObstoreS3Store(bucket, endpoint_url=endpoint, options=S3Options(),
+                               aws_access_key_id=ak, aws_secret_access_key=sk)
+        helpers = HeadHelpers(recipe_for(store, 1), 1)
+        deadline = time.monotonic() + 30
+        while helpers.ready_count() < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(helpers.pids()[0], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    engine = subprocess.run(
+        [sys.executable, "-c", script, moto_s3.bucket, moto_s3.endpoint_url, moto_s3.access_key, moto_s3.secret_key],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert engine.returncode == -signal.SIGKILL, engine.stderr
+    pid = int(engine.stdout.split()[0])
+    assert _wait(lambda: not _alive(pid), 10), "a helper outlived its engine"
+
+
+def test_other_credentials_in_a_helper_are_never_used(
+    moto_s3: EmbeddedS3, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A helper whose identity is not the engine's would make a hit depend on which process
+    asked: it is stopped, the waves stay in-process, and a warning names the setting."""
+    stored = _stored(moto_s3, prefix, 6)
+    with _store(moto_s3) as direct:
+        recipe = dataclasses.replace(recipe_for(direct, 1), identity=("static", "SOMEONE-ELSE"))
+        helpers = HeadHelpers(recipe, 1, restart_backoff_s=(60.0, 60.0))
+        try:
+            helpers.head_many(stored, 5.0)
+            assert _wait(lambda: all(h is None or h.done.is_set() for h in helpers._helpers), 30)
+            with caplog.at_level(logging.WARNING, logger="s3kv.store.headprocs"):
+                assert helpers.head_many(stored, 5.0) is None
+            assert "S3KV_LOOKUP_HEAD_PROCESSES" in caplog.text and "differ" in caplog.text
+            assert helpers.starts == 1  # and not restarted before its back-off
+        finally:
+            helpers.close()
+        # A helper that cannot build its store (here: a bucket name S3 rejects) is never ready.
+        broken = dataclasses.replace(recipe_for(direct, 1), bucket="")
+        helpers = HeadHelpers(broken, 1, restart_backoff_s=(60.0, 60.0))
+        try:
+            helpers.head_many(stored, 5.0)
+            assert _wait(lambda: all(h is None or h.done.is_set() for h in helpers._helpers), 30)
+            assert helpers.head_many(stored, 5.0) is None
+        finally:
+            helpers.close()
+        assert direct.head_many(stored).found.keys() == set(stored)
+
+
+def test_errors_cross_the_process_boundary_as_store_errors(moto_s3: EmbeddedS3, closed_port: int) -> None:
+    """Nobody listening: the helper's answers are StoreErrors naming the key, as in-process."""
+    opts = dataclasses.replace(
+        OPTS, retry=dataclasses.replace(OPTS.retry, deadline_s=0.5), head_processes=1
+    )
+    keys = [f"nowhere/k{i}" for i in range(5)]
+    with _store(moto_s3, opts, f"http://127.0.0.1:{closed_port}") as store:
+        assert _wait(lambda: store.head_helpers.ready_count() == 1)
+        batch = store.head_many(keys)
+        assert store.head_helpers.waves_offloaded == 1
+    assert set(batch.failed) == set(keys)
+    assert all(isinstance(e, StoreError) and e.key == k and k in str(e) for k, e in batch.failed.items())
+
+
+def test_the_setting_is_validated_and_resolved() -> None:
+    with pytest.raises(ConfigError, match="S3KV_LOOKUP_HEAD_PROCESSES"):
+        validate(Settings(lookup_head_processes=-2))
+    with pytest.raises(ValueError, match="head_processes"):
+        S3Options(head_processes=-1)
+    assert [auto_processes(c) for c in (1, 2, 7, 8, 16, 64)] == [0, 1, 1, 2, 4, 4]
+    assert s3_options(Settings(lookup_head_processes=3)).head_processes == 3
+    assert s3_options(Settings(lookup_head_processes=0)).head_processes == 0
+    assert s3_options(Settings()).head_processes == auto_processes()
