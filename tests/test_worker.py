@@ -825,3 +825,25 @@ def test_sync_failure_waits_for_sibling_copies_before_reporting(store):
     assert b.take_failed_load_request_ids() == {7}
     assert all(j.finished for j in b._jobs)
     b.close()
+
+
+@pytest.mark.parametrize("reason,siblings_kept", [("NotFound: gone", False), ("TransientError: 503", True)])
+def test_a_gone_object_puts_its_plan_siblings_in_doubt(reason: str, siblings_kept: bool) -> None:
+    """A failed load stops at its first failure, so which other objects of the plan were tried is
+    luck: when one is gone or bad, the index forgets the rest of the plan too (the next lookup
+    asks the store, instead of promising the next gone object to the next request). The failed
+    object itself is quarantined. A store outage says nothing about the others: they stay."""
+    from s3kv.core.objects import ObjectSpan
+    from s3kv.engine.index import MISSING
+    from s3kv.engine.worker.loads import LoadJobs
+    from s3kv.transfer.counters import Counters
+
+    index = KeyIndex(1000, 600.0, 5.0)
+    plan = ["a", "b", "c"]
+    index.put_many([(k, ObjectSpan(0, 1)) for k in [*plan, "other"]], [])
+    loads = LoadJobs(Settings(), index, Counters(), failed_load_hook=True)
+    loads.fail_now({7: ("a", reason)}, frozenset(plan))
+    assert index.get("a") is (MISSING if not siblings_kept else None)
+    assert all((index.get(k) is not None) == siblings_kept for k in ("b", "c"))
+    assert index.get("other") == ObjectSpan(0, 1)  # another plan's object: untouched
+    assert loads.take_failed() == {7}

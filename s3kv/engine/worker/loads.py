@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -69,6 +69,11 @@ _CORRUPT = frozenset({"BadMagic", "HeaderCorrupt", "TruncatedObject", "ChecksumM
                       "ObjectFormatError"})
 #: Not ours to judge (another format version, another namespace, another span): never deleted.
 _UNUSABLE = frozenset({"UnsupportedVersion", "ForeignObject", "LoadPlanError", "Unauthenticated", "SpanMismatch"})
+
+
+def plan_keys(jobs: Sequence[LoadJob], failed: Failures) -> frozenset[str]:
+    """Every object the failed requests' jobs read (their siblings in the index)."""
+    return frozenset(j.key for j in jobs if j.request_ids & failed.keys())
 
 
 def _kind(reason: str) -> str:
@@ -189,11 +194,11 @@ class LoadJobs:
                     failed.setdefault(rid, (job.key, describe(job.error)))
         return failed
 
-    def fail_now(self, failed: Failures) -> None:
+    def fail_now(self, failed: Failures, siblings: frozenset[str] = frozenset()) -> None:
         """Sync loads that failed: no copy may still land, and the engine's failed-load hook (the
-        only safe outcome for a sync load) is told."""
+        only safe outcome for a sync load) is told. ``siblings``: every object their plans read."""
         self._quiesce(set(failed))
-        self._note_failed(failed)
+        self._note_failed(failed, siblings=siblings)
         if self.failed_load_hook:
             self.failed_report |= set(failed)
             self.counters.add("rung_engine_recompute", len(failed))
@@ -298,7 +303,7 @@ class LoadJobs:
             wanted = {id(j): [(o, s) for o, s in j.targets if j.owners.get(s) == rid] for j in st.jobs}
             self._quiesce({rid})
             first_failure = st.attempts == 0
-            self._note_failed({rid: failed}, quiet=not first_failure)
+            self._note_failed({rid: failed}, quiet=not first_failure, siblings=frozenset(j.key for j in st.jobs))
             if self.failed_load_hook:
                 del self.parked[rid]
                 self.failed_report.add(rid)
@@ -354,9 +359,12 @@ class LoadJobs:
         st.failed_jobs = []
         self.counters.add("load_retries")
 
-    def _note_failed(self, failed: Failures, *, quiet: bool = False) -> None:
+    def _note_failed(
+        self, failed: Failures, *, quiet: bool = False, siblings: frozenset[str] = frozenset()
+    ) -> None:
         """Count and log failed loads; quarantine the objects that failed so later lookups miss.
-        ``quiet``: a retry of a load already reported (counted as a retry, logged at INFO)."""
+        ``quiet``: a retry of a load already reported (counted as a retry, logged at INFO).
+        ``siblings``: every object the failed requests' plans read."""
         if quiet:
             self.counters.add("load_retry_failures", len(failed))
         else:
@@ -370,6 +378,13 @@ class LoadJobs:
             # lookup asks the store again).
             self.index.forget(keys)
             self.index.quarantine(bad, self.settings.quarantine_s)
+        if self.index is not None and bad and siblings:
+            # One object found gone or bad says the index's word on the others of the same plan
+            # (as old, from the same writer or the same lifecycle rule) is in doubt too, and a
+            # failed load stops at its first failure, so which of them were tried is luck. Dropped,
+            # not quarantined: the next lookup of the prefix asks the store (one wave) instead of
+            # promising the next gone object to the next request.
+            self.index.forget(siblings.difference(bad))
         corrupt = sorted({k for k, r in failed.values() if k and _kind(r) == "corrupt"})
         if corrupt:
             self.counters.add("objects_quarantined", len(corrupt))
