@@ -158,8 +158,8 @@ class Settings:
     lookup_head_concurrency: int = 512
     #: Helper processes that send and parse the lookup's HEAD waves (obstore client), so a wave
     #: costs the engine's process ~1 ms of CPU instead of ~0.2 ms per HEAD (75 ms for a
-    #: 128k-token verify wave), and with several cores its wall time drops too. -1 = a quarter
-    #: of the usable cores, 1 to 4 (none on one core); 0 = waves run in the engine's process.
+    #: 128k-token verify wave), and with several cores its wall time drops too. -1 = half the
+    #: usable cores, 1 to 8 (none on one core); 0 = waves run in the engine's process.
     lookup_head_processes: int = -1
     #: Refresh a summary of the namespace's stored objects (one LIST pass) this often, so a cold
     #: miss costs no request and a cold hit one verify wave; 0 = off (lookups probe with HEADs).

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from test_bench_cli import assert_common, positive, run_json
 
+from s3kv.store.headprocs import auto_processes
+
 pytest.importorskip("obstore")
 
 
@@ -37,8 +39,13 @@ def test_transfer_compares_every_client() -> None:
 def test_lookup_reports_summary_paths_per_client() -> None:
     res = run_json("lookup", "--quick", "--latency-ms", "5", "--prompts", "1k", "--repeats", "2")
     (row,) = res["results"]
-    for name in ("boto3", "obstore"):
+    helpers = auto_processes() > 0
+    assert res["geometry"]["head_processes"] == auto_processes()
+    assert res["s3kv_client"] == ("obstore_helpers" if helpers else "obstore")
+    for name in ("boto3", "obstore", *(["obstore_helpers"] if helpers else [])):
         c = row["clients"][name]
+        # The probe's waves ran in the helpers (their CPU is counted beside the engine's), or not.
+        assert (c["probe"]["helper_cpu_ms"] > 0) == (name == "obstore_helpers"), (name, c["probe"])
         assert c["summary_objects"] > 0 and c["repeats"] == 2
         for path in ("probe", "summary_hit", "summary_trusted_hit", "summary_miss"):
             x = c[path]
@@ -58,6 +65,7 @@ def test_jitter_quick_json() -> None:
     res = run_json("jitter", "--quick")
     assert_common(res, "jitter")
     assert set(res["clients"]) >= {"boto3", "obstore"}
+    assert res["s3kv_client"] == ("obstore_helpers" if auto_processes() > 0 else "obstore")
     for r in res["clients"].values():
         for phase in ("idle", "lookups", "download", "upload"):
             assert positive(r[phase]["p50_ms"]) and positive(r[phase]["p99_ms"]) and r[phase]["iterations"] > 10

@@ -224,7 +224,7 @@ def test_other_credentials_in_a_helper_are_never_used(
             assert _wait(lambda: all(h is None or h.done.is_set() for h in helpers._helpers), 30)
             with caplog.at_level(logging.WARNING, logger="s3kv.store.headprocs"):
                 assert helpers.head_many(stored, 5.0) is None
-            assert "S3KV_LOOKUP_HEAD_PROCESSES" in caplog.text and "differ" in caplog.text
+            assert "S3KV_LOOKUP_HEAD_PROCESSES" in caplog.text and "other credentials" in caplog.text
             assert helpers.starts == 1  # and not restarted before its back-off
         finally:
             helpers.close()
@@ -248,10 +248,36 @@ def test_errors_cross_the_process_boundary_as_store_errors(moto_s3: EmbeddedS3, 
     keys = [f"nowhere/k{i}" for i in range(5)]
     with _store(moto_s3, opts, f"http://127.0.0.1:{closed_port}") as store:
         assert _wait(lambda: store.head_helpers.ready_count() == 1)
+        pids = store.head_helpers.pids()
         batch = store.head_many(keys)
         assert store.head_helpers.waves_offloaded == 1
+        # The helper's own answer (its retries ran out), not a helper failure: it lives on.
+        assert store.head_helpers.pids() == pids and store.head_helpers.ready_count() == 1
     assert set(batch.failed) == set(keys)
-    assert all(isinstance(e, StoreError) and e.key == k and k in str(e) for k, e in batch.failed.items())
+    assert all(isinstance(e, DeadlineExceeded) and e.key == k and k in str(e) for k, e in batch.failed.items())
+    assert not any("lookup helper" in str(e) for e in batch.failed.values())
+
+
+def test_a_wedged_helper_is_replaced(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """One of two helpers stops (SIGSTOP): its share of a wave times out while the other's
+    answers, so it is the helper, not the store: it is killed and a new one starts."""
+    stored = _stored(moto_s3, prefix, 8)
+    with _store(moto_s3) as direct:
+        helpers = HeadHelpers(recipe_for(direct, 2), 2, restart_backoff_s=(0.2, 1.0))
+        try:
+            assert _wait(lambda: helpers.ready_count() == 2)
+            stuck = helpers.pids()[0]
+            os.kill(stuck, signal.SIGSTOP)
+            out = helpers.head_many(stored, 2.0)
+            assert out is not None
+            late = [o for o in out if isinstance(o, DeadlineExceeded)]
+            assert len(late) == 4 and all(o is not None and not isinstance(o, StoreError) for o in out if o not in late)
+            assert _wait(lambda: not _alive(stuck), 10), "the wedged helper was not killed"
+            assert _wait(lambda: helpers.ready_count() == 2, 15) and stuck not in helpers.pids()
+            out = helpers.head_many(stored, 10.0)
+            assert out is not None and not any(isinstance(o, StoreError) for o in out)
+        finally:
+            helpers.close()
 
 
 def test_the_setting_is_validated_and_resolved() -> None:
@@ -259,7 +285,7 @@ def test_the_setting_is_validated_and_resolved() -> None:
         validate(Settings(lookup_head_processes=-2))
     with pytest.raises(ValueError, match="head_processes"):
         S3Options(head_processes=-1)
-    assert [auto_processes(c) for c in (1, 2, 7, 8, 16, 64)] == [0, 1, 1, 2, 4, 4]
+    assert [auto_processes(c) for c in (1, 2, 3, 8, 16, 64)] == [0, 1, 1, 4, 8, 8]
     assert s3_options(Settings(lookup_head_processes=3)).head_processes == 3
     assert s3_options(Settings(lookup_head_processes=0)).head_processes == 0
     assert s3_options(Settings()).head_processes == auto_processes()
