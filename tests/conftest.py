@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -113,9 +112,7 @@ def make_case(
             aws_secret_access_key=server.secret_key,
         )
         if obs.head_helpers is not None:
-            deadline = time.monotonic() + 30
-            while obs.head_helpers.ready_count() < 1 and time.monotonic() < deadline:
-                time.sleep(0.05)
+            assert obs.head_helpers.wait_ready(30), "the HEAD helper did not start"
         return StoreCase(server_kind, obs, prefix, server)
     return StoreCase(kind, server.make_store(options=options or TEST_S3_OPTIONS), prefix, server)
 

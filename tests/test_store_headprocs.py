@@ -96,7 +96,7 @@ def test_helpers_answer_what_the_engine_would(server: EmbeddedS3, prefix: str) -
     with _store(server, dataclasses.replace(OPTS, head_processes=2)) as store:
         helpers = store.head_helpers
         assert helpers is not None and helpers.head_many(stored[:1], 5.0) is None  # starting: not ready yet
-        assert _wait(lambda: helpers.ready_count() == 2), "helpers did not start"
+        assert helpers.wait_ready(30), "helpers did not start"
         got = store.head_many(stored + absent)
         assert helpers.waves_offloaded == 2 and store._loop is None
         assert store.head_many(stored[:2]).found.keys() == set(stored[:2])  # small: in-process
@@ -118,7 +118,7 @@ def test_a_helper_retries_wire_faults_as_the_engine_does(
     proxies.append(px)
     opts = dataclasses.replace(STALL_OPTS if fault == "stall" else OPTS, head_processes=1)
     with _store(moto_s3, opts, px.endpoint_url) as store:
-        assert _wait(lambda: store.head_helpers.ready_count() == 1)
+        assert store.head_helpers.wait_ready(30)
         batch = store.head_many(stored + absent)
         assert store.head_helpers.waves_offloaded == 1
     assert px.stats()["faults"][fault] >= 3, px.stats()
@@ -137,7 +137,7 @@ def test_a_helper_that_dies_is_a_miss_and_comes_back(moto_s3: EmbeddedS3, proxie
     with _store(moto_s3, OPTS, px.endpoint_url) as slow:
         helpers = HeadHelpers(recipe_for(slow, 1), 1, restart_backoff_s=(0.2, 1.0))
         try:
-            assert _wait(lambda: helpers.ready_count() == 1)
+            assert helpers.wait_ready(30)
             (pid,) = helpers.pids()
             got: list[Any] = []
             waiter = threading.Thread(target=lambda: got.append(helpers.head_many(stored, 60.0)))
@@ -156,7 +156,7 @@ def test_a_helper_that_dies_is_a_miss_and_comes_back(moto_s3: EmbeddedS3, proxie
     with _store(moto_s3) as direct:
         helpers = HeadHelpers(recipe_for(direct, 1), 1)
         try:
-            assert _wait(lambda: helpers.ready_count() == 1)
+            assert helpers.wait_ready(30)
             out = helpers.head_many(stored, 10.0)
             assert out is not None and [o.key for o in out] == stored  # type: ignore[union-attr]
         finally:
@@ -168,7 +168,7 @@ def test_a_helper_that_hangs_costs_the_wave_its_limit_only(moto_s3: EmbeddedS3, 
     proxies.append(px)
     keys = [f"{prefix}/k{i}" for i in range(6)]
     with _store(moto_s3, dataclasses.replace(OPTS, head_processes=1), px.endpoint_url) as store:
-        assert _wait(lambda: store.head_helpers.ready_count() == 1)
+        assert store.head_helpers.wait_ready(30)
         t0 = time.monotonic()
         out = store.head_helpers.head_many(keys, 1.0)
         assert 0.9 < time.monotonic() - t0 < 3.0
@@ -179,7 +179,7 @@ def test_a_helper_that_hangs_costs_the_wave_its_limit_only(moto_s3: EmbeddedS3, 
 
 def test_helpers_never_outlive_the_store_or_the_engine(moto_s3: EmbeddedS3) -> None:
     store = _store(moto_s3, dataclasses.replace(OPTS, head_processes=2))
-    assert _wait(lambda: store.head_helpers.ready_count() == 2)
+    assert store.head_helpers.wait_ready(30)
     pids = store.head_helpers.pids()
     store.close()
     assert _wait(lambda: not any(_alive(p) for p in pids), 10), "helpers outlived close()"
@@ -247,7 +247,7 @@ def test_errors_cross_the_process_boundary_as_store_errors(moto_s3: EmbeddedS3, 
     )
     keys = [f"nowhere/k{i}" for i in range(5)]
     with _store(moto_s3, opts, f"http://127.0.0.1:{closed_port}") as store:
-        assert _wait(lambda: store.head_helpers.ready_count() == 1)
+        assert store.head_helpers.wait_ready(30)
         pids = store.head_helpers.pids()
         batch = store.head_many(keys)
         assert store.head_helpers.waves_offloaded == 1
@@ -265,7 +265,7 @@ def test_a_wedged_helper_is_replaced(moto_s3: EmbeddedS3, prefix: str) -> None:
     with _store(moto_s3) as direct:
         helpers = HeadHelpers(recipe_for(direct, 2), 2, restart_backoff_s=(0.2, 1.0))
         try:
-            assert _wait(lambda: helpers.ready_count() == 2)
+            assert helpers.wait_ready(30)
             stuck = helpers.pids()[0]
             os.kill(stuck, signal.SIGSTOP)
             out = helpers.head_many(stored, 2.0)

@@ -444,6 +444,16 @@ class HeadHelpers:
     def ready_count(self) -> int:
         return len(self._tend())
 
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        """Start the helpers and wait until all are ready (benchmarks and tests: measure the
+        helpers, not the in-process waves of the first seconds). Whether they all came up."""
+        deadline = time.monotonic() + timeout
+        while self.ready_count() < self.processes:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
     def pids(self) -> list[int]:
         with self._lock:
             return [h.pid for h in self._helpers if h is not None and h.pid is not None and not h.done.is_set()]

@@ -261,7 +261,10 @@ class ObstoreS3Store(ObjectStore):
         if opts.head_processes > 0:
             from .headprocs import HeadHelpers, recipe_for
 
-            self._helpers = HeadHelpers(recipe_for(self, opts.head_processes), opts.head_processes)
+            try:
+                self._helpers = HeadHelpers(recipe_for(self, opts.head_processes), opts.head_processes)
+            except Exception as exc:  # an optimisation: never the reason a store cannot open
+                log.warning("s3kv: HEAD waves stay in this process (no helper recipe: %s)", _short(exc))
 
     @property
     def head_helpers(self) -> Any:

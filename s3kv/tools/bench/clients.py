@@ -57,9 +57,7 @@ def s3kv_stores(
         if head_processes > 0:
             procs = dataclasses.replace(opts, head_processes=head_processes)
             st = out["obstore_helpers"] = ObstoreS3Store(bucket, endpoint_url=endpoint, options=procs, session=session)
-            deadline = time.monotonic() + 60
-            while st.head_helpers.ready_count() < head_processes and time.monotonic() < deadline:
-                time.sleep(0.05)
+            st.head_helpers.wait_ready()
     return out
 
 
