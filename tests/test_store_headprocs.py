@@ -289,3 +289,31 @@ def test_the_setting_is_validated_and_resolved() -> None:
     assert s3_options(Settings(lookup_head_processes=3)).head_processes == 3
     assert s3_options(Settings(lookup_head_processes=0)).head_processes == 0
     assert s3_options(Settings()).head_processes == auto_processes()
+
+
+def test_helpers_show_in_the_engines_metrics(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """Found behind the store's wrappers; observing them starts nothing."""
+    from s3kv.engine.index import KeyIndex
+    from s3kv.engine.leader import LeaderStats
+    from s3kv.engine.metrics import Metrics
+    from s3kv.engine.runtime import EngineRuntime, head_helpers_of
+    from s3kv.store.base import StoreWrapper
+
+    stored = _stored(moto_s3, prefix, 6)
+    with _store(moto_s3, dataclasses.replace(OPTS, head_processes=1)) as obs:
+        wrapped = StoreWrapper(StoreWrapper(obs))
+        assert head_helpers_of(wrapped) is obs.head_helpers
+        with _store(moto_s3) as plain:
+            assert head_helpers_of(StoreWrapper(plain)) is None
+        rt = EngineRuntime(
+            key="k", settings=Settings(), store=wrapped, key_prefix=prefix, index=KeyIndex(10, 1.0, 1.0), metrics=Metrics()
+        )
+        value = rt.metrics.registry.get_sample_value
+        rt.observe(leader_stats=LeaderStats())
+        assert value("s3kv_lookup_helpers_ready") == 0 and value("s3kv_lookup_helper_starts_total") == 0
+        assert obs.head_helpers.starts == 0  # observing started nothing
+        assert obs.head_helpers.wait_ready(30)
+        assert wrapped.head_many(stored).found.keys() == set(stored)
+        rt.observe(leader_stats=LeaderStats())
+        assert value("s3kv_lookup_helpers_ready") == 1 and value("s3kv_lookup_helper_starts_total") == 1
+        assert value("s3kv_lookup_helper_shares_total") == 1 and value("s3kv_lookup_helper_cpu_seconds_total") > 0

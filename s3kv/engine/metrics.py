@@ -259,6 +259,20 @@ class Metrics:
             registry=r,
         )
 
+        # -- lookup helper processes (s3kv/store/headprocs.py) --------------------------
+        self.head_helpers_ready = Gauge(
+            f"{p}_lookup_helpers_ready", "HEAD helper processes ready now (0 with none configured).", registry=r
+        )
+        self.head_helper_starts = Counter(
+            f"{p}_lookup_helper_starts", "HEAD helper processes started (restarts included).", registry=r
+        )
+        self.head_helper_shares = Counter(
+            f"{p}_lookup_helper_shares", "Shares of HEAD waves sent to helper processes.", registry=r
+        )
+        self.head_helper_cpu = Counter(
+            f"{p}_lookup_helper_cpu_seconds", "CPU time of the HEAD helper processes.", registry=r
+        )
+
         # -- breaker -------------------------------------------------------------------
         self.breaker_state = Gauge(
             f"{p}_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.", registry=r
@@ -427,6 +441,13 @@ class Metrics:
         for group, n in (by_group or {}).items():
             v = _number(n)
             self._feed(self.hit_blocks.labels(str(group)), source, f"hit_blocks[{group}]", v)
+
+    def observe_head_helpers(self, stats: Mapping[str, float]) -> None:
+        """Copy :meth:`s3kv.store.headprocs.HeadHelpers.stats`."""
+        self.head_helpers_ready.set(stats.get("ready", 0.0))
+        self._feed(self.head_helper_starts, "helpers", "starts", _number(stats.get("starts")))
+        self._feed(self.head_helper_shares, "helpers", "shares", _number(stats.get("shares")))
+        self._feed(self.head_helper_cpu, "helpers", "cpu_s", _number(stats.get("cpu_s")))
 
     def observe_worker(self, stats: Any, source: str = "worker") -> None:
         """Copy a worker's cumulative stats (dataclass, object, or ``Counters.snapshot()`` mapping).

@@ -52,6 +52,9 @@ class EngineRuntime:
         """Copy cumulative connector stats into the Prometheus metrics."""
         if leader_stats is not None:
             self.metrics.observe_leader(leader_stats)
+            helpers = head_helpers_of(self.store)
+            if helpers is not None:
+                self.metrics.observe_head_helpers(helpers.stats())
         if worker_stats is not None:
             self.metrics.observe_worker(worker_stats, source=source)
 
@@ -98,6 +101,18 @@ def engine_key_for(llm_args: Any, settings: Settings) -> str:
         (settings.url, settings.model_id or str(getattr(llm_args, "model", "")), tpb, windows,
          getattr(llm_args, "max_seq_len", None), mapping.tp_size)
     )
+
+
+def head_helpers_of(store: Any) -> Any:
+    """The HEAD helper processes behind ``store``'s wrappers (breaker, metrics ...), or None."""
+    for _ in range(16):  # wrappers nest a few deep; never loop on a cycle
+        helpers = getattr(store, "head_helpers", None)
+        if helpers is not None:
+            return helpers
+        store = getattr(store, "inner", None)
+        if store is None:
+            return None
+    return None
 
 
 def s3_options(settings: Settings) -> Any:

@@ -454,6 +454,19 @@ class HeadHelpers:
             time.sleep(0.02)
         return True
 
+    def stats(self) -> dict[str, float]:
+        """For metrics, without starting anything: helpers ready now, helper starts so far
+        (restarts included), wave shares sent to helpers, the helpers' CPU seconds."""
+        with self._lock:
+            live = [h for h in self._helpers if h is not None]
+            cpu = self._retired_cpu_s + sum(h.cpu_s for h in live)
+        return {
+            "ready": float(sum(1 for h in live if h.ready)),
+            "starts": float(self.starts),
+            "shares": float(self.waves_offloaded),
+            "cpu_s": cpu,
+        }
+
     def pids(self) -> list[int]:
         with self._lock:
             return [h.pid for h in self._helpers if h is not None and h.pid is not None and not h.done.is_set()]
