@@ -507,3 +507,12 @@ def test_operator_check_reads_tagged_objects_without_the_key():
     parsed = parse_key(key)
     assert info is not None and parsed is not None
     assert check_object(parsed, info, store.get(key)) == 3
+
+
+def test_metadata_names_in_any_case_are_read_as_s3_sends_them() -> None:
+    """Stores hand names over lowercased (taken as they are, on the lookup's hot path); a caller's
+    mixed-case dict is lowercased first, keyed objects included."""
+    data, md, _ = signed_object(4)
+    upper = {k.upper(): v for k, v in md.items()}
+    assert upper != md and span_from_metadata(SIGNED, upper, len(data), KEY).count == 4
+    assert span_from_metadata(SIGNED, md, len(data), KEY).count == 4

@@ -333,7 +333,11 @@ def span_from_metadata(
     ``ObjectFormatError`` otherwise (the caller counts it and treats the object as
     missing).
     """
-    md = {k.lower(): v for k, v in metadata.items()}
+    # Every store hands metadata names over lowercased already (S3 lowercases them on the wire;
+    # the store contract does it everywhere), so the copy is only for other callers: it cost a
+    # third of a 128k-token lookup's own CPU (344 objects x 9 names). A mixed-case dict that
+    # does hold the lowercase version name is taken as it is and fails safe (a foreign object).
+    md = metadata if "s3kv-version" in metadata else {k.lower(): v for k, v in metadata.items()}
     try:
         version = int(md["s3kv-version"])
     except (KeyError, ValueError) as e:
