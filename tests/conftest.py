@@ -19,6 +19,7 @@ import pytest
 
 from s3kv.store.base import ObjectStore
 from s3kv.store.embedded import EmbeddedS3, weed_binary
+from s3kv.store.faultproxy import FaultProxy
 from s3kv.store.fsspec_store import FsspecStore
 from s3kv.store.memory import MemoryStore
 from s3kv.store.retrying import RetryPolicy
@@ -129,6 +130,21 @@ def s3case(request: pytest.FixtureRequest, tmp_path) -> Iterator[StoreCase]:
     c = make_case(request, request.param, tmp_path)
     yield c
     c.store.close()
+
+
+@pytest.fixture(params=S3_KINDS)
+def server(request: pytest.FixtureRequest) -> EmbeddedS3:
+    """Each loopback S3 server in turn (for tests of one S3 client against both)."""
+    return s3_server(request, request.param)
+
+
+@pytest.fixture
+def proxies() -> Iterator[list[FaultProxy]]:
+    """Fault proxies a test starts; stopped after it."""
+    made: list[FaultProxy] = []
+    yield made
+    for px in made:
+        px.stop()
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import textwrap
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -60,22 +59,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-@pytest.fixture(params=["moto", "seaweedfs"])
-def server(request: pytest.FixtureRequest) -> EmbeddedS3:
-    return request.getfixturevalue({"moto": "moto_s3", "seaweedfs": "seaweed_s3"}[request.param])
-
-
 @pytest.fixture
 def prefix(request: pytest.FixtureRequest) -> str:
     return f"hp/{request.node.name[:40]}-{uuid.uuid4().hex[:8]}".replace("[", "-").replace("]", "")
-
-
-@pytest.fixture
-def proxies() -> Iterator[list[FaultProxy]]:
-    made: list[FaultProxy] = []
-    yield made
-    for px in made:
-        px.stop()
 
 
 def _stored(server: EmbeddedS3, prefix: str, n: int = 12) -> list[str]:

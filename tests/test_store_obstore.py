@@ -13,7 +13,6 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -48,11 +47,6 @@ def _native(server: EmbeddedS3, options: S3Options = TEST_OPTS, **kw: Any) -> Ob
         **kw,
     }
     return ObstoreS3Store(server.bucket, options=options, **args)
-
-
-@pytest.fixture(params=["moto", "seaweedfs"])
-def server(request: pytest.FixtureRequest) -> EmbeddedS3:
-    return request.getfixturevalue({"moto": "moto_s3", "seaweedfs": "seaweed_s3"}[request.param])
 
 
 @pytest.fixture
@@ -194,14 +188,6 @@ def test_factory_picks_the_client(moto_s3: EmbeddedS3, monkeypatch: pytest.Monke
 
 
 # -- wire faults (s3kv/store/faultproxy.py) under this client ------------------------------
-
-
-@pytest.fixture
-def proxies() -> Iterator[list[FaultProxy]]:
-    made: list[FaultProxy] = []
-    yield made
-    for px in made:
-        px.stop()
 
 
 def _through(server: EmbeddedS3, px: FaultProxy, options: S3Options) -> ObstoreS3Store:
