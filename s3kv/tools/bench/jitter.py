@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...config import Settings
-from ...store.headprocs import auto_processes
+from ...engine.runtime import s3_options
 from .clients import s3kv_stores
 from .common import BenchStore, MiB, machine_info, progress, rnd
 
@@ -137,7 +137,7 @@ def run_jitter(bs: BenchStore, cfg: JitterConfig) -> dict[str, Any]:
     prompt = [rng.randrange(32000) for _ in range(cfg.prompt_tokens)]
     populate(bs, lcfg, settings, geom, prompt, sizing)
     # obstore twice: HEAD waves in this process, and in helper processes as s3kv's default runs them.
-    stores = s3kv_stores(bs, head_processes=auto_processes())
+    stores = s3kv_stores(bs, head_processes=s3_options(settings).head_processes)
     clients: dict[str, Any] = {}
     try:
         for name, store in stores.items():

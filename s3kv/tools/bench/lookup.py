@@ -59,7 +59,7 @@ from ...core.layout import CacheGeometry, GroupGeometry
 from ...core.objects import ObjectIdentity, encode_object, object_metadata
 from ...core.plan import SealOp
 from ...engine.leader import LeaderCore
-from ...store.headprocs import auto_processes
+from ...engine.runtime import s3_options
 from .clients import fan_out, helper_cpu_s, s3kv_stores, shaped
 from .common import GEMMA3_27B, BenchStore, ModelSpec, machine_info, progress, rnd
 
@@ -210,10 +210,11 @@ class _Measured:
 
 
 def _measure(
-    bs: BenchStore, store: Any, lat: Any, leader: LeaderCore, rid: int, prompt: list[int], plain: Any = None
+    bs: BenchStore, store: Any, lat: Any, leader: LeaderCore, rid: int, prompt: list[int], plain: Any
 ) -> _Measured:
+    """One lookup through ``store`` (``plain``'s wrapped twin, whose helpers' CPU is counted)."""
     before = store.snapshot()
-    h0 = helper_cpu_s(plain) if plain is not None else 0.0
+    h0 = helper_cpu_s(plain)
     rt0 = lat.round_trips if lat is not None else 0
     waves, hashing = leader.stats.lookup_waves, leader.stats.lookup_hash_cpu_s
     own = list(prompt)  # handed over, as the TensorRT-LLM adapter hands over its own copy
@@ -225,7 +226,7 @@ def _measure(
     injected = ((lat.round_trips if lat is not None else 0) - rt0) * bs.latency_ms
     return _Measured(
         len(prompt), hit, leader.stats.lookup_waves - waves, io.head, wall, injected, c1 - c0, p1 - p0,
-        leader.stats.lookup_hash_cpu_s - hashing, (helper_cpu_s(plain) - h0) if plain is not None else 0.0,
+        leader.stats.lookup_hash_cpu_s - hashing, helper_cpu_s(plain) - h0,
     )
 
 
@@ -283,7 +284,7 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
     counts = populate(bs, cfg, settings, geom, stream, sizing)
     tpb = geom.tokens_per_block
     rows: list[dict[str, Any]] = []
-    procs = auto_processes() if settings.lookup_head_processes < 0 else settings.lookup_head_processes
+    procs = s3_options(settings).head_processes
     plain = s3kv_stores(bs, head_concurrency=settings.lookup_head_concurrency, head_processes=procs)
     clients = {
         name: shaped(bs, st, fan_out(name, bs, st)) for name, st in plain.items()
