@@ -28,7 +28,7 @@ from s3kv.engine.runtime import s3_options
 from s3kv.store.base import DeadlineExceeded, StoreError, TransientError
 from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
-from s3kv.store.headprocs import HeadHelpers, auto_processes, recipe_for
+from s3kv.store.headprocs import MIN_SHARE, HeadHelpers, auto_processes, recipe_for
 from s3kv.store.obstore_store import ObstoreS3Store
 from s3kv.store.s3 import S3Options
 
@@ -247,7 +247,7 @@ def test_errors_cross_the_process_boundary_as_store_errors(moto_s3: EmbeddedS3, 
 def test_a_wedged_helper_is_replaced(moto_s3: EmbeddedS3, prefix: str) -> None:
     """One of two helpers stops (SIGSTOP): its share of a wave times out while the other's
     answers, so it is the helper, not the store: it is killed and a new one starts."""
-    stored = _stored(moto_s3, prefix, 8)
+    stored = _stored(moto_s3, prefix, MIN_SHARE * 2)  # big enough for both helpers
     with _store(moto_s3) as direct:
         helpers = HeadHelpers(recipe_for(direct, 2), 2, restart_backoff_s=(0.2, 1.0))
         try:
@@ -257,11 +257,31 @@ def test_a_wedged_helper_is_replaced(moto_s3: EmbeddedS3, prefix: str) -> None:
             out = helpers.head_many(stored, 2.0)
             assert out is not None
             late = [o for o in out if isinstance(o, DeadlineExceeded)]
-            assert len(late) == 4 and all(o is not None and not isinstance(o, StoreError) for o in out if o not in late)
+            assert len(late) == MIN_SHARE and all(o is not None and not isinstance(o, StoreError) for o in out if o not in late)
             assert _wait(lambda: not _alive(stuck), 10), "the wedged helper was not killed"
             assert _wait(lambda: helpers.ready_count() == 2, 15) and stuck not in helpers.pids()
             out = helpers.head_many(stored, 10.0)
             assert out is not None and not any(isinstance(o, StoreError) for o in out)
+        finally:
+            helpers.close()
+
+
+def test_a_small_wave_goes_to_few_helpers_in_turn(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """Each share costs the engine's process a message each way: a wave gets one helper per
+    MIN_SHARE keys (at most all of them), and small waves take turns, so every helper serves."""
+    stored = _stored(moto_s3, prefix, MIN_SHARE * 3)
+    with _store(moto_s3) as direct:
+        helpers = HeadHelpers(recipe_for(direct, 3), 3)
+        try:
+            assert helpers.wait_ready(30)
+            for n, shares in ((MIN_SHARE, 1), (MIN_SHARE + 1, 2), (MIN_SHARE * 3, 3)):
+                before = helpers.waves_offloaded
+                out = helpers.head_many(stored[:n], 10.0)
+                assert out is not None and [o.key for o in out] == stored[:n]  # type: ignore[union-attr]
+                assert helpers.waves_offloaded - before == shares, n
+            small = [helpers.head_many(stored[:4], 10.0) for _ in range(3)]
+            assert all(o is not None and not any(isinstance(x, StoreError) for x in o) for o in small)
+            assert all(h is not None and h.answered >= 2 for h in helpers._helpers)  # took turns
         finally:
             helpers.close()
 
