@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -18,7 +21,7 @@ from typing import Any
 import pytest
 from test_faultproxy import OPTS, STALL_OPTS, run_ops, verify_behind
 
-from s3kv.store.base import ByteRange, DeadlineExceeded, PermissionDenied, StoreError
+from s3kv.store.base import ByteRange, DeadlineExceeded, PermissionDenied, StoreConfigError, StoreError
 from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.factory import make_s3_store, open_store
 from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
@@ -380,3 +383,48 @@ def test_a_head_wave_that_never_ends_is_given_up(moto_s3: EmbeddedS3, prefix: st
         assert time.monotonic() - t0 < 3
     assert set(batch.failed) == {f"{prefix}/a", f"{prefix}/b"}
     assert all(isinstance(e, DeadlineExceeded) for e in batch.failed.values())
+
+
+@pytest.mark.parametrize("value", ["", "0", "two"])
+def test_a_tokio_thread_count_obstore_cannot_start_with_is_refused_at_start_up(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """obstore's runtime panics on the first request with such a value; refuse it up front, by name."""
+    monkeypatch.setenv("TOKIO_WORKER_THREADS", value)
+    with pytest.raises(StoreConfigError, match="TOKIO_WORKER_THREADS"):
+        ObstoreS3Store("bkt", endpoint_url="http://127.0.0.1:9", aws_access_key_id="a", aws_secret_access_key="b")
+    monkeypatch.setenv("TOKIO_WORKER_THREADS", "2")
+    ObstoreS3Store("bkt", endpoint_url="http://127.0.0.1:9", aws_access_key_id="a", aws_secret_access_key="b").close()
+
+
+def test_a_panic_inside_obstore_is_a_failed_request_not_an_escape(closed_port: int) -> None:
+    """A real Rust panic (the runtime refusing its thread count, set after start-up so the check
+    above cannot catch it) reaches s3kv as pyo3's PanicException, a BaseException that no
+    ``except Exception`` stops: every operation must turn it into a StoreError (a miss, a failed
+    load), never let it out to the engine's loop. In a fresh process: the runtime starts once."""
+    code = textwrap.dedent(
+        f"""
+        import os, sys
+        from s3kv.store.base import ByteRange, StoreError
+        from s3kv.store.obstore_store import ObstoreS3Store
+        st = ObstoreS3Store("bkt", endpoint_url="http://127.0.0.1:{closed_port}",
+                            aws_access_key_id="a", aws_secret_access_key="b")
+        os.environ["TOKIO_WORKER_THREADS"] = ""  # read by the runtime at its first request
+        out = []
+        batch = st.head_many(["k1", "k2"])  # the wave, on the event loop
+        out.append(sorted(type(e).__name__ for e in batch.failed.values()))
+        out.append(sorted(type(e).__name__ for e in st.head_many(["k3"]).failed.values()))  # one key: sync
+        for op in (lambda: st.get_ranges("k4", [ByteRange(0, 4)]), lambda: st.put("k5", b"x", {{}})):
+            try:
+                op()
+                out.append("no error")
+            except StoreError as e:
+                out.append(type(e).__name__ + (" panicked" if "panicked" in str(e) else ""))
+        print(out)
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TOKIO_WORKER_THREADS"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "PanicException" in r.stderr or "panicked" in r.stdout, "no panic happened: the test proves nothing"
+    assert r.stdout.strip() == str([["StoreError", "StoreError"], ["StoreError"], "StoreError panicked", "StoreError panicked"]), r.stdout

@@ -46,6 +46,7 @@ import ctypes
 import datetime as dt
 import functools
 import logging
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -80,6 +81,29 @@ _GIL_FREE_COPY = 256 * 1024
 #: the hand-off's two socket hops and the wake-ups around them.
 _OFFLOAD_MIN_KEYS = 4
 _STATUS_RE = re.compile(r"status code: (\d{3})|\b(\d{3}) (?:[A-Z][A-Za-z ]+):")
+
+
+def _is_panic(exc: BaseException) -> bool:
+    """A Rust panic inside obstore, as pyo3 raises it (``pyo3_runtime.PanicException``)."""
+    return type(exc).__name__ == "PanicException" and type(exc).__module__ == "pyo3_runtime"
+
+
+def _check_tokio_env() -> None:
+    """obstore's Rust runtime reads ``TOKIO_WORKER_THREADS`` on the first request and panics on a
+    value that is not a positive integer (an empty string included). Refuse it at start-up,
+    naming it, instead of failing every request after the model has loaded."""
+    raw = os.environ.get("TOKIO_WORKER_THREADS")
+    if raw is None:
+        return
+    try:
+        ok = int(raw) > 0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise StoreConfigError(
+            f"TOKIO_WORKER_THREADS={raw!r} is not a positive integer; obstore's runtime (the S3 client) "
+            "cannot start with it: unset it or give a thread count"
+        )
 
 
 def available() -> bool:
@@ -195,6 +219,8 @@ class ObstoreS3Store(ObjectStore):
         import obstore
         from obstore.store import S3Store as _ObS3
 
+        _check_tokio_env()
+
         self._obs = obstore
         self._boto = S3Store(
             bucket,
@@ -303,6 +329,14 @@ class ObstoreS3Store(ObjectStore):
             raise
         except Exception as exc:  # noqa: BLE001 - obstore raises its own and builtin classes
             raise self._translate(exc, op, key) from exc
+        except BaseException as exc:
+            if not _is_panic(exc):
+                raise  # KeyboardInterrupt, SystemExit, a cancelled task: not ours to turn into a miss
+            # A failed request like any other (a miss, a failed load), not an exception that
+            # would escape the connector: pyo3 raises Rust panics as a BaseException, past every
+            # ``except Exception`` up to the engine's loop, which then dies.
+            raise StoreError(f"S3 {op} s3://{self.bucket}/{key or ''}: the S3 client (obstore) panicked: {_short(exc)}",
+                             key=key) from exc
 
     def _call(self, op: str, key: str | None, fn: Callable[[], T]) -> T:
         def attempt() -> T:
