@@ -170,6 +170,11 @@ class LeaderCore:
                     return 0, False
                 chain = Chain(root, g.tokens_per_block)
                 h0 = time.thread_time()
+                # The whole chain first, then any request. Why not send HEADs for the hashed part
+                # while the rest is hashed (a 128k prompt hashes for 7-10 ms): tried, three waves at
+                # quarters of the prompt, and the 128k verify path went from 63 to 92-100 ms on a
+                # 16-core host. Hashing holds the GIL, so the threads that send and answer those
+                # waves wait for it in 5 ms switch intervals; nothing overlaps.
                 chain.extend_to(prompt)
                 self.stats.lookup_hash_cpu_s += time.thread_time() - h0
                 st = RequestState(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
