@@ -385,16 +385,18 @@ def test_a_head_wave_that_never_ends_is_given_up(moto_s3: EmbeddedS3, prefix: st
     assert all(isinstance(e, DeadlineExceeded) for e in batch.failed.values())
 
 
-@pytest.mark.parametrize("value", ["", "0", "two"])
+@pytest.mark.parametrize("value", ["", "0", "two", " 4", "4 ", "99999999999999999999999"])
 def test_a_tokio_thread_count_obstore_cannot_start_with_is_refused_at_start_up(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
-    """obstore's runtime panics on the first request with such a value; refuse it up front, by name."""
+    """obstore's runtime panics on the first request with such a value (Rust's integer parser:
+    no spaces, nothing past 64 bits; tokio: not 0); refuse it up front, by name."""
     monkeypatch.setenv("TOKIO_WORKER_THREADS", value)
     with pytest.raises(StoreConfigError, match="TOKIO_WORKER_THREADS"):
         ObstoreS3Store("bkt", endpoint_url="http://127.0.0.1:9", aws_access_key_id="a", aws_secret_access_key="b")
-    monkeypatch.setenv("TOKIO_WORKER_THREADS", "2")
-    ObstoreS3Store("bkt", endpoint_url="http://127.0.0.1:9", aws_access_key_id="a", aws_secret_access_key="b").close()
+    for fine in ("2", "+4"):  # what Rust's parser takes
+        monkeypatch.setenv("TOKIO_WORKER_THREADS", fine)
+        ObstoreS3Store("bkt", endpoint_url="http://127.0.0.1:9", aws_access_key_id="a", aws_secret_access_key="b").close()
 
 
 def test_a_panic_inside_obstore_is_a_failed_request_not_an_escape(closed_port: int) -> None:

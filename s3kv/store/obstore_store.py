@@ -95,11 +95,8 @@ def _check_tokio_env() -> None:
     raw = os.environ.get("TOKIO_WORKER_THREADS")
     if raw is None:
         return
-    try:
-        ok = int(raw) > 0
-    except ValueError:
-        ok = False
-    if not ok:
+    # What Rust's usize parser takes (no spaces, an optional "+"), and not 0 (tokio refuses it).
+    if not (re.fullmatch(r"\+?[0-9]+", raw) and 0 < int(raw) < 2**64):
         raise StoreConfigError(
             f"TOKIO_WORKER_THREADS={raw!r} is not a positive integer; obstore's runtime (the S3 client) "
             "cannot start with it: unset it or give a thread count"
