@@ -323,3 +323,35 @@ def test_helpers_show_in_the_engines_metrics(moto_s3: EmbeddedS3, prefix: str) -
         rt.observe(leader_stats=LeaderStats())
         assert value("s3kv_lookup_helpers_ready") == 1 and value("s3kv_lookup_helper_starts_total") == 1
         assert value("s3kv_lookup_helper_shares_total") == 1 and value("s3kv_lookup_helper_cpu_seconds_total") > 0
+
+
+def test_a_helper_slow_with_the_store_is_not_taken_for_wedged(moto_s3: EmbeddedS3, proxies: list, prefix: str) -> None:
+    """A helper is replaced for silence only when another helper answered the same wave in time;
+    one whose share failed at once is no such witness, so a helper that is late only because the
+    store is slow lives on."""
+    px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan(latency_s=30.0, ops={"HEAD"})).start()
+    proxies.append(px)
+    keys = [f"{prefix}/k{i}" for i in range(MIN_SHARE * 2)]
+    with _store(moto_s3, OPTS, px.endpoint_url) as slow:
+        helpers = HeadHelpers(recipe_for(slow, 2), 2)
+        try:
+            assert helpers.wait_ready(30)
+            pids = helpers.pids()
+            broken = helpers._helpers[1]
+            assert broken is not None
+
+            def fails_at_once(keys: list[str]) -> Any:
+                import concurrent.futures as cf
+
+                f: cf.Future = cf.Future()
+                f.set_exception(RuntimeError("share failed at once"))
+                return f
+
+            broken.ask = fails_at_once  # type: ignore[method-assign]
+            out = helpers.head_many(keys, 1.0)
+            assert out is not None and all(isinstance(o, StoreError) for o in out)
+            assert sum(isinstance(o, DeadlineExceeded) for o in out) == MIN_SHARE  # the slow share
+            time.sleep(0.5)
+            assert helpers.pids() == pids and helpers.ready_count() == 2, "a slow helper was killed as wedged"
+        finally:
+            helpers.close()

@@ -385,7 +385,7 @@ def test_a_head_wave_that_never_ends_is_given_up(moto_s3: EmbeddedS3, prefix: st
     assert all(isinstance(e, DeadlineExceeded) for e in batch.failed.values())
 
 
-@pytest.mark.parametrize("value", ["", "0", "two", " 4", "4 ", "99999999999999999999999"])
+@pytest.mark.parametrize("value", ["", "0", "two", " 4", "4 ", "99999999999999999999999", "200000"])
 def test_a_tokio_thread_count_obstore_cannot_start_with_is_refused_at_start_up(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:
@@ -430,3 +430,35 @@ def test_a_panic_inside_obstore_is_a_failed_request_not_an_escape(closed_port: i
     assert r.returncode == 0, r.stderr[-3000:]
     assert "PanicException" in r.stderr or "panicked" in r.stdout, "no panic happened: the test proves nothing"
     assert r.stdout.strip() == str([["StoreError", "StoreError"], ["StoreError"], "StoreError panicked", "StoreError panicked"]), r.stdout
+
+
+def test_a_head_loop_that_cannot_start_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread to be had for the HEAD loop (the process is at its limit): the wave's keys fail
+    as StoreErrors, nothing escapes, and no event loop is left open per attempt."""
+    import asyncio
+
+    from s3kv.store import obstore_store
+
+    made: list[Any] = []
+    real_loop = asyncio.new_event_loop
+
+    def tracked() -> Any:
+        loop = real_loop()
+        made.append(loop)
+        return loop
+
+    def no_thread(self: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    st = ObstoreS3Store("bkt", endpoint_url="http://127.0.0.1:9", aws_access_key_id="a", aws_secret_access_key="b")
+    try:
+        monkeypatch.setattr(obstore_store.asyncio, "new_event_loop", tracked)
+        monkeypatch.setattr(obstore_store.threading.Thread, "start", no_thread)
+        for _ in range(3):
+            batch = st.head_many(["k1", "k2", "k3"])
+            assert set(batch.failed) == {"k1", "k2", "k3"}
+            assert all(isinstance(e, StoreError) and "HEAD loop" in str(e) for e in batch.failed.values())
+        assert len(made) == 3 and all(loop.is_closed() for loop in made)
+    finally:
+        monkeypatch.undo()
+        st.close()

@@ -72,7 +72,8 @@ START_TIMEOUT_S = 60.0
 RESTART_BACKOFF_S = (5.0, 300.0)
 #: Waves a helper runs at once (each blocks one of its threads; the HEADs share one loop).
 HELPER_WAVES = 16
-#: Keys a helper is given from one wave at least. Why not more: the lookup blocks the scheduler
+#: Keys per helper a wave is split by: ``ceil(keys / MIN_SHARE)`` helpers (5 keys: shares of 3 and 2).
+#: Why not more: the lookup blocks the scheduler
 #: for its wall time, and a helper answers ~0.3 ms of HEADs per key one after another, so a wave
 #: spread thin ends soonest. Why not fewer: each share costs the engine's process a message each
 #: way and a reader's wake-up (~0.15 ms of CPU). Measured on a 16-core host, 8 helpers, medians of
@@ -324,7 +325,10 @@ class _Helper:
         except Exception as exc:  # a garbled message: never let the reader die silently
             self._fail(f"sent something unreadable: {type(exc).__name__}: {exc}")
         finally:
-            with contextlib.suppress(Exception):
+            # Under the send lock: a send in progress must not write into a descriptor number
+            # that closing frees (and the process may reuse at once). Sends time out, so this waits
+            # at most _SEND_TIMEOUT_S.
+            with contextlib.suppress(Exception), self._send_lock:
                 conn.close()
             self._reap()
 
@@ -503,10 +507,12 @@ class HeadHelpers:
         self.waves_offloaded += len(asked)
         out: dict[str, Outcome] = {}
         late: list[_Helper] = []
+        in_time = 0  # shares a helper answered before the deadline (a helper that failed at once is no witness)
         for h, share, fut in asked:
             try:
                 wire = fut.result(timeout=max(0.0, deadline - time.monotonic()))
                 got: list[Outcome] = [_decode(k, w) for k, w in zip(share, wire, strict=True)]
+                in_time += 1
             except cf.TimeoutError:
                 h.forget(fut)
                 late.append(h)
@@ -514,7 +520,7 @@ class HeadHelpers:
             except Exception as exc:  # _HelperGone, or an answer of the wrong shape
                 got = [TransientError(f"S3 head: lookup helper {h.index} failed: {exc}", key=k) for k in share]
             out.update(zip(share, got, strict=True))
-        if late and len(late) < len(asked):
+        if late and in_time:
             # Others answered the same wave from the same store in time: the store is not what
             # hangs, these helpers are (stopped, wedged). Replace them after the back-off.
             for h in late:

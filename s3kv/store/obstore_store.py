@@ -88,6 +88,10 @@ def _is_panic(exc: BaseException) -> bool:
     return type(exc).__name__ == "PanicException" and type(exc).__module__ == "pyo3_runtime"
 
 
+#: The most runtime threads ``TOKIO_WORKER_THREADS`` may ask for (far above any host's cores).
+_MAX_TOKIO_THREADS = 4096
+
+
 def _check_tokio_env() -> None:
     """obstore's Rust runtime reads ``TOKIO_WORKER_THREADS`` on the first request and panics on a
     value that is not a positive integer (an empty string included). Refuse it at start-up,
@@ -95,11 +99,12 @@ def _check_tokio_env() -> None:
     raw = os.environ.get("TOKIO_WORKER_THREADS")
     if raw is None:
         return
-    # What Rust's usize parser takes (no spaces, an optional "+"), and not 0 (tokio refuses it).
-    if not (re.fullmatch(r"\+?[0-9]+", raw) and 0 < int(raw) < 2**64):
+    # What Rust's usize parser takes (no spaces, an optional "+"), not 0 (tokio refuses it), and
+    # not absurdly many: 2**32 aborted the process, 10**7 hung the first request (measured).
+    if not (re.fullmatch(r"\+?[0-9]+", raw) and 0 < int(raw) <= _MAX_TOKIO_THREADS):
         raise StoreConfigError(
             f"TOKIO_WORKER_THREADS={raw!r} is not a positive integer; obstore's runtime (the S3 client) "
-            "cannot start with it: unset it or give a thread count"
+            f"cannot start with it: unset it or give a thread count from 1 to {_MAX_TOKIO_THREADS}"
         )
 
 
@@ -428,6 +433,9 @@ class ObstoreS3Store(ObjectStore):
             outcomes = fut.result(timeout=limit)
         except (cf.CancelledError, _Closed):
             outcomes = [StoreError(f"S3 head s3://{self.bucket}: the store was closed")] * len(unique)
+        except (OSError, RuntimeError) as exc:  # no thread or descriptor for the HEAD loop: a miss
+            outcomes = [StoreError(f"S3 head s3://{self.bucket}: could not start the HEAD loop: {exc}", key=k)
+                        for k in unique]
         except cf.TimeoutError:
             fut.cancel()
             outcomes = [DeadlineExceeded(f"S3 head wave gave up after {limit:g}s", key=k) for k in unique]
@@ -443,7 +451,11 @@ class ObstoreS3Store(ObjectStore):
             if self._loop is None or self._head_slots is None:
                 loop = asyncio.new_event_loop()
                 thread = threading.Thread(target=loop.run_forever, name="s3kv-obs-heads", daemon=True)
-                thread.start()
+                try:
+                    thread.start()
+                except BaseException:
+                    loop.close()  # not one leaked loop (and its descriptors) per failed attempt
+                    raise
                 self._loop, self._loop_thread = loop, thread
                 self._head_slots = asyncio.Semaphore(self._head_width)
             return asyncio.run_coroutine_threadsafe(wave(self._head_slots), self._loop)
