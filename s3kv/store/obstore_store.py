@@ -433,12 +433,13 @@ class ObstoreS3Store(ObjectStore):
             outcomes = fut.result(timeout=limit)
         except (cf.CancelledError, _Closed):
             outcomes = [StoreError(f"S3 head s3://{self.bucket}: the store was closed")] * len(unique)
-        except (OSError, RuntimeError) as exc:  # no thread or descriptor for the HEAD loop: a miss
-            outcomes = [StoreError(f"S3 head s3://{self.bucket}: could not start the HEAD loop: {exc}", key=k)
-                        for k in unique]
         except cf.TimeoutError:
             fut.cancel()
             outcomes = [DeadlineExceeded(f"S3 head wave gave up after {limit:g}s", key=k) for k in unique]
+        # After TimeoutError, which is an OSError: no thread or descriptor for the HEAD loop is a miss.
+        except (OSError, RuntimeError) as exc:
+            outcomes = [StoreError(f"S3 head s3://{self.bucket}: could not start the HEAD loop: {exc}", key=k)
+                        for k in unique]
         return HeadBatch.from_outcomes(unique, outcomes)
 
     def _submit(self, wave: Callable[[asyncio.Semaphore], Any]) -> cf.Future:
