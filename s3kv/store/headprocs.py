@@ -72,13 +72,13 @@ START_TIMEOUT_S = 60.0
 RESTART_BACKOFF_S = (5.0, 300.0)
 #: Waves a helper runs at once (each blocks one of its threads; the HEADs share one loop).
 HELPER_WAVES = 16
-#: Keys per helper a wave is split by: ``ceil(keys / MIN_SHARE)`` helpers (5 keys: shares of 3 and 2).
-#: Why not more: the lookup blocks the scheduler
-#: for its wall time, and a helper answers ~0.3 ms of HEADs per key one after another, so a wave
-#: spread thin ends soonest. Why not fewer: each share costs the engine's process a message each
-#: way and a reader's wake-up (~0.15 ms of CPU). Measured on a 16-core host, 8 helpers, medians of
-#: 9 (16k-token prompt): 16 keys a share saved 0.4-0.6 ms of the engine's CPU but cost 2-4 ms of
-#: wall time (the probe path's two waves of ~48 HEADs: 52.4-52.9 ms at 4, 54.9-56.9 ms at 16).
+#: Keys per helper a wave is split by: ``ceil(keys / MIN_SHARE)`` helpers (5 keys: shares of 3
+#: and 2). Why not more: the lookup blocks the scheduler for its wall time, and a helper answers
+#: ~0.3 ms of HEADs per key one after another, so a wave spread thin ends soonest. Why not fewer:
+#: each share costs the engine's process a message each way and a reader's wake-up (~0.15 ms of
+#: CPU). Measured on a 16-core host, 8 helpers, medians of 9 (16k-token prompt): 16 keys a share
+#: saved 0.4-0.6 ms of the engine's CPU but cost 2-4 ms of wall time (the probe path's two waves
+#: of ~48 HEADs: 52.4-52.9 ms at 4, 54.9-56.9 ms at 16).
 MIN_SHARE = 4
 
 
