@@ -8,6 +8,7 @@ or the engine's process; and the setting is validated and resolved at start-up.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -28,7 +29,7 @@ from s3kv.engine.runtime import s3_options
 from s3kv.store.base import DeadlineExceeded, StoreError, TransientError
 from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
-from s3kv.store.headprocs import MIN_SHARE, HeadHelpers, auto_processes, recipe_for
+from s3kv.store.headprocs import MIN_SHARE, PING_TIMEOUT_S, HeadHelpers, auto_processes, recipe_for
 from s3kv.store.obstore_store import ObstoreS3Store
 from s3kv.store.s3 import S3Options
 
@@ -245,8 +246,8 @@ def test_errors_cross_the_process_boundary_as_store_errors(moto_s3: EmbeddedS3, 
 
 
 def test_a_wedged_helper_is_replaced(moto_s3: EmbeddedS3, prefix: str) -> None:
-    """One of two helpers stops (SIGSTOP): its share of a wave times out while the other's
-    answers, so it is the helper, not the store: it is killed and a new one starts."""
+    """One of two helpers stops (SIGSTOP): its share of a wave times out, and it answers no
+    ping, so it is the helper, not the store: it is killed and a new one starts."""
     stored = _stored(moto_s3, prefix, MIN_SHARE * 2)  # big enough for both helpers
     with _store(moto_s3) as direct:
         helpers = HeadHelpers(recipe_for(direct, 2), 2, restart_backoff_s=(0.2, 1.0))
@@ -262,6 +263,31 @@ def test_a_wedged_helper_is_replaced(moto_s3: EmbeddedS3, prefix: str) -> None:
             assert _wait(lambda: helpers.ready_count() == 2, 15) and stuck not in helpers.pids()
             out = helpers.head_many(stored, 10.0)
             assert out is not None and not any(isinstance(o, StoreError) for o in out)
+        finally:
+            helpers.close()
+
+
+def test_the_only_helper_wedged_is_replaced(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """With one helper (the default on 2-3 cores) no other helper can show that the store is
+    fine: the ping does. A wave on a stopped helper ends as a miss within seconds, not at its
+    limit, and the helper is replaced."""
+    stored = _stored(moto_s3, prefix, 6)
+    with _store(moto_s3) as direct:
+        helpers = HeadHelpers(recipe_for(direct, 1), 1, restart_backoff_s=(0.2, 1.0))
+        try:
+            assert helpers.wait_ready(30)
+            stuck = helpers.pids()[0]
+            os.kill(stuck, signal.SIGSTOP)
+            t0 = time.monotonic()
+            out = helpers.head_many(stored, 60.0)
+            took = time.monotonic() - t0
+            assert out is not None and all(isinstance(o, TransientError) for o in out)
+            assert "ping" in str(out[0])
+            assert took < 4 * PING_TIMEOUT_S + 4, f"the wave on a wedged helper took {took:.1f}s"
+            assert _wait(lambda: not _alive(stuck), 10), "the wedged helper was not killed"
+            assert _wait(lambda: helpers.ready_count() == 1, 15) and stuck not in helpers.pids()
+            out = helpers.head_many(stored, 10.0)
+            assert out is not None and [o.key for o in out] == stored  # type: ignore[union-attr]
         finally:
             helpers.close()
 
@@ -326,10 +352,10 @@ def test_helpers_show_in_the_engines_metrics(moto_s3: EmbeddedS3, prefix: str) -
 
 
 def test_a_helper_slow_with_the_store_is_not_taken_for_wedged(moto_s3: EmbeddedS3, proxies: list, prefix: str) -> None:
-    """A helper is replaced for silence only when another helper answered the same wave in time;
-    one whose share failed at once is no such witness, so a helper that is late only because the
-    store is slow lives on."""
-    px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan(latency_s=30.0, ops={"HEAD"})).start()
+    """A helper late only because the store is slow still answers pings, so it lives on: when
+    another helper's share failed at once, and through a wave long enough to be pinged during
+    it and after it."""
+    px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan(latency_s=60.0, ops={"HEAD"})).start()
     proxies.append(px)
     keys = [f"{prefix}/k{i}" for i in range(MIN_SHARE * 2)]
     with _store(moto_s3, OPTS, px.endpoint_url) as slow:
@@ -337,8 +363,8 @@ def test_a_helper_slow_with_the_store_is_not_taken_for_wedged(moto_s3: EmbeddedS
         try:
             assert helpers.wait_ready(30)
             pids = helpers.pids()
-            broken = helpers._helpers[1]
-            assert broken is not None
+            ok, broken = helpers._helpers
+            assert ok is not None and broken is not None
 
             def fails_at_once(keys: list[str]) -> Any:
                 import concurrent.futures as cf
@@ -348,10 +374,79 @@ def test_a_helper_slow_with_the_store_is_not_taken_for_wedged(moto_s3: EmbeddedS
                 return f
 
             broken.ask = fails_at_once  # type: ignore[method-assign]
-            out = helpers.head_many(keys, 1.0)
+            pings = []
+            real_ping = ok.ping
+
+            def counted_ping() -> None:
+                pings.append(time.monotonic())
+                real_ping()
+
+            ok.ping = counted_ping  # type: ignore[method-assign]
+            out = helpers.head_many(keys, 2 * PING_TIMEOUT_S + 2)
             assert out is not None and all(isinstance(o, StoreError) for o in out)
             assert sum(isinstance(o, DeadlineExceeded) for o in out) == MIN_SHARE  # the slow share
-            time.sleep(0.5)
+            assert len(pings) >= 2, "a silent helper with a share in flight, and a late one, are pinged"
+            time.sleep(PING_TIMEOUT_S + 1.5)
             assert helpers.pids() == pids and helpers.ready_count() == 2, "a slow helper was killed as wedged"
+            assert ok._ping_sent is None  # its pings were answered
         finally:
             helpers.close()
+
+
+def test_a_forked_child_lets_go_of_the_helpers(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """A child the engine forks (a fork-started worker pool) never uses its parent's helpers
+    (request ids repeat across a fork: an answer could be read against the other's keys) and
+    keeps none of their sockets, so the helpers still end with the engine."""
+    stored = _stored(moto_s3, prefix, 6)
+    script = textwrap.dedent(
+        """
+        import os, signal, sys, time
+        from s3kv.store.headprocs import HeadHelpers, recipe_for
+        from s3kv.store.obstore_store import ObstoreS3Store
+        from s3kv.store.s3 import S3Options
+        bucket, endpoint, ak, sk, *keys = sys.argv[1:]
+        store = ObstoreS3Store(bucket, endpoint_url=endpoint, options=S3Options(),
+                               aws_access_key_id=ak, aws_secret_access_key=sk)
+        helpers = HeadHelpers(recipe_for(store, 1), 1)
+        assert helpers.wait_ready(30)
+        helper = helpers._helpers[0]
+        fd = helper._conn.fileno()
+        r, w = os.pipe()
+        child = os.fork()
+        if child == 0:
+            os.close(r)
+            try:
+                os.fstat(fd)
+                closed = False
+            except OSError:
+                closed = True
+            used = helpers.head_many(keys, 5.0) is not None
+            os.write(w, f"child closed={closed} used={used}\\n".encode())
+            null = os.open(os.devnull, os.O_WRONLY)  # let go of the test's pipes: it reads to their end
+            os.dup2(null, 1)
+            os.dup2(null, 2)
+            time.sleep(30)
+            os._exit(0)
+        os.close(w)
+        print(os.read(r, 100).decode().strip(), flush=True)
+        out = helpers.head_many(keys, 10.0)
+        print("parent", [o.key for o in out] == keys, helpers.waves_offloaded, flush=True)
+        print(helpers.pids()[0], child, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    engine = subprocess.run(
+        [sys.executable, "-c", script, moto_s3.bucket, moto_s3.endpoint_url, moto_s3.access_key, moto_s3.secret_key, *stored],
+        capture_output=True, text=True, timeout=90,
+    )
+    lines = engine.stdout.splitlines()
+    assert engine.returncode == -signal.SIGKILL and len(lines) == 3, engine.stdout + engine.stderr
+    helper, child = map(int, lines[2].split())
+    try:
+        assert lines[0] == "child closed=True used=False", lines[0]
+        assert lines[1] == "parent True 1", lines[1]  # the helper answered the parent, once
+        assert _alive(child)
+        assert _wait(lambda: not _alive(helper), 10), "a helper outlived its engine while a forked child lived"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signal.SIGKILL)

@@ -24,7 +24,11 @@ Failure policy (no exception may leave a connector call, nothing may hang):
 * a helper whose credentials differ from the engine's is never used (a warning says so):
   two identities would make a hit depend on which process asked;
 * a share that does not come back within the wave's limit is a ``DeadlineExceeded``;
-* a helper exits when the engine's end of its socket closes, so a killed engine leaves none.
+* a helper that answers no ping within ``PING_TIMEOUT_S`` is wedged (stopped, deadlocked): it
+  is killed, its waves in flight end at once as misses, and it is restarted after the back-off.
+  Only a ping tells: a helper late only because the store is slow still answers one;
+* a helper exits when the engine's end of its socket closes or the engine is gone, so a killed
+  engine leaves none; a child the engine forks never uses (or keeps open) its parent's helpers.
 
 Why this is one module: the helper's main loop and the engine's side of it speak one small
 protocol; keeping both here keeps them in step.
@@ -44,6 +48,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -236,6 +241,17 @@ _BOOT = (
 )
 #: A send that cannot go out in this long means the helper stopped reading (wedged or stopped).
 _SEND_TIMEOUT_S = 2
+#: A helper pinged answers from its main loop, which waits on nothing but the socket (the HEADs
+#: run on its pool and loop threads), so a slow store cannot delay the answer; silence this long
+#: means the process is stopped or wedged. Generous: a false call costs a restart and a miss.
+PING_TIMEOUT_S = 2.0
+#: A helper with shares in flight that has sent nothing for this long is pinged.
+_SILENT_S = 2.0
+#: How often each side wakes when its socket is quiet: the engine's reader to enforce pings and
+#: notice a helper that exited, the helper to notice that the engine is gone.
+_WATCH_S = 1.0
+#: The ping, and the answer's request id that marks a pong.
+_PING = "ping"
 
 
 class _Helper:
@@ -265,6 +281,11 @@ class _Helper:
         self._dead = False
         self._pending: dict[int, cf.Future[list[Any]]] = {}
         self._ids = itertools.count()
+        #: When the ping now unanswered was sent, and when the helper last sent anything.
+        self._ping_sent: float | None = None
+        self._heard = 0.0
+        #: The helper's end of the socket while it is being started (a fork then must close it).
+        self._theirs: socket.socket | None = None
 
     def start(self) -> None:
         """Spawn the process and the reader thread; never raises (a failure marks it done)."""
@@ -272,6 +293,7 @@ class _Helper:
             ours, theirs = socket.socketpair()
             # A full socket buffer means a helper that stopped reading: fail it, never block on it.
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_TIMEOUT_S, 0))
+            self._theirs = theirs
             with theirs, self._lock:
                 if self._dead:  # closed while this thread was on its way
                     ours.close()
@@ -284,6 +306,7 @@ class _Helper:
                     close_fds=True,
                 )
                 self.pid = self._proc.pid
+            self._theirs = None
             self._conn = Connection(ours.detach())
             self._conn.send([p for p in sys.path if isinstance(p, str)])
             self._conn.send(self.recipe)
@@ -310,9 +333,18 @@ class _Helper:
                     f"resolved other credentials ({detail}) than the engine ({self.recipe.identity}); "
                     f"give both the same credentials, or set S3KV_LOOKUP_HEAD_PROCESSES=0"
                 )
+            self._heard = time.monotonic()
             self.ready = True
             while True:
+                if not conn.poll(_WATCH_S):
+                    self._watch()
+                    continue
                 rid, wire, self.cpu_s = conn.recv()
+                self._heard = time.monotonic()
+                if rid is None:  # a pong
+                    with self._lock:
+                        self._ping_sent = None
+                    continue
                 with self._lock:
                     fut = self._pending.pop(rid, None)
                 self.answered += 1
@@ -331,6 +363,55 @@ class _Helper:
             with contextlib.suppress(Exception), self._send_lock:
                 conn.close()
             self._reap()
+
+    def _watch(self) -> None:
+        """The reader's check while the socket is quiet: the process still runs, a ping sent is
+        answered in time, and one that has gone silent with shares in flight is pinged."""
+        proc = self._proc
+        if proc is not None and proc.poll() is not None:  # exited, though its socket lives on in a fork
+            raise _HelperGone(f"exited (code {proc.returncode})")
+        now = time.monotonic()
+        with self._lock:
+            sent = self._ping_sent
+            silent = bool(self._pending) and now - self._heard > _SILENT_S
+        if sent is not None and now - sent > PING_TIMEOUT_S:
+            raise _HelperGone(f"answered no ping within {PING_TIMEOUT_S:g}s (stopped or wedged)")
+        if silent:
+            self.ping()
+
+    def ping(self) -> None:
+        """Ask for a sign of life (unless one is awaited); the reader fails a helper that gives none."""
+        with self._lock:
+            if self._dead or not self.ready or self._conn is None or self._ping_sent is not None:
+                return
+            self._ping_sent = time.monotonic()
+            conn = self._conn
+        try:
+            with self._send_lock:
+                conn.send(_PING)
+        except Exception as exc:
+            self._fail(f"stopped taking requests ({type(exc).__name__})")
+
+    def forked(self) -> None:
+        """In a child the engine forked: let go of this helper without touching it. Its
+        process and socket are the parent's; the child's copies of the descriptors are closed
+        (so the helper still sees the end when the parent dies) and nothing is sent or killed.
+        Locks are made anew: another thread of the parent may have held them at the fork."""
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._dead = True
+        self.ready = False
+        self.failure = "belongs to the parent process"
+        self._pending = {}
+        self._proc = None
+        conn, self._conn = self._conn, None
+        theirs, self._theirs = self._theirs, None
+        for end in (conn, theirs):
+            if end is not None:
+                with contextlib.suppress(Exception):
+                    end.close()
+        self.done = threading.Event()
+        self.done.set()
 
     def _fail(self, why: str) -> None:
         """Mark it dead, answer everything waiting on it, kill the process. Idempotent; never blocks."""
@@ -418,6 +499,20 @@ class HeadHelpers:
         self._retired_cpu_s = 0.0
         #: Where the next wave's shares start, so waves too small for every helper take turns.
         self._turn = itertools.count()
+        # A child forked from the engine (multiprocessing's fork start method, a forking worker
+        # pool) must not use these helpers: request ids repeat across the fork, so its answers
+        # could be read against the parent's keys. It lets go of them and runs its waves itself.
+        self._pid = os.getpid()
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _let_go(ref))
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()  # may have been held by a thread the fork did not copy
+        self._closed = True
+        helpers, self._helpers = self._helpers, [None] * self.processes
+        for h in helpers:
+            if h is not None:
+                h.forked()
 
     def _tend(self) -> list[_Helper]:
         """The ready helpers; (re)starts the missing ones whose back-off has passed."""
@@ -495,6 +590,8 @@ class HeadHelpers:
         """Outcomes of ``keys`` (in order) from the ready helpers, or None when none is ready
         (the caller then runs the wave itself). Never raises; waits at most ``limit_s`` (plus
         a send that times out: ``_SEND_TIMEOUT_S``)."""
+        if os.getpid() != self._pid:  # a forked child whose at-fork hook did not run (a C-level fork)
+            return None
         ready = self._tend()
         if not ready:
             return None
@@ -506,25 +603,19 @@ class HeadHelpers:
         asked = [(h, share, h.ask(share)) for h, share in zip(ready, shares, strict=True) if share]
         self.waves_offloaded += len(asked)
         out: dict[str, Outcome] = {}
-        late: list[_Helper] = []
-        in_time = 0  # shares a helper answered before the deadline (a helper that failed at once is no witness)
         for h, share, fut in asked:
             try:
                 wire = fut.result(timeout=max(0.0, deadline - time.monotonic()))
                 got: list[Outcome] = [_decode(k, w) for k, w in zip(share, wire, strict=True)]
-                in_time += 1
             except cf.TimeoutError:
                 h.forget(fut)
-                late.append(h)
+                # Late because the store is slow, or because the helper is wedged: only a ping
+                # tells (a late answer, or another helper's early one, says nothing of this one).
+                h.ping()
                 got = [DeadlineExceeded(f"S3 head: no answer from helper {h.index} within {limit_s:g}s", key=k) for k in share]
             except Exception as exc:  # _HelperGone, or an answer of the wrong shape
                 got = [TransientError(f"S3 head: lookup helper {h.index} failed: {exc}", key=k) for k in share]
             out.update(zip(share, got, strict=True))
-        if late and in_time:
-            # Others answered the same wave from the same store in time: the store is not what
-            # hangs, these helpers are (stopped, wedged). Replace them after the back-off.
-            for h in late:
-                h._fail(f"gave no answer within {limit_s:g}s while the others did")
         return [out[k] for k in keys]
 
     def close(self) -> None:
@@ -537,6 +628,12 @@ class HeadHelpers:
         deadline = time.monotonic() + 2.0
         for h in live:
             h.stop(deadline)
+
+
+def _let_go(ref: weakref.ref[HeadHelpers]) -> None:
+    helpers = ref()
+    if helpers is not None:
+        helpers._forked()
 
 
 # -- the helper's side ----------------------------------------------------------------------
@@ -579,13 +676,23 @@ def _serve(conn: Connection) -> int:
             conn.send((rid, wire, time.process_time()))
 
     pool = cf.ThreadPoolExecutor(max_workers=HELPER_WAVES, thread_name_prefix="s3kv-headproc")
+    engine = os.getppid()
     while True:
         try:
+            if not conn.poll(_WATCH_S):
+                # The engine is gone though its socket is not closed (a child it forked holds it).
+                if os.getppid() != engine:
+                    break
+                continue
             msg = conn.recv()
         except (EOFError, OSError):  # the engine closed its end, or died
             break
         if msg is None:
             break
+        if msg == _PING:  # answered here, never queued behind HEADs: it proves this loop runs
+            with contextlib.suppress(OSError, ValueError), send_lock:
+                conn.send((None, None, time.process_time()))
+            continue
         pool.submit(answer, *msg)
     pool.shutdown(wait=False, cancel_futures=True)
     with contextlib.suppress(Exception):
