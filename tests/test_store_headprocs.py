@@ -366,7 +366,7 @@ def test_a_helper_slow_with_the_store_is_not_taken_for_wedged(moto_s3: EmbeddedS
             ok, broken = helpers._helpers
             assert ok is not None and broken is not None
 
-            def fails_at_once(keys: list[str]) -> Any:
+            def fails_at_once(keys: list[str], deadline: float) -> Any:
                 import concurrent.futures as cf
 
                 f: cf.Future = cf.Future()
@@ -450,3 +450,28 @@ def test_a_forked_child_lets_go_of_the_helpers(moto_s3: EmbeddedS3, prefix: str)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(child, signal.SIGKILL)
+
+
+def test_a_share_taken_up_after_the_engine_stopped_waiting_is_not_sent(
+    moto_s3: EmbeddedS3, proxies: list, prefix: str
+) -> None:
+    """A share that waited in the helper (its threads busy with a slow store) past the wave's
+    deadline is answered DeadlineExceeded without a request: nobody reads it any more."""
+    px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan()).start()
+    proxies.append(px)
+    stored = _stored(moto_s3, prefix, 4)
+    with _store(moto_s3, OPTS, px.endpoint_url) as store:
+        helpers = HeadHelpers(recipe_for(store, 1), 1)
+        try:
+            assert helpers.wait_ready(30)
+            h = helpers._helpers[0]
+            assert h is not None
+            heads = px.stats()["by_method"].get("HEAD", 0)
+            wire = h.ask(stored, time.monotonic() - 0.001).result(10)
+            assert [w.kind for w in wire] == ["DeadlineExceeded"] * 4 and [w.key for w in wire] == stored
+            assert px.stats()["by_method"].get("HEAD", 0) == heads, "a stale share was sent"
+            wire = h.ask(stored, time.monotonic() + 10).result(10)  # and in time, it is
+            assert [w[0] for w in wire] == [len(k.encode()) * 3 for k in stored]
+            assert px.stats()["by_method"].get("HEAD", 0) == heads + 4
+        finally:
+            helpers.close()

@@ -250,8 +250,11 @@ _SILENT_S = 2.0
 #: How often each side wakes when its socket is quiet: the engine's reader to enforce pings and
 #: notice a helper that exited, the helper to notice that the engine is gone.
 _WATCH_S = 1.0
-#: The ping, and the answer's request id that marks a pong.
+#: The ping (a pong is an answer whose request id is None).
 _PING = "ping"
+#: A helper ending again for a reason already logged is logged again after this long: a helper
+#: that keeps dying should not go quiet in the log after its first time.
+_WARN_EVERY_S = 600.0
 
 
 class _Helper:
@@ -334,7 +337,8 @@ class _Helper:
                     f"give both the same credentials, or set S3KV_LOOKUP_HEAD_PROCESSES=0"
                 )
             self._heard = time.monotonic()
-            self.ready = True
+            with self._lock:  # not after a _fail (stop, close) that came first
+                self.ready = not self._dead
             while True:
                 if not conn.poll(_WATCH_S):
                     self._watch()
@@ -437,7 +441,9 @@ class _Helper:
             with contextlib.suppress(Exception):
                 proc.wait(timeout=5.0)
 
-    def ask(self, keys: list[str]) -> cf.Future[list[Any]]:
+    def ask(self, keys: list[str], deadline: float) -> cf.Future[list[Any]]:
+        """Send a share; ``deadline`` (monotonic, which Linux keeps one clock for across
+        processes) is when the asker stops waiting: a share the helper takes up later is not sent."""
         fut: cf.Future[list[Any]] = cf.Future()
         rid = next(self._ids)
         with self._lock:  # registered under the lock _fail takes: it is answered either way
@@ -448,7 +454,7 @@ class _Helper:
             conn = self._conn
         try:
             with self._send_lock:
-                conn.send((rid, keys))
+                conn.send((rid, keys, deadline))
         except Exception as exc:  # a closed socket, or a send that timed out
             self._fail(f"stopped taking requests ({type(exc).__name__})")
         return fut
@@ -492,7 +498,8 @@ class HeadHelpers:
         self._retry_at = [0.0] * processes
         self._delay = [restart_backoff_s[0]] * processes
         self._closed = False
-        self._warned: set[str] = set()
+        #: When each reason a helper ended was last logged (repeated at most every _WARN_EVERY_S).
+        self._warned: dict[str, float] = {}
         #: Counters for tests and the bench: waves (shares) sent to helpers, helpers started.
         self.waves_offloaded = 0
         self.starts = 0
@@ -543,8 +550,9 @@ class HeadHelpers:
         return ready
 
     def _note_failure(self, h: _Helper) -> None:
-        if h.failure not in self._warned:
-            self._warned.add(h.failure)
+        now = time.monotonic()
+        if now - self._warned.get(h.failure, -_WARN_EVERY_S) >= _WARN_EVERY_S:
+            self._warned[h.failure] = now
             log.warning(
                 "s3kv: a lookup helper process (pid %s) %s; its share of HEAD waves runs in the "
                 "engine's process until it is back (S3KV_LOOKUP_HEAD_PROCESSES)", h.pid, h.failure,
@@ -600,8 +608,9 @@ class HeadHelpers:
         first = next(self._turn) % len(ready)
         ready = (ready[first:] + ready[:first])[:n]
         shares = [list(keys[i::n]) for i in range(n)]
-        asked = [(h, share, h.ask(share)) for h, share in zip(ready, shares, strict=True) if share]
-        self.waves_offloaded += len(asked)
+        asked = [(h, share, h.ask(share, deadline)) for h, share in zip(ready, shares, strict=True) if share]
+        with self._lock:  # waves come from several lookup threads at once
+            self.waves_offloaded += len(asked)
         out: dict[str, Outcome] = {}
         for h, share, fut in asked:
             try:
@@ -666,10 +675,16 @@ def _serve(conn: Connection) -> int:
         return 1
     send_lock = threading.Lock()
 
-    def answer(rid: int, keys: list[str]) -> None:
+    def answer(rid: int, keys: list[str], deadline: float) -> None:
         try:
+            if time.monotonic() >= deadline:
+                # Queued behind other waves (a slow store) until the engine stopped waiting: its
+                # HEADs would only hold slots and cost requests for an answer nobody reads.
+                raise DeadlineExceeded("the engine stopped waiting before this helper took up its share")
             batch = store.head_many(keys)
             wire = [_encode(batch.found.get(k) or batch.failed.get(k)) for k in keys]  # neither: missing
+        except DeadlineExceeded as exc:
+            wire = [_Err("DeadlineExceeded", f"S3 head: {exc}", k) for k in keys]
         except BaseException as exc:  # the engine must get an answer for every key it asked
             wire = [_Err("StoreError", f"S3 head in a lookup helper: {type(exc).__name__}: {exc}", k) for k in keys]
         with contextlib.suppress(OSError, ValueError), send_lock:
