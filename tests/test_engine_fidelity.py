@@ -239,6 +239,14 @@ EXIT_SCRIPT = textwrap.dedent(
     core.bind(ConnectorMetadata(stages=tuple(stages), seals=tuple(seals)))
     core.wait_for_save(None)
     print("queued", core.stats().uploads_pending, flush=True)
+    if len(sys.argv) > 3:  # a child forked now exits normally (its atexit handlers run)
+        import os
+        t = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)
+        os.waitpid(pid, 0)
+        print("child exited in", round(time.monotonic() - t, 2), flush=True)
     # No close(), no shutdown(): TensorRT-LLM calls neither.
     """
 )
@@ -259,6 +267,22 @@ def test_uploads_in_flight_at_process_exit_are_drained_within_a_bound(tmp_path, 
         assert len(written) == 6
     else:
         assert len(written) < 6 and "dropped" in out.stderr
+
+
+def test_a_forked_child_exiting_does_not_drain_the_engines_uploads(tmp_path):
+    """The drain is the engine's: a child it forks holds copies of the queued uploads but none of
+    the threads that send them, so draining there would only wait out the whole bound."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    root = tmp_path / "bucket"
+    root.mkdir()
+    out = subprocess.run([sys.executable, str(script), str(root), "20", "fork"], capture_output=True,
+                         text=True, timeout=90)
+    assert out.returncode == 0, out.stderr
+    took = float(out.stdout.split("child exited in")[1])
+    assert took < 5.0, f"the forked child waited {took}s at exit"
+    assert len([p for p in root.rglob("*") if p.is_file()]) == 6  # the engine still drained them all
+    assert "dropped" not in out.stderr
 
 
 # ----------------------------------------------------------------------------- bring-up

@@ -26,10 +26,18 @@ from test_faultproxy import OPTS, STALL_OPTS
 
 from s3kv.config import ConfigError, Settings, validate
 from s3kv.engine.runtime import s3_options
+from s3kv.store import headprocs
 from s3kv.store.base import DeadlineExceeded, StoreError, TransientError
 from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
-from s3kv.store.headprocs import MIN_SHARE, PING_TIMEOUT_S, HeadHelpers, auto_processes, recipe_for
+from s3kv.store.headprocs import (
+    HELPER_WAVES,
+    MIN_SHARE,
+    PING_TIMEOUT_S,
+    HeadHelpers,
+    auto_processes,
+    recipe_for,
+)
 from s3kv.store.obstore_store import ObstoreS3Store
 from s3kv.store.s3 import S3Options
 
@@ -255,7 +263,7 @@ def test_a_wedged_helper_is_replaced(moto_s3: EmbeddedS3, prefix: str) -> None:
             assert helpers.wait_ready(30)
             stuck = helpers.pids()[0]
             os.kill(stuck, signal.SIGSTOP)
-            out = helpers.head_many(stored, 2.0)
+            out = helpers.head_many(stored, 1.0)  # ends before the ping could find it out
             assert out is not None
             late = [o for o in out if isinstance(o, DeadlineExceeded)]
             assert len(late) == MIN_SHARE and all(o is not None and not isinstance(o, StoreError) for o in out if o not in late)
@@ -382,6 +390,9 @@ def test_a_helper_slow_with_the_store_is_not_taken_for_wedged(moto_s3: EmbeddedS
                 real_ping()
 
             ok.ping = counted_ping  # type: ignore[method-assign]
+            # Every thread of the slow helper busy with shares first: the pong must come from its
+            # main loop, not queue behind HEADs.
+            busy = [ok.ask([f"{prefix}/busy{i}"], time.monotonic() + 60) for i in range(HELPER_WAVES + 1)]
             out = helpers.head_many(keys, 2 * PING_TIMEOUT_S + 2)
             assert out is not None and all(isinstance(o, StoreError) for o in out)
             assert sum(isinstance(o, DeadlineExceeded) for o in out) == MIN_SHARE  # the slow share
@@ -389,6 +400,7 @@ def test_a_helper_slow_with_the_store_is_not_taken_for_wedged(moto_s3: EmbeddedS
             time.sleep(PING_TIMEOUT_S + 1.5)
             assert helpers.pids() == pids and helpers.ready_count() == 2, "a slow helper was killed as wedged"
             assert ok._ping_sent is None  # its pings were answered
+            assert not any(f.done() for f in busy)  # and its threads were busy all along
         finally:
             helpers.close()
 
@@ -473,5 +485,124 @@ def test_a_share_taken_up_after_the_engine_stopped_waiting_is_not_sent(
             wire = h.ask(stored, time.monotonic() + 10).result(10)  # and in time, it is
             assert [w[0] for w in wire] == [len(k.encode()) * 3 for k in stored]
             assert px.stats()["by_method"].get("HEAD", 0) == heads + 4
+        finally:
+            helpers.close()
+
+
+#: A stand-in helper (``_BOOT`` replaced): ready with the engine's identity, answers pings from its
+#: main loop, and on its first share writes the start of an answer and then nothing, as a helper
+#: stopped in the middle of a send would.
+_HALF_ANSWER = """
+import os, struct, sys, time
+from multiprocessing.connection import Connection
+c = Connection(int(sys.argv[1])); sys.path[:] = c.recv(); recipe = c.recv()
+c.send(("ready", recipe.identity, 0.0))
+while True:
+    msg = c.recv()
+    if msg == "ping":
+        c.send((None, None, 0.0))
+        continue
+    os.write(c.fileno(), struct.pack("!i", 100) + b"x" * 10)
+    time.sleep(3600)
+"""
+
+
+def test_a_helper_stopped_in_the_middle_of_an_answer_is_replaced(
+    moto_s3: EmbeddedS3, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Part of an answer and then silence: the reader must not wait in recv for the rest for
+    ever (it would never enforce a ping again, and every wave would wait its limit)."""
+    stored = _stored(moto_s3, prefix, 6)
+    monkeypatch.setattr(headprocs, "_BOOT", _HALF_ANSWER)
+    with _store(moto_s3) as direct:
+        helpers = HeadHelpers(recipe_for(direct, 1), 1, restart_backoff_s=(60.0, 60.0))
+        try:
+            assert helpers.wait_ready(30)
+            h = helpers._helpers[0]
+            assert h is not None
+            t0 = time.monotonic()
+            out = helpers.head_many(stored, 30.0)
+            took = time.monotonic() - t0
+            assert out is not None and all(isinstance(o, TransientError) for o in out)
+            assert took < 10, f"the wave waited {took:.1f}s on a half-sent answer"
+            assert h.done.is_set() and "middle of an answer" in h.failure
+            assert helpers.head_many(stored, 5.0) is None  # its share runs in the engine until it is back
+        finally:
+            helpers.close()
+
+
+def test_a_helper_leaves_when_its_engine_is_gone(moto_s3: EmbeddedS3) -> None:
+    """The engine's end of the socket lives on in another process (passed on to a child without
+    exec's close, or by a fork at C level): the engine is SIGKILLed, no end of stream comes, and
+    the helper still leaves, because its parent is gone."""
+    script = textwrap.dedent(
+        """
+        import os, signal, subprocess, sys, time
+        from s3kv.store.headprocs import HeadHelpers, recipe_for
+        from s3kv.store.obstore_store import ObstoreS3Store
+        from s3kv.store.s3 import S3Options
+        bucket, endpoint, ak, sk = sys.argv[1:5]
+        store = ObstoreS3Store(bucket, endpoint_url=endpoint, options=S3Options(),
+                               aws_access_key_id=ak, aws_secret_access_key=sk)
+        helpers = HeadHelpers(recipe_for(store, 1), 1)
+        assert helpers.wait_ready(30)
+        fd = helpers._helpers[0]._conn.fileno()
+        holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], pass_fds=(fd,),
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(helpers.pids()[0], holder.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    engine = subprocess.run(
+        [sys.executable, "-c", script, moto_s3.bucket, moto_s3.endpoint_url, moto_s3.access_key, moto_s3.secret_key],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert engine.returncode == -signal.SIGKILL, engine.stderr
+    helper, holder = map(int, engine.stdout.split())
+    try:
+        assert _alive(holder), "nothing held the engine's end: the test proves nothing"
+        assert _wait(lambda: not _alive(helper), 10), "a helper outlived its engine"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(holder, signal.SIGKILL)
+
+
+def _gil_hog(seconds: float) -> Any:
+    """A callable that holds the GIL for at least ``seconds`` in one C call (a regex that
+    backtracks: each extra character doubles it), as a long C call or a full gc of a big heap
+    in the engine would."""
+    import re
+
+    n, took = 16, 0.0
+    while took < seconds / 4:
+        n += 1
+        t0 = time.monotonic()
+        re.match(r"(a+)+$", "a" * n + "b")
+        took = time.monotonic() - t0
+    text = "a" * (n + 2) + "b"
+    return lambda: re.match(r"(a+)+$", text)
+
+
+def test_a_pong_waiting_while_the_engine_held_the_gil_is_not_silence(moto_s3: EmbeddedS3) -> None:
+    """The helper answers a ping within the limit, but the engine's reader, whose wait ran out
+    just before, gets the GIL back only later: the pong in its socket counts, not the clock."""
+    hog = _gil_hog(PING_TIMEOUT_S + 1)
+    with _store(moto_s3) as direct:
+        helpers = HeadHelpers(recipe_for(direct, 1), 1)
+        try:
+            assert helpers.wait_ready(30)
+            h = helpers._helpers[0]
+            assert h is not None and h.pid is not None
+            os.kill(h.pid, signal.SIGSTOP)  # it answers 1.3 s after the ping: in time
+            subprocess.Popen(["sh", "-c", f"sleep 1.3; kill -CONT {h.pid}"])
+            time.sleep(0.05)
+            t0 = time.monotonic()
+            h.ping()
+            time.sleep(0.05)
+            hog()
+            assert time.monotonic() - t0 > PING_TIMEOUT_S + 0.5, "the GIL was not held long enough to prove anything"
+            time.sleep(1.5)
+            assert not h.done.is_set(), f"a helper that answered in time was killed: {h.failure}"
+            assert h._ping_sent is None
         finally:
             helpers.close()

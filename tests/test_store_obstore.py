@@ -462,3 +462,51 @@ def test_a_head_loop_that_cannot_start_is_a_miss(monkeypatch: pytest.MonkeyPatch
     finally:
         monkeypatch.undo()
         st.close()
+
+
+def test_a_forked_child_gets_store_errors_not_a_hang(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """obstore's runtime, the ranged-read pool and the HEAD loop are threads, which a fork does
+    not copy: in a child the engine forks, a call on the parent's store would wait for ever (a
+    plain obstore GET there never returned). Every operation is a StoreError at once instead;
+    the parent's store is untouched."""
+    code = textwrap.dedent(
+        """
+        import os, sys, time
+        from s3kv.store.base import ByteRange, StoreError
+        from s3kv.store.obstore_store import ObstoreS3Store
+        from s3kv.store.s3 import S3Options
+        bucket, endpoint, ak, sk, key = sys.argv[1:]
+        st = ObstoreS3Store(bucket, endpoint_url=endpoint, options=S3Options(range_split_bytes=4),
+                            aws_access_key_id=ak, aws_secret_access_key=sk)
+        assert st.put(key, b"0123456789abcdef", {})
+        assert st.head_many([key, key + "-none"]).found.keys() == {key}  # the parent's loop is running
+        r, w = os.pipe()
+        if os.fork() == 0:
+            t0, out = time.monotonic(), []
+            batch = st.head_many([key, key + "-2", key + "-3"])
+            out.append(sorted(type(e).__name__ for e in batch.failed.values()))
+            for op in (lambda: st.head(key), lambda: st.get_ranges(key, [ByteRange(0, 16)]),
+                       lambda: st.put(key + "-new", b"x", {})):
+                try:
+                    op()
+                    out.append("no error")
+                except StoreError as e:
+                    out.append(type(e).__name__ + (" forked" if "forked" in str(e) else ""))
+            out.append(time.monotonic() - t0 < 5)
+            os.write(w, repr(out).encode())
+            os._exit(0)
+        os.close(w)
+        print(os.read(r, 4096).decode())
+        print(st.get_ranges(key, [ByteRange(0, 16)]) == [b"0123456789abcdef"])  # the parent's store still works
+        st.close()
+        """
+    )
+    key = f"{prefix}/forked"
+    r = subprocess.run(
+        [sys.executable, "-c", code, moto_s3.bucket, moto_s3.endpoint_url, moto_s3.access_key, moto_s3.secret_key, key],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    child, parent = r.stdout.strip().splitlines()
+    assert child == str([["StoreError"] * 3, "StoreError forked", "StoreError forked", "StoreError forked", True]), child
+    assert parent == "True"

@@ -240,7 +240,8 @@ _BOOT = (
     "import sys; from multiprocessing.connection import Connection; c = Connection(int(sys.argv[1])); "
     "sys.path[:] = c.recv(); from s3kv.store.headprocs import main; main(c)"
 )
-#: A send that cannot go out in this long means the helper stopped reading (wedged or stopped).
+#: A send that cannot go out in this long means the helper stopped reading (wedged or stopped);
+#: a message that does not arrive whole in this long, that it stopped writing.
 _SEND_TIMEOUT_S = 2
 #: A helper pinged answers from its main loop, which waits on nothing but the socket (the HEADs
 #: run on its pool and loop threads), so a slow store cannot delay the answer; silence this long
@@ -297,6 +298,9 @@ class _Helper:
             ours, theirs = socket.socketpair()
             # A full socket buffer means a helper that stopped reading: fail it, never block on it.
             ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_TIMEOUT_S, 0))
+            # And a message begun but not finished in as long means a helper stopped mid-send: the
+            # reader must not block in recv for ever (it would never enforce a ping again).
+            ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", _SEND_TIMEOUT_S, 0))
             self._theirs = theirs
             with theirs, self._lock:
                 if self._dead:  # closed while this thread was on its way
@@ -346,7 +350,11 @@ class _Helper:
             quiet.register(conn.fileno(), select.POLLIN)
             while True:
                 if not quiet.poll(_WATCH_S * 1000):
-                    self._watch()
+                    now = time.monotonic()
+                    # Judged only with nothing to read as of now: after a stall of this thread (the
+                    # GIL held elsewhere) the pong may be waiting in the socket.
+                    if not quiet.poll(0):
+                        self._watch(now)
                     continue
                 rid, wire, self.cpu_s = conn.recv()
                 self._heard = time.monotonic()
@@ -361,6 +369,8 @@ class _Helper:
                     fut.set_result(wire)
         except _HelperGone as exc:
             self._fail(str(exc))
+        except BlockingIOError:  # SO_RCVTIMEO: part of a message, then nothing
+            self._fail(f"stopped in the middle of an answer for {_SEND_TIMEOUT_S}s (stopped or wedged)")
         except (EOFError, OSError) as exc:
             self._fail(f"exited ({type(exc).__name__})")
         except Exception as exc:  # a garbled message: never let the reader die silently
@@ -373,13 +383,12 @@ class _Helper:
                 conn.close()
             self._reap()
 
-    def _watch(self) -> None:
+    def _watch(self, now: float) -> None:
         """The reader's check while the socket is quiet: the process still runs, a ping sent is
         answered in time, and one that has gone silent with shares in flight is pinged."""
         proc = self._proc
         if proc is not None and proc.poll() is not None:  # exited, though its socket lives on in a fork
             raise _HelperGone(f"exited (code {proc.returncode})")
-        now = time.monotonic()
         with self._lock:
             sent = self._ping_sent
             silent = bool(self._pending) and now - self._heard > _SILENT_S
@@ -390,16 +399,21 @@ class _Helper:
 
     def ping(self) -> None:
         """Ask for a sign of life (unless one is awaited); the reader fails a helper that gives none."""
-        with self._lock:
-            if self._dead or not self.ready or self._conn is None or self._ping_sent is not None:
-                return
-            self._ping_sent = time.monotonic()
-            conn = self._conn
+        # Never behind another sender (a wave's caller must not wait for it): a send in progress
+        # is being answered anyway, and the next quiet second pings again.
+        if not self._send_lock.acquire(blocking=False):
+            return
         try:
-            with self._send_lock:
-                conn.send(_PING)
+            with self._lock:
+                if self._dead or not self.ready or self._conn is None or self._ping_sent is not None:
+                    return
+                self._ping_sent = time.monotonic()
+                conn = self._conn
+            conn.send(_PING)
         except Exception as exc:
             self._fail(f"stopped taking requests ({type(exc).__name__})")
+        finally:
+            self._send_lock.release()
 
     def forked(self) -> None:
         """In a child the engine forked: let go of this helper without touching it. Its
@@ -528,6 +542,8 @@ class HeadHelpers:
 
     def _tend(self) -> list[_Helper]:
         """The ready helpers; (re)starts the missing ones whose back-off has passed."""
+        if os.getpid() != self._pid:  # a forked child whose at-fork hook did not run (a C-level fork)
+            return []
         now = time.monotonic()
         ready: list[_Helper] = []
         with self._lock:
@@ -601,10 +617,9 @@ class HeadHelpers:
 
     def head_many(self, keys: Sequence[str], limit_s: float) -> list[Outcome] | None:
         """Outcomes of ``keys`` (in order) from the ready helpers, or None when none is ready
-        (the caller then runs the wave itself). Never raises; waits at most ``limit_s`` (plus
-        a send that times out: ``_SEND_TIMEOUT_S``)."""
-        if os.getpid() != self._pid:  # a forked child whose at-fork hook did not run (a C-level fork)
-            return None
+        (the caller then runs the wave itself). Never raises; waits at most ``limit_s``, plus
+        ``_SEND_TIMEOUT_S`` for each helper asked that stopped reading (a full socket) and has not
+        yet been found out by its ping."""
         ready = self._tend()
         if not ready:
             return None
@@ -633,6 +648,8 @@ class HeadHelpers:
         return [out[k] for k in keys]
 
     def close(self) -> None:
+        if os.getpid() != self._pid:  # the helpers are the parent's: say nothing to them
+            return
         with self._lock:
             self._closed = True
             helpers, self._helpers = self._helpers, [None] * self.processes
@@ -680,7 +697,9 @@ def _serve(conn: Connection) -> int:
         return 1
     send_lock = threading.Lock()
 
-    def answer(rid: int, keys: list[str], deadline: float) -> None:
+    # The default: an engine started before shares carried a deadline (s3kv upgraded in place
+    # under a running engine) still gets answers.
+    def answer(rid: int, keys: list[str], deadline: float = float("inf")) -> None:
         try:
             if time.monotonic() >= deadline:
                 # Queued behind other waves (a slow store) until the engine stopped waiting: its

@@ -274,6 +274,9 @@ class ObstoreS3Store(ObjectStore):
         self._pool = cf.ThreadPoolExecutor(max_workers=opts.max_concurrency, thread_name_prefix="s3kv-obs")
         self._closed = False
         self._lock = threading.Lock()
+        #: The process that opened the store: obstore's runtime, the pool and the HEAD loop are
+        #: threads, which a fork does not copy, so in a forked child every call would hang.
+        self._pid = os.getpid()
         # HEAD waves: one event loop on its own thread (made on first use), with at most
         # ``head_concurrency`` HEADs in flight across all waves. Why not the thread pool: a
         # blocking HEAD holds a thread for a whole round trip, so a wave of n HEADs on t threads
@@ -325,6 +328,8 @@ class ObstoreS3Store(ObjectStore):
     @contextlib.contextmanager
     def _errors(self, op: str, key: str | None) -> Iterator[None]:
         """obstore's and builtin exceptions -> the store's (ours pass through)."""
+        if os.getpid() != self._pid:
+            raise self._forked(op, key)
         try:
             yield
         except (StoreError, _ConditionalUnsupported):
@@ -339,6 +344,13 @@ class ObstoreS3Store(ObjectStore):
             # ``except Exception`` up to the engine's loop, which then dies.
             raise StoreError(f"S3 {op} s3://{self.bucket}/{key or ''}: the S3 client (obstore) panicked: {_short(exc)}",
                              key=key) from exc
+
+    def _forked(self, op: str, key: str | None) -> StoreError:
+        return StoreError(
+            f"S3 {op} s3://{self.bucket}/{key or ''}: this store was opened by process {self._pid}; in a "
+            f"process forked from it its client threads do not exist (every request would hang): a miss",
+            key=key,
+        )
 
     def _call(self, op: str, key: str | None, fn: Callable[[], T]) -> T:
         def attempt() -> T:
@@ -355,6 +367,8 @@ class ObstoreS3Store(ObjectStore):
         """
         if len(items) <= 1:
             return [fn(i) for i in items]
+        if os.getpid() != self._pid:  # the pool's threads are the parent's: nothing would run
+            raise self._forked("get", None)
         futures = [self._pool.submit(fn, i) for i in items]
         cf.wait(futures)
         errors = [e for e in (f.exception() for f in futures) if e is not None]
@@ -423,6 +437,8 @@ class ObstoreS3Store(ObjectStore):
         # would mean the loop is gone (closed under us), and no caller may hang on that.
         opts = self.options
         limit = opts.retry.deadline_s + opts.connect_timeout_s + opts.read_timeout_s + self._WAVE_SLACK_S
+        if os.getpid() != self._pid:  # the HEAD loop's thread is the parent's: the wave would never run
+            return HeadBatch.from_outcomes(unique, [self._forked("head", k) for k in unique])
         helpers = self._helpers
         if helpers is not None and len(unique) >= _OFFLOAD_MIN_KEYS and not self._closed:
             offloaded = helpers.head_many(unique, limit)

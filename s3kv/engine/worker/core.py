@@ -29,6 +29,7 @@ pending; at once on CPU), a loading id once all its pages are in place.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable
@@ -269,10 +270,13 @@ class WorkerCore:
         import weakref
 
         ref = weakref.ref(self)
+        pid = os.getpid()
 
         def drain() -> None:
             core = ref()
-            if core is None or core._closed:
+            if core is None or core._closed or os.getpid() != pid:
+                # Not in a child the engine forked that exits normally: the uploads and their
+                # threads are the parent's, and a flush there would only wait out its timeout.
                 return
             pending = core._uploader.pending
             if not pending:
