@@ -683,6 +683,7 @@ def main(conn: Connection) -> None:
 def _serve(conn: Connection) -> int:
     # Ctrl-C in a terminal reaches the whole process group; the engine decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    engine = os.getppid()  # first: the engine may die while the store is built
     try:
         recipe: HelperRecipe = conn.recv()
     except (EOFError, OSError):
@@ -715,7 +716,6 @@ def _serve(conn: Connection) -> int:
             conn.send((rid, wire, time.process_time()))
 
     pool = cf.ThreadPoolExecutor(max_workers=HELPER_WAVES, thread_name_prefix="s3kv-headproc")
-    engine = os.getppid()
     while True:
         try:
             if not conn.poll(_WATCH_S):
