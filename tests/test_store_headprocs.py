@@ -606,3 +606,23 @@ def test_a_pong_waiting_while_the_engine_held_the_gil_is_not_silence(moto_s3: Em
             assert h._ping_sent is None
         finally:
             helpers.close()
+
+
+def test_a_helper_of_another_protocol_refuses_to_serve(
+    moto_s3: EmbeddedS3, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """s3kv upgraded in place under a running engine: a helper started from the new code would
+    misread the old engine's messages. It says so and serves nothing; the waves stay in-process."""
+    stored = _stored(moto_s3, prefix, 6)
+    with _store(moto_s3) as direct:
+        old = dataclasses.replace(recipe_for(direct, 1), protocol=headprocs.PROTOCOL - 1)
+        helpers = HeadHelpers(old, 1, restart_backoff_s=(60.0, 60.0))
+        try:
+            helpers.head_many(stored, 5.0)
+            assert _wait(lambda: all(h is None or h.done.is_set() for h in helpers._helpers), 30)
+            with caplog.at_level(logging.WARNING, logger="s3kv.store.headprocs"):
+                assert helpers.head_many(stored, 5.0) is None
+            assert "protocol" in caplog.text and "restart" in caplog.text
+        finally:
+            helpers.close()
+        assert recipe_for(direct, 1).protocol == headprocs.PROTOCOL

@@ -78,6 +78,12 @@ START_TIMEOUT_S = 60.0
 RESTART_BACKOFF_S = (5.0, 300.0)
 #: Waves a helper runs at once (each blocks one of its threads; the HEADs share one loop).
 HELPER_WAVES = 16
+#: The engine-helper protocol's version. Why: the helper imports s3kv from disk when it starts,
+#: the engine runs what it imported when it started; after s3kv is upgraded in place under a
+#: running engine the two may differ, and a helper that misreads the engine's messages would
+#: answer nothing (every wave a wait for its limit). A helper speaking another version refuses
+#: to serve instead, and the engine runs its waves itself. Raise it with any change to a message.
+PROTOCOL = 2
 #: Keys per helper a wave is split by: ``ceil(keys / MIN_SHARE)`` helpers (5 keys: shares of 3
 #: and 2). Why not more: the lookup blocks the scheduler for its wall time, and a helper answers
 #: ~0.3 ms of HEADs per key one after another, so a wave spread thin ends soonest. Why not fewer:
@@ -121,6 +127,9 @@ class HelperRecipe:
     profile: str | None
     #: What the helper's credentials must look like: ("static", access key id) or ("chain", method).
     identity: tuple[str, str] | None
+    #: The protocol the engine speaks (:data:`PROTOCOL`). 0, the default, is what a recipe from
+    #: an engine that predates the number reads as here.
+    protocol: int = 0
 
     def build(self) -> Any:
         import boto3
@@ -176,7 +185,7 @@ def recipe_for(store: Any, processes: int) -> HelperRecipe:
     # the environment's credentials for that profile's.
     profile = None if session.profile_name == "default" else session.profile_name
     return HelperRecipe(
-        store.bucket, store.url, store.endpoint_url, options, keys, profile, identity_of(session, static)
+        store.bucket, store.url, store.endpoint_url, options, keys, profile, identity_of(session, static), PROTOCOL
     )
 
 
@@ -688,6 +697,11 @@ def _serve(conn: Connection) -> int:
         recipe: HelperRecipe = conn.recv()
     except (EOFError, OSError):
         return 0
+    if getattr(recipe, "protocol", 0) != PROTOCOL:
+        with contextlib.suppress(Exception):
+            conn.send(("error", f"speaks protocol {PROTOCOL}, the engine {getattr(recipe, 'protocol', 0)} (s3kv "
+                       f"was upgraded under a running engine: restart it)", time.process_time()))
+        return 1
     try:
         store = recipe.build()
         static = recipe.keys is not None
