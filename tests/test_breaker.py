@@ -8,6 +8,7 @@ import pytest
 from s3kv.store.base import (
     ByteRange,
     HeadBatch,
+    LocalFailure,
     NotFound,
     PermissionDenied,
     StoreError,
@@ -321,4 +322,50 @@ def test_a_probe_that_never_settles_does_not_wedge_half_open():
         breaker.put("k", b"x")
     clock.advance(2)
     assert breaker.put("k", b"x") is True
+    assert breaker.state is CLOSED
+
+
+def test_local_failures_count_neither_way():
+    """A LocalFailure is this host's machinery failing (a lookup helper died), never the store's
+    answer: however many, it neither opens the breaker nor closes a half-open one."""
+
+    class HelperDied(StoreWrapper):
+        def __init__(self, inner):
+            super().__init__(inner)
+            self.local = False
+
+        def head_many(self, keys):
+            if self.local:
+                return HeadBatch({}, frozenset(), {k: LocalFailure("helper died", key=k) for k in keys})
+            return super().head_many(keys)
+
+        def put(self, key, data, metadata=None):
+            if self.local:
+                raise LocalFailure("no thread", key=key)
+            return super().put(key, data, metadata)
+
+    mem = MemoryStore()
+    faults = FaultInjectingStore(mem)
+    inner = HelperDied(faults)
+    clock = FakeClock()
+    breaker = CircuitBreakerStore(inner, BreakerPolicy(failures=2, reset_s=5), clock=clock)
+    faults.fail_next("head", 1)
+    breaker.head_many(["a"])  # one real failure
+    inner.local = True
+    for _ in range(10):
+        batch = breaker.head_many(["a", "b"])
+        assert all(isinstance(e, LocalFailure) for e in batch.failed.values())
+        with pytest.raises(LocalFailure):
+            breaker.put("k", b"x")
+    assert breaker.state is CLOSED and breaker.consecutive_failures == 1  # not reset, not grown
+    inner.local = False
+    faults.fail_next("head", 1)
+    breaker.head_many(["a"])
+    assert breaker.state is OPEN  # the second real failure in a row
+    clock.advance(5)
+    inner.local = True
+    breaker.head_many(["a", "b"])  # the half-open probe fails locally: no verdict
+    assert breaker.state is HALF_OPEN
+    inner.local = False
+    breaker.head_many(["a"])
     assert breaker.state is CLOSED

@@ -27,7 +27,7 @@ from test_faultproxy import OPTS, STALL_OPTS
 from s3kv.config import ConfigError, Settings, validate
 from s3kv.engine.runtime import s3_options
 from s3kv.store import headprocs
-from s3kv.store.base import DeadlineExceeded, StoreError, TransientError
+from s3kv.store.base import DeadlineExceeded, LocalFailure, StoreError
 from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
 from s3kv.store.headprocs import (
@@ -124,7 +124,7 @@ def test_a_helper_retries_wire_faults_as_the_engine_does(
 
 def test_a_helper_that_dies_is_a_miss_and_comes_back(moto_s3: EmbeddedS3, proxies: list, prefix: str) -> None:
     """Killed with a wave in flight: that wave's keys fail at once (not after the wave's limit),
-    as a transient store error; the next wave runs in-process; after the back-off a new helper
+    as a LocalFailure (ours, not the store's); the next wave runs in-process; after the back-off a new helper
     serves again."""
     stored = _stored(moto_s3, prefix, 8)
     px = FaultProxy.for_url(moto_s3.endpoint_url, WireFaultPlan(latency_s=3.0, ops={"HEAD"})).start()
@@ -142,7 +142,7 @@ def test_a_helper_that_dies_is_a_miss_and_comes_back(moto_s3: EmbeddedS3, proxie
             os.kill(pid, signal.SIGKILL)
             waiter.join(10)
             assert not waiter.is_alive() and time.monotonic() - t0 < 2.0
-            assert all(isinstance(o, TransientError) for o in got[0]), got[0]
+            assert all(isinstance(o, LocalFailure) for o in got[0]), got[0]
             assert helpers.head_many(stored, 5.0) is None  # none ready: the caller runs it itself
             assert _wait(lambda: helpers.ready_count() == 1, 15), "no new helper after the back-off"
             assert helpers.pids() != [pid] and helpers.starts == 2
@@ -289,7 +289,7 @@ def test_the_only_helper_wedged_is_replaced(moto_s3: EmbeddedS3, prefix: str) ->
             t0 = time.monotonic()
             out = helpers.head_many(stored, 60.0)
             took = time.monotonic() - t0
-            assert out is not None and all(isinstance(o, TransientError) for o in out)
+            assert out is not None and all(isinstance(o, LocalFailure) for o in out)
             assert "ping" in str(out[0])
             assert took < 4 * PING_TIMEOUT_S + 4, f"the wave on a wedged helper took {took:.1f}s"
             assert _wait(lambda: not _alive(stuck), 10), "the wedged helper was not killed"
@@ -523,7 +523,7 @@ def test_a_helper_stopped_in_the_middle_of_an_answer_is_replaced(
             t0 = time.monotonic()
             out = helpers.head_many(stored, 30.0)
             took = time.monotonic() - t0
-            assert out is not None and all(isinstance(o, TransientError) for o in out)
+            assert out is not None and all(isinstance(o, LocalFailure) for o in out)
             assert took < 10, f"the wave waited {took:.1f}s on a half-sent answer"
             assert h.done.is_set() and "middle of an answer" in h.failure
             assert helpers.head_many(stored, 5.0) is None  # its share runs in the engine until it is back
@@ -626,3 +626,26 @@ def test_a_helper_of_another_protocol_refuses_to_serve(
         finally:
             helpers.close()
         assert recipe_for(direct, 1).protocol == headprocs.PROTOCOL
+
+
+def test_a_dying_helper_never_opens_the_breaker(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """The only helper stops with several lookups' waves on it: every key of every wave fails,
+    but on this side, not at S3. The breaker (which would cut loads and saves off S3 for its
+    reset time) must not count that: LocalFailure, neither way."""
+    from s3kv.store.breaker import BreakerPolicy, BreakerState, CircuitBreakerStore
+
+    stored = _stored(moto_s3, prefix, 6)
+    with _store(moto_s3, dataclasses.replace(OPTS, head_processes=1)) as store:
+        breaker = CircuitBreakerStore(store, BreakerPolicy(failures=2, reset_s=60))
+        assert store.head_helpers.wait_ready(30)
+        os.kill(store.head_helpers.pids()[0], signal.SIGSTOP)
+        batches: list[Any] = []
+        waves = [threading.Thread(target=lambda: batches.append(breaker.head_many(stored))) for _ in range(4)]
+        for t in waves:
+            t.start()
+        for t in waves:
+            t.join(60)
+        assert len(batches) == 4
+        assert all(isinstance(e, LocalFailure) for b in batches for e in b.failed.values())
+        assert sum(len(b.failed) for b in batches) == 4 * len(stored)
+        assert breaker.state is BreakerState.CLOSED and breaker.consecutive_failures == 0

@@ -35,6 +35,14 @@ class TransientError(StoreError):
     """Throttling, 5xx, connection reset, timeout: worth retrying."""
 
 
+class LocalFailure(StoreError):
+    """The request failed in this host's own machinery, not at the store: a lookup helper
+    process died or hung, no thread could be started, the store was used in a forked child.
+    It says nothing about the store's health, so the circuit breaker counts it neither way
+    (one helper dying with waves in flight must not cut every engine off a healthy store).
+    Not a TransientError: retrying the store would not mend it (a lookup is a miss)."""
+
+
 class PermissionDenied(StoreError):
     """403 / access denied: retrying will not help; usually a setup problem."""
 

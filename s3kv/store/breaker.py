@@ -8,7 +8,9 @@ States::
     HALF_OPEN ──(a probe call fails)──▶ OPEN (the reset timer starts again)
 
 What counts as a failure: a call that raises a :class:`StoreError` other than the "answers"
-in ``BreakerPolicy.answers`` (default :class:`NotFound`: a 404 means the store is alive). A
+in ``BreakerPolicy.answers`` (default :class:`NotFound`: a 404 means the store is alive) and
+other than a :class:`~s3kv.store.base.LocalFailure` (this host's machinery failed, the store
+was never asked: it counts neither way, as a HEAD key that failed so does not). A
 write that found its key already present is not an error at all (``put`` returns False; the
 S3 store turns a 412 into that). ``head_many`` reports per-key failures inside its result
 instead of raising: a batch whose every key failed counts as **one** failed call; a batch in
@@ -46,6 +48,7 @@ from .base import (
     Buffer,
     ByteRange,
     HeadBatch,
+    LocalFailure,
     NotFound,
     ObjectInfo,
     ObjectStore,
@@ -264,6 +267,9 @@ class CircuitBreakerStore(StoreWrapper):
         ticket = self._admit(op, key)
         try:
             out = fn()
+        except LocalFailure:
+            self._settle(ticket, None)
+            raise
         except StoreError as exc:
             self._settle(ticket, not self._is_failure(exc), _describe(exc))
             raise
@@ -293,8 +299,12 @@ class CircuitBreakerStore(StoreWrapper):
             self._settle(ticket, None)
             raise
         answered = len(batch.found) + len(batch.missing)
-        failures = [e for e in batch.failed.values() if self._is_failure(e)]
-        if answered == 0 and failures and len(failures) == len(batch.failed):
+        # Keys that failed on this side (a helper died) were never the store's answer.
+        from_store = [e for e in batch.failed.values() if not isinstance(e, LocalFailure)]
+        failures = [e for e in from_store if self._is_failure(e)]
+        if answered == 0 and not from_store:
+            self._settle(ticket, None)
+        elif answered == 0 and failures and len(failures) == len(from_store):
             self._settle(ticket, False, f"all {len(unique)} HEADs failed; e.g. {_describe(failures[0])}")
         else:
             self._settle(ticket, True)

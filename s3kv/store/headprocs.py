@@ -59,6 +59,7 @@ from .base import (
     BucketNotFound,
     DeadlineExceeded,
     IntegrityError,
+    LocalFailure,
     NotFound,
     ObjectInfo,
     PermissionDenied,
@@ -206,7 +207,7 @@ _ERRORS: dict[str, type[StoreError]] = {
     c.__name__: c
     for c in (
         StoreError, NotFound, TransientError, PermissionDenied, BucketNotFound, DeadlineExceeded,
-        IntegrityError, StoreConfigError,
+        IntegrityError, StoreConfigError, LocalFailure,
     )
 }
 
@@ -652,7 +653,8 @@ class HeadHelpers:
                 h.ping()
                 got = [DeadlineExceeded(f"S3 head: no answer from helper {h.index} within {limit_s:g}s", key=k) for k in share]
             except Exception as exc:  # _HelperGone, or an answer of the wrong shape
-                got = [TransientError(f"S3 head: lookup helper {h.index} failed: {exc}", key=k) for k in share]
+                # Ours, not the store's: the breaker must not count a dying helper against S3.
+                got = [LocalFailure(f"S3 head: lookup helper {h.index} failed: {exc}", key=k) for k in share]
             out.update(zip(share, got, strict=True))
         return [out[k] for k in keys]
 

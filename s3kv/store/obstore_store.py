@@ -59,6 +59,7 @@ from .base import (
     DeadlineExceeded,
     HeadBatch,
     IntegrityError,
+    LocalFailure,
     NotFound,
     ObjectInfo,
     ObjectStore,
@@ -346,7 +347,7 @@ class ObstoreS3Store(ObjectStore):
                              key=key) from exc
 
     def _forked(self, op: str, key: str | None) -> StoreError:
-        return StoreError(
+        return LocalFailure(
             f"S3 {op} s3://{self.bucket}/{key or ''}: this store was opened by process {self._pid}; in a "
             f"process forked from it its client threads do not exist (every request would hang): a miss",
             key=key,
@@ -454,7 +455,7 @@ class ObstoreS3Store(ObjectStore):
             outcomes = [DeadlineExceeded(f"S3 head wave gave up after {limit:g}s", key=k) for k in unique]
         # After TimeoutError, which is an OSError: no thread or descriptor for the HEAD loop is a miss.
         except (OSError, RuntimeError) as exc:
-            outcomes = [StoreError(f"S3 head s3://{self.bucket}: could not start the HEAD loop: {exc}", key=k)
+            outcomes = [LocalFailure(f"S3 head s3://{self.bucket}: could not start the HEAD loop: {exc}", key=k)
                         for k in unique]
         return HeadBatch.from_outcomes(unique, outcomes)
 
