@@ -714,9 +714,7 @@ def _serve(conn: Connection) -> int:
         return 1
     send_lock = threading.Lock()
 
-    # The default: an engine started before shares carried a deadline (s3kv upgraded in place
-    # under a running engine) still gets answers.
-    def answer(rid: int, keys: list[str], deadline: float = float("inf")) -> None:
+    def answer(rid: int, keys: list[str], deadline: float) -> None:
         try:
             if time.monotonic() >= deadline:
                 # Queued behind other waves (a slow store) until the engine stopped waiting: its
