@@ -213,26 +213,26 @@ def test_other_credentials_in_a_helper_are_never_used(
     stored = _stored(moto_s3, prefix, 6)
     with _store(moto_s3) as direct:
         recipe = dataclasses.replace(recipe_for(direct, 1), identity=("static", "SOMEONE-ELSE"))
-        helpers = HeadHelpers(recipe, 1, restart_backoff_s=(60.0, 60.0))
-        try:
-            helpers.head_many(stored, 5.0)
-            assert _wait(lambda: all(h is None or h.done.is_set() for h in helpers._helpers), 30)
-            with caplog.at_level(logging.WARNING, logger="s3kv.store.headprocs"):
-                assert helpers.head_many(stored, 5.0) is None
-            assert "S3KV_LOOKUP_HEAD_PROCESSES" in caplog.text and "other credentials" in caplog.text
-            assert helpers.starts == 1  # and not restarted before its back-off
-        finally:
-            helpers.close()
+        starts = _refused(recipe, stored, caplog)
+        assert "S3KV_LOOKUP_HEAD_PROCESSES" in caplog.text and "other credentials" in caplog.text
+        assert starts == 1  # and not restarted before its back-off
         # A helper that cannot build its store (here: a bucket name S3 rejects) is never ready.
-        broken = dataclasses.replace(recipe_for(direct, 1), bucket="")
-        helpers = HeadHelpers(broken, 1, restart_backoff_s=(60.0, 60.0))
-        try:
-            helpers.head_many(stored, 5.0)
-            assert _wait(lambda: all(h is None or h.done.is_set() for h in helpers._helpers), 30)
-            assert helpers.head_many(stored, 5.0) is None
-        finally:
-            helpers.close()
+        _refused(dataclasses.replace(recipe_for(direct, 1), bucket=""), stored, caplog)
         assert direct.head_many(stored).found.keys() == set(stored)
+
+
+def _refused(recipe: Any, stored: list[str], caplog: pytest.LogCaptureFixture) -> int:
+    """Start one helper from ``recipe``, which it must refuse: once it has ended, a wave is left
+    to the caller (None) and the warning is in ``caplog``. How many helpers were started."""
+    helpers = HeadHelpers(recipe, 1, restart_backoff_s=(60.0, 60.0))
+    try:
+        helpers.head_many(stored, 5.0)
+        assert _wait(lambda: all(h is None or h.done.is_set() for h in helpers._helpers), 30)
+        with caplog.at_level(logging.WARNING, logger="s3kv.store.headprocs"):
+            assert helpers.head_many(stored, 5.0) is None
+        return helpers.starts
+    finally:
+        helpers.close()
 
 
 def test_errors_cross_the_process_boundary_as_store_errors(moto_s3: EmbeddedS3, closed_port: int) -> None:
@@ -615,16 +615,8 @@ def test_a_helper_of_another_protocol_refuses_to_serve(
     misread the old engine's messages. It says so and serves nothing; the waves stay in-process."""
     stored = _stored(moto_s3, prefix, 6)
     with _store(moto_s3) as direct:
-        old = dataclasses.replace(recipe_for(direct, 1), protocol=headprocs.PROTOCOL - 1)
-        helpers = HeadHelpers(old, 1, restart_backoff_s=(60.0, 60.0))
-        try:
-            helpers.head_many(stored, 5.0)
-            assert _wait(lambda: all(h is None or h.done.is_set() for h in helpers._helpers), 30)
-            with caplog.at_level(logging.WARNING, logger="s3kv.store.headprocs"):
-                assert helpers.head_many(stored, 5.0) is None
-            assert "protocol" in caplog.text and "restart" in caplog.text
-        finally:
-            helpers.close()
+        _refused(dataclasses.replace(recipe_for(direct, 1), protocol=headprocs.PROTOCOL - 1), stored, caplog)
+        assert "protocol" in caplog.text and "restart" in caplog.text
         assert recipe_for(direct, 1).protocol == headprocs.PROTOCOL
 
 

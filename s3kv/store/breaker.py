@@ -9,8 +9,8 @@ States::
 
 What counts as a failure: a call that raises a :class:`StoreError` other than the "answers"
 in ``BreakerPolicy.answers`` (default :class:`NotFound`: a 404 means the store is alive) and
-other than a :class:`~s3kv.store.base.LocalFailure` (this host's machinery failed, the store
-was never asked: it counts neither way, as a HEAD key that failed so does not). A
+other than a :class:`~s3kv.store.base.LocalFailure` (this host's machinery failed and the
+store never answered: it counts neither way, in a HEAD batch too). A
 write that found its key already present is not an error at all (``put`` returns False; the
 S3 store turns a 412 into that). ``head_many`` reports per-key failures inside its result
 instead of raising: a batch whose every key failed counts as **one** failed call; a batch in

@@ -425,7 +425,7 @@ class _Helper:
         finally:
             self._send_lock.release()
 
-    def forked(self) -> None:
+    def let_go(self) -> None:
         """In a child the engine forked: let go of this helper without touching it. Its
         process and socket are the parent's; the child's copies of the descriptors are closed
         (so the helper still sees the end when the parent dies) and nothing is sent or killed.
@@ -540,15 +540,15 @@ class HeadHelpers:
         # could be read against the parent's keys. It lets go of them and runs its waves itself.
         self._pid = os.getpid()
         ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: _let_go(ref))
+        os.register_at_fork(after_in_child=lambda: _let_go_in_child(ref))
 
-    def _forked(self) -> None:
+    def _let_go(self) -> None:
         self._lock = threading.Lock()  # may have been held by a thread the fork did not copy
         self._closed = True
         helpers, self._helpers = self._helpers, [None] * self.processes
         for h in helpers:
             if h is not None:
-                h.forked()
+                h.let_go()
 
     def _tend(self) -> list[_Helper]:
         """The ready helpers; (re)starts the missing ones whose back-off has passed."""
@@ -672,10 +672,10 @@ class HeadHelpers:
             h.stop(deadline)
 
 
-def _let_go(ref: weakref.ref[HeadHelpers]) -> None:
+def _let_go_in_child(ref: weakref.ref[HeadHelpers]) -> None:
     helpers = ref()
     if helpers is not None:
-        helpers._forked()
+        helpers._let_go()
 
 
 # -- the helper's side ----------------------------------------------------------------------

@@ -346,7 +346,7 @@ class ObstoreS3Store(ObjectStore):
             raise StoreError(f"S3 {op} s3://{self.bucket}/{key or ''}: the S3 client (obstore) panicked: {_short(exc)}",
                              key=key) from exc
 
-    def _forked(self, op: str, key: str | None) -> StoreError:
+    def _forked(self, op: str, key: str | None) -> LocalFailure:
         return LocalFailure(
             f"S3 {op} s3://{self.bucket}/{key or ''}: this store was opened by process {self._pid}; in a "
             f"process forked from it its client threads do not exist (every request would hang): a miss",
@@ -436,10 +436,10 @@ class ObstoreS3Store(ObjectStore):
 
         # Every HEAD ends within the retry deadline plus one attempt's timeouts; waiting longer
         # would mean the loop is gone (closed under us), and no caller may hang on that.
-        opts = self.options
-        limit = opts.retry.deadline_s + opts.connect_timeout_s + opts.read_timeout_s + self._WAVE_SLACK_S
         if os.getpid() != self._pid:  # the HEAD loop's thread is the parent's: the wave would never run
             return HeadBatch.from_outcomes(unique, [self._forked("head", k) for k in unique])
+        opts = self.options
+        limit = opts.retry.deadline_s + opts.connect_timeout_s + opts.read_timeout_s + self._WAVE_SLACK_S
         helpers = self._helpers
         if helpers is not None and len(unique) >= _OFFLOAD_MIN_KEYS and not self._closed:
             offloaded = helpers.head_many(unique, limit)
