@@ -856,3 +856,64 @@ def test_a_failed_load_heals_the_warm_index() -> None:
         later = _run(engine, _repeat(base, 3000))
     _clean(later)
     assert later.failed_loads == 0, "the index still promises the deleted objects"
+
+
+class _EarlyLate(StoreWrapper):
+    """GETs of ``early`` objects wait for ``gate``: a load meets a later object's failure while the
+    objects its chain starts with are still in flight (never verified by that load)."""
+
+    def __init__(self, inner: ObjectStore, early: set[str]):
+        super().__init__(inner)
+        self.early = early
+        self.gate = threading.Event()
+
+    def get_ranges(self, key: str, ranges: Any) -> list[bytes]:
+        if key in self.early:
+            self.gate.wait(20)
+        return self.inner.get_ranges(key, ranges)
+
+
+@pytest.mark.parametrize("early", ["corrupt", "fine"])
+@pytest.mark.parametrize("hook", [False, True], ids=["merged-line", "failed-load-hook"])
+def test_a_failed_load_suspects_the_objects_it_never_verified(hook: bool, early: str) -> None:
+    """A warm index promises a 256-token hit; every object past the first checkpoint has gone
+    corrupt, and the full-attention objects before it are still downloading when the first corrupt
+    one fails the load. Which objects a failed load verified is download-thread luck, so the ones it
+    did not are quarantined as suspects and read once in the background: a corrupt one stays
+    quarantined (the next request misses cleanly instead of being promised the shorter, also broken
+    hit -- on the merged line a request parked until its client gives up), a fine one is released
+    (the next request gets the shorter hit)."""
+    shape = dataclasses.replace(LONG, failed_load_hook=hook)
+    mem, settings = _memory_cold(shape)
+    store = _EarlyLate(mem, set())
+    engine = _engine(shape, settings, store, "p")
+    base = workload(shape, "A", 0)
+    with engine:
+        warm = _run(engine, _repeat(base, 1000))  # bit-exact, and the index is warm
+        _clean(warm)
+        assert warm.hit_requests == 1 and warm.failed_loads == 0
+        full_fp = engine.workers[0].core.geometry.groups[0].fingerprint
+        assert engine.workers[0].core.geometry.groups[0].window is None
+        first = {o.key: int(o.metadata["s3kv-first"]) for o in mem.list("p/")}
+        store.early = {k for k, f in first.items() if f < 8 and f"/{full_fp}." in k}
+        late = {k for k, f in first.items() if f >= 8}
+        assert store.early and late
+        for key in sorted(late | (store.early if early == "corrupt" else set())):
+            mem.corrupt(key, -1)
+        failed = _run(engine, _repeat(base, 2000, cancel_after=None if hook else 100))
+        _clean(failed)
+        assert failed.failed_loads == 1 and failed.matched_tokens == 0
+        audited = sum(w.core._counters.snapshot().get("objects_audited", 0) for w in engine.workers)
+        assert audited == 0  # the suspects' reads wait behind the gate too
+        store.gate.set()
+        deadline = time.monotonic() + 20
+        while sum(w.core._counters.snapshot().get("objects_audited", 0) for w in engine.workers) < len(store.early):
+            assert time.monotonic() < deadline, "the suspects were never read"
+            time.sleep(0.05)
+        later = _run(engine, _repeat(base, 3000))
+    _clean(later)
+    assert later.failed_loads == 0, "promised a hit through an object the failed load never verified"
+    if early == "corrupt":
+        assert later.matched_tokens == 0
+    else:
+        assert later.matched_tokens == 128, later.matched_tokens  # the hit up to the first checkpoint

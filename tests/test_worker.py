@@ -827,23 +827,34 @@ def test_sync_failure_waits_for_sibling_copies_before_reporting(store):
     b.close()
 
 
-@pytest.mark.parametrize("reason,siblings_kept", [("NotFound: gone", False), ("TransientError: 503", True)])
-def test_a_gone_object_puts_its_plan_siblings_in_doubt(reason: str, siblings_kept: bool) -> None:
-    """A failed load stops at its first failure, so which other objects of the plan were tried is
-    luck: when one is gone or bad, the index forgets the rest of the plan too (the next lookup
-    asks the store, instead of promising the next gone object to the next request). The failed
-    object itself is quarantined. A store outage says nothing about the others: they stay."""
+@pytest.mark.parametrize("reason,in_doubt", [("NotFound: gone", True), ("TransientError: 503", False)])
+def test_a_gone_object_puts_the_unverified_rest_of_its_plan_in_doubt(reason: str, in_doubt: bool) -> None:
+    """A failed load stops at its first failure, so which other objects of the plan it verified is
+    luck: when one is gone or bad, every failed object of the plan is quarantined (not only the one
+    the request failed on), the ones it never verified are quarantined as suspects (their audit is
+    test_reliability.py's), and the ones it verified stay. A store outage says nothing about the
+    objects: the failed entry is only dropped, the others stay."""
     from s3kv.core.objects import ObjectSpan
     from s3kv.engine.index import MISSING
     from s3kv.engine.worker.loads import LoadJobs
+    from s3kv.store.base import NotFound, TransientError
     from s3kv.transfer.counters import Counters
+    from s3kv.transfer.download import CANCELLED, DONE, FAILED, LoadJob
+
+    def job(key: str, state: str, error: BaseException | None = None) -> LoadJob:
+        return LoadJob(key=key, group=0, regions=(), identity=None, first=0, count=1,  # type: ignore[arg-type]
+                       last_digest=b"", targets=[], request_ids={7}, is_async=False, deadline=0.0,
+                       state=state, error=error)
 
     index = KeyIndex(1000, 600.0, 5.0)
-    plan = ["a", "b", "c"]
-    index.put_many([(k, ObjectSpan(0, 1)) for k in [*plan, "other"]], [])
+    also = NotFound("gone too", key="d") if in_doubt else TransientError("503", key="d")
+    plan = [job("a", FAILED), job("b", DONE), job("c", CANCELLED), job("d", FAILED, also)]
+    index.put_many([(k, ObjectSpan(0, 1)) for k in ["a", "b", "c", "d", "other"]], [])
     loads = LoadJobs(Settings(), index, Counters(), failed_load_hook=True)
-    loads.fail_now({7: ("a", reason)}, frozenset(plan))
-    assert index.get("a") is (MISSING if not siblings_kept else None)
-    assert all((index.get(k) is not None) == siblings_kept for k in ("b", "c"))
+    loads.fail_now({7: ("a", reason)}, plan)
+    assert index.get("a") is (MISSING if in_doubt else None)
+    assert index.get("b") == ObjectSpan(0, 1)  # verified by this load
+    assert index.get("c") == (MISSING if in_doubt else ObjectSpan(0, 1))  # never verified
+    assert index.get("d") is (MISSING if in_doubt else None)  # failed too, though the request failed on "a"
     assert index.get("other") == ObjectSpan(0, 1)  # another plan's object: untouched
     assert loads.take_failed() == {7}

@@ -12,6 +12,8 @@ in host staging and **every page's checksum is verified there, before
 any byte is copied to the device** — the bytes verified are the bytes copied.
 Only then are the host->device copies enqueued (``Copier.load``).
 
+An audit job (``place=False``) reads and verifies the same way and places nothing.
+
 A job ends ``DONE`` (copies issued; ``event`` tells when they completed) or
 ``FAILED`` (``error`` says why; nothing was copied to the device). A job that
 has not started placing pages can be cancelled (deadline passed); once placing
@@ -72,6 +74,8 @@ class LoadJob:
     deadline: float  # time.monotonic() past which the job may be cancelled
     #: slot -> the request it belongs to (to drop a failed request's targets).
     owners: dict[int, int] = field(default_factory=dict)
+    #: False: an audit -- read and verify the pages, place nothing (``targets``' slots unused).
+    place: bool = True
     state: str = PENDING
     error: BaseException | None = None
     event: Any = None
@@ -272,9 +276,11 @@ class Downloader:
             verify_page(header, i, buf.memoryview(base + k * pb, pb), job.key)
             where[i] = base + k * pb
         with job.lock:
-            if job.state != PENDING:  # cancelled while we downloaded
+            if job.state != PENDING or not job.place:  # cancelled while we downloaded; an audit
                 job.buffer = None
                 buf.release()
+                if job.state == PENDING:
+                    job.state = DONE
                 return
             job.state = PLACING
             # Targets are read under the lock: a failed request's slots may have been dropped meanwhile.

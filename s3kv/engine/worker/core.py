@@ -32,7 +32,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from ...config import Settings
@@ -44,11 +44,11 @@ from ...core.policy import object_sizes
 from ...store.base import ObjectStore
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters, MetricsHook
-from ...transfer.download import Downloader
+from ...transfer.download import Downloader, LoadJob
 from ...transfer.staging import StagingPool
 from ...transfer.upload import Uploader
 from ..index import KeyIndex
-from .loads import Failures, LoadJobs, LoadTimeout, plan_keys
+from .loads import Failures, LoadJobs, LoadTimeout, plan_jobs
 from .rank import RankLayout
 from .saves import SaveJobs
 from .stats import WorkerStats, worker_stats
@@ -238,16 +238,16 @@ class WorkerCore:
         with self._lock:
             failed = self._loads.sync_results(sync_jobs, sync_errors)
             if failed:
-                self._load_failed_now(failed, plan_keys(sync_jobs, failed))
+                self._load_failed_now(failed, plan_jobs(sync_jobs, failed))
 
-    def _load_failed_now(self, failed: Failures, siblings: frozenset[str] = frozenset()) -> None:
+    def _load_failed_now(self, failed: Failures, plan: Sequence[LoadJob] = ()) -> None:
         """Sync loads that failed: no copy may still land, nothing of theirs is saved, and the
         engine's failed-load hook (the only safe outcome for a sync load) is told."""
         # The engine may still run this iteration's forward for the other requests; the
         # failed ones' pages hold no verified KV, so nothing of theirs may be saved from
         # them (it would poison the shared cache).
         self._failed_now |= set(failed)
-        self._loads.fail_now(failed, siblings)
+        self._loads.fail_now(failed, plan)
 
     def fail_bound_loads(self, reason: str) -> None:
         """The adapter's fallback when ``start_load_kv`` raised: every load of the bound plan

@@ -9,7 +9,8 @@ are reported from ``get_finished`` once their pages are on the device (every id 
 after it was handed in).
 
 A load that fails after the store's retries is quarantined (the index remembers the object as
-missing, so later lookups miss) and then: rung 1, on engines with a failed-load hook, the id
+missing, so later lookups miss; objects of the same plan it never verified are suspects, read once
+in the background) and then: rung 1, on engines with a failed-load hook, the id
 goes to ``take_failed_load_request_ids`` and the engine recomputes it; rung 3, otherwise, the
 request stays parked and its objects are re-read with backoff until the load succeeds or the
 request is cancelled (it arrives in ``finished_gen_req_ids``). Before a request is failed or
@@ -22,6 +23,7 @@ quiesce, retries); split, each half would reach into the other's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
@@ -36,7 +38,7 @@ from ...core.errors import LoadFailed
 from ...core.plan import ConnectorMetadata
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters
-from ...transfer.download import DONE, PENDING, Downloader, LoadJob, build_jobs
+from ...transfer.download import DONE, FAILED, PENDING, PLACING, Downloader, LoadJob, build_jobs
 from ..index import KeyIndex
 from .rank import RankLayout
 
@@ -71,9 +73,9 @@ _CORRUPT = frozenset({"BadMagic", "HeaderCorrupt", "TruncatedObject", "ChecksumM
 _UNUSABLE = frozenset({"UnsupportedVersion", "ForeignObject", "LoadPlanError", "Unauthenticated", "SpanMismatch"})
 
 
-def plan_keys(jobs: Sequence[LoadJob], failed: Failures) -> frozenset[str]:
-    """Every object the failed requests' jobs read (their siblings in the index)."""
-    return frozenset(j.key for j in jobs if j.request_ids & failed.keys())
+def plan_jobs(jobs: Sequence[LoadJob], failed: Failures) -> list[LoadJob]:
+    """The jobs of the failed requests' plans (taken before quiescing drops their ids)."""
+    return [j for j in jobs if j.request_ids & failed.keys()]
 
 
 def _kind(reason: str) -> str:
@@ -114,6 +116,10 @@ class LoadJobs:
         self.failed_report: set[int] = set()  # for take_failed_load_request_ids
         self.retry_base_s = 0.5
         self.retry_max_s = 30.0
+        # Objects quarantined because a failed load never verified them, while their audit runs
+        # (download threads end audits: their own lock, never the worker's).
+        self._suspects: set[str] = set()
+        self._audit_lock = threading.Lock()
 
     def attach(self, rank: RankLayout, copier: Copier, downloader: Downloader) -> None:
         self.rank, self.copier, self.downloader = rank, copier, downloader
@@ -194,11 +200,11 @@ class LoadJobs:
                     failed.setdefault(rid, (job.key, describe(job.error)))
         return failed
 
-    def fail_now(self, failed: Failures, siblings: frozenset[str] = frozenset()) -> None:
+    def fail_now(self, failed: Failures, plan: Sequence[LoadJob] = ()) -> None:
         """Sync loads that failed: no copy may still land, and the engine's failed-load hook (the
-        only safe outcome for a sync load) is told. ``siblings``: every object their plans read."""
+        only safe outcome for a sync load) is told. ``plan``: the jobs their plans ran."""
         self._quiesce(set(failed))
-        self._note_failed(failed, siblings=siblings)
+        self._note_failed(failed, plan=plan)
         if self.failed_load_hook:
             self.failed_report |= set(failed)
             self.counters.add("rung_engine_recompute", len(failed))
@@ -303,7 +309,7 @@ class LoadJobs:
             wanted = {id(j): [(o, s) for o, s in j.targets if j.owners.get(s) == rid] for j in st.jobs}
             self._quiesce({rid})
             first_failure = st.attempts == 0
-            self._note_failed({rid: failed}, quiet=not first_failure, siblings=frozenset(j.key for j in st.jobs))
+            self._note_failed({rid: failed}, quiet=not first_failure, plan=list(st.jobs))
             if self.failed_load_hook:
                 del self.parked[rid]
                 self.failed_report.add(rid)
@@ -359,45 +365,90 @@ class LoadJobs:
         st.failed_jobs = []
         self.counters.add("load_retries")
 
-    def _note_failed(
-        self, failed: Failures, *, quiet: bool = False, siblings: frozenset[str] = frozenset()
-    ) -> None:
+    def _note_failed(self, failed: Failures, *, quiet: bool = False, plan: Sequence[LoadJob] = ()) -> None:
         """Count and log failed loads; quarantine the objects that failed so later lookups miss.
         ``quiet``: a retry of a load already reported (counted as a retry, logged at INFO).
-        ``siblings``: every object the failed requests' plans read."""
+        ``plan``: the jobs the failed requests' plans ran (after quiescing: their end states)."""
         if quiet:
             self.counters.add("load_retry_failures", len(failed))
         else:
             self.counters.add("requests_failed", len(failed))
-        keys = sorted({k for k, _ in failed.values() if k})
-        bad = sorted({k for k, r in failed.values() if k and _kind(r) != "transient"})
-        if self.index is not None and keys:
+        # Every object the plan found failing, not only the first per request: a request fails on
+        # whichever failure is seen first, and an object left out here would be offered again.
+        verdicts = {j.key: describe(j.error) for j in plan if j.state == FAILED}
+        verdicts.update({k: r for k, r in failed.values() if k})
+        bad = sorted(k for k, r in verdicts.items() if _kind(r) != "transient")
+        if self.index is not None and verdicts:
             # A stale positive would keep promising the same broken load to every request on this
             # prefix. An object that is gone or bad is remembered as missing for a while (later
             # lookups miss at once); after a store outage the entry is only dropped (the next
             # lookup asks the store again).
-            self.index.forget(keys)
+            self.index.forget(verdicts)
             self.index.quarantine(bad, self.settings.quarantine_s)
-        if self.index is not None and bad and siblings:
-            # One object found gone or bad says the index's word on the others of the same plan
-            # (as old, from the same writer or the same lifecycle rule) is in doubt too, and a
-            # failed load stops at its first failure, so which of them were tried is luck. Dropped,
-            # not quarantined: the next lookup of the prefix asks the store (one wave) instead of
-            # promising the next gone object to the next request.
-            self.index.forget(siblings.difference(bad))
-        corrupt = sorted({k for k, r in failed.values() if k and _kind(r) == "corrupt"})
+        if self.index is not None and bad and plan:
+            # One object found gone or bad puts the others of the same plan in doubt (as old, from
+            # the same writer or the same lifecycle rule), and a failed load stops at its first
+            # failure, so which of them it verified is download-thread luck. Those it did not
+            # verify would be offered again as a shorter hit -- through the next broken object, a
+            # second failed load (on the merged line a request parked until its client gives up).
+            # So they are quarantined as suspects and read once in the background (``_audit``):
+            # a good one is released, a bad one stays.
+            verified = {j.key for j in plan if j.state in (DONE, PLACING)}
+            self._audit({j.key: j for j in plan if j.key not in verified and j.key not in bad})
+        corrupt = sorted(k for k in bad if _kind(verdicts[k]) == "corrupt")
         if corrupt:
-            self.counters.add("objects_quarantined", len(corrupt))
-            if self.settings.delete_corrupt:
-                assert self.downloader is not None  # a load failed: the layout is registered
-                for k in corrupt:
-                    try:
-                        self.downloader.store.delete_many([k])
-                    except Exception as e:  # noqa: BLE001 - best effort; engines may lack DeleteObject
-                        log.warning("s3kv: could not delete corrupt object %s: %s", k, e)
+            self._condemn(corrupt)
         reasons = sorted({f"{r} (object {k!r})" if k and k not in r else r for k, r in failed.values()})
         (log.info if quiet else log.error)("s3kv: promised load failed: %s", "; ".join(reasons),
-                                           extra={"request_ids": sorted(failed), "keys": keys})
+                                           extra={"request_ids": sorted(failed), "keys": sorted(verdicts)})
+
+    def _condemn(self, corrupt: Sequence[str]) -> None:
+        """Corrupt objects (already quarantined): counted, and deleted where the settings say so."""
+        self.counters.add("objects_quarantined", len(corrupt))
+        if self.settings.delete_corrupt:
+            assert self.downloader is not None  # a load failed: the layout is registered
+            for k in corrupt:
+                try:
+                    self.downloader.store.delete_many([k])
+                except Exception as e:  # noqa: BLE001 - best effort; engines may lack DeleteObject
+                    log.warning("s3kv: could not delete corrupt object %s: %s", k, e)
+
+    def _audit(self, suspects: dict[str, LoadJob]) -> None:
+        """Quarantine ``suspects`` now and read each (whole, verified, placed nowhere) once."""
+        if not suspects or self.index is None:
+            return
+        self.index.quarantine(suspects, self.settings.quarantine_s)
+        if self.downloader is None:
+            return
+        with self._audit_lock:
+            new = [j for k, j in suspects.items() if k not in self._suspects]
+            self._suspects.update(j.key for j in new)
+        for old in new:
+            job = LoadJob(
+                key=old.key, group=old.group, regions=old.regions, identity=old.identity, first=old.first,
+                count=old.count, last_digest=old.last_digest,
+                targets=[(old.first + i, i) for i in range(old.count)], request_ids=set(), is_async=True,
+                deadline=float("inf"), place=False,
+            )
+            self.downloader.submit(job)
+            assert job.future is not None
+            job.future.add_done_callback(functools.partial(self._audited, job))
+
+    def _audited(self, job: LoadJob, _future: object = None) -> None:
+        """An audit ended (on a download thread): release a good object, keep a bad one."""
+        assert self.index is not None
+        reason = describe(job.error) if job.state == FAILED else None
+        if reason is not None and _kind(reason) != "transient":
+            log.warning("s3kv: object %s, suspect after a failed load, is bad too (%s): it stays quarantined",
+                        job.key, reason, extra={"key": job.key})
+            if _kind(reason) == "corrupt":
+                self._condemn([job.key])
+        else:
+            # Verified (or the read said nothing about the object): the next lookup may offer it.
+            self.index.forget([job.key])
+        with self._audit_lock:
+            self._suspects.discard(job.key)
+        self.counters.add("objects_audited")
 
     def _quiesce(self, failed: set[int]) -> None:
         """Before failing requests: make sure no load copy can still land in their slots.

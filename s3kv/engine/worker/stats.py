@@ -52,6 +52,8 @@ class WorkerStats:
     parked_now: int = 0
     load_retries: int = 0
     objects_quarantined: int = 0
+    #: Objects a failed load never verified, read once in the background (released or kept).
+    objects_audited: int = 0
     uploads_dropped_at_exit: int = 0
     #: S3 requests the saves and loads cost, as S3 bills them (s3kv/core/cost.py): PUT-class (a
     #: multipart upload is create + parts + complete) and GETs (long ranges split). HEADs are
@@ -97,6 +99,7 @@ def worker_stats(c: Mapping[str, float], s: Any, *, uploads_pending: int, parked
         parked_now=parked_now,
         load_retries=n("load_retries"),
         objects_quarantined=n("objects_quarantined"),
+        objects_audited=n("objects_audited"),
         uploads_dropped_at_exit=n("uploads_dropped_at_exit"),
         put_requests=n("put_requests"),
         get_requests=n("get_requests"),
