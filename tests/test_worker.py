@@ -827,6 +827,50 @@ def test_sync_failure_waits_for_sibling_copies_before_reporting(store):
     b.close()
 
 
+class _KeyGate(StoreWrapper):
+    """GETs of one key wait for the gate."""
+
+    def __init__(self, inner, key):
+        super().__init__(inner)
+        self.key, self.gate = key, threading.Event()
+
+    def get_ranges(self, key, ranges):
+        if key == self.key:
+            self.gate.wait(10)
+        return super().get_ranges(key, ranges)
+
+
+def test_an_audit_never_holds_up_a_load(store):
+    """A failed load's suspects are audited on their own thread, outside the loads' GET slots and
+    staging: with one download thread and an audit stuck on a slow object, a request's load still goes
+    through at once."""
+    import dataclasses
+
+    from s3kv.transfer.download import DONE, build_jobs
+
+    a, _ = make_core(store, seed=1)
+    d_slow, d_next = digest("suspect", 3), digest("next", 3)
+    step(a, save_object(a, 1, 0, 0, [1, 2, 3], d_slow))
+    step(a, save_object(a, 2, 0, 0, [4, 5, 6], d_next))
+    a.flush(5)
+    a.close()
+    slow = _KeyGate(store, a.object_key(0, d_slow))
+    b, lb = make_core(slow, seed=2, download_threads=1)
+    untouched = page_bytes(lb, 0, 30)
+    (job,), _ = build_jobs([LoadOp(9, ObjectRef(0, d_slow, ((0, 3),)), (0,), (30,))], tp_rank=0,
+                           is_async=lambda rid: True, resolve=b._rank.resolve, deadline=float("inf"))
+    audit = b._loads.downloader.submit(dataclasses.replace(job, place=False, request_ids=set(), owners={}))
+    t0 = time.monotonic()
+    step(b, ConnectorMetadata(loads=(LoadOp(7, ObjectRef(0, d_next, ((0, 3),)), (0, 1, 2), (20, 21, 22)),)))
+    assert time.monotonic() - t0 < 5 and b.take_failed_load_request_ids() == set()
+    assert not audit.finished  # still waiting on its slow object
+    assert b.stats().staging_in_use == 0  # and not in the loads' staging
+    slow.gate.set()
+    audit.future.result(timeout=10)
+    assert audit.state == DONE and page_bytes(lb, 0, 30) == untouched  # verified, placed nowhere
+    b.close()
+
+
 @pytest.mark.parametrize("reason,in_doubt", [("NotFound: gone", True), ("TransientError: 503", False)])
 def test_a_gone_object_puts_the_unverified_rest_of_its_plan_in_doubt(reason: str, in_doubt: bool) -> None:
     """A failed load stops at its first failure, so which other objects of the plan it verified is

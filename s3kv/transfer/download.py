@@ -23,6 +23,7 @@ caller gave up on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -174,13 +175,18 @@ class Downloader:
         # one stream is not the limit, and would cap a real bucket at a quarter of the streams.
         self._gets = threading.BoundedSemaphore(max(1, threads))
         self._executor = ThreadPoolExecutor(max_workers=2 * max(1, threads), thread_name_prefix=name)
+        # Audits (``place=False``) one at a time on their own thread: they follow a failed load,
+        # and a long prompt's plan can leave hundreds of objects to audit -- gigabytes that must
+        # not take the download threads (and the staging) from the loads requests wait for.
+        self._audits = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-audit")
 
     def submit(self, job: LoadJob) -> LoadJob:
-        job.future = self._executor.submit(self._run, job)
+        job.future = (self._executor if job.place else self._audits).submit(self._run, job)
         return job
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._audits.shutdown(wait=False, cancel_futures=True)
 
     # -- on a download thread ---------------------------------------------
     def _run(self, job: LoadJob) -> None:
@@ -220,7 +226,8 @@ class Downloader:
         # Bytes land in staging straight from the store (one host copy): the header just in
         # front of the first page, the pages packed in index order from a page-aligned offset.
         base = -(-hl // _ALIGN) * _ALIGN
-        buf = self.pool.try_acquire(base + nbytes, LOAD)
+        # An audit reads into memory of its own: the pinned staging is the loads'.
+        buf = self.pool.try_acquire(base + nbytes, LOAD) if job.place else StagingBuffer.standalone(base + nbytes)
         if buf is None:
             self.counters.add("load_staging_fallbacks")
             buf = StagingBuffer.standalone(base + nbytes)
@@ -246,7 +253,8 @@ class Downloader:
             trailer = bytearray(tr[1])
             want.append(ByteRange(*tr))
             into.append(memoryview(trailer))
-        with self._gets:
+        # An audit runs on its own thread and takes no slot of the loads' (one stream beside them).
+        with self._gets if job.place else contextlib.nullcontext():
             if job.state != PENDING:  # cancelled while it waited for a connection slot
                 with job.lock:
                     job.buffer = None

@@ -414,7 +414,8 @@ class LoadJobs:
                     log.warning("s3kv: could not delete corrupt object %s: %s", k, e)
 
     def _audit(self, suspects: dict[str, LoadJob]) -> None:
-        """Quarantine ``suspects`` now and read each (whole, verified, placed nowhere) once."""
+        """Quarantine ``suspects`` now and read each (whole, verified, placed nowhere) once, one
+        at a time beside the loads (``Downloader.submit`` of an audit)."""
         if not suspects or self.index is None:
             return
         self.index.quarantine(suspects, self.settings.quarantine_s)
@@ -423,7 +424,8 @@ class LoadJobs:
         with self._audit_lock:
             new = [j for k, j in suspects.items() if k not in self._suspects]
             self._suspects.update(j.key for j in new)
-        for old in new:
+        # Lowest ordinals first: they are what a shorter hit needs, so they are released soonest.
+        for old in sorted(new, key=lambda j: (j.first, j.group)):
             job = LoadJob(
                 key=old.key, group=old.group, regions=old.regions, identity=old.identity, first=old.first,
                 count=old.count, last_digest=old.last_digest,
