@@ -136,12 +136,32 @@ def test_exact_repeat_hits_hmax(bpo, prompt_len):
     assert servable(g, res.coverage, 0, res.h_blocks, 1)
 
 
-def test_multi_turn_extension_hits_previous_history_mid_chunk():
-    g = geo()
+@pytest.mark.parametrize("tp", [1, 2])
+def test_multi_turn_extension_hits_previous_history_mid_chunk(tp):
+    """The common hit: the previous turn's history ends mid-chunk. The probe finds the chunks, the
+    fill-in the snapshot at 10 -- and, asked with it, the tails the verify would ask for whichever
+    end it finds: two round trips, not three."""
+    g = geo(tp=tp)
     # A previous turn stored 10 blocks with bpo 4: chunks at 4, 8 and a snapshot ending at 10.
     objs = stored(g, 10, 4)
-    res, _ = run_lookup(g, objs, 40 * TPB + 3, bpo=4)
+    res, prober = run_lookup(g, objs, 40 * TPB + 3, bpo=4)
     assert res.h_blocks == 10
+    assert len(prober.waves) == 2 and res.waves == 2
+    assert servable(g, res.coverage, 0, 10, 1)
+
+
+def test_a_cold_miss_of_a_long_prompt_is_one_wave():
+    """Nothing stored: the probe's first chunk end is missing, and the block ends before it (what a
+    fill-in wave would ask) rode in the probe wave -- one round trip. A gap wider than the bound
+    (small pages: many blocks per object) keeps its own wave rather than cost every lookup."""
+    g = geo()
+    res, prober = run_lookup(g, {}, 400 * TPB + 5, bpo=8)
+    assert res.h_blocks == 0 and len(prober.waves) == 1
+    assert {(1, 0, e) for e in range(1, 8)} <= prober.waves[0]
+    res, prober = run_lookup(g, stored(g, 5, 8), 400 * TPB + 5, bpo=8)
+    assert res.h_blocks == 5  # a shorter prompt's snapshot before the first chunk end: still found
+    res, prober = run_lookup(g, {}, 400 * TPB + 5, bpo=32, cp_blocks=64)
+    assert res.h_blocks == 0 and len(prober.waves) == 2 and len(prober.waves[1]) == 31
 
 
 # ---------------------------------------------------------------- holes and shards

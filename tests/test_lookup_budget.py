@@ -77,10 +77,13 @@ def test_hung_store_costs_a_budget_per_lookup_bounds_the_backlog_and_opens_the_b
     while core._pending_waves and time.monotonic() < deadline:
         time.sleep(0.01)
     assert core._pending_waves == 0
+    # The late waves settle nothing (a success seconds late must not reset the count); the
+    # store answering a lookup in time restarts it.
+    prompt = tokens_of(20 * TPB + 3, seed=50)
+    assert core.get_num_new_matched_tokens(50, prompt, len(prompt), 0) == (0, False)
+    assert core.stats.lookup_timeouts == 2
     core.close_lookup()
-    # The store answered (the late waves, and the timed-out lookups finished in the background):
-    # the breaker's count restarted. Hung again, three timeouts in a row trip it (a backlog of
-    # three lets three waves hang).
+    # Hung again, three timeouts in a row trip it (a backlog of three lets three waves hang).
     assert breaker.state is BreakerState.CLOSED
     hung.release.clear()
     core = _leader(breaker, g, lookup_timeout_s=0.05, lookup_max_pending=3)

@@ -7,14 +7,17 @@ stored prefix is; that group is the *spine*. Three waves of parallel HEADs:
 
 1. **probe** the spine (shard 0) at chunk ends -- all of them when there are at
    most ``budget``, else ``budget`` evenly strided ones -- plus the prompt's own
-   last full block (a previous request's prompt-end snapshot);
+   last full block (a previous request's prompt-end snapshot), and, when they are
+   few, the block ends before the first chunk end;
 2. **fill in** the gap after the highest probe that has every lower probe
    present: its chunk ends and every block end in between (a previous turn's
-   history ended mid-chunk);
+   history ended mid-chunk) -- when the gap is short, with the verify wave's asks
+   for whichever end it may find;
 3. **verify** every group x shard the hit rule needs for the best candidate and
    for a few fallbacks (the checkpoints just below it), since sliding groups
    hold only tails at checkpoint, prompt-end and history-end boundaries.
 
+So a cold miss usually costs one round trip and a hit two (a next turn's hit, too).
 A hole found by the verify wave (an object deleted from the middle) costs one
 more wave for the candidates below the hole; otherwise the answer is final.
 Probes answered by the local index cost no round trip.
@@ -61,6 +64,15 @@ class LookupResult:
     #: no group has full attention). Past ``h_blocks`` it marks a branch point: the prefix is
     #: stored but no sliding tail ends there (see ``StoragePolicy.branch_end``).
     spine_blocks: int = 0
+
+
+#: At most this many block ends before the first chunk end ride in the first wave, and no more
+#: than it probes (the first wave at most doubles). Why a bound: the gap is one object's blocks
+#: less one (11 for Gemma-3-27B at TP 1), cheap beside a long prompt's probe wave; but small pages
+#: pack many blocks per object (96 at TP 8), and a short prompt probes a few chunk ends only:
+#: asking that many more HEADs of every lookup, hit or miss, would cost more than the round trip
+#: a cold miss saves. The same bound lets the fill-in wave carry the verify wave's asks.
+_EARLY_GAP = 16
 
 
 def _strided(ends: list[int], budget: int) -> list[int]:
@@ -126,37 +138,6 @@ def find_hit(
     if not chunk_ends or chunk_ends[-1] != top:
         chunk_ends.append(top)
 
-    # Wave 1: strided probe of the spine.
-    probes = _strided(chunk_ends, params.budget)
-    run((spine, 0, e) for e in probes)
-
-    # The highest probe below which every probe was found (the spine stores
-    # every block, so presence is a prefix until proven otherwise).
-    low = d_blocks
-    nxt = None
-    for e in probes:
-        if found(e):
-            low = e
-        else:
-            nxt = e
-            break
-    upper = nxt if nxt is not None else top + 1
-    if low < top:
-        # Wave 2: fill in every block end in (low, upper) -- chunk ends and
-        # mid-chunk ends (a previous prompt or conversation ended there).
-        run((spine, 0, e) for e in range(low + 1, min(upper, top + 1)))
-
-    spine_ends = sorted(e for (g, s, e), v in known.items() if g == spine and s == 0 and v is not None)
-    if geometry.groups[spine].is_sliding:
-        # No full-attention group: the spine holds tails only, so its highest
-        # object end is the candidate and the verify wave decides.
-        best = max(spine_ends, default=d_blocks)
-    else:
-        # Unprobed chunk ends between strided probes are assumed present here;
-        # the verify wave checks every one of them.
-        best = max([low] + [e for e in spine_ends if low < e < upper])
-    best = min(best, hmax_blocks)
-
     def candidates(upper: int) -> list[int]:
         cands = [upper] if upper > d_blocks else []
         cp = params.checkpoint_blocks
@@ -180,6 +161,51 @@ def find_hit(
                 # The tuples are made in C (a 128k-token prompt needs ~350 asks per candidate).
                 asks.update(zip(repeat(g.group_id), repeat(shard), ends))
         return asks
+
+    # Wave 1: strided probe of the spine. With it, when they are few, the block ends before the
+    # first chunk end (what wave 2 would fill in if that probe is missing): without them every
+    # cold miss of a long prompt paid a second round trip to learn that no shorter prompt
+    # ended there (a replay of the Mooncake trace: 354 of 600 lookups).
+    probes = _strided(chunk_ends, params.budget)
+    first_gap = range(d_blocks + 1, min(chunk_ends[0], top + 1))
+    early = first_gap if len(first_gap) <= min(_EARLY_GAP, len(probes)) else range(0)
+    run([*((spine, 0, e) for e in probes), *((spine, 0, e) for e in early)])
+
+    # The highest probe below which every probe was found (the spine stores
+    # every block, so presence is a prefix until proven otherwise).
+    low = d_blocks
+    nxt = None
+    for e in probes:
+        if found(e):
+            low = e
+        else:
+            nxt = e
+            break
+    upper = nxt if nxt is not None else top + 1
+    if low < top:
+        # Wave 2: fill in every block end in (low, upper) -- chunk ends and
+        # mid-chunk ends (a previous prompt or conversation ended there).
+        fill = range(low + 1, min(upper, top + 1))
+        filling = {(spine, 0, e) for e in fill}
+        if len(fill) <= _EARLY_GAP and low > d_blocks and not geometry.groups[spine].is_sliding:
+            # With it, when the gap is short, what the verify wave would ask for whichever end
+            # the fill-in finds (mostly the same sliding tails): a hit that ends mid-chunk -- a
+            # conversation's next turn, the common hit -- then takes two round trips, not three.
+            for end in {low, *fill}:
+                for h in candidates(min(end, hmax_blocks)):
+                    filling |= needed(h)
+        run(filling)
+
+    spine_ends = sorted(e for (g, s, e), v in known.items() if g == spine and s == 0 and v is not None)
+    if geometry.groups[spine].is_sliding:
+        # No full-attention group: the spine holds tails only, so its highest
+        # object end is the candidate and the verify wave decides.
+        best = max(spine_ends, default=d_blocks)
+    else:
+        # Unprobed chunk ends between strided probes are assumed present here;
+        # the verify wave checks every one of them.
+        best = max([low] + [e for e in spine_ends if low < e < upper])
+    best = min(best, hmax_blocks)
 
     tried: set[int] = set()
     for _attempt in range(2):

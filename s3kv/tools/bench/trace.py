@@ -430,6 +430,7 @@ def replay(
             s.saves_dropped_staging_full + s.saves_dropped_store_error + s.saves_dropped_other for s in wstats
         ),
         "lookups": lstats.lookups,
+        "lookup_waves": lstats.lookup_waves,
         "hits": lstats.hits,
         "promises_broken": lstats.promises_broken,
         "branch_tails_stored": lstats.branch_tails,
@@ -565,6 +566,8 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "distinct_pages_by_group": {g: v["distinct_pages"] for g, v in r["stored_by_group"].items()},
             "objects_by_group": {g: v["objects"] for g, v in r["stored_by_group"].items()},
             "per_1k_prompt_tokens": {k: rnd(1000 * v / prompt_tokens, 4) for k, v in rq.items()},
+            # HEAD waves that went to the store, per lookup: each is a round trip on the scheduler's path.
+            "round_trips_per_lookup": rnd(r["lookup_waves"] / r["lookups"], 3) if r["lookups"] else 0.0,
             **money(rq["put"], rq["get"], rq["head"], stored_real + extra, r["served_tokens"]),
             **prefill(r["served_per_request"]),
             "kv_mismatches": r["kv_mismatches"],
