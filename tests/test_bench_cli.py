@@ -80,6 +80,7 @@ def test_lookup_quick_json_and_plot(tmp_path: Path) -> None:
             # next one of the prefix is answered from the index in full.
             assert c["budget_next"]["hit_tokens"] == r["hit_tokens"] and c["budget_next"]["requests"] == 0
             assert c["budget_first"]["hit_tokens"] in (0, r["hit_tokens"])
+            assert c["probe_miss"]["hit_tokens"] == 0 and c["probe_miss"]["requests"] > 0  # a prompt never stored
     assert res["targets_met"]["round_trips_le_3"] and res["targets_met"]["full_hit"]
     assert_png(png)
 

@@ -32,7 +32,8 @@ LEGENDS: dict[str, tuple[str, ...]] = {
         "per client: wall RTs = wall ms / the injected latency (round trips actually paid); exec = CPU ms "
         "on the calling (executor) thread; proc = the whole process's CPU ms; chain = hashing the "
         "prompt's block chain; client = proc - chain (the lookup's and the S3 client's own CPU)",
-        "paths: probe = HEAD waves (no budget); budget_first / budget_next = the default budget, no "
+        "paths: probe = HEAD waves (no budget); probe_miss = the same for a prompt never stored; "
+        "budget_first / budget_next = the default budget, no "
         "summary, as an engine runs out of the box: a cold lookup (a miss if the budget runs out), then "
         "the same prefix again once a lookup that ran out was finished in the background; "
         "summary_hit = namespace summary + one verify wave; "

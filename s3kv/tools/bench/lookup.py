@@ -21,7 +21,8 @@ Measured, per prompt, on the same store:
   engine's background refresher would have) -> the same lookup: one verify wave of HEADs; and a
   prompt that was never stored: a miss with no request at all. Each is run ``--repeats`` times on
   fresh leaders and reported as per-field medians (worst hit and request count);
-* per client (boto3's ``S3Store`` and obstore's ``ObstoreS3Store``): the cold probe and the
+* per client (boto3's ``S3Store`` and obstore's ``ObstoreS3Store``): the cold probe (and a cold
+  miss, ``probe_miss``: a prompt never stored, no summary -- most lookups of real traffic) and the
   summary lookups again, with each client's own HEAD fan-out in the latency model; and the
   default budget without a summary, as an engine runs out of the box: the first lookup (a miss
   when the budget runs out) and, once a lookup that ran out has been finished in the
@@ -304,6 +305,9 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
             probe = _leader(probe_settings, cstore, bs.key("s3kv"), geom, sizing)
             cplain = plain[cname]
             m = _measure(bs, cstore, clat, probe, 10 * i + 7, prompt, cplain)
+            # A cold miss without a summary: what most lookups of real traffic are.
+            probe_miss = _measure(bs, cstore, clat, _leader(probe_settings, cstore, bs.key("s3kv"), geom, sizing),
+                                  10 * i + 3, miss_prompt, cplain)
             runs: dict[str, list[_Measured]] = {"hit": [], "miss": [], "trusted": []}
             objects = 0
             for _ in range(max(1, cfg.repeats)):
@@ -334,6 +338,7 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
             budgeted.close_lookup()
             per_client[cname] = {
                 "probe": _row(m, bs),
+                "probe_miss": _row(probe_miss, bs),
                 "budget_first": _row(first, bs),
                 "budget_next": _row(after, bs),
                 "summary_hit": _row(_median(runs["hit"]), bs),
@@ -502,7 +507,8 @@ def table(res: dict[str, Any]) -> str:
     ]
     for r in res["results"]:
         for cname, c in r.get("clients", {}).items():
-            for path in ("probe", "budget_first", "budget_next", "summary_hit", "summary_trusted_hit", "summary_miss"):
+            for path in ("probe", "probe_miss", "budget_first", "budget_next", "summary_hit", "summary_trusted_hit",
+                         "summary_miss"):
                 x = c[path]
                 rts = "" if x["wall_round_trips"] is None else f"{x['wall_round_trips']:.2f}"
                 lines.append(
