@@ -871,6 +871,109 @@ def test_an_audit_never_holds_up_a_load(store):
     b.close()
 
 
+def test_the_engines_exit_never_waits_for_queued_audits(tmp_path):
+    """TensorRT-LLM calls no connector shutdown: the process just exits. Audits queued behind a
+    slow store must not hold it (an executor's threads would run their whole queue first)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import time, types\n"
+        "from s3kv.transfer.download import Downloader, LoadJob\n"
+        "from s3kv.store.base import NotFound\n"
+        "class Slow:\n"
+        "    def get_ranges_into(self, key, want, into):\n"
+        "        time.sleep(1.0); raise NotFound('gone', key=key)\n"
+        "ident = types.SimpleNamespace(page_bytes=4096, integrity=None, shard=0)\n"
+        "d = Downloader(Slow(), pool=None, copier=None, threads=2)\n"
+        "for i in range(6):\n"
+        "    d.submit(LoadJob(key=f'k{i}', group=0, regions=(), identity=ident, first=0, count=1, last_digest=b'',\n"
+        "                     targets=[(0, 0)], request_ids=set(), is_async=True, deadline=float('inf'), place=False))\n"
+        "time.sleep(0.2)\n"
+    )
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, str(script)], check=True, timeout=60)
+    assert time.monotonic() - t0 < 4.0  # six queued 1 s audits: ~7 s if exit waited for them
+
+
+def test_an_audit_never_releases_an_object_a_load_found_bad_meanwhile():
+    """A suspect's audit is under way when another request's load finds the object gone: however
+    the audit ends, the object stays quarantined (the load's verdict is newer than the audit's read)."""
+    from concurrent.futures import Future
+
+    from s3kv.engine.index import MISSING
+    from s3kv.engine.worker.loads import LoadJobs
+    from s3kv.store.base import NotFound
+    from s3kv.transfer.counters import Counters
+    from s3kv.transfer.download import DONE, FAILED, PENDING, LoadJob
+
+    class Held:  # audits submitted, never run: the test ends them
+        def __init__(self):
+            self.jobs = []
+
+        def submit(self, job):
+            job.future = Future()
+            self.jobs.append(job)
+            return job
+
+        def audits_queued(self):
+            return 0
+
+    def job(key, state, error=None):
+        return LoadJob(key=key, group=0, regions=(), identity=None, first=0, count=1,  # type: ignore[arg-type]
+                       last_digest=b"", targets=[], request_ids={7}, is_async=False, deadline=0.0,
+                       state=state, error=error)
+
+    index = KeyIndex(1000, 600.0, 5.0)
+    loads = LoadJobs(Settings(), index, Counters(), failed_load_hook=True)
+    loads.downloader = Held()  # type: ignore[assignment]
+    loads.fail_now({7: ("A", "NotFound: gone")}, [job("A", FAILED), job("K", PENDING)])
+    (audit,) = loads.downloader.jobs
+    assert audit.key == "K" and index.get("K") is MISSING  # a suspect, quarantined
+    loads.fail_now({8: ("K", "NotFound: gone")}, [job("K", FAILED, NotFound("gone", key="K"))])
+    audit.state = DONE  # its read (started before the delete) was good
+    audit.future.set_result(None)
+    assert index.get("K") is MISSING
+    # A suspect nobody condemned is released by a good audit.
+    loads.fail_now({9: ("B", "NotFound: gone")}, [job("B", FAILED), job("L", PENDING)])
+    audit = loads.downloader.jobs[-1]
+    audit.state = DONE
+    audit.future.set_result(None)
+    assert index.get("L") is None
+
+
+def test_closing_leaves_unread_suspects_quarantined():
+    """Audits still queued when the worker closes are never run: their objects stay quarantined
+    (not released unread), and only the audit that ran is counted -- as an audit, not a failed load."""
+    import types
+
+    from s3kv.engine.index import MISSING
+    from s3kv.engine.worker.loads import LoadJobs
+    from s3kv.store.base import NotFound
+    from s3kv.transfer.counters import Counters
+    from s3kv.transfer.download import Downloader, LoadJob
+
+    class SlowGone:
+        def get_ranges_into(self, key, want, into):
+            time.sleep(0.3)
+            raise NotFound("gone", key=key)
+
+    ident = types.SimpleNamespace(page_bytes=4096, integrity=None, shard=0)
+    counters, index = Counters(), KeyIndex(1000, 600.0, 5.0)
+    loads = LoadJobs(Settings(), index, counters, failed_load_hook=True)
+    loads.downloader = Downloader(SlowGone(), pool=None, copier=None, threads=2, counters=counters)  # type: ignore[arg-type]
+    keys = [f"k{i}" for i in range(4)]
+    loads._audit({k: LoadJob(key=k, group=0, regions=(), identity=ident, first=0, count=1, last_digest=b"",  # type: ignore[arg-type]
+                             targets=[(0, 0)], request_ids={7}, is_async=False, deadline=0.0) for k in keys})
+    time.sleep(0.1)
+    loads.downloader.close()
+    time.sleep(0.6)
+    assert all(index.get(k) is MISSING for k in keys)
+    snap = counters.snapshot()
+    assert snap.get("objects_audited") == 1 and not snap.get("loads_failed_objects")
+
+
 @pytest.mark.parametrize("reason,in_doubt", [("NotFound: gone", True), ("TransientError: 503", False)])
 def test_a_gone_object_puts_the_unverified_rest_of_its_plan_in_doubt(reason: str, in_doubt: bool) -> None:
     """A failed load stops at its first failure, so which other objects of the plan it verified is

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -177,16 +178,59 @@ class Downloader:
         self._executor = ThreadPoolExecutor(max_workers=2 * max(1, threads), thread_name_prefix=name)
         # Audits (``place=False``) one at a time on their own thread: they follow a failed load,
         # and a long prompt's plan can leave hundreds of objects to audit -- gigabytes that must
-        # not take the download threads (and the staging) from the loads requests wait for.
-        self._audits = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-audit")
+        # not take the download threads (and the staging) from the loads requests wait for. A
+        # daemon thread, not an executor's: at interpreter exit Python joins executor threads
+        # after they ran their whole queue, and the engine's exit must not wait for audits.
+        self._name = name
+        self._audit_q: queue.SimpleQueue[LoadJob | None] = queue.SimpleQueue()
+        self._audit_thread: threading.Thread | None = None
+        self._audit_lock = threading.Lock()
+        self._closed = False
 
     def submit(self, job: LoadJob) -> LoadJob:
-        job.future = (self._executor if job.place else self._audits).submit(self._run, job)
+        if job.place:
+            job.future = self._executor.submit(self._run, job)
+            return job
+        job.future = Future()
+        with self._audit_lock:
+            if not self._closed:
+                if self._audit_thread is None:
+                    self._audit_thread = threading.Thread(target=self._audits, name=f"{self._name}-audit",
+                                                          daemon=True)
+                    self._audit_thread.start()
+                self._audit_q.put(job)
+                return job
+        job.future.cancel()  # closed: never run (its callbacks see a job still pending)
         return job
+
+    def audits_queued(self) -> int:
+        return self._audit_q.qsize()
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
-        self._audits.shutdown(wait=False, cancel_futures=True)
+        with self._audit_lock:
+            self._closed = True
+            self._audit_q.put(None)
+
+    def _audits(self) -> None:
+        while True:
+            job = self._audit_q.get()
+            if job is None or self._closed:
+                if job is not None and job.future is not None:
+                    job.future.cancel()
+                break
+            fut = job.future
+            if fut is None or not fut.set_running_or_notify_cancel():
+                continue
+            self._run(job)  # never raises
+            fut.set_result(None)
+        while True:  # closed: what is left is never run
+            try:
+                job = self._audit_q.get_nowait()
+            except queue.Empty:
+                return
+            if job is not None and job.future is not None:
+                job.future.cancel()
 
     # -- on a download thread ---------------------------------------------
     def _run(self, job: LoadJob) -> None:
@@ -204,7 +248,7 @@ class Downloader:
                 if job.buffer is not None:
                     job.buffer.release()
                     job.buffer = None
-            if not cancelled:
+            if not cancelled and job.place:  # an audit's failure is counted by its caller
                 self.counters.add("loads_failed_objects")
             if not isinstance(e, (StoreError, ObjectFormatError, LoadPlanError)):
                 log.exception("s3kv: unexpected error loading %s", job.key)

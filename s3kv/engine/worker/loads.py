@@ -66,6 +66,9 @@ class AsyncLoad:
     failed_jobs: list[tuple[LoadJob, list[tuple[int, int]]]] = field(default_factory=list)
 
 
+#: Audits waiting at most (each reads a whole object, ~30 MiB at s3kv's sizes).
+_AUDITS_QUEUED_MAX = 128
+
 #: Failure reasons (exception type names, see ``describe``) by what they say about the object.
 _CORRUPT = frozenset({"BadMagic", "HeaderCorrupt", "TruncatedObject", "ChecksumMismatch", "IntegrityError",
                       "ObjectFormatError"})
@@ -116,9 +119,10 @@ class LoadJobs:
         self.failed_report: set[int] = set()  # for take_failed_load_request_ids
         self.retry_base_s = 0.5
         self.retry_max_s = 30.0
-        # Objects quarantined because a failed load never verified them, while their audit runs
-        # (download threads end audits: their own lock, never the worker's).
-        self._suspects: set[str] = set()
+        # Objects quarantined because a failed load never verified them, while their audit runs:
+        # key -> False once a load found the object bad meanwhile (its audit must not release it).
+        # The audit thread ends audits: under this lock (with the index's), never the worker's.
+        self._suspects: dict[str, bool] = {}
         self._audit_lock = threading.Lock()
 
     def attach(self, rank: RankLayout, copier: Copier, downloader: Downloader) -> None:
@@ -383,8 +387,12 @@ class LoadJobs:
             # prefix. An object that is gone or bad is remembered as missing for a while (later
             # lookups miss at once); after a store outage the entry is only dropped (the next
             # lookup asks the store again).
-            self.index.forget(verdicts)
-            self.index.quarantine(bad, self.settings.quarantine_s)
+            with self._audit_lock:  # one step for an audit ending now: it cannot release these
+                self.index.forget(verdicts)
+                self.index.quarantine(bad, self.settings.quarantine_s)
+                for k in bad:
+                    if k in self._suspects:
+                        self._suspects[k] = False
         if self.index is not None and bad and plan:
             # One object found gone or bad puts the others of the same plan in doubt (as old, from
             # the same writer or the same lifecycle rule), and a failed load stops at its first
@@ -418,12 +426,15 @@ class LoadJobs:
         at a time beside the loads (``Downloader.submit`` of an audit)."""
         if not suspects or self.index is None:
             return
-        self.index.quarantine(suspects, self.settings.quarantine_s)
-        if self.downloader is None:
-            return
-        with self._audit_lock:
-            new = [j for k, j in suspects.items() if k not in self._suspects]
-            self._suspects.update(j.key for j in new)
+        with self._audit_lock:  # with the check below: an audit ending now cannot undo it unread
+            self.index.quarantine(suspects, self.settings.quarantine_s)
+            if self.downloader is None:
+                return
+            # Bounded: past it a suspect stays quarantined unread (for quarantine_s), as a failed
+            # object does -- a burst of failures must not queue unbounded gigabytes of reads.
+            room = max(0, _AUDITS_QUEUED_MAX - self.downloader.audits_queued())
+            new = [j for k, j in suspects.items() if k not in self._suspects][:room]
+            self._suspects.update((j.key, True) for j in new)
         # Lowest ordinals first: they are what a shorter hit needs, so they are released soonest.
         for old in sorted(new, key=lambda j: (j.first, j.group)):
             job = LoadJob(
@@ -437,19 +448,23 @@ class LoadJobs:
             job.future.add_done_callback(functools.partial(self._audited, job))
 
     def _audited(self, job: LoadJob, _future: object = None) -> None:
-        """An audit ended (on a download thread): release a good object, keep a bad one."""
+        """An audit ended (on the audit thread): release a good object, keep a bad one. One not
+        run (the downloader closed first) stays quarantined."""
         assert self.index is not None
         reason = describe(job.error) if job.state == FAILED else None
-        if reason is not None and _kind(reason) != "transient":
+        bad = reason is not None and _kind(reason) != "transient"
+        with self._audit_lock:
+            clean = self._suspects.pop(job.key, True)
+            if job.state not in (DONE, FAILED):
+                return
+            if not bad and clean:
+                # Verified (or the read said nothing about the object): the next lookup may offer it.
+                self.index.forget([job.key])
+        if bad:
             log.warning("s3kv: object %s, suspect after a failed load, is bad too (%s): it stays quarantined",
                         job.key, reason, extra={"key": job.key})
-            if _kind(reason) == "corrupt":
+            if _kind(reason or "") == "corrupt":
                 self._condemn([job.key])
-        else:
-            # Verified (or the read said nothing about the object): the next lookup may offer it.
-            self.index.forget([job.key])
-        with self._audit_lock:
-            self._suspects.discard(job.key)
         self.counters.add("objects_audited")
 
     def _quiesce(self, failed: set[int]) -> None:
