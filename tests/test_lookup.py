@@ -164,6 +164,23 @@ def test_a_cold_miss_of_a_long_prompt_is_one_wave():
     assert res.h_blocks == 0 and len(prober.waves) == 2 and len(prober.waves[1]) == 31
 
 
+def test_a_shorter_hit_the_waves_already_confirmed_is_found_without_a_wave():
+    """Asks riding in an earlier wave can make a spine with holes look whole, so the fallback jumps
+    to a checkpoint below everything; a shorter end the waves already confirmed on every group and
+    shard is then still found, from what was seen (found by a review of the fill-in merge: a miss
+    here where the previous lookup found 4 blocks)."""
+    g = CacheGeometry(tokens_per_block=TPB, groups=(GroupGeometry(0, None, (0,), (64,)), GroupGeometry(1, 64, (1,), (64,))),
+                      tp_size=2, kv_dtype="bf16", model_id="m")
+    params = LookupParams(blocks_per_object=4, checkpoint_blocks=16, margin=3, budget=3, fallbacks=0)
+    objs = {(0, 0, 4): Span(0, 4), (0, 0, 5): Span(4, 5), (0, 1, 4): Span(0, 4), (0, 1, 6): Span(4, 6),
+            (1, 0, 3): Span(0, 3), (1, 0, 4): Span(0, 4), (1, 0, 10): Span(8, 10), (1, 1, 4): Span(0, 4),
+            (1, 1, 12): Span(8, 12)}
+    prober = FakeProber(objs)
+    res = find_hit(g, params, 0, 17, 17, prober)
+    assert res.h_blocks == 4 and servable(g, coverage_of(objs), 0, 4, 3)
+    assert len(prober.waves) <= 3
+
+
 # ---------------------------------------------------------------- holes and shards
 
 

@@ -233,6 +233,16 @@ def find_hit(
             best = hole_best
         if best <= d_blocks:
             break
+    # No candidate tried was servable; what the waves saw may still serve a shorter hit, at no
+    # cost: the ends of the objects seen present, highest first (at most _EARLY_GAP checks, no
+    # wave). Why: asks that rode in an earlier wave make a spine look whole where a hole of
+    # unasked objects used to send the fallback to a lower end that was servable.
+    seen = sorted({e for by_end in result.coverage.values() for e in by_end if d_blocks < e <= hmax_blocks},
+                  reverse=True)
+    for h in seen[:_EARLY_GAP]:
+        if servable(geometry, result.coverage, d_blocks, h, params.margin):
+            result.h_blocks = h
+            break
     return _with_spine(result, geometry, d_blocks, hmax_blocks)
 
 
