@@ -369,3 +369,26 @@ def test_local_failures_count_neither_way():
     inner.local = False
     breaker.head_many(["a"])
     assert breaker.state is CLOSED
+
+
+def test_promised_reads_are_attempted_whatever_the_state():
+    """A rank's loads are of hits the leader already promised (from another process's breaker):
+    an open breaker still refuses everything else, but a promised read goes to the store, its
+    outcome counts, and it moves no state by itself."""
+    breaker, faults, counting, _, seen, _ = make(failures=2)
+    mem_key = "k"
+    breaker.put(mem_key, b"abc")
+    faults.set_down(True)
+    fail_puts(breaker, 2)
+    assert breaker.state is OPEN
+    faults.set_down(False)
+    reads = breaker.promised_reads()
+    calls = counting.calls
+    assert reads.get_ranges(mem_key, [ByteRange(0, 3)]) == [b"abc"]
+    assert counting.calls == calls + 1 and breaker.state is OPEN and breaker.consecutive_failures == 0
+    with pytest.raises(StoreUnavailable):
+        breaker.get_ranges(mem_key, [ByteRange(0, 3)])  # the breaker itself still refuses
+    faults.set_down(True)
+    with pytest.raises(StoreError):
+        reads.get_ranges(mem_key, [ByteRange(0, 3)])
+    assert breaker.consecutive_failures == 1 and breaker.state is OPEN

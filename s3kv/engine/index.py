@@ -140,6 +140,13 @@ class KeyIndex:
             self._sweep(now)
             self._bound()
 
+    def forget_missing(self, keys: Iterable[str]) -> None:
+        """Drop what was remembered as missing (not quarantines, not known objects): ``keys`` may
+        exist now."""
+        with self._lock:
+            for k in keys:
+                self._missing.pop(k, None)
+
     def forget(self, keys: Iterable[str]) -> None:
         with self._lock:
             for k in keys:

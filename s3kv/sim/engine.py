@@ -161,8 +161,16 @@ class SimEngine:
     and after ``get_finished``, and each id named is rewound to its device match
     and recomputed (``recompute_failed_load``); the connectors are told through
     ``connector_kwargs["engine_features"]``, standing in for what they would
-    detect on such an install.
+    detect on such an install. ``process_per_rank``: each rank past 0 joins an engine runtime of
+    its own (its own key index, breaker and metrics), as each TensorRT-LLM rank is its own
+    process; by default all ranks share the leader's (one process).
     """
+
+    def _own_process(self, kwargs: dict[str, Any], rank: int) -> dict[str, Any]:
+        """Connector kwargs for rank ``rank`` as its own process: its own engine runtime (index,
+        breaker, metrics), as in TensorRT-LLM, where only rank 0's worker shares the leader's."""
+        base = kwargs.get("engine_key") or "derived"
+        return {**kwargs, "engine_key": f"{base}#rank{rank}-{id(self):x}"}
 
     def __init__(
         self,
@@ -184,6 +192,7 @@ class SimEngine:
         failed_load_hook: bool = False,
         connector_kwargs: Mapping[str, Any] | None = None,
         max_mismatch_details: int = 200,
+        process_per_rank: bool = True,
     ):
         if tp_size is None:
             tp_size = model.tp_size
@@ -245,7 +254,10 @@ class SimEngine:
             make_llm_args(model, config, tp_size, r) for r in range(tp_size)
         )
         self.leader = leader_cls(self.llm_args[0], **kwargs)
-        self.workers = tuple(worker_cls(self.llm_args[r], **kwargs) for r in range(tp_size))
+        self.workers = tuple(
+            worker_cls(self.llm_args[r], **(kwargs if r == 0 or not process_per_rank else self._own_process(kwargs, r)))
+            for r in range(tp_size)
+        )
         self._check_bring_up()
         # The cache is created (and registered) before the first request is scheduled.
         for pool, worker in zip(self.pools, self.workers, strict=True):

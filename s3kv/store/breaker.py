@@ -202,7 +202,7 @@ class CircuitBreakerStore(StoreWrapper):
         if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.policy.reset_s:
             self._transition(BreakerState.HALF_OPEN, f"{self.policy.reset_s:g}s since it opened; probing")
 
-    def _admit(self, op: str, key: str | None) -> _Probe:
+    def _admit(self, op: str, key: str | None, promised: bool = False) -> _Probe:
         with self._lock:
             self._maybe_half_open()
             if self._state is BreakerState.CLOSED:
@@ -223,6 +223,9 @@ class CircuitBreakerStore(StoreWrapper):
                 self._probes_in_flight += 1
                 self._probe_at = self._clock()
                 return _Probe(True, self._epoch)
+            if promised:
+                # Attempted as a plain call: its outcome counts, it moves no state by itself.
+                return _Probe(False)
             self.rejected += 1
         raise self._unavailable(op, key)
 
@@ -263,8 +266,8 @@ class CircuitBreakerStore(StoreWrapper):
     def _is_failure(self, exc: BaseException) -> bool:
         return isinstance(exc, StoreError) and not isinstance(exc, self.policy.answers)
 
-    def _guard(self, op: str, key: str | None, fn: Callable[[], T]) -> T:
-        ticket = self._admit(op, key)
+    def _guard(self, op: str, key: str | None, fn: Callable[[], T], promised: bool = False) -> T:
+        ticket = self._admit(op, key, promised)
         try:
             out = fn()
         except LocalFailure:
@@ -321,6 +324,17 @@ class CircuitBreakerStore(StoreWrapper):
     def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
         self._guard("get", key, lambda: self.inner.get_ranges_into(key, ranges, out))
 
+    def promised_reads(self) -> ObjectStore:
+        """This store, but its reads are attempted whatever the breaker's state: for the loads of
+        hits already promised. Why: each TensorRT-LLM rank is its own process with its own
+        breaker, and the leader promises from rank 0's. A rank whose breaker is still open or
+        half-open after an outage (its own failed uploads opened it; no lookup of its own closes
+        it) refused its share of the load -- the request failed (recomputed, or parked on the
+        merged line) though the store was back and rank 0 had just read from it. A read that is
+        attempted costs at most the store's timeout, and a refused one fails the request anyway.
+        Outcomes still count (``_settle``), so the breaker sees the store come back or stay down."""
+        return _PromisedReads(self)
+
     def note_timeout(self, op: str, key: str | None = None) -> None:
         """A caller gave up on a call that still runs (a hung store answers nothing, so no
         call of it ever fails): count it as one failed call, so a store whose every lookup
@@ -368,3 +382,19 @@ class CircuitBreakerStore(StoreWrapper):
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
+
+
+class _PromisedReads(StoreWrapper):
+    """:meth:`CircuitBreakerStore.promised_reads`: reads always attempted, all else the breaker's."""
+
+    def __init__(self, breaker: CircuitBreakerStore):
+        super().__init__(breaker)
+        self._breaker = breaker
+
+    def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
+        inner = self._breaker.inner
+        return self._breaker._guard("get", key, lambda: inner.get_ranges(key, ranges), promised=True)
+
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        inner = self._breaker.inner
+        self._breaker._guard("get", key, lambda: inner.get_ranges_into(key, ranges, out), promised=True)
