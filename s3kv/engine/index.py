@@ -190,3 +190,28 @@ class KeyIndex:
         with self._lock:
             return len(self._present) + len(self._missing) + len(self._quarantined)
 
+
+class AllShards:
+    """Where a rank's confirmed uploads go: its key index, which also forgets that the object's
+    other shards were missing.
+
+    Why: each TensorRT-LLM rank is its own process, and only rank 0's worker shares the leader's
+    index; every other rank's confirmations land in an index nobody reads. The leader plans one
+    seal for every shard, so rank 0's shard landing says the others are landing too. Without
+    this a shard the leader once found missing (a lookup before the upload) stayed "missing"
+    there for ``negative_ttl_s`` after its rank uploaded it: the next request missed (a branch
+    tail's hit with TP 2, test_branch_tails.py with one process per rank). Forgotten, the next
+    lookup asks the store (a shard whose upload failed is then found missing again)."""
+
+    def __init__(self, index: KeyIndex):
+        self.index = index
+
+    def put_present(self, key: str, span: ObjectSpan) -> None:
+        self.index.put_present(key, span)
+        head, group, digest = key.rsplit("/", 2)
+        fp, _, shards = group.rpartition(".")
+        mine, _, tp = shards.partition("of")
+        if fp and mine.isdigit() and tp.isdigit():
+            self.index.forget_missing(
+                f"{head}/{fp}.{r}of{tp}/{digest}" for r in range(int(tp)) if r != int(mine)
+            )

@@ -19,6 +19,9 @@ A job ends ``DONE`` (copies issued; ``event`` tells when they completed) or
 has not started placing pages can be cancelled (deadline passed); once placing
 has begun it runs to completion, so no slot is ever half written by a job the
 caller gave up on.
+
+Why this is one module: a load and an audit are one read-and-verify path (``_load``), and the
+job's states, its cancellation and the threads that run it are kept in step in one place.
 """
 
 from __future__ import annotations

@@ -47,39 +47,13 @@ from ...transfer.counters import Counters, MetricsHook
 from ...transfer.download import Downloader, LoadJob
 from ...transfer.staging import StagingPool
 from ...transfer.upload import Uploader
-from ..index import KeyIndex
+from ..index import AllShards, KeyIndex
 from .loads import Failures, LoadJobs, LoadTimeout, plan_jobs
 from .rank import RankLayout
 from .saves import SaveJobs
 from .stats import WorkerStats, worker_stats
 
 log = logging.getLogger("s3kv.worker")
-
-
-class _AllShards:
-    """Where a rank's confirmed uploads go: its key index, which also forgets that the object's
-    other shards were missing.
-
-    Why: each TensorRT-LLM rank is its own process, and only rank 0's worker shares the leader's
-    index; every other rank's confirmations land in an index nobody reads. The leader plans one
-    seal for every shard, so rank 0's shard landing says the others are landing too. Without
-    this a shard the leader once found missing (a lookup before the upload) stayed "missing"
-    there for ``negative_ttl_s`` after its rank uploaded it: the next request missed (a branch
-    tail's hit with TP 2, test_branch_tails.py with one process per rank). Forgotten, the next
-    lookup asks the store (a shard whose upload failed is then found missing again)."""
-
-    def __init__(self, index: KeyIndex):
-        self.index = index
-
-    def put_present(self, key: str, span: Any) -> None:
-        self.index.put_present(key, span)
-        head, group, digest = key.rsplit("/", 2)
-        fp, _, shards = group.rpartition(".")
-        mine, _, tp = shards.partition("of")
-        if fp and mine.isdigit() and tp.isdigit():
-            self.index.forget_missing(
-                f"{head}/{fp}.{r}of{tp}/{digest}" for r in range(int(tp)) if r != int(mine)
-            )
 
 
 class WorkerCore:
@@ -129,7 +103,7 @@ class WorkerCore:
             store,
             threads=settings.upload_threads,
             queue_size=upload_queue_size,
-            index=_AllShards(index) if index is not None and tp_size > 1 else index,
+            index=AllShards(index) if index is not None and tp_size > 1 else index,
             counters=self._counters,
             wait_event=Copier.synchronize,
             name=f"s3kv-up-r{rank}",
@@ -169,9 +143,7 @@ class WorkerCore:
                 pinned=self.settings.pinned,
                 load_reserve_fraction=self._load_reserve_fraction,
             )
-            # Loads are of hits already promised: read whatever this rank's breaker says (see
-            # CircuitBreakerStore.promised_reads).
-            promised = getattr(self.store, "promised_reads", None)
+            promised = getattr(self.store, "promised_reads", None)  # loads of hits already promised
             downloader = Downloader(
                 promised() if promised is not None else self.store,
                 pool,
