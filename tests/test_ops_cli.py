@@ -328,3 +328,24 @@ def test_commands_are_registered_on_the_main_cli():
         pytest.skip(f"s3kv.cli not importable: {exc}")
     for name in ("ls", "stats", "verify", "gc"):
         assert main.get_command(click.Context(main), name) is not None
+
+
+def test_store_only_commands_exit_without_the_interpreters_teardown(tmp_path) -> None:
+    """The console script ends ls/stats/verify/gc with os._exit after flushing (the teardown with
+    native client threads alive now and then aborted a command that had succeeded): the output and
+    the exit code are still the command's."""
+    import os
+    import subprocess
+    import sys
+
+    from s3kv.cli import _command
+
+    assert _command(["--log-level", "INFO", "ls", "--url", "x"]) == "ls"
+    assert _command(["--debug", "stats"]) == "stats" and _command(["--version"]) is None
+    ok = subprocess.run([sys.executable, "-m", "s3kv.cli", "ls", "--url", f"file://{tmp_path}"],
+                        capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "no s3kv objects" in (ok.stdout + ok.stderr)
+    env = {k: v for k, v in os.environ.items() if k != "S3KV_URL"}
+    missing = subprocess.run([sys.executable, "-m", "s3kv.cli", "ls"], capture_output=True, text=True, timeout=120,
+                             env=env)
+    assert missing.returncode == 2 and "no store URL" in missing.stderr  # a usage error keeps click's code
