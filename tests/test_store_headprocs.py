@@ -108,7 +108,7 @@ def test_a_helper_retries_wire_faults_as_the_engine_does(
     stored = _stored(moto_s3, prefix, 16)
     absent = [f"{prefix}/out/{i:03d}" for i in range(16)]
     px = FaultProxy.for_url(
-        moto_s3.endpoint_url, WireFaultPlan(**{fault: 0.3}, stall_s=1.0, ops={"HEAD"}), seed=9
+        moto_s3.endpoint_url, WireFaultPlan(**{fault: 0.2}, stall_s=1.0, ops={"HEAD"}), seed=9
     ).start()
     proxies.append(px)
     opts = dataclasses.replace(STALL_OPTS if fault == "stall" else OPTS, head_processes=1)
