@@ -525,7 +525,9 @@ def test_a_helper_stopped_in_the_middle_of_an_answer_is_replaced(
             took = time.monotonic() - t0
             assert out is not None and all(isinstance(o, LocalFailure) for o in out)
             assert took < 10, f"the wave waited {took:.1f}s on a half-sent answer"
-            assert h.done.is_set() and "middle of an answer" in h.failure
+            # The failure is recorded before the shares are answered, but the reader marks the
+            # helper done only after it has killed the process: the wave may return first.
+            assert h.done.wait(5) and "middle of an answer" in h.failure
             assert helpers.head_many(stored, 5.0) is None  # its share runs in the engine until it is back
         finally:
             helpers.close()
