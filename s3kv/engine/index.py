@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
+from ..core.keys import parse_key
 from ..core.objects import ObjectSpan
 
 
@@ -208,10 +209,11 @@ class AllShards:
 
     def put_present(self, key: str, span: ObjectSpan) -> None:
         self.index.put_present(key, span)
-        head, group, digest = key.rsplit("/", 2)
-        fp, _, shards = group.rpartition(".")
-        mine, _, tp = shards.partition("of")
-        if fp and mine.isdigit() and tp.isdigit():
-            self.index.forget_missing(
-                f"{head}/{fp}.{r}of{tp}/{digest}" for r in range(int(tp)) if r != int(mine)
-            )
+        parsed = parse_key(key)
+        if parsed is None:  # not an object key (a caller's own): nothing to say about shards
+            return
+        head = key.rsplit("/", 2)[0]
+        self.index.forget_missing(
+            f"{head}/{parsed.group_fingerprint}.{r}of{parsed.tp_size}/{parsed.digest}"
+            for r in range(parsed.tp_size) if r != parsed.shard
+        )
