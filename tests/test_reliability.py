@@ -922,11 +922,11 @@ def test_a_failed_load_suspects_the_objects_it_never_verified(hook: bool, early:
 @pytest.mark.parametrize("hook", [False, True], ids=["merged-line", "failed-load-hook"])
 def test_a_bad_object_on_one_rank_only_never_costs_a_wrong_byte(hook: bool) -> None:
     """Rank 1's objects go corrupt behind a warm index; rank 0's stay good. Rank 0 loads its shard,
-    rank 1 finds its own bad: each request takes the rung (rung 1 recomputes; rung 3 parks until its
-    client gives up), every rank's pages are released, and nothing else breaks -- with each rank its
-    own process (its own index), as in TensorRT-LLM. Known gap: rank 1's quarantine lands in its own
-    index, which the leader never reads, so later requests are promised the same load again until
-    the leader's index forgets it; this test holds the safety of that, not the hit rate."""
+    rank 1 finds its own bad: each request promised that load takes the rung (rung 1 recomputes;
+    rung 3 parks until its client gives up), every rank's pages are released, and nothing else
+    breaks -- with each rank its own process (its own index), as in TensorRT-LLM. Rank 1's verdict
+    reaches the leader (``engine.verdicts``), so later requests miss at once: without it, the
+    leader's index kept promising the same failing load to every request on that prefix."""
     shape = dataclasses.replace(SMALL, failed_load_hook=hook)
     mem, settings = _memory_cold(shape)
     engine = _engine(shape, settings, mem, "p")
@@ -944,6 +944,7 @@ def test_a_bad_object_on_one_rank_only_never_costs_a_wrong_byte(hook: bool) -> N
         assert first.failed_loads == first.requests == 2 and first.matched_tokens == 0
         later = _run(engine, _repeat(base, 3000, cancel_after=None if hook else 60))
         _clean(later)
+        assert later.failed_loads == 0 and later.matched_tokens == 0, later
         for res in (first, later):  # every failed load took the rung this line has
             if hook:
                 assert res.recomputed == res.failed_loads and res.parked == 0

@@ -111,6 +111,9 @@ class ConnectorMetadata:
     #: Requests promised a load the leader could not plan (e.g. honoured at a point no stored
     #: sliding tail ends at): the workers take the failure rung for them at once.
     failed_load_ids: frozenset[int] = frozenset()
+    #: The leader's verdict directory on this host (``engine.verdicts``): where ranks past 0 say
+    #: which objects they found bad. Empty with one rank.
+    verdicts: str = ""
 
     @property
     def empty(self) -> bool:

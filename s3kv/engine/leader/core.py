@@ -28,6 +28,7 @@ from ...core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, SealOp
 from ...store.base import ObjectStore
 from ..index import KeyIndex
 from ..summary import NamespaceSummary
+from ..verdicts import VerdictBoard
 from .context import LeaderContext
 from .finish import FinishPlanner
 from .loads import LoadPlanner
@@ -84,6 +85,8 @@ class LeaderCore:
         self._loads = LoadPlanner(settings, self.stats, self._lookups)
         self._saves = SavePlanner(self.stats)
         self._finish = FinishPlanner(self.stats, self.index)
+        # Where ranks past 0 (processes of their own) say which objects they found bad.
+        self.verdicts = VerdictBoard(self.index, tp_size) if tp_size > 1 else None
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -142,6 +145,8 @@ class LeaderCore:
                 else:
                     # The denominator of "share of prompt tokens served from S3" (once per request).
                     self.stats.prompt_tokens += int(prompt_len)
+                if self.verdicts is not None:  # before anything is promised from the index
+                    self.verdicts.poll()
                 g = self.geometry
                 # The request's token list is ours to extend: at most one copy (a list's slice is one).
                 # 128k tokens copy in ~0.3 ms and the copy is traversed again by the next garbage
@@ -284,7 +289,8 @@ class LeaderCore:
                     st.load.declare_async = False
                 st.saves.stages, st.saves.seals = [], []
             return ConnectorMetadata(
-                iteration=self._iteration, async_load_ids=frozenset(async_ids), failed_load_ids=self._loads.take_failed()
+                iteration=self._iteration, async_load_ids=frozenset(async_ids), failed_load_ids=self._loads.take_failed(),
+                verdicts=self.verdicts.path if self.verdicts is not None else "",
             )
 
     # ------------------------------------------------------------------ per iteration
@@ -341,6 +347,7 @@ class LeaderCore:
                 discard_ids=discards,
                 releases=tuple(releases),
                 failed_load_ids=broken,
+                verdicts=self.verdicts.path if self.verdicts is not None else "",
             )
 
     def _on_report(self, rd: Any, *, first: bool) -> RequestState | None:

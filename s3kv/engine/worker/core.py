@@ -29,7 +29,6 @@ pending; at once on CPU), a loading id once all its pages are in place.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -48,6 +47,8 @@ from ...transfer.download import Downloader, LoadJob
 from ...transfer.staging import StagingPool
 from ...transfer.upload import Uploader
 from ..index import AllShards, KeyIndex
+from ..verdicts import ToLeader
+from .exit import install_exit_drain
 from .loads import Failures, LoadJobs, LoadTimeout, plan_jobs
 from .rank import RankLayout
 from .saves import SaveJobs
@@ -110,7 +111,12 @@ class WorkerCore:
         )
         self._uploader.multipart_threshold = settings.multipart_threshold_mib << 20
         self._uploader.part_size = settings.multipart_part_mib << 20
-        self._loads = LoadJobs(settings, index, self._counters, failed_load_hook=failed_load_hook)
+        # Past rank 0 the index is this process's own: what a load finds bad goes to the leader too.
+        self._verdicts = (
+            ToLeader(index, self.tp_rank, lambda: self._counters.add("verdicts_unshared"))
+            if index is not None and self.tp_rank > 0 else None
+        )
+        self._loads = LoadJobs(settings, self._verdicts or index, self._counters, failed_load_hook=failed_load_hook)
         self._saves = SaveJobs(settings, self._counters, self._uploader)
         # Load state tests and tools look at (the same objects the load jobs change in place).
         self._async, self._failed_report, self._jobs = self._loads.parked, self._loads.failed_report, self._loads.jobs
@@ -216,6 +222,8 @@ class WorkerCore:
             self._failed_now = set()
             if metadata is None:
                 return
+            if self._verdicts is not None:
+                self._verdicts.attach(metadata.verdicts)
             self._saves.bind(metadata)
 
     def start_load_kv(self, stream: Any = None) -> None:
@@ -262,36 +270,9 @@ class WorkerCore:
                 self._load_failed_now(sync)
 
     def install_exit_drain(self, timeout_s: float) -> None:
-        """Drain queued uploads (at most ``timeout_s``) when the process exits normally.
-
-        TensorRT-LLM calls no connector ``shutdown()``; without this, saves still in the
-        upload queue at exit would be lost silently. What could not finish is counted and logged.
-        """
-        import atexit
-        import weakref
-
-        ref = weakref.ref(self)
-        pid = os.getpid()
-
-        def drain() -> None:
-            core = ref()
-            if core is None or core._closed or os.getpid() != pid:
-                # Not in a child the engine forked that exits normally: the uploads and their
-                # threads are the parent's, and a flush there would only wait out its timeout.
-                return
-            pending = core._uploader.pending
-            if not pending:
-                return
-            t0 = time.monotonic()
-            drained = core.flush(timeout_s)
-            left = core._uploader.pending
-            if drained:
-                log.info("s3kv: drained %d upload(s) at exit in %.1f s", pending, time.monotonic() - t0)
-            else:
-                core._counters.add("uploads_dropped_at_exit", left)
-                log.warning("s3kv: %d upload(s) still queued after %.1f s at exit; dropped", left, timeout_s)
-
-        atexit.register(drain)
+        """Drain queued uploads (at most ``timeout_s``) when the process exits normally
+        (``exit.install_exit_drain``: TensorRT-LLM calls no connector ``shutdown()``)."""
+        install_exit_drain(self, timeout_s)
 
     def take_failed_load_request_ids(self) -> set[int]:
         """Rung 1 (engines that offer it): requests whose promised load failed, to be recomputed."""
@@ -374,6 +355,8 @@ class WorkerCore:
         with self._lock:
             if self._downloader is not None:
                 self._downloader.close()
+            if self._verdicts is not None:
+                self._verdicts.close()
             self._saves.close()
             self._reap()
             if self._copier is not None:

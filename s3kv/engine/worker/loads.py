@@ -39,7 +39,7 @@ from ...core.plan import ConnectorMetadata
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters
 from ...transfer.download import DONE, FAILED, PENDING, PLACING, Downloader, LoadJob, build_jobs
-from ..index import KeyIndex
+from ..verdicts import Verdicts
 from .rank import RankLayout
 
 log = logging.getLogger("s3kv.worker")
@@ -102,7 +102,7 @@ class LoadJobs:
     """One rank's loads and their failure rungs. Called under the worker's lock, except
     :meth:`wait_jobs` (a sync load's host wait)."""
 
-    def __init__(self, settings: Settings, index: KeyIndex | None, counters: Counters, *, failed_load_hook: bool):
+    def __init__(self, settings: Settings, index: Verdicts | None, counters: Counters, *, failed_load_hook: bool):
         self.settings, self.index, self.counters = settings, index, counters
         #: The engine polls ``take_failed_load_request_ids`` and recomputes those requests (rung 1).
         self.failed_load_hook = failed_load_hook

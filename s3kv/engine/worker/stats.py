@@ -54,6 +54,9 @@ class WorkerStats:
     objects_quarantined: int = 0
     #: Objects a failed load never verified, read once in the background (released or kept).
     objects_audited: int = 0
+    #: A rank past 0 that could not write its verdicts where the leader reads them (another
+    #: host): its bad objects are promised again until the leader's index forgets them.
+    verdicts_unshared: int = 0
     uploads_dropped_at_exit: int = 0
     #: S3 requests the saves and loads cost, as S3 bills them (s3kv/core/cost.py): PUT-class (a
     #: multipart upload is create + parts + complete) and GETs (long ranges split). HEADs are
@@ -100,6 +103,7 @@ def worker_stats(c: Mapping[str, float], s: Any, *, uploads_pending: int, parked
         load_retries=n("load_retries"),
         objects_quarantined=n("objects_quarantined"),
         objects_audited=n("objects_audited"),
+        verdicts_unshared=n("verdicts_unshared"),
         uploads_dropped_at_exit=n("uploads_dropped_at_exit"),
         put_requests=n("put_requests"),
         get_requests=n("get_requests"),

@@ -1,0 +1,189 @@
+"""Verdicts on objects, from every rank to the leader: which objects a rank found gone or bad
+(quarantined), and which it cleared again (an audit that read them whole, a retry that loaded them).
+
+Why: each TensorRT-LLM rank is its own process with its own key index, and only rank 0's worker
+shares the leader's. The leader plans every shard's loads from its own index, so an object of
+shard 1 that rank 1 found corrupt stayed "present" there: every later request on that prefix was
+promised the same failing load -- recomputed after a wasted load with a failed-load hook, and on
+the merged line (no hook) parked until its client gave up -- until the leader's index forgot the
+entry (``S3KV_INDEX_TTL_S``), and then again, since a HEAD cannot see corrupt bytes.
+
+How: the leader makes a directory of its own on the host (shared memory where there is some;
+random name, mode 0700) and names it in every connector metadata, which TensorRT-LLM broadcasts
+to every rank. Rank ``r`` appends one JSON line per verdict to ``rank-<r>`` in it; the leader
+reads what is new before each lookup (one ``stat`` per rank when nothing is). Verdicts are rare
+(a failed load), so the files stay small; the leader removes the directory when it goes.
+
+A rank on another host (tensor parallelism across nodes) cannot reach the directory: it says so
+once (a WARNING and the ``verdicts_unshared`` counter), and its verdicts reach the leader only
+as its index entries expire. Delete corrupt objects there (``S3KV_DELETE_CORRUPT``), so a HEAD
+after that sees them gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from .index import KeyIndex
+
+log = logging.getLogger("s3kv.verdicts")
+
+#: Where the directory goes: shared memory (never a disk write), else the temporary directory.
+_SHM = "/dev/shm"
+
+
+def _file(directory: str, rank: int) -> str:
+    return os.path.join(directory, f"rank-{rank}")
+
+
+class VerdictBoard:
+    """The leader's end: the directory, and what each rank wrote there applied to its index."""
+
+    def __init__(self, index: KeyIndex, tp_size: int, base_dir: str | None = None):
+        if base_dir is None:
+            base_dir = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK | os.X_OK) else None
+        self.index = index
+        self.path = tempfile.mkdtemp(prefix="s3kv-verdicts-", dir=base_dir)
+        self._ranks = range(1, tp_size)
+        self._read = {r: 0 for r in self._ranks}  # bytes of each rank's file applied so far
+        self._lock = threading.Lock()
+        self.applied = 0
+        # Removed when the leader goes (or at exit): TensorRT-LLM calls no shutdown.
+        self._cleanup = weakref.finalize(self, shutil.rmtree, self.path, True)
+
+    def poll(self) -> int:
+        """Apply what the ranks wrote since the last poll; the number of verdicts applied. Never
+        raises: a file it cannot read is read again at the next poll."""
+        n = 0
+        with self._lock:
+            for r in self._ranks:
+                try:
+                    n += self._poll_rank(r)
+                except Exception as e:  # noqa: BLE001 - a lookup must never fail for this
+                    log.debug("s3kv: reading rank %d's verdicts failed: %s", r, e)
+            self.applied += n
+        return n
+
+    def _poll_rank(self, rank: int) -> int:
+        path, done = _file(self.path, rank), self._read[rank]
+        try:
+            if os.stat(path).st_size <= done:
+                return 0
+        except FileNotFoundError:
+            return 0
+        with open(path, "rb") as f:
+            f.seek(done)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # a line still being written is read at the next poll
+        n = 0
+        for line in data[:end].splitlines():
+            try:
+                verdict = json.loads(line)
+                keys = [str(k) for k in verdict["keys"]]
+                if verdict["op"] == "quarantine":
+                    self.index.quarantine(keys, float(verdict["ttl"]))
+                elif verdict["op"] == "forget":
+                    self.index.forget(keys)
+                else:
+                    continue
+                n += 1
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("s3kv: rank %d wrote an unreadable verdict (%s): skipped", rank, e)
+        self._read[rank] = done + end
+        return n
+
+    def close(self) -> None:
+        self._cleanup()
+
+
+class Verdicts(Protocol):
+    """What the load jobs tell an index: a ``KeyIndex`` on rank 0, a ``ToLeader`` past it."""
+
+    def quarantine(self, keys: Iterable[str], ttl: float) -> None: ...
+
+    def forget(self, keys: Iterable[str]) -> None: ...
+
+
+class ToLeader:
+    """A rank's key index (ranks past 0) that also sends its verdicts to the leader's board.
+
+    Only what a failed load or an audit decides goes there -- ``quarantine`` and ``forget`` --
+    not every confirmed upload: rank 0's confirmation stands for every shard (``AllShards``)."""
+
+    def __init__(self, index: KeyIndex, rank: int, on_unshared: Callable[[], None] | None = None):
+        self.index = index
+        self.rank = rank
+        self._on_unshared = on_unshared
+        self._lock = threading.Lock()
+        self._path: str | None = None  # the board's directory, from the connector metadata
+        self._fd: int | None = None
+        self._warned = False
+
+    def attach(self, directory: str) -> None:
+        """The board named in the latest metadata (cheap when unchanged: once per iteration)."""
+        if directory == self._path or not directory:
+            return
+        with self._lock:
+            self._path = directory
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+            self._fd = None
+            try:
+                self._fd = os.open(_file(directory, self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            except OSError as e:
+                self._unshared(f"{type(e).__name__}: {e}")
+
+    def _unshared(self, why: str) -> None:
+        if self._on_unshared is not None:
+            self._on_unshared()
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "s3kv rank %d cannot reach the leader's verdict directory %s (%s) -- another host? "
+                "Objects this rank finds bad are then promised again until the leader's index entries "
+                "expire (S3KV_INDEX_TTL_S); S3KV_DELETE_CORRUPT=1 deletes corrupt ones so a HEAD sees "
+                "them gone", self.rank, self._path, why,
+            )
+
+    def _send(self, op: str, keys: list[str], ttl: float = 0.0) -> None:
+        if not keys:
+            return
+        line = json.dumps({"op": op, "keys": keys, "ttl": ttl}, separators=(",", ":")).encode() + b"\n"
+        with self._lock:
+            if self._fd is None:
+                return
+            try:
+                # One write with O_APPEND: the leader reads whole lines only.
+                view = memoryview(line)
+                while view:
+                    view = view[os.write(self._fd, view):]
+            except OSError as e:
+                self._unshared(f"{type(e).__name__}: {e}")
+
+    # The index's interface, as the load jobs use it.
+    def quarantine(self, keys: Iterable[str], ttl: float) -> None:
+        keys = list(keys)
+        self.index.quarantine(keys, ttl)
+        self._send("quarantine", keys, ttl)
+
+    def forget(self, keys: Iterable[str]) -> None:
+        keys = list(keys)
+        self.index.forget(keys)
+        self._send("forget", keys)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+                self._fd = None

@@ -1,0 +1,95 @@
+"""Verdicts from ranks past 0 to the leader (s3kv/engine/verdicts.py): what a rank's load finds
+bad reaches the leader's index, torn or garbled lines never break a lookup, and a rank that cannot
+reach the leader's directory says so instead of failing."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from s3kv.engine.index import MISSING, KeyIndex
+from s3kv.engine.verdicts import ToLeader, VerdictBoard
+from s3kv.core.objects import ObjectSpan
+
+
+def _index() -> KeyIndex:
+    return KeyIndex(1000, 600.0, 5.0)
+
+
+SPAN = ObjectSpan(first=0, count=4)
+
+
+def _warm(index: KeyIndex, *keys: str) -> None:
+    for k in keys:
+        index.put_present(k, SPAN)
+
+
+def test_a_ranks_quarantine_and_release_reach_the_leaders_index(tmp_path: os.PathLike[str]) -> None:
+    leader_index = _index()
+    _warm(leader_index, "p/a.1of2/x", "p/a.1of2/y", "p/a.0of2/x")
+    board = VerdictBoard(leader_index, tp_size=2, base_dir=str(tmp_path))
+    rank_index = _index()
+    rank = ToLeader(rank_index, 1)
+    rank.attach(board.path)
+    rank.quarantine(["p/a.1of2/x", "p/a.1of2/y"], 60.0)
+    # Before the leader reads, its index still says present: the poll is what moves it.
+    assert leader_index.get("p/a.1of2/x") == SPAN
+    assert board.poll() == 1
+    assert leader_index.get("p/a.1of2/x") is MISSING and leader_index.get("p/a.1of2/y") is MISSING
+    assert leader_index.get("p/a.0of2/x") == SPAN  # rank 0's shard is not touched
+    assert rank_index.get("p/a.1of2/x") is MISSING  # and the rank's own index has it too
+    rank.forget(["p/a.1of2/y"])  # an audit read it whole and found it good
+    assert board.poll() == 1 and board.poll() == 0
+    assert leader_index.get("p/a.1of2/y") is None and leader_index.get("p/a.1of2/x") is MISSING
+    rank.close()
+    board.close()
+    assert not os.path.exists(board.path)
+
+
+def test_a_torn_or_garbled_line_never_breaks_a_lookup(tmp_path: os.PathLike[str], caplog: pytest.LogCaptureFixture) -> None:
+    leader_index = _index()
+    _warm(leader_index, "k1", "k2")
+    board = VerdictBoard(leader_index, tp_size=3, base_dir=str(tmp_path))
+    path = os.path.join(board.path, "rank-2")
+    with open(path, "wb") as f:
+        f.write(b'{"op":"quarantine","keys":["k1"],"ttl":60}\nnot json\n{"op":"quarantine","keys":["k2"],"tt')
+    with caplog.at_level(logging.WARNING, logger="s3kv.verdicts"):
+        assert board.poll() == 1  # the whole good line; the garbled one skipped; the torn one waits
+    assert "unreadable verdict" in caplog.text
+    assert leader_index.get("k1") is MISSING and leader_index.get("k2") == SPAN
+    with open(path, "ab") as f:
+        f.write(b'l":60}\n')
+    assert board.poll() == 1
+    assert leader_index.get("k2") is MISSING
+    board.close()
+
+
+def test_a_rank_that_cannot_reach_the_leaders_directory_says_so_once(
+    tmp_path: os.PathLike[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Another host (TP across nodes): the directory the metadata names is not there."""
+    unshared: list[int] = []
+    rank = ToLeader(_index(), 1, lambda: unshared.append(1))
+    with caplog.at_level(logging.WARNING, logger="s3kv.verdicts"):
+        rank.attach(os.path.join(str(tmp_path), "on-another-host"))
+        rank.attach(os.path.join(str(tmp_path), "on-another-host"))  # every iteration names it again
+        rank.quarantine(["k"], 60.0)
+    assert unshared == [1]
+    assert caplog.text.count("cannot reach the leader's verdict directory") == 1
+    assert rank.index.get("k") is MISSING  # its own index still learns
+
+
+def test_one_rank_needs_no_directory() -> None:
+    from s3kv.config import load_settings
+    from s3kv.engine.leader.core import LeaderCore
+    from s3kv.store.memory import MemoryStore
+
+    s = load_settings({"S3KV_URL": "s3://b/p"})
+    one = LeaderCore(s, MemoryStore(), "p", tp_size=1, model_id="m", kv_dtype="bf16")
+    two = LeaderCore(s, MemoryStore(), "p", tp_size=2, model_id="m", kv_dtype="bf16")
+    assert one.verdicts is None
+    assert two.verdicts is not None and os.path.isdir(two.verdicts.path)
+    assert two.build_connector_meta([], []).verdicts == two.verdicts.path
+    assert one.build_connector_meta([], []).verdicts == ""
