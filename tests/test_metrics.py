@@ -334,3 +334,10 @@ def test_every_rank_serves_on_its_own_port():
     assert serve_for_rank(Metrics(), 0, rank=3) is None and rank_port(0, 3) == 0
     with pytest.raises(ValueError, match="past the last TCP port"):
         rank_port(65535, 1)
+
+
+def test_a_ranks_unshared_verdicts_are_counted():
+    m = Metrics()
+    m.observe_worker({"verdicts_unshared": 1}, source="rank1")
+    m.observe_worker({"verdicts_unshared": 3}, source="rank1")
+    assert sample(scrape(m), "s3kv_verdicts_unshared_total") == 3

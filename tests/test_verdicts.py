@@ -9,9 +9,9 @@ import os
 
 import pytest
 
+from s3kv.core.objects import ObjectSpan
 from s3kv.engine.index import MISSING, KeyIndex
 from s3kv.engine.verdicts import ToLeader, VerdictBoard
-from s3kv.core.objects import ObjectSpan
 
 
 def _index() -> KeyIndex:
@@ -93,3 +93,29 @@ def test_one_rank_needs_no_directory() -> None:
     assert two.verdicts is not None and os.path.isdir(two.verdicts.path)
     assert two.build_connector_meta([], []).verdicts == two.verdicts.path
     assert one.build_connector_meta([], []).verdicts == ""
+
+
+FORK_SCRIPT = """
+import os, sys
+from s3kv.engine.index import KeyIndex
+from s3kv.engine.verdicts import VerdictBoard
+board = VerdictBoard(KeyIndex(10, 60.0, 5.0), tp_size=2, base_dir=sys.argv[1])
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a normal exit: the interpreter runs its finalizers
+os.waitpid(pid, 0)
+print("after child", os.path.isdir(board.path))
+"""
+
+
+def test_a_forked_child_exiting_leaves_the_directory_to_the_leader(tmp_path: os.PathLike[str]) -> None:
+    import subprocess
+    import sys
+
+    script = os.path.join(str(tmp_path), "fork.py")
+    with open(script, "w") as f:
+        f.write(FORK_SCRIPT)
+    out = subprocess.run([sys.executable, script, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "after child True" in out.stdout
+    assert not [p for p in os.listdir(str(tmp_path)) if p.startswith("s3kv-verdicts-")]  # the leader's exit removed it

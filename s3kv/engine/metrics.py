@@ -322,6 +322,11 @@ class Metrics:
         self.uploads_dropped_at_exit = Counter(
             f"{p}_uploads_dropped_at_exit", "Uploads still queued when the exit drain ran out of time.", registry=r
         )
+        self.verdicts_unshared = Counter(
+            f"{p}_verdicts_unshared",
+            "Verdicts a rank past 0 could not hand to the leader (its verdict directory is on another host).",
+            registry=r,
+        )
         self.objects_rejected = Counter(
             f"{p}_objects_rejected",
             "Objects refused on HEAD or load (foreign or corrupt).",
@@ -480,6 +485,7 @@ class Metrics:
             self._feed(self.parked_loads_ended.labels(label), source, f"parked[{label}]", _first(stats, (name,)))
         self._feed(self.uploads_dropped_at_exit, source, "uploads_dropped_at_exit",
                    _first(stats, ("uploads_dropped_at_exit",)))
+        self._feed(self.verdicts_unshared, source, "verdicts_unshared", _first(stats, ("verdicts_unshared",)))
         for op, name in (("put", "put_requests"), ("get", "get_requests")):
             self._feed(self.billed_requests.labels(op), source, f"billed[{op}]", _first(stats, (name,)))
         parked = _first(stats, ("parked_now",))

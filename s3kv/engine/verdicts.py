@@ -45,6 +45,11 @@ def _file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank-{rank}")
 
 
+def _remove(path: str, owner: int) -> None:
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 class VerdictBoard:
     """The leader's end: the directory, and what each rank wrote there applied to its index."""
 
@@ -57,8 +62,10 @@ class VerdictBoard:
         self._read = {r: 0 for r in self._ranks}  # bytes of each rank's file applied so far
         self._lock = threading.Lock()
         self.applied = 0
-        # Removed when the leader goes (or at exit): TensorRT-LLM calls no shutdown.
-        self._cleanup = weakref.finalize(self, shutil.rmtree, self.path, True)
+        # Removed when the leader goes (or at exit): TensorRT-LLM calls no shutdown. Only by this
+        # process: a child the engine forks runs the same finalizer when it exits normally, and
+        # must not take the directory away from the leader and the ranks still writing to it.
+        self._cleanup = weakref.finalize(self, _remove, self.path, os.getpid())
 
     def poll(self) -> int:
         """Apply what the ranks wrote since the last poll; the number of verdicts applied. Never
