@@ -119,3 +119,44 @@ def test_a_forked_child_exiting_leaves_the_directory_to_the_leader(tmp_path: os.
     assert out.returncode == 0, out.stderr
     assert "after child True" in out.stdout
     assert not [p for p in os.listdir(str(tmp_path)) if p.startswith("s3kv-verdicts-")]  # the leader's exit removed it
+
+
+def test_a_verdict_cut_short_never_swallows_the_next(tmp_path: os.PathLike[str]) -> None:
+    """A full /dev/shm cuts a write short; the rank's next verdict still reaches the leader."""
+    leader_index = _index()
+    _warm(leader_index, "k1", "k2")
+    board = VerdictBoard(leader_index, tp_size=2, base_dir=str(tmp_path))
+    rank = ToLeader(_index(), 1)
+    rank.attach(board.path)
+    with open(os.path.join(board.path, "rank-1"), "ab") as f:
+        f.write(b'\n{"op":"quarantine","ke')  # what a write cut short leaves
+    rank.quarantine(["k2"], 60.0)
+    assert board.poll() == 1
+    assert leader_index.get("k2") is MISSING and leader_index.get("k1") == SPAN
+    board.close()
+
+
+def test_a_ranks_forget_never_lifts_a_quarantine_the_leader_made(tmp_path: os.PathLike[str]) -> None:
+    """The leader quarantines objects for reasons of its own (a finish plan that did not match its
+    pages: bytes that verify but may be wrong KV). A rank that saw the same key fail transiently
+    and forgets it must not release it; a quarantine the rank itself asked for it may."""
+    leader_index = _index()
+    board = VerdictBoard(leader_index, tp_size=2, base_dir=str(tmp_path))
+    rank = ToLeader(_index(), 1)
+    rank.attach(board.path)
+    leader_index.quarantine(["mine"], 60.0)
+    rank.quarantine(["theirs"], 60.0)
+    board.poll()
+    rank.forget(["mine", "theirs"])
+    assert board.poll() == 1
+    assert leader_index.get("mine") is MISSING
+    assert leader_index.get("theirs") is None
+    board.close()
+
+
+def test_no_directory_is_a_warning_not_a_failed_start(
+    tmp_path: os.PathLike[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="s3kv.verdicts"):
+        assert VerdictBoard.make(_index(), 2, base_dir=os.path.join(str(tmp_path), "absent")) is None
+    assert "no verdict directory" in caplog.text

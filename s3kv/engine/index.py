@@ -148,12 +148,14 @@ class KeyIndex:
             for k in keys:
                 self._missing.pop(k, None)
 
-    def forget(self, keys: Iterable[str]) -> None:
+    def forget(self, keys: Iterable[str], *, keep_quarantine: bool = False) -> None:
+        """Drop what is known of ``keys``; ``keep_quarantine``: not their quarantines."""
         with self._lock:
             for k in keys:
                 self._present.pop(k, None)
                 self._missing.pop(k, None)
-                self._quarantined.pop(k, None)
+                if not keep_quarantine:
+                    self._quarantined.pop(k, None)
 
     def get(self, key: str) -> ObjectSpan | _Missing | None:
         """The span if known present, MISSING if recently seen missing, None if unknown."""

@@ -30,6 +30,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -39,6 +40,8 @@ log = logging.getLogger("s3kv.verdicts")
 
 #: Where the directory goes: shared memory (never a disk write), else the temporary directory.
 _SHM = "/dev/shm"
+#: Keys remembered as quarantined for a rank (oldest forgotten first; their quarantines expire anyway).
+_THEIRS_MAX = 65536
 
 
 def _file(directory: str, rank: int) -> str:
@@ -62,10 +65,26 @@ class VerdictBoard:
         self._read = {r: 0 for r in self._ranks}  # bytes of each rank's file applied so far
         self._lock = threading.Lock()
         self.applied = 0
+        # Keys quarantined here for a rank's verdict, by rank: only such a quarantine may that
+        # rank's later "forget" lift. The leader quarantines objects for reasons of its own (a
+        # finish plan that did not match the pages copied: the bytes verify but may be wrong KV),
+        # and a rank that merely saw a transient failure of the same key must not release those.
+        self._theirs: OrderedDict[str, int] = OrderedDict()
         # Removed when the leader goes (or at exit): TensorRT-LLM calls no shutdown. Only by this
         # process: a child the engine forks runs the same finalizer when it exits normally, and
         # must not take the directory away from the leader and the ranks still writing to it.
         self._cleanup = weakref.finalize(self, _remove, self.path, os.getpid())
+
+    @classmethod
+    def make(cls, index: KeyIndex, tp_size: int, base_dir: str | None = None) -> VerdictBoard | None:
+        """A board, or None (with a WARNING) where no directory can be made: the engine still
+        starts; its ranks' verdicts then reach the leader only as its index entries expire."""
+        try:
+            return cls(index, tp_size, base_dir)
+        except Exception as e:  # noqa: BLE001 - an optional channel must not stop the engine
+            log.warning("s3kv: no verdict directory for the ranks (%s: %s); objects a rank past 0 finds bad "
+                        "are promised again until the leader's index forgets them", type(e).__name__, e)
+            return None
 
     def poll(self) -> int:
         """Apply what the ranks wrote since the last poll; the number of verdicts applied. Never
@@ -92,20 +111,32 @@ class VerdictBoard:
             data = f.read()
         end = data.rfind(b"\n") + 1  # a line still being written is read at the next poll
         n = 0
+        self._read[rank] = done + end  # first: a line that fails below is never read again
+        n = 0
         for line in data[:end].splitlines():
+            if not line:  # each verdict starts with a newline too (``ToLeader._send``)
+                continue
             try:
                 verdict = json.loads(line)
                 keys = [str(k) for k in verdict["keys"]]
                 if verdict["op"] == "quarantine":
                     self.index.quarantine(keys, float(verdict["ttl"]))
+                    self._theirs.update((k, rank) for k in keys)
+                    for k in keys:
+                        self._theirs.move_to_end(k)
+                    while len(self._theirs) > _THEIRS_MAX:
+                        self._theirs.popitem(last=False)
                 elif verdict["op"] == "forget":
-                    self.index.forget(keys)
+                    lift = [k for k in keys if self._theirs.get(k) == rank]
+                    for k in lift:
+                        del self._theirs[k]
+                    self.index.forget(lift)
+                    self.index.forget([k for k in keys if k not in lift], keep_quarantine=True)
                 else:
                     continue
                 n += 1
-            except (ValueError, KeyError, TypeError) as e:
+            except Exception as e:  # noqa: BLE001 - any line, however garbled: skipped, never fatal
                 log.warning("s3kv: rank %d wrote an unreadable verdict (%s): skipped", rank, e)
-        self._read[rank] = done + end
         return n
 
     def close(self) -> None:
@@ -147,25 +178,28 @@ class ToLeader:
             self._fd = None
             try:
                 self._fd = os.open(_file(directory, self.rank), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            except OSError as e:
-                self._unshared(f"{type(e).__name__}: {e}")
+            except Exception as e:  # noqa: BLE001 - bound every iteration: never into the engine
+                self._unshared(f"{type(e).__name__}: {e}", elsewhere=isinstance(e, FileNotFoundError))
 
-    def _unshared(self, why: str) -> None:
+    def _unshared(self, why: str, *, elsewhere: bool = False) -> None:
         if self._on_unshared is not None:
             self._on_unshared()
         if not self._warned:
             self._warned = True
             log.warning(
-                "s3kv rank %d cannot reach the leader's verdict directory %s (%s) -- another host? "
-                "Objects this rank finds bad are then promised again until the leader's index entries "
-                "expire (S3KV_INDEX_TTL_S); S3KV_DELETE_CORRUPT=1 deletes corrupt ones so a HEAD sees "
-                "them gone", self.rank, self._path, why,
+                "s3kv rank %d cannot %s the leader's verdict directory %s (%s)%s. Objects this rank "
+                "finds bad are then promised again until the leader's index entries expire "
+                "(S3KV_INDEX_TTL_S); S3KV_DELETE_CORRUPT=1 deletes corrupt ones so a HEAD sees them gone",
+                self.rank, "reach" if elsewhere else "write to", self._path, why,
+                " -- is the leader on another host?" if elsewhere else "",
             )
 
     def _send(self, op: str, keys: list[str], ttl: float = 0.0) -> None:
         if not keys:
             return
-        line = json.dumps({"op": op, "keys": keys, "ttl": ttl}, separators=(",", ":")).encode() + b"\n"
+        # A newline before as well as after: a verdict cut short (a full /dev/shm) is then a
+        # garbled line of its own, skipped, instead of swallowing the next one.
+        line = b"\n" + json.dumps({"op": op, "keys": keys, "ttl": ttl}, separators=(",", ":")).encode() + b"\n"
         with self._lock:
             if self._fd is None:
                 return
@@ -174,7 +208,7 @@ class ToLeader:
                 view = memoryview(line)
                 while view:
                     view = view[os.write(self._fd, view):]
-            except OSError as e:
+            except Exception as e:  # noqa: BLE001 - a full /dev/shm must not fail a load's bookkeeping
                 self._unshared(f"{type(e).__name__}: {e}")
 
     # The index's interface, as the load jobs use it.

@@ -86,7 +86,7 @@ class LeaderCore:
         self._saves = SavePlanner(self.stats)
         self._finish = FinishPlanner(self.stats, self.index)
         # Where ranks past 0 (processes of their own) say which objects they found bad.
-        self.verdicts = VerdictBoard(self.index, tp_size) if tp_size > 1 else None
+        self.verdicts = VerdictBoard.make(self.index, tp_size) if tp_size > 1 else None
 
     # ------------------------------------------------------------------ geometry
     @property
