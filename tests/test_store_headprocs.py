@@ -101,6 +101,45 @@ def test_helpers_answer_what_the_engine_would(server: EmbeddedS3, prefix: str) -
     assert got.found == want.found and got.missing == want.missing == frozenset(absent)
 
 
+def test_helpers_check_answers_as_the_engine_would(server: EmbeddedS3, prefix: str) -> None:
+    """``head_many_checked``: an object that passes the check its key promises comes back as its
+    span alone (checked in the helper); one that fails -- another identity, another end -- comes
+    back whole, so the engine's own check rejects it with the same reason as without helpers."""
+    from s3kv.core.objects import (
+        ObjectFormatError,
+        ObjectIdentity,
+        object_len,
+        object_metadata,
+        span_from_metadata,
+    )
+
+    ident = ObjectIdentity(b"n" * 16, "0123456789abcdef", 0, 1, 32, 64)
+    other = dataclasses.replace(ident, page_bytes=128)
+    good = [f"{prefix}/ok/{i:03d}" for i in range(8)]
+    with _store(server) as direct:
+        for i, k in enumerate(good):
+            assert direct.put(k, b"x" * object_len(4, 64, False), object_metadata(ident, 4 * i, 4))
+    expect = {k: (ident, 4 * i + 4) for i, k in enumerate(good)}
+    wrong_end, foreign = good[0], good[1]
+    expect[wrong_end] = (ident, 99)
+    expect[foreign] = (other, 8)
+    with _store(server, dataclasses.replace(OPTS, head_processes=1)) as store:
+        assert store.head_helpers is not None and store.head_helpers.wait_ready(30)
+        batch = store.head_many_checked(good, expect)
+        assert store.head_helpers.waves_offloaded == 1
+        plain = store.head_many(good)
+    assert not batch.failed and set(batch.found) == set(good)
+    for k in good[2:]:
+        info = batch.found[k]
+        assert info.span is not None and not info.metadata
+        assert info.span == span_from_metadata(ident, plain.found[k].metadata, plain.found[k].size, k, end=expect[k][1])
+    for k in (wrong_end, foreign):
+        info = batch.found[k]
+        assert info.span is None and info.metadata == plain.found[k].metadata  # whole, for the engine
+        with pytest.raises(ObjectFormatError):
+            span_from_metadata(expect[k][0], info.metadata, info.size, k, end=expect[k][1])
+
+
 @pytest.mark.parametrize("fault", ["slowdown_503", "reset", "stall"])
 def test_a_helper_retries_wire_faults_as_the_engine_does(
     moto_s3: EmbeddedS3, proxies: list, prefix: str, fault: str
@@ -374,7 +413,7 @@ def test_a_helper_slow_with_the_store_is_not_taken_for_wedged(moto_s3: EmbeddedS
             ok, broken = helpers._helpers
             assert ok is not None and broken is not None
 
-            def fails_at_once(keys: list[str], deadline: float) -> Any:
+            def fails_at_once(keys: list[str], deadline: float, expect: Any = None) -> Any:
                 import concurrent.futures as cf
 
                 f: cf.Future = cf.Future()

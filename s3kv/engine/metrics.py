@@ -58,6 +58,7 @@ from ..store.base import (
     HeadBatch,
     ObjectInfo,
     ObjectStore,
+    SpanExpect,
     StoreError,
     StoreWrapper,
     total_size,
@@ -631,9 +632,15 @@ class MetricsStore(StoreWrapper):
         self._clock = clock
 
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
+        return self._head(keys, self.inner.head_many)
+
+    def head_many_checked(self, keys: Sequence[str], expect: Mapping[str, SpanExpect]) -> HeadBatch:
+        return self._head(keys, lambda ks: self.inner.head_many_checked(ks, expect))
+
+    def _head(self, keys: Sequence[str], call: Callable[[Sequence[str]], HeadBatch]) -> HeadBatch:
         t0 = self._clock()
         try:
-            batch = self.inner.head_many(keys)
+            batch = call(keys)
         except StoreError as exc:
             self.metrics.record_request(
                 "head", self._clock() - t0, requests=len(keys), errors={type(exc).__name__: len(keys)}

@@ -16,6 +16,8 @@ import abc
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..core.objects import ObjectIdentity, ObjectSpan
+
 Buffer = bytes | bytearray | memoryview
 
 
@@ -73,6 +75,14 @@ class ObjectInfo:
     size: int
     metadata: Mapping[str, str] = field(default_factory=dict)
     last_modified: float | None = None  # POSIX seconds
+    #: Set by ``head_many_checked`` where the answer was checked where it arrived (a HEAD helper
+    #: process): the span its metadata gave for the expectation asked, ``metadata`` then empty.
+    span: ObjectSpan | None = None
+
+
+#: What a found object's HEAD answer must say to be used (``ObjectStore.head_many_checked``):
+#: the identity its key promises, and the block its key names as its end.
+SpanExpect = tuple[ObjectIdentity, int]
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,14 @@ class ObjectStore(abc.ABC):
     @abc.abstractmethod
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
         """Existence, size and metadata of many keys, in parallel where the store allows."""
+
+    def head_many_checked(self, keys: Sequence[str], expect: Mapping[str, SpanExpect]) -> HeadBatch:
+        """``head_many``, where a store may check each found object against ``expect[key]``
+        (``core.objects.span_from_metadata``) where the answer arrives and hand back only the
+        span (``ObjectInfo.span``): HEAD helper processes do, off the engine's GIL. An object
+        that fails the check comes back whole, for the caller to check and report. The default
+        is ``head_many``: the caller checks every answer."""
+        return self.head_many(keys)
 
     def head(self, key: str) -> ObjectInfo | None:
         batch = self.head_many([key])

@@ -32,6 +32,10 @@ Every transition is logged on logger ``s3kv.breaker`` (with ``from_state``/``to_
 extras) and passed to ``on_transition(old, new)`` (e.g. :meth:`s3kv.engine.metrics.Metrics.
 on_breaker_transition`). The callback runs under the breaker's lock, so transitions are
 reported in order; it must be quick and must not call into the store.
+
+Why this is one module: the state machine and every store call it guards share one lock and
+one ticket per call (admitted, then settled by the call's outcome); split apart, each store
+method would reach into the state machine's internals.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from .base import (
     NotFound,
     ObjectInfo,
     ObjectStore,
+    SpanExpect,
     StoreError,
     StoreWrapper,
 )
@@ -284,6 +289,12 @@ class CircuitBreakerStore(StoreWrapper):
 
     # -- the store ---------------------------------------------------------------------
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
+        return self._head(keys, self.inner.head_many)
+
+    def head_many_checked(self, keys: Sequence[str], expect: Mapping[str, SpanExpect]) -> HeadBatch:
+        return self._head(keys, lambda unique: self.inner.head_many_checked(unique, expect))
+
+    def _head(self, keys: Sequence[str], call: Callable[[list[str]], HeadBatch]) -> HeadBatch:
         unique = list(dict.fromkeys(keys))
         if not unique:
             return HeadBatch({}, frozenset(), {})
@@ -294,7 +305,7 @@ class CircuitBreakerStore(StoreWrapper):
         with self._lock:
             self._heads_in_flight.append(ticket)
         try:
-            batch = self.inner.head_many(unique)
+            batch = call(unique)
         except StoreError as exc:
             self._settle(ticket, not self._is_failure(exc), _describe(exc))
             raise

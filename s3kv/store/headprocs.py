@@ -50,11 +50,12 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+from ..core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from .base import (
     BucketNotFound,
     DeadlineExceeded,
@@ -63,6 +64,7 @@ from .base import (
     NotFound,
     ObjectInfo,
     PermissionDenied,
+    SpanExpect,
     StoreConfigError,
     StoreError,
     TransientError,
@@ -84,14 +86,19 @@ HELPER_WAVES = 16
 #: running engine the two may differ, and a helper that misreads the engine's messages would
 #: answer nothing (every wave a wait for its limit). A helper speaking another version refuses
 #: to serve instead, and the engine runs its waves itself. Raise it with any change to a message.
-PROTOCOL = 2
+PROTOCOL = 3
 #: Keys per helper a wave is split by: ``ceil(keys / MIN_SHARE)`` helpers (5 keys: shares of 3
 #: and 2). Why not more: the lookup blocks the scheduler for its wall time, and a helper answers
 #: ~0.3 ms of HEADs per key one after another, so a wave spread thin ends soonest. Why not fewer:
 #: each share costs the engine's process a message each way and a reader's wake-up (~0.15 ms of
 #: CPU). Measured on a 16-core host, 8 helpers, medians of 9 (16k-token prompt): 16 keys a share
 #: saved 0.4-0.6 ms of the engine's CPU but cost 2-4 ms of wall time (the probe path's two waves
-#: of ~48 HEADs: 52.4-52.9 ms at 4, 54.9-56.9 ms at 16).
+#: of ~48 HEADs: 52.4-52.9 ms at 4, 54.9-56.9 ms at 16). Since helpers check answers themselves
+#: (``head_many_checked``), the same host's strict-summary 16k lookup (one wave of 44 HEADs),
+#: two runs, medians of 10: client CPU 2.56/2.12 ms at 4, 1.93/1.90 at 12, 1.88/1.61 at 24;
+#: wall 27.6/26.4, 27.6/27.2 and 30.0/28.8 ms -- but the probe path's 16k lookup (``s3kv bench
+#: lookup``, medians of 5) went from 58.8 ms at 4 to 85.0 ms at 12. Kept at 4: the probe path
+#: is the default.
 MIN_SHARE = 4
 
 
@@ -212,7 +219,7 @@ _ERRORS: dict[str, type[StoreError]] = {
 }
 
 
-def _encode(outcome: Outcome, same: dict[str, str] | None = None) -> Any:
+def _encode(outcome: Outcome, same: dict[str, str] | None = None, expect: SpanExpect | None = None) -> Any:
     """``same``: one answer's table of strings seen so far. Objects of one group carry the same
     metadata names and mostly the same values (namespace, group, shard, page size...): sent as
     one string object each, pickle writes them once per answer and the engine unpickles them
@@ -220,6 +227,13 @@ def _encode(outcome: Outcome, same: dict[str, str] | None = None) -> Any:
     if outcome is None:
         return None
     if isinstance(outcome, ObjectInfo):
+        if expect is not None:
+            # Checked here, off the engine's GIL: a passing answer is its span (three ints, not
+            # nine metadata strings); one that fails goes back whole, for the engine to check
+            # again and report why.
+            with contextlib.suppress(ObjectFormatError):
+                span = span_from_metadata(expect[0], outcome.metadata, outcome.size, outcome.key, end=expect[1])
+                return (outcome.size, span.first, span.count)
         if same is None:
             return (outcome.size, dict(outcome.metadata), outcome.last_modified)
         one = same.setdefault
@@ -238,6 +252,8 @@ def _decode(key: str, wire: Any) -> Outcome:
         exc.key = wire.key
         return exc
     size, metadata, last_modified = wire
+    if isinstance(metadata, int):  # checked in the helper: (size, first, count)
+        return ObjectInfo(key, size, {}, None, span=ObjectSpan(metadata, last_modified))
     return ObjectInfo(key, size, metadata, last_modified)
 
 
@@ -477,7 +493,9 @@ class _Helper:
             with contextlib.suppress(Exception):
                 proc.wait(timeout=5.0)
 
-    def ask(self, keys: list[str], deadline: float) -> cf.Future[list[Any]]:
+    def ask(
+        self, keys: list[str], deadline: float, expect: list[SpanExpect | None] | None = None
+    ) -> cf.Future[list[Any]]:
         """Send a share; ``deadline`` (monotonic, which Linux keeps one clock for across
         processes) is when the asker stops waiting: a share the helper takes up later is not sent."""
         fut: cf.Future[list[Any]] = cf.Future()
@@ -490,7 +508,7 @@ class _Helper:
             conn = self._conn
         try:
             with self._send_lock:
-                conn.send((rid, keys, deadline))
+                conn.send((rid, keys, deadline, expect))
         except Exception as exc:  # a closed socket, or a send that timed out
             self._fail(f"stopped taking requests ({type(exc).__name__})")
         return fut
@@ -632,7 +650,9 @@ class HeadHelpers:
         with self._lock:
             return self._retired_cpu_s + sum(h.cpu_s for h in self._helpers if h is not None)
 
-    def head_many(self, keys: Sequence[str], limit_s: float) -> list[Outcome] | None:
+    def head_many(
+        self, keys: Sequence[str], limit_s: float, expect: Mapping[str, SpanExpect] | None = None
+    ) -> list[Outcome] | None:
         """Outcomes of ``keys`` (in order) from the ready helpers, or None when none is ready
         (the caller then runs the wave itself). Never raises; waits at most ``limit_s``, plus
         ``_SEND_TIMEOUT_S`` for each helper asked that stopped reading (a full socket) and has not
@@ -645,7 +665,10 @@ class HeadHelpers:
         first = next(self._turn) % len(ready)
         ready = (ready[first:] + ready[:first])[:n]
         shares = [list(keys[i::n]) for i in range(n)]
-        asked = [(h, share, h.ask(share, deadline)) for h, share in zip(ready, shares, strict=True) if share]
+        asked = [
+            (h, share, h.ask(share, deadline, [expect.get(k) for k in share] if expect else None))
+            for h, share in zip(ready, shares, strict=True) if share
+        ]
         with self._lock:  # waves come from several lookup threads at once
             self.waves_offloaded += len(asked)
         out: dict[str, Outcome] = {}
@@ -721,7 +744,7 @@ def _serve(conn: Connection) -> int:
         return 1
     send_lock = threading.Lock()
 
-    def answer(rid: int, keys: list[str], deadline: float) -> None:
+    def answer(rid: int, keys: list[str], deadline: float, expect: list[SpanExpect | None] | None = None) -> None:
         try:
             if time.monotonic() >= deadline:
                 # Queued behind other waves (a slow store) until the engine stopped waiting: its
@@ -729,7 +752,10 @@ def _serve(conn: Connection) -> int:
                 raise DeadlineExceeded("the engine stopped waiting before this helper took up its share")
             batch = store.head_many(keys)
             same: dict[str, str] = {}
-            wire = [_encode(batch.found.get(k) or batch.failed.get(k), same) for k in keys]  # neither: missing
+            checks = expect if expect is not None else [None] * len(keys)
+            wire = [  # neither found nor failed: missing
+                _encode(batch.found.get(k) or batch.failed.get(k), same, e) for k, e in zip(keys, checks, strict=True)
+            ]
         except DeadlineExceeded as exc:
             wire = [_Err("DeadlineExceeded", f"S3 head: {exc}", k) for k in keys]
         except BaseException as exc:  # the engine must get an answer for every key it asked

@@ -10,10 +10,20 @@ bytes returned by gets. ``errors`` counts calls (or HEAD keys) that ended in a S
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 
-from .base import Buffer, ByteRange, HeadBatch, ObjectInfo, ObjectStore, StoreError, StoreWrapper, total_size
+from .base import (
+    Buffer,
+    ByteRange,
+    HeadBatch,
+    ObjectInfo,
+    ObjectStore,
+    SpanExpect,
+    StoreError,
+    StoreWrapper,
+    total_size,
+)
 
 
 @dataclass(frozen=True)
@@ -60,8 +70,14 @@ class InstrumentedStore(StoreWrapper):
                 self._c[name] = 0
 
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
+        return self._head(keys, self.inner.head_many)
+
+    def head_many_checked(self, keys: Sequence[str], expect: Mapping[str, SpanExpect]) -> HeadBatch:
+        return self._head(keys, lambda ks: self.inner.head_many_checked(ks, expect))
+
+    def _head(self, keys: Sequence[str], call: Callable[[Sequence[str]], HeadBatch]) -> HeadBatch:
         try:
-            batch = self.inner.head_many(keys)
+            batch = call(keys)
         except StoreError:
             self._add(head=len(keys), errors=len(keys))
             raise

@@ -29,7 +29,7 @@ from ...config import Settings
 from ...core.hitrule import Span, required_range, servable
 from ...core.lookup import Ask, LookupResult, find_hit
 from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
-from ...store.base import HeadBatch, ObjectStore, StoreError
+from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
 from ..index import MISSING, KeyIndex
 from ..summary import NamespaceSummary, SummaryGroup
 from .context import LeaderContext
@@ -347,6 +347,14 @@ class Lookups:
             return {**out, **{a: None for a in todo.values()}}
         return {**out, **self._absorb(todo, batch)}
 
+    def _expect(self, todo: dict[str, Ask]) -> dict[str, SpanExpect]:
+        """What each key's answer must say (``_absorb``'s check), for a store that checks answers
+        where they arrive (HEAD helper processes). Not with integrity keys: those stay in the
+        engine's process."""
+        assert self.ctx is not None
+        ids = self.ctx.identities
+        return {k: (ids[(a[0], a[1])], a[2]) for k, a in todo.items() if ids[(a[0], a[1])].integrity is None}
+
     def _head_wave(self, todo: dict[str, Ask]) -> HeadBatch:
         """One HEAD wave within what is left of the lookup's budget.
 
@@ -354,8 +362,9 @@ class Lookups:
         feeds the index, so the next lookup of this prefix is answered locally.
         """
         keys = list(todo)
+        expect = self._expect(todo)
         if self._deadline == float("inf"):
-            return self.store.head_many(keys)
+            return self.store.head_many_checked(keys, expect)
         remaining = self._deadline - time.monotonic()
         if remaining <= 0 or self._timed_out:
             self._last_probe_used_network = False  # nothing sent: not a round trip
@@ -381,7 +390,7 @@ class Lookups:
                 # A late answer still warms the index: the next lookup of this prefix is local.
                 self._absorb(asks, f.result(), count=False)
 
-        fut = self._pool.submit(self.store.head_many, keys)
+        fut = self._pool.submit(self.store.head_many_checked, keys, expect)
         try:
             return fut.result(timeout=remaining)
         except FutureTimeout:
@@ -461,9 +470,11 @@ class Lookups:
             info = batch.found.get(key)
             if info is not None:
                 try:
-                    # The key names the object ending at block a[2]: its span must end there.
-                    span = span_from_metadata(self.ctx.identities[(a[0], a[1])], info.metadata, info.size, key,
-                                              end=a[2])
+                    # The key names the object ending at block a[2]: its span must end there. A
+                    # span already set was checked the same way where the answer arrived
+                    # (``_expect``: this identity, this end).
+                    span = info.span or span_from_metadata(self.ctx.identities[(a[0], a[1])], info.metadata,
+                                                           info.size, key, end=a[2])
                 except ObjectFormatError as e:
                     if count:
                         self.stats.foreign_objects += 1

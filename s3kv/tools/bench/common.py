@@ -32,7 +32,7 @@ from typing import Any
 
 import click
 
-from ...store.base import HeadBatch, ObjectStore
+from ...store.base import HeadBatch, ObjectStore, SpanExpect
 from ...store.throttle import ThrottledStore
 
 MiB = 1 << 20
@@ -187,11 +187,18 @@ class RegionLatency(ThrottledStore):
         super()._rtt()
 
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
+        self._charge(keys)
+        return self.inner.head_many(keys)
+
+    def head_many_checked(self, keys: Sequence[str], expect: Mapping[str, SpanExpect]) -> HeadBatch:
+        self._charge(keys)
+        return self.inner.head_many_checked(keys, expect)
+
+    def _charge(self, keys: Sequence[str]) -> None:
         if self.latency_s and keys:
             n = math.ceil(len(keys) / self.concurrency)
             self.round_trips += n
             time.sleep(self.latency_s * n)
-        return self.inner.head_many(keys)
 
 
 class RawClient:
