@@ -661,6 +661,46 @@ def test_a_helper_of_another_protocol_refuses_to_serve(
         assert recipe_for(direct, 1).protocol == headprocs.PROTOCOL
 
 
+def test_a_helper_that_would_check_objects_by_other_code_refuses_to_serve(
+    moto_s3: EmbeddedS3, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine trusts the spans helpers check. s3kv upgraded in place with another object
+    format or other checks (same message protocol): a helper started from the new code would
+    judge objects by rules the engine does not read by. It refuses; the waves stay in-process."""
+    stored = _stored(moto_s3, prefix, 6)
+    with _store(moto_s3) as direct:
+        _refused(dataclasses.replace(recipe_for(direct, 1), checks="other-code"), stored, caplog)
+        assert "other code" in caplog.text and "restart" in caplog.text
+        assert recipe_for(direct, 1).checks == headprocs.CHECKS != ""
+
+
+def test_integrity_keys_never_reach_a_helper(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """A caller that passes an expectation with integrity keys: the helper gets none for that
+    key (its answer comes back whole, for the engine to check)."""
+    from s3kv.core.integrity import IntegrityKeys
+    from s3kv.core.objects import ObjectIdentity
+
+    plain = ObjectIdentity(b"n" * 16, "0123456789abcdef", 0, 1, 32, 64)
+    signed = dataclasses.replace(plain, integrity=IntegrityKeys.from_secrets(b"k" * 32))
+    stored = _stored(moto_s3, prefix, 8)
+    with _store(moto_s3) as direct:
+        helpers = HeadHelpers(recipe_for(direct, 1), 1)
+        try:
+            assert helpers.wait_ready(30)
+            h = helpers._helpers[0]
+            assert h is not None
+            sent: list[Any] = []
+            real = h.ask
+            h.ask = lambda keys, deadline, expect=None: (sent.append(expect), real(keys, deadline, expect))[1]  # type: ignore[method-assign]
+            expect = {k: (signed if i % 2 else plain, 4) for i, k in enumerate(stored)}
+            assert helpers.head_many(stored, 10.0, expect) is not None
+        finally:
+            helpers.close()
+    got = [e for share in sent for e in (share or [])]
+    assert got and all(e is None or e[0].integrity is None for e in got)
+    assert sum(e is not None for e in got) == len(stored) // 2
+
+
 def test_a_dying_helper_never_opens_the_breaker(moto_s3: EmbeddedS3, prefix: str) -> None:
     """The only helper stops with several lookups' waves on it: every key of every wave fails,
     but on this side, not at S3. The breaker (which would cut loads and saves off S3 for its

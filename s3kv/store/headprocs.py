@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import hashlib
 import itertools
 import logging
 import os
@@ -87,6 +88,24 @@ HELPER_WAVES = 16
 #: answer nothing (every wave a wait for its limit). A helper speaking another version refuses
 #: to serve instead, and the engine runs its waves itself. Raise it with any change to a message.
 PROTOCOL = 3
+
+
+def _checks_fingerprint() -> str:
+    """What the helper's answer checks run (``core.objects``, from disk when it starts), named
+    by a digest of its source. Why: the engine trusts a span a helper checked; after an upgrade
+    in place that changed the object format or its checks, a helper started later would judge
+    objects by other rules than the engine's. It then refuses, as for another protocol."""
+    from ..core import objects
+
+    try:
+        with open(objects.__file__, "rb") as f:
+            return hashlib.blake2b(f.read(), digest_size=16).hexdigest()
+    except (OSError, TypeError):  # no source file (a frozen build): the format version at least
+        return f"version-{objects.VERSION}"
+
+
+#: The engine's, fixed when it imported this module (the code it runs from then on).
+CHECKS = _checks_fingerprint()
 #: Keys per helper a wave is split by: ``ceil(keys / MIN_SHARE)`` helpers (5 keys: shares of 3
 #: and 2). Why not more: the lookup blocks the scheduler for its wall time, and a helper answers
 #: ~0.3 ms of HEADs per key one after another, so a wave spread thin ends soonest. Why not fewer:
@@ -138,6 +157,8 @@ class HelperRecipe:
     #: The protocol the engine speaks (:data:`PROTOCOL`). 0, the default, is what a recipe from
     #: an engine that predates the number reads as here.
     protocol: int = 0
+    #: The engine's :data:`CHECKS`.
+    checks: str = ""
 
     def build(self) -> Any:
         import boto3
@@ -193,7 +214,8 @@ def recipe_for(store: Any, processes: int) -> HelperRecipe:
     # the environment's credentials for that profile's.
     profile = None if session.profile_name == "default" else session.profile_name
     return HelperRecipe(
-        store.bucket, store.url, store.endpoint_url, options, keys, profile, identity_of(session, static), PROTOCOL
+        store.bucket, store.url, store.endpoint_url, options, keys, profile, identity_of(session, static), PROTOCOL,
+        CHECKS,
     )
 
 
@@ -665,6 +687,9 @@ class HeadHelpers:
         first = next(self._turn) % len(ready)
         ready = (ready[first:] + ready[:first])[:n]
         shares = [list(keys[i::n]) for i in range(n)]
+        if expect:
+            # Integrity keys never leave the engine's process: such objects come back whole.
+            expect = {k: e for k, e in expect.items() if e[0].integrity is None}
         asked = [
             (h, share, h.ask(share, deadline, [expect.get(k) for k in share] if expect else None))
             for h, share in zip(ready, shares, strict=True) if share
@@ -733,6 +758,11 @@ def _serve(conn: Connection) -> int:
         with contextlib.suppress(Exception):
             conn.send(("error", f"speaks protocol {PROTOCOL}, the engine {getattr(recipe, 'protocol', 0)} (s3kv "
                        f"was upgraded under a running engine: restart it)", time.process_time()))
+        return 1
+    if getattr(recipe, "checks", "") != CHECKS:
+        with contextlib.suppress(Exception):
+            conn.send(("error", "checks objects by other code than the engine (s3kv was upgraded under a running "
+                       "engine: restart it)", time.process_time()))
         return 1
     try:
         store = recipe.build()
