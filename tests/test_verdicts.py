@@ -160,3 +160,20 @@ def test_no_directory_is_a_warning_not_a_failed_start(
     with caplog.at_level(logging.WARNING, logger="s3kv.verdicts"):
         assert VerdictBoard.make(_index(), 2, base_dir=os.path.join(str(tmp_path), "absent")) is None
     assert "no verdict directory" in caplog.text
+
+
+def test_a_worker_past_rank_0_counts_a_directory_it_cannot_reach(tmp_path: os.PathLike[str]) -> None:
+    """The wiring in WorkerCore: the metadata names the directory, the worker's stats say it
+    could not be reached; rank 0 shares the leader's index and attaches nothing."""
+    from s3kv.config import load_settings
+    from s3kv.core.plan import ConnectorMetadata
+    from s3kv.engine.worker.core import WorkerCore
+    from s3kv.store.memory import MemoryStore
+
+    s = load_settings({"S3KV_URL": "s3://b/p"})
+    gone = ConnectorMetadata(iteration=1, verdicts=os.path.join(str(tmp_path), "on-another-host"))
+    for rank, want in ((0, 0), (1, 1)):
+        with WorkerCore(s, MemoryStore(), "p", rank=rank, tp_size=2, index=_index()) as w:
+            w.bind(gone)
+            w.bind(gone)
+            assert w.stats().verdicts_unshared == want

@@ -28,6 +28,7 @@ pending; at once on CPU), a loading id once all its pages are in place.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -113,7 +114,7 @@ class WorkerCore:
         self._uploader.part_size = settings.multipart_part_mib << 20
         # Past rank 0 the index is this process's own: what a load finds bad goes to the leader too.
         self._verdicts = (
-            ToLeader(index, self.tp_rank, lambda: self._counters.add("verdicts_unshared"))
+            ToLeader(index, self.tp_rank, functools.partial(self._counters.add, "verdicts_unshared"))
             if index is not None and self.tp_rank > 0 else None
         )
         self._loads = LoadJobs(settings, self._verdicts or index, self._counters, failed_load_hook=failed_load_hook)
