@@ -110,7 +110,6 @@ class VerdictBoard:
             f.seek(done)
             data = f.read()
         end = data.rfind(b"\n") + 1  # a line still being written is read at the next poll
-        n = 0
         self._read[rank] = done + end  # first: a line that fails below is never read again
         n = 0
         for line in data[:end].splitlines():
@@ -121,8 +120,8 @@ class VerdictBoard:
                 keys = [str(k) for k in verdict["keys"]]
                 if verdict["op"] == "quarantine":
                     self.index.quarantine(keys, float(verdict["ttl"]))
-                    self._theirs.update((k, rank) for k in keys)
-                    for k in keys:
+                    for k in keys:  # newest last: the oldest are forgotten first
+                        self._theirs[k] = rank
                         self._theirs.move_to_end(k)
                     while len(self._theirs) > _THEIRS_MAX:
                         self._theirs.popitem(last=False)

@@ -88,6 +88,11 @@ class LeaderCore:
         # Where ranks past 0 (processes of their own) say which objects they found bad.
         self.verdicts = VerdictBoard.make(self.index, tp_size) if tp_size > 1 else None
 
+    @property
+    def _verdicts_path(self) -> str:
+        """The verdict directory every metadata names ("" with one rank, or none could be made)."""
+        return self.verdicts.path if self.verdicts is not None else ""
+
     # ------------------------------------------------------------------ geometry
     @property
     def geometry(self) -> CacheGeometry | None:
@@ -290,7 +295,7 @@ class LeaderCore:
                 st.saves.stages, st.saves.seals = [], []
             return ConnectorMetadata(
                 iteration=self._iteration, async_load_ids=frozenset(async_ids), failed_load_ids=self._loads.take_failed(),
-                verdicts=self.verdicts.path if self.verdicts is not None else "",
+                verdicts=self._verdicts_path,
             )
 
     # ------------------------------------------------------------------ per iteration
@@ -347,7 +352,7 @@ class LeaderCore:
                 discard_ids=discards,
                 releases=tuple(releases),
                 failed_load_ids=broken,
-                verdicts=self.verdicts.path if self.verdicts is not None else "",
+                verdicts=self._verdicts_path,
             )
 
     def _on_report(self, rd: Any, *, first: bool) -> RequestState | None:

@@ -349,11 +349,10 @@ class Lookups:
 
     def _expect(self, todo: dict[str, Ask]) -> dict[str, SpanExpect]:
         """What each key's answer must say (``_absorb``'s check), for a store that checks answers
-        where they arrive (HEAD helper processes). Not with integrity keys: those stay in the
-        engine's process."""
+        where they arrive (HEAD helper processes; they leave integrity keys in this process)."""
         assert self.ctx is not None
         ids = self.ctx.identities
-        return {k: (ids[(a[0], a[1])], a[2]) for k, a in todo.items() if ids[(a[0], a[1])].integrity is None}
+        return {k: (ids[(a[0], a[1])], a[2]) for k, a in todo.items()}
 
     def _head_wave(self, todo: dict[str, Ask]) -> HeadBatch:
         """One HEAD wave within what is left of the lookup's budget.
