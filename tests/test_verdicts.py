@@ -177,3 +177,48 @@ def test_a_worker_past_rank_0_counts_a_directory_it_cannot_reach(tmp_path: os.Pa
             w.bind(gone)
             w.bind(gone)
             assert w.stats().verdicts_unshared == want
+
+
+KILLED_SCRIPT = """
+import os, signal, sys
+from s3kv.engine.index import KeyIndex
+from s3kv.engine.verdicts import VerdictBoard
+board = VerdictBoard(KeyIndex(10, 60.0, 5.0), tp_size=2, base_dir=sys.argv[1])
+print(board.path, flush=True)
+if sys.argv[2] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)  # no finalizer runs: the directory stays
+sys.stdin.read()  # "live": holds its board until the test closes stdin
+"""
+
+
+def test_a_new_board_removes_the_directories_of_leaders_that_were_killed(tmp_path: os.PathLike[str]) -> None:
+    """A SIGKILLed (or OOM-killed) leader runs no finalizer: its directory stays in /dev/shm.
+    The next board on the host removes it -- never a live leader's, nor one it cannot judge."""
+    import subprocess
+    import sys
+
+    base = str(tmp_path)
+    script = os.path.join(base, "killed.py")
+    with open(script, "w") as f:
+        f.write(KILLED_SCRIPT)
+    killed = subprocess.run([sys.executable, script, base, "kill"], capture_output=True, text=True, timeout=60)
+    assert killed.returncode == -9, killed.stderr
+    dead = killed.stdout.strip()
+    assert os.path.isdir(dead)
+    live = subprocess.Popen([sys.executable, script, base, "live"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert live.stdout is not None
+        alive = live.stdout.readline().strip()
+        foreign = os.path.join(base, "s3kv-verdicts-older")  # no owner file: an older s3kv's, or being made
+        os.mkdir(foreign)
+        board = VerdictBoard(_index(), tp_size=2, base_dir=base)
+        assert not os.path.exists(dead), "the killed leader's directory stayed"
+        assert os.path.isdir(alive), "a live leader's directory was removed"
+        assert os.path.isdir(foreign)
+        board.close()
+        assert not os.path.exists(board.path)
+    finally:
+        assert live.stdin is not None
+        live.stdin.close()
+        live.wait(60)
+    assert not os.path.exists(alive)  # its own exit removed it

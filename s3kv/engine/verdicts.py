@@ -12,7 +12,9 @@ How: the leader makes a directory of its own on the host (shared memory where th
 random name, mode 0700) and names it in every connector metadata, which TensorRT-LLM broadcasts
 to every rank. Rank ``r`` appends one JSON line per verdict to ``rank-<r>`` in it; the leader
 reads what is new before each lookup (one ``stat`` per rank when nothing is). Verdicts are rare
-(a failed load), so the files stay small; the leader removes the directory when it goes.
+(a failed load), so the files stay small; the leader removes the directory when it goes, and a
+new board removes those of leaders that died without (SIGKILL, OOM): each leader holds an ``flock``
+on its directory's ``owner`` file while it lives, which the kernel releases when it dies.
 
 A rank on another host (tensor parallelism across nodes) cannot reach the directory: it says so
 once (a WARNING and the ``verdicts_unshared`` counter), and its verdicts reach the leader only
@@ -23,6 +25,7 @@ after that sees them gone.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -44,13 +47,70 @@ _SHM = "/dev/shm"
 _THEIRS_MAX = 65536
 
 
+#: Every board's directory name starts so.
+_PREFIX = "s3kv-verdicts-"
+#: The file a live leader holds an exclusive ``flock`` on.
+_OWNER = "owner"
+
+
 def _file(directory: str, rank: int) -> str:
     return os.path.join(directory, f"rank-{rank}")
 
 
-def _remove(path: str, owner: int) -> None:
+def _remove(path: str, owner: int, fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)  # a child's copy closed does not release the lock: the parent's still holds it
     if os.getpid() == owner:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _hold(directory: str) -> int:
+    """Lock ``directory`` (new, empty) as this leader's for as long as the descriptor returned
+    stays open. The file is locked under another name and then renamed: a board starting at the
+    same moment must never find an ``owner`` file not locked yet and take the directory for dead."""
+    making = os.path.join(directory, f".{_OWNER}")
+    fd = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(making, os.path.join(directory, _OWNER))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def sweep(base_dir: str) -> int:
+    """Remove the boards in ``base_dir`` whose leaders are gone; how many. Never raises.
+
+    Why a lock and not a pid in the name: the kernel drops an ``flock`` when the last descriptor
+    of its holder closes, however the process ended, and knows nothing of pid namespaces -- two
+    containers sharing /dev/shm see different pids, and a pid test would delete a live board of
+    the other. A directory without an ``owner`` file (being made right now, or by an older s3kv)
+    is left alone.
+    """
+    gone = 0
+    try:
+        names = [n for n in os.listdir(base_dir) if n.startswith(_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(base_dir, name)
+        try:
+            fd = os.open(os.path.join(path, _OWNER), os.O_RDWR | os.O_CLOEXEC)
+        except OSError:  # not ours to judge (no owner file, another user's, gone meanwhile)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its leader lives
+            continue
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            gone += 1
+        finally:
+            os.close(fd)
+    if gone:
+        log.info("s3kv: removed %d verdict directories of leaders that ended without removing them", gone)
+    return gone
 
 
 class VerdictBoard:
@@ -60,7 +120,13 @@ class VerdictBoard:
         if base_dir is None:
             base_dir = _SHM if os.path.isdir(_SHM) and os.access(_SHM, os.W_OK | os.X_OK) else None
         self.index = index
-        self.path = tempfile.mkdtemp(prefix="s3kv-verdicts-", dir=base_dir)
+        sweep(base_dir if base_dir is not None else tempfile.gettempdir())
+        self.path = tempfile.mkdtemp(prefix=_PREFIX, dir=base_dir)
+        try:
+            fd = _hold(self.path)
+        except BaseException:
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise
         self._ranks = range(1, tp_size)
         self._read = {r: 0 for r in self._ranks}  # bytes of each rank's file applied so far
         self._lock = threading.Lock()
@@ -73,7 +139,7 @@ class VerdictBoard:
         # Removed when the leader goes (or at exit): TensorRT-LLM calls no shutdown. Only by this
         # process: a child the engine forks runs the same finalizer when it exits normally, and
         # must not take the directory away from the leader and the ranks still writing to it.
-        self._cleanup = weakref.finalize(self, _remove, self.path, os.getpid())
+        self._cleanup = weakref.finalize(self, _remove, self.path, os.getpid(), fd)
 
     @classmethod
     def make(cls, index: KeyIndex, tp_size: int, base_dir: str | None = None) -> VerdictBoard | None:
