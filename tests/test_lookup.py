@@ -503,8 +503,15 @@ def test_a_lookup_that_ran_out_is_finished_in_the_background():
 
     class SlowHeads(StoreWrapper):
         delay = 0.0
+        unchecked = 0  # keys asked without what their answers must say
 
         def head_many(self, keys):
+            self.unchecked += len(keys)
+            _time.sleep(self.delay)
+            return super().head_many(keys)
+
+        def head_many_checked(self, keys, expect):
+            self.unchecked += sum(k not in expect for k in keys)
             _time.sleep(self.delay)
             return super().head_many(keys)
 
@@ -527,6 +534,8 @@ def test_a_lookup_that_ran_out_is_finished_in_the_background():
         assert n == 64 * TPB
         assert store.snapshot().head == heads  # answered by the index: no request
         assert leader.stats.lookup_timeouts == 1
+        # The background waves, too, ask for answers checked where they arrive (HEAD helpers).
+        assert store.inner.unchecked == 0
     finally:
         leader.close_lookup()
     # The foreground waves and the background finish together asked what one unhurried lookup asks.

@@ -453,7 +453,9 @@ class Lookups:
         out, todo = self._split(st, asks, trust_index=True)
         if todo:
             try:
-                batch = self.store.head_many(list(todo))
+                # Checked where the answers arrive, as the foreground waves are: this runs beside
+                # the executor thread, and every answer checked here holds its GIL.
+                batch = self.store.head_many_checked(list(todo), self._expect(todo))
             except StoreError:
                 return {**out, **{a: None for a in todo.values()}}
             out.update(self._absorb(todo, batch, count=False))
