@@ -103,6 +103,49 @@ def test_hung_store_costs_a_budget_per_lookup_bounds_the_backlog_and_opens_the_b
         core.close_lookup()
 
 
+class StuckShare(HungHeads):
+    """Each wave is late on this side (one HEAD helper stopped), while the store answers the
+    HEADs asked with it: ``answered_since`` says so, as the S3 stores do. ``alive=False``: no
+    HEAD asked since got an answer (a store that stopped)."""
+
+    def __init__(self, inner, alive: bool = True):
+        super().__init__(inner)
+        self.alive = alive
+        self.asked: list[float] = []
+
+    def head_many(self, keys) -> HeadBatch:
+        self.asked.append(time.monotonic())
+        return super().head_many(keys)
+
+    def answered_since(self, t: float) -> bool:
+        return self.alive and any(a >= t for a in self.asked)
+
+
+@pytest.mark.parametrize("alive", [True, False], ids=["store-answers", "store-stopped"])
+def test_lookups_late_on_this_side_never_open_the_breaker(alive):
+    """A wave late only on this side -- one stopped HEAD helper holds its share, the store
+    answered the others -- is not the store's failure. Counted, four such lookups opened the
+    breaker within a second (cutting loads and saves off a healthy store for its reset time)
+    before the helper's ping could find it out. A store that answers nothing still trips it."""
+    g = geo()
+    stuck = StuckShare(MemoryStore(), alive=alive)
+    breaker = CircuitBreakerStore(stuck, BreakerPolicy(failures=3, reset_s=60))
+    core = _leader(breaker, g, lookup_timeout_s=0.05, lookup_max_pending=4)
+    try:
+        for seed in (1, 2, 3, 4):
+            prompt = tokens_of(20 * TPB + 3, seed=seed)
+            assert core.get_num_new_matched_tokens(seed, prompt, len(prompt), 0) == (0, False)
+        assert core.stats.lookup_timeouts == (4 if alive else 3)  # open after three: not even sent
+        if alive:
+            assert breaker.state is BreakerState.CLOSED and breaker.consecutive_failures == 0
+            assert breaker.timeouts_excused == 4
+        else:
+            assert breaker.state is BreakerState.OPEN and breaker.timeouts_excused == 0
+    finally:
+        stuck.release.set()
+        core.close_lookup()
+
+
 def test_fifo_and_symlinks_are_not_objects(tmp_path):
     store = FsspecStore(f"file://{tmp_path}/store", fsync=False)
     assert store.put("ns/real", b"payload") is True

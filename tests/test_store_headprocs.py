@@ -727,3 +727,60 @@ def test_a_dying_helper_never_opens_the_breaker(moto_s3: EmbeddedS3, prefix: str
         assert all(isinstance(e, LocalFailure) for b in batches for e in b.failed.values())
         assert sum(len(b.failed) for b in batches) == 4 * len(stored)
         assert breaker.state is BreakerState.CLOSED and breaker.consecutive_failures == 0
+
+
+def test_a_wave_held_by_a_stopped_helper_is_not_the_stores_failure(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """One of two helpers stops; every lookup's wave then outlives its budget, though the store
+    answered the other helper's share. The lookup reports each timeout (``note_timeout``), and
+    the breaker must not count them: the store answered HEADs asked since (``answered_since``).
+    Counted, four lookups opened it in under a second, cutting loads and saves off a healthy
+    store for its reset time."""
+    from s3kv.store.breaker import BreakerPolicy, BreakerState, CircuitBreakerStore
+
+    stored = _stored(moto_s3, prefix, MIN_SHARE * 2)  # a share for each helper
+    with _store(moto_s3, dataclasses.replace(OPTS, head_processes=2)) as store:
+        breaker = CircuitBreakerStore(store, BreakerPolicy(failures=2, reset_s=60))
+        assert store.head_helpers.wait_ready(30)
+        before = time.monotonic()
+        assert store.answered_since(before) is False  # nothing asked yet
+        stuck = store.head_helpers.pids()[0]
+        os.kill(stuck, signal.SIGSTOP)
+        waves = []
+        for _ in range(3):
+            asked = time.monotonic()
+            wave = threading.Thread(target=breaker.head_many, args=(stored,))
+            wave.start()
+            waves.append(wave)
+            assert _wait(lambda t=asked: store.answered_since(t), 10), "the running helper's share was not answered"
+            assert wave.is_alive()  # held by the stopped helper's share
+            breaker.note_timeout("head")  # what a lookup does when its budget runs out
+        assert breaker.state is BreakerState.CLOSED and breaker.consecutive_failures == 0
+        assert breaker.timeouts_excused == 3
+        for wave in waves:
+            wave.join(30)  # the ping finds the stopped helper out; its shares end as LocalFailure
+        assert breaker.state is BreakerState.CLOSED
+
+
+def test_stores_say_when_they_last_answered_a_head(server: EmbeddedS3, prefix: str) -> None:
+    """``answered_since``: found and missing count as answers, from in-process waves of both
+    clients and from a single HEAD; a HEAD the store never answered does not."""
+    from s3kv.store.s3 import S3Store
+
+    stored = _stored(server, prefix, 2)
+    boto = S3Store(server.bucket, endpoint_url=server.endpoint_url, options=OPTS,
+                   aws_access_key_id=server.access_key, aws_secret_access_key=server.secret_key)
+    with _store(server) as obs, boto:
+        for store in (obs, boto):
+            t = time.monotonic()
+            assert store.answered_since(t) is False
+            store.head_many([f"{prefix}/none/a", f"{prefix}/none/b"])  # missing: an answer
+            assert store.answered_since(t) is True
+            t = time.monotonic()
+            assert store.head(stored[0]) is not None
+            assert store.answered_since(t) is True
+            assert store.answered_since(time.monotonic()) is False
+    dead = dataclasses.replace(OPTS, retry=dataclasses.replace(OPTS.retry, max_attempts=1, deadline_s=1.0))
+    with _store(server, dead, endpoint="http://127.0.0.1:9") as unreachable:
+        t = time.monotonic()
+        batch = unreachable.head_many([f"{prefix}/x", f"{prefix}/y"])
+        assert len(batch.failed) == 2 and unreachable.answered_since(t) is False

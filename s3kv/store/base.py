@@ -185,6 +185,13 @@ class ObjectStore(abc.ABC):
         its budget while the call itself still runs). Wrappers that judge the store's health
         (the circuit breaker) count it as a failure; plain stores ignore it."""
 
+    def answered_since(self, t: float) -> bool | None:
+        """Whether the store has answered (found or missing) a HEAD that was asked at or after
+        ``t`` (``time.monotonic``); None where this store does not keep track. The breaker asks
+        it of a HEAD wave its caller gave up on: the store answered HEADs asked later, so it is
+        alive, and the wave is late on this side (a HEAD helper stopped) or for a few keys."""
+        return None
+
     def get(self, key: str) -> bytes:
         info = self.head(key)
         if info is None:
@@ -258,11 +265,36 @@ class StoreWrapper(ObjectStore):
     def note_timeout(self, op: str, key: str | None = None) -> None:
         self.inner.note_timeout(op, key)
 
+    def answered_since(self, t: float) -> bool | None:
+        return self.inner.answered_since(t)
+
     def check_access(self) -> None:
         self.inner.check_access()
 
     def close(self) -> None:
         self.inner.close()
+
+
+class AnswerClock:
+    """When the latest HEAD that the store answered (found or missing) was asked: what a store
+    tells :meth:`ObjectStore.answered_since` from. Errors are no answer: a store that only fails
+    is not shown alive.
+
+    No lock: the compare and the store race between threads, and a lost update only leaves the
+    clock earlier than it could be -- a timeout then counts against the store, as it did before
+    stores kept this clock."""
+
+    __slots__ = ("asked_at",)
+
+    def __init__(self) -> None:
+        self.asked_at = float("-inf")
+
+    def note(self, asked_at: float) -> None:
+        if asked_at > self.asked_at:
+            self.asked_at = asked_at
+
+    def since(self, t: float) -> bool:
+        return self.asked_at >= t
 
 
 def as_buffers(data: Buffer | Sequence[Buffer]) -> list[memoryview]:

@@ -118,12 +118,14 @@ Transition = Callable[[BreakerState, BreakerState], None]
 class _Probe:
     """Admission ticket of one call; settles exactly once (success, failure or neutral)."""
 
-    __slots__ = ("probe", "epoch", "done", "timed_out")
+    __slots__ = ("probe", "epoch", "done", "timed_out", "asked_at")
 
     def __init__(self, probe: bool, epoch: int = -1):
         self.probe = probe
         self.epoch = epoch  # the half-open period a probe was admitted in
         self.done = False
+        #: When a HEAD batch went to the inner store (``time.monotonic``, the stores' clock).
+        self.asked_at = float("inf")
         #: A caller gave up on this call (``note_timeout``): already counted as a failure, so its
         #: late outcome settles nothing more (a slow success must not reset the count).
         self.timed_out = False
@@ -155,6 +157,8 @@ class CircuitBreakerStore(StoreWrapper):
         self.rejected = 0
         #: How many times the breaker opened.
         self.trips = 0
+        #: Caller timeouts not counted: the store answered HEADs asked after the late batch.
+        self.timeouts_excused = 0
         #: HEAD batches admitted and not settled, oldest first (for ``note_timeout``).
         self._heads_in_flight: list[_Probe] = []
 
@@ -304,6 +308,7 @@ class CircuitBreakerStore(StoreWrapper):
             return HeadBatch({}, frozenset(), {k: self._unavailable("head", k) for k in unique})
         with self._lock:
             self._heads_in_flight.append(ticket)
+        ticket.asked_at = time.monotonic()
         try:
             batch = call(unique)
         except StoreError as exc:
@@ -351,13 +356,26 @@ class CircuitBreakerStore(StoreWrapper):
         call of it ever fails): count it as one failed call, so a store whose every lookup
         times out opens the breaker like one that errors. The oldest unsettled HEAD batch is
         taken to be that call; its late answer then settles nothing (a success arriving
-        seconds late must not reset the count)."""
+        seconds late must not reset the count).
+
+        Unless the store has answered HEADs asked after that batch: then it is alive, and the
+        batch is late on this side -- a HEAD helper process stopped, whose share no other
+        helper's answer can make up for -- or for a few of its keys; ended, it would count as a
+        success (some key answered). Counted, one wedged helper opened the breaker within a
+        second of steady lookups, cutting loads and saves off a healthy store for its reset
+        time, before the helper's ping could find it out.
+        """
         with self._lock:
             late = next((t for t in self._heads_in_flight if not t.timed_out), None) if op == "head" else None
             if late is not None:
                 late.timed_out = True
             probe = late is not None and late.probe
-        self._settle(_Probe(probe, late.epoch if late is not None else -1), False, f"{op} timed out in the caller")
+        ticket = _Probe(probe, late.epoch if late is not None else -1)
+        if late is not None and self.inner.answered_since(late.asked_at):
+            self.timeouts_excused += 1
+            self._settle(ticket, None)  # neither way (a probe's slot is freed)
+        else:
+            self._settle(ticket, False, f"{op} timed out in the caller")
         self.inner.note_timeout(op, key)
 
     def delete_many(self, keys: Sequence[str]) -> None:

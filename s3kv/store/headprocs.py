@@ -58,6 +58,7 @@ from typing import Any
 
 from ..core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from .base import (
+    AnswerClock,
     BucketNotFound,
     DeadlineExceeded,
     IntegrityError,
@@ -324,9 +325,11 @@ class _Helper:
     the end of the stream, closes, and reaps.
     """
 
-    def __init__(self, index: int, recipe: HelperRecipe):
+    def __init__(self, index: int, recipe: HelperRecipe, answers: AnswerClock | None = None):
         self.index = index
         self.recipe = recipe
+        #: Where shares the store answered are noted (the helpers' ``AnswerClock``).
+        self.answers = answers if answers is not None else AnswerClock()
         self.ready = False
         self.done = threading.Event()  # set when it has exited or failed to start
         self.failure = ""
@@ -341,6 +344,7 @@ class _Helper:
         self._lock = threading.Lock()
         self._dead = False
         self._pending: dict[int, cf.Future[list[Any]]] = {}
+        self._asked: dict[int, float] = {}  # when each pending share was sent
         self._ids = itertools.count()
         #: When the ping now unanswered was sent, and when the helper last sent anything.
         self._ping_sent: float | None = None
@@ -420,7 +424,10 @@ class _Helper:
                     continue
                 with self._lock:
                     fut = self._pending.pop(rid, None)
+                    asked = self._asked.pop(rid, None)
                 self.answered += 1
+                if asked is not None and any(w is None or not isinstance(w, _Err) for w in wire):
+                    self.answers.note(asked)  # the store answered (found or missing) this share
                 if fut is not None and not fut.done():
                     fut.set_result(wire)
         except _HelperGone as exc:
@@ -482,6 +489,7 @@ class _Helper:
         self.ready = False
         self.failure = "belongs to the parent process"
         self._pending = {}
+        self._asked = {}
         self._proc = None
         conn, self._conn = self._conn, None
         theirs, self._theirs = self._theirs, None
@@ -501,6 +509,7 @@ class _Helper:
             self.ready = False
             self.failure = why
             pending, self._pending = self._pending, {}
+            self._asked = {}
             proc = self._proc
         for fut in pending.values():
             if not fut.done():
@@ -528,6 +537,7 @@ class _Helper:
                 fut.set_exception(_HelperGone(self.failure or "not ready"))
                 return fut
             self._pending[rid] = fut
+            self._asked[rid] = time.monotonic()
             conn = self._conn
         try:
             with self._send_lock:
@@ -541,6 +551,7 @@ class _Helper:
             for rid, f in list(self._pending.items()):
                 if f is fut:
                     del self._pending[rid]
+                    self._asked.pop(rid, None)
 
     def say_goodbye(self) -> None:
         """Ask it to exit (it finishes no more waves); the caller then :meth:`stop`s it."""
@@ -575,6 +586,8 @@ class HeadHelpers:
         self._retry_at = [0.0] * processes
         self._delay = [restart_backoff_s[0]] * processes
         self._closed = False
+        #: Shares the store answered, from every helper (``ObjectStore.answered_since``).
+        self.answers = AnswerClock()
         #: When each reason a helper ended was last logged (repeated at most every _WARN_EVERY_S).
         self._warned: dict[str, float] = {}
         #: Counters for tests and the bench: waves (shares) sent to helpers, helpers started.
@@ -617,7 +630,7 @@ class HeadHelpers:
                     self._delay[i] = min(self._delay[i] * 2, self._backoff[1])
                     self._helpers[i] = h = None
                 if h is None and now >= self._retry_at[i]:
-                    h = self._helpers[i] = _Helper(i, self.recipe)
+                    h = self._helpers[i] = _Helper(i, self.recipe, self.answers)
                     self.starts += 1
                     # Spawning takes milliseconds: not on the caller's (the scheduler's) thread.
                     try:

@@ -49,10 +49,12 @@ import logging
 import os
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .base import (
+    AnswerClock,
     BucketNotFound,
     Buffer,
     ByteRange,
@@ -291,6 +293,8 @@ class ObstoreS3Store(ObjectStore):
         # Or in helper processes (started on first use), so the engine's process spends next to
         # no CPU on a wave; see s3kv/store/headprocs.py.
         self._helpers: Any = None
+        #: HEADs answered in this process (the helpers keep their own).
+        self._answers = AnswerClock()
         if opts.head_processes > 0:
             from .headprocs import HeadHelpers, recipe_for
 
@@ -303,6 +307,10 @@ class ObstoreS3Store(ObjectStore):
     def head_helpers(self) -> Any:
         """The :class:`~s3kv.store.headprocs.HeadHelpers` running HEAD waves, or None (in-process)."""
         return self._helpers
+
+    def answered_since(self, t: float) -> bool:
+        helpers = self._helpers
+        return self._answers.since(t) or (helpers is not None and helpers.answers.since(t))
 
     # -- request plumbing ----------------------------------------------------------------
     def _translate(self, exc: BaseException, op: str, key: str | None) -> StoreError:
@@ -396,10 +404,13 @@ class ObstoreS3Store(ObjectStore):
         obs = self._obs
 
         def attempt() -> ObjectInfo | None:
+            asked = time.monotonic()
             try:
                 r = obs.get(self._store, key, options=self._HEAD)
             except FileNotFoundError:
+                self._answers.note(asked)
                 return None
+            self._answers.note(asked)
             return self._info(key, r)
 
         try:
@@ -415,10 +426,13 @@ class ObstoreS3Store(ObjectStore):
         async def attempt() -> ObjectInfo | None:
             with self._errors("head", key):
                 async with slots:
+                    asked = time.monotonic()
                     try:
                         r = await obs.get_async(self._store, key, options=self._HEAD)
                     except FileNotFoundError:
+                        self._answers.note(asked)
                         return None
+                self._answers.note(asked)
                 return self._info(key, r)
 
         try:

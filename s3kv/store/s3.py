@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ import botocore.exceptions as bexc
 from botocore.config import Config
 
 from .base import (
+    AnswerClock,
     BucketNotFound,
     Buffer,
     ByteRange,
@@ -354,6 +356,7 @@ class S3Store(ObjectStore):
         self._conditional = opts.conditional_put != "never"
         self._closed = False
         self._lock = threading.Lock()
+        self._answers = AnswerClock()  # HEADs answered (``answered_since``)
 
     # -- set-up ------------------------------------------------------------------------
     def _make_client(self, addressing_style: str) -> Any:
@@ -446,6 +449,7 @@ class S3Store(ObjectStore):
     # -- HEAD --------------------------------------------------------------------------
     def _head_one(self, key: str) -> ObjectInfo | None | StoreError:
         def attempt() -> ObjectInfo | None:
+            asked = time.monotonic()
             try:
                 r = self._client.head_object(Bucket=self.bucket, Key=key)
             except bexc.ClientError as exc:
@@ -453,8 +457,10 @@ class S3Store(ObjectStore):
                 # answer; note that a missing bucket also reads as 404 here (check_access
                 # tells them apart at start-up).
                 if _error_code(exc)[1] == 404:
+                    self._answers.note(asked)
                     return None
                 raise
+            self._answers.note(asked)
             meta = {k.lower(): v for k, v in (r.get("Metadata") or {}).items()}
             lm = r.get("LastModified")
             return ObjectInfo(key, int(r["ContentLength"]), meta, lm.timestamp() if lm else None)
@@ -467,6 +473,9 @@ class S3Store(ObjectStore):
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
         unique = list(dict.fromkeys(keys))
         return HeadBatch.from_outcomes(unique, self._map(self._head_one, unique))
+
+    def answered_since(self, t: float) -> bool:
+        return self._answers.since(t)
 
     # -- PUT ---------------------------------------------------------------------------
     def put(
