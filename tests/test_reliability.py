@@ -765,6 +765,50 @@ def test_cancelled_parked_request_keeps_its_pages_until_every_rank_let_go() -> N
         _clean(r)
 
 
+def _open_once_computing(engine: Any, rid: int, gate: threading.Event) -> threading.Thread:
+    """Open ``gate`` once request ``rid`` has run a forward (its KV is in its pages)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 30
+        while not gate.is_set() and time.monotonic() < deadline:
+            st = next((x for x in list(engine._live) if x.rid == rid), None)
+            if st is not None and st.computed > 0:
+                gate.set()
+                return
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+def test_a_parked_request_freed_without_a_word_never_has_its_pages_overwritten() -> None:
+    """The flat executor line frees a cancelled request with no connector call, parked or not
+    (``silent_cancel``). R's load on rank 1 still waits on the store when R's client gives up; the
+    engine hands R's pages to the next request at once. The store answers only once that request
+    has computed into them: a copy of R's load landing then would overwrite its KV (the audit at
+    its pages' free catches it). The leader sees R's pages among the new request's and every rank
+    stops R's load before that request's forward; R's id is never returned (nobody waits for it)."""
+    mem, settings = _memory_cold(SMALL)
+    store = _ShardGate(mem)
+    engine = _engine(SMALL, settings, store, "p", silent_cancel=True)
+    prompt = tuple(range(1000, 1000 + 160))  # a miss, as long as R
+    with engine:
+        cancelled = _run(engine, _repeat(workload(SMALL, "A", 0), 1000, cancel_after=3)[:1])
+        assert cancelled.cancelled >= 1 and cancelled.parked >= 1
+        watch = _open_once_computing(engine, 5000, store.gate)
+        nxt = _run(engine, [[SimRequestSpec(5000, prompt, 400)]])  # decodes long after the gate opens
+        watch.join(30)
+        assert store.gate.is_set()
+        time.sleep(0.3)
+        nxt2 = _run(engine, [[SimRequestSpec(5001, prompt[::-1], 8)]])
+        abandoned = engine.leader.core.stats.loads_abandoned
+        stopped = [w.core.stats().parked_loads_abandoned for w in engine.workers]
+    for r in (cancelled, nxt, nxt2):
+        _clean(r)
+    assert abandoned >= 1 and all(n >= 1 for n in stopped), (abandoned, stopped)
+
+
 # --------------------------------------------------------------------------- bugs outside this file
 
 

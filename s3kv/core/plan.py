@@ -114,9 +114,14 @@ class ConnectorMetadata:
     #: The leader's verdict directory on this host (``engine.verdicts``): where ranks past 0 say
     #: which objects they found bad. Empty with one rank.
     verdicts: str = ""
+    #: Parked requests the engine freed without telling the connector (their pages were handed
+    #: to another request): each worker stops their loads before this iteration's forward, and
+    #: never returns their ids.
+    abandoned_ids: frozenset[int] = frozenset()
 
     @property
     def empty(self) -> bool:
         return not (
             self.loads or self.stages or self.seals or self.finish_plans or self.discard_ids or self.releases
+            or self.abandoned_ids
         )

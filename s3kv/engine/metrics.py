@@ -482,7 +482,11 @@ class Metrics:
             )
         for label, name in (("engine_recompute", "rung_engine_recompute"), ("parked_retry", "rung_parked_retry")):
             self._feed(self.failed_load_rungs.labels(label), source, f"rung[{label}]", _first(stats, (name,)))
-        for label, name in (("recovered", "parked_loads_recovered"), ("cancelled", "parked_loads_cancelled")):
+        for label, name in (
+            ("recovered", "parked_loads_recovered"),
+            ("cancelled", "parked_loads_cancelled"),
+            ("abandoned", "parked_loads_abandoned"),
+        ):
             self._feed(self.parked_loads_ended.labels(label), source, f"parked[{label}]", _first(stats, (name,)))
         self._feed(self.uploads_dropped_at_exit, source, "uploads_dropped_at_exit",
                    _first(stats, ("uploads_dropped_at_exit",)))

@@ -164,6 +164,10 @@ class SimEngine:
     detect on such an install. ``process_per_rank``: each rank past 0 joins an engine runtime of
     its own (its own key index, breaker and metrics), as each TensorRT-LLM rank is its own
     process; by default all ranks share the leader's (one process).
+    ``silent_cancel``: a cancelled request is freed with no connector call, parked or not (the
+    flat-API executor line whose ``_handle_canceled_requests`` finishes it and
+    ``_terminate_request`` frees its pages; ``request_finished`` is only called for requests
+    that finished in a scheduled batch). Its pages go to the next allocation at once (LIFO).
     """
 
     def _own_process(self, kwargs: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -193,6 +197,7 @@ class SimEngine:
         connector_kwargs: Mapping[str, Any] | None = None,
         max_mismatch_details: int = 200,
         process_per_rank: bool = True,
+        silent_cancel: bool = False,
     ):
         if tp_size is None:
             tp_size = model.tp_size
@@ -218,6 +223,7 @@ class SimEngine:
         self.extra_allocated_blocks = extra_allocated_blocks
         self.flat = flat
         self.failed_load_hook = failed_load_hook
+        self.silent_cancel = silent_cancel
         self.tpb = config.tokens_per_block
         self.groups: tuple[GroupSpec, ...] = layer_groups(model, config.max_seq_len)
         self._group_of_layer = {layer: g for g in self.groups for layer in g.layer_ids}
@@ -522,7 +528,10 @@ class SimEngine:
         #    them now (update_resources). Their ids reach get_finished in this same iteration.
         finished_gen: list[int] = []
         for st in finished:
-            self._finish(st, it, finished_gen)
+            if st.cancelled and self.silent_cancel:
+                self._terminate_silently(st, it)
+            else:
+                self._finish(st, it, finished_gen)
             progressed = True
 
         # 6. Every iteration the loop runs: get_finished on every rank, then the allgather.
@@ -911,6 +920,17 @@ class SimEngine:
         del st.tokens[st.req.prompt_len :]
         self._waiting.append(st)
         self._waiting.sort(key=lambda x: x.seq)
+
+    def _terminate_silently(self, st: _Req, it: int) -> None:
+        """A cancel on the flat executor line: finished and freed, the connector not told."""
+        st.gen_done = True
+        st.t_done, st.it_done = time.perf_counter(), it
+        if not st.t_first_token:
+            st.t_first_token = st.t_done
+        self._done_ids.add(st.rid)
+        self._live.remove(st)
+        self._release(st)
+        st.phase = _Phase.DONE
 
     def _finish(self, st: _Req, it: int, finished_gen: list[int]) -> None:
         """``_handle_responses``: ``request_finished``; True keeps the pages until every rank returns the id."""

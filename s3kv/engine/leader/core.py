@@ -313,6 +313,10 @@ class LeaderCore:
                 st = self._on_report(rd, first=False)
                 if st is not None:
                     reported.append(st)
+            abandoned = self._loads.abandoned(self._ctx, self._requests, (*new_requests, *cached_requests))
+            for rid in abandoned:
+                del self._requests[rid]
+                self._discards.add(rid)
             loads: list[LoadOp] = []
             async_ids: set[int] = set()
             stages: list[StageOp] = []
@@ -353,6 +357,7 @@ class LeaderCore:
                 releases=tuple(releases),
                 failed_load_ids=broken,
                 verdicts=self._verdicts_path,
+                abandoned_ids=frozenset(abandoned),
             )
 
     def _on_report(self, rd: Any, *, first: bool) -> RequestState | None:

@@ -49,6 +49,8 @@ class LeaderStats:
     partial_block_misses: int = 0
     requests_expired: int = 0
     loads_cancelled_by_engine: int = 0
+    #: Parked requests whose pages the engine handed to another request without telling us.
+    loads_abandoned: int = 0
     honoured_less: int = 0
     #: Smaller honours served by a correct smaller load.
     honoured_less_served: int = 0

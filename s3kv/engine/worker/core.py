@@ -225,6 +225,8 @@ class WorkerCore:
                 return
             if self._verdicts is not None:
                 self._verdicts.attach(metadata.verdicts)
+            for rid in metadata.abandoned_ids:  # before start_load_kv and the forward
+                self._loads.abandon(rid)
             self._saves.bind(metadata)
 
     def start_load_kv(self, stream: Any = None) -> None:

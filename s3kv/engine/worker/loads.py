@@ -293,6 +293,17 @@ class LoadJobs:
             if st.attempts:
                 self.counters.add("parked_loads_cancelled")
 
+    def abandon(self, rid: int) -> None:
+        """The engine freed the parked request's pages without telling us and handed them to
+        another request (the leader saw them among its new pages): no copy of this load may land
+        there from now on -- this runs before the iteration's forward writes the new owner's KV.
+        Its id is never returned: no engine waits for a request it terminated (the engine hands
+        an id once per load, so a replay of the request with a load of its own starts afresh)."""
+        self.parked.pop(rid, None)
+        self._quiesce({rid})
+        self.failed_report.discard(rid)
+        self.counters.add("parked_loads_abandoned")
+
     def parked_now(self) -> int:
         """Requests parked right now while their load is retried (rung 3)."""
         return sum(1 for st in list(self.parked.values()) if st.attempts)

@@ -48,6 +48,8 @@ class WorkerStats:
     rung_parked_retry: int = 0
     parked_loads_recovered: int = 0
     parked_loads_cancelled: int = 0
+    #: Parked loads stopped because the engine gave their pages to another request (LeaderCore).
+    parked_loads_abandoned: int = 0
     #: Requests parked right now while their load is retried (rung 3).
     parked_now: int = 0
     load_retries: int = 0
@@ -99,6 +101,7 @@ def worker_stats(c: Mapping[str, float], s: Any, *, uploads_pending: int, parked
         rung_parked_retry=n("rung_parked_retry"),
         parked_loads_recovered=n("parked_loads_recovered"),
         parked_loads_cancelled=n("parked_loads_cancelled"),
+        parked_loads_abandoned=n("parked_loads_abandoned"),
         parked_now=parked_now,
         load_retries=n("load_retries"),
         objects_quarantined=n("objects_quarantined"),
