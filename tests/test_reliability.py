@@ -809,6 +809,29 @@ def test_a_parked_request_freed_without_a_word_never_has_its_pages_overwritten()
     assert abandoned >= 1 and all(n >= 1 for n in stopped), (abandoned, stopped)
 
 
+def test_a_running_request_freed_without_a_word_leaves_nothing_staged() -> None:
+    """The same executor line cancels a running request with no connector call either: its open
+    objects' staging buffers and the leader's state for it stayed until request_state_ttl_s (an
+    hour), so enough cancelled requests filled the staging pool. A fresh page of it among the next
+    request's new pages ends it: its buffers are released, nothing else is touched."""
+    mem, settings = _memory_cold(SMALL)
+    engine = _engine(SMALL, settings, mem, "p", silent_cancel=True)
+    victim = tuple(range(3000, 3000 + 200))  # a miss: computes and stages its pages
+    with engine:
+        cancelled = _run(engine, [[SimRequestSpec(6000, victim, 64, cancel_after_iterations=10)]])
+        assert cancelled.cancelled == 1
+        staged = [w.core.stats().staging_in_use for w in engine.workers]
+        assert any(staged), "the cancelled request had nothing staged: the test shows nothing"
+        nxt = _run(engine, [[SimRequestSpec(6001, tuple(range(9000, 9000 + 200)), 8)]])
+        left = [w.core.stats().staging_in_use for w in engine.workers]
+        freed = engine.leader.core.stats.requests_freed_silently
+        live = engine.leader.core.active_requests()
+    for r in (cancelled, nxt):
+        _clean(r)
+    assert freed == 1 and live == 0
+    assert left == [0] * len(left), f"staging still held for the cancelled request: {left} bytes"
+
+
 # --------------------------------------------------------------------------- bugs outside this file
 
 

@@ -209,6 +209,11 @@ class Metrics:
         )
         self.hit_tokens = Counter(f"{p}_hit_tokens", "Prompt tokens served from the store.", registry=r)
         self.saved_tokens = Counter(f"{p}_saved_tokens", "Tokens whose KV was saved to the store.", registry=r)
+        self.requests_freed_silently = Counter(
+            f"{p}_requests_freed_silently",
+            "Requests the engine freed with no connector call (a page of theirs went to another request).",
+            registry=r,
+        )
         self.branch_tails = Counter(
             f"{p}_branch_tails", "Sliding-window tails stored at a branch point a lookup found.", registry=r
         )
@@ -435,6 +440,7 @@ class Metrics:
             (self.prompt_tokens, ("prompt_tokens",)),
             (self.saved_tokens, ("tokens_saved",)),
             (self.branch_tails, ("branch_tails",)),
+            (self.requests_freed_silently, ("requests_freed_silently",)),
         ):
             self._feed(metric, source, names[0], _first(stats, names))
         self._feed(

@@ -33,6 +33,7 @@ from .context import LeaderContext
 from .finish import FinishPlanner
 from .loads import LoadPlanner
 from .lookup import Lookups
+from .pages import PageOwners
 from .requests import RequestState
 from .saves import SavePlanner
 from .stats import LeaderStats
@@ -85,6 +86,7 @@ class LeaderCore:
         self._loads = LoadPlanner(settings, self.stats, self._lookups)
         self._saves = SavePlanner(self.stats)
         self._finish = FinishPlanner(self.stats, self.index)
+        self._pages = PageOwners()  # requests freed with no connector call
         # Where ranks past 0 (processes of their own) say which objects they found bad.
         self.verdicts = VerdictBoard.make(self.index, tp_size) if tp_size > 1 else None
 
@@ -226,6 +228,8 @@ class LeaderCore:
             if st is None or ctx is None or st.root is None or st.load.offered_blocks == 0:
                 return
             self._loads.after_alloc(ctx, st, block_ids_by_group, honoured_tokens)
+            if st.load.parked:
+                self._pages.loading(st, st.load.pending, self._requests)
 
     def _expire(self, now: float) -> None:
         """Forget requests the engine has not mentioned for ``request_state_ttl_s``.
@@ -313,10 +317,10 @@ class LeaderCore:
                 st = self._on_report(rd, first=False)
                 if st is not None:
                     reported.append(st)
-            abandoned = self._loads.abandoned(self._ctx, self._requests, (*new_requests, *cached_requests))
-            for rid in abandoned:
-                del self._requests[rid]
-                self._discards.add(rid)
+            if self._ctx is not None:
+                reports = [(rd, True) for rd in new_requests] + [(rd, False) for rd in cached_requests]
+                self._pages.reported(self._ctx.geometry, self._requests, reports, self._pages.gone)
+            abandoned = self._pages.settle(self._requests, self.stats, self._discards)
             loads: list[LoadOp] = []
             async_ids: set[int] = set()
             stages: list[StageOp] = []
@@ -357,7 +361,7 @@ class LeaderCore:
                 releases=tuple(releases),
                 failed_load_ids=broken,
                 verdicts=self._verdicts_path,
-                abandoned_ids=frozenset(abandoned),
+                abandoned_ids=abandoned,
             )
 
     def _on_report(self, rd: Any, *, first: bool) -> RequestState | None:

@@ -10,7 +10,7 @@ for the request (docs/failures.md) -- never a page of garbage.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from ...config import Settings
@@ -89,47 +89,6 @@ class LoadPlanner:
             ld.pending = self._plan(ctx, st, lists)
         except PlanMismatch as e:
             self.broken(st, str(e))
-            return
-        if ld.parked:
-            slots: dict[int, set[int]] = {}
-            for op in ld.pending:
-                slots.setdefault(op.obj.group, set()).update(op.slots)
-            ld.load_slots = {gid: frozenset(s) for gid, s in slots.items()}
-
-    def abandoned(self, ctx: LeaderContext | None, requests: Mapping[int, RequestState], reports: Iterable[Any]) -> set[int]:
-        """Parked requests whose load pages the engine handed to another request in ``reports``.
-
-        Why: some TensorRT-LLM lines free a cancelled request's pages with no connector call
-        (``_handle_canceled_requests`` then ``_terminate_request``; no ``request_finished``),
-        parked or not. A parked request's load still runs -- on the merged line it retries for as
-        long as its objects fail (rung 3) -- and a copy landing after its pages went to another
-        request would overwrite that request's KV: a wrong answer. A page of a parked load in
-        another request's new pages is the one sign the connector gets; the workers then stop
-        the load before this iteration's forward writes the new owner's KV. Nothing else can hand
-        those pages out while the load runs, so a live request is never taken for abandoned.
-        """
-        parked = {rid: st.load.load_slots for rid, st in requests.items() if st.load.parked and st.load.load_slots}
-        if not parked or ctx is None:
-            return set()
-        g = ctx.geometry
-        taken: dict[int, set[int]] = {}
-        reporters: set[int] = set()
-        for rd in reports:
-            reporters.add(rd.request_id)
-            by_group = group_lists(getattr(rd, "new_block_ids_by_layer_group", None), g.num_groups)
-            if not by_group and g.num_groups == 1:
-                by_group = [list(getattr(rd, "new_block_ids", None) or ())]
-            for gid, ids in enumerate(by_group):
-                taken.setdefault(gid, set()).update(ids)
-        out = {
-            rid for rid, slots in parked.items()
-            if rid not in reporters and any(not s.isdisjoint(taken.get(gid, ())) for gid, s in slots.items())
-        }
-        for rid in out:
-            self.stats.loads_abandoned += 1
-            log.warning("s3kv: request %s was freed while its load was parked (its pages went to another "
-                        "request, with no request_finished): its load is stopped", rid, extra={"request_id": rid})
-        return out
 
     def broken(self, st: RequestState, reason: str) -> None:
         """A promise the leader cannot keep: the workers take the failure rung for it."""

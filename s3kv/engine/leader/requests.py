@@ -52,8 +52,6 @@ class LoadState:
     spine_blocks: int = 0
     #: An async load was promised and the request has not been reported since (still parked).
     parked: bool = False
-    #: Group id -> the page slots that load writes into (see ``LeaderCore._abandoned``).
-    load_slots: dict[int, frozenset[int]] = field(default_factory=dict)
     #: The next metadata must declare this request's async load (even with nothing to load).
     declare_async: bool = False
     pending: list[LoadOp] = field(default_factory=list)

@@ -49,8 +49,10 @@ class LeaderStats:
     partial_block_misses: int = 0
     requests_expired: int = 0
     loads_cancelled_by_engine: int = 0
-    #: Parked requests whose pages the engine handed to another request without telling us.
+    #: Requests the engine freed with no connector call (a page of theirs went to another
+    #: request, ``pages.py``): parked ones (their loads stopped) and running ones.
     loads_abandoned: int = 0
+    requests_freed_silently: int = 0
     honoured_less: int = 0
     #: Smaller honours served by a correct smaller load.
     honoured_less_served: int = 0

@@ -1,0 +1,114 @@
+"""Who holds each page: requests the engine freed without telling the connector.
+
+Why: some TensorRT-LLM lines end a cancelled request (and one ``_handle_errors`` fails) by
+finishing and freeing it with no connector call -- ``request_finished`` is called only for
+requests that finished in a scheduled batch. For a request whose async load is still parked,
+that is a wrong answer waiting to happen: its load keeps running (on the merged line it retries
+for as long as its objects fail, rung 3), and a copy landing after the pages went to another
+request overwrites that request's KV. For a running request it is a leak: its leader state and
+the workers' staging buffers of its open objects stay until ``request_state_ttl_s``, and enough
+cancels fill the staging pool (saves dropped, loads off pinned memory).
+
+The one sign the connector gets is a page of such a request among another request's new pages.
+So the leader records, per layer group with full attention, which request it last saw given each
+page: a request's *fresh* pages only -- the ones it was allocated for itself (past its device
+match on its first report, every page of later reports, the pages its parked load writes). A
+device-matched page may be shared with live requests (block reuse), and a sliding group frees
+pages of live requests as the window moves, so neither says anything. A fresh page of a live
+request cannot be given to another while it lives; when the record says it was, the request is
+gone.
+
+An owner is recorded with its request state object and that state's ``lists_epoch``: a replayed
+request (a new state, or its block lists reported anew) is a new owner, and what was recorded of
+its earlier allocation is stale, never evidence. Records are never removed, only overwritten:
+there is at most one per page slot of the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+from ...core.layout import CacheGeometry
+from ...core.plan import LoadOp
+from .requests import RequestState, group_lists
+from .stats import LeaderStats
+
+log = logging.getLogger("s3kv.leader")
+
+#: (group id, page slot) -> (the request state it was last given to, that state's lists_epoch)
+_Owner = tuple[RequestState, int]
+
+
+class PageOwners:
+    def __init__(self) -> None:
+        self._owner: dict[tuple[int, int], _Owner] = {}
+        #: Requests found gone since the last metadata (claims made while scheduling).
+        self.gone: set[int] = set()
+
+    def loading(self, st: RequestState, ops: Iterable[LoadOp], live: Mapping[int, RequestState]) -> None:
+        """A parked load was planned: the pages it writes are ``st``'s (every group: a parked
+        request's window does not move)."""
+        for op in ops:
+            self.claim(st, op.obj.group, op.slots, self.gone, live)
+
+    def claim(self, st: RequestState | None, group_id: int, slots: Iterable[int], gone: set[int],
+              live: Mapping[int, RequestState], *, record: bool = True) -> None:
+        """Add to ``gone`` every other request ``live`` still holds that was recorded holding one
+        of ``slots`` of ``group_id``; with ``record`` (and a request state), record ``st`` as
+        their holder now."""
+        owner = self._owner
+        me = (st, st.lists_epoch) if st is not None and record else None
+        for slot in slots:
+            if slot < 0:
+                continue
+            key = (group_id, slot)
+            prev = owner.get(key)
+            if prev is not None and prev[0] is not st:
+                o, epoch = prev
+                if live.get(o.request_id) is o and o.lists_epoch == epoch:
+                    gone.add(o.request_id)
+            if me is not None:
+                owner[key] = me
+
+    def reported(self, geometry: CacheGeometry, live: Mapping[int, RequestState], reports: Sequence[tuple[Any, bool]],
+                 gone: set[int]) -> None:
+        """Claim the fresh pages of this iteration's reports ``(RequestData, first)`` (after all of
+        them were folded, so a replay's new epoch is in place whatever the order)."""
+        tpb = geometry.tokens_per_block
+        for rd, first in reports:
+            st = live.get(rd.request_id)  # None: a request we keep nothing of; its pages still tell
+            by_group = group_lists(getattr(rd, "new_block_ids_by_layer_group", None), geometry.num_groups)
+            if not by_group and geometry.num_groups == 1:
+                by_group = [list(getattr(rd, "new_block_ids", None) or ())]
+            # A first report lists every page from ordinal 0: the device match's may be shared.
+            start = math.ceil(int(getattr(rd, "computed_position", 0) or 0) / tpb) if first else 0
+            for g in geometry.groups:
+                if g.group_id < len(by_group):
+                    # A sliding group frees a live request's pages as its window moves: such a
+                    # page is checked against the parked loads recorded for it, never recorded.
+                    self.claim(st, g.group_id, by_group[g.group_id][start:], gone, live, record=not g.is_sliding)
+
+    def settle(self, requests: MutableMapping[int, RequestState], stats: LeaderStats, discards: set[int]) -> frozenset[int]:
+        """Forget the requests found gone (their workers drop what they staged for them); the
+        ones whose load was parked, which every worker must stop before this iteration's forward."""
+        abandoned: set[int] = set()
+        for rid in sorted(self.gone):
+            st = requests.pop(rid, None)
+            if st is None:
+                continue
+            discards.add(rid)
+            if st.load.parked:
+                abandoned.add(rid)
+                stats.loads_abandoned += 1
+            else:
+                stats.requests_freed_silently += 1
+            log.warning(
+                "s3kv: request %s was freed with no connector call (a page of it went to another request)%s",
+                rid, "; its parked load is stopped" if st.load.parked else "; its unsaved pages are dropped",
+                extra={"request_id": rid},
+            )
+        self.gone.clear()
+        return frozenset(abandoned)

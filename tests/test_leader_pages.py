@@ -1,0 +1,97 @@
+"""Requests the engine freed with no connector call (s3kv/engine/leader/pages.py).
+
+A fresh page of a live request -- past its device match, of a full-attention group, or written by
+its parked load -- among another request's new pages means the engine freed it. Nothing else may
+count: pages shared by block reuse, sliding pages a moving window freed, a replay's earlier pages,
+a request that ended normally. A false alarm would drop a live request's saves (or stop its load);
+a missed one lets a parked load overwrite another request's KV.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from test_leader_plan import FULL, SLIDING, TPB, geometry
+
+from s3kv.core.plan import LoadOp, ObjectRef
+from s3kv.engine.leader.pages import PageOwners
+from s3kv.engine.leader.requests import RequestState
+from s3kv.engine.leader.stats import LeaderStats
+
+
+def _state(rid: int) -> RequestState:
+    return RequestState(rid, b"r" * 16, None, [], 0)
+
+
+def _report(rid: int, full: list[int], sliding: list[int] | None = None, computed: int = 0) -> SimpleNamespace:
+    lists = [[], []]
+    lists[FULL], lists[SLIDING] = full, sliding or []
+    return SimpleNamespace(request_id=rid, new_block_ids_by_layer_group=lists, computed_position=computed)
+
+
+def _seen(pages: PageOwners, live: dict[int, RequestState], *reports: tuple[SimpleNamespace, bool]) -> set[int]:
+    gone: set[int] = set()
+    pages.reported(geometry(), live, list(reports), gone)
+    return gone
+
+
+def test_a_fresh_page_given_to_another_request_means_its_holder_is_gone() -> None:
+    pages, x, y = PageOwners(), _state(1), _state(2)
+    live = {1: x, 2: y}
+    assert _seen(pages, live, (_report(1, [10, 11, 12, 13]), True)) == set()
+    assert _seen(pages, live, (_report(2, [13, 30]), True)) == {1}
+
+
+def test_pages_shared_by_block_reuse_say_nothing() -> None:
+    """Y's device match (two blocks) is X's prefix: those pages are shared, X lives."""
+    pages, x, y = PageOwners(), _state(1), _state(2)
+    live = {1: x, 2: y}
+    _seen(pages, live, (_report(1, [10, 11, 12, 13]), True))
+    assert _seen(pages, live, (_report(2, [10, 11, 20, 21], computed=2 * TPB), True)) == set()
+    # A device match ending mid-block: its last, partly matched page is no evidence either.
+    assert _seen(pages, live, (_report(3, [10, 11, 12, 22], computed=2 * TPB + 1), True)) == set()
+
+
+def test_sliding_pages_of_running_requests_say_nothing() -> None:
+    """The window moves: the engine frees a live request's sliding pages and hands them out."""
+    pages, x, y = PageOwners(), _state(1), _state(2)
+    live = {1: x, 2: y}
+    _seen(pages, live, (_report(1, [10, 11], sliding=[50, 51]), True))
+    assert _seen(pages, live, (_report(2, [20], sliding=[50]), True)) == set()
+
+
+def test_a_parked_loads_pages_are_its_own_in_every_group() -> None:
+    """A parked request's window does not move: a sliding page its load writes, given to
+    another request, means it was freed."""
+    pages, z, y = PageOwners(), _state(7), _state(2)
+    live = {7: z, 2: y}
+    pages.loading(z, [LoadOp(7, ObjectRef(SLIDING, b"d" * 16, ((0, 2),)), (0, 1), (60, 61))], live)
+    assert pages.gone == set()
+    assert _seen(pages, live, (_report(2, [20], sliding=[61]), True)) == {7}
+
+
+def test_a_replay_or_a_finished_request_is_no_holder() -> None:
+    pages, x, y = PageOwners(), _state(1), _state(2)
+    live = {1: x, 2: y}
+    _seen(pages, live, (_report(1, [10, 11]), True))
+    # X replayed: its lists come again (a new epoch), with other pages; its old ones go to Y.
+    x.lists_epoch += 1
+    assert _seen(pages, live, (_report(1, [40, 41]), True), (_report(2, [10]), True)) == set()
+    # X ends normally (its state is gone): its pages are anyone's.
+    del live[1]
+    assert _seen(pages, live, (_report(2, [40, 41]), False)) == set()
+    # A request the leader keeps nothing of still tells.
+    live[3] = _state(3)
+    _seen(pages, live, (_report(3, [70]), True))
+    assert _seen(pages, live, (_report(99, [70]), True)) == {3}
+
+
+def test_settle_drops_the_gone_and_names_the_parked() -> None:
+    pages, stats, discards = PageOwners(), LeaderStats(), set()
+    parked, running = _state(1), _state(2)
+    parked.load.parked = True
+    live = {1: parked, 2: running, 3: _state(3)}
+    pages.gone = {1, 2, 4}  # 4: already forgotten
+    assert pages.settle(live, stats, discards) == frozenset({1})
+    assert set(live) == {3} and discards == {1, 2} and pages.gone == set()
+    assert stats.loads_abandoned == 1 and stats.requests_freed_silently == 1
