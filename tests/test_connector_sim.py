@@ -24,6 +24,7 @@ from s3kv.sim import (
     gemma3_like,
     honour_minus_blocks,
     multi_turn_workload,
+    preempt_generation_once,
     preempt_once,
     random_tokens,
     repeat_workload,
@@ -85,6 +86,25 @@ def test_vswa_cold_then_warm_is_bit_exact(load_mode, tp, chunk):
     assert warm.hit_rate >= 0.9, warm.summary()
     assert warm.pages_checked > 0
     assert all(r.loaded_async == (load_mode == "async") for r in warm.requests if r.matched_tokens)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_request_preempted_while_generating_replays_exact(tp):
+    """KVCacheManagerV2 may pause a generating request for recompute: its pages are freed with no
+    connector call, its tokens so far become its prompt and it is looked up and reported anew
+    under the same id. Nothing of the first attempt may leak into the replay, and what either
+    attempt saved must serve a later engine bit-exact."""
+    specs = multi_turn_workload(n_conversations=2, turns=2, system_len=160, first_len=96, turn_len=64,
+                                max_new_tokens=40)
+    store = MemoryStore()
+    eng = make_engine(store, gemma3_like(64, kv_heads=2), tp=tp, chunk=48)
+    eng.preempt_generation_hook = preempt_generation_once(after_tokens=20)
+    cold = run(eng, specs)
+    assert cold.kv_mismatches == 0 and cold.guard_violations == 0
+    assert all(r.replays == 1 for r in cold.requests)
+    assert eng.leader.core.active_requests() == 0
+    warm = run(make_engine(store, gemma3_like(64, kv_heads=2), tp=tp, chunk=48), repeat_workload(specs, 10_000))
+    assert warm.kv_mismatches == 0 and warm.hit_rate >= 0.9, warm.summary()
 
 
 def test_flat_single_group_layout():

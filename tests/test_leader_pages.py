@@ -30,9 +30,9 @@ def _report(rid: int, full: list[int], sliding: list[int] | None = None, compute
 
 
 def _seen(pages: PageOwners, live: dict[int, RequestState], *reports: tuple[SimpleNamespace, bool]) -> set[int]:
-    gone: set[int] = set()
+    gone: dict = {}
     pages.reported(geometry(), live, list(reports), gone)
-    return gone
+    return set(gone)
 
 
 def test_a_fresh_page_given_to_another_request_means_its_holder_is_gone() -> None:
@@ -66,7 +66,7 @@ def test_a_parked_loads_pages_are_its_own_in_every_group() -> None:
     pages, z, y = PageOwners(), _state(7), _state(2)
     live = {7: z, 2: y}
     pages.loading(z, [LoadOp(7, ObjectRef(SLIDING, b"d" * 16, ((0, 2),)), (0, 1), (60, 61))], live)
-    assert pages.gone == set()
+    assert pages.gone == {}
     assert _seen(pages, live, (_report(2, [20], sliding=[61]), True)) == {7}
 
 
@@ -88,10 +88,28 @@ def test_a_replay_or_a_finished_request_is_no_holder() -> None:
 
 def test_settle_drops_the_gone_and_names_the_parked() -> None:
     pages, stats, discards = PageOwners(), LeaderStats(), set()
-    parked, running = _state(1), _state(2)
+    parked, running, forgotten = _state(1), _state(2), _state(4)
     parked.load.parked = True
     live = {1: parked, 2: running, 3: _state(3)}
-    pages.gone = {1, 2, 4}  # 4: already forgotten
+    pages.gone = {1: (parked, 0), 2: (running, 0), 4: (forgotten, 0)}  # 4: already forgotten
     assert pages.settle(live, stats, discards) == frozenset({1})
-    assert set(live) == {3} and discards == {1, 2} and pages.gone == set()
+    assert set(live) == {3} and discards == {1, 2} and pages.gone == {}
     assert stats.loads_abandoned == 1 and stats.requests_freed_silently == 1
+
+
+def test_a_request_replayed_before_the_metadata_is_not_the_one_dropped() -> None:
+    """Found gone while scheduling (a page of it in another request's parked load), then looked up
+    again under the same id before the metadata (V2 pauses generating requests for recompute, with
+    no connector call): the replay's state is live and its load must run. Dropped by id, it was
+    stopped and never returned -- the engine waited for it for ever."""
+    pages, stats, discards = PageOwners(), LeaderStats(), set()
+    old, other = _state(2), _state(0)
+    live = {2: old, 0: other}
+    _seen(pages, live, (_report(2, [447, 448]), True))
+    pages.loading(other, [LoadOp(0, ObjectRef(FULL, b"d" * 16, ((0, 1),)), (0,), (447,))], live)
+    assert set(pages.gone) == {2}
+    replay = _state(2)
+    replay.load.parked = True
+    live[2] = replay  # get_num_new_matched_tokens: a new lookup, a new state
+    assert pages.settle(live, stats, discards) == frozenset()
+    assert live[2] is replay and discards == set() and stats.loads_abandoned == 0

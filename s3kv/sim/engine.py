@@ -60,6 +60,8 @@ from .request import SimLlmRequest, SimRequestSpec
 Honour = Callable[[int], int]
 # (request_id, context chunks done in this attempt, attempt) -> preempt now?
 PreemptHook = Callable[[int, int, int], bool]
+# (request_id, tokens generated so far, attempt) -> preempt now, during generation?
+PreemptGenerationHook = Callable[[int, int, int], bool]
 # (request_id, attempt) -> discard this async load's result and recompute?
 DiscardHook = Callable[[int, int], bool]
 
@@ -164,6 +166,10 @@ class SimEngine:
     detect on such an install. ``process_per_rank``: each rank past 0 joins an engine runtime of
     its own (its own key index, breaker and metrics), as each TensorRT-LLM rank is its own
     process; by default all ranks share the leader's (one process).
+    ``preempt_generation_hook`` preempts a request during generation as KVCacheManagerV2 may
+    (``_terminate_recompute_paused_requests`` frees its pages, ``reset_for_recompute`` folds the
+    generated tokens into its prompt; no connector call): it is re-admitted with the longer
+    prompt, looked up and reported anew under the same id.
     ``silent_cancel``: a cancelled request is freed with no connector call, parked or not (the
     flat-API executor line whose ``_handle_canceled_requests`` finishes it and
     ``_terminate_request`` frees its pages; ``request_finished`` is only called for requests
@@ -198,6 +204,7 @@ class SimEngine:
         max_mismatch_details: int = 200,
         process_per_rank: bool = True,
         silent_cancel: bool = False,
+        preempt_generation_hook: PreemptGenerationHook | None = None,
     ):
         if tp_size is None:
             tp_size = model.tp_size
@@ -224,6 +231,7 @@ class SimEngine:
         self.flat = flat
         self.failed_load_hook = failed_load_hook
         self.silent_cancel = silent_cancel
+        self.preempt_generation_hook = preempt_generation_hook
         self.tpb = config.tokens_per_block
         self.groups: tuple[GroupSpec, ...] = layer_groups(model, config.max_seq_len)
         self._group_of_layer = {layer: g for g in self.groups for layer in g.layer_ids}
@@ -881,6 +889,12 @@ class SimEngine:
         self._free_left_window(st)
         if st.generated >= st.spec.max_new_tokens:
             finished.append(st)
+        elif (
+            not is_ctx
+            and self.preempt_generation_hook is not None
+            and self.preempt_generation_hook(st.rid, st.generated, st.attempt)
+        ):
+            self._preempt_generation(st)
 
     def _free_left_window(self, st: _Req) -> None:
         for gi, g in enumerate(self.groups):
@@ -918,6 +932,19 @@ class SimEngine:
         st.computed = 0
         st.check_pending = False
         del st.tokens[st.req.prompt_len :]
+        self._waiting.append(st)
+        self._waiting.sort(key=lambda x: x.seq)
+
+    def _preempt_generation(self, st: _Req) -> None:
+        """V2 pauses a generating request for recompute: pages freed, the tokens so far become
+        its prompt (``reset_for_recompute``), re-admitted from scratch; no connector call."""
+        self._release(st)
+        self._live.remove(st)
+        st.phase = _Phase.WAITING
+        st.attempt += 1
+        st.computed = 0
+        st.check_pending = False
+        st.req.prompt_len = len(st.tokens)
         self._waiting.append(st)
         self._waiting.sort(key=lambda x: x.seq)
 

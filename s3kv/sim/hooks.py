@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from .engine import DiscardHook, Honour, PreemptHook
+from .engine import DiscardHook, Honour, PreemptGenerationHook, PreemptHook
 
 
 def honour_minus_blocks(blocks: int, tokens_per_block: int) -> Honour:
@@ -24,6 +24,17 @@ def preempt_once(after_chunks: int = 1, request_ids: Collection[int] | None = No
         if request_ids is not None and request_id not in request_ids:
             return False
         return attempt == 0 and chunks_done == after_chunks
+
+    return hook
+
+
+def preempt_generation_once(after_tokens: int = 1, request_ids: Collection[int] | None = None) -> PreemptGenerationHook:
+    """Preempt each (selected) request once during generation, after its ``after_tokens``-th token."""
+
+    def hook(request_id: int, generated: int, attempt: int) -> bool:
+        if request_ids is not None and request_id not in request_ids:
+            return False
+        return attempt == 0 and generated == after_tokens
 
     return hook
 

@@ -20,8 +20,11 @@ gone.
 
 An owner is recorded with its request state object and that state's ``lists_epoch``: a replayed
 request (a new state, or its block lists reported anew) is a new owner, and what was recorded of
-its earlier allocation is stale, never evidence. Records are never removed, only overwritten:
-there is at most one per page slot of the pool.
+its earlier allocation is stale, never evidence. What is found gone is dropped by that state, not
+by id: KVCacheManagerV2 pauses generating requests for recompute with no connector call, and one
+found gone while scheduling may be looked up again under the same id before the metadata -- that
+replay's load must run (stopped, its id was never returned and the engine waited for ever).
+Records are never removed, only overwritten: there is at most one per page slot of the pool.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ _Owner = tuple[RequestState, int]
 class PageOwners:
     def __init__(self) -> None:
         self._owner: dict[tuple[int, int], _Owner] = {}
-        #: Requests found gone since the last metadata (claims made while scheduling).
-        self.gone: set[int] = set()
+        #: Requests found gone since the last metadata (claims made while scheduling), by id: the
+        #: state and epoch found gone -- by the time of the metadata the id may name a replay.
+        self.gone: dict[int, _Owner] = {}
 
     def loading(self, st: RequestState, ops: Iterable[LoadOp], live: Mapping[int, RequestState]) -> None:
         """A parked load was planned: the pages it writes are ``st``'s (every group: a parked
@@ -54,7 +58,7 @@ class PageOwners:
         for op in ops:
             self.claim(st, op.obj.group, op.slots, self.gone, live)
 
-    def claim(self, st: RequestState | None, group_id: int, slots: Iterable[int], gone: set[int],
+    def claim(self, st: RequestState | None, group_id: int, slots: Iterable[int], gone: dict[int, _Owner],
               live: Mapping[int, RequestState], *, record: bool = True) -> None:
         """Add to ``gone`` every other request ``live`` still holds that was recorded holding one
         of ``slots`` of ``group_id``; with ``record`` (and a request state), record ``st`` as
@@ -69,12 +73,12 @@ class PageOwners:
             if prev is not None and prev[0] is not st:
                 o, epoch = prev
                 if live.get(o.request_id) is o and o.lists_epoch == epoch:
-                    gone.add(o.request_id)
+                    gone[o.request_id] = prev
             if me is not None:
                 owner[key] = me
 
     def reported(self, geometry: CacheGeometry, live: Mapping[int, RequestState], reports: Sequence[tuple[Any, bool]],
-                 gone: set[int]) -> None:
+                 gone: dict[int, _Owner]) -> None:
         """Claim the fresh pages of this iteration's reports ``(RequestData, first)`` (after all of
         them were folded, so a replay's new epoch is in place whatever the order)."""
         tpb = geometry.tokens_per_block
@@ -95,10 +99,10 @@ class PageOwners:
         """Forget the requests found gone (their workers drop what they staged for them); the
         ones whose load was parked, which every worker must stop before this iteration's forward."""
         abandoned: set[int] = set()
-        for rid in sorted(self.gone):
-            st = requests.pop(rid, None)
-            if st is None:
-                continue
+        for rid, (st, epoch) in sorted(self.gone.items(), key=lambda kv: kv[0]):
+            if requests.get(rid) is not st or st.lists_epoch != epoch:
+                continue  # ended, or replayed (a new lookup, new lists) since it was found gone
+            del requests[rid]
             discards.add(rid)
             if st.load.parked:
                 abandoned.add(rid)
