@@ -1011,10 +1011,10 @@ class SimEngine:
         return SimHang(f"{why}. Stuck: {detail}", stuck)
 
     def _request_report(self, st: _Req) -> RequestReport:
-        plen = st.req.prompt_len
+        plen = st.req.prompt_len  # the last attempt's: a generating request's replay folds its tokens in
         return RequestReport(
             request_id=st.rid,
-            prompt_tokens=plen,
+            prompt_tokens=len(st.spec.prompt),
             device_match_tokens=st.device_match,
             offered_tokens=st.offered,
             matched_tokens=0 if st.discarded else st.honoured,
@@ -1022,7 +1022,7 @@ class SimEngine:
             loaded_async=st.ever_async,
             discarded=st.discarded,
             replays=st.attempt,
-            output_tokens=tuple(st.tokens[plen:]),
+            output_tokens=tuple(st.tokens[len(st.spec.prompt) :]),
             ttft_s=st.t_first_token - st.t_admit,
             latency_s=st.t_done - st.t_admit,
             admitted_iteration=st.it_admit,
