@@ -41,13 +41,14 @@ from .stats import LeaderStats
 
 log = logging.getLogger("s3kv.leader")
 
-#: (group id, page slot) -> (the request state it was last given to, that state's lists_epoch)
+#: The request state a page was last given to, and that state's lists_epoch then.
 _Owner = tuple[RequestState, int]
 
 
 class PageOwners:
     def __init__(self) -> None:
-        self._owner: dict[tuple[int, int], _Owner] = {}
+        #: group id -> page slot -> owner
+        self._owner: dict[int, dict[int, _Owner]] = {}
         #: Requests found gone since the last metadata (claims made while scheduling), by id: the
         #: state and epoch found gone -- by the time of the metadata the id may name a replay.
         self.gone: dict[int, _Owner] = {}
@@ -63,37 +64,40 @@ class PageOwners:
         """Add to ``gone`` every other request ``live`` still holds that was recorded holding one
         of ``slots`` of ``group_id``; with ``record`` (and a request state), record ``st`` as
         their holder now."""
-        owner = self._owner
-        me = (st, st.lists_epoch) if st is not None and record else None
-        for slot in slots:
-            if slot < 0:
-                continue
-            key = (group_id, slot)
-            prev = owner.get(key)
+        owner = self._owner.setdefault(group_id, {})
+        slots = list(slots)
+        # In C where it can be: a 128k-token prompt's first report lists 4,096 pages per group, on
+        # the engine's scheduling thread. (No page slot is negative in the map: -1 finds nothing.)
+        for prev in map(owner.get, slots):
             if prev is not None and prev[0] is not st:
                 o, epoch = prev
                 if live.get(o.request_id) is o and o.lists_epoch == epoch:
                     gone[o.request_id] = prev
-            if me is not None:
-                owner[key] = me
+        if st is not None and record:
+            owner.update(dict.fromkeys(slots, (st, st.lists_epoch)))
+            owner.pop(-1, None)  # BAD_PAGE_INDEX: no page
 
     def reported(self, geometry: CacheGeometry, live: Mapping[int, RequestState], reports: Sequence[tuple[Any, bool]],
                  gone: dict[int, _Owner]) -> None:
         """Claim the fresh pages of this iteration's reports ``(RequestData, first)`` (after all of
         them were folded, so a replay's new epoch is in place whatever the order)."""
-        tpb = geometry.tokens_per_block
+        tpb, n = geometry.tokens_per_block, geometry.num_groups
+        sliding = {g.group_id: g.is_sliding for g in geometry.groups}
         for rd, first in reports:
+            raw = getattr(rd, "new_block_ids_by_layer_group", None)
+            by_group: Sequence[Sequence[int]] = raw if isinstance(raw, list) else group_lists(raw, n)
+            if not by_group and n == 1:
+                by_group = [getattr(rd, "new_block_ids", None) or ()]
+            if not any(by_group):  # most reports: a decode step that needed no new page
+                continue
             st = live.get(rd.request_id)  # None: a request we keep nothing of; its pages still tell
-            by_group = group_lists(getattr(rd, "new_block_ids_by_layer_group", None), geometry.num_groups)
-            if not by_group and geometry.num_groups == 1:
-                by_group = [list(getattr(rd, "new_block_ids", None) or ())]
             # A first report lists every page from ordinal 0: the device match's may be shared.
             start = math.ceil(int(getattr(rd, "computed_position", 0) or 0) / tpb) if first else 0
-            for g in geometry.groups:
-                if g.group_id < len(by_group):
+            for gid in range(min(n, len(by_group))):
+                if len(by_group[gid]) > start and gid in sliding:
                     # A sliding group frees a live request's pages as its window moves: such a
                     # page is checked against the parked loads recorded for it, never recorded.
-                    self.claim(st, g.group_id, by_group[g.group_id][start:], gone, live, record=not g.is_sliding)
+                    self.claim(st, gid, by_group[gid][start:], gone, live, record=not sliding[gid])
 
     def settle(self, requests: MutableMapping[int, RequestState], stats: LeaderStats, discards: set[int]) -> frozenset[int]:
         """Forget the requests found gone (their workers drop what they staged for them); the
