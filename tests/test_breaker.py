@@ -392,3 +392,54 @@ def test_promised_reads_are_attempted_whatever_the_state():
     with pytest.raises(StoreError):
         reads.get_ranges(mem_key, [ByteRange(0, 3)])
     assert breaker.consecutive_failures == 1 and breaker.state is OPEN
+
+
+def test_an_excused_timeout_frees_a_half_open_probe_slot_once():
+    """A probe's wave late on this side (the store answers HEADs asked since) is excused: its slot
+    is freed then, and its own late settle must not free another -- found by review: a second
+    probe was then joined by a third while still in flight, past ``half_open_probes``."""
+    import time
+
+    from s3kv.store.base import HeadBatch
+
+    class Inner(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gates: dict[str, threading.Event] = {}
+            self.fail = True
+
+        def head_many(self, keys):
+            if self.fail:
+                raise StoreError("down")
+            gate = self.gates.get(keys[0])
+            if gate is not None:
+                gate.wait(5)
+            return HeadBatch({}, frozenset(keys), {})
+
+        def answered_since(self, t: float) -> bool:
+            return True  # another helper's shares keep being answered
+
+    now = [0.0]
+    inner = Inner()
+    b = CircuitBreakerStore(inner, BreakerPolicy(failures=1, reset_s=1.0, half_open_probes=1), clock=lambda: now[0])
+    with pytest.raises(StoreError):
+        b.head_many(["x"])  # one failed call: open
+    assert b.state is BreakerState.OPEN
+    inner.fail, now[0] = False, 2.0
+    first, second = threading.Event(), threading.Event()
+    inner.gates = {"p1": first, "p2": second}
+    t1 = threading.Thread(target=b.head_many, args=(["p1"],))
+    t1.start()
+    time.sleep(0.1)
+    b.note_timeout("head")  # excused; the slot is free again
+    assert b.timeouts_excused == 1
+    t2 = threading.Thread(target=b.head_many, args=(["p2"],))
+    t2.start()
+    time.sleep(0.1)
+    first.set()
+    t1.join(5)  # the late first probe settles: nothing more
+    third = b.head_many(["p3"])  # probe 2 still holds the only slot: refused at once
+    assert set(third.failed) == {"p3"} and isinstance(third.failed["p3"], StoreUnavailable)
+    second.set()
+    t2.join(5)
+    assert b.state is BreakerState.CLOSED  # probe 2 answered

@@ -809,6 +809,60 @@ def test_a_parked_request_freed_without_a_word_never_has_its_pages_overwritten()
     assert abandoned >= 1 and all(n >= 1 for n in stopped), (abandoned, stopped)
 
 
+def test_a_metadata_that_fails_to_build_still_stops_a_freed_requests_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The iteration that finds R freed drops R's state; if building that metadata then fails,
+    the adapter's fail-safe metadata goes out instead -- and must carry R's stop, since nothing
+    finds R again (found by review: 6 pages of the next request overwritten)."""
+    from s3kv.engine.leader import finish as finish_mod
+    from s3kv.engine.leader import pages as pages_mod
+
+    armed, fired = [False], []
+    settle = pages_mod.PageOwners.settle
+
+    def settle_then_arm(self: Any, *a: Any) -> None:
+        settle(self, *a)
+        if self.abandoned and not fired:
+            armed[0] = True
+
+    plans = finish_mod.FinishPlanner.changed_plans
+
+    def fail_once(self: Any, *a: Any, **k: Any) -> Any:
+        if armed[0]:
+            armed[0] = False
+            fired.append(1)
+            raise RuntimeError("injected: building this metadata failed")
+        return plans(self, *a, **k)
+
+    from s3kv.engine.leader import LeaderCore
+
+    safe: list[Any] = []
+    fail_safe = LeaderCore.fail_safe_meta
+
+    def record_fail_safe(self: Any) -> Any:
+        safe.append(fail_safe(self))
+        return safe[-1]
+
+    monkeypatch.setattr(pages_mod.PageOwners, "settle", settle_then_arm)
+    monkeypatch.setattr(finish_mod.FinishPlanner, "changed_plans", fail_once)
+    monkeypatch.setattr(LeaderCore, "fail_safe_meta", record_fail_safe)
+    mem, settings = _memory_cold(SMALL)
+    store = _ShardGate(mem)
+    engine = _engine(SMALL, settings, store, "p", silent_cancel=True)
+    prompt = tuple(range(1000, 1000 + 160))
+    with engine:
+        cancelled = _run(engine, _repeat(workload(SMALL, "A", 0), 1000, cancel_after=3)[:1])
+        watch = _open_once_computing(engine, 5000, store.gate)
+        nxt = _run(engine, [[SimRequestSpec(5000, prompt, 400)]])
+        watch.join(30)
+        stopped = [w.core.stats().parked_loads_abandoned for w in engine.workers]
+    assert fired, "the injected failure never ran: the test shows nothing"
+    for r in (cancelled, nxt):
+        _clean(r)
+    assert all(n >= 1 for n in stopped), stopped
+    # The stop went out in the very metadata of that iteration, before its forward.
+    assert len(safe) == 1 and safe[0].abandoned_ids, safe
+
+
 def test_a_running_request_freed_without_a_word_leaves_nothing_staged() -> None:
     """The same executor line cancels a running request with no connector call either: its open
     objects' staging buffers and the leader's state for it stayed until request_state_ttl_s (an

@@ -370,12 +370,12 @@ class CircuitBreakerStore(StoreWrapper):
             if late is not None:
                 late.timed_out = True
             probe = late is not None and late.probe
-        ticket = _Probe(probe, late.epoch if late is not None else -1)
         if late is not None and self.inner.answered_since(late.asked_at):
             self.timeouts_excused += 1
-            self._settle(ticket, None)  # neither way (a probe's slot is freed)
+            # Settled now, neither way (a probe's slot freed once): its late outcome settles nothing.
+            self._settle(late, None)
         else:
-            self._settle(ticket, False, f"{op} timed out in the caller")
+            self._settle(_Probe(probe, late.epoch if late is not None else -1), False, f"{op} timed out in the caller")
         self.inner.note_timeout(op, key)
 
     def delete_many(self, keys: Sequence[str]) -> None:

@@ -297,9 +297,10 @@ class LeaderCore:
                     self._loads.broken(st, "building the connector metadata failed")
                     st.load.declare_async = False
                 st.saves.stages, st.saves.seals = [], []
+            self._pages.settle(self._requests, self.stats, self._discards)
             return ConnectorMetadata(
                 iteration=self._iteration, async_load_ids=frozenset(async_ids), failed_load_ids=self._loads.take_failed(),
-                verdicts=self._verdicts_path,
+                verdicts=self._verdicts_path, abandoned_ids=self._pages.take_abandoned(),
             )
 
     # ------------------------------------------------------------------ per iteration
@@ -320,7 +321,7 @@ class LeaderCore:
             if self._ctx is not None:
                 reports = [(rd, True) for rd in new_requests] + [(rd, False) for rd in cached_requests]
                 self._pages.reported(self._ctx.geometry, self._requests, reports, self._pages.gone)
-            abandoned = self._pages.settle(self._requests, self.stats, self._discards)
+            self._pages.settle(self._requests, self.stats, self._discards)
             loads: list[LoadOp] = []
             async_ids: set[int] = set()
             stages: list[StageOp] = []
@@ -361,7 +362,7 @@ class LeaderCore:
                 releases=tuple(releases),
                 failed_load_ids=broken,
                 verdicts=self._verdicts_path,
-                abandoned_ids=abandoned,
+                abandoned_ids=self._pages.take_abandoned(),
             )
 
     def _on_report(self, rd: Any, *, first: bool) -> RequestState | None:

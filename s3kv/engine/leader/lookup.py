@@ -87,6 +87,7 @@ class Lookups:
         tpb = g.tokens_per_block
         ld = st.load
         ld.d_blocks = num_computed_tokens // tpb
+        ld.device_tokens = num_computed_tokens
         ld.h_blocks = ld.d_blocks
         self.stats.lookups += 1
         if num_computed_tokens % tpb or not store_available:

@@ -10,27 +10,34 @@ the workers' staging buffers of its open objects stay until ``request_state_ttl_
 cancels fill the staging pool (saves dropped, loads off pinned memory).
 
 The one sign the connector gets is a page of such a request among another request's new pages.
-So the leader records, per layer group with full attention, which request it last saw given each
-page: a request's *fresh* pages only -- the ones it was allocated for itself (past its device
-match on its first report, every page of later reports, the pages its parked load writes). A
-device-matched page may be shared with live requests (block reuse), and a sliding group frees
-pages of live requests as the window moves, so neither says anything. A fresh page of a live
-request cannot be given to another while it lives; when the record says it was, the request is
-gone.
+So the leader records which request it last saw given each page, for pages no live request can
+lose while it lives: a parked load's pages (every group: a parked request's window does not move)
+and, of full-attention groups, a request's own prompt pages past its device match. Never:
 
-An owner is recorded with its request state object and that state's ``lists_epoch``: a replayed
-request (a new state, or its block lists reported anew) is a new owner, and what was recorded of
-its earlier allocation is stale, never evidence. What is found gone is dropped by that state, not
-by id: KVCacheManagerV2 pauses generating requests for recompute with no connector call, and one
-found gone while scheduling may be looked up again under the same id before the metadata -- that
-replay's load must run (stopped, its id was never returned and the engine waited for ever).
-Records are never removed, only overwritten: there is at most one per page slot of the pool.
+* device-matched pages -- block reuse shares them with live requests (the device match is the
+  one the lookup was asked about, whatever a first report's ``computed_position`` says);
+* sliding pages of a running request -- the window frees them while it lives;
+* pages past the prompt -- speculative decoding hands out pages for draft tokens and gives them
+  back when the drafts are rejected (``releaseLastBlock``), while the request lives.
+
+Every new page of every report is *checked* against the records; a live holder's page among
+another request's new pages means the engine freed the holder.
+
+An owner is a weak reference to its request state with that state's ``lists_epoch`` (a record
+never keeps a dead request's tokens alive): a replayed request (a new state, or its block lists
+reported anew) is a new owner, and what was recorded of its earlier allocation is stale, never
+evidence. What is found gone is dropped by that state, not by id: KVCacheManagerV2 pauses
+generating requests for recompute with no connector call, and one found gone while scheduling
+may be looked up again under the same id before the metadata -- that replay's load must run
+(stopped, its id was never returned and the engine waited for ever). Records are never removed,
+only overwritten: there is at most one per page slot of the pool.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import weakref
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -41,8 +48,16 @@ from .stats import LeaderStats
 
 log = logging.getLogger("s3kv.leader")
 
-#: The request state a page was last given to, and that state's lists_epoch then.
-_Owner = tuple[RequestState, int]
+#: The request state a page was last given to (weakly), and that state's lists_epoch then.
+_Owner = tuple["weakref.ref[RequestState]", int]
+
+
+def _holder(owner: _Owner, live: Mapping[int, RequestState]) -> RequestState | None:
+    """The state ``owner`` names if it is still the live one, with the same lists; else None."""
+    st = owner[0]()
+    if st is None or live.get(st.request_id) is not st or st.lists_epoch != owner[1]:
+        return None
+    return st
 
 
 class PageOwners:
@@ -52,29 +67,30 @@ class PageOwners:
         #: Requests found gone since the last metadata (claims made while scheduling), by id: the
         #: state and epoch found gone -- by the time of the metadata the id may name a replay.
         self.gone: dict[int, _Owner] = {}
+        #: Parked requests found gone whose loads no metadata has told the workers to stop yet:
+        #: their state is dropped, so nothing would find them again if a metadata failed to build.
+        self.abandoned: set[int] = set()
 
     def loading(self, st: RequestState, ops: Iterable[LoadOp], live: Mapping[int, RequestState]) -> None:
-        """A parked load was planned: the pages it writes are ``st``'s (every group: a parked
-        request's window does not move)."""
+        """A parked load was planned: the pages it writes are ``st``'s."""
         for op in ops:
-            self.claim(st, op.obj.group, op.slots, self.gone, live)
+            self.claim(st, op.obj.group, op.slots, op.slots, self.gone, live)
 
-    def claim(self, st: RequestState | None, group_id: int, slots: Iterable[int], gone: dict[int, _Owner],
-              live: Mapping[int, RequestState], *, record: bool = True) -> None:
+    def claim(self, st: RequestState | None, group_id: int, check: Sequence[int], record: Sequence[int],
+              gone: dict[int, _Owner], live: Mapping[int, RequestState]) -> None:
         """Add to ``gone`` every other request ``live`` still holds that was recorded holding one
-        of ``slots`` of ``group_id``; with ``record`` (and a request state), record ``st`` as
-        their holder now."""
+        of the pages ``check`` of ``group_id``; record ``st`` as the holder of ``record``."""
         owner = self._owner.setdefault(group_id, {})
-        slots = list(slots)
+        me = None if st is None else weakref.ref(st)
         # In C where it can be: a 128k-token prompt's first report lists 4,096 pages per group, on
         # the engine's scheduling thread. (No page slot is negative in the map: -1 finds nothing.)
-        for prev in map(owner.get, slots):
-            if prev is not None and prev[0] is not st:
-                o, epoch = prev
-                if live.get(o.request_id) is o and o.lists_epoch == epoch:
-                    gone[o.request_id] = prev
-        if st is not None and record:
-            owner.update(dict.fromkeys(slots, (st, st.lists_epoch)))
+        for prev in map(owner.get, check):
+            if prev is not None and prev[0] is not me:
+                holder = _holder(prev, live)
+                if holder is not None and holder is not st:
+                    gone[holder.request_id] = prev
+        if st is not None and me is not None and record:
+            owner.update(dict.fromkeys(record, (me, st.lists_epoch)))
             owner.pop(-1, None)  # BAD_PAGE_INDEX: no page
 
     def reported(self, geometry: CacheGeometry, live: Mapping[int, RequestState], reports: Sequence[tuple[Any, bool]],
@@ -93,18 +109,33 @@ class PageOwners:
             st = live.get(rd.request_id)  # None: a request we keep nothing of; its pages still tell
             # A first report lists every page from ordinal 0: the device match's may be shared.
             start = math.ceil(int(getattr(rd, "computed_position", 0) or 0) / tpb) if first else 0
+            if first and st is not None:
+                start = max(start, math.ceil(st.load.device_tokens / tpb))
+            prompt_blocks = math.ceil(st.prompt_len / tpb) if st is not None else 0
             for gid in range(min(n, len(by_group))):
-                if len(by_group[gid]) > start and gid in sliding:
-                    # A sliding group frees a live request's pages as its window moves: such a
-                    # page is checked against the parked loads recorded for it, never recorded.
-                    self.claim(st, gid, by_group[gid][start:], gone, live, record=not sliding[gid])
+                delta = by_group[gid]
+                if len(delta) <= start or gid not in sliding:
+                    continue
+                check = delta[start:]
+                record: Sequence[int] = ()
+                if st is not None and st.root is not None and not sliding[gid]:
+                    # Ordinal of check[0]: this report's pages come last in the lists folded so far.
+                    first_ordinal = start if first else len(st.slots[gid]) - len(delta) if gid < len(st.slots) else 0
+                    record = check[: max(0, prompt_blocks - first_ordinal)]
+                self.claim(st, gid, check, record, gone, live)
 
-    def settle(self, requests: MutableMapping[int, RequestState], stats: LeaderStats, discards: set[int]) -> frozenset[int]:
+    def take_abandoned(self) -> frozenset[int]:
+        """The parked loads every worker must stop before this iteration's forward (once)."""
+        out, self.abandoned = frozenset(self.abandoned), set()
+        return out
+
+    def settle(self, requests: MutableMapping[int, RequestState], stats: LeaderStats, discards: set[int]) -> None:
         """Forget the requests found gone (their workers drop what they staged for them); the
-        ones whose load was parked, which every worker must stop before this iteration's forward."""
-        abandoned: set[int] = set()
-        for rid, (st, epoch) in sorted(self.gone.items(), key=lambda kv: kv[0]):
-            if requests.get(rid) is not st or st.lists_epoch != epoch:
+        parked ones go to ``abandoned``."""
+        abandoned = self.abandoned
+        for rid, owner in sorted(self.gone.items(), key=lambda kv: kv[0]):
+            st = _holder(owner, requests)
+            if st is None:
                 continue  # ended, or replayed (a new lookup, new lists) since it was found gone
             del requests[rid]
             discards.add(rid)
@@ -119,4 +150,3 @@ class PageOwners:
                 extra={"request_id": rid},
             )
         self.gone.clear()
-        return frozenset(abandoned)

@@ -44,6 +44,8 @@ class LoadState:
     """What the lookup offered and what the engine honoured; the loads not yet sent."""
 
     d_blocks: int = 0
+    #: The device match the lookup was asked about, in tokens (may end inside a block).
+    device_tokens: int = 0
     h_blocks: int = 0  # served history after honour (device match + connector)
     offered_blocks: int = 0
     load_async: bool = False

@@ -226,7 +226,10 @@ class WorkerCore:
             if self._verdicts is not None:
                 self._verdicts.attach(metadata.verdicts)
             for rid in metadata.abandoned_ids:  # before start_load_kv and the forward
-                self._loads.abandon(rid)
+                try:
+                    self._loads.abandon(rid)
+                except Exception:  # noqa: BLE001 - the saves below must still be bound
+                    log.exception("s3kv: stopping the load of request %s failed", rid)
             self._saves.bind(metadata)
 
     def start_load_kv(self, stream: Any = None) -> None:
