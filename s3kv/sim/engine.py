@@ -536,10 +536,7 @@ class SimEngine:
         #    them now (update_resources). Their ids reach get_finished in this same iteration.
         finished_gen: list[int] = []
         for st in finished:
-            if st.cancelled and self.silent_cancel:
-                self._terminate_silently(st, it)
-            else:
-                self._finish(st, it, finished_gen)
+            self._finish(st, it, finished_gen, tell=not (st.cancelled and self.silent_cancel))
             progressed = True
 
         # 6. Every iteration the loop runs: get_finished on every rank, then the allgather.
@@ -894,7 +891,7 @@ class SimEngine:
             and self.preempt_generation_hook is not None
             and self.preempt_generation_hook(st.rid, st.generated, st.attempt)
         ):
-            self._preempt_generation(st)
+            self._preempt(st, generating=True)
 
     def _free_left_window(self, st: _Req) -> None:
         for gi, g in enumerate(self.groups):
@@ -923,50 +920,36 @@ class SimEngine:
             self.allocators[gi].unreserve(st.reserved[gi])
             st.reserved[gi] = 0
 
-    def _preempt(self, st: _Req) -> None:
-        """Drop the request mid-prefill; it is re-admitted from scratch (a V2 replay)."""
+    def _preempt(self, st: _Req, *, generating: bool = False) -> None:
+        """Drop the request; it is re-admitted from scratch (a V2 replay), with no connector call.
+        Mid-prefill it replays its prompt; ``generating`` (V2 pausing it for recompute), the
+        tokens so far become its prompt (``reset_for_recompute``)."""
         self._release(st)
         self._live.remove(st)
         st.phase = _Phase.WAITING
         st.attempt += 1
         st.computed = 0
         st.check_pending = False
-        del st.tokens[st.req.prompt_len :]
+        if generating:
+            st.req.prompt_len = len(st.tokens)
+        else:
+            del st.tokens[st.req.prompt_len :]
         self._waiting.append(st)
         self._waiting.sort(key=lambda x: x.seq)
 
-    def _preempt_generation(self, st: _Req) -> None:
-        """V2 pauses a generating request for recompute: pages freed, the tokens so far become
-        its prompt (``reset_for_recompute``), re-admitted from scratch; no connector call."""
-        self._release(st)
-        self._live.remove(st)
-        st.phase = _Phase.WAITING
-        st.attempt += 1
-        st.computed = 0
-        st.check_pending = False
-        st.req.prompt_len = len(st.tokens)
-        self._waiting.append(st)
-        self._waiting.sort(key=lambda x: x.seq)
-
-    def _terminate_silently(self, st: _Req, it: int) -> None:
-        """A cancel on the flat executor line: finished and freed, the connector not told."""
+    def _finish(self, st: _Req, it: int, finished_gen: list[int], *, tell: bool = True) -> None:
+        """``_handle_responses``: ``request_finished``; True keeps the pages until every rank returns
+        the id. ``tell=False``: a cancel on the flat executor line, freed with no connector call."""
         st.gen_done = True
         st.t_done, st.it_done = time.perf_counter(), it
         if not st.t_first_token:
             st.t_first_token = st.t_done
         self._done_ids.add(st.rid)
         self._live.remove(st)
-        self._release(st)
-        st.phase = _Phase.DONE
-
-    def _finish(self, st: _Req, it: int, finished_gen: list[int]) -> None:
-        """``_handle_responses``: ``request_finished``; True keeps the pages until every rank returns the id."""
-        st.gen_done = True
-        st.t_done, st.it_done = time.perf_counter(), it
-        if not st.t_first_token:
-            st.t_first_token = st.t_done
-        self._done_ids.add(st.rid)
-        self._live.remove(st)
+        if not tell:
+            self._release(st)
+            st.phase = _Phase.DONE
+            return
         lists = [list(b) for b in st.blocks]
         if self.flat:
             keep = self._call("request_finished", self.leader.request_finished, st.req, lists[0])

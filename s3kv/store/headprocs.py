@@ -343,8 +343,8 @@ class _Helper:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._dead = False
-        self._pending: dict[int, cf.Future[list[Any]]] = {}
-        self._asked: dict[int, float] = {}  # when each pending share was sent
+        #: Shares sent and not answered: request id -> (their future, when the share was sent).
+        self._pending: dict[int, tuple[cf.Future[list[Any]], float]] = {}
         self._ids = itertools.count()
         #: When the ping now unanswered was sent, and when the helper last sent anything.
         self._ping_sent: float | None = None
@@ -423,13 +423,14 @@ class _Helper:
                         self._ping_sent = None
                     continue
                 with self._lock:
-                    fut = self._pending.pop(rid, None)
-                    asked = self._asked.pop(rid, None)
+                    pending = self._pending.pop(rid, None)
                 self.answered += 1
-                if asked is not None and any(w is None or not isinstance(w, _Err) for w in wire):
-                    self.answers.note(asked)  # the store answered (found or missing) this share
-                if fut is not None and not fut.done():
-                    fut.set_result(wire)
+                if pending is not None:
+                    fut, asked = pending
+                    if any(w is None or not isinstance(w, _Err) for w in wire):
+                        self.answers.note(asked)  # the store answered (found or missing) this share
+                    if not fut.done():
+                        fut.set_result(wire)
         except _HelperGone as exc:
             self._fail(str(exc))
         except BlockingIOError:  # SO_RCVTIMEO: part of a message, then nothing
@@ -489,7 +490,6 @@ class _Helper:
         self.ready = False
         self.failure = "belongs to the parent process"
         self._pending = {}
-        self._asked = {}
         self._proc = None
         conn, self._conn = self._conn, None
         theirs, self._theirs = self._theirs, None
@@ -509,9 +509,8 @@ class _Helper:
             self.ready = False
             self.failure = why
             pending, self._pending = self._pending, {}
-            self._asked = {}
             proc = self._proc
-        for fut in pending.values():
+        for fut, _asked in pending.values():
             if not fut.done():
                 fut.set_exception(_HelperGone(why))
         if proc is not None and proc.poll() is None:
@@ -536,8 +535,7 @@ class _Helper:
             if self._dead or not self.ready or self._conn is None:
                 fut.set_exception(_HelperGone(self.failure or "not ready"))
                 return fut
-            self._pending[rid] = fut
-            self._asked[rid] = time.monotonic()
+            self._pending[rid] = (fut, time.monotonic())
             conn = self._conn
         try:
             with self._send_lock:
@@ -548,10 +546,9 @@ class _Helper:
 
     def forget(self, fut: cf.Future[list[Any]]) -> None:
         with self._lock:
-            for rid, f in list(self._pending.items()):
+            for rid, (f, _asked) in list(self._pending.items()):
                 if f is fut:
                     del self._pending[rid]
-                    self._asked.pop(rid, None)
 
     def say_goodbye(self) -> None:
         """Ask it to exit (it finishes no more waves); the caller then :meth:`stop`s it."""

@@ -407,11 +407,10 @@ class ObstoreS3Store(ObjectStore):
             asked = time.monotonic()
             try:
                 r = obs.get(self._store, key, options=self._HEAD)
-            except FileNotFoundError:
-                self._answers.note(asked)
-                return None
+            except FileNotFoundError:  # an answer: missing
+                r = None
             self._answers.note(asked)
-            return self._info(key, r)
+            return None if r is None else self._info(key, r)
 
         try:
             return self._call("head", key, attempt)
@@ -429,11 +428,10 @@ class ObstoreS3Store(ObjectStore):
                     asked = time.monotonic()
                     try:
                         r = await obs.get_async(self._store, key, options=self._HEAD)
-                    except FileNotFoundError:
-                        self._answers.note(asked)
-                        return None
+                    except FileNotFoundError:  # an answer: missing
+                        r = None
                 self._answers.note(asked)
-                return self._info(key, r)
+                return None if r is None else self._info(key, r)
 
         try:
             return await self.options.retry.acall(attempt, op="S3 head", key=key)

@@ -456,11 +456,12 @@ class S3Store(ObjectStore):
                 # A HEAD error has no body, so the code is the bare status. A 404 is an
                 # answer; note that a missing bucket also reads as 404 here (check_access
                 # tells them apart at start-up).
-                if _error_code(exc)[1] == 404:
-                    self._answers.note(asked)
-                    return None
-                raise
+                if _error_code(exc)[1] != 404:
+                    raise
+                r = None
             self._answers.note(asked)
+            if r is None:
+                return None
             meta = {k.lower(): v for k, v in (r.get("Metadata") or {}).items()}
             lm = r.get("LastModified")
             return ObjectInfo(key, int(r["ContentLength"]), meta, lm.timestamp() if lm else None)

@@ -81,16 +81,16 @@ class PageOwners:
         """Add to ``gone`` every other request ``live`` still holds that was recorded holding one
         of the pages ``check`` of ``group_id``; record ``st`` as the holder of ``record``."""
         owner = self._owner.setdefault(group_id, {})
-        me = None if st is None else weakref.ref(st)
         # In C where it can be: a 128k-token prompt's first report lists 4,096 pages per group, on
         # the engine's scheduling thread. (No page slot is negative in the map: -1 finds nothing.)
         for prev in map(owner.get, check):
-            if prev is not None and prev[0] is not me:
-                holder = _holder(prev, live)
-                if holder is not None and holder is not st:
-                    gone[holder.request_id] = prev
-        if st is not None and me is not None and record:
-            owner.update(dict.fromkeys(record, (me, st.lists_epoch)))
+            if prev is None:
+                continue
+            holder = _holder(prev, live)
+            if holder is not None and holder is not st:
+                gone[holder.request_id] = prev
+        if st is not None and record:
+            owner.update(dict.fromkeys(record, (weakref.ref(st), st.lists_epoch)))
             owner.pop(-1, None)  # BAD_PAGE_INDEX: no page
 
     def reported(self, geometry: CacheGeometry, live: Mapping[int, RequestState], reports: Sequence[tuple[Any, bool]],
@@ -118,9 +118,9 @@ class PageOwners:
                     continue
                 check = delta[start:]
                 record: Sequence[int] = ()
-                if st is not None and st.root is not None and not sliding[gid]:
-                    # Ordinal of check[0]: this report's pages come last in the lists folded so far.
-                    first_ordinal = start if first else len(st.slots[gid]) - len(delta) if gid < len(st.slots) else 0
+                if st is not None and st.root is not None and not sliding[gid] and gid < len(st.slots):
+                    # Ordinal of check[0]: a later report's pages come last in the lists folded so far.
+                    first_ordinal = start if first else len(st.slots[gid]) - len(delta)
                     record = check[: max(0, prompt_blocks - first_ordinal)]
                 self.claim(st, gid, check, record, gone, live)
 
