@@ -18,8 +18,13 @@ from typing import Any
 
 import torch
 
-from s3kv.sim import PrefixHasher, request_root, sliding_cutoff, token_bytes
+from s3kv.sim import PrefixHasher, adapter_weights, request_root, sliding_cutoff, token_bytes
 from s3kv.trtllm.api import KvCacheConnectorScheduler, KvCacheConnectorWorker, valid_page_slots
+
+
+def _lora(request: Any) -> bytes | None:
+    """The oracle keys a LoRA request by its adapter's weights (the simulator's own digest)."""
+    return adapter_weights(request.py_lora_path) if request.lora_task_id is not None else None
 
 
 class OracleStore:
@@ -78,7 +83,7 @@ class OracleLeader(KvCacheConnectorScheduler):
         nonce = request.request_id if mm_pos and not request.multimodal_hashes else None
         return request_root(
             cache_salt=request.cache_salt,
-            lora_task_id=request.lora_task_id,
+            lora_weights=_lora(request),
             multimodal_hashes=request.multimodal_hashes,
             unhashed_multimodal_nonce=nonce,
         )
@@ -335,7 +340,7 @@ class SaltBlindLeader(OracleLeader):
     """Leaves the cache salt out of the chain's root: serves one tenant's pages to another."""
 
     def _root(self, request: Any) -> bytes:
-        return request_root(lora_task_id=request.lora_task_id, multimodal_hashes=request.multimodal_hashes)
+        return request_root(lora_weights=_lora(request), multimodal_hashes=request.multimodal_hashes)
 
 
 class WindowExactLeader(OracleLeader):

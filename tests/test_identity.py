@@ -192,4 +192,106 @@ def test_normalize_dtype_spellings():
 def test_model_id_is_canonical_json_without_kv_dtype():
     ident = model_identity(Args(dtype="bfloat16", revision="r1"))
     doc = json.loads(ident.model_id)
-    assert doc == {k: v for k, v in dataclasses.asdict(ident).items() if k != "kv_dtype"}
+    # No weights to fingerprint: the field is absent, so such identities keep their namespaces.
+    skip = ("kv_dtype", "weak", "weights_digest")
+    assert doc == {k: v for k, v in dataclasses.asdict(ident).items() if k not in skip}
+
+
+# ------------------------------------------------------------------ weights (issue #29.1)
+
+
+def safetensors(path, tensors: dict[str, bytes], metadata: dict | None = None) -> None:
+    """A safetensors file: 8-byte header length, JSON header, then the tensors' bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    data, off = b"", 0
+    for name, raw in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": [len(raw) // 2], "data_offsets": [off, off + len(raw)]}
+        data, off = data + raw, off + len(raw)
+    h = json.dumps(header).encode()
+    path.write_bytes(len(h).to_bytes(8, "little") + h + data)
+
+
+def test_a_fine_tune_under_the_bases_path_never_shares_its_namespace(tmp_path):
+    """The attack: cluster A's /models/llama holds the base, cluster B's a fine-tune whose
+    config.json differs only in re-save noise and whose safetensors headers are identical."""
+    a, b = tmp_path / "a" / "llama", tmp_path / "b" / "llama"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    hf_dir(a.parent, "llama")
+    hf_dir(b.parent, "llama", extra={"transformers_version": "4.99.0", "_name_or_path": "ft-run-12"})
+    base = {"model.layers.0.q_proj.weight": bytes(range(256)) * 40, "lm_head.weight": b"\x01" * 64}
+    safetensors(a / "model.safetensors", base)
+    tuned = dict(base, **{"model.layers.0.q_proj.weight": bytes(reversed(range(256))) * 40})
+    safetensors(b / "model.safetensors", tuned)
+    ia, ib = model_identity(Args(model=str(a))), model_identity(Args(model=str(b)))
+    assert ia.config_digest == ib.config_digest  # the config cannot tell them apart ...
+    assert ia.weights_digest and ia.weights_digest != ib.weights_digest  # ... the weights can
+    assert ns(Args(model=str(a))) != ns(Args(model=str(b)))  # a path is not an identity
+    assert not ia.weak and not ib.weak
+
+
+def test_the_weights_fingerprint_is_stable_and_covers_headers_and_files(tmp_path):
+    d = tmp_path / "m"
+    hf_dir(tmp_path, "m")
+    t = {"w": b"\x02" * 64}
+    safetensors(d / "model-00001-of-00002.safetensors", t)
+    safetensors(d / "model-00002-of-00002.safetensors", {"v": b"\x03" * 64})
+    first = model_identity(Args(model=str(d))).weights_digest
+    assert first == model_identity(Args(model=str(d))).weights_digest
+    safetensors(d / "model-00002-of-00002.safetensors", {"v": b"\x03" * 64}, metadata={"step": "2"})
+    assert model_identity(Args(model=str(d))).weights_digest != first
+
+
+def test_an_unreadable_weights_file_leaves_a_weak_identity_never_an_error(tmp_path):
+    d = hf_dir(tmp_path, "m")
+    (d / "model.safetensors").write_bytes(b"\xff" * 32)  # a header longer than the file
+    ident = model_identity(Args(model=str(d)))
+    assert ident.weights_digest == "" and "no *.safetensors" in ident.weak
+
+
+@pytest.mark.parametrize(
+    "case, weak",
+    [
+        ("hub id, no revision", True),
+        ("hub id, branch revision", True),
+        ("hub id, commit revision", False),
+        ("local, no safetensors", True),
+        ("local, safetensors", False),
+        ("S3KV_MODEL_ID", False),
+    ],
+)
+def test_a_weak_identity_is_flagged(tmp_path, case, weak):
+    args, override = Args(), ""
+    if case == "hub id, branch revision":
+        args = Args(revision="main")
+    elif case == "hub id, commit revision":
+        args = Args(revision="0123456789abcdef0123456789abcdef01234567")
+    elif case.startswith("local"):
+        d = hf_dir(tmp_path, "m")
+        if case == "local, safetensors":
+            safetensors(d / "model.safetensors", {"w": b"\x01" * 16})
+        args = Args(model=str(d))
+    elif case == "S3KV_MODEL_ID":
+        override = "llama-3-8b@sha256:ab12"
+    assert bool(model_identity(args, override).weak) is weak
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+def test_a_weak_identity_warns_at_start_up(tmp_path, pinned, caplog):
+    import logging
+
+    from s3kv.config import Settings, warn_once
+    from s3kv.sim import SimCacheConfig, gemma3_like
+    from s3kv.store.memory import MemoryStore
+    from s3kv.trtllm import S3KvConnectorLeader
+
+    warn_once.cache_clear()
+    args = make_llm_args(gemma3_like(64), SimCacheConfig(tokens_per_block=16, max_seq_len=2048), 1, 0)
+    settings = Settings(url="memory://weak", check_access=False, model_id="gemma-3@abc" if pinned else "")
+    with caplog.at_level(logging.WARNING):
+        S3KvConnectorLeader(args, settings=settings, store=MemoryStore(), engine_key="weak",
+                            engine_features=()).shutdown()
+    said = [r.getMessage() for r in caplog.records if "identity is weak" in r.getMessage()]
+    assert len(said) == (0 if pinned else 1)
+    if said:
+        assert "S3KV_MODEL_ID" in said[0]

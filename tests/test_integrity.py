@@ -516,3 +516,34 @@ def test_metadata_names_in_any_case_are_read_as_s3_sends_them() -> None:
     upper = {k.upper(): v for k, v in md.items()}
     assert upper != md and span_from_metadata(SIGNED, upper, len(data), KEY).count == 4
     assert span_from_metadata(SIGNED, md, len(data), KEY).count == 4
+
+
+# ------------------------------------------------------------------ integrity off by default (#29.6)
+
+
+@pytest.mark.parametrize(
+    "url, key, warns",
+    [
+        ("s3://acme-kv/p", "", True),
+        ("s3://acme-kv/p", "k" * 32, False),
+        ("memory://one-process", "", False),
+        ("file:///var/cache/s3kv", "", False),
+    ],
+)
+def test_a_shared_store_without_a_key_warns_once_at_start_up(url, key, warns, caplog):
+    from s3kv.config import warn_once
+    from s3kv.sim import SimCacheConfig, make_llm_args
+    from s3kv.trtllm import S3KvConnectorLeader
+
+    warn_once.cache_clear()
+    args = make_llm_args(gemma3_like(64), SimCacheConfig(tokens_per_block=16, max_seq_len=2048), 1, 0)
+    settings = Settings(url=url, check_access=False, integrity_key=key)
+    with caplog.at_level(logging.WARNING):
+        for i in range(2):  # a second engine in the process says nothing new
+            leader = S3KvConnectorLeader(args, settings=settings, store=MemoryStore(), engine_key=f"warn-{i}",
+                                         engine_features=())
+            leader.shutdown()
+    said = [r.getMessage() for r in caplog.records if "integrity tags are off" in r.getMessage()]
+    assert len(said) == (1 if warns else 0)
+    if warns:
+        assert "S3KV_INTEGRITY_KEY_FILE" in said[0] and "s3://acme-kv/p" in said[0]

@@ -130,14 +130,22 @@ def test_large_token_ids_supported_and_distinct():
 # ---------------------------------------------------------------- the root
 
 
+def test_a_lora_root_takes_an_adapter_identity_never_an_integer_id():
+    """TensorRT-LLM's lora_task_id is numbered per deployment; passing it as the identity is refused."""
+    with pytest.raises(TypeError, match="identity"):
+        root(lora=7)
+    # Base requests keep the digests they had before adapters were keyed by identity.
+    assert root() == root(lora=None)
+
+
 def test_root_changes_with_salt_lora_and_multimodal():
     base = root()
     variants = {
         "salt": root(cache_salt="tenant-a"),
         "salt2": root(cache_salt="tenant-b"),
         "salt_int": root(cache_salt=7),
-        "lora": root(lora_id=3),
-        "lora2": root(lora_id=4),
+        "lora": root(lora="adapter-a"),
+        "lora2": root(lora="adapter-b"),
         "mm": root(multimodal_hashes=[[1, 2, 3]], has_multimodal=True),
         "mm2": root(multimodal_hashes=[[1, 2, 4]], has_multimodal=True),
     }

@@ -193,14 +193,15 @@ def test_device_match_plus_connector():
         assert (r.device_match_tokens, r.matched_tokens) == (32, full_hit(s) - 32)
 
 
-def test_salt_lora_and_unhashed_multimodal_isolate():
+def test_salt_lora_and_unhashed_multimodal_isolate(tmp_path):
     eng, _ = make()
     base = workload(n_users=1)[0]
     p = base.prompt
+    a7, a8 = _adapter(tmp_path / "a7", b"seven"), _adapter(tmp_path / "a8", b"eight")
     eng.run(
         [
             SimRequestSpec(1, p, cache_salt="a"),
-            SimRequestSpec(2, p, lora_task_id=7),
+            SimRequestSpec(2, p, lora_task_id=7, lora_path=a7),
             SimRequestSpec(3, p, multimodal_positions=(3,), multimodal_hashes=((1, 2),)),
             SimRequestSpec(4, p, multimodal_positions=(3,)),
         ]
@@ -209,8 +210,8 @@ def test_salt_lora_and_unhashed_multimodal_isolate():
         [
             SimRequestSpec(11, p, cache_salt="a"),
             SimRequestSpec(12, p, cache_salt="b"),
-            SimRequestSpec(13, p, lora_task_id=7),
-            SimRequestSpec(14, p, lora_task_id=8),
+            SimRequestSpec(13, p, lora_task_id=7, lora_path=a7),
+            SimRequestSpec(14, p, lora_task_id=8, lora_path=a8),
             SimRequestSpec(15, p, multimodal_positions=(3,), multimodal_hashes=((1, 2),)),
             SimRequestSpec(16, p, multimodal_positions=(3,)),
         ]
@@ -218,6 +219,27 @@ def test_salt_lora_and_unhashed_multimodal_isolate():
     assert_clean(rep)
     hit = full_hit(base)
     assert [r.matched_tokens for r in rep.requests] == [hit, 0, hit, 0, hit, 0]
+
+
+def _adapter(d, weights: bytes) -> str:
+    d.mkdir()
+    (d / "adapter_config.json").write_text('{"r": 8}')
+    (d / "adapter_model.safetensors").write_bytes(weights)
+    return str(d)
+
+
+def test_the_engine_applies_the_weights_first_loaded_for_a_lora_id(tmp_path):
+    """Upstream caches adapters by task id: a later request naming another path for the id gets
+    the cached weights, so a connector keyed by that path would serve the wrong KV."""
+    eng, _ = make()
+    p = workload(n_users=1)[0].prompt
+    a, b = _adapter(tmp_path / "a", b"one"), _adapter(tmp_path / "b", b"two")
+    eng.run([SimRequestSpec(1, p, lora_task_id=7, lora_path=a)])
+    eng.run([SimRequestSpec(2, p, lora_task_id=7, lora_path=b)])  # computed with a's weights, saved as b's
+    rep = eng.run([SimRequestSpec(3, p, lora_task_id=9, lora_path=b)])  # really b's weights
+    assert rep.requests[0].matched_tokens > 0 and rep.kv_mismatches > 0
+    with pytest.raises(ValueError, match="no lora_path"):
+        eng.run([SimRequestSpec(4, p, lora_task_id=11)])
 
 
 def test_flat_mode_uses_flat_callbacks_and_the_v1_tensor():

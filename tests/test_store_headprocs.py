@@ -706,6 +706,28 @@ def test_integrity_keys_never_reach_a_helper(moto_s3: EmbeddedS3, prefix: str) -
     assert sum(e is not None for e in got) == len(stored) // 2
 
 
+def test_an_inline_integrity_key_never_reaches_a_helpers_environment(
+    moto_s3: EmbeddedS3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """S3KV_INTEGRITY_KEY in the engine's environment: the helper process's environment (as the
+    kernel holds it, /proc/<pid>/environ) has no S3KV_ variable at all; the rest is inherited."""
+    secret = "s3kv-test-secret-" + "x" * 32
+    monkeypatch.setenv("S3KV_INTEGRITY_KEY", secret)
+    monkeypatch.setenv("S3KV_INTEGRITY_PREVIOUS_KEYS", secret + "-old")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with _store(moto_s3) as direct:
+        helpers = HeadHelpers(recipe_for(direct, 1), 1)
+        try:
+            assert helpers.wait_ready(30)
+            with open(f"/proc/{helpers.pids()[0]}/environ", "rb") as f:
+                env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+        finally:
+            helpers.close()
+    assert not [k for k in env if k.upper().startswith(b"S3KV_")]
+    assert secret.encode() not in b"".join(env.values())
+    assert env.get(b"AWS_EC2_METADATA_DISABLED") == b"true"  # boto3's chain still sees its variables
+
+
 def test_a_dying_helper_never_opens_the_breaker(moto_s3: EmbeddedS3, prefix: str) -> None:
     """The only helper stops with several lookups' waves on it: every key of every wave fails,
     but on this side, not at S3. The breaker (which would cut loads and saves off S3 for its

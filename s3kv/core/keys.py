@@ -65,20 +65,26 @@ def chain_root(
     namespace: bytes,
     *,
     cache_salt: str | int | None = None,
-    lora_id: int | None = None,
+    lora: str | None = None,
     multimodal_hashes: Sequence[object] | None = None,
     has_multimodal: bool = False,
 ) -> bytes:
     """c_0: the namespace plus everything besides tokens that changes the KV.
 
-    The salt isolates tenants: two salts never share a chain, so never a hit.
+    The salt isolates tenants: two salts never share a chain, so never a hit. ``lora`` is the
+    adapter's *identity* (``s3kv.trtllm.lora``: a digest of its files), never TensorRT-LLM's
+    integer ``lora_task_id``: each deployment numbers its adapters freely, so one id names
+    different weights on different clusters. None (the base model) keeps the digests of base
+    requests what they were.
     """
+    if lora is not None and not isinstance(lora, str):  # an integer task id is no identity
+        raise TypeError(f"lora must be an adapter identity string, got {type(lora).__name__}")
     if has_multimodal and not multimodal_hashes:
         raise NotCacheable("request has multimodal inputs but no multimodal hashes; its KV cannot be keyed")
     h = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"s3kv-root")
     h.update(namespace)
     h.update(repr(("salt", cache_salt)).encode())
-    h.update(repr(("lora", lora_id)).encode())
+    h.update(repr(("lora", lora)).encode())
     mm = tuple(_hash_repr(x) for x in (multimodal_hashes or ()))
     h.update(repr(("mm", mm)).encode())
     return h.digest()

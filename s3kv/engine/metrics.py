@@ -25,7 +25,7 @@ for (examples/trtllm_vswa.py prints them).
 Metric names (all prefixed ``s3kv_``)::
 
     lookups_total, lookup_hits_total, lookup_misses_total, lookup_errors_total,
-    lookup_waves_total, lookup_not_cacheable_total, hit_tokens_total, hit_blocks_total{group},
+    lookup_waves_total, lookup_not_cacheable_total, lora_unidentified_total, hit_tokens_total, hit_blocks_total{group},
     lookup_timeouts_total, lookup_busy_total, lookups_finished_late_total,
     lookup_cpu_seconds_total, lookup_hash_cpu_seconds_total, prompt_tokens_total, rank_info{rank,tp_size}
     store_requests_total{op}, store_bytes_total{op,direction}, store_request_seconds{op},
@@ -206,6 +206,11 @@ class Metrics:
         )
         self.not_cacheable = Counter(
             f"{p}_lookup_not_cacheable", "Requests whose KV cannot be keyed (skipped).", registry=r
+        )
+        self.lora_unidentified = Counter(
+            f"{p}_lora_unidentified",
+            "LoRA requests whose adapter identity could not be established (neither served nor saved).",
+            registry=r,
         )
         self.hit_tokens = Counter(f"{p}_hit_tokens", "Prompt tokens served from the store.", registry=r)
         self.saved_tokens = Counter(f"{p}_saved_tokens", "Tokens whose KV was saved to the store.", registry=r)
@@ -436,6 +441,7 @@ class Metrics:
             (self.lookup_cpu, ("lookup_cpu_s",)),
             (self.lookup_hash_cpu, ("lookup_hash_cpu_s",)),
             (self.not_cacheable, ("not_cacheable",)),
+            (self.lora_unidentified, ("lora_unidentified",)),
             (self.hit_tokens, ("hit_tokens",)),
             (self.prompt_tokens, ("prompt_tokens",)),
             (self.saved_tokens, ("tokens_saved",)),

@@ -52,7 +52,7 @@ from ..trtllm.api import RequestData, SchedulerOutput
 from .checker import KvChecker, PageCheck
 from .config import GroupSpec, SimCacheConfig, SimModel, layer_groups, sliding_cutoff
 from .llm_args import SimLlmArgs, make_llm_args
-from .model import KvModel, PrefixHasher, next_token, request_root
+from .model import KvModel, PrefixHasher, adapter_weights, next_token, request_root
 from .pools import GroupAllocator, RankPool, SimError
 from .report import RequestReport, SimReport
 from .request import SimLlmRequest, SimRequestSpec
@@ -283,6 +283,10 @@ class SimEngine:
         ]
 
         self._ids_seen: set[int] = set()
+        #: The engine's LoRA adapter cache (PeftCacheManager): task id -> the weights it applies.
+        #: The first path loaded for an id wins; a later request naming the id gets those
+        #: weights, whatever path it names (upstream drops a cached task's tensors).
+        self._lora_weights: dict[int, bytes] = {}
         self._done_ids: set[int] = set()
         self._admissions = 0
         # Per rank: ids handed to get_finished and not yet returned by that rank.
@@ -598,12 +602,23 @@ class SimEngine:
         nonce = rid if spec.multimodal_positions and not spec.multimodal_hashes else None
         root = request_root(
             cache_salt=spec.cache_salt,
-            lora_task_id=spec.lora_task_id,
+            lora_weights=self._adapter(spec),
             multimodal_hashes=spec.multimodal_hashes,
             unhashed_multimodal_nonce=nonce,
             salt_changes_kv=self.config.salt_changes_kv,
         )
         return _Req(spec=spec, req=SimLlmRequest(spec), hasher=PrefixHasher(root, self.tpb), seq=seq)
+
+    def _adapter(self, spec: SimRequestSpec) -> bytes | None:
+        """The LoRA weights the engine applies to ``spec`` (None: the base model)."""
+        task = spec.lora_task_id
+        if task is None:
+            return None
+        if task not in self._lora_weights:
+            if not spec.lora_path:  # upstream: the task is neither cached nor loadable; the request fails
+                raise ValueError(f"request {spec.request_id}: LoRA task {task} is not loaded and has no lora_path")
+            self._lora_weights[task] = adapter_weights(spec.lora_path)
+        return self._lora_weights[task]
 
     def _reserve(self, st: _Req) -> bool:
         """Promise the request its worst case of pages in every group, or leave it waiting."""

@@ -16,6 +16,7 @@ megabytes: that is one vectorised pass, ~50x faster than seeding an RNG per page
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
 from array import array
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ import torch
 
 _PERSON_ROOT = b"s3kv-sim-root"
 _PERSON_BASE = b"s3kv-sim-base"
+_PERSON_LORA = b"s3kv-sim-lora"
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
@@ -37,22 +39,42 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
 def request_root(
     *,
     cache_salt: str | None = None,
-    lora_task_id: int | None = None,
+    lora_weights: bytes | None = None,
     multimodal_hashes: Sequence | None = None,
     unhashed_multimodal_nonce: int | None = None,
     salt_changes_kv: bool = True,
 ) -> bytes:
     """What, besides tokens, determines a request's KV.
 
-    LoRA weights and multimodal content change the KV; the salt does when
+    The LoRA weights the engine applies (``adapter_weights``: their content, never the
+    request's integer task id) and multimodal content change the KV; the salt does when
     ``salt_changes_kv`` (see SimCacheConfig). A request with multimodal
     positions but no hashes gets a per-request nonce: its KV is unknowable from
     tokens, so any cross-request reuse of it is a mismatch.
     """
     mm = None if multimodal_hashes is None else _freeze(multimodal_hashes)
     salt = cache_salt if salt_changes_kv else None
-    ident = repr((lora_task_id, mm, salt, unhashed_multimodal_nonce)).encode()
+    ident = repr((lora_weights, mm, salt, unhashed_multimodal_nonce)).encode()
     return hashlib.blake2b(ident, digest_size=16, person=_PERSON_ROOT).digest()
+
+
+def adapter_weights(path: str) -> bytes:
+    """What a LoRA adapter at ``path`` applies, as the engine reads it (TensorRT-LLM's
+    ``HfLoraLoader``: a directory's ``adapter_config.json`` and ``adapter_model.*`` files; a NeMo
+    archive is one file): a digest of their contents. The simulator's own reading, independent
+    of s3kv's adapter identity."""
+    if os.path.isfile(path):
+        files = [path]
+    else:
+        names = sorted(os.listdir(path))
+        files = [os.path.join(path, n) for n in names if n == "adapter_config.json" or n.startswith("adapter_model.")]
+        if not files:
+            raise ValueError(f"{path}: no LoRA adapter files")
+    h = hashlib.blake2b(digest_size=16, person=_PERSON_LORA)
+    for f in files:
+        with open(f, "rb") as fh:
+            h.update(fh.read())
+    return h.digest()
 
 
 def _freeze(x: object) -> object:

@@ -16,6 +16,8 @@ class SimRequestSpec:
     turn of a conversation); ``cancel_after_iterations`` cancels it (a client
     timeout). ``multimodal_positions`` without
     ``multimodal_hashes`` makes the request's KV unique to it (must not be cached).
+    ``lora_task_id`` with ``lora_path``: TensorRT-LLM's ``LoRARequest(name, lora_int_id,
+    lora_path)``; the engine applies the weights at the path it first loaded for that id.
     """
 
     request_id: int
@@ -23,6 +25,7 @@ class SimRequestSpec:
     max_new_tokens: int = 4
     cache_salt: str | None = None
     lora_task_id: int | None = None
+    lora_path: str | None = None
     multimodal_hashes: tuple | None = None
     multimodal_positions: tuple[int, ...] | None = None
     device_match_tokens: int = 0
@@ -52,6 +55,8 @@ class SimLlmRequest:
         self.prompt_len = len(spec.prompt)
         self.cache_salt = spec.cache_salt
         self.lora_task_id = spec.lora_task_id
+        # The executor worker passes LoRARequest.lora_path on (PyTorch backend), None without LoRA.
+        self.py_lora_path = spec.lora_path if spec.lora_task_id is not None else None
         self.multimodal_hashes = None if spec.multimodal_hashes is None else list(spec.multimodal_hashes)
         self.multimodal_positions = (
             None if spec.multimodal_positions is None else list(spec.multimodal_positions)

@@ -148,6 +148,7 @@ def repeat_workload(specs: Sequence[SimRequestSpec], first_id: int) -> list[SimR
             max_new_tokens=s.max_new_tokens,
             cache_salt=s.cache_salt,
             lora_task_id=s.lora_task_id,
+            lora_path=s.lora_path,
             multimodal_hashes=s.multimodal_hashes,
             multimodal_positions=s.multimodal_positions,
             device_match_tokens=s.device_match_tokens,

@@ -17,10 +17,18 @@ Hugging Face directory, ``config.json`` (dtype, ``quantization_config``) and
 KV-cache quantization if any, else the model dtype; the model dtype follows the
 checkpoint's config.
 
-``S3KV_MODEL_ID`` replaces the *name, revision and config digest* -- the
+Config files say which *architecture*, not which *weights*: a fine-tune keeps its base's
+``config.json`` bar fields dropped here as re-save noise. So a local checkpoint's weights are
+fingerprinted too (``weights_digest``): every ``*.safetensors`` file's header (names, dtypes,
+shapes, offsets) and the first bytes of every tensor's data (a fine-tune, merged LoRA included,
+changes its tensors densely; two trainings of one recipe share headers, not data). Sampled, not
+whole: reading a 140 GB checkpoint again at start-up is not cheap; a few KiB per tensor is.
+
+``S3KV_MODEL_ID`` replaces the *name, revision, config and weights digests* -- the
 operator vouches that the weights are the same wherever they are loaded from
 (e.g. one checkpoint under two paths). The dtypes and quantization are runtime
-choices and always count.
+choices and always count. Without it, an identity that cannot tell weights apart (a hub id
+with no pinned commit, a directory with no safetensors) is ``weak``: the connector warns.
 """
 
 from __future__ import annotations
@@ -30,8 +38,11 @@ import enum
 import hashlib
 import json
 import logging
+import os
+import re
+import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -76,12 +87,19 @@ class ModelIdentity:
     quantization: str
     #: Digest of the checkpoint's config files ("" when ``model`` is not a local directory).
     config_digest: str
+    #: Fingerprint of the checkpoint's safetensors weights ("" when there are none to read).
+    weights_digest: str = ""
+    #: Why this identity may not tell two checkpoints' weights apart ("" when it can).
+    weak: str = field(default="", compare=False)
 
     @property
     def model_id(self) -> str:
         """What goes into ``CacheGeometry.model_id``: canonical JSON, readable in logs."""
         fields = dataclasses.asdict(self)
         del fields["kv_dtype"]  # carried separately (CacheGeometry.kv_dtype)
+        del fields["weak"]
+        if not fields["weights_digest"]:  # absent, not empty: identities without one keep their digests
+            del fields["weights_digest"]
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
@@ -110,12 +128,19 @@ def model_identity(llm_args: Any, model_id_override: str = "") -> ModelIdentity:
         kv_algo = quant.get("kv_cache_quant_algo")
         kv_dtype = normalize_dtype(kv_algo) if kv_algo else model_dtype
 
+    weak = ""
     if model_id_override:
-        name, revision, config_digest = model_id_override, "", ""
+        name, revision, config_digest, weights = model_id_override, "", "", ""
     else:
         name = str(model) if model not in (None, "") else "unknown-model"
         revision = str(getattr(llm_args, "revision", None) or "")
         config_digest = _digest_configs(configs)
+        weights = weights_digest(directory) if directory is not None else ""
+        if directory is None and not _COMMIT.fullmatch(revision):
+            weak = (f"model {name!r} is not a local directory and its revision "
+                    f"{revision or '(none)'!r} is not a commit hash, so the weights behind it can change")
+        elif directory is not None and not weights:
+            weak = f"model directory {name!r} holds no *.safetensors weights s3kv can fingerprint"
     return ModelIdentity(
         name=name,
         revision=revision,
@@ -123,7 +148,82 @@ def model_identity(llm_args: Any, model_id_override: str = "") -> ModelIdentity:
         kv_dtype=kv_dtype,
         quantization=_quant_label(quant),
         config_digest=config_digest,
+        weights_digest=weights,
+        weak=weak,
     )
+
+
+def weak_identity_warning(identity: ModelIdentity) -> str:
+    """The start-up warning for a weak identity ("" for a strong one)."""
+    if not identity.weak:
+        return ""
+    return (f"s3kv: the model's identity is weak: {identity.weak}. Engines whose weights differ could "
+            "share this cache namespace and serve each other wrong KV. Pin the weights (a local "
+            "checkpoint with safetensors, or revision=<commit hash>) or set S3KV_MODEL_ID to a name "
+            "that changes whenever the weights do (docs/security.md)")
+
+
+# ------------------------------------------------------------------ weights fingerprint
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+#: Bytes read from the start of each tensor's data.
+_SAMPLE_BYTES = 4096
+#: Largest safetensors header read (the format's own limit is 100 MB).
+_MAX_HEADER_BYTES = 100 << 20
+_weights_cache: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
+
+
+def weights_digest(directory: Path) -> str:
+    """Fingerprint of the ``*.safetensors`` files in ``directory`` ("" when there are none, or one
+    cannot be read). Cached per process while the files' names, sizes and times stay the same:
+    the leader and every worker of a process ask."""
+    try:
+        files = sorted(p for p in directory.iterdir() if p.name.endswith(".safetensors") and p.is_file())
+        signature = tuple((p.name, (st := p.stat()).st_size, st.st_mtime_ns) for p in files)
+    except OSError as e:
+        log.warning("s3kv: cannot list %s for the weights fingerprint: %s", directory, e)
+        return ""
+    if not files:
+        return ""
+    key = (str(directory.resolve()), signature)
+    if key not in _weights_cache:
+        h = hashlib.blake2b(digest_size=8, person=b"s3kv-weights")
+        try:
+            for p in files:
+                h.update(p.name.encode() + b"\0")
+                _fingerprint_file(p, h)
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
+            log.warning("s3kv: cannot fingerprint %s (%s); the model's identity rests on its config", directory, e)
+            return ""
+        _weights_cache[key] = h.hexdigest()
+    return _weights_cache[key]
+
+
+def _fingerprint_file(path: Path, h: Any) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        raw = os.pread(fd, 8, 0)
+        if len(raw) != 8:
+            raise ValueError(f"{path.name}: not a safetensors file")
+        (n,) = struct.unpack("<Q", raw)
+        if n > min(_MAX_HEADER_BYTES, size - 8):
+            raise ValueError(f"{path.name}: safetensors header of {n} bytes")
+        header = os.pread(fd, n, 8)
+        h.update(len(header).to_bytes(8, "little") + header)
+        tensors = json.loads(header)
+        if not isinstance(tensors, dict):
+            raise ValueError(f"{path.name}: safetensors header is not an object")
+        spans = sorted(
+            (int(t["data_offsets"][0]), int(t["data_offsets"][1]))
+            for k, t in tensors.items() if k != "__metadata__" and isinstance(t, dict)
+        )
+        for begin, end in spans:
+            n_bytes = max(0, min(end - begin, _SAMPLE_BYTES))
+            if n_bytes:
+                h.update(os.pread(fd, n_bytes, 8 + n + begin))
+    finally:
+        os.close(fd)
 
 
 # ------------------------------------------------------------------ helpers

@@ -9,12 +9,32 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config import Settings, redact, warn_once
 from ..engine.leader import LeaderCore
 from ..engine.runtime import release_runtime
 from .api import FAILED_LOAD_HOOK, KvCacheConnectorScheduler
-from .boundary import ConnectorSide, kv_dtype, log, model_id
+from .boundary import ConnectorSide, log
+from .identity import model_identity, weak_identity_warning
+from .lora import AdapterIdentities
 
 __all__ = ["S3KvConnectorLeader"]
+
+
+#: Stores only this host can write: local disk (its permissions decide) and one process's memory.
+_LOCAL_SCHEMES = ("file", "memory")
+
+
+def warn_if_unsigned(settings: Settings) -> None:
+    """Say, once, that a shared store without an integrity key trusts every writer of the bucket."""
+    scheme = settings.url.split("://", 1)[0].lower()
+    if settings.integrity is not None or scheme in _LOCAL_SCHEMES:
+        return
+    warn_once(
+        f"s3kv: integrity tags are off for the shared store {redact(settings.url)}: this engine serves "
+        "any object that anyone allowed to write there (s3:PutObject) plants, with checksums anyone can "
+        "recompute -- wrong KV, steered answers. Turn it on: S3KV_INTEGRITY_KEY_FILE=<a file holding one "
+        "secret, e.g. `openssl rand -hex 32`, the same on every engine of the fleet> (docs/security.md)"
+    )
 
 
 class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
@@ -37,6 +57,12 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
                 "hit (counted as partial_block_misses); set kv_cache_config.enable_partial_reuse=False "
                 "for full S3 hits"
             )
+        warn_if_unsigned(self.settings)
+        identity = model_identity(llm_args, self.settings.model_id)
+        weak = weak_identity_warning(identity)
+        if weak:
+            warn_once(weak)
+        self.adapters = AdapterIdentities(llm_args)
         # The namespace summary's first LIST should not race the first lookups: start its
         # refresher (background thread) once the worker has registered the layout.
         self._runtime.on_geometry(self._start_summary)
@@ -45,8 +71,8 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             self._runtime.store,
             self._runtime.key_prefix,
             tp_size=int(mapping.tp_size),
-            model_id=model_id(llm_args, self.settings),
-            kv_dtype=kv_dtype(llm_args),
+            model_id=identity.model_id,
+            kv_dtype=identity.kv_dtype,
             index=self._runtime.index,
             geometry=self._runtime.get_geometry,
             failed_load_hook=hook,
@@ -70,15 +96,19 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
                 salt = getattr(request, "cache_salt_id", None)
             tokens = list(request.get_tokens(0))
             prompt_len = int(getattr(request, "prompt_len", len(tokens)))
+            lora, unidentified = self.adapters.resolve(request)
+            if unidentified:
+                self.core.stats.lora_unidentified += 1
             n, is_async = self.core.get_num_new_matched_tokens(
                 int(request.request_id),
                 tokens,
                 prompt_len,
                 int(num_computed_tokens),
                 cache_salt=salt,
-                lora_id=getattr(request, "lora_task_id", None),
+                lora=lora,
                 multimodal_hashes=mm,
                 has_multimodal=has_mm,
+                not_cacheable=unidentified,
                 owned=True,  # our own list() above
             )
         except Exception as e:  # noqa: BLE001 - a lookup must never fail a request

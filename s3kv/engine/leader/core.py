@@ -134,14 +134,16 @@ class LeaderCore:
         num_computed_tokens: int,
         *,
         cache_salt: Any = None,
-        lora_id: int | None = None,
+        lora: str | None = None,
         multimodal_hashes: Sequence[Any] | None = None,
         has_multimodal: bool = False,
+        not_cacheable: str = "",
         store_available: bool = True,
         owned: bool = False,
     ) -> tuple[int, bool]:
         """What the connector can add to the device match: (tokens, load async). ``owned``: the
-        caller hands ``tokens`` over (a list nobody else changes), so it is kept, not copied."""
+        caller hands ``tokens`` over (a list nobody else changes), so it is kept, not copied.
+        ``not_cacheable``: why the caller cannot name all its KV depends on (never served or saved)."""
         c0 = time.thread_time()
         try:
             with self._lock:
@@ -168,13 +170,10 @@ class LeaderCore:
                     self._requests[request_id] = RequestState(request_id, None, None, prompt, prompt_len)
                     return 0, False
                 try:
-                    root = chain_root(
-                        self.namespace,
-                        cache_salt=cache_salt,
-                        lora_id=lora_id,
-                        multimodal_hashes=multimodal_hashes,
-                        has_multimodal=has_multimodal,
-                    )
+                    if not_cacheable:  # e.g. a LoRA adapter of unknown identity (trtllm/lora.py)
+                        raise NotCacheable(not_cacheable)
+                    root = chain_root(self.namespace, cache_salt=cache_salt, lora=lora,
+                                      multimodal_hashes=multimodal_hashes, has_multimodal=has_multimodal)
                 except NotCacheable as e:
                     self.stats.not_cacheable += 1
                     log.info("s3kv: request %s not cached: %s", request_id, e, extra={"request_id": request_id})

@@ -41,6 +41,8 @@ class LeaderStats:
     #: Objects refused on HEAD, by reason (foreign, untrusted, span, ...); their sum is foreign_objects.
     rejected: dict[str, int] = field(default_factory=dict)
     not_cacheable: int = 0
+    #: Of those: LoRA requests whose adapter identity could not be established (s3kv.trtllm.lora).
+    lora_unidentified: int = 0
     #: Finished requests whose finish plan copied pages the engine no longer listed (see _check_live).
     finish_plan_mismatches: int = 0
     #: Requests reported without a lookup (no full identity): never saved.
