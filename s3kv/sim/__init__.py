@@ -19,7 +19,15 @@ from .config import GroupSpec, SimCacheConfig, SimModel, effective_windows, laye
 from .engine import DiscardHook, Honour, PreemptHook, SimContractError, SimEngine, SimEngineCrash, SimHang
 from .hooks import discard_async, honour_at_most, honour_minus_blocks, preempt_generation_once, preempt_once
 from .llm_args import SimKvCacheConfig, SimLlmArgs, SimMapping, SimParallelConfig, make_llm_args
-from .model import KvModel, PrefixHasher, adapter_weights, generate_tokens, next_token, request_root, token_bytes
+from .model import (
+    KvModel,
+    PrefixHasher,
+    adapter_weights,
+    generate_tokens,
+    next_token,
+    request_root,
+    token_bytes,
+)
 from .pools import GroupAllocator, RankPool, SimError
 from .report import KvMismatch, RequestReport, SimReport
 from .request import SimLlmRequest, SimRequestSpec
