@@ -148,6 +148,9 @@ def test_an_adapter_changed_on_disk_is_refused_from_then_on(tmp_path):
     d = adapter(tmp_path / "a", b"w1")
     first, _ = ids.resolve(req(7, d))
     assert first is not None
+    with open(os.path.join(d, "README.md"), "w") as f:  # not the adapter: still the same identity
+        f.write("notes")
+    assert ids.resolve(req(7, d)) == (first, "")
     with open(os.path.join(d, "adapter_model.safetensors"), "wb") as f:
         f.write(b"retrained in place")
     assert ids.resolve(req(7, d))[0] is None

@@ -61,7 +61,9 @@ class AdapterIdentities:
     def __init__(self, llm_args: Any = None):
         self._apply = _apply_settings(llm_args)
         self._lock = threading.Lock()
-        self._by_path: dict[str, tuple[_Signature, str]] = {}
+        #: path -> (its files, their signature, the identity): a request for a known adapter
+        #: costs a few stats, no listing and no read.
+        self._by_path: dict[str, tuple[list[tuple[str, str]], _Signature, str]] = {}
         self._changed: set[str] = set()
         self._by_task: dict[int, str] = {}
         self._conflicted: set[int] = set()
@@ -103,25 +105,34 @@ class AdapterIdentities:
     def _identity_locked(self, path: str) -> tuple[str | None, str, str]:
         if path in self._changed:
             return None, _changed_message(path), CHANGED
-        try:
-            files = _adapter_files(path)
-            before = _signature(files)
-        except (OSError, ValueError) as e:
-            return None, f"LoRA adapter {path}: {e}", UNREADABLE
         cached = self._by_path.get(path)
         if cached is not None:
-            if cached[0] == before:
-                return cached[1], "", ""
+            files, signature, identity = cached
+            try:
+                now = _signature(files, path)
+                if now != signature and now[1:] == signature[1:] and _adapter_files(path) == files:
+                    # The directory changed, not the adapter's files (e.g. a README added).
+                    self._by_path[path] = (files, now, identity)
+                    signature = now
+                if now == signature:
+                    return identity, "", ""
+            except (OSError, ValueError):
+                pass  # a file gone: changed
             self._changed.add(path)
             return None, _changed_message(path), CHANGED
         try:
+            files = _adapter_files(path)
+            before = _signature(files, path)
+        except (OSError, ValueError) as e:
+            return None, f"LoRA adapter {path}: {e}", UNREADABLE
+        try:
             identity = self._digest(files)
-            after = _signature(files)
+            after = _signature(files, path)
         except (OSError, ValueError) as e:
             return None, f"LoRA adapter {path}: {e}", UNREADABLE
         if after != before:  # written to while it was read: try again on a later request
             return None, f"LoRA adapter {path} changed while it was read", UNREADABLE
-        self._by_path[path] = (before, identity)
+        self._by_path[path] = (files, before, identity)
         return identity, "", ""
 
     def _digest(self, files: list[tuple[str, str]]) -> str:
@@ -165,8 +176,10 @@ def _adapter_files(path: str) -> list[tuple[str, str]]:
     return files
 
 
-def _signature(files: list[tuple[str, str]]) -> _Signature:
-    out = []
+def _signature(files: list[tuple[str, str]], path: str) -> _Signature:
+    """Sizes, times and inodes of the files, and of the directory (a file added or removed)."""
+    st = os.stat(path)
+    out = [("", st.st_size, st.st_mtime_ns, st.st_ino)]
     for name, full in files:
         st = os.stat(full)
         out.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
