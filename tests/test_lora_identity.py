@@ -45,7 +45,8 @@ def specs(first_id: int, path: str | None, task: int | None = 7, n: int = 2) -> 
     ]
 
 
-def test_one_lora_id_on_two_clusters_never_shares_kv(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_one_lora_id_on_two_clusters_never_shares_kv(tmp_path, tp):
     """Cluster A's adapter 7 and cluster B's adapter 7 are different weights: 0 pages served across
     them, 0 wrong pages. The same adapter under another path and id on cluster C: hits."""
     store = MemoryStore()
@@ -54,12 +55,12 @@ def test_one_lora_id_on_two_clusters_never_shares_kv(tmp_path):
     c = str(tmp_path / "c" / "another-name")
     shutil.copytree(a, c)  # A's adapter, copied to cluster C under another path
 
-    cold = run(make_engine(store, gemma3_like(64)), specs(1, a))
+    cold = run(make_engine(store, gemma3_like(64), tp=tp), specs(1, a))
     assert cold.kv_mismatches == 0 and cold.matched_tokens == 0
-    other = run(make_engine(store, gemma3_like(64)), specs(11, b))
+    other = run(make_engine(store, gemma3_like(64), tp=tp), specs(11, b))
     assert other.kv_mismatches == 0
     assert other.matched_tokens == 0 and other.pages_checked == 0
-    same = run(make_engine(store, gemma3_like(64)), specs(21, c, task=3))
+    same = run(make_engine(store, gemma3_like(64), tp=tp), specs(21, c, task=3))
     assert same.kv_mismatches == 0
     assert same.matched_tokens == 2 * (PROMPT_LEN - 16)  # every full block but the last token's
 
