@@ -158,9 +158,12 @@ def test_observe_leader_adds_deltas():
     st.hit_blocks_by_group = {0: 16, 1: 4}
     st.lookup_cpu_s, st.lookup_hash_cpu_s = 0.25, 0.125
     st.lookup_timeouts, st.lookup_busy, st.lookups_finished_late = 3, 1, 2
+    st.not_cacheable, st.lora_unidentified = 4, 3
     m.observe_leader(st)
     m.observe_leader(st)  # nothing new: no change
     s = scrape(m)
+    assert sample(s, "s3kv_lookup_not_cacheable_total") == 4
+    assert sample(s, "s3kv_lora_unidentified_total") == 3
     assert sample(s, "s3kv_lookup_timeouts_total") == 3
     assert sample(s, "s3kv_lookup_busy_total") == 1
     assert sample(s, "s3kv_lookups_finished_late_total") == 2
