@@ -187,7 +187,7 @@ def weights_digest(directory: Path) -> str:
         return ""
     key = (str(directory.resolve()), signature)
     if key not in _weights_cache:
-        h = hashlib.blake2b(digest_size=8, person=b"s3kv-weights")
+        h = hashlib.blake2b(digest_size=16, person=b"s3kv-weights")
         try:
             for p in files:
                 h.update(p.name.encode() + b"\0")
