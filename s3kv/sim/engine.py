@@ -205,7 +205,7 @@ class SimEngine:
         extra_allocated_blocks: int = 0,
         flat: bool = False,
         failed_load_hook: bool = False,
-        failed_load_outcome: str = "fail",
+        failed_load_outcome: str = "recompute",
         connector_kwargs: Mapping[str, Any] | None = None,
         max_mismatch_details: int = 200,
         process_per_rank: bool = True,

@@ -320,8 +320,8 @@ class LoadJobs:
     def abort(self, rid: int) -> None:
         """The engine aborts the request (its failed-load path, every rank): no copy of its load
         may land from now on, and it is neither returned nor reported again."""
-        if self.parked.pop(rid, None) is not None:
-            self.counters.add("loads_aborted")
+        self.parked.pop(rid, None)
+        self.counters.add("loads_aborted")
         self._quiesce({rid})
         self.failed_report.discard(rid)
 
