@@ -134,8 +134,6 @@ class FailedLoadPath:
     ):
         self.ranks = [RankManager(r) for r in range(tp_size)]
         self._call, self._crash, self._parse = call, crash, parse
-        #: Ids the executor must not schedule any more because an abort is under way (for reports).
-        self.aborting: set[int] = set()
 
     def poll(self, workers: Sequence[Any], scheduler: Any, finished_gen: Iterable[int],
              started_loading: Iterable[int]) -> PollResult:
@@ -188,9 +186,9 @@ class FailedLoadPath:
                 if rid in m.tracked():
                     m.coord.setdefault(rid, _Coordination()).observe_consensus(why)
             for rid in released_all:
-                s = m.coord.get(rid)
-                if s is not None and s.consensus_reason is not None and not s.all_released:
-                    s.all_released = True
+                held = m.coord.get(rid)
+                if held is not None and held.consensus_reason is not None and not held.all_released:
+                    held.all_released = True
                     newly_released.add(rid)
             aborted = {rid for rid, s in m.coord.items() if s.consensus_reason is not None}
             m_saves, m_loads = saves_all - aborted, loads_all - aborted
@@ -214,16 +212,14 @@ class FailedLoadPath:
                     if not callable(fn) or self._call("try_abort_request", fn, rid, s.consensus_reason) is True:
                         s.ack = "abort"
             for rid in sorted(abort_acks & cleaned_all):
-                s = m.coord.get(rid)
-                if s is None or s.consensus_reason is None:
+                done = m.coord.get(rid)
+                if done is None or done.consensus_reason is None:
                     continue
                 del m.coord[rid]
-                if m.rank == 0 and s.consensus_reason == TRANSFER_FAILED:
+                if m.rank == 0 and done.consensus_reason == TRANSFER_FAILED:
                     failed_out.append(rid)
             if m.rank == 0:
                 saves_out, resumed = frozenset(m_saves), set(resumable)
-        self.aborting |= {rid for rid, _ in intents}
-        self.aborting -= set(failed_out)
         return PollResult(
             finished_saves=saves_out, resumed_loads=frozenset(resumed), failed_loads=tuple(failed_out),
             released=frozenset(newly_released),
