@@ -15,7 +15,15 @@ import random
 import pytest
 
 from s3kv.config import Settings
-from s3kv.sim import SimCacheConfig, SimEngine, SimEngineCrash, SimRequestSpec, gemma3_like, random_tokens
+from s3kv.sim import (
+    SimCacheConfig,
+    SimEngine,
+    SimEngineCrash,
+    SimRequestSpec,
+    gemma3_like,
+    honour_when_growth_fails,
+    random_tokens,
+)
 from s3kv.sim.failpath import TRANSFER_FAILED, FailedLoadPath
 from s3kv.store.memory import MemoryStore
 from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
@@ -157,7 +165,7 @@ def test_the_path_is_detected_by_its_names(worker, scheduler, found):
 # ----------------------------------------------------------------------------- s3kv on the path
 
 
-def _engine(store, *, tp=1, hook=True, outcome="recompute", honour=None, policy="window", **settings):
+def _engine(store, *, tp=1, hook=True, outcome="recompute", honour=None, policy="window", chunk=48, **settings):
     s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=4, lookup_timeout_s=5.0,
                  checkpoint_tokens=8 * TPB, storage_policy=policy, **settings)
     return SimEngine(
@@ -166,7 +174,7 @@ def _engine(store, *, tp=1, hook=True, outcome="recompute", honour=None, policy=
         S3KvConnectorLeader,
         S3KvConnectorWorker,
         tp_size=tp,
-        chunk_size=48,
+        chunk_size=chunk,
         honour=honour,
         failed_load_hook=hook,
         failed_load_outcome=outcome,
@@ -240,3 +248,24 @@ def test_without_the_path_a_broken_promise_parks_and_is_counted_by_cause():
         stats = eng.workers[0].core.stats()
     assert rep.kv_mismatches == 0 and rep.requests[0].cancelled
     assert stats.parked_by_cause == {"broken_promise": 1} and stats.rung_parked_retry == 1
+
+
+@pytest.mark.parametrize(("chunk_blocks", "parks"), [(3, True), (8, False)])
+def test_v2s_own_smaller_honour_parks_only_off_a_stored_tail(chunk_blocks, parks):
+    """V2 under memory pressure honours one block below the first chunk's end. A first chunk ending
+    at a checkpoint (a quiet engine, chunk a multiple of the checkpoint spacing) lands on a stored
+    tail and is served; one ending elsewhere is a broken promise: parked without the path (cause
+    broken_promise), ended with it."""
+    store = _stored(1)
+    honour = honour_when_growth_fails(chunk_blocks * TPB, TPB)
+    with _engine(store, hook=False, honour=honour, chunk=chunk_blocks * TPB) as eng:
+        rep = eng.run([SimRequestSpec(500, PROMPT, max_new_tokens=2, cancel_after_iterations=30)])
+        stats = eng.workers[0].core.stats()
+    r = rep.requests[0]
+    assert rep.kv_mismatches == 0 and r.cancelled == parks
+    assert stats.parked_by_cause == ({"broken_promise": 1} if parks else {})
+    if not parks:
+        assert r.matched_tokens == (chunk_blocks - 1) * TPB
+    with _engine(store, honour=honour, chunk=chunk_blocks * TPB) as eng:
+        rep = eng.run([SimRequestSpec(501, PROMPT, max_new_tokens=2)], max_iterations=200)
+    assert rep.kv_mismatches == 0 and rep.requests[0].recomputed_failed_load == parks
