@@ -106,8 +106,9 @@ class Settings:
     target_object_mib: int = 32
     max_blocks_per_object: int = 64
     #: "async": parked request, reported from get_finished; "sync": finished inside start_load_kv.
-    #: A failed sync load has no safe outcome unless the engine offers a failed-load hook, so
-    #: "sync" takes effect only there (else async, with a start-up warning). See docs/failures.md.
+    #: A failed sync load has no safe outcome, and no TensorRT-LLM line can fail one (the failed-load
+    #: path covers async loads only), so the adapter loads async (with a start-up warning); "sync"
+    #: remains for LeaderCore users whose engine can. See docs/failures.md.
     load_mode: str = "async"
     #: Save blocks filled by generation (multi-turn reuse of answers).
     save_decode: bool = True

@@ -26,3 +26,9 @@ class LoadFailed(S3KvError):
 
 class PlanMismatch(S3KvError):
     """The engine allocated a page the load plan cannot fill: a bug to fail loudly on."""
+
+
+#: Why a promised load failed: the ``cause`` label of the parked-request metric. broken_promise:
+#: the engine honoured a point no stored object serves (or the plan did not fit its pages);
+#: missing / corrupt / unusable: what the object read said; timeout; store_error: anything else.
+PARK_CAUSES = ("broken_promise", "missing", "corrupt", "unusable", "timeout", "store_error")

@@ -52,6 +52,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import start_http_server as _prom_start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from ..core.errors import PARK_CAUSES
 from ..store.base import (
     Buffer,
     ByteRange,
@@ -317,7 +318,8 @@ class Metrics:
         self.failed_load_rungs = Counter(
             f"{p}_failed_load_rungs",
             "Requests whose promised load failed, by the outcome taken (docs/failures.md): "
-            "engine_recompute (the engine's failed-load hook), parked_retry (parked while retried).",
+            "engine_recompute (the engine's failed-load path ends the request: recomputed or failed), "
+            "parked_retry (parked while retried).",
             ["rung"],
             registry=r,
         )
@@ -325,6 +327,14 @@ class Metrics:
             f"{p}_parked_loads_ended",
             "Parked (retried) loads that ended: recovered (served from the store) or cancelled.",
             ["outcome"],
+            registry=r,
+        )
+        self.parked_by_cause = Counter(
+            f"{p}_parked_requests_by_cause",
+            "Requests that parked while their failed load is retried (no failed-load path), by cause: "
+            "broken_promise (the engine honoured a point no stored object serves), missing, corrupt, "
+            "unusable, timeout, store_error.",
+            ["cause"],
             registry=r,
         )
         self.parked_requests = Gauge(
@@ -494,6 +504,9 @@ class Metrics:
             )
         for label, name in (("engine_recompute", "rung_engine_recompute"), ("parked_retry", "rung_parked_retry")):
             self._feed(self.failed_load_rungs.labels(label), source, f"rung[{label}]", _first(stats, (name,)))
+        by_cause = _mapping(stats, ("parked_by_cause",)) or {}
+        for label in PARK_CAUSES:
+            self._feed(self.parked_by_cause.labels(label), source, f"park[{label}]", _number(by_cause.get(label, 0)))
         for label, name in (
             ("recovered", "parked_loads_recovered"),
             ("cancelled", "parked_loads_cancelled"),

@@ -17,7 +17,14 @@ every page a connector served with what recomputation would write.
 from .checker import KvChecker, PageCheck
 from .config import GroupSpec, SimCacheConfig, SimModel, effective_windows, layer_groups, sliding_cutoff
 from .engine import DiscardHook, Honour, PreemptHook, SimContractError, SimEngine, SimEngineCrash, SimHang
-from .hooks import discard_async, honour_at_most, honour_minus_blocks, preempt_generation_once, preempt_once
+from .hooks import (
+    discard_async,
+    honour_at_most,
+    honour_minus_blocks,
+    honour_when_growth_fails,
+    preempt_generation_once,
+    preempt_once,
+)
 from .llm_args import SimKvCacheConfig, SimLlmArgs, SimMapping, SimParallelConfig, make_llm_args
 from .model import (
     KvModel,
@@ -77,6 +84,7 @@ __all__ = [
     "generate_tokens",
     "honour_at_most",
     "honour_minus_blocks",
+    "honour_when_growth_fails",
     "layer_groups",
     "make_llm_args",
     "multi_turn_workload",

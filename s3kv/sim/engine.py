@@ -28,7 +28,8 @@ An idle engine (nothing running, parked or waiting) blocks on its request
 queue and calls nothing, not even ``get_finished``. Any exception from a
 connector call ends the run as :class:`SimEngineCrash` -- the real executor's
 event loop dies on one and the other TP ranks hang. ``failed_load_hook`` models
-branches that offer ``take_failed_load_request_ids`` / ``recompute_failed_load``.
+the line whose connector manager has a failed-load path (``take_failed_load_request_ids``,
+``try_abort_request``, TP consensus before pages are freed): ``failpath.py``.
 
 Everything runs in one process and one thread; the leader is rank 0's.
 
@@ -51,6 +52,7 @@ import torch
 from ..trtllm.api import RequestData, SchedulerOutput
 from .checker import KvChecker, PageCheck
 from .config import GroupSpec, SimCacheConfig, SimModel, layer_groups, sliding_cutoff
+from .failpath import FailedLoadPath
 from .llm_args import SimLlmArgs, make_llm_args
 from .model import KvModel, PrefixHasher, adapter_weights, next_token, request_root
 from .pools import GroupAllocator, RankPool, SimError
@@ -130,7 +132,8 @@ class _Req:
     load_ranks: set[int] = field(default_factory=set)  # ranks yet to return the async load
     save_ranks: set[int] = field(default_factory=set)  # ranks yet to return the held (saving) id
     cancelled: bool = False
-    recomputed_failed_load: bool = False  # rewound by the engine's failed-load hook
+    recomputed_failed_load: bool = False  # rewound after the manager reported its load failed
+    failed: str = ""  # ended with this error (the executor's _handle_errors), no connector call
     t_admit: float = 0.0
     t_first_token: float = 0.0
     t_done: float = 0.0
@@ -158,12 +161,14 @@ class SimEngine:
     the window real pages at allocation (a retained window larger than
     configured, as with speculative decoding). ``flat`` drives the flat
     (single group) leader callbacks and ``RequestData.new_block_ids``.
-    ``failed_load_hook`` installs the branch API for failed loads: every
-    worker's ``take_failed_load_request_ids()`` is polled after ``start_load_kv``
-    and after ``get_finished``, and each id named is rewound to its device match
-    and recomputed (``recompute_failed_load``); the connectors are told through
-    ``connector_kwargs["engine_features"]``, standing in for what they would
-    detect on such an install. ``process_per_rank``: each rank past 0 joins an engine runtime of
+    ``failed_load_hook`` installs the connector manager's failed-load path (``failpath.py``:
+    ``take_failed_load_request_ids`` after every ``get_finished``, abort consensus across the
+    ranks, worker and scheduler ``try_abort_request``, ``finalize_successful_load``); a request
+    the manager returns as failed ends as ``failed_load_outcome`` says: ``"fail"`` (the executor
+    fails it, "KV cache load failure"; pages freed, no connector call) or ``"recompute"``
+    (rewound to its device match and recomputed, reported anew). The connectors are told
+    through ``connector_kwargs["engine_features"]``, standing in for what they would detect on
+    such an install. ``process_per_rank``: each rank past 0 joins an engine runtime of
     its own (its own key index, breaker and metrics), as each TensorRT-LLM rank is its own
     process; by default all ranks share the leader's (one process).
     ``preempt_generation_hook`` preempts a request during generation as KVCacheManagerV2 may
@@ -200,6 +205,7 @@ class SimEngine:
         extra_allocated_blocks: int = 0,
         flat: bool = False,
         failed_load_hook: bool = False,
+        failed_load_outcome: str = "recompute",
         connector_kwargs: Mapping[str, Any] | None = None,
         max_mismatch_details: int = 200,
         process_per_rank: bool = True,
@@ -230,6 +236,9 @@ class SimEngine:
         self.extra_allocated_blocks = extra_allocated_blocks
         self.flat = flat
         self.failed_load_hook = failed_load_hook
+        if failed_load_outcome not in ("fail", "recompute"):
+            raise ValueError("failed_load_outcome must be 'fail' or 'recompute'")
+        self.failed_load_outcome = failed_load_outcome
         self.silent_cancel = silent_cancel
         self.preempt_generation_hook = preempt_generation_hook
         self.tpb = config.tokens_per_block
@@ -273,6 +282,11 @@ class SimEngine:
             for r in range(tp_size)
         )
         self._check_bring_up()
+        # [failpath] the manager's failed-load path, when this engine models a line that has it.
+        self._failpath = (
+            FailedLoadPath(tp_size, self._call, lambda msg: SimEngineCrash("get_finished", msg), self._parse_finished)
+            if failed_load_hook else None
+        )
         # The cache is created (and registered) before the first request is scheduled.
         for pool, worker in zip(self.pools, self.workers, strict=True):
             self._register(worker, pool)
@@ -505,12 +519,6 @@ class SimEngine:
                 self._call("bind_connector_meta", w.bind_connector_meta, pickle.loads(blob))
             for w in self.workers:
                 self._call("start_load_kv", w.start_load_kv, stream)
-            if self.failed_load_hook:
-                # Our model of the branch hook: a sync load that failed is reported before the
-                # forward; the request leaves this pass and recomputes from its device match.
-                for st in self._take_failed_loads():
-                    scheduled = [x for x in scheduled if x[0] is not st]
-                    progressed = True
 
         # 3. The forward, only if something is left to compute; wait_for_save at its end.
         if scheduled:
@@ -544,6 +552,8 @@ class SimEngine:
             progressed = True
 
         # 6. Every iteration the loop runs: get_finished on every rank, then the allgather.
+        if self._failpath is not None:  # [failpath] the manager's poll with abort consensus
+            return self._failed_load_poll(finished_gen, started_loading) or progressed
         for rank, w in enumerate(self.workers):
             self._out_save[rank].update(finished_gen)
             self._out_load[rank].update(started_loading)
@@ -553,8 +563,6 @@ class SimEngine:
                 progressed |= self._rank_returned(rid, rank, saving=True)
             for rid in loaded:
                 progressed |= self._rank_returned(rid, rank, saving=False)
-        if self.failed_load_hook:
-            progressed |= bool(self._take_failed_loads())
         return progressed
 
     def _call(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
@@ -567,22 +575,43 @@ class SimEngine:
         except Exception as e:  # noqa: BLE001 - that is the point
             raise SimEngineCrash(name, e) from e
 
-    def _take_failed_loads(self) -> list[_Req]:
-        """Branch hook ``take_failed_load_request_ids`` on every rank -> ``recompute_failed_load``."""
-        failed: set[int] = set()
-        for w in self.workers:
-            fn = getattr(w, "take_failed_load_request_ids", None)
-            if callable(fn):
-                failed |= {int(x) for x in (self._call("take_failed_load_request_ids", fn) or ())}
-        out = []
-        for st in list(self._live):
-            # A parked request, or one whose (sync) load ran this iteration and whose forward has not
-            # used it yet. A late report for a request already rewound or computing is ignored.
-            if st.rid in failed and (st.phase is _Phase.PARKED or (st.phase is _Phase.RUNNING and st.check_pending)):
+    def _failed_load_poll(self, finished_gen: list[int], started_loading: list[int]) -> bool:
+        """[failpath] Step 6 on a line with the failed-load path: the manager's poll on every rank
+        (``failpath.FailedLoadPath``), then what the executor does with its result."""
+        assert self._failpath is not None
+        for rank in range(self.tp_size):  # what each rank is handed (the contract checks)
+            self._out_save[rank].update(finished_gen)
+            self._out_load[rank].update(started_loading)
+        res = self._failpath.poll(self.workers, self.leader, finished_gen, started_loading)
+        progressed = bool(res.finished_saves or res.resumed_loads or res.failed_loads or res.released)
+        for rid in res.finished_saves:
+            st = self._find(rid)
+            if st is not None and st.phase is _Phase.SAVING:
+                self._release(st)
+                st.phase = _Phase.DONE
+                self._held.remove(st)
+        for rid in res.resumed_loads:
+            st = self._find(rid)
+            if st is not None and st.phase is _Phase.PARKED:
+                self._resume(st)
+        for rid in res.failed_loads:
+            st = self._find(rid)
+            if st is None or st.phase is not _Phase.PARKED:
+                continue
+            if self.failed_load_outcome == "recompute":
                 self._rewind(st)
                 st.recomputed_failed_load = True
-                out.append(st)
-        return out
+                continue
+            # _handle_errors: the request fails; its pages are freed with no connector call.
+            st.failed = "KV cache load failure"
+            st.gen_done = True
+            st.t_done, st.it_done = time.perf_counter(), self._iterations
+            st.t_first_token = st.t_first_token or st.t_done
+            self._done_ids.add(st.rid)
+            self._live.remove(st)
+            self._release(st)
+            st.phase = _Phase.DONE
+        return progressed
 
     # ------------------------------------------------------------------ admission and allocation
 
@@ -1027,4 +1056,5 @@ class SimEngine:
             finished_iteration=st.it_done,
             cancelled=st.cancelled,
             recomputed_failed_load=st.recomputed_failed_load,
+            failed=st.failed,
         )

@@ -17,6 +17,27 @@ def honour_at_most(tokens: int) -> Honour:
     return lambda offer: min(offer, tokens)
 
 
+def honour_when_growth_fails(chunk_tokens: int, tokens_per_block: int, device_match: int = 0) -> Honour:
+    """KVCacheManagerV2 with no free page to grow a request's allocation (memory pressure).
+
+    Its ``_apply_connector_matched_prefix``: an offer ending inside the first chunk is honoured in
+    full (the chunk only shrinks); one reaching the chunk's end needs a grow, and when that fails
+    the honoured point is the largest whole block inside the pages it has that still leaves a chunk
+    to compute -- ``(d + chunk - 1) // tpb * tpb`` -- or nothing when that is not past ``d``.
+    ``chunk_tokens`` is the first chunk (the engine's ``chunk_size`` for a request that fits no
+    other work); ``device_match`` the request's ``d``.
+    """
+    d, tpb = device_match, tokens_per_block
+
+    def honour(offer: int) -> int:
+        end = d + chunk_tokens
+        if d + offer < end:
+            return offer
+        return max(0, (end - 1) // tpb * tpb - d)
+
+    return honour
+
+
 def preempt_once(after_chunks: int = 1, request_ids: Collection[int] | None = None) -> PreemptHook:
     """Preempt each (selected) request once, after its ``after_chunks``-th context chunk."""
 

@@ -47,8 +47,12 @@ class RequestReport:
     admitted_iteration: int
     finished_iteration: int
     cancelled: bool = False  # cancelled before it finished (request_finished was still called)
-    #: The engine's failed-load hook rewound it to its device match and it recomputed (rung 1).
+    #: The manager returned it as a failed load; the engine rewound it to its device match and it
+    #: recomputed (rung 1, ``failed_load_outcome="recompute"``).
     recomputed_failed_load: bool = False
+    #: The manager returned it as a failed load and the engine failed it with this error
+    #: (rung 1, ``failed_load_outcome="fail"``); "" otherwise.
+    failed: str = ""
 
 
 @dataclass(frozen=True)
@@ -91,8 +95,13 @@ class SimReport:
 
     @property
     def recomputed_requests(self) -> int:
-        """Requests the engine's failed-load hook rewound and recomputed (rung 1)."""
+        """Requests whose failed load the engine recomputed (rung 1)."""
         return sum(1 for r in self.requests if r.recomputed_failed_load)
+
+    @property
+    def failed_requests(self) -> int:
+        """Requests the engine failed because their load failed (rung 1)."""
+        return sum(1 for r in self.requests if r.failed)
 
     @property
     def ok(self) -> bool:

@@ -534,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument(
         "--failed-load-hook",
         action="store_true",
-        help="model a TensorRT-LLM line with a failed-load hook (rung 1) instead of the merged line (rung 3)",
+        help="model a TensorRT-LLM line with the connector manager's failed-load path (rung 1: the request is aborted on every rank and recomputed) instead of the merged line (rung 3)",
     )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--log-level", default="CRITICAL", help="s3kv log level on stderr (default CRITICAL)")

@@ -180,6 +180,7 @@ class TensorKvCacheLayout:
 
 
 #: Engine features a connector can use only where the installed TensorRT-LLM has them.
+#: The connector manager's failed-load path (docs/failures.md, rung 1).
 FAILED_LOAD_HOOK = "failed_load_hook"
 
 
@@ -188,13 +189,30 @@ def engine_features(
 ) -> frozenset[str]:
     """What the installed engine offers beyond the merged connector API, by feature detection.
 
-    ``failed_load_hook``: the worker base class declares ``take_failed_load_request_ids``
-    (a branch API: the executor polls it and recomputes the requests named, through
-    ``recompute_failed_load``). The merged line has none of these; see docs/failures.md.
+    ``failed_load_hook``: the connector base classes of the newest flat-API line
+    (``connectors/kv_cache_connector.py`` with ``KvCacheConnectorPollResult``): worker
+    ``take_failed_load_request_ids()`` and ``try_abort_request(id)``, scheduler
+    ``try_abort_request(id, reason)`` (and ``finalize_successful_load(id)``); or the same path
+    under its earlier names, worker ``abort_request(id)`` with ``take_failed_load_request_ids``,
+    scheduler ``abort_request(id, reason)`` / ``finish_load(id)``. The manager polls the worker's
+    failed ids after every ``get_finished``, reaches consensus across the tensor-parallel ranks,
+    has every worker release the request before any page is freed, and returns it to the
+    executor as failed. It covers async loads only: the manager drops failed ids of requests it
+    does not track as async loads. The earlier ``get_block_ids_with_load_errors`` API (block ids,
+    ``handle_load_errors``) is not this path and is not used.
     """
     worker_base = KvCacheConnectorWorker if worker_base is None else worker_base
+    scheduler_base = KvCacheConnectorScheduler if scheduler_base is None else scheduler_base
+
+    def has(cls: type, *names: str) -> bool:
+        return any(callable(getattr(cls, n, None)) for n in names)
+
     out = set()
-    if callable(getattr(worker_base, "take_failed_load_request_ids", None)):
+    if (
+        has(worker_base, "take_failed_load_request_ids")
+        and has(worker_base, "try_abort_request", "abort_request")
+        and has(scheduler_base, "try_abort_request", "abort_request")
+    ):
         out.add(FAILED_LOAD_HOOK)
     return frozenset(out)
 

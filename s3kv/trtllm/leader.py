@@ -12,7 +12,7 @@ from typing import Any
 from ..config import Settings, redact, warn_once
 from ..engine.leader import LeaderCore
 from ..engine.runtime import release_runtime
-from .api import FAILED_LOAD_HOOK, KvCacheConnectorScheduler
+from .api import KvCacheConnectorScheduler
 from .boundary import ConnectorSide, log
 from .identity import model_identity, weak_identity_warning
 from .lora import AdapterIdentities
@@ -43,12 +43,14 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
     role = "leader"
 
     def _start(self, llm_args: Any, mapping: Any) -> None:
-        hook = FAILED_LOAD_HOOK in self.features
-        if self.settings.load_mode == "sync" and not hook:
+        if self.settings.load_mode == "sync":
+            # A sync load that fails has no safe outcome: the forward would run on unverified
+            # pages. The manager's failed-load path covers async loads only (it drops failed ids
+            # of requests it does not track as async loads), and no line has another.
             log.warning(
-                "s3kv: S3KV_LOAD_MODE=sync needs an engine that can recompute a request whose load "
-                "failed (a failed-load hook); this TensorRT-LLM has none, so loads are async "
-                "(see docs/failures.md)"
+                "s3kv: S3KV_LOAD_MODE=sync needs an engine that can fail a request whose sync load "
+                "failed; no TensorRT-LLM line can (its failed-load path, where it exists, covers "
+                "async loads only), so loads are async (see docs/failures.md)"
             )
         kv = getattr(llm_args, "kv_cache_config", None)
         if getattr(kv, "enable_partial_reuse", False):
@@ -75,7 +77,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             kv_dtype=identity.kv_dtype,
             index=self._runtime.index,
             geometry=self._runtime.get_geometry,
-            failed_load_hook=hook,
+            failed_load_hook=False,  # sync loads: see above
         )
 
     def _start_summary(self) -> None:
@@ -158,6 +160,26 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             self.core.request_reset(int(request.request_id))
         except Exception as e:  # noqa: BLE001
             self._contain("request_reset", e)
+
+    # -- the failed-load path (lines that have it; docs/failures.md, rung 1) --
+    def try_abort_request(self, request_id: int, reason: str) -> bool:
+        """Every worker has released the request (its load can no longer land): forget it. The
+        manager then ends it (failed, or recomputed and reported anew: not saved, as any request
+        reported without a lookup). ``True``: nothing of ours is left to clean."""
+        try:
+            self.core.request_reset(int(request_id), aborted=str(reason) or "aborted")
+        except Exception as e:  # noqa: BLE001 - the state is dropped either way; never retry for ever
+            self._contain("try_abort_request", e)
+        return True
+
+    def finalize_successful_load(self, request_id: int) -> bool:
+        """Every worker finished the request's load. The leader holds nothing per load past the
+        metadata that carried it (no lease, no reservation): nothing to clean."""
+        return True
+
+    # The same path under its earlier names (``abort_request`` / ``finish_load``).
+    abort_request = try_abort_request
+    finish_load = finalize_successful_load
 
     # -- end of a request --------------------------------------------------
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:

@@ -147,13 +147,27 @@ class S3KvConnectorWorker(ConnectorSide, KvCacheConnectorWorker):
                 except Exception as e:  # noqa: BLE001
                     self._contain("observe", e)
 
+    # -- the failed-load path (lines that have it; docs/failures.md, rung 1) --
     def take_failed_load_request_ids(self) -> set[int]:
-        """Branch API (rung 1): requests whose promised load failed; the engine recomputes them."""
+        """Parked requests whose promised load failed (after the store's retries), once each; the
+        manager aborts them on every rank and ends them."""
         try:
             return self.core.take_failed_load_request_ids()
         except Exception as e:  # noqa: BLE001
             self._contain("take_failed_load_request_ids", e)
             return set()
+
+    def try_abort_request(self, request_id: int) -> bool:
+        """Release the request: ``True`` once no copy of its load can land in its pages. Never
+        ``False`` and never an exception: the manager turns either into the engine's death."""
+        try:
+            return self.core.try_abort_request(int(request_id))
+        except Exception as e:  # noqa: BLE001
+            self._contain("try_abort_request", e)
+            return True
+
+    #: The same path under its earlier name.
+    abort_request = try_abort_request
 
     def observe_metrics(self) -> None:
         """Copy this rank's cumulative stats into the engine's Prometheus metrics."""

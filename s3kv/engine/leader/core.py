@@ -268,12 +268,13 @@ class LeaderCore:
                 ld.offered_blocks = keep
             self.stats.loads_cancelled_by_engine += 1
 
-    def request_reset(self, request_id: int) -> None:
-        """Engine hook (some V2 lines): the request's allocation died and it will be replayed;
-        drop what was staged for it (the replay starts from a fresh lookup)."""
+    def request_reset(self, request_id: int, aborted: str = "") -> None:
+        """Engine hook (some V2 lines): the request's allocation died and it will be replayed; or the
+        engine aborted it (``aborted``: why) once every worker released its load. Drop its state."""
         with self._lock:
             if self._requests.pop(request_id, None) is not None:
                 self._discards.add(request_id)
+                self.stats.loads_aborted += bool(aborted)
 
     def break_promise(self, request_id: int, reason: str) -> None:
         """The adapter's fallback when planning a load raised: the request takes the failure rung."""

@@ -55,6 +55,8 @@ class LeaderStats:
     #: request, ``pages.py``): parked ones (their loads stopped) and running ones.
     loads_abandoned: int = 0
     requests_freed_silently: int = 0
+    #: Requests the engine aborted through its failed-load path (``try_abort_request``).
+    loads_aborted: int = 0
     honoured_less: int = 0
     #: Smaller honours served by a correct smaller load.
     honoured_less_served: int = 0

@@ -92,6 +92,19 @@ def _kind(reason: str) -> str:
     return "transient"
 
 
+_BROKEN = "s3kv could not plan the promised load"
+
+
+def cause(reason: str) -> str:
+    """``reason`` (see ``describe``) as one of ``core.errors.PARK_CAUSES``."""
+    if reason.startswith(_BROKEN):
+        return "broken_promise"  # the engine honoured a point no stored object serves, or a plan mismatch
+    if reason.split(":", 1)[0] == "LoadTimeout":
+        return "timeout"
+    kind = _kind(reason)
+    return "store_error" if kind == "transient" else kind
+
+
 def describe(e: BaseException | None) -> str:
     if e is None:
         return "unknown error"
@@ -138,7 +151,7 @@ class LoadJobs:
                 st = self.parked[rid] = AsyncLoad(since=now)
             st.declared = True
         broken: Failures = {
-            rid: (None, "s3kv could not plan the promised load (see the leader's log)")
+            rid: (None, f"{_BROKEN} (see the leader's log)")
             for rid in md.failed_load_ids
         }
         if not md.loads and not broken:
@@ -304,6 +317,14 @@ class LoadJobs:
         self.failed_report.discard(rid)
         self.counters.add("parked_loads_abandoned")
 
+    def abort(self, rid: int) -> None:
+        """The engine aborts the request (its failed-load path, every rank): no copy of its load
+        may land from now on, and it is neither returned nor reported again."""
+        self.parked.pop(rid, None)
+        self.counters.add("loads_aborted")
+        self._quiesce({rid})
+        self.failed_report.discard(rid)
+
     def parked_now(self) -> int:
         """Requests parked right now while their load is retried (rung 3)."""
         return sum(1 for st in list(self.parked.values()) if st.attempts)
@@ -336,13 +357,15 @@ class LoadJobs:
             st.retry_at = now + delay
             st.failed_jobs = [(j, wanted.get(id(j), [])) for j in st.jobs if j.state != DONE]
             st.jobs = [j for j in st.jobs if j.state == DONE]
+            why = cause(reason)
             if first_failure:
                 self.counters.add("rung_parked_retry")
+                self.counters.add(f"parked_cause_{why}")
             st.attempts += 1
             (log.warning if first_failure or st.attempts % 10 == 0 else log.info)(
-                "s3kv: request %d stays parked: its load failed (%s); retry %d in %.1f s",
-                rid, reason if not key or key in reason else f"{reason} (object {key!r})", st.attempts, delay,
-                extra={"request_id": rid, "key": key},
+                "s3kv: request %d stays parked (cause %s): its load failed (%s); retry %d in %.1f s",
+                rid, why, reason if not key or key in reason else f"{reason} (object {key!r})", st.attempts, delay,
+                extra={"request_id": rid, "key": key, "cause": why},
             )
 
     def _async_failure(self, st: AsyncLoad, now: float) -> tuple[str | None, str] | None:

@@ -7,7 +7,7 @@ requests and dollars per token.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -52,6 +52,10 @@ class WorkerStats:
     parked_loads_abandoned: int = 0
     #: Requests parked right now while their load is retried (rung 3).
     parked_now: int = 0
+    #: Requests that parked (rung 3) by why their load failed (``loads.PARK_CAUSES``).
+    parked_by_cause: dict[str, int] = field(default_factory=dict)
+    #: Requests the engine aborted through its failed-load path (``try_abort_request``).
+    loads_aborted: int = 0
     load_retries: int = 0
     objects_quarantined: int = 0
     #: Objects a failed load never verified, read once in the background (released or kept).
@@ -103,6 +107,8 @@ def worker_stats(c: Mapping[str, float], s: Any, *, uploads_pending: int, parked
         parked_loads_cancelled=n("parked_loads_cancelled"),
         parked_loads_abandoned=n("parked_loads_abandoned"),
         parked_now=parked_now,
+        parked_by_cause={k[len("parked_cause_"):]: int(v) for k, v in c.items() if k.startswith("parked_cause_")},
+        loads_aborted=n("loads_aborted"),
         load_retries=n("load_retries"),
         objects_quarantined=n("objects_quarantined"),
         objects_audited=n("objects_audited"),

@@ -1,0 +1,271 @@
+"""The failed-load path (docs/failures.md, rung 1): a failed promised load ends its request.
+
+The manager model (``s3kv/sim/failpath.py``) is checked against the sequence upstream's own tests
+assert (consensus, release on every rank, scheduler abort, finalize); then s3kv on it: honour-less
+and corrupt-object requests end (failed or recomputed), none parked, never a wrong byte. Without
+the path a broken promise parks, and is counted by cause.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+
+import pytest
+
+from s3kv.config import Settings
+from s3kv.sim import (
+    SimCacheConfig,
+    SimEngine,
+    SimEngineCrash,
+    SimRequestSpec,
+    gemma3_like,
+    honour_when_growth_fails,
+    random_tokens,
+)
+from s3kv.sim.failpath import TRANSFER_FAILED, FailedLoadPath
+from s3kv.store.memory import MemoryStore
+from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+from s3kv.trtllm.api import FAILED_LOAD_HOOK, engine_features
+
+TPB, WINDOW = 16, 64
+_keys = itertools.count()
+
+
+# ----------------------------------------------------------------------------- the manager model
+
+
+class _Worker:
+    def __init__(self, release: object = True):
+        self.finished: tuple[list[int], list[int]] = ([], [])
+        self.failed: set[int] = set()
+        self.aborted: list[int] = []
+        self.release = release
+
+    def get_finished(self, finished_gen, started_loading):
+        out, self.finished = self.finished, ([], [])
+        return out
+
+    def take_failed_load_request_ids(self):
+        out, self.failed = self.failed, set()
+        return out
+
+    def try_abort_request(self, request_id):
+        self.aborted.append(request_id)
+        return self.release
+
+
+class _Scheduler:
+    def __init__(self):
+        self.successful: list[int] = []
+        self.aborted: list[tuple[int, str]] = []
+
+    def finalize_successful_load(self, request_id):
+        self.successful.append(request_id)
+        return True
+
+    def try_abort_request(self, request_id, reason):
+        self.aborted.append((request_id, reason))
+        return True
+
+
+def _path(tp):
+    def call(name, fn, *args):
+        return fn(*args)
+
+    def parse(rank, ret):
+        return list(ret[0]), list(ret[1])
+
+    return FailedLoadPath(tp, call, lambda msg: SimEngineCrash("get_finished", msg), parse)
+
+
+def test_a_failure_on_one_rank_aborts_on_every_rank_before_the_request_ends():
+    """Pass 1: rank 1 reports the failure (intent -> consensus). Pass 2: every worker releases it,
+    then rank 0's scheduler aborts it. Pass 3: finalized, returned failed. Rank 0 finishing the
+    same load meanwhile does not resume it (a failure wins)."""
+    workers, sched, path = [_Worker(), _Worker()], _Scheduler(), _path(2)
+    r = path.poll(workers, sched, [], [42])
+    assert r.failed_loads == () and not r.resumed_loads
+    workers[0].finished = ([], [42])
+    workers[1].failed = {42}
+    r = path.poll(workers, sched, [], [])
+    assert r.failed_loads == () and workers[0].aborted == workers[1].aborted == [] and sched.aborted == []
+    r = path.poll(workers, sched, [], [])
+    assert workers[0].aborted == workers[1].aborted == [42] and r.released == {42}
+    assert sched.aborted == [(42, TRANSFER_FAILED)] and r.failed_loads == () and sched.successful == []
+    r = path.poll(workers, sched, [], [])
+    assert r.failed_loads == (42,) and not r.resumed_loads
+    assert all(not m.tracked() for m in path.ranks)
+    r = path.poll(workers, sched, [], [])  # nothing is done twice
+    assert r.failed_loads == () and workers[0].aborted == [42] and sched.aborted == [(42, TRANSFER_FAILED)]
+
+
+def test_a_load_resumes_a_pass_after_every_rank_finished_it():
+    workers, sched, path = [_Worker(), _Worker()], _Scheduler(), _path(2)
+    path.poll(workers, sched, [], [7])
+    workers[0].finished = ([], [7])
+    assert not path.poll(workers, sched, [], []).resumed_loads
+    workers[1].finished = ([], [7])
+    assert not path.poll(workers, sched, [], []).resumed_loads and sched.successful == [7]
+    assert path.poll(workers, sched, [], []).resumed_loads == {7}
+
+
+def test_failed_ids_of_untracked_requests_are_dropped():
+    """A sync load is no async load the manager tracks: its failure is ignored (hence sync is never used)."""
+    workers, sched, path = [_Worker()], _Scheduler(), _path(1)
+    workers[0].failed = {5}
+    for _ in range(3):
+        assert path.poll(workers, sched, [], []).failed_loads == ()
+    assert workers[0].aborted == []
+
+
+def test_a_worker_that_does_not_release_kills_the_engine():
+    workers, sched, path = [_Worker(release=False)], _Scheduler(), _path(1)
+    path.poll(workers, sched, [], [3])
+    workers[0].failed = {3}
+    path.poll(workers, sched, [], [])
+    with pytest.raises(SimEngineCrash, match="failed to release request 3"):
+        path.poll(workers, sched, [], [])
+
+
+# ----------------------------------------------------------------------------- feature detection
+
+
+class _W:
+    pass
+
+
+class _S:
+    pass
+
+
+def _cls(base, **methods):
+    return type("X", (base,), {name: (lambda self, *a: True) for name in methods})
+
+
+@pytest.mark.parametrize(
+    ("worker", "scheduler", "found"),
+    [
+        (dict(take_failed_load_request_ids=1, try_abort_request=1), dict(try_abort_request=1,
+                                                                        finalize_successful_load=1), True),
+        (dict(take_failed_load_request_ids=1, abort_request=1), dict(abort_request=1, finish_load=1), True),
+        # the block-id API before it (get_block_ids_with_load_errors, handle_load_errors): not this path
+        (dict(get_block_ids_with_load_errors=1, abort_request=1), {}, False),
+        (dict(take_failed_load_request_ids=1), {}, False),
+        ({}, {}, False),
+    ],
+    ids=["newest", "earlier-names", "block-ids", "half", "merged-line"],
+)
+def test_the_path_is_detected_by_its_names(worker, scheduler, found):
+    features = engine_features(_cls(_W, **worker), _cls(_S, **scheduler))
+    assert (FAILED_LOAD_HOOK in features) == found
+
+
+# ----------------------------------------------------------------------------- s3kv on the path
+
+
+def _engine(store, *, tp=1, hook=True, outcome="recompute", honour=None, policy="window", chunk=48, **settings):
+    s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=4, lookup_timeout_s=5.0,
+                 checkpoint_tokens=8 * TPB, storage_policy=policy, **settings)
+    return SimEngine(
+        gemma3_like(WINDOW, num_layers=6, kv_heads=2 * tp, head_dim=8),
+        SimCacheConfig(tokens_per_block=TPB, max_seq_len=4096),
+        S3KvConnectorLeader,
+        S3KvConnectorWorker,
+        tp_size=tp,
+        chunk_size=chunk,
+        honour=honour,
+        failed_load_hook=hook,
+        failed_load_outcome=outcome,
+        connector_kwargs=dict(settings=s, store=store, engine_key=f"failpath-{next(_keys)}"),
+    )
+
+
+PROMPT = tuple(random_tokens(random.Random(8), 20 * TPB + 5, 32000))
+
+
+def _stored(tp, policy="window"):
+    store = MemoryStore()
+    with _engine(store, tp=tp, policy=policy) as cold:
+        cold.run([SimRequestSpec(1, PROMPT, max_new_tokens=2)])
+        for w in cold.workers:
+            assert w.flush(30)
+    return store
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("outcome", ["fail", "recompute"])
+def test_honoured_less_than_the_stored_tails_serve_ends_the_request(tp, outcome):
+    """Boundaries a smaller load cannot serve under the window policy (no sliding tail ends there):
+    the request ends -- failed with a clear reason, or recomputed bit-exact -- within a few passes,
+    never parked, never a wrong byte; boundaries that can be served still are."""
+    store = _stored(tp)
+    for k in (3, 12, 8, 20):
+        with _engine(store, tp=tp, outcome=outcome, honour=lambda offer, k=k: min(offer, k * TPB)) as eng:
+            rep = eng.run([SimRequestSpec(100 + k, PROMPT, max_new_tokens=2)], max_iterations=200)
+            stats = [w.core.stats() for w in eng.workers]
+        r = rep.requests[0]
+        assert rep.kv_mismatches == 0 and sum(s.parked_now for s in stats) == 0, k
+        if k in (8, 20):  # a checkpoint and the offer itself: a correct smaller load
+            assert r.matched_tokens == k * TPB and not r.failed and not r.recomputed_failed_load
+        elif outcome == "fail":
+            assert r.failed == "KV cache load failure" and r.output_tokens == ()
+        else:
+            assert r.recomputed_failed_load and r.matched_tokens == 0 and len(r.output_tokens) == 2
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("outcome", ["fail", "recompute"])
+def test_a_corrupt_object_ends_its_request_and_the_next_one_misses(tp, outcome):
+    store = _stored(tp)
+    for key, (body, meta, t) in list(store._objects.items()):
+        store._objects[key] = (body[:-8] + bytes(8), meta, t)  # the last page's bytes: checksums fail
+    with _engine(store, tp=tp, outcome=outcome) as eng:
+        first = eng.run([SimRequestSpec(200, PROMPT, max_new_tokens=2)], max_iterations=200)
+        later = eng.run([SimRequestSpec(201, PROMPT, max_new_tokens=2)], max_iterations=200)
+        stats = [w.core.stats() for w in eng.workers]
+        aborted = eng.leader.core.stats.loads_aborted
+    assert first.kv_mismatches == 0 and later.kv_mismatches == 0
+    r = first.requests[0]
+    assert (r.failed == "KV cache load failure") if outcome == "fail" else r.recomputed_failed_load
+    assert aborted == 1 and sum(s.loads_aborted for s in stats) >= 1 and sum(s.parked_now for s in stats) == 0
+    assert later.requests[0].offered_tokens == 0  # quarantined: a clean miss, no second failed load
+
+
+def test_sync_is_never_honoured_even_with_the_path(caplog):
+    store = _stored(1)
+    with caplog.at_level(logging.WARNING, logger="s3kv"), _engine(store, load_mode="sync") as eng:
+        rep = eng.run([SimRequestSpec(300, PROMPT, max_new_tokens=2)])
+    assert rep.kv_mismatches == 0 and rep.requests[0].loaded_async and rep.requests[0].matched_tokens
+    assert "covers async loads only" in caplog.text
+
+
+def test_without_the_path_a_broken_promise_parks_and_is_counted_by_cause():
+    store = _stored(1)
+    with _engine(store, hook=False, honour=lambda offer: min(offer, 3 * TPB)) as eng:
+        rep = eng.run([SimRequestSpec(400, PROMPT, max_new_tokens=2, cancel_after_iterations=30)])
+        stats = eng.workers[0].core.stats()
+    assert rep.kv_mismatches == 0 and rep.requests[0].cancelled
+    assert stats.parked_by_cause == {"broken_promise": 1} and stats.rung_parked_retry == 1
+
+
+@pytest.mark.parametrize(("chunk_blocks", "parks"), [(3, True), (8, False)])
+def test_v2s_own_smaller_honour_parks_only_off_a_stored_tail(chunk_blocks, parks):
+    """V2 under memory pressure honours one block below the first chunk's end. A first chunk ending
+    at a checkpoint (a quiet engine, chunk a multiple of the checkpoint spacing) lands on a stored
+    tail and is served; one ending elsewhere is a broken promise: parked without the path (cause
+    broken_promise), ended with it."""
+    store = _stored(1)
+    honour = honour_when_growth_fails(chunk_blocks * TPB, TPB)
+    with _engine(store, hook=False, honour=honour, chunk=chunk_blocks * TPB) as eng:
+        rep = eng.run([SimRequestSpec(500, PROMPT, max_new_tokens=2, cancel_after_iterations=30)])
+        stats = eng.workers[0].core.stats()
+    r = rep.requests[0]
+    assert rep.kv_mismatches == 0 and r.cancelled == parks
+    assert stats.parked_by_cause == ({"broken_promise": 1} if parks else {})
+    if not parks:
+        assert r.matched_tokens == (chunk_blocks - 1) * TPB
+    with _engine(store, honour=honour, chunk=chunk_blocks * TPB) as eng:
+        rep = eng.run([SimRequestSpec(501, PROMPT, max_new_tokens=2)], max_iterations=200)
+    assert rep.kv_mismatches == 0 and rep.requests[0].recomputed_failed_load == parks
