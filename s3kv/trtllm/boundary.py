@@ -50,13 +50,6 @@ def check_engine(llm_args: Any) -> None:
             "s3kv does not support attention data parallelism (enable_attention_dp=True): "
             "each DP rank would need its own scheduler-side state; turn it off for this engine"
         )
-    if getattr(llm_args, "disable_overlap_scheduler", True) is False:
-        # The overlap loop reports generation one token behind and handles a request's end
-        # one iteration late; s3kv's finish plans are proven on the non-overlap loop only.
-        raise UnsupportedEngine(
-            "s3kv needs TensorRT-LLM's non-overlap executor loop: pass disable_overlap_scheduler=True "
-            "to LLM(...) (the overlap scheduler is on by default; upstream's connector examples turn it off)"
-        )
 
 
 def check_layout(layout: Any) -> None:
@@ -109,8 +102,9 @@ class ConnectorSide:
     #: Names the side in contained-error logs.
     role = ""
     supports_attention_dp = False
-    #: Honoured by TensorRT-LLM lines that know the flag; older ones are checked in ``check_engine``.
-    requires_disable_overlap_scheduler = True
+    #: Both executor loops are served: the overlap loop (TensorRT-LLM's default) reports
+    #: generation one token behind and finishes a pass late (see ``SavePlanner`` / ``FinishPlanner``).
+    requires_disable_overlap_scheduler = False
 
     settings: Settings
     features: frozenset[str]

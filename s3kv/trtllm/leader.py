@@ -50,6 +50,8 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             index=self._runtime.index,
             geometry=self._runtime.get_geometry,
             failed_load_hook=hook,
+            # TensorRT-LLM's default loop is the overlap one; only an explicit True turns it off.
+            overlap=getattr(llm_args, "disable_overlap_scheduler", False) is not True,
         )
 
     def _start_summary(self) -> None:

@@ -56,10 +56,12 @@ class LeaderCore:
         on_lookup: Callable[[int, LookupResult], None] | None = None,
         sizing_page_bytes: Sequence[int] | None = None,
         failed_load_hook: bool = False,
+        overlap: bool = False,
     ):
         """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing
         blocks per object -- for benchmarks that store tiny pages but model a real
-        model's object structure."""
+        model's object structure. ``overlap``: the engine runs TensorRT-LLM's overlap executor
+        loop, whose forward is one generated token ahead of what its reports say."""
         self.settings = settings
         # A sync load that fails has no safe outcome unless the engine can be told to recompute
         # the request (a failed-load hook); without one every load is async, so a failure can
@@ -84,8 +86,12 @@ class LeaderCore:
         self.stats = LeaderStats()
         self._lookups = Lookups(settings, store, self.index, self.stats)
         self._loads = LoadPlanner(settings, self.stats, self._lookups)
-        self._saves = SavePlanner(self.stats)
-        self._finish = FinishPlanner(self.stats, self.index)
+        # The overlap loop's host learns a sampled token a pass late: a generating request's
+        # report is one token behind the position its forward writes, and its pages advance once
+        # more (update_resources of its last batch) before its finish plan runs.
+        inflight = 1 if overlap else 0
+        self._saves = SavePlanner(self.stats, inflight)
+        self._finish = FinishPlanner(self.stats, self.index, inflight)
         self._pages = PageOwners()  # requests freed with no connector call
         # Where ranks past 0 (processes of their own) say which objects they found bad.
         self.verdicts = VerdictBoard.make(self.index, tp_size) if tp_size > 1 else None
