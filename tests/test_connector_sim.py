@@ -15,6 +15,7 @@ import pytest
 
 from s3kv.config import Settings
 from s3kv.sim import (
+    EXECUTOR_LOOPS,
     FULL_ATTENTION,
     SimCacheConfig,
     SimEngine,
@@ -37,7 +38,7 @@ _keys = itertools.count()
 
 
 def make_engine(store, model, *, tp=1, chunk=None, tpb=16, max_seq_len=2048, flat=False, engine=None,
-                failed_load_hook=None, **settings):
+                failed_load_hook=None, loop="non-overlap", **settings):
     """Sync loads need an engine with a failed-load hook (else s3kv loads async): give it one."""
     # A generous lookup budget: these tests count hits, and a busy CI core can take longer than
     # the 50 ms default (then a lookup is a miss, by design; tests/test_lookup_budget.py covers that).
@@ -55,6 +56,7 @@ def make_engine(store, model, *, tp=1, chunk=None, tpb=16, max_seq_len=2048, fla
         flat=flat,
         failed_load_hook=failed_load_hook,
         connector_kwargs=kwargs,
+        **EXECUTOR_LOOPS[loop],
     )
 
 
@@ -73,13 +75,15 @@ def cold_warm(model, specs, warm_specs=None, **kw):
     return store, cold, warm
 
 
+@pytest.mark.parametrize("loop", list(EXECUTOR_LOOPS))
 @pytest.mark.parametrize("load_mode", ["async", "sync"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("chunk", [None, 48])
-def test_vswa_cold_then_warm_is_bit_exact(load_mode, tp, chunk):
+def test_vswa_cold_then_warm_is_bit_exact(load_mode, tp, chunk, loop):
     specs = multi_turn_workload(n_conversations=2, turns=2, system_len=160, first_len=96, turn_len=64,
                                 max_new_tokens=24)
-    _, cold, warm = cold_warm(gemma3_like(64, kv_heads=2), specs, tp=tp, chunk=chunk, load_mode=load_mode)
+    _, cold, warm = cold_warm(gemma3_like(64, kv_heads=2), specs, tp=tp, chunk=chunk, load_mode=load_mode,
+                              loop=loop)
     assert cold.kv_mismatches == 0 and warm.kv_mismatches == 0
     assert cold.guard_violations == 0 and warm.guard_violations == 0
     # Every prompt is many windows long; the warm engine must still serve almost all of it.

@@ -16,7 +16,16 @@ every page a connector served with what recomputation would write.
 
 from .checker import KvChecker, PageCheck
 from .config import GroupSpec, SimCacheConfig, SimModel, effective_windows, layer_groups, sliding_cutoff
-from .engine import DiscardHook, Honour, PreemptHook, SimContractError, SimEngine, SimEngineCrash, SimHang
+from .engine import (
+    EXECUTOR_LOOPS,
+    DiscardHook,
+    Honour,
+    PreemptHook,
+    SimContractError,
+    SimEngine,
+    SimEngineCrash,
+    SimHang,
+)
 from .hooks import discard_async, honour_at_most, honour_minus_blocks, preempt_generation_once, preempt_once
 from .llm_args import SimKvCacheConfig, SimLlmArgs, SimMapping, SimParallelConfig, make_llm_args
 from .model import KvModel, PrefixHasher, generate_tokens, next_token, request_root, token_bytes
@@ -36,6 +45,7 @@ from .workload import (
 __all__ = [
     "FULL_ATTENTION",
     "DiscardHook",
+    "EXECUTOR_LOOPS",
     "GroupAllocator",
     "GroupSpec",
     "Honour",

@@ -76,6 +76,17 @@ PreemptGenerationHook = Callable[[int, int, int], bool]
 DiscardHook = Callable[[int, int], bool]
 
 
+#: The executor loops a connector is proven on, as :class:`SimEngine` keyword arguments: the
+#: non-overlap loop, TensorRT-LLM's default overlap loop, and each with CUDA-graph decode
+#: (TensorRT-LLM's default too: no layer hook fires in a generation-only pass).
+EXECUTOR_LOOPS: dict[str, dict[str, bool]] = {
+    "non-overlap": {},
+    "overlap": {"overlap": True},
+    "graphs": {"cuda_graphs": True},
+    "overlap+graphs": {"overlap": True, "cuda_graphs": True},
+}
+
+
 class SimHang(SimError):
     """A run did not finish within its iteration cap; ``stuck`` maps request id -> what it waits for."""
 
