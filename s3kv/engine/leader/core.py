@@ -58,10 +58,8 @@ class LeaderCore:
         failed_load_hook: bool = False,
         overlap: bool = False,
     ):
-        """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing
-        blocks per object -- for benchmarks that store tiny pages but model a real
-        model's object structure. ``overlap``: the engine runs TensorRT-LLM's overlap executor
-        loop, whose forward is one generated token ahead of what its reports say."""
+        """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing blocks per
+        object (benchmarks of a real model's object structure); ``overlap``: the overlap loop."""
         self.settings = settings
         # A sync load that fails has no safe outcome unless the engine can be told to recompute
         # the request (a failed-load hook); without one every load is async, so a failure can
@@ -86,10 +84,7 @@ class LeaderCore:
         self.stats = LeaderStats()
         self._lookups = Lookups(settings, store, self.index, self.stats)
         self._loads = LoadPlanner(settings, self.stats, self._lookups)
-        # The overlap loop's host learns a sampled token a pass late: a generating request's
-        # report is one token behind the position its forward writes, and its pages advance once
-        # more (update_resources of its last batch) before its finish plan runs.
-        inflight = 1 if overlap else 0
+        inflight = 1 if overlap else 0  # the overlap loop's forward runs a token past its report
         self._saves = SavePlanner(self.stats, inflight)
         self._finish = FinishPlanner(self.stats, self.index, inflight)
         self._pages = PageOwners()  # requests freed with no connector call
