@@ -326,24 +326,14 @@ def _args(**kw):
 
 
 @pytest.mark.parametrize("cls", [S3KvConnectorLeader, S3KvConnectorWorker])
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("enable_attention_dp", True, "attention data parallelism"),
-])
-def test_bring_up_refuses_what_it_cannot_serve(cls, field, value, message):
-    from s3kv.trtllm import UnsupportedEngine
-
+@pytest.mark.parametrize("field", ["disable_overlap_scheduler", "enable_attention_dp"])
+def test_the_overlap_scheduler_and_attention_dp_are_served(cls, field):
+    """TensorRT-LLM's default loop and attention DP: accepted at bring-up, and the class flags newer
+    lines check say so."""
     s = Settings(url="memory://unused", check_access=False)
-    with pytest.raises(UnsupportedEngine, match=message):
-        cls(_args(**{field: value}), settings=s, store=MemoryStore(), engine_key=f"bringup-{next(_keys)}")
-
-
-@pytest.mark.parametrize("cls", [S3KvConnectorLeader, S3KvConnectorWorker])
-def test_the_overlap_scheduler_is_served(cls):
-    """TensorRT-LLM's default loop: accepted at bring-up, and the flag newer lines honour says so."""
-    s = Settings(url="memory://unused", check_access=False)
-    side = cls(_args(disable_overlap_scheduler=False), settings=s, store=MemoryStore(),
-               engine_key=f"bringup-{next(_keys)}")
-    assert cls.requires_disable_overlap_scheduler is False
+    value = field == "enable_attention_dp"  # overlap on: disable_overlap_scheduler=False
+    side = cls(_args(**{field: value}), settings=s, store=MemoryStore(), engine_key=f"bringup-{next(_keys)}")
+    assert cls.requires_disable_overlap_scheduler is False and cls.supports_attention_dp is True
     side.shutdown()
 
 

@@ -214,6 +214,11 @@ class SimEngine:
     (see :meth:`_iteration_overlap`). ``cuda_graphs``: a pass whose batch is generation only
     replays a CUDA graph, inside which no layer hook fires (``wait_for_layer_load`` /
     ``save_kv_layer`` are not called; the forward-pass callables and ``wait_for_save`` are).
+    ``attention_dp=(owner, size)``: this engine is owner rank ``owner`` of an attention-DP engine
+    of ``size`` ranks (1.4.0rc4 line): its own scheduler and worker, its own requests, attention not
+    sharded (``tp_size`` 1 here), no collective with other owners -- run one SimEngine per owner.
+    Both connector classes must declare ``supports_attention_dp = True`` (the manager's
+    ``validate_attention_dp``); the scheduler output carries ``attention_dp_rank``.
     """
 
     def _own_process(self, kwargs: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -247,12 +252,15 @@ class SimEngine:
         preempt_generation_hook: PreemptGenerationHook | None = None,
         overlap: bool = False,
         cuda_graphs: bool = False,
+        attention_dp: tuple[int, int] | None = None,
     ):
         if tp_size is None:
             tp_size = model.tp_size
         elif model.tp_size != 1 and tp_size != model.tp_size:
             raise ValueError(f"tp_size {tp_size} contradicts the model's tp_size {model.tp_size}")
         model.heads_per_shard(tp_size)  # validates tp_size
+        if attention_dp is not None and (tp_size != 1 or not 0 <= attention_dp[0] < attention_dp[1]):
+            raise ValueError("attention_dp=(owner, size) models one owner rank: tp_size 1, 0 <= owner < size")
         if chunk_size is not None and chunk_size <= 0:
             raise ValueError("chunk_size must be positive or None")
         if max_batch <= 0:
@@ -276,6 +284,7 @@ class SimEngine:
         self.preempt_generation_hook = preempt_generation_hook
         self.overlap = overlap
         self.cuda_graphs = cuda_graphs
+        self.attention_dp = attention_dp
         self.tpb = config.tokens_per_block
         self.groups: tuple[GroupSpec, ...] = layer_groups(model, config.max_seq_len)
         self._group_of_layer = {layer: g for g in self.groups for layer in g.layer_ids}
@@ -309,7 +318,8 @@ class SimEngine:
         if failed_load_hook:
             kwargs["engine_features"] = frozenset(kwargs.get("engine_features", ())) | {"failed_load_hook"}
         self.llm_args: tuple[SimLlmArgs, ...] = tuple(
-            make_llm_args(model, config, tp_size, r, overlap=overlap) for r in range(tp_size)
+            make_llm_args(model, config, tp_size, r, overlap=overlap, attention_dp=attention_dp)
+            for r in range(tp_size)
         )
         self.leader = leader_cls(self.llm_args[0], **kwargs)
         self.workers = tuple(
@@ -347,6 +357,12 @@ class SimEngine:
     # ------------------------------------------------------------------ bring-up
 
     def _check_bring_up(self) -> None:
+        if self.attention_dp is not None:
+            for side in (self.leader, *self.workers):
+                if getattr(type(side), "supports_attention_dp", False) is not True:
+                    raise SimContractError(
+                        f"bring-up fails: {type(side).__name__} does not declare supports_attention_dp=True"
+                    )
         need = (
             ("update_state_after_alloc", "request_finished")
             if self.flat
@@ -638,7 +654,8 @@ class SimEngine:
         )
         scheduled: list[tuple[_Req, int, bool]] = []
         if running or started_loading:
-            out = SchedulerOutput(new_requests=[], cached_requests=[])
+            dp = {} if self.attention_dp is None else {"attention_dp_rank": self.attention_dp[0]}
+            out = SchedulerOutput(new_requests=[], cached_requests=[], **dp)
             for st in running:
                 is_ctx = st.computed < st.req.prompt_len
                 n = min(self.chunk_size or st.req.prompt_len, st.req.prompt_len - st.computed) if is_ctx else 1

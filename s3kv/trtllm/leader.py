@@ -12,7 +12,7 @@ from typing import Any
 from ..engine.leader import LeaderCore
 from ..engine.runtime import release_runtime
 from .api import FAILED_LOAD_HOOK, KvCacheConnectorScheduler
-from .boundary import ConnectorSide, kv_dtype, log, model_id
+from .boundary import ConnectorSide, kv_dtype, kv_shard, log, model_id
 
 __all__ = ["S3KvConnectorLeader"]
 
@@ -44,7 +44,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             self.settings,
             self._runtime.store,
             self._runtime.key_prefix,
-            tp_size=int(mapping.tp_size),
+            tp_size=kv_shard(llm_args, mapping)[1],
             model_id=model_id(llm_args, self.settings),
             kv_dtype=kv_dtype(llm_args),
             index=self._runtime.index,
