@@ -102,9 +102,9 @@ def history_blocks(spec, rep):
 # ----------------------------------------------------------------------------- finishing requests
 
 
-def finish_while_another_decodes(store, worker, tp=1, loop="non-overlap", new_tokens=70):
+def finish_while_another_decodes(store, worker, tp=1, loop="non-overlap", new_tokens=70, stop_after=None):
     """A finishes (history many windows long) while B keeps decoding; then A's next turn."""
-    a = SimRequestSpec(1, prompt(215, 1), max_new_tokens=new_tokens)  # history ends off a checkpoint
+    a = SimRequestSpec(1, prompt(215, 1), max_new_tokens=new_tokens, stop_after=stop_after)
     b = SimRequestSpec(2, prompt(150, 2), max_new_tokens=260)
     with engine(store, worker=worker, tp=tp, loop=loop) as eng:
         rep = eng.run([a, b])
@@ -138,6 +138,16 @@ def test_a_history_ending_on_a_block_boundary(loop):
     assert rep.kv_mismatches == 0 and rep2.kv_mismatches == 0
     lost = 1 if loop == "overlap" else 0
     assert rep2.requests[0].matched_tokens == (hist - lost) * TPB
+
+
+@pytest.mark.parametrize("loop", ["non-overlap", "overlap"])
+def test_a_request_ending_on_a_stop_token(loop):
+    """The same history ended by a stop token: the overlap loop cannot foresee it and runs one extra
+    forward (its token dropped), whose report brings the last block's token -- the whole history."""
+    rep, rep2, hist = finish_while_another_decodes(MemoryStore(), S3KvConnectorWorker, 1, loop, 200, 106)
+    assert rep.kv_mismatches == 0 and rep2.kv_mismatches == 0
+    assert len(rep.by_id(1).output_tokens) == 106
+    assert rep2.requests[0].matched_tokens == hist * TPB
 
 
 def test_copies_after_free_is_caught():

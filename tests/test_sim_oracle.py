@@ -295,11 +295,13 @@ def test_oracle_fuzz_mixed_knobs(seed):
             p = trunk[:cut] + [rng.randrange(32000) for _ in range(rng.randrange(1, 60))]
             d = rng.choice([0, 0, (cut // TPB) * TPB]) if rnd else 0
             d = min(d, (len(p) - 1) // TPB * TPB)
-            specs.append(SimRequestSpec(rnd * 100 + i, tuple(p), rng.randrange(1, 30), device_match_tokens=d))
+            new = rng.randrange(1, 30)
+            stop = rng.choice([None, None, rng.randrange(1, new + 1)])  # a stop token ends it early
+            specs.append(SimRequestSpec(rnd * 100 + i, tuple(p), new, device_match_tokens=d, stop_after=stop))
         rep = eng.run(specs)
         assert_clean(rep)
         for s in specs:
-            out = generate_tokens(request_root(), s.prompt, s.max_new_tokens, 32000)
+            out = generate_tokens(request_root(), s.prompt, s.output_limit, 32000)
             assert rep.by_id(s.request_id).output_tokens == tuple(out)
     eng.drain_held()
     assert sum(a.in_use for a in eng.allocators) == eng.held_pages()

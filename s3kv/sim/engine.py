@@ -448,7 +448,9 @@ class SimEngine:
         t_start = time.perf_counter()
         idle = 0
         it = 0
-        while self._waiting or self._live or self._prev:
+        # (Overlap loop: a previous batch left when the loop goes idle is processed by the first
+        # pass of the next run, as the real loop's previous_batch waits for the next request.)
+        while self._waiting or self._live:
             if it >= max_iterations:
                 raise self._hang(states, f"run did not finish within {max_iterations} iterations")
             progressed = self._iteration(self._iterations)
@@ -578,7 +580,7 @@ class SimEngine:
                 continue
             st.tokens.append(st.pending)
             st.pending = None
-            if st.phase is _Phase.RUNNING and st.generated >= st.spec.max_new_tokens:
+            if st.phase is _Phase.RUNNING and st.generated >= st.spec.output_limit:
                 finished.append(st)
         # _send_kv_async(previous batch): request_finished.
         finished_gen: list[int] = []
@@ -591,10 +593,15 @@ class SimEngine:
                 if st.phase is _Phase.RUNNING:
                     self._preempt(st, generating=True)
 
-        # _sample_async + _update_request_states + _update_v2_context_resources (this batch).
+        # _sample_async + _update_request_states + _update_v2_context_resources (this batch). A
+        # request that just finished by a stop token was in this batch too (the host did not know):
+        # that extra forward wrote its stop token's KV; what it sampled is dropped.
         current: list[tuple[_Req, int, bool, int]] = []
         for st, n, is_ctx in scheduled:
-            if self._sample(st, n, is_ctx):
+            if st.phase is not _Phase.RUNNING:
+                st.computed += n
+                current.append((st, n, is_ctx, st.computed))
+            elif self._sample(st, n, is_ctx):
                 current.append((st, n, is_ctx, st.computed))
 
         # _process_previous_batch: cancellations, then update_resources(previous batch).
@@ -619,7 +626,7 @@ class SimEngine:
                 and self.preempt_generation_hook(st.rid, st.generated, st.attempt)
             ):
                 st.pause_pending = True
-        self._prev = [x for x in current if x[0].phase is _Phase.RUNNING]
+        self._prev = [x for x in current if x[0].phase in (_Phase.RUNNING, _Phase.SAVING)]
 
         return self._get_finished(finished_gen, started_loading) or progressed
 
@@ -1046,7 +1053,7 @@ class SimEngine:
         """Non-overlap loop: sample (the host has the token at once), then finished or paused."""
         if not self._sample(st, n, is_ctx):
             return
-        if st.generated >= st.spec.max_new_tokens:
+        if st.generated >= st.spec.output_limit:
             finished.append(st)
         elif (
             not is_ctx
