@@ -33,6 +33,9 @@ so generation ``RequestData`` is one token behind the position the forward
 writes, and ``request_finished`` / ``update_resources`` for a batch come in the
 next pass, after that pass's metadata and forward (see ``_iteration_overlap``).
 ``cuda_graphs=True``: generation-only passes call no layer hook (a replayed graph).
+Errors: the overlap loop dies even on an exception inside the forward (the error budget fails
+the batch, then ``assert sample_state is not None``); the non-overlap loop may survive one
+there. The simulator ends the run on any connector exception in both loops.
 
 An idle engine (nothing running, parked or waiting) blocks on its request
 queue and calls nothing, not even ``get_finished``. Any exception from a
