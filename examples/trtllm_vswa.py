@@ -44,7 +44,6 @@ def build_llm(model: str, windows: list[int], max_seq_len: int | None, tp: int) 
         backend="pytorch",
         tensor_parallel_size=tp,
         max_seq_len=max_seq_len,
-        disable_overlap_scheduler=True,  # s3kv is proven on the non-overlap executor loop only
         kv_cache_config=KvCacheConfig(
             enable_partial_reuse=False,  # a device match ending inside a block would get no S3 hit
             free_gpu_memory_fraction=0.5,

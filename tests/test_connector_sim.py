@@ -15,6 +15,7 @@ import pytest
 
 from s3kv.config import Settings
 from s3kv.sim import (
+    EXECUTOR_LOOPS,
     FULL_ATTENTION,
     SimCacheConfig,
     SimEngine,
@@ -37,7 +38,7 @@ _keys = itertools.count()
 
 
 def make_engine(store, model, *, tp=1, chunk=None, tpb=16, max_seq_len=2048, flat=False, engine=None,
-                failed_load_hook=None, **settings):
+                failed_load_hook=None, loop="non-overlap", **settings):
     """``load_mode="sync"`` runs on a line with the failed-load path (s3kv loads async there too:
     no line can fail a sync load, docs/failures.md)."""
     # A generous lookup budget: these tests count hits, and a busy CI core can take longer than
@@ -56,6 +57,7 @@ def make_engine(store, model, *, tp=1, chunk=None, tpb=16, max_seq_len=2048, fla
         flat=flat,
         failed_load_hook=failed_load_hook,
         connector_kwargs=kwargs,
+        **EXECUTOR_LOOPS[loop],
     )
 
 
@@ -74,13 +76,15 @@ def cold_warm(model, specs, warm_specs=None, **kw):
     return store, cold, warm
 
 
+@pytest.mark.parametrize("loop", list(EXECUTOR_LOOPS))
 @pytest.mark.parametrize("load_mode", ["async", "sync"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("chunk", [None, 48])
-def test_vswa_cold_then_warm_is_bit_exact(load_mode, tp, chunk):
+def test_vswa_cold_then_warm_is_bit_exact(load_mode, tp, chunk, loop):
     specs = multi_turn_workload(n_conversations=2, turns=2, system_len=160, first_len=96, turn_len=64,
                                 max_new_tokens=24)
-    _, cold, warm = cold_warm(gemma3_like(64, kv_heads=2), specs, tp=tp, chunk=chunk, load_mode=load_mode)
+    _, cold, warm = cold_warm(gemma3_like(64, kv_heads=2), specs, tp=tp, chunk=chunk, load_mode=load_mode,
+                              loop=loop)
     assert cold.kv_mismatches == 0 and warm.kv_mismatches == 0
     assert cold.guard_violations == 0 and warm.guard_violations == 0
     # Every prompt is many windows long; the warm engine must still serve almost all of it.
@@ -339,3 +343,36 @@ def test_a_load_from_an_objects_start_is_one_get():
     loaded = eng.workers[0].core.stats().objects_loaded
     assert rep.kv_mismatches == 0 and loaded > 0
     assert store.snapshot().get == loaded
+
+
+@pytest.mark.parametrize("loop", ["non-overlap", "overlap+graphs"])
+def test_attention_dp_owners_share_saves_without_collectives(loop):
+    """Attention DP (1.4.0rc4 line): one scheduler and worker per owner rank, each on its own
+    requests with no collective between owners; attention is not sharded, so the keys carry no DP
+    rank (one shard) and owner 1 is served what owner 0 saved, bit-exact."""
+    store = MemoryStore()
+
+    def owner(r):
+        s = Settings(url="memory://unused", staging_mib=64, check_access=False, lookup_timeout_s=5.0)
+        return SimEngine(gemma3_like(64, kv_heads=2), SimCacheConfig(tokens_per_block=16, max_seq_len=2048),
+                         S3KvConnectorLeader, S3KvConnectorWorker, chunk_size=48, attention_dp=(r, 2),
+                         connector_kwargs=dict(settings=s, store=store, engine_key=f"adp-{r}-{next(_keys)}"),
+                         **EXECUTOR_LOOPS[loop])
+
+    specs = multi_turn_workload(n_conversations=2, turns=2, system_len=160, first_len=96, turn_len=64,
+                                max_new_tokens=24)
+    cold = run(owner(0), specs)
+    warm = run(owner(1), repeat_workload(specs, 10_000))
+    assert cold.kv_mismatches == 0 and warm.kv_mismatches == 0
+    assert warm.hit_rate >= 0.9, warm.summary()
+    assert store.keys() and all(".0of1/" in k for k in store.keys())
+
+
+def test_attention_dp_needs_connectors_that_declare_it():
+    from sim_connectors import OracleLeader, OracleStore, OracleWorker
+
+    from s3kv.sim import SimContractError
+
+    with pytest.raises(SimContractError, match="supports_attention_dp"):
+        SimEngine(gemma3_like(64, kv_heads=2), SimCacheConfig(tokens_per_block=16, max_seq_len=2048),
+                  OracleLeader, OracleWorker, attention_dp=(0, 2), connector_kwargs={"store": OracleStore()})

@@ -17,7 +17,15 @@ import textwrap
 import pytest
 
 from s3kv.config import Settings
-from s3kv.sim import SimCacheConfig, SimEngine, SimEngineCrash, SimRequestSpec, gemma3_like, random_tokens
+from s3kv.sim import (
+    EXECUTOR_LOOPS,
+    SimCacheConfig,
+    SimEngine,
+    SimEngineCrash,
+    SimRequestSpec,
+    gemma3_like,
+    random_tokens,
+)
 from s3kv.store.memory import MemoryStore
 from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
@@ -56,7 +64,8 @@ class RaisingWorker(S3KvConnectorWorker):
         return super().get_finished(finished_gen_req_ids, started_loading_req_ids)
 
 
-def engine(store, *, worker=S3KvConnectorWorker, tp=1, honour=None, hook=False, max_batch=4, **settings):
+def engine(store, *, worker=S3KvConnectorWorker, tp=1, honour=None, hook=False, max_batch=4, loop="non-overlap",
+           **settings):
     s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=4, lookup_timeout_s=5.0,
                  checkpoint_tokens=8 * TPB, **settings)
     return SimEngine(
@@ -70,6 +79,7 @@ def engine(store, *, worker=S3KvConnectorWorker, tp=1, honour=None, hook=False, 
         honour=honour,
         failed_load_hook=hook,
         connector_kwargs=dict(settings=s, store=store, engine_key=f"fidelity-{next(_keys)}"),
+        **EXECUTOR_LOOPS[loop],
     )
 
 
@@ -92,11 +102,11 @@ def history_blocks(spec, rep):
 # ----------------------------------------------------------------------------- finishing requests
 
 
-def finish_while_another_decodes(store, worker, tp=1):
+def finish_while_another_decodes(store, worker, tp=1, loop="non-overlap", new_tokens=70, stop_after=None):
     """A finishes (history many windows long) while B keeps decoding; then A's next turn."""
-    a = SimRequestSpec(1, prompt(215, 1), max_new_tokens=70)  # history ends off a checkpoint
+    a = SimRequestSpec(1, prompt(215, 1), max_new_tokens=new_tokens, stop_after=stop_after)
     b = SimRequestSpec(2, prompt(150, 2), max_new_tokens=260)
-    with engine(store, worker=worker, tp=tp) as eng:
+    with engine(store, worker=worker, tp=tp, loop=loop) as eng:
         rep = eng.run([a, b])
         flushed(eng)
     assert rep.by_id(1).finished_iteration < rep.by_id(2).finished_iteration  # A ended first
@@ -106,12 +116,38 @@ def finish_while_another_decodes(store, worker, tp=1):
     return rep, rep2, history_blocks(a, rep)
 
 
+# 215 + 121 = 336 tokens: h = 335, (h + 1) % TPB == 0 -- the engine frees the block that just left
+# the window after request_finished, and no checkpoint tail holds it (the overlap loop's case).
+@pytest.mark.parametrize("new_tokens", [70, 121])
+@pytest.mark.parametrize("loop", ["non-overlap", "overlap", "overlap+graphs"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_request_finishing_while_another_decodes_then_next_turn_past_the_window(tp):
-    rep, rep2, hist = finish_while_another_decodes(MemoryStore(), S3KvConnectorWorker, tp)
+def test_request_finishing_while_another_decodes_then_next_turn_past_the_window(tp, loop, new_tokens):
+    rep, rep2, hist = finish_while_another_decodes(MemoryStore(), S3KvConnectorWorker, tp, loop, new_tokens)
     assert rep.kv_mismatches == 0 and rep2.kv_mismatches == 0
     assert hist * TPB >= 4 * WINDOW  # the history is several windows long
     assert rep2.requests[0].matched_tokens == hist * TPB  # the whole history is served
+
+
+@pytest.mark.parametrize("loop", ["non-overlap", "overlap"])
+def test_a_history_ending_on_a_block_boundary(loop):
+    """215 + 106 = 321 tokens: the last KV position (319) completes a block. The non-overlap loop
+    reports its token before the forward that writes it; the overlap loop's host learns it only at
+    request_finished, after the last metadata -- that block is not stored (one block less served,
+    never a wrong byte)."""
+    rep, rep2, hist = finish_while_another_decodes(MemoryStore(), S3KvConnectorWorker, 1, loop, 106)
+    assert rep.kv_mismatches == 0 and rep2.kv_mismatches == 0
+    lost = 1 if loop == "overlap" else 0
+    assert rep2.requests[0].matched_tokens == (hist - lost) * TPB
+
+
+@pytest.mark.parametrize("loop", ["non-overlap", "overlap"])
+def test_a_request_ending_on_a_stop_token(loop):
+    """The same history ended by a stop token: the overlap loop cannot foresee it and runs one extra
+    forward (its token dropped), whose report brings the last block's token -- the whole history."""
+    rep, rep2, hist = finish_while_another_decodes(MemoryStore(), S3KvConnectorWorker, 1, loop, 200, 106)
+    assert rep.kv_mismatches == 0 and rep2.kv_mismatches == 0
+    assert len(rep.by_id(1).output_tokens) == 106
+    assert rep2.requests[0].matched_tokens == hist * TPB
 
 
 def test_copies_after_free_is_caught():
@@ -119,13 +155,14 @@ def test_copies_after_free_is_caught():
     assert rep2.kv_mismatches > 0  # the next turn loaded the junk (or another request's KV)
 
 
+@pytest.mark.parametrize("loop", ["non-overlap", "overlap"])
 @pytest.mark.parametrize("worker", [S3KvConnectorWorker, CopiesAfterFreeWorker], ids=["s3kv", "late-copy"])
-def test_engine_idle_right_after_a_finish(worker):
+def test_engine_idle_right_after_a_finish(worker, loop):
     """The last request finishes and the engine goes idle (no metadata, no hook at all): the final
     sliding tail is still saved, staging is released, and the next turn hits the whole history."""
     store = MemoryStore()
     a = SimRequestSpec(1, prompt(215, 4), max_new_tokens=70)  # history ends off a checkpoint
-    with engine(store, worker=worker) as eng:
+    with engine(store, worker=worker, loop=loop) as eng:
         rep = eng.run([a])
         assert rep.held_while_idle == ()  # CPU copies are done in get_finished: nothing held
         flushed(eng)
@@ -299,16 +336,15 @@ def _args(**kw):
 
 
 @pytest.mark.parametrize("cls", [S3KvConnectorLeader, S3KvConnectorWorker])
-@pytest.mark.parametrize(("field", "value", "message"), [
-    ("disable_overlap_scheduler", False, "disable_overlap_scheduler=True"),
-    ("enable_attention_dp", True, "attention data parallelism"),
-])
-def test_bring_up_refuses_what_it_cannot_serve(cls, field, value, message):
-    from s3kv.trtllm import UnsupportedEngine
-
+@pytest.mark.parametrize("field", ["disable_overlap_scheduler", "enable_attention_dp"])
+def test_the_overlap_scheduler_and_attention_dp_are_served(cls, field):
+    """TensorRT-LLM's default loop and attention DP: accepted at bring-up, and the class flags newer
+    lines check say so."""
     s = Settings(url="memory://unused", check_access=False)
-    with pytest.raises(UnsupportedEngine, match=message):
-        cls(_args(**{field: value}), settings=s, store=MemoryStore(), engine_key=f"bringup-{next(_keys)}")
+    value = field == "enable_attention_dp"  # overlap on: disable_overlap_scheduler=False
+    side = cls(_args(**{field: value}), settings=s, store=MemoryStore(), engine_key=f"bringup-{next(_keys)}")
+    assert cls.requires_disable_overlap_scheduler is False and cls.supports_attention_dp is True
+    side.shutdown()
 
 
 def test_bring_up_refuses_a_layout_without_the_page_api():

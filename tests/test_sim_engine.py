@@ -495,3 +495,82 @@ def test_oracle_smoke_on_cpu_tensors_only():
     )
     eng.run([SimRequestSpec(1, prompt(100))])
     assert set(seen) == {None} and eng.pools[0].arena.device == torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------ overlap loop
+
+
+def _passes(log):
+    """The log split at each get_finished (the last call of every pass), as lists of calls."""
+    out, cur = [], []
+    for e in log:
+        cur.append(e)
+        if e[0] == "get_finished":
+            out.append(cur)
+            cur = []
+    return out
+
+
+@pytest.mark.parametrize("stop_after", [None, 3])
+def test_overlap_loop_call_order(stop_after):
+    """py_executor @0004396 ``_executor_loop_overlap``: generation reports are one token behind the
+    position the forward writes; a length-limited request is not scheduled after its last token
+    (GENERATION_TO_COMPLETE) and gets request_finished in the next pass, after that pass's
+    metadata and forward for the others; one ending on a stop token gets one extra forward."""
+    log: list = []
+    a = SimRequestSpec(1, prompt(40, 1), max_new_tokens=5, stop_after=stop_after)
+    b = SimRequestSpec(2, prompt(40, 2), max_new_tokens=12)
+    eng = engine(log=log, overlap=True)
+    assert eng.llm_args[0].disable_overlap_scheduler is False
+    rep = eng.run([a, b])
+    want = generate_tokens(request_root(), a.prompt, stop_after or 5, 32000)
+    assert rep.by_id(1).output_tokens == tuple(want)  # the extra forward's token never shows
+    reports = [rd for m in metas(log) for rd in m.new_requests + m.cached_requests if rd.request_id == 1]
+    # Pass 1: the prompt (40 tokens) computes, the first token is sampled on the device.
+    assert (reports[0].computed_position, reports[0].num_scheduled_tokens) == (0, 40)
+    # Generation: the forward of report k writes position 40 + k - 1; the host knows one token less.
+    for k, rd in enumerate(reports[1:], start=1):
+        assert rd.computed_position == 40 + k - 2 and rd.num_scheduled_tokens == 1
+        assert len(rd.new_tokens) == (0 if k == 1 else 1)
+    n_out = stop_after or 5
+    # Length-limited: forwards for the prompt and for tokens 1..4 (the 5th is sampled, never read);
+    # a stop token after 3 tokens is read by one extra forward the host did not know to skip.
+    assert len(reports) == (n_out + 1 if stop_after else n_out)
+    passes = _passes(log)
+    last_fwd = max(i for i, p in enumerate(passes) if any(
+        e[0] == "meta" and any(rd.request_id == 1 for rd in e[1].cached_requests + e[1].new_requests) for e in p))
+    fin = next(i for i, p in enumerate(passes) if any(e[0] == "finished" and e[1] == 1 for e in p))
+    p = passes[fin]
+    kinds = [e[0] for e in p]
+    if stop_after:
+        assert fin == last_fwd  # the extra forward's pass processes the stop token: request_finished there
+    else:
+        assert fin == last_fwd + 1
+    # request_finished comes after this pass's metadata and forward (b still decodes).
+    assert kinds.index("meta") < kinds.index("wait_for_save") < kinds.index("finished") < kinds.index("get_finished")
+
+
+def test_overlap_frees_the_block_that_left_the_window_after_request_finished():
+    """(h + 1) % tpb == 0: update_resources of the last batch frees a sliding page after
+    request_finished (lists still hold it) and before get_finished, also for a held request."""
+    log: list = []
+    a = SimRequestSpec(1, prompt(100, 3), max_new_tokens=28)  # 128 tokens: h = 127
+    eng = engine(log=log, overlap=True, leader_kw={"hold_on_finish": True})
+    freed: list = []
+    orig = eng._free_page
+
+    def spy(st, gi, o):
+        freed.append((len(log), gi, o))
+        orig(st, gi, o)
+
+    eng._free_page = spy  # type: ignore[method-assign]
+    eng.run([a])
+    fin = next(i for i, e in enumerate(log) if e[0] == "finished")
+    sliding = next(g.group_id for g in eng.groups if g.sliding)
+    lists = log[fin][2]
+    cut_before = sliding_cutoff(126, 64, 32)  # the history the last forward's report implies
+    cut_after = sliding_cutoff(127, 64, 32)
+    assert cut_after == cut_before + 1
+    assert lists[sliding][cut_before] >= 0  # request_finished still sees the page ...
+    gf = next(i for i, e in enumerate(log) if e[0] == "get_finished" and i > fin)
+    assert any(fin < at <= gf and gi == sliding and o == cut_before for at, gi, o in freed)  # ... freed before get_finished

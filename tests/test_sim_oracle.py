@@ -9,6 +9,7 @@ import torch
 from sim_connectors import FlatOracleLeader, FlatOracleWorker, OracleLeader, OracleStore, OracleWorker
 
 from s3kv.sim import (
+    EXECUTOR_LOOPS,
     SimCacheConfig,
     SimEngine,
     SimReport,
@@ -77,12 +78,13 @@ def full_hit(spec: SimRequestSpec) -> int:
     return (len(spec.prompt) - 1) // TPB * TPB
 
 
+@pytest.mark.parametrize("loop", list(EXECUTOR_LOOPS))
 @pytest.mark.parametrize("regions", [1, 2])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("chunk", [None, 48, 100], ids=["whole", "chunk<W", "chunk>W"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_repeat_hits_whole_history_with_zero_mismatches(mode, chunk, tp, regions):
-    eng, store = make(mode=mode, tp=tp, regions=regions, chunk=chunk)
+def test_repeat_hits_whole_history_with_zero_mismatches(mode, chunk, tp, regions, loop):
+    eng, store = make(mode=mode, tp=tp, regions=regions, chunk=chunk, **EXECUTOR_LOOPS[loop])
     cold_specs = workload()
     cold = eng.run(cold_specs)
     assert_clean(cold)
@@ -100,8 +102,9 @@ def test_repeat_hits_whole_history_with_zero_mismatches(mode, chunk, tp, regions
     assert store.loads > 0
 
 
-def test_multi_turn_extends_whole_history():
-    eng, _ = make(chunk=40)
+@pytest.mark.parametrize("loop", list(EXECUTOR_LOOPS))
+def test_multi_turn_extends_whole_history(loop):
+    eng, _ = make(chunk=40, **EXECUTOR_LOOPS[loop])
     specs = multi_turn_workload(n_conversations=2, turns=3, max_new_tokens=8)
     rep = eng.run(specs)
     assert_clean(rep)
@@ -114,7 +117,12 @@ def test_multi_turn_extends_whole_history():
             continue
         prev = by_id[s.after[0]]
         # The previous turn's KV covers its prompt and all but the last answer token (decode blocks saved too).
-        assert r.matched_tokens == (len(prev.prompt) + 8 - 1) // TPB * TPB
+        history = len(prev.prompt) + 8 - 1
+        if "overlap" in loop:
+            # The overlap loop's host learns the token of the last KV position only at
+            # request_finished, after the last metadata: a block it completes is not saved.
+            history -= 1
+        assert r.matched_tokens == history // TPB * TPB
     assert rep.hit_rate > 0.4
 
 
@@ -286,7 +294,9 @@ def test_oracle_fuzz_mixed_knobs(seed):
     chunk = rng.choice([None, 24, 40, 72, 150])
     mode = rng.choice(["sync", "async"])
     honour_blocks = rng.choice([0, 0, 1, 3])
+    loop = EXECUTOR_LOOPS[rng.choice(list(EXECUTOR_LOOPS))]
     eng, _ = make(
+        **loop,
         mode=mode,
         tp=tp,
         chunk=chunk,
@@ -307,11 +317,13 @@ def test_oracle_fuzz_mixed_knobs(seed):
             p = trunk[:cut] + [rng.randrange(32000) for _ in range(rng.randrange(1, 60))]
             d = rng.choice([0, 0, (cut // TPB) * TPB]) if rnd else 0
             d = min(d, (len(p) - 1) // TPB * TPB)
-            specs.append(SimRequestSpec(rnd * 100 + i, tuple(p), rng.randrange(1, 30), device_match_tokens=d))
+            new = rng.randrange(1, 30)
+            stop = rng.choice([None, None, rng.randrange(1, new + 1)])  # a stop token ends it early
+            specs.append(SimRequestSpec(rnd * 100 + i, tuple(p), new, device_match_tokens=d, stop_after=stop))
         rep = eng.run(specs)
         assert_clean(rep)
         for s in specs:
-            out = generate_tokens(request_root(), s.prompt, s.max_new_tokens, 32000)
+            out = generate_tokens(request_root(), s.prompt, s.output_limit, 32000)
             assert rep.by_id(s.request_id).output_tokens == tuple(out)
     eng.drain_held()
     assert sum(a.in_use for a in eng.allocators) == eng.held_pages()

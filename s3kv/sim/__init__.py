@@ -16,7 +16,16 @@ every page a connector served with what recomputation would write.
 
 from .checker import KvChecker, PageCheck
 from .config import GroupSpec, SimCacheConfig, SimModel, effective_windows, layer_groups, sliding_cutoff
-from .engine import DiscardHook, Honour, PreemptHook, SimContractError, SimEngine, SimEngineCrash, SimHang
+from .engine import (
+    EXECUTOR_LOOPS,
+    DiscardHook,
+    Honour,
+    PreemptHook,
+    SimContractError,
+    SimEngine,
+    SimEngineCrash,
+    SimHang,
+)
 from .hooks import (
     discard_async,
     honour_at_most,
@@ -51,6 +60,7 @@ from .workload import (
 __all__ = [
     "FULL_ATTENTION",
     "DiscardHook",
+    "EXECUTOR_LOOPS",
     "GroupAllocator",
     "GroupSpec",
     "Honour",

@@ -16,13 +16,26 @@ docs/failures.md). One iteration:
   3. only if something is left to compute: the forward (per layer, per rank:
      ``wait_for_layer_load`` -> [checker] -> the model writes the layer ->
      ``save_kv_layer``; then the forward-pass callables) and ``wait_for_save``;
-  4. tokens are sampled, histories advance, sliding pages that left the window
-     are freed (and junked);
+  4. tokens are sampled, histories advance, context pages that left the window
+     are freed (and junked: V2's update_context_resources);
   5. ``request_finished[_by_layer_group]`` for requests that finished (or were
-     cancelled); True keeps the pages, False frees them at once;
+     cancelled); True keeps the pages, False frees them at once; then
+     ``update_resources`` frees the generation pages that left the window --
+     also of a request just held for an async save (its lists were passed
+     with that page still in them);
   6. every iteration the loop runs: ``get_finished`` on every rank with the ids
      of steps 1 and 5 *of this same iteration*; an id every rank returned
      resumes a parked request or frees a held one.
+
+``overlap=True`` runs ``_executor_loop_overlap`` instead (TensorRT-LLM's default):
+the same steps, but the host learns a forward's sampled tokens one pass later,
+so generation ``RequestData`` is one token behind the position the forward
+writes, and ``request_finished`` / ``update_resources`` for a batch come in the
+next pass, after that pass's metadata and forward (see ``_iteration_overlap``).
+``cuda_graphs=True``: generation-only passes call no layer hook (a replayed graph).
+Errors: the overlap loop dies even on an exception inside the forward (the error budget fails
+the batch, then ``assert sample_state is not None``); the non-overlap loop may survive one
+there. The simulator ends the run on any connector exception in both loops.
 
 An idle engine (nothing running, parked or waiting) blocks on its request
 queue and calls nothing, not even ``get_finished``. Any exception from a
@@ -66,6 +79,17 @@ PreemptHook = Callable[[int, int, int], bool]
 PreemptGenerationHook = Callable[[int, int, int], bool]
 # (request_id, attempt) -> discard this async load's result and recompute?
 DiscardHook = Callable[[int, int], bool]
+
+
+#: The executor loops a connector is proven on, as :class:`SimEngine` keyword arguments: the
+#: non-overlap loop, TensorRT-LLM's default overlap loop, and each with CUDA-graph decode
+#: (TensorRT-LLM's default too: no layer hook fires in a generation-only pass).
+EXECUTOR_LOOPS: dict[str, dict[str, bool]] = {
+    "non-overlap": {},
+    "overlap": {"overlap": True},
+    "graphs": {"cuda_graphs": True},
+    "overlap+graphs": {"overlap": True, "cuda_graphs": True},
+}
 
 
 class SimHang(SimError):
@@ -127,7 +151,15 @@ class _Req:
     needs_first_report: bool = True
     check_pending: bool = False
     chunks_done: int = 0
-    generated: int = 0
+    generated: int = 0  # tokens sampled (on the device; the host may not know the last one yet)
+    #: Overlap loop: the token the last forward sampled, not yet on the host (``_update_requests``
+    #: of the next pass appends it); the next forward reads it on the device.
+    pending: int | None = None
+    #: Overlap loop: ``GENERATION_TO_COMPLETE`` -- its last token is sampled; not scheduled again,
+    #: ``request_finished`` comes when the next pass processes this batch.
+    to_complete: bool = False
+    #: Overlap loop: paused for recompute after this pass (V2 folds the tokens in once the host has them).
+    pause_pending: bool = False
     gen_done: bool = False
     load_ranks: set[int] = field(default_factory=set)  # ranks yet to return the async load
     save_ranks: set[int] = field(default_factory=set)  # ranks yet to return the held (saving) id
@@ -146,7 +178,13 @@ class _Req:
 
     @property
     def tokens(self) -> list[int]:
-        return self.req._tokens  # the engine owns the token list; connectors get copies
+        """The host's tokens (what connectors see); the engine owns the list, connectors get copies."""
+        return self.req._tokens
+
+    @property
+    def device_tokens(self) -> list[int]:
+        """The tokens the forward reads: the host's, plus (overlap loop) the one only the device has."""
+        return self.tokens if self.pending is None else [*self.tokens, self.pending]
 
 
 class SimEngine:
@@ -179,6 +217,16 @@ class SimEngine:
     flat-API executor line whose ``_handle_canceled_requests`` finishes it and
     ``_terminate_request`` frees its pages; ``request_finished`` is only called for requests
     that finished in a scheduled batch). Its pages go to the next allocation at once (LIFO).
+    ``overlap`` runs ``_executor_loop_overlap`` (TensorRT-LLM's default) instead of the
+    non-overlap loop, and tells the connectors so through ``llm_args.disable_overlap_scheduler``
+    (see :meth:`_iteration_overlap`). ``cuda_graphs``: a pass whose batch is generation only
+    replays a CUDA graph, inside which no layer hook fires (``wait_for_layer_load`` /
+    ``save_kv_layer`` are not called; the forward-pass callables and ``wait_for_save`` are).
+    ``attention_dp=(owner, size)``: this engine is owner rank ``owner`` of an attention-DP engine
+    of ``size`` ranks (1.4.0rc4 line): its own scheduler and worker, its own requests, attention not
+    sharded (``tp_size`` 1 here), no collective with other owners -- run one SimEngine per owner.
+    Both connector classes must declare ``supports_attention_dp = True`` (the manager's
+    ``validate_attention_dp``); the scheduler output carries ``attention_dp_rank``.
     """
 
     def _own_process(self, kwargs: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -211,12 +259,17 @@ class SimEngine:
         process_per_rank: bool = True,
         silent_cancel: bool = False,
         preempt_generation_hook: PreemptGenerationHook | None = None,
+        overlap: bool = False,
+        cuda_graphs: bool = False,
+        attention_dp: tuple[int, int] | None = None,
     ):
         if tp_size is None:
             tp_size = model.tp_size
         elif model.tp_size != 1 and tp_size != model.tp_size:
             raise ValueError(f"tp_size {tp_size} contradicts the model's tp_size {model.tp_size}")
         model.heads_per_shard(tp_size)  # validates tp_size
+        if attention_dp is not None and (tp_size != 1 or not 0 <= attention_dp[0] < attention_dp[1]):
+            raise ValueError("attention_dp=(owner, size) models one owner rank: tp_size 1, 0 <= owner < size")
         if chunk_size is not None and chunk_size <= 0:
             raise ValueError("chunk_size must be positive or None")
         if max_batch <= 0:
@@ -241,6 +294,9 @@ class SimEngine:
         self.failed_load_outcome = failed_load_outcome
         self.silent_cancel = silent_cancel
         self.preempt_generation_hook = preempt_generation_hook
+        self.overlap = overlap
+        self.cuda_graphs = cuda_graphs
+        self.attention_dp = attention_dp
         self.tpb = config.tokens_per_block
         self.groups: tuple[GroupSpec, ...] = layer_groups(model, config.max_seq_len)
         self._group_of_layer = {layer: g for g in self.groups for layer in g.layer_ids}
@@ -274,7 +330,8 @@ class SimEngine:
         if failed_load_hook:
             kwargs["engine_features"] = frozenset(kwargs.get("engine_features", ())) | {"failed_load_hook"}
         self.llm_args: tuple[SimLlmArgs, ...] = tuple(
-            make_llm_args(model, config, tp_size, r) for r in range(tp_size)
+            make_llm_args(model, config, tp_size, r, overlap=overlap, attention_dp=attention_dp)
+            for r in range(tp_size)
         )
         self.leader = leader_cls(self.llm_args[0], **kwargs)
         self.workers = tuple(
@@ -310,6 +367,9 @@ class SimEngine:
         self._waiting: list[_Req] = []
         self._live: list[_Req] = []  # running or parked
         self._held: list[_Req] = []  # finished, pages held until every rank returns the saving id
+        # Overlap loop: the batch whose forward ran last pass, with each request's KV count after
+        # it (``previous_batch``: its tokens, finishes and page updates are processed a pass late).
+        self._prev: list[tuple[_Req, int, bool, int]] = []
         self._seq = 0
         self._wake_id = 1 << 40
         self._iterations = 0
@@ -318,6 +378,12 @@ class SimEngine:
     # ------------------------------------------------------------------ bring-up
 
     def _check_bring_up(self) -> None:
+        if self.attention_dp is not None:
+            for side in (self.leader, *self.workers):
+                if getattr(type(side), "supports_attention_dp", False) is not True:
+                    raise SimContractError(
+                        f"bring-up fails: {type(side).__name__} does not declare supports_attention_dp=True"
+                    )
         need = (
             ("update_state_after_alloc", "request_finished")
             if self.flat
@@ -403,6 +469,8 @@ class SimEngine:
         t_start = time.perf_counter()
         idle = 0
         it = 0
+        # (Overlap loop: a previous batch left when the loop goes idle is processed by the first
+        # pass of the next run, as the real loop's previous_batch waits for the next request.)
         while self._waiting or self._live:
             if it >= max_iterations:
                 raise self._hang(states, f"run did not finish within {max_iterations} iterations")
@@ -476,6 +544,116 @@ class SimEngine:
 
     def _iteration(self, it: int) -> bool:
         """One pass of the non-overlap ``PyExecutor._executor_loop`` (see the module doc)."""
+        if self.overlap:
+            return self._iteration_overlap(it)
+        progressed, started_loading, scheduled, stream = self._schedule_and_start(it)
+
+        # 3. The forward, only if something is left to compute; wait_for_save at its end.
+        progressed |= self._run_forward(scheduled, stream)
+
+        # 4. Sample and advance; context pages that left the window are freed now (V2's
+        #    update_context_resources runs before the responses are handled).
+        finished: list[_Req] = []
+        for st, n, is_ctx in scheduled:
+            self._advance(st, n, is_ctx, it, finished)
+        self._cancel_due(it, finished)
+
+        # 5. _send_kv_async -> request_finished; True holds the pages ("still saving"), False frees
+        #    them now (_handle_responses). Their ids reach get_finished in this same iteration.
+        finished_gen: list[int] = []
+        for st in finished:
+            self._finish(st, it, finished_gen, tell=not (st.cancelled and self.silent_cancel))
+            progressed = True
+        # 5b. update_resources: generation pages that left the window are freed after
+        #     request_finished, a request held for an async save included.
+        for st, _, is_ctx in scheduled:
+            if not is_ctx and st.phase in (_Phase.RUNNING, _Phase.SAVING):
+                self._free_left_window(st, st.computed)
+
+        # 6. Every iteration the loop runs: get_finished on every rank, then the allgather.
+        return self._get_finished(finished_gen, started_loading) or progressed
+
+    def _iteration_overlap(self, it: int) -> bool:
+        """One pass of ``PyExecutor._executor_loop_overlap`` (py_executor @0004396).
+
+        Scheduling, metadata and the forward of this batch as in the non-overlap loop, but the
+        host learns what a forward sampled only in the next pass: a generating request's
+        ``RequestData`` is one token behind the position its forward writes (the forward reads
+        the last token on the device), and a request whose last token this forward samples is
+        marked ``GENERATION_TO_COMPLETE`` (``will_complete_next_iteration``: no extra forward
+        for a length-limited request) and gets ``request_finished`` in the next pass -- after
+        that pass's metadata and forward for the others, or in a pass with no batch at all.
+        After this batch's forward the previous batch is processed: ``_update_requests`` (its
+        tokens reach the host), ``_send_kv_async`` (``request_finished``), then, after this
+        batch's sampling and context-page update, ``_process_previous_batch`` (cancellations,
+        ``update_resources``: its generation pages that left the window are freed, requests
+        held for an async save included), and ``get_finished`` last.
+        """
+        progressed, started_loading, scheduled, stream = self._schedule_and_start(it)
+        progressed |= self._run_forward(scheduled, stream)
+        prev, self._prev = self._prev, []
+
+        # _update_requests(previous batch): the host appends the tokens its forward sampled.
+        finished: list[_Req] = []
+        for st, _, _, _ in prev:
+            progressed = True
+            if st.pending is None:
+                continue
+            st.tokens.append(st.pending)
+            st.pending = None
+            if st.phase is _Phase.RUNNING and st.generated >= st.spec.output_limit:
+                finished.append(st)
+        # _send_kv_async(previous batch): request_finished.
+        finished_gen: list[int] = []
+        for st in finished:
+            self._finish(st, it, finished_gen)
+        # V2's pause for recompute, once the host holds the request's tokens.
+        for st, _, _, _ in prev:
+            if st.pause_pending:
+                st.pause_pending = False
+                if st.phase is _Phase.RUNNING:
+                    self._preempt(st, generating=True)
+
+        # _sample_async + _update_request_states + _update_v2_context_resources (this batch). A
+        # request that just finished by a stop token was in this batch too (the host did not know):
+        # that extra forward wrote its stop token's KV; what it sampled is dropped.
+        current: list[tuple[_Req, int, bool, int]] = []
+        for st, n, is_ctx in scheduled:
+            if st.phase is not _Phase.RUNNING:
+                st.computed += n
+                current.append((st, n, is_ctx, st.computed))
+            elif self._sample(st, n, is_ctx):
+                current.append((st, n, is_ctx, st.computed))
+
+        # _process_previous_batch: cancellations, then update_resources(previous batch).
+        cancelled: list[_Req] = []
+        self._cancel_due(it, cancelled)
+        for st in cancelled:
+            self._finish(st, it, finished_gen, tell=not self.silent_cancel)
+            progressed = True
+        for st, _, is_ctx, history in prev:
+            if not is_ctx and st.phase in (_Phase.RUNNING, _Phase.SAVING):
+                self._free_left_window(st, history)
+
+        # _update_generation_requests_that_will_complete_next_iteration; V2 pausing a request.
+        for st, _, is_ctx, _ in current:
+            if st.phase is not _Phase.RUNNING:
+                continue
+            if st.generated >= st.spec.max_new_tokens:
+                st.to_complete = True
+            elif (
+                not is_ctx
+                and self.preempt_generation_hook is not None
+                and self.preempt_generation_hook(st.rid, st.generated, st.attempt)
+            ):
+                st.pause_pending = True
+        self._prev = [x for x in current if x[0].phase in (_Phase.RUNNING, _Phase.SAVING)]
+
+        return self._get_finished(finished_gen, started_loading) or progressed
+
+    def _schedule_and_start(self, it: int) -> tuple[bool, list[int], list[tuple[_Req, int, bool]], Any]:
+        """Steps 1 and 2 of a pass (both loops): admission and allocation, then -- only with a
+        scheduled batch -- the scheduler output, ``build_connector_meta``, bind and ``start_load_kv``."""
         progressed = False
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         live = self._live
@@ -496,11 +674,16 @@ class SimEngine:
 
         # 2. Only with a scheduled batch (requests parked for an async load count: they were
         #    scheduled, then taken out): scheduler output -> build_connector_meta -> broadcast ->
-        #    bind -> start_load_kv. An idle iteration calls none of these.
-        running = sorted((x for x in live if x.phase is _Phase.RUNNING), key=lambda x: x.order)
+        #    bind -> start_load_kv. An idle iteration calls none of these. (Overlap loop: a
+        #    request marked to complete or to pause is not scheduled.)
+        running = sorted(
+            (x for x in live if x.phase is _Phase.RUNNING and not x.to_complete and not x.pause_pending),
+            key=lambda x: x.order,
+        )
         scheduled: list[tuple[_Req, int, bool]] = []
         if running or started_loading:
-            out = SchedulerOutput(new_requests=[], cached_requests=[])
+            dp = {} if self.attention_dp is None else {"attention_dp_rank": self.attention_dp[0]}
+            out = SchedulerOutput(new_requests=[], cached_requests=[], **dp)
             for st in running:
                 is_ctx = st.computed < st.req.prompt_len
                 n = min(self.chunk_size or st.req.prompt_len, st.req.prompt_len - st.computed) if is_ctx else 1
@@ -519,41 +702,37 @@ class SimEngine:
                 self._call("bind_connector_meta", w.bind_connector_meta, pickle.loads(blob))
             for w in self.workers:
                 self._call("start_load_kv", w.start_load_kv, stream)
+        return progressed, started_loading, scheduled, stream
 
-        # 3. The forward, only if something is left to compute; wait_for_save at its end.
-        if scheduled:
-            progressed = True
-            t0 = time.perf_counter()
-            check0 = self.checker.seconds
-            self._forward(scheduled, stream)
-            for w in self.workers:
-                self._call("wait_for_save", w.wait_for_save, stream)
-            self._forward_wall.append(time.perf_counter() - t0 - (self.checker.seconds - check0))
+    def _run_forward(self, scheduled: list[tuple[_Req, int, bool]], stream: Any) -> bool:
+        """The forward, only if something is left to compute; ``wait_for_save`` at its end."""
+        if not scheduled:
+            return False
+        t0 = time.perf_counter()
+        check0 = self.checker.seconds
+        self._forward(scheduled, stream)
+        for w in self.workers:
+            self._call("wait_for_save", w.wait_for_save, stream)
+        self._forward_wall.append(time.perf_counter() - t0 - (self.checker.seconds - check0))
+        return True
 
-        # 4. Sample and advance; sliding pages that left the window are freed (V2 releases context
-        #    pages in update_context_resources, before the responses are handled).
-        finished: list[_Req] = []
-        for st, n, is_ctx in scheduled:
-            self._advance(st, n, is_ctx, it, finished)
-        for st in live:
+    def _cancel_due(self, it: int, finished: list[_Req]) -> None:
+        """Requests whose client gave up (``cancel_after_iterations``) join ``finished``."""
+        for st in self._live:
             c = st.spec.cancel_after_iterations
             if c is not None and st not in finished and st.phase in (_Phase.PARKED, _Phase.RUNNING):
                 if it - st.it_admit >= c:
                     st.cancelled = True
+                    st.pending = None  # overlap loop: a token the host never sees
                     if st.phase is _Phase.PARKED:
                         st.discarded = True  # its load was never used
                     finished.append(st)
 
-        # 5. _handle_responses -> request_finished; True holds the pages ("still saving"), False frees
-        #    them now (update_resources). Their ids reach get_finished in this same iteration.
-        finished_gen: list[int] = []
-        for st in finished:
-            self._finish(st, it, finished_gen, tell=not (st.cancelled and self.silent_cancel))
-            progressed = True
-
-        # 6. Every iteration the loop runs: get_finished on every rank, then the allgather.
+    def _get_finished(self, finished_gen: list[int], started_loading: list[int]) -> bool:
+        """Step 6 (both loops): get_finished on every rank, then the allgather."""
         if self._failpath is not None:  # [failpath] the manager's poll with abort consensus
-            return self._failed_load_poll(finished_gen, started_loading) or progressed
+            return self._failed_load_poll(finished_gen, started_loading)
+        progressed = False
         for rank, w in enumerate(self.workers):
             self._out_save[rank].update(finished_gen)
             self._out_load[rank].update(started_loading)
@@ -801,16 +980,20 @@ class SimEngine:
                         if slot >= 0:
                             checks[g.group_id].append(PageCheck(st.rid, g.group_id, o, slot, digest, source))
             c = st.computed
+            tokens = st.device_tokens
             blocks = []
             for b in range(c // tpb, (c + n - 1) // tpb + 1):
                 p = min((b + 1) * tpb, c + n)
-                blocks.append((b, st.hasher.digest(st.tokens, p)))
+                blocks.append((b, st.hasher.digest(tokens, p)))
             writes.append((st, blocks))
+        # A generation-only batch replays a CUDA graph: no layer hook fires inside it.
+        hooks = not (self.cuda_graphs and all(not is_ctx for _, _, is_ctx in scheduled))
         for layer in range(self.model.num_layers):
             g = self._group_of_layer[layer]
             gi = g.group_id
             for rank, (pool, w) in enumerate(zip(self.pools, self.workers, strict=True)):
-                self._call("wait_for_layer_load", w.wait_for_layer_load, layer, stream)
+                if hooks:
+                    self._call("wait_for_layer_load", w.wait_for_layer_load, layer, stream)
                 if checks[gi]:
                     self.checker.check_layer(rank, layer, gi, checks[gi])
                 for st, blocks in writes:
@@ -826,7 +1009,8 @@ class SimEngine:
                             )
                         if layer == g.layer_ids[-1]:
                             self.checker.note_written(rank, gi, slot, digest)
-                self._call("save_kv_layer", w.save_kv_layer, layer, stream)
+                if hooks:
+                    self._call("save_kv_layer", w.save_kv_layer, layer, stream)
         for cb in self._forward_callables:
             self._call("forward_pass_callable", cb)
         self.checker.end_pass()
@@ -913,22 +1097,10 @@ class SimEngine:
     # ------------------------------------------------------------------ after the forward
 
     def _advance(self, st: _Req, n: int, is_ctx: bool, it: int, finished: list[_Req]) -> None:
-        st.computed += n
-        tokens = st.tokens
-        if is_ctx:
-            st.chunks_done += 1
-        if st.computed == len(tokens):  # the whole prompt, or a generation step: sample the next token
-            tokens.append(next_token(st.hasher.digest(tokens, len(tokens)), self.model.vocab_size))
-            st.generated += 1
-            if st.generated == 1:
-                st.t_first_token = time.perf_counter()
-        elif (
-            is_ctx and self.preempt_hook is not None and self.preempt_hook(st.rid, st.chunks_done, st.attempt)
-        ):
-            self._preempt(st)
+        """Non-overlap loop: sample (the host has the token at once), then finished or paused."""
+        if not self._sample(st, n, is_ctx):
             return
-        self._free_left_window(st)
-        if st.generated >= st.spec.max_new_tokens:
+        if st.generated >= st.spec.output_limit:
             finished.append(st)
         elif (
             not is_ctx
@@ -937,11 +1109,39 @@ class SimEngine:
         ):
             self._preempt(st, generating=True)
 
-    def _free_left_window(self, st: _Req) -> None:
+    def _sample(self, st: _Req, n: int, is_ctx: bool) -> bool:
+        """After a forward: the request computed ``n`` more tokens; sample the next one when it
+        reached the end of its tokens (on the device: the overlap loop's host learns it a pass
+        later). A context chunk may be preempted here (False); V2's
+        update_context_resources frees its pages that left the window."""
+        st.computed += n
+        if is_ctx:
+            st.chunks_done += 1
+        tokens = st.device_tokens
+        if st.computed == len(tokens):  # the whole prompt, or a generation step: sample the next token
+            token = next_token(st.hasher.digest(tokens, len(tokens)), self.model.vocab_size)
+            if self.overlap:
+                st.pending = token
+            else:
+                st.tokens.append(token)
+            st.generated += 1
+            if st.generated == 1:
+                st.t_first_token = time.perf_counter()
+        elif (
+            is_ctx and self.preempt_hook is not None and self.preempt_hook(st.rid, st.chunks_done, st.attempt)
+        ):
+            self._preempt(st)
+            return False
+        if is_ctx:
+            self._free_left_window(st, st.computed)
+        return True
+
+    def _free_left_window(self, st: _Req, history: int) -> None:
+        """Free the sliding pages that left the window at ``history`` computed tokens."""
         for gi, g in enumerate(self.groups):
             if not g.sliding:
                 continue
-            cut = sliding_cutoff(st.computed, g.window, self.tpb, self.extra_retained_blocks)
+            cut = sliding_cutoff(history, g.window, self.tpb, self.extra_retained_blocks)
             lst = st.blocks[gi]
             for o in range(min(cut, len(lst))):
                 if lst[o] >= 0:
@@ -974,6 +1174,7 @@ class SimEngine:
         st.attempt += 1
         st.computed = 0
         st.check_pending = False
+        st.pending, st.to_complete, st.pause_pending = None, False, False
         if generating:
             st.req.prompt_len = len(st.tokens)
         else:

@@ -53,12 +53,19 @@ class SimLlmArgs:
     enable_attention_dp: bool = False
     pipeline_parallel_size: int = 1
     backend: str = "pytorch"
-    #: The simulator runs the non-overlap executor loop (what a connector must be proven on).
+    #: False when the simulator runs the overlap executor loop (TensorRT-LLM's default).
     disable_overlap_scheduler: bool = True
 
 
-def make_llm_args(model: SimModel, config: SimCacheConfig, tp_size: int, rank: int) -> SimLlmArgs:
-    """The llm_args rank ``rank`` of a ``tp_size`` engine would be built with."""
+def make_llm_args(
+    model: SimModel, config: SimCacheConfig, tp_size: int, rank: int, *, overlap: bool = False,
+    attention_dp: tuple[int, int] | None = None,
+) -> SimLlmArgs:
+    """The llm_args rank ``rank`` of a ``tp_size`` engine would be built with; ``attention_dp``
+    (owner rank, size): that owner's rank of an attention-DP engine (attention not sharded)."""
+    dp = attention_dp is not None
+    if attention_dp is not None:
+        rank, tp_size = attention_dp
     windows = list(model.max_attention_window) if model.max_attention_window is not None else None
     return SimLlmArgs(
         model=model.name,
@@ -70,4 +77,6 @@ def make_llm_args(model: SimModel, config: SimCacheConfig, tp_size: int, rank: i
         ),
         tensor_parallel_size=tp_size,
         parallel_config=SimParallelConfig(tp_size=tp_size, rank=rank),
+        disable_overlap_scheduler=not overlap,
+        enable_attention_dp=dp,
     )

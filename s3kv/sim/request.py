@@ -33,6 +33,10 @@ class SimRequestSpec:
     #: Cancel it this many iterations after admission unless finished (the engine then calls
     #: request_finished for it, parked or running).
     cancel_after_iterations: int | None = None
+    #: It ends by a stop token after this many tokens (<= max_new_tokens): the sampler's stop
+    #: criteria, which the scheduler's length check cannot foresee (the overlap loop then runs
+    #: one extra forward for it).
+    stop_after: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
@@ -41,6 +45,13 @@ class SimRequestSpec:
             raise ValueError(f"request {self.request_id}: empty prompt")
         if self.max_new_tokens < 1:
             raise ValueError(f"request {self.request_id}: max_new_tokens must be >= 1")
+        if self.stop_after is not None and not 1 <= self.stop_after <= self.max_new_tokens:
+            raise ValueError(f"request {self.request_id}: stop_after must be in [1, max_new_tokens]")
+
+    @property
+    def output_limit(self) -> int:
+        """How many tokens it generates: up to its stop token, else max_new_tokens."""
+        return self.max_new_tokens if self.stop_after is None else self.stop_after
 
 
 class SimLlmRequest:

@@ -44,19 +44,18 @@ def model_id(llm_args: Any, settings: Settings) -> str:
 
 
 def check_engine(llm_args: Any) -> None:
-    """Refuse, at construction, engine settings s3kv cannot serve correctly."""
+    """Refuse, at construction, engine settings s3kv cannot serve correctly (none left today:
+    both executor loops and attention DP are served; layouts are checked at registration)."""
+
+
+def kv_shard(llm_args: Any, mapping: Any) -> tuple[int, int]:
+    """(rank, count) of the KV shard this process's pages hold. Tensor parallelism splits the KV
+    heads over the TP ranks. Attention data parallelism replicates attention: each owner rank holds
+    every KV head of its own requests (its own scheduler, no collectives between owners), so all
+    owners read and write one shard -- keys carry no DP rank and owners share each other's saves."""
     if getattr(llm_args, "enable_attention_dp", False):
-        raise UnsupportedEngine(
-            "s3kv does not support attention data parallelism (enable_attention_dp=True): "
-            "each DP rank would need its own scheduler-side state; turn it off for this engine"
-        )
-    if getattr(llm_args, "disable_overlap_scheduler", True) is False:
-        # The overlap loop reports generation one token behind and handles a request's end
-        # one iteration late; s3kv's finish plans are proven on the non-overlap loop only.
-        raise UnsupportedEngine(
-            "s3kv needs TensorRT-LLM's non-overlap executor loop: pass disable_overlap_scheduler=True "
-            "to LLM(...) (the overlap scheduler is on by default; upstream's connector examples turn it off)"
-        )
+        return 0, 1
+    return int(mapping.tp_rank), int(mapping.tp_size)
 
 
 def check_layout(layout: Any) -> None:
@@ -108,9 +107,12 @@ class ConnectorSide:
 
     #: Names the side in contained-error logs.
     role = ""
-    supports_attention_dp = False
-    #: Honoured by TensorRT-LLM lines that know the flag; older ones are checked in ``check_engine``.
-    requires_disable_overlap_scheduler = True
+    #: Attention DP: one leader and worker per owner rank, each with its own state and runtime,
+    #: sharing only the store (see ``kv_shard``).
+    supports_attention_dp = True
+    #: Both executor loops are served: the overlap loop (TensorRT-LLM's default) reports
+    #: generation one token behind and finishes a pass late (see ``SavePlanner`` / ``FinishPlanner``).
+    requires_disable_overlap_scheduler = False
 
     settings: Settings
     features: frozenset[str]

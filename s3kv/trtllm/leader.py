@@ -13,7 +13,7 @@ from ..config import Settings, redact, warn_once
 from ..engine.leader import LeaderCore
 from ..engine.runtime import release_runtime
 from .api import KvCacheConnectorScheduler
-from .boundary import ConnectorSide, log
+from .boundary import ConnectorSide, kv_shard, log
 from .identity import model_identity, weak_identity_warning
 from .lora import AdapterIdentities
 
@@ -72,12 +72,14 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             self.settings,
             self._runtime.store,
             self._runtime.key_prefix,
-            tp_size=int(mapping.tp_size),
+            tp_size=kv_shard(llm_args, mapping)[1],
             model_id=identity.model_id,
             kv_dtype=identity.kv_dtype,
             index=self._runtime.index,
             geometry=self._runtime.get_geometry,
             failed_load_hook=False,  # sync loads: see above
+            # TensorRT-LLM's default loop is the overlap one; only an explicit True turns it off.
+            overlap=getattr(llm_args, "disable_overlap_scheduler", False) is not True,
         )
 
     def _start_summary(self) -> None:

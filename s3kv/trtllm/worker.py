@@ -19,7 +19,7 @@ from .api import (
     KvCacheLayerGroupLayout,
     KvCacheLayout,
 )
-from .boundary import ConnectorSide, check_layout, kv_dtype, log, model_id
+from .boundary import ConnectorSide, check_layout, kv_dtype, kv_shard, log, model_id
 
 __all__ = ["S3KvConnectorWorker"]
 
@@ -32,8 +32,7 @@ class S3KvConnectorWorker(ConnectorSide, KvCacheConnectorWorker):
     def _start(self, llm_args: Any, mapping: Any) -> None:
         from ..engine.worker import WorkerCore  # imported here: it pulls in the transfer threads
 
-        self.tp_rank = int(mapping.tp_rank)
-        self.tp_size = int(mapping.tp_size)
+        self.tp_rank, self.tp_size = kv_shard(llm_args, mapping)
         self.core = WorkerCore(
             settings=self.settings,
             store=self._runtime.store,

@@ -11,11 +11,23 @@ pytestmark = [
 ]
 
 
+# TensorRT-LLM's defaults too: the overlap loop, and decode in replayed CUDA graphs (no layer hooks).
+LOOPS = ["non-overlap", "overlap+graphs"]
+
+
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("load_mode", ["async", "sync"])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_vswa_cold_warm_on_cuda(load_mode, tp):
+def test_vswa_cold_warm_on_cuda(load_mode, tp, loop):
     from s3kv.config import Settings
-    from s3kv.sim import SimCacheConfig, SimEngine, gemma3_like, multi_turn_workload, repeat_workload
+    from s3kv.sim import (
+        EXECUTOR_LOOPS,
+        SimCacheConfig,
+        SimEngine,
+        gemma3_like,
+        multi_turn_workload,
+        repeat_workload,
+    )
     from s3kv.store.memory import MemoryStore
     from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
@@ -28,7 +40,8 @@ def test_vswa_cold_warm_on_cuda(load_mode, tp):
         return SimEngine(gemma3_like(64, kv_heads=4, head_dim=64), SimCacheConfig(tokens_per_block=32, max_seq_len=4096),
                          S3KvConnectorLeader, S3KvConnectorWorker, tp_size=tp, device="cuda", chunk_size=96,
                          failed_load_hook=load_mode == "sync",  # sync loads need an engine with the hook
-                         connector_kwargs=dict(settings=s, store=store, engine_key=f"cuda-{name}-{tp}-{load_mode}"))
+                         connector_kwargs=dict(settings=s, store=store, engine_key=f"cuda-{name}-{tp}-{load_mode}-{loop}"),
+                         **EXECUTOR_LOOPS[loop])
 
     with engine("A") as a:
         cold = a.run(specs)
@@ -41,8 +54,9 @@ def test_vswa_cold_warm_on_cuda(load_mode, tp):
     assert warm.hit_rate >= 0.9, warm.summary()
 
 
+@pytest.mark.parametrize(("loop", "new_tokens"), [("non-overlap", 70), ("overlap+graphs", 70), ("overlap+graphs", 121)])
 @pytest.mark.parametrize("tp", [1, 2])
-def test_finish_plans_on_cuda(tp):
+def test_finish_plans_on_cuda(tp, loop, new_tokens):
     """Issue 12 on the GPU: A finishes (history several windows long) while B decodes, and the engine
     goes idle after B. The finish plan's device->host copies run on the side stream from get_finished;
     the next turn of A, on a fresh engine, is served its whole history bit-exact; held pages are
@@ -50,7 +64,7 @@ def test_finish_plans_on_cuda(tp):
     import random
 
     from s3kv.config import Settings
-    from s3kv.sim import SimCacheConfig, SimEngine, SimRequestSpec, gemma3_like, random_tokens
+    from s3kv.sim import EXECUTOR_LOOPS, SimCacheConfig, SimEngine, SimRequestSpec, gemma3_like, random_tokens
     from s3kv.store.memory import MemoryStore
     from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
@@ -62,9 +76,12 @@ def test_finish_plans_on_cuda(tp):
                      checkpoint_tokens=256)
         return SimEngine(gemma3_like(64, kv_heads=4, head_dim=64), SimCacheConfig(tokens_per_block=16, max_seq_len=4096),
                          S3KvConnectorLeader, S3KvConnectorWorker, tp_size=tp, device="cuda", chunk_size=48,
-                         connector_kwargs=dict(settings=s, store=store, engine_key=f"cuda-fin-{name}-{tp}"))
+                         connector_kwargs=dict(settings=s, store=store, engine_key=f"cuda-fin-{name}-{tp}-{loop}"),
+                         **EXECUTOR_LOOPS[loop])
 
-    a = SimRequestSpec(1, tuple(random_tokens(rng, 215, 32000)), max_new_tokens=70)
+    # 215 + 121: (h + 1) % 16 == 0, the block leaving last is freed between request_finished and
+    # get_finished on the overlap loop.
+    a = SimRequestSpec(1, tuple(random_tokens(rng, 215, 32000)), max_new_tokens=new_tokens)
     b = SimRequestSpec(2, tuple(random_tokens(rng, 150, 32000)), max_new_tokens=260)
     with engine("A") as e:
         rep = e.run([a, b])

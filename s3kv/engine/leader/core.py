@@ -56,10 +56,10 @@ class LeaderCore:
         on_lookup: Callable[[int, LookupResult], None] | None = None,
         sizing_page_bytes: Sequence[int] | None = None,
         failed_load_hook: bool = False,
+        overlap: bool = False,
     ):
-        """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing
-        blocks per object -- for benchmarks that store tiny pages but model a real
-        model's object structure."""
+        """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing blocks per
+        object (benchmarks of a real model's object structure); ``overlap``: the overlap loop."""
         self.settings = settings
         # A sync load that fails has no safe outcome unless the engine can be told to recompute
         # the request (a failed-load hook); without one every load is async, so a failure can
@@ -84,8 +84,9 @@ class LeaderCore:
         self.stats = LeaderStats()
         self._lookups = Lookups(settings, store, self.index, self.stats)
         self._loads = LoadPlanner(settings, self.stats, self._lookups)
-        self._saves = SavePlanner(self.stats)
-        self._finish = FinishPlanner(self.stats, self.index)
+        inflight = 1 if overlap else 0  # the overlap loop's forward runs a token past its report
+        self._saves = SavePlanner(self.stats, inflight)
+        self._finish = FinishPlanner(self.stats, self.index, inflight)
         self._pages = PageOwners()  # requests freed with no connector call
         # Where ranks past 0 (processes of their own) say which objects they found bad.
         self.verdicts = VerdictBoard.make(self.index, tp_size) if tp_size > 1 else None

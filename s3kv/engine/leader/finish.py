@@ -25,9 +25,14 @@ log = logging.getLogger("s3kv.leader")
 
 
 class FinishPlanner:
-    def __init__(self, stats: LeaderStats, index: KeyIndex):
+    def __init__(self, stats: LeaderStats, index: KeyIndex, inflight: int = 0):
         self.stats = stats
         self.index = index
+        #: Tokens the engine advances a request past its last report before its finish plan runs:
+        #: 1 on the overlap loop, whose request_finished comes a pass after the last forward
+        #: (one token past that forward's report) and whose update_resources for that forward
+        #: frees the block that left the window after request_finished, before get_finished.
+        self.inflight = inflight
 
     def changed_plans(self, ctx: LeaderContext, reported: Iterable[RequestState]) -> list[FinishPlan]:
         """The standing finish plans that changed, for every request that computes in this pass
@@ -103,19 +108,22 @@ class FinishPlanner:
             sv.save_from,
             st.lists_epoch,
             tuple(len(x) for x in st.slots),
-            tuple((st.kv_tokens + 1 - grp.window) // tpb for grp in g.groups if grp.window is not None),
+            tuple(
+                (st.kv_tokens + self.inflight + 1 - grp.window) // tpb
+                for grp in g.groups if grp.window is not None
+            ),
             tuple((gid, b.bid, b.count, b.sealed) for gid, b in sv.open.items()),
             tuple((gid, b.bid, b.count) for gid, b in sv.evicted.items()),
             tuple(b.bid for b in st.branch.open.values()),
         )
         if st.finish_memo is not None and st.finish_memo[0] == key:
             return st.finish_memo[1]
-        plan = self._make(ctx, st)
+        plan = self._make(ctx, st, self.inflight)
         st.finish_memo = (key, plan)
         return plan
 
     @staticmethod
-    def _make(ctx: LeaderContext, st: RequestState) -> FinishPlan:
+    def _make(ctx: LeaderContext, st: RequestState, inflight: int = 0) -> FinishPlan:
         """What the workers must do if ``st`` finishes right after this iteration's pass.
 
         A dry run on a copy of the request's save state: close every open object and,
@@ -156,9 +164,10 @@ class FinishPlanner:
                 del sim.open[gid]
             sim.close(gid)
             assert grp.window is not None
-            # Pages the engine still holds after this pass: the page rule's cut at the history.
-            # (An engine that retains more keeps them for nothing: the plan cannot know.)
-            cut = max(0, (st.kv_tokens + 1 - grp.window) // tpb)
+            # Pages the engine still holds when the plan runs: the page rule's cut at the history
+            # (plus the overlap loop's in-flight token). (An engine that retains more keeps them
+            # for nothing: the plan cannot know.)
+            cut = max(0, (st.kv_tokens + inflight + 1 - grp.window) // tpb)
             live = st.slots[gid] if gid < len(st.slots) else []
             first_live = next((o for o in range(max(start, cut), hi) if o < len(live) and live[o] >= 0), hi)
             ev = sim.evicted.pop(gid, None)

@@ -20,8 +20,10 @@ from .stats import LeaderStats
 
 
 class SavePlanner:
-    def __init__(self, stats: LeaderStats):
+    def __init__(self, stats: LeaderStats, inflight: int = 0):
         self.stats = stats
+        #: Tokens a forward may have written beyond what its report says (1 on the overlap loop).
+        self.inflight = inflight
 
     def on_report(self, ctx: LeaderContext, st: RequestState, rd: Any, *, first: bool) -> None:
         """Fold one RequestData into the request's state and plan this pass's saves."""
@@ -177,8 +179,10 @@ class SavePlanner:
                 continue
             gid = grp.group_id
             assert grp.window is not None
-            leaving = (upto + 1 - grp.window) // tpb - 1  # highest ordinal freed after this pass
-            before = (st.kv_tokens + 1 - grp.window) // tpb - 1
+            # Highest ordinal freed after this pass (overlap loop: after the next, which may be
+            # the finish: the forward ran one token past the report and the engine frees by it).
+            leaving = (upto + self.inflight + 1 - grp.window) // tpb - 1
+            before = (st.kv_tokens + self.inflight + 1 - grp.window) // tpb - 1
             if leaving <= before or leaving < sv.save_from:
                 continue
             slot = st.slots[gid][leaving] if leaving < len(st.slots[gid]) else -1
