@@ -325,8 +325,9 @@ def test_question_marks_and_fragments_are_refused_in_s3_urls(url):
 
 
 def test_redact():
-    assert redact("S3KV_URL='s3://k:v@b/p' and gs://tok@x/y, not s3://b/p@q") == (
-        "S3KV_URL='s3://***@b/p' and gs://***@x/y, not s3://b/p@q"
+    # s3://b/p@q may be a secret with a '/' (issue 29.2): hidden too.
+    assert redact("S3KV_URL='s3://k:v@b/p' and gs://tok@x/y, and s3://b/p@q") == (
+        "S3KV_URL='s3://***@b/p' and gs://***@x/y, and s3://***@q"
     )
 
 
