@@ -7,12 +7,16 @@ States::
     HALF_OPEN ──(a probe call succeeds)──▶ CLOSED
     HALF_OPEN ──(a probe call fails)──▶ OPEN (the reset timer starts again)
 
-What counts as a failure: a call that raises a :class:`StoreError` other than the "answers"
-in ``BreakerPolicy.answers`` (default :class:`NotFound`: a 404 means the store is alive) and
-other than a :class:`~s3kv.store.base.LocalFailure` (this host's machinery failed and the
-store never answered: it counts neither way, in a HEAD batch too). A
-write that found its key already present is not an error at all (``put`` returns False; the
-S3 store turns a 412 into that). ``head_many`` reports per-key failures inside its result
+What counts as a failure (:func:`is_store_failure`): only what says the store itself is unwell --
+a transport error, a 5xx, throttling (all :class:`TransientError`) or a timeout (a
+:class:`DeadlineExceeded` whose retries ran out on those, or a caller's ``note_timeout``). Any other
+answer the store gives about one object's content -- 404, 403 on that object, 416 "range beyond the
+end", a length or ETag that does not match, a 4xx we do not know -- means the store is alive and
+counts as a success: one crafted object that answers 416 kept an engine's breaker open or half-open
+for a minute while its parked load retried, so every lookup on it missed (issue 29.4). A
+:class:`~s3kv.store.base.LocalFailure` (this host's machinery failed and the store never answered)
+counts neither way, in a HEAD batch too. A write that found its key already present is not an
+error at all (``put`` returns False; the S3 store turns a 412 into that). ``head_many`` reports per-key failures inside its result
 instead of raising: a batch whose every key failed counts as **one** failed call; a batch in
 which any key got an answer (found or missing) counts as a success. A call that raises
 something that is not a StoreError (a bug, KeyboardInterrupt) is neither.
@@ -49,16 +53,21 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .base import (
+    BucketNotFound,
     Buffer,
     ByteRange,
+    DeadlineExceeded,
     HeadBatch,
+    IntegrityError,
     LocalFailure,
     NotFound,
     ObjectInfo,
     ObjectStore,
+    PermissionDenied,
     SpanExpect,
     StoreError,
     StoreWrapper,
+    TransientError,
 )
 
 log = logging.getLogger("s3kv.breaker")
@@ -95,8 +104,6 @@ class BreakerPolicy:
     reset_s: float = 10.0
     #: Calls let through at once while half-open.
     half_open_probes: int = 1
-    #: Store errors that are answers, not failures: the store responded, so they count as a success.
-    answers: tuple[type[StoreError], ...] = (NotFound,)
 
     def __post_init__(self) -> None:
         if self.failures < 1:
@@ -272,9 +279,6 @@ class CircuitBreakerStore(StoreWrapper):
             elif self._state is BreakerState.CLOSED and self._consecutive >= self.policy.failures:
                 self._transition(BreakerState.OPEN, f"{self._consecutive} consecutive failures; last: {why}")
 
-    def _is_failure(self, exc: BaseException) -> bool:
-        return isinstance(exc, StoreError) and not isinstance(exc, self.policy.answers)
-
     def _guard(self, op: str, key: str | None, fn: Callable[[], T], promised: bool = False) -> T:
         ticket = self._admit(op, key, promised)
         try:
@@ -283,7 +287,7 @@ class CircuitBreakerStore(StoreWrapper):
             self._settle(ticket, None)
             raise
         except StoreError as exc:
-            self._settle(ticket, not self._is_failure(exc), _describe(exc))
+            self._settle(ticket, not is_store_failure(exc), _describe(exc))
             raise
         except BaseException:
             self._settle(ticket, None)
@@ -312,7 +316,7 @@ class CircuitBreakerStore(StoreWrapper):
         try:
             batch = call(unique)
         except StoreError as exc:
-            self._settle(ticket, not self._is_failure(exc), _describe(exc))
+            self._settle(ticket, not is_store_failure(exc), _describe(exc))
             raise
         except BaseException:
             self._settle(ticket, None)
@@ -320,7 +324,7 @@ class CircuitBreakerStore(StoreWrapper):
         answered = len(batch.found) + len(batch.missing)
         # Keys that failed on this side (a helper died) were never the store's answer.
         from_store = [e for e in batch.failed.values() if not isinstance(e, LocalFailure)]
-        failures = [e for e in from_store if self._is_failure(e)]
+        failures = [e for e in from_store if is_store_failure(e)]
         if answered == 0 and not from_store:
             self._settle(ticket, None)
         elif answered == 0 and failures and len(failures) == len(from_store):
@@ -395,7 +399,7 @@ class CircuitBreakerStore(StoreWrapper):
         except StoreError as exc:
             if ticket.done:  # failed after answering: still a failed call
                 ticket = _Probe(False)
-            self._settle(ticket, not self._is_failure(exc), _describe(exc))
+            self._settle(ticket, not is_store_failure(exc), _describe(exc))
             raise
         except GeneratorExit:
             self._settle(ticket, None)
@@ -407,6 +411,25 @@ class CircuitBreakerStore(StoreWrapper):
 
     def check_access(self) -> None:
         self._guard("check_access", None, self.inner.check_access)
+
+
+def is_store_failure(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says the store is unwell (see the module docstring): a TransientError, or an
+    error raised because of one (a DeadlineExceeded whose retries ran out on 5xx, a start-up check
+    that could not reach the endpoint), or a timeout with no answer behind it."""
+    for _ in range(8):  # a cause chain is short; the bound only guards against a cycle
+        if exc is None or isinstance(exc, _ANSWERS):
+            return False
+        if isinstance(exc, TransientError):
+            return True
+        if exc.__cause__ is None:
+            return isinstance(exc, (DeadlineExceeded, TimeoutError, ConnectionError))
+        exc = exc.__cause__
+    return False
+
+
+#: What the store says about one object: it is alive (LocalFailure: it never answered).
+_ANSWERS = (NotFound, PermissionDenied, IntegrityError, BucketNotFound, LocalFailure)
 
 
 def _describe(exc: BaseException) -> str:
