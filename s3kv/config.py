@@ -236,6 +236,14 @@ class Settings:
     sse_kms_key_id: str = ""
     breaker_failures: int = 5
     breaker_reset_s: float = 10.0
+    #: A HEAD wave unanswered this long, with no call of the store answered since it was sent,
+    #: opens the breaker (a hung store fails no call, and lookups past their backlog send none,
+    #: so counting failures alone took 40 s); 0 = off.
+    breaker_stall_s: float = 2.0
+    #: A promised load's read that has not ended this many seconds after it was sent (per
+    #: 32 MiB it fetches), or that waits this long for a connection while no read ends, is a
+    #: failed load (its failure rung), not a wait; 0 = only load_timeout_s bounds it.
+    load_stall_s: float = 5.0
     #: Serve Prometheus metrics on this port (0 = off). With TP > 1 rank r serves port + r.
     metrics_port: int = 0
     #: Address the metrics server binds; loopback unless you mean to expose it (e.g. "0.0.0.0"
@@ -346,6 +354,8 @@ def validate(s: Settings) -> None:
         "exit_drain_s",
         "request_state_ttl_s",
         "breaker_reset_s",
+        "breaker_stall_s",
+        "load_stall_s",
         "lookup_timeout_s",
     ):
         need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))

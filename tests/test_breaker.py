@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
@@ -504,3 +505,80 @@ def test_an_excused_timeout_frees_a_half_open_probe_slot_once():
     second.set()
     t2.join(5)
     assert b.state is BreakerState.CLOSED  # probe 2 answered
+
+
+class _Hung(MemoryStore):
+    """HEADs block until released; ``alive``: the store says it answered HEADs asked later
+    (another helper's shares), as ``answered_since`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.alive = False
+
+    def head_many(self, keys):
+        self.release.wait(10)
+        return super().head_many(keys)
+
+    def answered_since(self, t: float) -> bool:
+        return self.alive
+
+
+def _hang_a_wave(breaker) -> threading.Thread:
+    t = threading.Thread(target=breaker.head_many, args=(["k"],), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not breaker._heads_in_flight and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return t
+
+
+def test_a_store_that_answers_nothing_opens_the_breaker_after_stall_s():
+    """Issue 29.5: a hung store fails no call; lookups past their backlog send none. A HEAD wave
+    unanswered for ``stall_s`` with nothing answered since opens the breaker, whatever the count."""
+    inner, clock = _Hung(), FakeClock()
+    breaker = CircuitBreakerStore(inner, BreakerPolicy(failures=5, reset_s=10, stall_s=2.0), clock=clock)
+    try:
+        waves = [_hang_a_wave(breaker) for _ in range(4)]
+        clock.advance(1.9)
+        assert breaker.state is CLOSED and breaker.consecutive_failures == 0
+        clock.advance(0.2)
+        assert breaker.state is OPEN and breaker.stalls == 1
+        # After the reset period the waves hung before it do not reopen it before a probe is sent.
+        clock.advance(10)
+        assert breaker.state is HALF_OPEN
+        probe = _hang_a_wave(breaker)
+        clock.advance(1)
+        assert breaker.state is HALF_OPEN
+        clock.advance(1.1)
+        assert breaker.state is OPEN and breaker.stalls == 2  # the probe hung too
+    finally:
+        inner.release.set()
+        for t in [*waves, probe]:
+            t.join(5)
+
+
+def test_a_wave_late_while_the_store_answers_is_no_stall():
+    inner, clock = _Hung(), FakeClock()
+    breaker = CircuitBreakerStore(inner, BreakerPolicy(stall_s=2.0), clock=clock)
+    try:
+        wave = _hang_a_wave(breaker)
+        inner.alive = True  # the store answered HEADs asked since (another helper's shares)
+        clock.advance(5)
+        assert breaker.state is CLOSED
+        breaker.put("x", b"1")  # a call sent after the wave was answered: the store is alive
+        inner.alive = False
+        clock.advance(1)
+        assert breaker.state is CLOSED
+    finally:
+        inner.release.set()
+        wave.join(5)
+    # stall_s=0: off
+    breaker = CircuitBreakerStore(inner := _Hung(), BreakerPolicy(stall_s=0), clock=(clock := FakeClock()))
+    try:
+        wave = _hang_a_wave(breaker)
+        clock.advance(100)
+        assert breaker.state is CLOSED
+    finally:
+        inner.release.set()
+        wave.join(5)

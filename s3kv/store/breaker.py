@@ -21,6 +21,16 @@ instead of raising: a batch whose every key failed counts as **one** failed call
 which any key got an answer (found or missing) counts as a success. A call that raises
 something that is not a StoreError (a bug, KeyboardInterrupt) is neither.
 
+A store that hangs fails no call, so counting failures alone finds it late: a lookup counts its
+timeout (``note_timeout``), but once ``lookup_max_pending`` hung waves fill its backlog, further
+lookups send nothing and count nothing -- with the defaults (4 < 5 failures) the breaker opened
+only when the hung HEADs' own client timeouts and retries ran out, 40 s on (issue 29.5). So a HEAD
+wave of this period (``_epoch``) still unanswered ``policy.stall_s`` after it was sent, with no
+call of the store answered since -- not by this breaker's calls, not by the store's own account
+(``answered_since``: a wave held by a stopped HEAD helper while the store answers the others is
+late on this side) -- opens the breaker. It is checked whenever the state is read or a call is
+admitted (lookups read ``available`` before they trust the index), as the reset timer is.
+
 While OPEN nothing reaches the inner store: ``head_many`` returns every key in ``failed``
 with a :class:`StoreUnavailable`, every other call raises it. Callers above already treat a
 failed lookup as a miss and a failed save as a dropped save, so a dead store costs them
@@ -104,6 +114,8 @@ class BreakerPolicy:
     reset_s: float = 10.0
     #: Calls let through at once while half-open.
     half_open_probes: int = 1
+    #: A HEAD wave unanswered this long, the store answering nothing since, opens it (0 = off).
+    stall_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.failures < 1:
@@ -112,11 +124,14 @@ class BreakerPolicy:
             raise ValueError(f"BreakerPolicy.reset_s must be >= 0, got {self.reset_s}")
         if self.half_open_probes < 1:
             raise ValueError(f"BreakerPolicy.half_open_probes must be >= 1, got {self.half_open_probes}")
+        if self.stall_s < 0:
+            raise ValueError(f"BreakerPolicy.stall_s must be >= 0, got {self.stall_s}")
 
     @classmethod
     def from_settings(cls, settings: Any) -> BreakerPolicy:
-        """From :class:`s3kv.config.Settings` (``breaker_failures``, ``breaker_reset_s``)."""
-        return cls(failures=int(settings.breaker_failures), reset_s=float(settings.breaker_reset_s))
+        """From :class:`s3kv.config.Settings` (``breaker_failures``, ``breaker_reset_s``, ``breaker_stall_s``)."""
+        return cls(failures=int(settings.breaker_failures), reset_s=float(settings.breaker_reset_s),
+                   stall_s=float(settings.breaker_stall_s))
 
 
 Transition = Callable[[BreakerState, BreakerState], None]
@@ -125,11 +140,12 @@ Transition = Callable[[BreakerState, BreakerState], None]
 class _Probe:
     """Admission ticket of one call; settles exactly once (success, failure or neutral)."""
 
-    __slots__ = ("probe", "epoch", "done", "timed_out", "asked_at")
+    __slots__ = ("probe", "epoch", "done", "timed_out", "asked_at", "admitted")
 
-    def __init__(self, probe: bool, epoch: int = -1):
+    def __init__(self, probe: bool, epoch: int = -1, admitted: float = float("inf")):
         self.probe = probe
-        self.epoch = epoch  # the half-open period a probe was admitted in
+        self.epoch = epoch  # the state period (a half-open period for a probe) it was admitted in
+        self.admitted = admitted  # the breaker's clock
         self.done = False
         #: When a HEAD batch went to the inner store (``time.monotonic``, the stores' clock).
         self.asked_at = float("inf")
@@ -166,14 +182,19 @@ class CircuitBreakerStore(StoreWrapper):
         self.trips = 0
         #: Caller timeouts not counted: the store answered HEADs asked after the late batch.
         self.timeouts_excused = 0
-        #: HEAD batches admitted and not settled, oldest first (for ``note_timeout``).
+        #: HEAD batches admitted and not settled, oldest first (``note_timeout``, the stall rule).
         self._heads_in_flight: list[_Probe] = []
+        #: The latest admission time (breaker clock) of a call the store answered.
+        self._answered_admitted = float("-inf")
+        #: Times the stall rule opened the breaker.
+        self.stalls = 0
 
     # -- state -------------------------------------------------------------------------
     @property
     def state(self) -> BreakerState:
         with self._lock:
             self._maybe_half_open()
+            self._check_stall()
             return self._state
 
     @property
@@ -218,11 +239,33 @@ class CircuitBreakerStore(StoreWrapper):
         if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.policy.reset_s:
             self._transition(BreakerState.HALF_OPEN, f"{self.policy.reset_s:g}s since it opened; probing")
 
+    def _check_stall(self) -> None:
+        """The stall rule (module docstring). Called under the lock."""
+        stall = self.policy.stall_s
+        if stall <= 0 or self._state is BreakerState.OPEN:
+            return
+        # Only waves of this period: after a reset, waves hung before it must not reopen the
+        # breaker before its probe is even sent (it would never recover).
+        oldest = next((t for t in self._heads_in_flight if t.epoch == self._epoch), None)
+        if oldest is None:
+            return
+        waited = self._clock() - oldest.admitted
+        if waited < stall or self._answered_admitted >= oldest.admitted:
+            return
+        if self.inner.answered_since(oldest.asked_at):
+            return
+        waiting = sum(1 for t in self._heads_in_flight if t.epoch == self._epoch)
+        self.stalls += 1
+        self._transition(
+            BreakerState.OPEN, f"no answer from the store for {waited:.1f}s with {waiting} HEAD wave(s) waiting"
+        )
+
     def _admit(self, op: str, key: str | None, promised: bool = False) -> _Probe:
         with self._lock:
             self._maybe_half_open()
+            self._check_stall()
             if self._state is BreakerState.CLOSED:
-                return _Probe(False)
+                return _Probe(False, self._epoch, self._clock())
             if (
                 self._state is BreakerState.HALF_OPEN
                 and self._probes_in_flight >= self.policy.half_open_probes
@@ -238,10 +281,10 @@ class CircuitBreakerStore(StoreWrapper):
             ):
                 self._probes_in_flight += 1
                 self._probe_at = self._clock()
-                return _Probe(True, self._epoch)
+                return _Probe(True, self._epoch, self._probe_at)
             if promised:
                 # Attempted as a plain call: its outcome counts, it moves no state by itself.
-                return _Probe(False)
+                return _Probe(False, self._epoch, self._clock())
             self.rejected += 1
         raise self._unavailable(op, key)
 
@@ -260,6 +303,8 @@ class CircuitBreakerStore(StoreWrapper):
         with self._lock:
             if ticket in self._heads_in_flight:
                 self._heads_in_flight.remove(ticket)
+            if ok:  # answered, even late: the store was alive when it was asked
+                self._answered_admitted = max(self._answered_admitted, ticket.admitted)
             if ticket.timed_out:
                 ok = None  # counted when the caller gave up
             # A probe only speaks for the half-open period it was admitted in.
