@@ -87,9 +87,10 @@ class LoadJob:
     buffer: StagingBuffer | None = None
     future: Future | None = field(default=None, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    #: ``time.monotonic()`` when it was submitted, and when its read was sent (inf: not yet).
+    #: ``time.monotonic()`` when it was submitted, and since when its read has been in flight
+    #: (inf: none in flight -- not sent yet, or ended).
     submitted_at: float = float("inf")
-    sent_at: float = float("inf")
+    reading_since: float = float("inf")
 
     @property
     def finished(self) -> bool:
@@ -314,11 +315,12 @@ class Downloader:
                     job.buffer = None
                 buf.release()
                 return
-            t0 = job.sent_at = time.monotonic()
+            t0 = job.reading_since = time.monotonic()
             self.counters.add("get_requests", sum(get_requests(r.length) for r in want))
             try:
                 self.store.get_ranges_into(job.key, want, into)
             finally:
+                job.reading_since = float("inf")
                 if job.place:
                     self.last_read_end = time.monotonic()
             self.counters.add("download_seconds", time.monotonic() - t0)

@@ -381,7 +381,7 @@ class LoadJobs:
             job = dataclasses.replace(
                 old, targets=targets, request_ids={rid}, owners={s: rid for _, s in targets},
                 state=PENDING, error=None, event=None, buffer=None, future=None, lock=threading.Lock(),
-                deadline=now + self.timeout, sent_at=float("inf"),
+                deadline=now + self.timeout, reading_since=float("inf"),
             )
             self.jobs.append(job)
             self.downloader.submit(job)
@@ -523,8 +523,8 @@ class LoadJobs:
             return False
         pages = len({o for o, _ in job.targets}) or 1
         limit = self.stall_s * max(1.0, pages * job.identity.page_bytes / _STALL_UNIT)
-        if job.sent_at != float("inf"):
-            return now - job.sent_at > limit
+        if job.reading_since != float("inf"):
+            return now - job.reading_since > limit
         last_end = self.downloader.last_read_end if self.downloader is not None else job.submitted_at
         return now - max(job.submitted_at, last_end) > limit
 
@@ -537,7 +537,7 @@ class LoadJobs:
             log.error("s3kv: load of %s given up: %s", job.key, why)
             self.counters.add("loads_failed_objects")
             self.counters.add("loads_timed_out")
-            if stalled and job.sent_at != float("inf") and self.downloader is not None:
+            if stalled and job.reading_since != float("inf") and self.downloader is not None:
                 # The read still runs; a hung store never fails it: count it where health is judged.
                 self.downloader.store.note_timeout("get", job.key)
         return stopped
