@@ -85,3 +85,15 @@ def test_log_lines_never_carry_a_secret_with_a_slash():
     out = KeyValueFormatter().format(rec)
     assert _leaks(out) == [] and json.loads(out)["msg"] == "cannot open s3://***@my-bucket/kv"
     assert _leaks(TextFormatter().format(rec)) == []
+
+
+def test_an_endpoint_url_with_credentials_is_refused_without_echo(monkeypatch):
+    """The endpoint (AWS_ENDPOINT_URL_S3, the AWS config file) is printed in start-up errors and
+    the client's own messages, which an engine's log handlers do not redact: refused."""
+    from s3kv.store.s3 import S3Store
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://{KEY_ID}:{SECRET}@127.0.0.1:9")
+    with pytest.raises(StoreConfigError) as ei:
+        S3Store("my-bucket", aws_access_key_id="a", aws_secret_access_key="b")
+    msg = str(ei.value)
+    assert "AWS_ENDPOINT_URL_S3" in msg and "credentials" in msg and _leaks(msg) == [], msg
