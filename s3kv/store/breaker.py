@@ -16,9 +16,9 @@ counts as a success: one crafted object that answers 416 kept an engine's breake
 for a minute while its parked load retried, so every lookup on it missed (issue 29.4). A
 :class:`~s3kv.store.base.LocalFailure` (this host's machinery failed and the store never answered)
 counts neither way, in a HEAD batch too. A write that found its key already present is not an
-error at all (``put`` returns False; the S3 store turns a 412 into that). ``head_many`` reports per-key failures inside its result
-instead of raising: a batch whose every key failed counts as **one** failed call; a batch in
-which any key got an answer (found or missing) counts as a success. A call that raises
+error at all (``put`` returns False; the S3 store turns a 412 into that). ``head_many`` reports
+per-key failures inside its result instead of raising: a batch whose every key failed counts as
+**one** failed call; a batch in which any key got an answer (found or missing) counts as a success. A call that raises
 something that is not a StoreError (a bug, KeyboardInterrupt) is neither.
 
 A store that hangs fails no call, so counting failures alone finds it late: a lookup counts its
