@@ -57,23 +57,55 @@ OTHER_ENV_VARS = frozenset(
     }
 )
 
-# "scheme://user:password@host" (or "scheme://token@host"): whatever sits between "://" and the
-# first "@" before any "/" is a credential and never belongs in a message or a log line.
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s'\"]+@")
+# A URL as it appears in free text: a scheme, "://", then everything up to whitespace or a quote.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
+
+
+def _userinfo_end(url: str) -> int:
+    """Index of the last ``@`` that may close a ``user[:password]`` part in ``url``, else -1.
+
+    Why not ``urlsplit(url).netloc``: the authority ends at the first ``/``, and about half of AWS
+    secret keys hold one, so in ``s3://AKIA…:wJal…/K7MD…@bucket/p`` the parser sees host
+    ``AKIA…:wJal…`` and a path holding the rest of the secret. No parser can tell that from a path
+    holding an ``@``, so every ``@`` after ``://`` counts -- except in a ``file:///path``, whose
+    authority is empty (it cannot carry credentials).
+    """
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url.rfind("@")
+    if scheme.lower() == "file" and rest.startswith("/"):
+        return -1
+    at = rest.rfind("@")
+    return -1 if at < 0 else len(scheme) + len(sep) + at
+
+
+def redact_url(url: str) -> str:
+    """``url`` (or a value meant to be one) as it may be shown: see :func:`_userinfo_end`."""
+    at = _userinfo_end(url)
+    if at < 0:
+        return url
+    head, sep, _ = url.partition("://")
+    return f"{head}{sep}***{url[at:]}" if sep else f"***{url[at:]}"
 
 
 def redact(text: str) -> str:
-    """``text`` with the user[:password] part of every URL in it replaced by ``***``."""
-    return _USERINFO.sub(r"\1***@", text)
+    """``text`` with whatever may be a ``user[:password]`` part of every URL in it (all from
+    ``://`` to the URL's last ``@``) replaced by ``***`` (see :func:`_userinfo_end`)."""
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
+
+
+def has_userinfo(url: str) -> bool:
+    """Whether ``url`` may carry credentials (see :func:`_userinfo_end`)."""
+    return _userinfo_end(url.strip()) >= 0
 
 
 def check_url(url: str, name: str = "S3KV_URL / url") -> str:
     """``url`` stripped, if its scheme is allowed and it holds no credentials; else ConfigError.
 
-    Messages show the URL with any user:password removed.
+    Messages never show what may be a credential (see :func:`redact_url`).
     """
     url = url.strip()
-    shown = redact(url)
+    shown = redact_url(url)
     if "://" not in url:
         raise ConfigError(f"{name}: expected a URL such as s3://bucket/prefix or file:///path, got {shown!r}")
     parts = urlsplit(url)
@@ -83,9 +115,9 @@ def check_url(url: str, name: str = "S3KV_URL / url") -> str:
             f"{name}: scheme {parts.scheme + '://'!r} is not allowed, got {shown!r}; "
             f"allowed: {', '.join(s + '://' for s in URL_SCHEMES)}"
         )
-    if "@" in parts.netloc:
+    if has_userinfo(url):
         raise ConfigError(
-            f"{name}: credentials in the URL are not accepted, got {shown!r}; "
+            f"{name}: credentials in the URL are not accepted (it holds an '@'), got {shown!r}; "
             "use the store's own credential chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, instance roles, ...)"
         )
     if scheme == "s3" and ("?" in url or "#" in url):
@@ -205,6 +237,14 @@ class Settings:
     sse_kms_key_id: str = ""
     breaker_failures: int = 5
     breaker_reset_s: float = 10.0
+    #: A HEAD wave unanswered this long, with no call of the store answered since it was sent,
+    #: opens the breaker (a hung store fails no call, and lookups past their backlog send none,
+    #: so counting failures alone took 40 s); 0 = off.
+    breaker_stall_s: float = 2.0
+    #: A promised load's read that has not ended this many seconds after it was sent (per
+    #: 32 MiB it fetches), or that waits this long for a connection while no read ends, is a
+    #: failed load (its failure rung), not a wait; 0 = only load_timeout_s bounds it.
+    load_stall_s: float = 5.0
     #: Serve Prometheus metrics on this port (0 = off). With TP > 1 rank r serves port + r.
     metrics_port: int = 0
     #: Address the metrics server binds; loopback unless you mean to expose it (e.g. "0.0.0.0"
@@ -315,6 +355,8 @@ def validate(s: Settings) -> None:
         "exit_drain_s",
         "request_state_ttl_s",
         "breaker_reset_s",
+        "breaker_stall_s",
+        "load_stall_s",
         "lookup_timeout_s",
     ):
         need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))

@@ -2,12 +2,15 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 
 from s3kv.store.base import (
     ByteRange,
+    DeadlineExceeded,
     HeadBatch,
+    IntegrityError,
     LocalFailure,
     NotFound,
     PermissionDenied,
@@ -146,11 +149,70 @@ def test_answers_are_not_failures():
     assert breaker.put("k", b"1") is True
     assert breaker.put("k", b"2") is False
     assert breaker.state is CLOSED and seen == []
-    # Permission errors do count: the store is unusable.
-    faults.fail_next("put", 2, error=lambda key: PermissionDenied("403", key=key))
+
+
+def _short_read() -> DeadlineExceeded:
+    err = DeadlineExceeded("get gave up after 3 attempt(s); last error: range returned 10 bytes")
+    err.__cause__ = IntegrityError("range 0+100 returned 10 bytes")
+    return err
+
+
+def _gave_up_on_5xx() -> DeadlineExceeded:
+    err = DeadlineExceeded("get gave up after 3 attempt(s)")
+    err.__cause__ = TransientError("503 SlowDown")
+    return err
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        lambda key: IntegrityError("S3 get: range starts beyond the object's end (416)", key=key),
+        lambda key: PermissionDenied("403 on this object", key=key),
+        lambda key: StoreError("S3 get: PreconditionFailed (HTTP 412)", key=key),
+        lambda key: StoreError("S3 get: InvalidArgument (HTTP 400)", key=key),
+        lambda key: _short_read(),
+    ],
+    ids=["416", "403", "412", "400", "short-read"],
+)
+def test_content_answers_never_open_the_breaker(answer):
+    """Issue 29.4: a 416 (range beyond the end of a crafted object), like any answer the store
+    gives about one object's content, is the store answering; counted as a failure, one parked
+    request retrying its load kept an engine's breaker open or half-open, so every lookup missed."""
+    breaker, faults, _, clock, seen, _ = make(failures=2)
+    faults.fail_next("get", 10, error=answer)
+    for _ in range(10):
+        with pytest.raises(StoreError):
+            breaker.get_ranges("k", [ByteRange(0, 100)])
+    assert breaker.state is CLOSED and seen == []
+    # And a half-open breaker's probe that gets such an answer closes it: the store is alive.
+    faults.fail_next("put", 2)
+    fail_puts(breaker, 2)
+    assert breaker.state is OPEN
+    clock.advance(10)
+    faults.fail_next("get", 1, error=answer)
+    with pytest.raises(StoreError):
+        breaker.promised_reads().get_ranges("k", [ByteRange(0, 100)])
+    assert breaker.state is CLOSED
+
+
+def test_a_range_beyond_a_real_objects_end_is_an_answer():
+    breaker, _, _, _, seen, mem = make(failures=2)
+    mem.put("short", b"0123456789")
+    for _ in range(5):
+        with pytest.raises(StoreError):
+            breaker.promised_reads().get_ranges("short", [ByteRange(64, 64)])
+    assert breaker.state is CLOSED and seen == []
+
+
+@pytest.mark.parametrize("err", [lambda key: TransientError("503", key=key), lambda key: _gave_up_on_5xx(),
+                                 lambda key: DeadlineExceeded("head wave gave up after 2s", key=key)],
+                         ids=["5xx", "retries-ran-out", "timeout"])
+def test_transport_errors_5xx_and_timeouts_do_open_it(err):
+    breaker, faults, _, _, _, _ = make(failures=2)
+    faults.fail_next("get", 2, error=err)
     for _ in range(2):
-        with pytest.raises(PermissionDenied):
-            breaker.put("p", b"x")
+        with pytest.raises(StoreError):
+            breaker.get_ranges("k", [ByteRange(0, 1)])
     assert breaker.state is OPEN
 
 
@@ -410,7 +472,7 @@ def test_an_excused_timeout_frees_a_half_open_probe_slot_once():
 
         def head_many(self, keys):
             if self.fail:
-                raise StoreError("down")
+                raise TransientError("down")
             gate = self.gates.get(keys[0])
             if gate is not None:
                 gate.wait(5)
@@ -443,3 +505,80 @@ def test_an_excused_timeout_frees_a_half_open_probe_slot_once():
     second.set()
     t2.join(5)
     assert b.state is BreakerState.CLOSED  # probe 2 answered
+
+
+class _Hung(MemoryStore):
+    """HEADs block until released; ``alive``: the store says it answered HEADs asked later
+    (another helper's shares), as ``answered_since`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.alive = False
+
+    def head_many(self, keys):
+        self.release.wait(10)
+        return super().head_many(keys)
+
+    def answered_since(self, t: float) -> bool:
+        return self.alive
+
+
+def _hang_a_wave(breaker) -> threading.Thread:
+    t = threading.Thread(target=breaker.head_many, args=(["k"],), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not breaker._heads_in_flight and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return t
+
+
+def test_a_store_that_answers_nothing_opens_the_breaker_after_stall_s():
+    """Issue 29.5: a hung store fails no call; lookups past their backlog send none. A HEAD wave
+    unanswered for ``stall_s`` with nothing answered since opens the breaker, whatever the count."""
+    inner, clock = _Hung(), FakeClock()
+    breaker = CircuitBreakerStore(inner, BreakerPolicy(failures=5, reset_s=10, stall_s=2.0), clock=clock)
+    try:
+        waves = [_hang_a_wave(breaker) for _ in range(4)]
+        clock.advance(1.9)
+        assert breaker.state is CLOSED and breaker.consecutive_failures == 0
+        clock.advance(0.2)
+        assert breaker.state is OPEN and breaker.stalls == 1
+        # After the reset period the waves hung before it do not reopen it before a probe is sent.
+        clock.advance(10)
+        assert breaker.state is HALF_OPEN
+        probe = _hang_a_wave(breaker)
+        clock.advance(1)
+        assert breaker.state is HALF_OPEN
+        clock.advance(1.1)
+        assert breaker.state is OPEN and breaker.stalls == 2  # the probe hung too
+    finally:
+        inner.release.set()
+        for t in [*waves, probe]:
+            t.join(5)
+
+
+def test_a_wave_late_while_the_store_answers_is_no_stall():
+    inner, clock = _Hung(), FakeClock()
+    breaker = CircuitBreakerStore(inner, BreakerPolicy(stall_s=2.0), clock=clock)
+    try:
+        wave = _hang_a_wave(breaker)
+        inner.alive = True  # the store answered HEADs asked since (another helper's shares)
+        clock.advance(5)
+        assert breaker.state is CLOSED
+        breaker.put("x", b"1")  # a call sent after the wave was answered: the store is alive
+        inner.alive = False
+        clock.advance(1)
+        assert breaker.state is CLOSED
+    finally:
+        inner.release.set()
+        wave.join(5)
+    # stall_s=0: off
+    breaker = CircuitBreakerStore(inner := _Hung(), BreakerPolicy(stall_s=0), clock=(clock := FakeClock()))
+    try:
+        wave = _hang_a_wave(breaker)
+        clock.advance(100)
+        assert breaker.state is CLOSED
+    finally:
+        inner.release.set()
+        wave.join(5)

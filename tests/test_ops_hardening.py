@@ -191,3 +191,42 @@ def test_dangling_links_fifos_and_vanishing_files_do_not_stop_the_walk(tmp_path)
     entries = [e for e in ops._walk(ctx) if isinstance(e, ops.Entry)]
     verdicts = [ops._verify_one(store, e) for e in entries]
     assert sorted(v.status for v in verdicts) == ["ok", "ok", "vanished"]
+
+
+def test_verify_streams_a_page_larger_than_its_read_bound(tmp_path):
+    """Issue 29.7: verify read a page whole, up to MAX_PAGE_BYTES (512 MiB): one crafted sparse
+    object with a 512 MiB page peaked at 545 MiB, four at ``-j 4`` at 1.7 GiB. Its checksum is
+    now streamed over parts of at most VERIFY_READ_BYTES, so the documented bound holds per page."""
+    import mmap
+
+    root = tmp_path / "c"
+    page = ops.MAX_PAGE_BYTES
+    ident = _ident(page)
+    zeros = mmap.mmap(-1, page)  # untouched anonymous memory: reading it costs no RSS
+    keys = []
+    for i in range(4):
+        last = bytes([0x20 + i]) * 16
+        key = KeyScheme("", NS, 1).object_key(GFP, 0, last)
+        head = encode_object(ident, 0, last, [memoryview(zeros)])[0]
+        _craft_file(root, key, object_metadata(ident, 0, 1), bytes(head), header_len(1) + page)
+        keys.append(key)
+    zeros.close()
+    code = (
+        "import re, sys; from s3kv.cli import main\n"
+        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    code = e.code\n"
+        "hwm = re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)\n"
+        "print('MAXRSS', hwm, file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, "verify", "--url", f"file://{root}", "-j", "4", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+        env={**{k: v for k, v in os.environ.items() if not k.startswith("S3KV_")}, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["ok"] == 4, doc
+    maxrss_mib = int(proc.stderr.split("MAXRSS")[-1].split()[0]) // 1024
+    # Four jobs, each holding about one part of at most 64 MiB, not a page: 260 MiB measured
+    # (1,543 MiB when pages were read whole; one object: 97 MiB, was 545).
+    assert maxrss_mib < page // 2**20, maxrss_mib

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ..core.keys import DIGEST_SIZE, KeyScheme
-from ..core.objects import header_len
+from ..core.objects import MAX_PAGES_PER_OBJECT, object_len
 from ..store.base import ObjectStore, StoreError
 
 log = logging.getLogger("s3kv.summary")
@@ -52,15 +52,26 @@ Snapshot = Mapping[tuple[int, int], Mapping[bytes, int]]
 class SummaryGroup:
     group_id: int
     page_bytes: int
+    #: Integrity on: the namespace's objects carry a trailer of keyed tags (and only they are ours).
+    tagged: bool = False
 
 
-def count_from_size(size: int, page_bytes: int) -> int | None:
-    """The page count of an object of ``size`` bytes (header + pages), or None if none fits."""
-    fixed = header_len(0)
-    per = page_bytes + 8  # a page and its checksum in the header
+def count_from_size(size: int, page_bytes: int, tagged: bool = False) -> int | None:
+    """The page count of an object of ``size`` bytes (header + pages, + the trailer of tags when
+    ``tagged``), or None if none fits.
+
+    Why ``tagged`` is exact both ways: with integrity on, the size of a genuine object includes
+    its trailer -- counted without it, none of a keyed fleet's objects were listed (0 of 18) and
+    a summary-enabled engine never hit. And an object at the untagged size in a keyed namespace
+    can only be a keyless writer's: listed, it was a hit that trust mode promised and whose load
+    then failed (a 416 on the trailer read past its end) for every lookup of that prompt.
+    """
+    fixed = object_len(0, page_bytes, tagged)
+    per = object_len(1, page_bytes, tagged) - fixed  # a page, its checksum (and its tag)
     if size <= fixed or (size - fixed) % per:
         return None
-    return (size - fixed) // per
+    n = (size - fixed) // per
+    return n if n <= MAX_PAGES_PER_OBJECT else None
 
 
 class NamespaceSummary:
@@ -135,7 +146,7 @@ class NamespaceSummary:
                     continue
                 if tp_str != str(tp) or not 0 <= shard < tp:
                     continue
-                count = count_from_size(info.size, grp.page_bytes)
+                count = count_from_size(info.size, grp.page_bytes, grp.tagged)
                 if count is None:
                     continue  # not one of our objects (or damaged): the HEAD path would reject it too
                 n += 1

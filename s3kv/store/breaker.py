@@ -7,15 +7,29 @@ States::
     HALF_OPEN ──(a probe call succeeds)──▶ CLOSED
     HALF_OPEN ──(a probe call fails)──▶ OPEN (the reset timer starts again)
 
-What counts as a failure: a call that raises a :class:`StoreError` other than the "answers"
-in ``BreakerPolicy.answers`` (default :class:`NotFound`: a 404 means the store is alive) and
-other than a :class:`~s3kv.store.base.LocalFailure` (this host's machinery failed and the
-store never answered: it counts neither way, in a HEAD batch too). A
-write that found its key already present is not an error at all (``put`` returns False; the
-S3 store turns a 412 into that). ``head_many`` reports per-key failures inside its result
-instead of raising: a batch whose every key failed counts as **one** failed call; a batch in
-which any key got an answer (found or missing) counts as a success. A call that raises
+What counts as a failure (:func:`is_store_failure`): only what says the store itself is unwell --
+a transport error, a 5xx, throttling (all :class:`TransientError`) or a timeout (a
+:class:`DeadlineExceeded` whose retries ran out on those, or a caller's ``note_timeout``). Any other
+answer the store gives about one object's content -- 404, 403 on that object, 416 "range beyond the
+end", a length or ETag that does not match, a 4xx we do not know -- means the store is alive and
+counts as a success: one crafted object that answers 416 kept an engine's breaker open or half-open
+for a minute while its parked load retried, so every lookup on it missed (issue 29.4). A
+:class:`~s3kv.store.base.LocalFailure` (this host's machinery failed and the store never answered)
+counts neither way, in a HEAD batch too. A write that found its key already present is not an
+error at all (``put`` returns False; the S3 store turns a 412 into that). ``head_many`` reports
+per-key failures inside its result instead of raising: a batch whose every key failed counts as
+**one** failed call; a batch in which any key got an answer (found or missing) counts as a success. A call that raises
 something that is not a StoreError (a bug, KeyboardInterrupt) is neither.
+
+A store that hangs fails no call, so counting failures alone finds it late: a lookup counts its
+timeout (``note_timeout``), but once ``lookup_max_pending`` hung waves fill its backlog, further
+lookups send nothing and count nothing -- with the defaults (4 < 5 failures) the breaker opened
+only when the hung HEADs' own client timeouts and retries ran out, 40 s on (issue 29.5). So a HEAD
+wave of this period (``_epoch``) still unanswered ``policy.stall_s`` after it was sent, with no
+call of the store answered since -- not by this breaker's calls, not by the store's own account
+(``answered_since``: a wave held by a stopped HEAD helper while the store answers the others is
+late on this side) -- opens the breaker. It is checked whenever the state is read or a call is
+admitted (lookups read ``available`` before they trust the index), as the reset timer is.
 
 While OPEN nothing reaches the inner store: ``head_many`` returns every key in ``failed``
 with a :class:`StoreUnavailable`, every other call raises it. Callers above already treat a
@@ -49,16 +63,21 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from .base import (
+    BucketNotFound,
     Buffer,
     ByteRange,
+    DeadlineExceeded,
     HeadBatch,
+    IntegrityError,
     LocalFailure,
     NotFound,
     ObjectInfo,
     ObjectStore,
+    PermissionDenied,
     SpanExpect,
     StoreError,
     StoreWrapper,
+    TransientError,
 )
 
 log = logging.getLogger("s3kv.breaker")
@@ -95,8 +114,8 @@ class BreakerPolicy:
     reset_s: float = 10.0
     #: Calls let through at once while half-open.
     half_open_probes: int = 1
-    #: Store errors that are answers, not failures: the store responded, so they count as a success.
-    answers: tuple[type[StoreError], ...] = (NotFound,)
+    #: A HEAD wave unanswered this long, the store answering nothing since, opens it (0 = off).
+    stall_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.failures < 1:
@@ -105,11 +124,14 @@ class BreakerPolicy:
             raise ValueError(f"BreakerPolicy.reset_s must be >= 0, got {self.reset_s}")
         if self.half_open_probes < 1:
             raise ValueError(f"BreakerPolicy.half_open_probes must be >= 1, got {self.half_open_probes}")
+        if self.stall_s < 0:
+            raise ValueError(f"BreakerPolicy.stall_s must be >= 0, got {self.stall_s}")
 
     @classmethod
     def from_settings(cls, settings: Any) -> BreakerPolicy:
-        """From :class:`s3kv.config.Settings` (``breaker_failures``, ``breaker_reset_s``)."""
-        return cls(failures=int(settings.breaker_failures), reset_s=float(settings.breaker_reset_s))
+        """From :class:`s3kv.config.Settings` (``breaker_failures``, ``breaker_reset_s``, ``breaker_stall_s``)."""
+        return cls(failures=int(settings.breaker_failures), reset_s=float(settings.breaker_reset_s),
+                   stall_s=float(settings.breaker_stall_s))
 
 
 Transition = Callable[[BreakerState, BreakerState], None]
@@ -118,11 +140,12 @@ Transition = Callable[[BreakerState, BreakerState], None]
 class _Probe:
     """Admission ticket of one call; settles exactly once (success, failure or neutral)."""
 
-    __slots__ = ("probe", "epoch", "done", "timed_out", "asked_at")
+    __slots__ = ("probe", "epoch", "done", "timed_out", "asked_at", "admitted")
 
-    def __init__(self, probe: bool, epoch: int = -1):
+    def __init__(self, probe: bool, epoch: int = -1, admitted: float = float("inf")):
         self.probe = probe
-        self.epoch = epoch  # the half-open period a probe was admitted in
+        self.epoch = epoch  # the state period (a half-open period for a probe) it was admitted in
+        self.admitted = admitted  # the breaker's clock
         self.done = False
         #: When a HEAD batch went to the inner store (``time.monotonic``, the stores' clock).
         self.asked_at = float("inf")
@@ -159,14 +182,19 @@ class CircuitBreakerStore(StoreWrapper):
         self.trips = 0
         #: Caller timeouts not counted: the store answered HEADs asked after the late batch.
         self.timeouts_excused = 0
-        #: HEAD batches admitted and not settled, oldest first (for ``note_timeout``).
+        #: HEAD batches admitted and not settled, oldest first (``note_timeout``, the stall rule).
         self._heads_in_flight: list[_Probe] = []
+        #: The latest admission time (breaker clock) of a call the store answered.
+        self._answered_admitted = float("-inf")
+        #: Times the stall rule opened the breaker.
+        self.stalls = 0
 
     # -- state -------------------------------------------------------------------------
     @property
     def state(self) -> BreakerState:
         with self._lock:
             self._maybe_half_open()
+            self._check_stall()
             return self._state
 
     @property
@@ -211,11 +239,33 @@ class CircuitBreakerStore(StoreWrapper):
         if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.policy.reset_s:
             self._transition(BreakerState.HALF_OPEN, f"{self.policy.reset_s:g}s since it opened; probing")
 
+    def _check_stall(self) -> None:
+        """The stall rule (module docstring). Called under the lock."""
+        stall = self.policy.stall_s
+        if stall <= 0 or self._state is BreakerState.OPEN:
+            return
+        # Only waves of this period: after a reset, waves hung before it must not reopen the
+        # breaker before its probe is even sent (it would never recover).
+        oldest = next((t for t in self._heads_in_flight if t.epoch == self._epoch), None)
+        if oldest is None:
+            return
+        waited = self._clock() - oldest.admitted
+        if waited < stall or self._answered_admitted >= oldest.admitted:
+            return
+        if self.inner.answered_since(oldest.asked_at):
+            return
+        waiting = sum(1 for t in self._heads_in_flight if t.epoch == self._epoch)
+        self.stalls += 1
+        self._transition(
+            BreakerState.OPEN, f"no answer from the store for {waited:.1f}s with {waiting} HEAD wave(s) waiting"
+        )
+
     def _admit(self, op: str, key: str | None, promised: bool = False) -> _Probe:
         with self._lock:
             self._maybe_half_open()
+            self._check_stall()
             if self._state is BreakerState.CLOSED:
-                return _Probe(False)
+                return _Probe(False, self._epoch, self._clock())
             if (
                 self._state is BreakerState.HALF_OPEN
                 and self._probes_in_flight >= self.policy.half_open_probes
@@ -231,10 +281,10 @@ class CircuitBreakerStore(StoreWrapper):
             ):
                 self._probes_in_flight += 1
                 self._probe_at = self._clock()
-                return _Probe(True, self._epoch)
+                return _Probe(True, self._epoch, self._probe_at)
             if promised:
                 # Attempted as a plain call: its outcome counts, it moves no state by itself.
-                return _Probe(False)
+                return _Probe(False, self._epoch, self._clock())
             self.rejected += 1
         raise self._unavailable(op, key)
 
@@ -253,6 +303,8 @@ class CircuitBreakerStore(StoreWrapper):
         with self._lock:
             if ticket in self._heads_in_flight:
                 self._heads_in_flight.remove(ticket)
+            if ok:  # answered, even late: the store was alive when it was asked
+                self._answered_admitted = max(self._answered_admitted, ticket.admitted)
             if ticket.timed_out:
                 ok = None  # counted when the caller gave up
             # A probe only speaks for the half-open period it was admitted in.
@@ -272,9 +324,6 @@ class CircuitBreakerStore(StoreWrapper):
             elif self._state is BreakerState.CLOSED and self._consecutive >= self.policy.failures:
                 self._transition(BreakerState.OPEN, f"{self._consecutive} consecutive failures; last: {why}")
 
-    def _is_failure(self, exc: BaseException) -> bool:
-        return isinstance(exc, StoreError) and not isinstance(exc, self.policy.answers)
-
     def _guard(self, op: str, key: str | None, fn: Callable[[], T], promised: bool = False) -> T:
         ticket = self._admit(op, key, promised)
         try:
@@ -283,7 +332,7 @@ class CircuitBreakerStore(StoreWrapper):
             self._settle(ticket, None)
             raise
         except StoreError as exc:
-            self._settle(ticket, not self._is_failure(exc), _describe(exc))
+            self._settle(ticket, not is_store_failure(exc), _describe(exc))
             raise
         except BaseException:
             self._settle(ticket, None)
@@ -312,7 +361,7 @@ class CircuitBreakerStore(StoreWrapper):
         try:
             batch = call(unique)
         except StoreError as exc:
-            self._settle(ticket, not self._is_failure(exc), _describe(exc))
+            self._settle(ticket, not is_store_failure(exc), _describe(exc))
             raise
         except BaseException:
             self._settle(ticket, None)
@@ -320,7 +369,7 @@ class CircuitBreakerStore(StoreWrapper):
         answered = len(batch.found) + len(batch.missing)
         # Keys that failed on this side (a helper died) were never the store's answer.
         from_store = [e for e in batch.failed.values() if not isinstance(e, LocalFailure)]
-        failures = [e for e in from_store if self._is_failure(e)]
+        failures = [e for e in from_store if is_store_failure(e)]
         if answered == 0 and not from_store:
             self._settle(ticket, None)
         elif answered == 0 and failures and len(failures) == len(from_store):
@@ -395,7 +444,7 @@ class CircuitBreakerStore(StoreWrapper):
         except StoreError as exc:
             if ticket.done:  # failed after answering: still a failed call
                 ticket = _Probe(False)
-            self._settle(ticket, not self._is_failure(exc), _describe(exc))
+            self._settle(ticket, not is_store_failure(exc), _describe(exc))
             raise
         except GeneratorExit:
             self._settle(ticket, None)
@@ -407,6 +456,25 @@ class CircuitBreakerStore(StoreWrapper):
 
     def check_access(self) -> None:
         self._guard("check_access", None, self.inner.check_access)
+
+
+def is_store_failure(exc: BaseException | None) -> bool:
+    """Whether ``exc`` says the store is unwell (see the module docstring): a TransientError, or an
+    error raised because of one (a DeadlineExceeded whose retries ran out on 5xx, a start-up check
+    that could not reach the endpoint), or a timeout with no answer behind it."""
+    for _ in range(8):  # a cause chain is short; the bound only guards against a cycle
+        if exc is None or isinstance(exc, _ANSWERS):
+            return False
+        if isinstance(exc, TransientError):
+            return True
+        if exc.__cause__ is None:
+            return isinstance(exc, (DeadlineExceeded, TimeoutError, ConnectionError))
+        exc = exc.__cause__
+    return False
+
+
+#: What the store says about one object: it is alive (LocalFailure: it never answered).
+_ANSWERS = (NotFound, PermissionDenied, IntegrityError, BucketNotFound, LocalFailure)
 
 
 def _describe(exc: BaseException) -> str:

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
+from ..config import has_userinfo, redact_url
 from .base import ObjectStore, StoreConfigError
 from .memory import MemoryStore
 
@@ -43,7 +44,7 @@ class StoreURL(NamedTuple):
 
 
 def _bad(url: str, why: str) -> StoreConfigError:
-    return StoreConfigError(f"{SETTING}={url!r}: {why}. Accepted: {ACCEPTED}")
+    return StoreConfigError(f"{SETTING}={redact_url(url)!r}: {why}. Accepted: {ACCEPTED}")
 
 
 def _check_bucket(url: str, bucket: str) -> None:
@@ -76,6 +77,8 @@ def parse_store_url(url: str) -> StoreURL:
     url = url.strip()
     if "://" not in url:
         raise _bad(url, "not a URL (no scheme://)")
+    if has_userinfo(url):
+        raise _bad(url, "credentials in the URL are not accepted; use the store's own credential chain")
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme in ("s3", "s3a"):

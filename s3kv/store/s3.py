@@ -46,6 +46,7 @@ import boto3
 import botocore.exceptions as bexc
 from botocore.config import Config
 
+from ..config import has_userinfo, redact_url
 from .base import (
     AnswerClock,
     BucketNotFound,
@@ -349,6 +350,14 @@ class S3Store(ObjectStore):
             self._client.close()
             self._client = self._make_client("path")
         self.endpoint_url: str = self._client.meta.endpoint_url
+        if has_userinfo(self.endpoint_url):
+            # Refused, not just hidden: the endpoint is printed in start-up errors and in the
+            # client's own messages, which reach the engine's log handlers unredacted.
+            self._client.close()
+            raise StoreConfigError(
+                f"the S3 endpoint {redact_url(self.endpoint_url)!r} (set by {self._endpoint_source()}) holds "
+                "credentials: not accepted; use the credential chain (AWS_ACCESS_KEY_ID, AWS_PROFILE, roles)"
+            )
         self._pool = cf.ThreadPoolExecutor(max_workers=opts.max_concurrency, thread_name_prefix="s3kv-s3")
         self._upload_pool = cf.ThreadPoolExecutor(
             max_workers=opts.upload_concurrency, thread_name_prefix="s3kv-s3-up"

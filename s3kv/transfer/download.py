@@ -87,6 +87,10 @@ class LoadJob:
     buffer: StagingBuffer | None = None
     future: Future | None = field(default=None, repr=False)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: ``time.monotonic()`` when it was submitted, and since when its read has been in flight
+    #: (inf: none in flight -- not sent yet, or ended).
+    submitted_at: float = float("inf")
+    reading_since: float = float("inf")
 
     @property
     def finished(self) -> bool:
@@ -189,8 +193,12 @@ class Downloader:
         self._audit_thread: threading.Thread | None = None
         self._audit_lock = threading.Lock()
         self._closed = False
+        #: ``time.monotonic()`` when a load's read last ended (bytes or an error): the store was
+        #: answering then. What tells a job queued behind hung reads from one behind busy ones.
+        self.last_read_end = time.monotonic()
 
     def submit(self, job: LoadJob) -> LoadJob:
+        job.submitted_at = time.monotonic()
         if job.place:
             job.future = self._executor.submit(self._run, job)
             return job
@@ -307,9 +315,14 @@ class Downloader:
                     job.buffer = None
                 buf.release()
                 return
-            t0 = time.monotonic()
+            t0 = job.reading_since = time.monotonic()
             self.counters.add("get_requests", sum(get_requests(r.length) for r in want))
-            self.store.get_ranges_into(job.key, want, into)
+            try:
+                self.store.get_ranges_into(job.key, want, into)
+            finally:
+                job.reading_since = float("inf")
+                if job.place:
+                    self.last_read_end = time.monotonic()
             self.counters.add("download_seconds", time.monotonic() - t0)
         header = decode_header(
             buf.memoryview(base - hl, hl), job.identity, job.key, None if trailer is None else memoryview(trailer)

@@ -203,7 +203,8 @@ class Lookups:
         if self.settings.lookup_summary_s <= 0 or ctx is None:
             return None
         if self._summary is None:
-            groups = {x.fingerprint: SummaryGroup(x.group_id, x.page_bytes) for x in ctx.geometry.groups}
+            tagged = self.settings.integrity is not None
+            groups = {x.fingerprint: SummaryGroup(x.group_id, x.page_bytes, tagged) for x in ctx.geometry.groups}
             self._summary = NamespaceSummary(
                 self.store,
                 ctx.scheme,

@@ -49,7 +49,12 @@ Failures = dict[int, tuple[str | None, str]]
 
 
 class LoadTimeout(Exception):
-    """A promised load did not complete within ``settings.load_timeout_s``."""
+    """A promised load did not complete within ``settings.load_timeout_s``, or its read stalled
+    (``settings.load_stall_s``)."""
+
+
+#: ``load_stall_s`` is per this many bytes a read fetches (s3kv's objects are ~32 MiB).
+_STALL_UNIT = 32 << 20
 
 
 @dataclass
@@ -121,6 +126,7 @@ class LoadJobs:
         self.failed_load_hook = failed_load_hook
         #: load_timeout_s <= 0 means no deadline.
         self.timeout = settings.load_timeout_s if settings.load_timeout_s > 0 else float("inf")
+        self.stall_s = settings.load_stall_s
         # Set by attach (register_layout).
         self.rank: RankLayout | None = None
         self.copier: Copier | None = None
@@ -192,14 +198,17 @@ class LoadJobs:
         for job in jobs:
             fut = job.future
             assert fut is not None
-            try:
-                fut.result(
-                    timeout=None if deadline == float("inf") else max(0.0, deadline - time.monotonic())
-                )
-            except (FutureTimeout, CancelledError):
-                pass
+            while not job.finished:
+                now = time.monotonic()
+                if now >= deadline or self._stalled(job, now):
+                    break
+                try:  # in steps: whether the read stalled is judged as it goes
+                    step = min(deadline - now, 0.05 if self.stall_s > 0 else float("inf"))
+                    fut.result(timeout=None if step == float("inf") else step)
+                except (FutureTimeout, CancelledError):
+                    pass
             if not job.finished:
-                if not self._cancel(job):
+                if not self._cancel(job, stalled=self._stalled(job, time.monotonic())):
                     # Already placing pages: local copies, finish them rather than leave them half done.
                     try:
                         fut.result()
@@ -372,8 +381,8 @@ class LoadJobs:
         if st.error is not None:
             return st.error
         for job in st.jobs:
-            if not job.finished and now > job.deadline:
-                self._cancel(job)
+            if not job.finished and (now > job.deadline or self._stalled(job, now)):
+                self._cancel(job, stalled=now <= job.deadline)
             if job.finished and job.state != DONE:
                 return job.key, describe(job.error)
         if st.handed and not st.declared and now - st.since > self.timeout:
@@ -395,7 +404,7 @@ class LoadJobs:
             job = dataclasses.replace(
                 old, targets=targets, request_ids={rid}, owners={s: rid for _, s in targets},
                 state=PENDING, error=None, event=None, buffer=None, future=None, lock=threading.Lock(),
-                deadline=now + self.timeout,
+                deadline=now + self.timeout, reading_since=float("inf"),
             )
             self.jobs.append(job)
             self.downloader.submit(job)
@@ -522,15 +531,38 @@ class LoadJobs:
                     pass
             Copier.synchronize(job.event)
 
-    def _cancel(self, job: LoadJob) -> bool:
-        """Give up on a job past its deadline; False if it is already placing pages."""
-        stopped, now = job.try_cancel(
-            LoadTimeout(f"not loaded within load_timeout_s={self.settings.load_timeout_s}")
-        )
+    def _stalled(self, job: LoadJob, now: float) -> bool:
+        """Whether ``job``'s read stalled: sent longer ago than ``load_stall_s`` per 32 MiB it
+        fetches, or still waiting for a connection that long while no read of this rank ended
+        (the connections are held by reads that hang).
+
+        Why not only ``load_timeout_s``: a store that stops answering fails no read until the
+        client's own timeouts and retries run out, so a load promised just before a hang stayed
+        parked for over a minute. A stalled read is a failed load -- it takes its failure rung
+        (docs/failures.md) -- not a wait; a read that is merely slower than the rule allows is
+        cut too, so slow links raise ``S3KV_LOAD_STALL_S``.
+        """
+        if self.stall_s <= 0 or job.finished:
+            return False
+        pages = len({o for o, _ in job.targets}) or 1
+        limit = self.stall_s * max(1.0, pages * job.identity.page_bytes / _STALL_UNIT)
+        if job.reading_since != float("inf"):
+            return now - job.reading_since > limit
+        last_end = self.downloader.last_read_end if self.downloader is not None else job.submitted_at
+        return now - max(job.submitted_at, last_end) > limit
+
+    def _cancel(self, job: LoadJob, stalled: bool = False) -> bool:
+        """Give up on a job past its deadline or stalled; False if it is already placing pages."""
+        why = (f"its read stalled (load_stall_s={self.stall_s:g} per 32 MiB)" if stalled
+               else f"not loaded within load_timeout_s={self.settings.load_timeout_s}")
+        stopped, now = job.try_cancel(LoadTimeout(why))
         if now:
-            log.error("s3kv: load of %s timed out after %.1f s", job.key, self.settings.load_timeout_s)
+            log.error("s3kv: load of %s given up: %s", job.key, why)
             self.counters.add("loads_failed_objects")
             self.counters.add("loads_timed_out")
+            if stalled and job.reading_since != float("inf") and self.downloader is not None:
+                # The read still runs; a hung store never fails it: count it where health is judged.
+                self.downloader.store.note_timeout("get", job.key)
         return stopped
 
     def reap(self) -> None:
