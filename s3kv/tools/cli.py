@@ -39,9 +39,13 @@ def one_line(exc: BaseException) -> str:
     from ..core.errors import S3KvError
     from ..store.base import StoreError
 
+    if isinstance(exc, StoreError):
+        from .storeerrors import describe
+
+        return redact(describe(exc))
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
-    if isinstance(exc, (ConfigError, StoreError, S3KvError)):
+    if isinstance(exc, (ConfigError, S3KvError)):
         return redact(first or type(exc).__name__)
     return redact(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
 

@@ -305,12 +305,13 @@ def _check_access(url: str) -> None:
     from ..config import load_settings
     from ..engine.runtime import open_runtime_store
     from ..store.base import StoreError
+    from .storeerrors import describe
 
     store, _ = open_runtime_store(load_settings(url=url))
     try:
         store.check_access()
     except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(describe(exc, url, store, role="engine")) from exc
     finally:
         store.close()
 
@@ -327,7 +328,9 @@ def _delete_under(url: str) -> str:
         for i in range(0, len(keys), 1000):
             store.delete_many(keys[i : i + 1000])
     except StoreError as exc:
-        return (f"could not delete the demo's objects ({exc}); remove them later with: "
+        from .storeerrors import describe
+
+        return (f"could not delete the demo's objects ({describe(exc, store=store)}); remove them later with: "
                 f"s3kv gc --url {url} --older-than 0 --yes")
     finally:
         store.close()

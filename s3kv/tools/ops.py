@@ -47,6 +47,7 @@ from ..core.objects import (
     verify_page,
 )
 from ..store.base import ByteRange, NotFound, ObjectInfo, ObjectStore, StoreError
+from .storeerrors import describe
 
 SETTING = "S3KV_URL"
 DELETE_BATCH = 1000
@@ -94,7 +95,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     try:
         store, prefix = open_runtime_store(settings)
     except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(describe(exc, settings.url)) from exc
     root = f"{prefix}/" if prefix else ""
     return _Ctx(settings.url, store, root, as_json, settings=settings)
 
@@ -115,7 +116,7 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(ctx, **kwargs)
         except StoreError as exc:
-            raise click.ClickException(f"store error on {ctx.url}: {type(exc).__name__}: {exc}") from exc
+            raise click.ClickException(describe(exc, ctx.url, ctx.store)) from exc
         finally:
             ctx.store.close()
 
