@@ -107,6 +107,7 @@ def test_configuration_commands_and_file(tmp_path):
     toml = next(b for b in blocks(page) if b.lang == "toml")
     box = _sandbox(tmp_path)
     cache = f"file://{tmp_path}/cache"
+    (tmp_path / "cache").mkdir()  # an existing, empty cache (ls refuses a directory that is not there)
     (box / "s3kv.toml").write_text(toml.text.replace("s3://my-bucket/kv", cache))
     # The file the page shows loads as it says (with its bucket swapped for a directory).
     if sys.version_info >= (3, 11):

@@ -50,6 +50,19 @@ def one_line(exc: BaseException) -> str:
     return redact(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
 
 
+def url_option(url: str | None) -> str | None:
+    """A command's ``--url`` value, checked here so that its errors name ``--url`` (the settings'
+    own check would name S3KV_URL, which the user did not set)."""
+    if url is None:
+        return None
+    from ..config import ConfigError, check_url
+
+    try:
+        return check_url(url, "--url")
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc).removeprefix("--url: "), param_hint="--url") from None
+
+
 class _Main(click.Group):
     """A group that turns every uncaught exception into one line (unless ``--debug``)."""
 

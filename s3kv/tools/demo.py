@@ -355,10 +355,11 @@ def _delete_under(url: str) -> str:
 def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode: str | None, keep: bool) -> None:
     """Cold cluster A, then warm cluster B, sharing only the bucket."""
     from ..config import ConfigError, explicit_settings, load_settings, unknown_env_names
-    from .cli import debug_enabled, export_lines, wait_for_interrupt
+    from .cli import debug_enabled, export_lines, url_option, wait_for_interrupt
 
     shape = DemoShape(tp_size=tp)
     forced = {"load_mode": load_mode} if load_mode else {}
+    url = url_option(url)
     try:
         url = url or load_settings(require_url=False).url or None
     except ConfigError as exc:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -79,13 +80,23 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     """The store behind ``--url`` (else the S3KV_URL setting), opened with the user's settings:
     ``S3KV_CONFIG_FILE`` and the env's timeouts, retries and SSE apply as in an engine."""
     from ..engine.runtime import open_runtime_store
+    from ..store.factory import parse_store_url
+    from .cli import url_option
 
+    url = url_option(url)
     try:
-        settings = load_settings(require_url=False, url=url.strip() if url else None)
+        settings = load_settings(require_url=False, url=url)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     if not settings.url:
         raise click.UsageError(f"no store URL: pass --url or set {SETTING} (e.g. s3://bucket/prefix)")
+    scheme, where, _ = parse_store_url(settings.url)
+    if scheme == "file" and not os.path.isdir(where):
+        # A typo'd path would list as an empty cache (and gc would "delete 0 objects").
+        raise click.ClickException(
+            f"{'--url' if url else SETTING} {settings.url}: no such directory {where}; check the path "
+            "(engines create it when they first save)"
+        )
     if settings.url.startswith("memory://"):
         click.echo(
             f"s3kv: warning: {settings.url} lives inside one process; this command starts with it empty "
