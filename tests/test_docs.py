@@ -93,7 +93,7 @@ def test_getting_started_commands(tmp_path):
     finally:
         shell.stop()
     demo, look = outputs
-    assert "kv_mismatches: 0" in demo.stdout and "warm (cluster B)" in demo.stdout
+    assert "kv_mismatches: 0" in demo.stdout and "warm cluster B:" in demo.stdout
     assert "kept; look with: s3kv ls --url s3://s3kv/kv/demo-" in look.stdout
     assert re.search(r"^demo-\d+/[0-9a-f]{32}\s", look.stdout, re.M), look.stdout  # ls at the parent
     assert re.search(r"checked \d+ objects: \d+ ok, 0 bad", look.stdout), look.stdout

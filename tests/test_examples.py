@@ -79,3 +79,6 @@ def test_simulated_cluster_example_runs():
     out = proc.stdout.splitlines()
     assert out[0].startswith("cluster A:") and out[1].startswith("cluster B:")
     assert all("kv_mismatches=0" in ln for ln in out)
+    # No lookup ran out of a time budget: that printed warnings and made the figures vary run to
+    # run (13,600 vs 15,744 of 18,112 tokens) with how busy the machine was.
+    assert "budget" not in proc.stderr and "warning" not in proc.stderr, proc.stderr

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..engine.leader import LeaderCore
 from ..engine.runtime import release_runtime
-from .api import FAILED_LOAD_HOOK, KvCacheConnectorScheduler
+from .api import FAILED_LOAD_HOOK, HAVE_TRTLLM, KvCacheConnectorScheduler
 from .boundary import ConnectorSide, kv_dtype, log, model_id
 
 __all__ = ["S3KvConnectorLeader"]
@@ -25,9 +25,10 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
     def _start(self, llm_args: Any, mapping: Any) -> None:
         hook = FAILED_LOAD_HOOK in self.features
         if self.settings.load_mode == "sync" and not hook:
+            engine = "this TensorRT-LLM" if HAVE_TRTLLM else "the simulated engine (TensorRT-LLM is not installed)"
             log.warning(
                 "s3kv: S3KV_LOAD_MODE=sync needs an engine that can recompute a request whose load "
-                "failed (a failed-load hook); this TensorRT-LLM has none, so loads are async "
+                f"failed (a failed-load hook); {engine} has none, so loads are async "
                 "(see docs/failures.md)"
             )
         kv = getattr(llm_args, "kv_cache_config", None)
