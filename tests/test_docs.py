@@ -29,7 +29,7 @@ ELSEWHERE = {"failures.md", "security.md", "trace-replay.md"}
 RUN_ELSEWHERE = {"s3-compatible.md": "tests/test_terraform.py::test_walkthrough_on_seaweedfs_with_auth"}
 MINE = [
     "README.md", "getting-started.md", "configuration.md", "operations.md", "sizing.md",
-    "metrics.md", "kubernetes.md", "s3-compatible.md", "architecture.md",
+    "metrics.md", "kubernetes.md", "s3-compatible.md", "architecture.md", "benchmarks.md",
 ]
 
 
