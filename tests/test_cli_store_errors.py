@@ -57,8 +57,9 @@ def weed(seaweed_s3):
     ],
     ids=["endpoint-down", "wrong-secret", "no-credentials"],
 )
-def test_every_command_words_a_store_fault_alike(weed, fault, expect):
-    env = _env(weed, **fault)
+@pytest.mark.parametrize("client", ["obstore", "boto3"])
+def test_every_command_words_a_store_fault_alike(weed, fault, expect, client):
+    env = _env(weed, **fault, S3KV_S3_CLIENT=client)
     url = weed["S3KV_URL"]
     lines = {" ".join(cmd): _line(env, *cmd) for cmd in OPS}
     for cmd, line in lines.items():
