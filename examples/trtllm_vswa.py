@@ -3,7 +3,7 @@
     S3KV_URL=s3://my-bucket/kv python examples/trtllm_vswa.py --model <path-to-gemma-3> \\
         --max-attention-window 1024 1024 1024 1024 1024 32768
 
-Needs a GPU and TensorRT-LLM (``pip install 's3kv[tensorrt-llm]'``). The second
+Needs a GPU and TensorRT-LLM (``pip install 's3kv-trtllm[tensorrt-llm]'``). The second
 instance is a fresh engine: whatever it does not recompute came from the bucket
 through s3kv. After each instance the script prints s3kv's own figures, read from
 its Prometheus endpoint (``S3KV_METRICS_PORT``; a free port is picked when unset):
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 INSTALL_HINT = (
-    "this example needs TensorRT-LLM and an NVIDIA GPU: pip install 's3kv[tensorrt-llm]' "
+    "this example needs TensorRT-LLM and an NVIDIA GPU: pip install 's3kv-trtllm[tensorrt-llm]' "
     "(or follow TensorRT-LLM's install guide). Without a GPU, try `s3kv demo` or "
     "`python examples/simulated_cluster.py`, which run the same connector on a simulated engine."
 )

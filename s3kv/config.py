@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import re
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
@@ -99,6 +100,18 @@ def has_userinfo(url: str) -> bool:
     return _userinfo_end(url.strip()) >= 0
 
 
+def _scheme_hint(parts: Any) -> str:
+    """What a user who wrote this URL most likely meant (built from the host and path only, never
+    the userinfo part)."""
+    if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
+        return ""
+    host = f"{parts.hostname}:{parts.port}" if parts.port else parts.hostname
+    bucket, _, prefix = parts.path.strip("/").partition("/")
+    target = f"s3://{bucket}/{prefix}".rstrip("/") if bucket else "s3://bucket/prefix"
+    return (f". An S3-compatible server (MinIO, SeaweedFS ...) is named by AWS_ENDPOINT_URL_S3: "
+            f"AWS_ENDPOINT_URL_S3={parts.scheme.lower()}://{host} with the URL {target}")
+
+
 def check_url(url: str, name: str = "S3KV_URL / url") -> str:
     """``url`` stripped, if its scheme is allowed and it holds no credentials; else ConfigError.
 
@@ -113,7 +126,7 @@ def check_url(url: str, name: str = "S3KV_URL / url") -> str:
     if scheme not in URL_SCHEMES:
         raise ConfigError(
             f"{name}: scheme {parts.scheme + '://'!r} is not allowed, got {shown!r}; "
-            f"allowed: {', '.join(s + '://' for s in URL_SCHEMES)}"
+            f"allowed: {', '.join(s + '://' for s in URL_SCHEMES)}{_scheme_hint(parts)}"
         )
     if has_userinfo(url):
         raise ConfigError(
@@ -289,6 +302,15 @@ def _env_name(field: str) -> str:
     return "S3KV_" + field.upper()
 
 
+#: Settings that take one of a few words: the accepted spellings, matched in any case
+#: (``S3KV_LOAD_MODE=Sync`` is ``sync``) and stored as written here.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "load_mode": ("async", "sync"),
+    "storage_policy": ("window", "all"),
+    "s3_client": ("auto", "obstore", "boto3"),
+    "sse": ("", "AES256", "aws:kms"),
+}
+
 _BOOL_TRUE = {"1", "true", "yes", "on"}
 _BOOL_FALSE = {"0", "false", "no", "off", ""}
 
@@ -315,6 +337,9 @@ def _convert(name: str, raw: Any, target: type | str) -> Any:
             return float(str(raw).strip())
         except ValueError:
             raise ConfigError(f"{where}: expected a number, got {raw!r}") from None
+    if name in CHOICES:
+        word = str(raw).strip()
+        return next((c for c in CHOICES[name] if c.lower() == word.lower()), word)
     return str(raw)
 
 
@@ -328,13 +353,13 @@ def validate(s: Settings) -> None:
     need(s.blocks_per_object >= 0, "blocks_per_object", "must be >= 0 (0 = automatic)", s.blocks_per_object)
     need(s.target_object_mib > 0, "target_object_mib", "must be > 0", s.target_object_mib)
     need(s.max_blocks_per_object > 0, "max_blocks_per_object", "must be > 0", s.max_blocks_per_object)
-    need(s.load_mode in ("async", "sync"), "load_mode", "accepted values: async, sync", s.load_mode)
-    need(s.storage_policy in ("window", "all"), "storage_policy", "accepted values: window, all", s.storage_policy)
+    for name, accepted in CHOICES.items():
+        words = ", ".join(c or "'' (none)" for c in accepted)
+        need(getattr(s, name) in accepted, name, f"accepted values: {words} (any case)", getattr(s, name))
     need(s.checkpoint_tokens > 0, "checkpoint_tokens", "must be > 0", s.checkpoint_tokens)
     need(s.window_margin_blocks >= 0, "window_margin_blocks", "must be >= 0", s.window_margin_blocks)
     need(s.min_hit_blocks >= 1, "min_hit_blocks", "must be >= 1", s.min_hit_blocks)
     need(s.staging_mib > 0, "staging_mib", "must be > 0", s.staging_mib)
-    need(s.s3_client in ("auto", "obstore", "boto3"), "s3_client", "accepted values: auto, obstore, boto3", s.s3_client)
     need(s.lookup_max_pending >= 0, "lookup_max_pending", "must be >= 0", s.lookup_max_pending)
     need(s.lookup_summary_s >= 0, "lookup_summary_s", "must be >= 0 (0 = off)", s.lookup_summary_s)
     need(s.lookup_summary_trust_s >= 0, "lookup_summary_trust_s", "must be >= 0 (0 = verify)", s.lookup_summary_trust_s)
@@ -362,7 +387,6 @@ def validate(s: Settings) -> None:
         need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))
     need(s.multipart_part_mib >= 5, "multipart_part_mib", "must be >= 5 (S3's minimum part size)", s.multipart_part_mib)
     need(s.multipart_threshold_mib > 0, "multipart_threshold_mib", "must be > 0", s.multipart_threshold_mib)
-    need(s.sse in ("", "AES256", "aws:kms"), "sse", "accepted values: '' (none), AES256, aws:kms", s.sse)
     need(s.breaker_failures > 0, "breaker_failures", "must be > 0", s.breaker_failures)
     need(0 <= s.metrics_port < 65536, "metrics_port", "must be a TCP port or 0", s.metrics_port)
     need(_is_bind_address(s.metrics_addr), "metrics_addr", "expected an IP address or 'localhost'", s.metrics_addr)
@@ -383,22 +407,44 @@ def _is_bind_address(text: str) -> bool:
     return True
 
 
-def _read_file(path: str) -> Mapping[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"S3KV_CONFIG_FILE: no such file {path!r}")
-    text = p.read_text()
-    try:
-        if p.suffix == ".toml":
-            import tomllib  # Python >= 3.11
+#: What S3KV_CONFIG_FILE may hold, for the messages that reject a file.
+FILE_FORMATS = "JSON (any name), or TOML (a name ending in .toml, Python >= 3.11)"
 
-            data = tomllib.loads(text)
-        else:
-            data = json.loads(text)
-    except Exception as e:  # noqa: BLE001 - report any parse error the same way
-        raise ConfigError(f"S3KV_CONFIG_FILE: cannot parse {path!r}: {e}") from e
+
+def _read_file(path: str) -> Mapping[str, Any]:
+    """The settings in the file ``S3KV_CONFIG_FILE`` names; every failure is one ConfigError
+    naming the variable and the file."""
+    where = f"S3KV_CONFIG_FILE={path!r}"
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it: {e.strerror or e}") from None
+    if stat.S_ISDIR(mode):
+        raise ConfigError(f"{where}: is a directory; name the settings file itself ({FILE_FORMATS})")
+    if not stat.S_ISREG(mode):
+        # A FIFO or a device: reading one could block the engine's start for ever.
+        raise ConfigError(f"{where}: is not a regular file; name a settings file ({FILE_FORMATS})")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise ConfigError(f"{where}: cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{where}: not a text file (not UTF-8); expected {FILE_FORMATS}") from None
+    fmt = "TOML" if p.suffix.lower() == ".toml" else "JSON"
+    try:
+        if fmt == "TOML":
+            import tomllib  # Python >= 3.11
+        data = tomllib.loads(text) if fmt == "TOML" else json.loads(text)
+    except ImportError:
+        raise ConfigError(f"{where}: TOML needs Python >= 3.11; write the settings as JSON") from None
+    except ValueError as e:  # json's and tomllib's decode errors
+        hint = " (YAML is not read: write the settings as JSON or TOML)" if p.suffix.lower() in (".yaml", ".yml") else ""
+        raise ConfigError(f"{where}: cannot parse it as {fmt}: {e}{hint}; expected {FILE_FORMATS}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"S3KV_CONFIG_FILE: {path!r} must hold a table/object of settings")
+        raise ConfigError(f"{where}: must hold a table/object of settings ({FILE_FORMATS})")
     data = data.get("s3kv", data)
     return data
 

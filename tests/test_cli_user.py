@@ -85,14 +85,14 @@ def test_bad_config_file_is_one_line(tmp_path):
     bad.write_text("{not json")
     r = invoke("demo", env={"S3KV_CONFIG_FILE": str(bad)})
     assert r.exit_code == 1
-    assert error_line(r).startswith(f"Error: S3KV_CONFIG_FILE: cannot parse '{bad}'")
+    assert error_line(r).startswith(f"Error: S3KV_CONFIG_FILE='{bad}': cannot parse it as JSON: ")
     bad.write_text(json.dumps({"url": "file:///tmp/x", "stagin_mib": 4}))
     r = invoke("ls", env={"S3KV_CONFIG_FILE": str(bad)})
     assert "unknown setting 'stagin_mib'" in error_line(r) and "did you mean staging_mib?" in r.output
 
 
 def test_unknown_env_var_warns_with_a_did_you_mean(tmp_path):
-    r = s3kv("ls", "--url", f"file://{tmp_path}/c", env=_clean_env(S3KV_STAGNG_MIB="64"))
+    r = s3kv("ls", "--url", f"file://{tmp_path}", env=_clean_env(S3KV_STAGNG_MIB="64"))
     assert r.returncode == 0, r.stderr
     warnings = [ln for ln in r.stderr.splitlines() if "S3KV_STAGNG_MIB" in ln]
     assert warnings == [
@@ -145,7 +145,7 @@ def test_unexpected_errors_are_one_line_unless_debug(monkeypatch, tmp_path):
         raise RuntimeError("disk on fire\nsecond line")
 
     monkeypatch.setattr(s3kv.tools.ops, "_walk", boom)
-    url = f"file://{tmp_path}/c"
+    url = f"file://{tmp_path}"
     r = invoke("ls", "--url", url)
     assert r.exit_code == 1
     assert error_line(r) == "Error: RuntimeError: disk on fire"
@@ -171,7 +171,8 @@ def test_demo_refuses_memory_urls_and_ops_warn():
 
 def test_version():
     r = invoke("--version")
-    assert r.exit_code == 0 and r.output.strip() == f"s3kv, version {__version__}"
+    assert r.exit_code == 0 and r.output.splitlines()[0] == f"s3kv, version {__version__}"
+    assert r.output.splitlines()[1].startswith("TensorRT-LLM")
 
 
 def test_ops_read_the_url_and_settings_from_the_config_file(tmp_path):

@@ -44,7 +44,7 @@ def test_trtllm_example_without_tensorrt_llm_says_what_to_install(tmp_path):
     assert proc.returncode == 1
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert "pip install 's3kv[tensorrt-llm]'" in lines[0] and "s3kv demo" in lines[0]
+    assert "pip install 's3kv-trtllm[tensorrt-llm]'" in lines[0] and "s3kv demo" in lines[0]
 
 
 def test_trtllm_example_prints_s3kv_figures_from_every_rank():
@@ -79,3 +79,6 @@ def test_simulated_cluster_example_runs():
     out = proc.stdout.splitlines()
     assert out[0].startswith("cluster A:") and out[1].startswith("cluster B:")
     assert all("kv_mismatches=0" in ln for ln in out)
+    # No lookup ran out of a time budget: that printed warnings and made the figures vary run to
+    # run (13,600 vs 15,744 of 18,112 tokens) with how busy the machine was.
+    assert "budget" not in proc.stderr and "warning" not in proc.stderr, proc.stderr

@@ -786,8 +786,9 @@ class S3Store(ObjectStore):
             raise PermissionDenied(
                 f"S3KV_URL={self.url}: access denied to bucket {self.bucket!r} at {self.endpoint_url}: {exc}. "
                 "Check the credentials (AWS_ACCESS_KEY_ID / AWS_PROFILE / role) and that the policy grants "
-                "s3:GetObject, s3:PutObject, s3:DeleteObject, s3:AbortMultipartUpload and s3:ListBucket "
-                "on the prefix (without ListBucket a missing key reads as 403, not 404)"
+                "engines s3:GetObject, s3:PutObject, s3:AbortMultipartUpload and s3:ListBucket on the prefix "
+                "(without ListBucket a missing key reads as 403, not 404); engines need no delete "
+                "(docs/operations.md)"
             ) from exc
         except DeadlineExceeded as exc:
             root = exc.__cause__.__cause__ if exc.__cause__ is not None else None

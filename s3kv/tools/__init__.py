@@ -1,11 +1,12 @@
 """What a person runs: the ``s3kv`` command line and the tools behind it.
 
 * ``cli`` -- the ``s3kv`` command group (``s3kv.cli:main`` is its console-script entry point);
-* ``demo`` -- ``s3kv demo``: two simulated clusters sharing one bucket (``python -m s3kv.tools.demo``
-  is the child process each cluster runs in);
+* ``demo`` -- ``s3kv demo``: two simulated clusters sharing one bucket, each in a child process
+  started with ``python -I`` (so a folder named ``s3kv`` in the working directory is never imported);
 * ``ops`` -- ``s3kv ls | stats | verify | gc`` over a bucket;
 * ``sizing`` -- ``s3kv size``: bytes, requests and dollars per prompt from the connector's own rules;
-* ``faultmatrix`` -- ``python -m s3kv.tools.faultmatrix``: the fault matrix of docs/reliability.md;
+* ``faultmatrix`` -- ``s3kv bench faults``: the fault matrix of docs/reliability.md;
+* ``storeerrors`` -- the one wording every command uses for a store error;
 * ``logs`` -- log formatting for these processes (library code only logs; it never configures logging);
 * ``bench/`` -- ``s3kv bench ...``: measured numbers against the baselines they beat.
 

@@ -39,11 +39,28 @@ def one_line(exc: BaseException) -> str:
     from ..core.errors import S3KvError
     from ..store.base import StoreError
 
+    if isinstance(exc, StoreError):
+        from .storeerrors import describe
+
+        return redact(describe(exc))
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
-    if isinstance(exc, (ConfigError, StoreError, S3KvError)):
+    if isinstance(exc, (ConfigError, S3KvError)):
         return redact(first or type(exc).__name__)
     return redact(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+
+
+def url_option(url: str | None) -> str | None:
+    """A command's ``--url`` value, checked here so that its errors name ``--url`` (the settings'
+    own check would name S3KV_URL, which the user did not set)."""
+    if url is None:
+        return None
+    from ..config import ConfigError, check_url
+
+    try:
+        return check_url(url, "--url")
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc).removeprefix("--url: "), param_hint="--url") from None
 
 
 class _Main(click.Group):
@@ -67,8 +84,36 @@ class _Main(click.Group):
             ) from exc
 
 
+def engine_line() -> str:
+    """Which TensorRT-LLM connector line s3kv found here, by the features it detected (the
+    README's table of supported lines reads the same words)."""
+    from ..trtllm import api
+
+    if not api.HAVE_TRTLLM:
+        return "TensorRT-LLM: not installed (s3kv's simulator uses stand-ins for its connector classes)"
+    try:
+        from importlib.metadata import version
+
+        release = " " + version("tensorrt_llm")
+    except Exception:  # noqa: BLE001 - a source build may carry no metadata
+        release = ""
+    line = "layout line (register_kv_cache_layout: VSWA)" if api.HAVE_TRTLLM_LAYOUT else "flat API (register_kv_caches: one KV pool)"
+    hook = "yes" if api.FAILED_LOAD_HOOK in api.engine_features() else "no"
+    return (f"TensorRT-LLM{release}: {line}, connector classes from {api.KvCacheConnectorWorker.__module__}; "
+            f"failed-load path (take_failed_load_request_ids): {hook}")
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if not value or ctx.resilient_parsing:
+        return
+    click.echo(f"s3kv, version {__version__}")
+    click.echo(engine_line())
+    ctx.exit()
+
+
 @click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "--version", "-V", prog_name="s3kv")
+@click.option("--version", "-V", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
+              help="Show the version and which TensorRT-LLM connector line s3kv detects here, and exit.")
 @click.option("--log-level", default=os.environ.get("S3KV_LOG_LEVEL", "WARNING"), show_default=True,
               type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
               help="s3kv log lines on stderr at this level and above (also S3KV_LOG_LEVEL); "

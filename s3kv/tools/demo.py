@@ -10,8 +10,8 @@ recomputation would have written (``kv_mismatches``).
 By default the bucket is an embedded loopback S3 server (SeaweedFS when
 installed, else moto's server); ``--url`` / ``S3KV_URL`` point at a real one.
 
-Why this is one module: the parent (``s3kv demo``) and the child processes it spawns (``python -m
-s3kv.tools.demo``) share the workload shape and the result format.
+Why this is one module: the parent (``s3kv demo``) and the child processes it spawns (``python -I``
+running :func:`_main`) share the workload shape and the result format.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -94,6 +95,12 @@ def _workload(shape: DemoShape, role: str) -> list[list[Any]]:
     return phases
 
 
+def _phase_names(shape: DemoShape, role: str) -> list[str]:
+    """What each phase of :func:`_workload` is, in words (``turn 1`` ..., ``new users``)."""
+    turns = shape.turns_a if role == "A" else shape.turns_b
+    return [f"turn {t + 1}" for t in range(turns)] + (["new users"] if role == "B" else [])
+
+
 #: Settings the demo picks for its small model, applied only where the user chose nothing.
 def demo_defaults(shape: DemoShape) -> dict[str, Any]:
     return {
@@ -146,7 +153,7 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
     )
     from ..sim import SimEngineCrash, SimHang
 
-    reports = []
+    reports: list[Any] = []
     crashes: list[str] = []
     hangs: list[str] = []
     with engine:
@@ -184,6 +191,8 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
         e["bytes"] += info.size
     raw.close()
     requests = [r for rep in reports for r in rep.requests]
+    names = _phase_names(shape, role)  # a crash or hang ends the run early: fewer reports than names
+    phase_of = {r.request_id: name for rep, name in zip(reports, names, strict=False) for r in rep.requests}
     prompt_tokens = sum(r.prompt_tokens for r in requests)
     matched = sum(r.matched_tokens for r in requests)
     return {
@@ -216,8 +225,8 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
         "time_s": round(wall, 3),
         "stored_bytes_by_group": by_group,
         "per_request": [
-            {"id": r.request_id, "prompt_tokens": r.prompt_tokens, "matched_tokens": r.matched_tokens,
-             "latency_s": round(r.latency_s, 4)}
+            {"id": r.request_id, "phase": phase_of[r.request_id], "prompt_tokens": r.prompt_tokens,
+             "matched_tokens": r.matched_tokens, "latency_s": round(r.latency_s, 4)}
             for r in requests
         ],
     }
@@ -229,7 +238,7 @@ def _spawn(role: str, shape: DemoShape, forced: dict[str, Any], env: dict[str, s
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out = f.name
     try:
-        cmd = [sys.executable, "-m", "s3kv.tools.demo", role, out, json.dumps(asdict(shape)), json.dumps(forced)]
+        cmd = [*_python_here(), role, out, json.dumps(asdict(shape)), json.dumps(forced)]
         # stdout stays ours (--json prints one object there); the child's stderr is the user's.
         proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=_stderr_target(), timeout=900)
         try:
@@ -249,6 +258,18 @@ def _spawn(role: str, shape: DemoShape, forced: dict[str, Any], env: dict[str, s
         os.unlink(out)
 
 
+#: A cluster process imports exactly the s3kv this process runs: ``-I`` keeps the working
+#: directory (a clone's parent, any folder named ``s3kv``) and PYTHONPATH off its path, and the
+#: parent's own ``sys.path`` arrives as the first argument (an editable or --user install stays
+#: reachable). ``python -m s3kv.tools.demo`` would import ``./s3kv`` first.
+_BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv.pop(1)); from s3kv.tools.demo import _main; _main(sys.argv[1:])"
+
+
+def _python_here() -> list[str]:
+    """The command line that starts a cluster process (its arguments follow)."""
+    return [sys.executable, "-I", "-c", _BOOT, json.dumps(sys.path)]
+
+
 def _stderr_target() -> Any:
     """Our stderr when it is a real file (a terminal, a log file); else (a test runner's capture)
     None, which lets the child inherit the process's own fd 2."""
@@ -259,30 +280,74 @@ def _stderr_target() -> Any:
     return sys.stderr
 
 
+def _hits(r: dict[str, Any]) -> str:
+    """Served/prompt tokens per request, grouped by phase: ``turn 1 1056/1088 x4 | new users ...``."""
+    phases: dict[str, list[str]] = {}
+    for p in r["per_request"]:
+        phases.setdefault(p.get("phase", ""), []).append(f"{p['matched_tokens']}/{p['prompt_tokens']}")
+    out = []
+    for name, hits in phases.items():
+        counts = Counter(hits)
+        out.append(f"{name} " + ", ".join(h if n == 1 else f"{h} x{n}" for h, n in counts.items()))
+    return " | ".join(out)
+
+
+def _why(phase: str, shape: DemoShape) -> str:
+    """In plain words, why each kind of request gets the hit it gets."""
+    if phase == "cold":
+        return ("cluster A's hits are its own: each conversation's next turn loads the earlier turn, prompt "
+                "and answer, that A saved; the simulated engine keeps no KV on the GPU between turns, as "
+                "when a busy engine has evicted it")
+    reuse = shape.system_len // shape.checkpoint_tokens * shape.checkpoint_tokens
+    return (f"not every token, because a hit ends on a {shape.tokens_per_block}-token block before the prompt's "
+            f"last token, which the engine always computes; turn {shape.turns_b} loads what turn "
+            f"{shape.turns_b - 1} left, prompt and answer, and computes the new message; new users "
+            f"share only the {shape.system_len}-token system prompt, and sliding-window layers keep their "
+            f"tail only every {shape.checkpoint_tokens} tokens and where a prompt ends, so they load {reuse}")
+
+
+def _engine_line(r: dict[str, Any]) -> str:
+    rungs = r["failed_load_rungs"]
+    failed = rungs["engine_recompute"] + rungs["parked_retry"]
+    if not (r["engine_crashes"] or r["hung_engines"] or failed or r["contained_errors"]):
+        return "engine: no crashes, no hangs, no failed loads, no errors inside s3kv's hooks"
+    return (
+        f"engine: {r['engine_crashes']} crashes, {r['hung_engines']} hangs; failed loads: "
+        f"{rungs['engine_recompute']} recomputed by the engine, {rungs['parked_retry']} held and retried "
+        f"({rungs['parked_recovered']} served after); {r['contained_errors']} errors caught inside s3kv's "
+        "hooks (each would have stopped a real engine)"
+    )
+
+
+def _layers(name: str) -> str:
+    """``group1:window256`` -> ``sliding-window layers (window 256)``; ``group0:full`` -> ``full-attention layers``."""
+    kind = name.partition(":")[2]
+    if kind.startswith("window"):
+        return f"the sliding-window layers (window {kind[len('window'):]} tokens)"
+    return "the full-attention layers"
+
+
 def _table(res: dict[str, Any]) -> str:
+    shape = DemoShape(**res["shape"]) if "shape" in res else DemoShape()
     lines = []
     for phase in ("cold", "warm"):
         r = res[phase]
         lines.append(
-            f"{phase:>4} (cluster {r['role']}): {r['requests']} requests, prompt {r['prompt_tokens']} tok, "
-            f"served from S3 {r['matched_tokens']} tok ({r['hit_rate']:.0%}), recomputed {r['computed_tokens']} tok, "
-            f"kv_mismatches: {r['kv_mismatches']} ({r['pages_checked']} pages checked)"
+            f"{phase} cluster {r['role']}: {r['requests']} requests; {r['matched_tokens']} of {r['prompt_tokens']} "
+            f"prompt tokens served from S3 ({r['hit_rate']:.0%}), {r['computed_tokens']} computed; "
+            f"kv_mismatches: {r['kv_mismatches']} ({r['pages_checked']} pages checked against recomputation)"
         )
+        lines.append(f"  served/prompt tokens per request: {_hits(r)}")
+        lines.append(f"  why: {_why(phase, shape)}")
         lines.append(
-            f"      S3: {r['s3_requests']} requests (HEAD {r['s3']['head']}, PUT {r['s3']['put']}, "
+            f"  S3: {r['s3_requests']} requests (HEAD {r['s3']['head']}, PUT {r['s3']['put']}, "
             f"GET {r['s3']['get']}), saved {r['bytes_saved'] / 2**20:.1f} MiB, "
             f"loaded {r['bytes_loaded'] / 2**20:.1f} MiB, {r['time_s']:.1f}s"
         )
-        hits = " ".join(f"{p['matched_tokens']}/{p['prompt_tokens']}" for p in r["per_request"])
-        lines.append(f"      hits per request (served/prompt): {hits}")
-        rungs = r["failed_load_rungs"]
-        lines.append(
-            f"      engine: {r['engine_crashes']} crashes, {r['hung_engines']} hangs; failed loads: "
-            f"{rungs['engine_recompute']} recomputed (rung 1), {rungs['parked_retry']} parked and retried "
-            f"(rung 3, {rungs['parked_recovered']} served after); {r['contained_errors']} contained errors"
-        )
-    lines.append("stored bytes per layer group: " + ", ".join(
-        f"{k} {v['bytes'] / 2**20:.1f} MiB in {v['objects']} objects" for k, v in res["warm"]["stored_bytes_by_group"].items()
+        lines.append(f"  {_engine_line(r)}")
+    lines.append("stored: " + ", ".join(
+        f"{v['bytes'] / 2**20:.1f} MiB in {v['objects']} objects for {_layers(k)}"
+        for k, v in sorted(res["warm"]["stored_bytes_by_group"].items())
     ))
     if res.get("user_settings"):
         lines.append("your settings, kept: " + ", ".join(f"{k} (from {v})" for k, v in res["user_settings"].items()))
@@ -305,12 +370,13 @@ def _check_access(url: str) -> None:
     from ..config import load_settings
     from ..engine.runtime import open_runtime_store
     from ..store.base import StoreError
+    from .storeerrors import describe
 
     store, _ = open_runtime_store(load_settings(url=url))
     try:
         store.check_access()
     except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(describe(exc, url, store, role="engine")) from exc
     finally:
         store.close()
 
@@ -327,7 +393,9 @@ def _delete_under(url: str) -> str:
         for i in range(0, len(keys), 1000):
             store.delete_many(keys[i : i + 1000])
     except StoreError as exc:
-        return (f"could not delete the demo's objects ({exc}); remove them later with: "
+        from .storeerrors import describe
+
+        return (f"could not delete the demo's objects ({describe(exc, store=store)}); remove them later with: "
                 f"s3kv gc --url {url} --older-than 0 --yes")
     finally:
         store.close()
@@ -352,10 +420,11 @@ def _delete_under(url: str) -> str:
 def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode: str | None, keep: bool) -> None:
     """Cold cluster A, then warm cluster B, sharing only the bucket."""
     from ..config import ConfigError, explicit_settings, load_settings, unknown_env_names
-    from .cli import debug_enabled, export_lines, wait_for_interrupt
+    from .cli import debug_enabled, export_lines, url_option, wait_for_interrupt
 
     shape = DemoShape(tp_size=tp)
     forced = {"load_mode": load_mode} if load_mode else {}
+    url = url_option(url)
     try:
         url = url or load_settings(require_url=False).url or None
     except ConfigError as exc:
@@ -403,6 +472,10 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
             cleanup = _delete_under(run_url)
         elif url:
             cleanup = f"kept; look with: s3kv ls --url {run_url}"
+        elif emb is not None and not keep:
+            # Its address is gone once this command returns: do not print it as where to look.
+            where = (f"embedded {emb.kind} S3 server, stopped now with the demo's objects; "
+                     "s3kv demo --keep keeps it running to look inside with s3kv ls, stats, verify")
         chosen = {k: v for k, v in explicit_settings().items() if k in demo_defaults(shape) and k not in forced}
         res = {"cold": cold, "warm": warm, "store": where, "store_url": run_url, "shape": asdict(shape),
                "user_settings": chosen, "cleanup": cleanup}

@@ -1,7 +1,7 @@
 """Fault matrix: the real connector, a simulated TP=2 VSWA engine, a real loopback S3 server, and
 wire-level faults in between.
 
-    python -m s3kv.tools.faultmatrix [--json] [--rates 0.05,0.3] [--server moto|seaweedfs] [--faults a,b]
+    s3kv bench faults [--json] [--rates 0.05,0.3] [--server moto|seaweedfs] [--faults a,b]
 
 For every fault type and rate, a fresh key prefix, and two clusters (separate engines sharing
 only the bucket): cluster A runs the first turns of some multi-turn conversations (cold: saves),
@@ -520,8 +520,8 @@ def acceptance(cells: Sequence[Cell], *, low_rate: float = 0.05, tolerance: floa
     return problems
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m s3kv.tools.faultmatrix", description=__doc__.split("\n\n")[0])
+def main(argv: Sequence[str] | None = None, prog: str = "python -m s3kv.tools.faultmatrix") -> int:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     ap.add_argument("--rates", default="0.05,0.3", help="comma-separated fault rates (default 0.05,0.3)")
     ap.add_argument("--server", choices=("moto", "seaweedfs"), default="moto")

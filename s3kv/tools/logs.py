@@ -40,7 +40,10 @@ class TextFormatter(logging.Formatter):
     """``s3kv: warning: message`` -- for people at a terminal."""
 
     def format(self, record: logging.LogRecord) -> str:
-        line = f"s3kv: {record.levelname.lower()}: {redact(record.getMessage())}"
+        # Messages written for an engine's own log often start with "s3kv: " to say whose they
+        # are; here the line already says so.
+        message = redact(record.getMessage()).removeprefix("s3kv: ")
+        line = f"s3kv: {record.levelname.lower()}: {message}"
         if record.exc_info:
             line += "\n" + redact(self.formatException(record.exc_info))
         return line

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -50,6 +51,7 @@ from ..core.objects import (
     verify_page,
 )
 from ..store.base import ByteRange, NotFound, ObjectInfo, ObjectStore, StoreError
+from .storeerrors import describe
 
 SETTING = "S3KV_URL"
 DELETE_BATCH = 1000
@@ -81,13 +83,23 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     """The store behind ``--url`` (else the S3KV_URL setting), opened with the user's settings:
     ``S3KV_CONFIG_FILE`` and the env's timeouts, retries and SSE apply as in an engine."""
     from ..engine.runtime import open_runtime_store
+    from ..store.factory import parse_store_url
+    from .cli import url_option
 
+    url = url_option(url)
     try:
-        settings = load_settings(require_url=False, url=url.strip() if url else None)
+        settings = load_settings(require_url=False, url=url)
     except ConfigError as exc:
         raise click.ClickException(str(exc)) from exc
     if not settings.url:
         raise click.UsageError(f"no store URL: pass --url or set {SETTING} (e.g. s3://bucket/prefix)")
+    scheme, where, _ = parse_store_url(settings.url)
+    if scheme == "file" and not os.path.isdir(where):
+        # A typo'd path would list as an empty cache (and gc would "delete 0 objects").
+        raise click.ClickException(
+            f"{'--url' if url else SETTING} {settings.url}: no such directory {where}; check the path "
+            "(engines create it when they first save)"
+        )
     if settings.url.startswith("memory://"):
         click.echo(
             f"s3kv: warning: {settings.url} lives inside one process; this command starts with it empty "
@@ -97,7 +109,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     try:
         store, prefix = open_runtime_store(settings)
     except StoreError as exc:
-        raise click.ClickException(str(exc)) from exc
+        raise click.ClickException(describe(exc, settings.url)) from exc
     root = f"{prefix}/" if prefix else ""
     return _Ctx(settings.url, store, root, as_json, settings=settings)
 
@@ -118,7 +130,7 @@ def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(ctx, **kwargs)
         except StoreError as exc:
-            raise click.ClickException(f"store error on {ctx.url}: {type(exc).__name__}: {exc}") from exc
+            raise click.ClickException(describe(exc, ctx.url, ctx.store)) from exc
         finally:
             ctx.store.close()
 

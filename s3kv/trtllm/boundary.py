@@ -74,8 +74,9 @@ def check_layout(layout: Any) -> None:
             if missing:
                 raise UnsupportedEngine(
                     "s3kv: this TensorRT-LLM's KvCacheRegion has no " + ", ".join(missing)
-                    + "; s3kv addresses pages only through them (a TensorRT-LLM with the V2 layout "
-                    "API, merged around 2026-09, has them)"
+                    + "; s3kv addresses pages only through them (a TensorRT-LLM whose "
+                    "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_layout has them; `s3kv --version` "
+                    "says which line is installed)"
                 )
 
 

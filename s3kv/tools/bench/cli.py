@@ -535,3 +535,15 @@ def trace_command(
         except TraceError as e:
             raise click.ClickException(str(e)) from None
     finish(res, as_json=as_json, table=trace.table, plot_path=plot_path, plot=trace.plot_trace)
+
+
+@bench_group.command(
+    "faults", context_settings={"ignore_unknown_options": True, "help_option_names": []}, add_help_option=False
+)
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def faults_command(args: tuple[str, ...]) -> None:
+    """The fault matrix of docs/reliability.md: S3 faults at 5% and 30% under TensorRT-LLM's call order
+    (`s3kv bench faults --help` for its options)."""
+    from ..faultmatrix import main as fault_matrix
+
+    raise SystemExit(fault_matrix(list(args), prog="s3kv bench faults"))

@@ -18,7 +18,7 @@ RAW = "#7f7f7f"
 BASELINE = "#d62728"
 
 
-PLOT_HINT = "--plot needs matplotlib: pip install 's3kv[plot]' (the demo extra has it too)"
+PLOT_HINT = "--plot needs matplotlib: pip install 's3kv-trtllm[plot]' (the demo extra has it too)"
 
 
 def require_matplotlib() -> None:

@@ -1,0 +1,133 @@
+"""Settings as a user gets them wrong (issue 33.2, 33.5): the settings file, ``--url``, the URL's
+scheme, enum case, and a file:// cache that does not exist. Each test runs the command and
+asserts its one line."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from s3kv.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+ACCEPTED = "expected JSON (any name), or TOML (a name ending in .toml, Python >= 3.11)"
+
+
+def invoke(*args: str, **env: str):
+    base: dict[str, str | None] = {k: None for k in os.environ if k.startswith("S3KV_")}
+    base.update(env)
+    return CliRunner().invoke(main, list(args), env=base)
+
+
+def error_line(result) -> str:
+    assert result.exit_code != 0, result.output
+    errs = [ln for ln in result.output.splitlines() if ln.startswith("Error:")]
+    assert len(errs) == 1 and "Traceback" not in result.output, result.output
+    return errs[0]
+
+
+# --------------------------------------------------------------------------- 33.2: the settings file
+
+
+def test_config_file_errors_name_the_variable_and_the_file(tmp_path):
+    binary = tmp_path / "s3kv.json"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
+    yaml_file = tmp_path / "s3kv.yaml"
+    yaml_file.write_text("url: s3://bucket/kv\nstaging_mib: 64\n")
+    fifo = tmp_path / "s3kv.fifo"
+    os.mkfifo(fifo)
+    cases = {
+        tmp_path / "missing.json": "no such file",
+        binary: f"not a text file (not UTF-8); {ACCEPTED}",
+        tmp_path: "is a directory; name the settings file itself (JSON (any name), or TOML",
+        fifo: "is not a regular file; name a settings file (JSON (any name), or TOML",
+        yaml_file: "cannot parse it as JSON: Expecting value: line 1 column 1 (char 0) (YAML is not read: "
+        f"write the settings as JSON or TOML); {ACCEPTED}",
+    }
+    for path, what in cases.items():
+        for cmd in (["ls"], ["demo"]):
+            line = error_line(invoke(*cmd, S3KV_CONFIG_FILE=str(path)))
+            assert line == f"Error: S3KV_CONFIG_FILE='{path}': {what}" or (
+                line.startswith(f"Error: S3KV_CONFIG_FILE='{path}': ") and what in line
+            ), (cmd, line)
+
+
+def test_unreadable_config_file_is_one_line(tmp_path, monkeypatch):
+    # chmod 000 does not stop root (these tests run as root in CI), so the read itself fails here.
+    path = tmp_path / "s3kv.json"
+    path.write_text("{}")
+    real = pathlib.Path.read_bytes
+
+    def denied(self: pathlib.Path) -> bytes:
+        if self == path:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(pathlib.Path, "read_bytes", denied)
+    line = error_line(invoke("ls", S3KV_CONFIG_FILE=str(path)))
+    assert line == f"Error: S3KV_CONFIG_FILE='{path}': cannot read it: Permission denied"
+
+
+# --------------------------------------------------------------------------- 33.5: URLs and enums
+
+
+def test_ls_of_a_missing_directory_is_an_error_not_an_empty_cache(tmp_path):
+    missing = tmp_path / "nonexistent" / "dir"
+    for cmd in (["ls"], ["stats"], ["verify"], ["gc", "--older-than", "0"]):
+        line = error_line(invoke(*cmd, "--url", f"file://{missing}"))
+        assert line == f"Error: --url file://{missing}: no such directory {missing}; check the path " \
+            "(engines create it when they first save)", line
+    line = error_line(invoke("ls", S3KV_URL=f"file://{missing}"))
+    assert line.startswith(f"Error: S3KV_URL file://{missing}: no such directory")
+    missing.mkdir(parents=True)
+    r = invoke("ls", "--url", f"file://{missing}")
+    assert r.exit_code == 0 and r.output.strip() == f"no s3kv objects under file://{missing}", r.output
+
+
+def test_a_bad_url_option_names_the_option_not_the_setting():
+    for cmd in (["ls"], ["stats"], ["demo"], ["gc", "--older-than", "0"]):
+        r = invoke(*cmd, "--url", "s3//x")
+        assert r.exit_code == 2, r.output
+        line = error_line(r)
+        assert line == "Error: Invalid value for --url: expected a URL such as s3://bucket/prefix or " \
+            "file:///path, got 's3//x'", line
+        assert "S3KV_URL" not in r.output
+
+
+def test_an_http_url_points_at_aws_endpoint_url_s3():
+    r = invoke("ls", S3KV_URL="http://minio.local:9000/kv-bucket/team-a")
+    line = error_line(r)
+    assert "scheme 'http://' is not allowed" in line
+    assert line.endswith("An S3-compatible server (MinIO, SeaweedFS ...) is named by AWS_ENDPOINT_URL_S3: "
+                         "AWS_ENDPOINT_URL_S3=http://minio.local:9000 with the URL s3://kv-bucket/team-a")
+    line = error_line(invoke("ls", "--url", "https://alice:hunter2@minio.local/b"))
+    assert "AWS_ENDPOINT_URL_S3=https://minio.local with the URL s3://b" in line and "hunter2" not in line
+
+
+@pytest.mark.parametrize("name, value, stored", [
+    ("S3KV_LOAD_MODE", "Sync", "sync"),
+    ("S3KV_STORAGE_POLICY", " ALL ", "all"),
+    ("S3KV_S3_CLIENT", "Boto3", "boto3"),
+    ("S3KV_SSE", "aes256", "AES256"),
+    ("S3KV_SSE", "AWS:KMS", "aws:kms"),
+])
+def test_enum_settings_accept_any_case(tmp_path, name, value, stored):
+    code = f"from s3kv.config import load_settings; print(load_settings(require_url=False).{name[5:].lower()})"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("S3KV_")}
+    out = subprocess.run([sys.executable, "-c", code], env={**env, name: value}, capture_output=True, text=True,
+                         cwd=REPO, timeout=120)
+    assert out.stdout.strip() == stored, out.stderr
+    (tmp_path / "c").mkdir()
+    r = invoke("ls", "--url", f"file://{tmp_path}/c", **{name: value})
+    assert r.exit_code == 0, r.output
+
+
+def test_a_wrong_enum_value_lists_the_accepted_ones():
+    line = error_line(invoke("ls", "--url", "file:///tmp", S3KV_LOAD_MODE="Syn"))
+    assert line == "Error: S3KV_LOAD_MODE / load_mode: accepted values: async, sync (any case), got 'Syn'"

@@ -1,0 +1,132 @@
+"""The deployments the docs show, run through s3kv's own bring-up (issue 32.6): the Kubernetes
+manifest (docs/kubernetes.md) and the ``trtllm-serve`` quickstart (docs/trtllm-serve.md).
+
+Each page's ``extra-llm-api-options`` YAML is parsed and becomes the llm_args the engine would
+build (TensorRT-LLM's defaults where the file says nothing: the overlap scheduler on, attention
+DP off), the page's environment becomes the settings, and the connector classes the YAML names
+are imported and constructed by the simulated engine: the constructors' engine checks, the
+settings' validation, the store's access check and the layout check at registration all run.
+Then the quickstart's flow: one request on a first engine, a second request sharing its prefix
+on a fresh engine, and the metric lines the page greps show the hit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+from docshell import blocks  # noqa: E402
+
+from s3kv.config import load_settings  # noqa: E402
+from s3kv.trtllm.boundary import ConnectorSide, UnsupportedEngine  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DOCS = REPO / "docs"
+#: The llm_args fields these pages may set, with TensorRT-LLM's defaults for those they leave out
+#: (../shared/trtllm-connector-api.md; upstream's TorchLlmArgs).
+ENGINE_DEFAULTS = {"disable_overlap_scheduler": False, "enable_attention_dp": False}
+KV_CACHE_FIELDS = {"enable_block_reuse", "use_kv_cache_manager_v2", "enable_partial_reuse", "max_attention_window"}
+CONNECTOR_FIELDS = {"connector_module", "connector_scheduler_class", "connector_worker_class"}
+
+
+def _kubernetes() -> tuple[dict, dict[str, str]]:
+    docs = [d for b in blocks(DOCS / "kubernetes.md") if b.lang == "yaml" for d in yaml.safe_load_all(b.text)]
+    config = next(d for d in docs if d.get("kind") == "ConfigMap")
+    deploy = next(d for d in docs if d.get("kind") == "Deployment")
+    [container] = deploy["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[0] == "trtllm-serve" and "--extra_llm_api_options" in args
+    assert "--disable_overlap_scheduler" not in " ".join(args)
+    return yaml.safe_load(config["data"]["extra-llm-api-options.yaml"]), {e["name"]: e["value"] for e in container["env"]}
+
+
+def _quickstart() -> tuple[dict, dict[str, str]]:
+    page = blocks(DOCS / "trtllm-serve.md")
+    [options] = [yaml.safe_load(b.text) for b in page if b.lang == "yaml"]
+    env = dict(re.findall(r"^export (S3KV_\w+)=(\S+)", "".join(b.text for b in page), re.M))
+    serve = next(b.text for b in page if "trtllm-serve " in b.text)
+    assert "--extra_llm_api_options extra-llm-api-options.yaml" in serve
+    return options, env
+
+
+PAGES = {"kubernetes.md": _kubernetes, "trtllm-serve.md": _quickstart}
+
+
+def _engine(options: dict, env: dict[str, str], url: str, tmp_path: Path, key: str, monkeypatch):
+    """A simulated engine built the way TensorRT-LLM builds one from ``options`` and ``env``."""
+    from s3kv.sim import SimCacheConfig, SimEngine, gemma3_like
+    from s3kv.sim import engine as sim_engine
+
+    assert set(options) <= {"kv_cache_config", "kv_connector_config"} | set(ENGINE_DEFAULTS), options
+    kv = options.get("kv_cache_config", {})
+    assert set(kv) <= KV_CACHE_FIELDS and set(options["kv_connector_config"]) == CONNECTOR_FIELDS
+    # What TensorRT-LLM requires of a connector, and what s3kv needs for full hits.
+    assert kv["enable_block_reuse"] is True and kv["use_kv_cache_manager_v2"] is True
+    assert kv.get("enable_partial_reuse") is False
+    engine_args = {**ENGINE_DEFAULTS, **{k: options[k] for k in ENGINE_DEFAULTS if k in options}}
+    real = sim_engine.make_llm_args
+
+    def from_options(*a, **k):
+        args = real(*a, **k)
+        cache = dataclasses.replace(args.kv_cache_config, **{f: kv[f] for f in kv if f != "max_attention_window"})
+        return dataclasses.replace(args, kv_cache_config=cache, **engine_args)
+
+    monkeypatch.setattr(sim_engine, "make_llm_args", from_options)
+    cc = options["kv_connector_config"]
+    module = importlib.import_module(cc["connector_module"])
+    leader_cls = getattr(module, cc["connector_scheduler_class"])
+    worker_cls = getattr(module, cc["connector_worker_class"])
+    # The page's environment, with its bucket swapped for a directory (same settings otherwise).
+    settings = load_settings({**env, "S3KV_URL": url, "S3KV_METRICS_PORT": "0", "S3KV_LOOKUP_TIMEOUT_S": "0"})
+    assert settings.check_access  # constructing the connectors checks the store, as at start-up
+    return SimEngine(gemma3_like(64), SimCacheConfig(tokens_per_block=16, max_seq_len=8192), leader_cls, worker_cls,
+                     tp_size=1, connector_kwargs=dict(settings=settings, engine_key=key))
+
+
+def _hit_lines(engine) -> dict[str, float]:
+    from prometheus_client import generate_latest
+
+    rt = engine.leader._runtime
+    rt.observe(leader_stats=engine.leader.core.stats)
+    text = generate_latest(rt.metrics.registry).decode()
+    return {m: float(v) for m, v in re.findall(r"^(s3kv_(?:prompt|hit)_tokens_total) (\S+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_deployment_passes_bring_up_and_serves_a_shared_prefix_from_s3(page, tmp_path, monkeypatch):
+    from s3kv.sim import random_tokens
+    from s3kv.sim.request import SimRequestSpec
+
+    options, env = PAGES[page]()
+    assert "disable_overlap_scheduler" not in options  # TensorRT-LLM's default loop stays on
+    url = f"file://{tmp_path}/cache"
+    import random
+
+    rng = random.Random(page)
+    # Longer than one checkpoint: a sliding-window model's shared prefix is served up to the last
+    # S3KV_CHECKPOINT_TOKENS boundary inside it (the page's "Why 4,096").
+    checkpoint = load_settings({**env, "S3KV_URL": url}).checkpoint_tokens
+    prefix = random_tokens(rng, checkpoint + 300, 32000)
+    try:
+        first = _engine(options, env, url, tmp_path, f"{page}-1", monkeypatch)
+    except UnsupportedEngine as exc:
+        if ConnectorSide.requires_disable_overlap_scheduler and "overlap" in str(exc):
+            pytest.xfail(f"bring-up still refuses the overlap scheduler (issue 32.1 lifts it): {exc}")
+        raise
+    with first:
+        first.run([SimRequestSpec(1, tuple(prefix + random_tokens(rng, 20, 32000)), 8)])
+        for w in first.workers:
+            assert w.flush(60)
+    second = _engine(options, env, url, tmp_path, f"{page}-2", monkeypatch)
+    with second:
+        report = second.run([SimRequestSpec(2, tuple(prefix + random_tokens(rng, 20, 32000)), 8)])
+        metrics = _hit_lines(second)
+    assert report.kv_mismatches == 0
+    assert metrics["s3kv_prompt_tokens_total"] == len(prefix) + 20
+    assert metrics["s3kv_hit_tokens_total"] == checkpoint == report.matched_tokens
