@@ -58,6 +58,15 @@ def _quickstart() -> tuple[dict, dict[str, str]]:
 PAGES = {"kubernetes.md": _kubernetes, "trtllm-serve.md": _quickstart}
 
 
+def _with_local_secret(env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    """The page's mounted integrity-key Secret, as a file holding a key here."""
+    if "S3KV_INTEGRITY_KEY_FILE" not in env:
+        return env
+    secret = tmp_path / "integrity-key"
+    secret.write_text("0123456789abcdef" * 4)
+    return {**env, "S3KV_INTEGRITY_KEY_FILE": str(secret)}
+
+
 def _engine(options: dict, env: dict[str, str], url: str, tmp_path: Path, key: str, monkeypatch):
     """A simulated engine built the way TensorRT-LLM builds one from ``options`` and ``env``."""
     from s3kv.sim import SimCacheConfig, SimEngine, gemma3_like
@@ -82,7 +91,9 @@ def _engine(options: dict, env: dict[str, str], url: str, tmp_path: Path, key: s
     module = importlib.import_module(cc["connector_module"])
     leader_cls = getattr(module, cc["connector_scheduler_class"])
     worker_cls = getattr(module, cc["connector_worker_class"])
-    # The page's environment, with its bucket swapped for a directory (same settings otherwise).
+    # The page's environment, with its bucket swapped for a directory and its mounted Secret for a
+    # file holding a key (same settings otherwise).
+    env = _with_local_secret(env, tmp_path)
     settings = load_settings({**env, "S3KV_URL": url, "S3KV_METRICS_PORT": "0", "S3KV_LOOKUP_TIMEOUT_S": "0"})
     assert settings.check_access  # constructing the connectors checks the store, as at start-up
     return SimEngine(gemma3_like(64), SimCacheConfig(tokens_per_block=16, max_seq_len=8192), leader_cls, worker_cls,
@@ -111,7 +122,7 @@ def test_deployment_passes_bring_up_and_serves_a_shared_prefix_from_s3(page, tmp
     rng = random.Random(page)
     # Longer than one checkpoint: a sliding-window model's shared prefix is served up to the last
     # S3KV_CHECKPOINT_TOKENS boundary inside it (the page's "Why 4,096").
-    checkpoint = load_settings({**env, "S3KV_URL": url}).checkpoint_tokens
+    checkpoint = load_settings({**_with_local_secret(env, tmp_path), "S3KV_URL": url}).checkpoint_tokens
     prefix = random_tokens(rng, checkpoint + 300, 32000)
     try:
         first = _engine(options, env, url, tmp_path, f"{page}-1", monkeypatch)

@@ -219,7 +219,7 @@ def test_promql_and_dashboard_name_real_metrics():
 # --------------------------------------------------------------------------- kubernetes.md
 
 
-def test_kubernetes_manifests_parse_and_name_real_settings():
+def test_kubernetes_manifests_parse_and_name_real_settings(tmp_path):
     yaml = pytest.importorskip("yaml")
     from s3kv.config import OTHER_ENV_VARS, Settings
 
@@ -233,7 +233,10 @@ def test_kubernetes_manifests_parse_and_name_real_settings():
     assert {n for n in env if n.startswith("S3KV_")} <= known
     from s3kv.config import load_settings
 
-    s = load_settings(env)  # the values are valid settings too
+    # The values are valid settings too (the mounted Secret: a file holding a key here).
+    assert env["S3KV_INTEGRITY_KEY_FILE"].startswith(container["volumeMounts"][-1]["mountPath"])
+    (tmp_path / "key").write_text("0123456789abcdef" * 4)
+    s = load_settings({**env, "S3KV_INTEGRITY_KEY_FILE": str(tmp_path / "key")})
     ports = sorted(p["containerPort"] for p in container["ports"])
     assert ports == [s.metrics_port + r for r in range(2)] and s.metrics_addr == "0.0.0.0"
     options = yaml.safe_load(docs[1]["data"]["extra-llm-api-options.yaml"])

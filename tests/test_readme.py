@@ -104,16 +104,24 @@ def test_version_says_which_trtllm_line_it_detects(monkeypatch):
             "TensorRT-LLM: not installed (s3kv's simulator uses stand-ins for its connector classes)"
         )
 
-    class Worker:  # a base class of the newest line: it has the failure path
-        __module__ = "tensorrt_llm._torch.pyexecutor.kv_cache_connector"
+    class Worker:  # the base classes of the newest flat-API line: they have the failure path
+        __module__ = "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector"
 
         def take_failed_load_request_ids(self) -> set[int]:
             return set()
 
+        def try_abort_request(self, request_id: int) -> bool:
+            return True
+
+    class Scheduler:
+        def try_abort_request(self, request_id: int, reason: str) -> None:
+            pass
+
     monkeypatch.setattr(api, "HAVE_TRTLLM", True)
     monkeypatch.setattr(api, "HAVE_TRTLLM_LAYOUT", False)
     monkeypatch.setattr(api, "KvCacheConnectorWorker", Worker)
+    monkeypatch.setattr(api, "KvCacheConnectorScheduler", Scheduler)
     line = engine_line()
     assert "flat API (register_kv_caches: one KV pool)" in line
-    assert "connector classes from tensorrt_llm._torch.pyexecutor.kv_cache_connector" in line
+    assert "connector classes from tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector" in line
     assert line.endswith("failed-load path (take_failed_load_request_ids): yes")
