@@ -194,11 +194,13 @@ class Settings:
     exit_drain_s: float = 10.0
     #: Forget a request the engine has not mentioned for this long (0 = never).
     request_state_ttl_s: float = 3600.0
-    #: Bodies at least this large go up as (conditional) multipart. 64: s3kv's ~32 MiB objects are
-    #: one conditional PUT - one billed request instead of parts + 2, and on the obstore client
-    #: one GIL-free request; parallelism comes from the objects in flight.
-    multipart_threshold_mib: int = 64
-    multipart_part_mib: int = 8
+    #: Bodies at least this large go up as (conditional) multipart. 1024: every object s3kv writes
+    #: for the models it knows (~32 MiB chunks, sliding-window tails of ~430 MB for Gemma-3-27B) is
+    #: ONE conditional PUT -- one billed request, where 8 MiB parts made a tail ~55 (S3 allows
+    #: single PUTs up to 5 GiB); parallelism comes from the objects in flight (upload_threads).
+    multipart_threshold_mib: int = 1024
+    #: Part size above the threshold: 128 MiB keeps a multi-GiB object at a handful of requests.
+    multipart_part_mib: int = 128
     #: "", "AES256" or "aws:kms".
     sse: str = ""
     sse_kms_key_id: str = ""
@@ -210,12 +212,25 @@ class Settings:
     #: for a Prometheus scraping the pod IP).
     metrics_addr: str = "127.0.0.1"
     #: List prices for the cost estimate (s3kv/core/cost.py; S3 Standard, us-east-1): PUT-class and
-    #: GET-class (GET, HEAD) requests in $ per 1,000, storage in $ per GB-month, and how long an
-    #: object is kept (the bucket's lifecycle expiry; infra/terraform's default is 30 days).
+    #: GET-class (GET, HEAD) requests in $ per 1,000, storage in $ per GB-month.
     cost_put_per_1k_usd: float = 0.005
     cost_get_per_1k_usd: float = 0.0004
     cost_gb_month_usd: float = 0.023
-    cost_retention_days: float = 30.0
+    #: Hours an object is kept after its last write or refresh: what `s3kv gc --watch` enforces
+    #: (docs/operations.md) and the cost estimate assumes. 1: 99% of reuses in the conversation
+    #: traces came within 26 minutes (docs/sizing.md). An engine refreshes an object it loads at
+    #: most once per half of this (refresh_on_hit).
+    retention_h: float = 1.0
+    #: Bump the age of an object this engine loads (a server-side copy onto itself; one PUT-class
+    #: request, at most once per retention_h / 2 per object and engine), so a hot prefix outlives
+    #: the retention. Needs s3:PutObject and s3:GetObject only.
+    refresh_on_hit: bool = True
+    #: What the prefill GPU time a hit saves is worth (s3kv/core/cost.py): $ per GPU-hour, the
+    #: GPU's peak dense BF16 TFLOP/s (H100/H200 SXM), and the prefill MFU (0.65: measured on an
+    #: H200 for Gemma-3-27B, 81-90 us per token).
+    gpu_usd_per_hour: float = 3.0
+    gpu_peak_tflops: float = 989.4
+    prefill_mfu: float = 0.65
     #: Check at start-up that the bucket/prefix is reachable and readable.
     check_access: bool = True
     #: Secret for keyed integrity tags (>= 32 chars, e.g. `openssl rand -hex 32`): objects are
@@ -323,9 +338,14 @@ def validate(s: Settings) -> None:
     need(s.breaker_failures > 0, "breaker_failures", "must be > 0", s.breaker_failures)
     need(0 <= s.metrics_port < 65536, "metrics_port", "must be a TCP port or 0", s.metrics_port)
     need(_is_bind_address(s.metrics_addr), "metrics_addr", "expected an IP address or 'localhost'", s.metrics_addr)
-    for name in ("cost_put_per_1k_usd", "cost_get_per_1k_usd", "cost_gb_month_usd", "cost_retention_days"):
+    for name in ("cost_put_per_1k_usd", "cost_get_per_1k_usd", "cost_gb_month_usd", "retention_h"):
         v = getattr(s, name)
         need(v >= 0 and v != float("inf"), name, "must be a finite number >= 0", v)
+    need(s.retention_h > 0, "retention_h", "must be > 0 (hours)", s.retention_h)
+    for name in ("gpu_usd_per_hour", "gpu_peak_tflops"):
+        v = getattr(s, name)
+        need(0 < v < float("inf"), name, "must be a finite number > 0", v)
+    need(0 < s.prefill_mfu <= 1, "prefill_mfu", "must be in (0, 1]", s.prefill_mfu)
     # Reads key files now, so a bad or missing key fails at start-up (messages never show a secret).
     _ = s.integrity
 

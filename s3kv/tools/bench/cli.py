@@ -383,10 +383,7 @@ def e2e_command(
     cfg = e2e.E2EConfig.quick() if quick else e2e.E2EConfig()
     if rounds is not None:
         cfg = cfg.replace(rounds=rounds)
-    if gpu_tflops is not None:
-        cfg = cfg.replace(gpu_tflops=gpu_tflops)
-    if mfu is not None:
-        cfg = cfg.replace(mfu=mfu)
+    cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s)
     if checkpoint_tokens is not None:
         cfg = cfg.replace(checkpoint_tokens=checkpoint_tokens)
     res = run_on_store("e2e", url, server, latency_ms, keep, lambda bs: e2e.run_e2e(bs, cfg))
@@ -450,9 +447,16 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
 @click.option("--put-per-1k", type=float, default=None, help="$ per 1,000 PUT-class requests (default 0.005).")
 @click.option("--get-per-1k", type=float, default=None, help="$ per 1,000 GET/HEAD requests (default 0.0004).")
 @click.option("--gb-month", type=float, default=None, help="$ per GB-month stored (default 0.023).")
-@click.option("--retention-days", type=float, default=None, help="Days an object is kept (default 30).")
+@click.option(
+    "--retention-h", type=float, default=None,
+    help="Hours an object is kept after its last write or refresh (default 1; 24 x days for a lifecycle rule).",
+)
+@click.option("--gc-period-s", type=click.FloatRange(min=0), default=600.0, show_default=True,
+              help="How often gc deletes what has expired (an expired object lives on half of it on average).")
+@click.option("--gpu-usd-per-hour", type=float, default=None, help="$ per GPU-hour (default 3).")
 @click.option("--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s (default H100/H200, 989.4).")
-@click.option("--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation (default 0.40).")
+@click.option("--mfu", type=float, default=None,
+              help="Prefill model-FLOPs utilisation (default 0.65: measured on an H200, docs/sizing.md).")
 @click.option("--audit", is_flag=True, help="Re-verify every page when the engine frees it (slower).")
 @click.option(
     "--jobs", type=int, default=None, help="Replays run at once, one process each (default: min(2, cores))."
@@ -475,7 +479,9 @@ def trace_command(
     put_per_1k: float | None,
     get_per_1k: float | None,
     gb_month: float | None,
-    retention_days: float | None,
+    retention_h: float | None,
+    gc_period_s: float,
+    gpu_usd_per_hour: float | None,
     gpu_tflops: float | None,
     mfu: float | None,
     audit: bool,
@@ -489,7 +495,7 @@ def trace_command(
     S3 requests and dollars, prefill saved."""
     import os
 
-    from ...core.cost import Prices
+    from ...core.cost import Gpu, Prices
     from . import trace
     from .common import bench_store
     from .tracefile import TraceError
@@ -507,10 +513,18 @@ def trace_command(
             d.put_per_1k if put_per_1k is None else put_per_1k,
             d.get_per_1k if get_per_1k is None else get_per_1k,
             d.gb_month if gb_month is None else gb_month,
-            d.retention_days if retention_days is None else retention_days,
+            d.retention_h if retention_h is None else retention_h,
+        )
+        g = Gpu()
+        gpu = Gpu(
+            g.usd_per_hour if gpu_usd_per_hour is None else gpu_usd_per_hour,
+            g.peak_tflops if gpu_tflops is None else gpu_tflops,
+            g.mfu if mfu is None else mfu,
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    if prices.retention_h <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--retention-h")
     cfg = trace.TraceConfig(
         path=trace_file,
         fmt=fmt,
@@ -525,10 +539,7 @@ def trace_command(
         jobs=max(1, jobs if jobs is not None else min(2, os.cpu_count() or 1)),
         url=url,
     )
-    if gpu_tflops is not None:
-        cfg = cfg.replace(gpu_tflops=gpu_tflops)
-    if mfu is not None:
-        cfg = cfg.replace(mfu=mfu)
+    cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s)
     with bench_store(url or trace.DEFAULT_URL, name="trace") as bs:
         try:
             res = trace.run_trace(bs, cfg)

@@ -32,6 +32,7 @@ from typing import Any
 
 import click
 
+from ...core import cost as _cost
 from ...store.base import HeadBatch, ObjectStore, SpanExpect
 from ...store.throttle import ThrottledStore
 
@@ -117,9 +118,9 @@ GEMMA3_27B = ModelSpec()
 
 #: GPU we convert FLOPs into seconds with: H100/H200 SXM dense BF16 peak (no sparsity).
 GPU_NAME = "NVIDIA H100/H200 SXM (BF16 dense)"
-GPU_PEAK_TFLOPS = 989.4
-#: Model FLOPs utilisation we assume for long-prompt prefill on that GPU.
-PREFILL_MFU = 0.40
+#: Its peak, and the prefill MFU measured on an H200 (s3kv/core/cost.py says how).
+GPU_PEAK_TFLOPS = _cost.GPU_PEAK_TFLOPS
+PREFILL_MFU = _cost.PREFILL_MFU
 
 
 # --------------------------------------------------------------------------- machine
