@@ -726,7 +726,7 @@ def table(res: dict[str, Any]) -> str:
             f"{(p['served_pct_of_ideal'] or 0):>6.1f}% | "
             f"{p.get('stored_bytes_incl_unreplayed_answers', p['stored_bytes']) / 2**30:>10.1f} | "
             f"{per['put']:>7.3f} {per['get']:>7.3f} {per['head']:>7.3f} | "
-            f"{p["s3_usd"]:>7.3f} {p["gpu_usd_saved"]:>7.3f} {ratio:>6} | "
+            f"{p['s3_usd']:>7.3f} {p['gpu_usd_saved']:>7.3f} {ratio:>6} | "
             f"{p['gpu_seconds_saved']:>11.0f} | {p.get('kv_mismatches', '-'):>4}"
         )
     lines.append("")
