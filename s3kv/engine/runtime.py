@@ -24,6 +24,7 @@ from ..config import Settings
 from ..core.layout import CacheGeometry
 from ..store.base import ObjectStore
 from ..store.breaker import BreakerPolicy, CircuitBreakerStore
+from ..store.refresh import RefreshOnHit
 from .index import KeyIndex
 from .metrics import Metrics, MetricsStore, serve_for_rank
 
@@ -171,6 +172,8 @@ def acquire_runtime(
             metrics = Metrics()
             # Metrics count every request that reaches the store; the breaker sits
             # outside them so an open breaker answers at once without touching it.
+            if settings.refresh_on_hit:  # keeps loaded objects young under s3kv gc's retention
+                store = RefreshOnHit(store, settings.retention_h * 3600 / 2)
             wrapped: ObjectStore = CircuitBreakerStore(
                 MetricsStore(store, metrics),
                 BreakerPolicy.from_settings(settings),

@@ -710,6 +710,34 @@ class S3Store(ObjectStore):
             pieces[i].append(data)
         return [p[0] if len(p) == 1 else b"".join(p) for p in pieces]
 
+    # -- TOUCH -------------------------------------------------------------------------
+    def touch(self, key: str) -> bool:
+        """Copy the object onto itself (S3 refuses a self-copy that changes nothing, so the
+        metadata is replaced -- by the same metadata, read with a HEAD first): LastModified
+        becomes now, bytes and metadata stay. One HEAD and one PUT-class request; objects are
+        far below CopyObject's 5 GiB limit."""
+        info = self._head_one(key)
+        if isinstance(info, StoreError):
+            raise info
+        if info is None:
+            return False
+
+        def copy() -> None:
+            self._client.copy_object(
+                Bucket=self.bucket,
+                Key=key,
+                CopySource={"Bucket": self.bucket, "Key": key},
+                MetadataDirective="REPLACE",
+                Metadata=dict(info.metadata),
+                **self._sse_args(),
+            )
+
+        try:
+            self._call("copy", key, copy)
+        except NotFound:
+            return False
+        return True
+
     # -- DELETE / LIST -----------------------------------------------------------------
     def delete_many(self, keys: Sequence[str]) -> None:
         unique = list(dict.fromkeys(keys))

@@ -280,6 +280,10 @@ def replay(
         upload_threads=2,
         download_threads=2,
         lookup_timeout_s=0,  # no time budget: a slow moment on a busy machine must not turn a hit into a miss
+        # Refresh on hit runs on the trace's clock in BilledStore (the engine's runs on wall time).
+        refresh_on_hit=False,
+        # Positives the index remembers would outlive an expiry on the trace's clock.
+        index_ttl_s=600.0 if cfg.prices.retention_h * 3600 >= 600 else 1e-6,
     )
     sizing = real_page_bytes(cfg.model, tpb)
     counter = BilledStore(

@@ -1,0 +1,104 @@
+"""Retention that matches reuse: ``s3kv gc --expired/--older-than`` deletes by LastModified, and an
+engine's refresh on hit (a copy of the object onto itself) keeps a hot prefix alive -- against the
+embedded S3 server, with gc's clock injected (no real hours slept)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from s3kv.core.keys import KeyScheme
+from s3kv.store.base import ByteRange
+from s3kv.store.embedded import EmbeddedS3
+from s3kv.store.memory import MemoryStore
+from s3kv.store.refresh import RefreshOnHit
+from s3kv.tools.ops import Duration
+from tests.test_ops_cli import NS_A, _put, cli
+
+BUCKET = "s3kv-retention-test"
+PREFIX = "kv"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with EmbeddedS3("moto", bucket=BUCKET) as s:
+        yield s
+
+
+def test_gc_drops_what_expired_and_keeps_a_prefix_refreshed_on_hit(server):
+    store = server.make_store()
+    scheme = KeyScheme(PREFIX, NS_A, tp_size=1)
+    cold = _put(store, scheme, "c0c0c0c0c0c0c0c0", 0, 64, 0, 4)
+    hot = _put(store, scheme, "d0d0d0d0d0d0d0d0", 0, 64, 0, 4)
+    before = store.head(hot.key)
+    body = store.get(hot.key)
+    time.sleep(1.2)  # LastModified counts whole seconds
+    engine_side = RefreshOnHit(store, interval_s=0.0, background=False)
+    engine_side.get_ranges(hot.key, [ByteRange(0, 16)])  # a hit: the engine loads it
+    assert engine_side.refreshed == 1
+    after = store.head(hot.key)
+    lm_cold = store.head(cold.key).last_modified
+    assert after.last_modified > before.last_modified >= lm_cold - 1
+    # The copy kept the bytes and the metadata (the integrity of the object is unchanged).
+    assert store.get(hot.key) == body and dict(after.metadata) == dict(before.metadata)
+
+    # An hour later by gc's clock, with a one-hour retention... minus what separates the two:
+    # the cold object is 1 h + ~1 s old, the refreshed one 1 h - 0.5 s.
+    now = after.last_modified + 3600 - 0.5
+    env = {**server.env(PREFIX), "S3KV_RETENTION_H": "1"}
+    r = CliRunner().invoke(cli(), ["gc", "--expired", "--now", str(now), "--yes", "--json"], env=env)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["deleted"]["objects"] == 1 and doc["older_than_s"] == 3600
+    assert store.head(cold.key) is None
+    assert store.head(hot.key) is not None
+    store.close()
+
+
+def test_refresh_is_rate_limited_per_object():
+    t = [0.0]
+    inner = MemoryStore()
+    touched: list[str] = []
+    real_touch = inner.touch
+    inner.touch = lambda key: touched.append(key) or real_touch(key)  # type: ignore[method-assign]
+    s = RefreshOnHit(inner, interval_s=1800, clock=lambda: t[0], background=False)
+    s.put("own", b"x" * 8)
+    inner.put("theirs", b"y" * 8)  # written by another cluster
+    s.get_ranges("own", [ByteRange(0, 1)])  # this engine wrote it a moment ago: young enough
+    s.get_ranges("theirs", [ByteRange(0, 1)])  # age unknown here: refreshed once...
+    s.get_ranges("theirs", [ByteRange(0, 1)])  # ...not on every hit
+    assert touched == ["theirs"]
+    t[0] = 1801.0
+    s.get_ranges("own", [ByteRange(0, 1)])
+    s.get_ranges("theirs", [ByteRange(0, 1)])
+    assert touched == ["theirs", "own", "theirs"]
+
+
+def test_a_refresh_that_fails_is_dropped_never_raised():
+    class Broken(MemoryStore):
+        def touch(self, key: str) -> bool:
+            from s3kv.store.base import TransientError
+
+            raise TransientError("copy failed", key=key)
+
+    inner = Broken()
+    inner.put("k", b"abc")
+    s = RefreshOnHit(inner, interval_s=0.0, background=False)
+    assert s.get_ranges("k", [ByteRange(0, 3)]) == [b"abc"]
+    assert s.dropped == 1 and s.refreshed == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90s", 90), ("30m", 1800), ("1h", 3600), ("2d", 172800), ("1", 86400), ("0", 0)]
+)
+def test_gc_ages(text, seconds):
+    assert Duration().convert(text, None, None) == seconds
+
+
+@pytest.mark.parametrize("text", ["1w", "-1h", "h", "nan", "inf"])
+def test_gc_rejects_a_bad_age_in_one_line(text, tmp_path):
+    r = CliRunner().invoke(cli(), ["gc", "--url", f"file://{tmp_path}", "--older-than", text])
+    assert r.exit_code == 2 and "is not an age" in r.output
