@@ -421,10 +421,14 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
 @click.option("--format", "fmt", type=click.Choice(["mooncake"]), default="mooncake", show_default=True)
 @click.option(
     "--model",
-    type=click.Choice(["gemma-3-27b", "gemma-3-12b", "gemma-3-4b"]),
     default="gemma-3-27b",
     show_default=True,
-    help="Geometry for page sizes, objects and prefill FLOPs.",
+    help="Geometry for page sizes, objects and prefill FLOPs: a preset (s3kv size's; one with sliding-window "
+    "and full-attention layers).",
+)
+@click.option(
+    "--model-config", type=click.Path(dir_okay=False), default=None,
+    help="A Hugging Face config.json to take the geometry from (instead of --model).",
 )
 @click.option(
     "--policy",
@@ -470,6 +474,7 @@ def trace_command(
     trace_file: str,
     fmt: str,
     model: str,
+    model_config: str | None,
     policy: str,
     branch_tails: str,
     limit: int | None,
@@ -525,10 +530,21 @@ def trace_command(
         raise click.BadParameter(str(e)) from None
     if prices.retention_h <= 0:
         raise click.BadParameter("must be > 0", param_hint="--retention-h")
+    from ..models import ModelConfigError, resolve
+
+    try:
+        spec = resolve(model, model_config)
+    except ModelConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if not (spec.window and spec.global_layers and spec.local_layers):
+        raise click.ClickException(
+            f"bench trace replays a model with sliding-window and full-attention layers; {spec.name} "
+            f"has {'no sliding-window' if not (spec.window and spec.local_layers) else 'no full-attention'} layers"
+        )
     cfg = trace.TraceConfig(
         path=trace_file,
         fmt=fmt,
-        model=trace.MODELS[model],
+        model=spec,
         runs=tuple(runs),
         limit=limit,
         tokens_per_block=tokens_per_block,

@@ -52,6 +52,7 @@ from typing import Any
 
 from ...core.cost import Gpu, Prices, Usage, cost, get_requests, put_requests, usd_per_million_tokens_served, value
 from ...store.base import StoreWrapper
+from .. import models as _models
 from .billing import BilledStore
 from .common import (
     GEMMA3_27B,
@@ -72,13 +73,8 @@ from .tracefile import (
     trace_reuse_tokens,
 )
 
-#: Gemma-3 text decoders (published configs): layers, hidden, MLP, query heads, KV heads, head
-#: dim, sliding window 1024; 5 local : 1 global layers, bf16 KV.
-MODELS: dict[str, ModelSpec] = {
-    "gemma-3-27b": GEMMA3_27B,
-    "gemma-3-12b": ModelSpec("Gemma-3-12B", 48, 3840, 15360, 16, 8, 256, window=1024),
-    "gemma-3-4b": ModelSpec("Gemma-3-4B", 34, 2560, 10240, 8, 4, 256, window=1024),
-}
+#: Geometries ``--model`` names (the one registry, s3kv.tools.models).
+MODELS = _models.MODELS
 #: Storage-policy runs: name -> (S3KV_STORAGE_POLICY, S3KV_BRANCH_TAILS).
 RUNS: dict[str, tuple[str, bool]] = {
     "window": ("window", True),
