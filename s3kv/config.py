@@ -201,6 +201,9 @@ class Settings:
     multipart_threshold_mib: int = 1024
     #: Part size above the threshold: 128 MiB keeps a multi-GiB object at a handful of requests.
     multipart_part_mib: int = 128
+    #: A load reads an object's range as parallel GETs of about this many MiB (each a billed
+    #: request; smaller: more parallel streams per object, more requests).
+    range_split_mib: int = 8
     #: "", "AES256" or "aws:kms".
     sse: str = ""
     sse_kms_key_id: str = ""
@@ -334,6 +337,7 @@ def validate(s: Settings) -> None:
         need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))
     need(s.multipart_part_mib >= 5, "multipart_part_mib", "must be >= 5 (S3's minimum part size)", s.multipart_part_mib)
     need(s.multipart_threshold_mib > 0, "multipart_threshold_mib", "must be > 0", s.multipart_threshold_mib)
+    need(s.range_split_mib > 0, "range_split_mib", "must be > 0", s.range_split_mib)
     need(s.sse in ("", "AES256", "aws:kms"), "sse", "accepted values: '' (none), AES256, aws:kms", s.sse)
     need(s.breaker_failures > 0, "breaker_failures", "must be > 0", s.breaker_failures)
     need(0 <= s.metrics_port < 65536, "metrics_port", "must be a TCP port or 0", s.metrics_port)

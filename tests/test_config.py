@@ -229,6 +229,7 @@ INVALID = {
     "cost_get_per_1k_usd": ["-1", "inf"],
     "cost_gb_month_usd": ["-0.023"],
     "retention_h": ["-30", "nan", "0"],
+    "range_split_mib": ["0"],
     "refresh_on_hit": ["sometimes"],
     "gpu_usd_per_hour": ["0", "inf"],
     "gpu_peak_tflops": ["-1", "nan"],

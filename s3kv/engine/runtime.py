@@ -130,6 +130,7 @@ def s3_options(settings: Settings) -> Any:
         retry=RetryPolicy(max_attempts=settings.max_attempts, deadline_s=settings.retry_deadline_s),
         multipart_threshold=settings.multipart_threshold_mib * mib,
         part_size=settings.multipart_part_mib * mib,
+        range_split_bytes=settings.range_split_mib * mib,
         sse=settings.sse or None,  # type: ignore[arg-type]  # validated by Settings
         sse_kms_key_id=settings.sse_kms_key_id or None,
         client=settings.s3_client,  # type: ignore[arg-type]  # validated by Settings

@@ -30,6 +30,7 @@ from typing import Any
 from ...core.cost import DAYS_PER_MONTH, GiB, get_requests, put_requests
 from ...store.base import Buffer, ByteRange, HeadBatch, NotFound, StoreWrapper
 
+SPLITS_MIB = (8, 16, 32, 64, 1024)
 KINDS = ("full", "checkpoint", "prompt-end", "history-end", "branch")
 
 
@@ -43,11 +44,13 @@ class BilledStore(StoreWrapper):
         retention_s: float = float("inf"),
         gc_period_s: float = 0.0,
         checkpoint_blocks: int = 0,
+        range_split: int = 8 << 20,
     ):
         super().__init__(inner)
         self.multipart_threshold, self.part_size = multipart_threshold, part_size
         self.retention_s, self.gc_period_s = retention_s, gc_period_s
         self.checkpoint_blocks = checkpoint_blocks
+        self.range_split = range_split
         self.sim_page: dict[str, int] = {}  # group fingerprint -> sim page bytes
         self.real_page: dict[str, int] = {}
         self.names: dict[str, str] = {}
@@ -60,6 +63,8 @@ class BilledStore(StoreWrapper):
 
     def reset(self) -> None:
         self.real_put = self.real_get = self.heads = self.refreshes = self.expired = 0
+        #: GET requests had loads read with another range split (MiB -> count): the lever's effect.
+        self.get_by_split: dict[int, int] = {mib: 0 for mib in SPLITS_MIB}
         self.byte_seconds = 0.0
         self.groups: dict[str, dict[str, int]] = {}
         self.distinct: dict[str, set[bytes]] = {}
@@ -162,7 +167,9 @@ class BilledStore(StoreWrapper):
         for r in ranges:
             head = min(r.length, hl) if r.offset == 0 else 0
             pages = (r.length - head) // sim
-            self.real_get += get_requests(head + pages * real)
+            self.real_get += get_requests(head + pages * real, self.range_split)
+            for mib in SPLITS_MIB:
+                self.get_by_split[mib] += get_requests(head + pages * real, mib << 20)
         if o is None:
             raise NotFound("expired or never written", key=key)
         out = self.inner.get_ranges(key, ranges)

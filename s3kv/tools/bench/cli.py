@@ -355,7 +355,7 @@ def staging_command(
     help="GPU peak BF16 TFLOP/s for the prefill estimate (default: H100/H200 SXM dense, 989.4).",
 )
 @click.option(
-    "--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation assumed (default 0.40)."
+    "--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation assumed (default 0.65, measured on an H200: docs/sizing.md)."
 )
 @click.option(
     "--checkpoint-tokens",
@@ -383,7 +383,10 @@ def e2e_command(
     cfg = e2e.E2EConfig.quick() if quick else e2e.E2EConfig()
     if rounds is not None:
         cfg = cfg.replace(rounds=rounds)
-    cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s)
+    if gpu_tflops is not None:
+        cfg = cfg.replace(gpu_tflops=gpu_tflops)
+    if mfu is not None:
+        cfg = cfg.replace(mfu=mfu)
     if checkpoint_tokens is not None:
         cfg = cfg.replace(checkpoint_tokens=checkpoint_tokens)
     res = run_on_store("e2e", url, server, latency_ms, keep, lambda bs: e2e.run_e2e(bs, cfg))
@@ -414,6 +417,27 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
 
 
 # --------------------------------------------------------------------------- trace
+
+
+def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``--set name=value`` pairs, converted and checked as the settings loader does."""
+    import dataclasses
+
+    from ...config import ConfigError, Settings, load_settings
+
+    names = {f.name for f in dataclasses.fields(Settings)}
+    env: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        name = name.strip().lower()
+        if not sep or name not in names:
+            raise click.BadParameter(f"{pair!r}: expected NAME=VALUE with NAME a setting", param_hint="--set")
+        env[f"S3KV_{name.upper()}"] = text
+    try:
+        s = load_settings(env=env, require_url=False)
+    except (ConfigError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--set") from None
+    return {k[5:].lower(): getattr(s, k[5:].lower()) for k in env}
 
 
 @bench_group.command("trace")
@@ -458,6 +482,10 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
 @click.option("--gc-period-s", type=click.FloatRange(min=0), default=600.0, show_default=True,
               help="How often gc deletes what has expired (an expired object lives on half of it on average).")
 @click.option("--gpu-usd-per-hour", type=float, default=None, help="$ per GPU-hour (default 3).")
+@click.option(
+    "--set", "overrides", multiple=True, metavar="NAME=VALUE",
+    help="A connector setting for the replay (e.g. target_object_mib=64, range_split_mib=32): the levers.",
+)
 @click.option("--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s (default H100/H200, 989.4).")
 @click.option("--mfu", type=float, default=None,
               help="Prefill model-FLOPs utilisation (default 0.65: measured on an H200, docs/sizing.md).")
@@ -487,6 +515,7 @@ def trace_command(
     retention_h: float | None,
     gc_period_s: float,
     gpu_usd_per_hour: float | None,
+    overrides: tuple[str, ...],
     gpu_tflops: float | None,
     mfu: float | None,
     audit: bool,
@@ -555,7 +584,7 @@ def trace_command(
         jobs=max(1, jobs if jobs is not None else min(2, os.cpu_count() or 1)),
         url=url,
     )
-    cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s)
+    cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s, settings=_settings_overrides(overrides))
     with bench_store(url or trace.DEFAULT_URL, name="trace") as bs:
         try:
             res = trace.run_trace(bs, cfg)

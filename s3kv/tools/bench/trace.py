@@ -109,6 +109,8 @@ class TraceConfig:
     jobs: int = 1
     #: Store each replay runs on (None: its own in-process memory:// store).
     url: str | None = None
+    #: Settings the replay's connector gets (S3KV_* names, lower case): the levers under test.
+    settings: Mapping[str, Any] = field(default_factory=dict)
     #: Put per-request served tokens (each run, the ideal, the upstream rule) into the result.
     per_request: bool = False
 
@@ -272,6 +274,7 @@ def replay(
         storage_policy=policy,
         branch_tails=branch,
         checkpoint_tokens=cfg.checkpoint_tokens,
+        **cfg.settings,
         staging_mib=64,
         upload_threads=2,
         download_threads=2,
@@ -288,6 +291,7 @@ def replay(
         settings.multipart_part_mib << 20,
         retention_s=cfg.prices.retention_h * 3600,
         gc_period_s=cfg.gc_period_s,
+        range_split=settings.range_split_mib << 20,
     )
     before = bs.store.snapshot()
     synth = TokenSynth(block_tokens, SIM_VOCAB)
@@ -373,6 +377,7 @@ def replay(
         "requests_sim": {"head": io.head, "put": io.put, "get": io.get},
         "requests_real": {"head": counter.heads, "put": counter.real_put, "get": counter.real_get},
         "refreshes": counter.refreshes,
+        "get_requests_by_split_mib": counter.get_by_split,
         "expired_objects": counter.expired,
         "storage_gib_hours": rnd(counter.byte_seconds / 2**30 / 3600, 1),
         "storage_usd": counter.storage_usd(cfg.prices.gb_month),
@@ -528,6 +533,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             **prefill(r["served_per_request"]),
             "refreshes": r["refreshes"],
             "expired_objects": r["expired_objects"],
+            "get_requests_by_split_mib": r["get_requests_by_split_mib"],
             "by_kind": r["by_kind"],
             "kv_mismatches": r["kv_mismatches"],
             "branch_tails_stored": r["branch_tails_stored"],
@@ -567,7 +573,10 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
         "retention_h": cfg.prices.retention_h,
         "gc_period_s": cfg.gc_period_s,
         "gpu": dataclasses.asdict(cfg.gpu),
-        "multipart": {"threshold_mib": Settings().multipart_threshold_mib, "part_mib": Settings().multipart_part_mib},
+        "settings": {
+            k: getattr(Settings(**cfg.settings), k)
+            for k in ("multipart_threshold_mib", "multipart_part_mib", "range_split_mib", "target_object_mib")
+        },
         "note": "ratio = S3 $ (requests + storage from write to retention after the last write or refresh) / "
         "prefill GPU $ the served tokens saved; below 1 s3kv pays for itself",
     }
