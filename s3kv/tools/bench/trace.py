@@ -472,7 +472,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
         return {
             "prefill_pflops_saved": rnd(flops / 1e15, 3),
             "gpu_seconds_saved": rnd(cfg.gpu.seconds(flops), 1),
-            "gpu_usd_saved": rnd(cfg.gpu.usd(flops), 4),
+            "gpu_usd_saved": rnd(cfg.gpu.usd(flops), 6),
         }
 
     def money(
@@ -486,9 +486,9 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             c = dataclasses.replace(c, storage_usd=storage_usd)
         per_h = (lambda x: rnd(x / hours, 4)) if hours > 0 else (lambda x: None)
         return {
-            "requests_usd": rnd(c.requests_usd, 4),
-            "storage_usd": rnd(c.storage_usd, 4),
-            "s3_usd": rnd(c.total_usd, 4),
+            "requests_usd": rnd(c.requests_usd, 6),
+            "storage_usd": rnd(c.storage_usd, 6),
+            "s3_usd": rnd(c.total_usd, 6),
             "usd_per_trace_hour": per_h(c.total_usd),
             "requests_usd_per_trace_hour": per_h(c.requests_usd),
             "storage_usd_per_trace_hour": per_h(c.storage_usd),
@@ -534,6 +534,9 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "refreshes": r["refreshes"],
             "expired_objects": r["expired_objects"],
             "get_requests_by_split_mib": r["get_requests_by_split_mib"],
+            # What the store itself counted (calls, not billed requests): the accounting's cross-check.
+            "store_calls": r["requests_sim"],
+            "requests": dict(rq),
             "by_kind": r["by_kind"],
             "kv_mismatches": r["kv_mismatches"],
             "branch_tails_stored": r["branch_tails_stored"],
