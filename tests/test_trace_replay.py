@@ -50,8 +50,8 @@ VOCAB = SIM_VOCAB
 MiB = 1 << 20
 
 
-def object_blocks(page_bytes: int, target_mib: int = 32, cap: int = 64) -> int:
-    """README: objects of ~32 MiB (at most 64 blocks), at least one block."""
+def object_blocks(page_bytes: int, target_mib: int = 64, cap: int = 64) -> int:
+    """docs/configuration.md: objects of ~64 MiB (at most 64 blocks), at least one block."""
     return max(1, min(cap, target_mib * MiB // page_bytes))
 
 
@@ -190,8 +190,8 @@ def replayed() -> dict:
 
 
 def test_object_sizes_the_count_assumes():
-    # Gemma-3-27B at 64 tokens per block: 5 MiB full-attention pages, 26 MiB sliding ones.
-    assert (FULL_BPO, SLIDING_BPO, CP) == (6, 1, 66)
+    # Gemma-3-27B at 64 tokens per block: 5 MiB full-attention pages, 26 MiB sliding ones; 64 MiB objects.
+    assert (FULL_BPO, SLIDING_BPO, CP) == (12, 2, 72)
 
 
 def test_replay_matches_the_independent_count(replayed):

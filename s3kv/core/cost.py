@@ -37,7 +37,7 @@ GiB = 1 << 30
 #: range split (``S3Options.range_split_bytes``).
 MULTIPART_THRESHOLD = 1024 * MiB
 PART_SIZE = 128 * MiB
-RANGE_SPLIT = 8 * MiB
+RANGE_SPLIT = 16 * MiB
 DAYS_PER_MONTH = 365.25 / 12
 HOURS_PER_MONTH = 24 * DAYS_PER_MONTH
 #: The defaults of S3KV_GPU_USD_PER_HOUR / S3KV_GPU_PEAK_TFLOPS / S3KV_PREFILL_MFU (module doc).
