@@ -39,8 +39,9 @@ def test_put_requests_single_and_multipart():
 def test_get_requests_follow_the_range_split():
     assert get_requests(100) == 1
     assert get_requests(8 * MiB) == 1
-    assert get_requests(13 * MiB) == 2  # round(1.6)
-    assert get_requests(117 * MiB) == 15
+    assert get_requests(13 * MiB, split=8 * MiB) == 2  # round(1.6)
+    assert get_requests(117 * MiB, split=8 * MiB) == 15
+    assert get_requests(26 * MiB) == 2  # S3KV_RANGE_SPLIT_MIB's default: 16
     assert get_requests(117 * MiB, split=64 * MiB) == 2
 
 
