@@ -506,9 +506,10 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         "unrecognised": {"objects": other.objects, "bytes": other.bytes},
     }
     # What keeping this costs at list prices (S3KV_COST_* settings), and what a stored token weighs.
-    from ..core.cost import GiB, Prices
+    from ..core.cost import GiB, Gpu, Prices
 
     prices = Prices.from_settings(ctx.settings) if ctx.settings is not None else Prices()
+    gpu = Gpu.from_settings(ctx.settings) if ctx.settings is not None else Gpu()
     stored_tokens = 0
     for d in namespaces:
         for gd in d["groups"]:
@@ -519,6 +520,12 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         "gb_month_usd": prices.gb_month,
         # Bytes per token across every group, over the tokens of the group with the most pages.
         "bytes_per_token": round(doc["total"]["bytes"] / stored_tokens, 1) if stored_tokens else None,
+        # The value line: keeping this much stored pays for itself when hits save at least this
+        # much prefill GPU time a month (S3KV_GPU_USD_PER_HOUR). Requests come on top (s3kv bench
+        # trace, docs/sizing.md).
+        "gpu_usd_per_hour": gpu.usd_per_hour,
+        "break_even_gpu_hours_per_month": round(doc["total"]["bytes"] / GiB * prices.gb_month / gpu.usd_per_hour, 4),
+        "retention_h": prices.retention_h,
     }
     if deep:
         doc["inconsistent"] = inconsistent
@@ -546,6 +553,9 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
             per_token = "" if c["bytes_per_token"] is None else f", {fmt_bytes(int(c['bytes_per_token']))} per token"
             yield (f"storage at ${c['gb_month_usd']:g}/GB-month: ${c['storage_usd_per_month']:.2f} a month"
                    f"{per_token}")
+            yield (f"value: pays for itself when hits save more than {c['break_even_gpu_hours_per_month']:.2f} "
+                   f"GPU-hours of prefill a month (at ${c['gpu_usd_per_hour']:g}/GPU-h; requests on top); "
+                   f"retention {c['retention_h']:g} h: s3kv gc --expired")
         if deep and inconsistent:
             yield f"objects whose metadata and size disagree (run verify): {inconsistent}"
         if other.objects:
