@@ -465,7 +465,7 @@ def test_walkthrough_on_seaweedfs_with_auth(tmp_path: Path, weed_auth: Any) -> N
     engine = json.loads((workdir / "s3kv-engine-policy.json").read_text())
     assert _allowed(engine, "arn:aws:s3:::s3kv-dev/s3kv/*") == {"s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"}
     rules = s3.get_bucket_lifecycle_configuration(Bucket="s3kv-dev")["Rules"]
-    assert [r["Filter"] for r in rules] == [{"Prefix": "s3kv/"}] and rules[0]["Expiration"] == {"Days": 30}
+    assert [r["Filter"] for r in rules] == [{"Prefix": "s3kv/"}] and rules[0]["Expiration"] == {"Days": 1}
 
     # Authentication is on: the same Terraform with a wrong key cannot even read the bucket.
     wrong = {k: v for k, v in env.items()}
