@@ -20,7 +20,7 @@ from ..core.hitrule import object_ends_needed, required_range
 from ..core.layout import CacheGeometry, GroupGeometry
 from ..core.objects import header_len
 from ..core.policy import StoragePolicy, object_sizes
-from ..core.cost import HOURS_PER_MONTH, GiB, Gpu
+from ..core.cost import HOURS_PER_MONTH, GiB, Gpu, get_requests
 from .models import MODELS, ModelSpec
 
 #: The one registry of model geometries (s3kv.tools.models), under the name ``s3kv size`` used.
@@ -80,7 +80,7 @@ def prompt_cost(geometry: CacheGeometry, settings: Settings, prompt_tokens: int,
     policy = StoragePolicy(geometry, max(bpo), cp, mode, settings.window_margin_blocks, bpo)
     blocks = prompt_tokens // tpb
     h = (prompt_tokens - 1) // tpb  # the engine never asks for the last prompt token
-    stored = objects = loaded = gets = 0
+    stored = objects = loaded = gets = read_objects = 0
     spine_objects = 0
     for g in geometry.groups:
         gid = g.group_id
@@ -97,12 +97,19 @@ def prompt_cost(geometry: CacheGeometry, settings: Settings, prompt_tokens: int,
         objects += geometry.tp_size * n_objects
         lo, hi = required_range(g, tpb, 0, h, settings.window_margin_blocks)
         loaded += geometry.tp_size * (hi - lo) * g.page_bytes
-        # A sliding tail is stored as one object ending at its boundary; others are chunks.
-        reads = 1 if (not policy.stores_everything(gid) and hi > lo) else len(object_ends_needed(lo, hi, bpo[gid]))
+        # A sliding tail is stored as one object ending at its boundary; others are chunks. Each
+        # object read is GETs of about S3KV_RANGE_SPLIT_MIB (one billed request each).
+        split = settings.range_split_mib << 20
+        if not policy.stores_everything(gid) and hi > lo:
+            n_read, reads = 1, get_requests((hi - lo) * g.page_bytes, split)
+        else:
+            n_read = len(object_ends_needed(lo, hi, bpo[gid]))
+            reads = n_read * get_requests(bpo[gid] * g.page_bytes, split)
         gets += geometry.tp_size * reads
+        read_objects += geometry.tp_size * n_read  # the lookup's verify wave HEADs each one
         if gid == geometry.spine_group:
             spine_objects = min(settings.lookup_probe_budget, -(-h // bpo[gid]))
-    return PromptCost(mode, prompt_tokens, stored, objects, h * tpb, loaded, gets, spine_objects + gets)
+    return PromptCost(mode, prompt_tokens, stored, objects, h * tpb, loaded, gets, spine_objects + read_objects)
 
 
 @dataclass(frozen=True)
@@ -217,7 +224,8 @@ def table(s: Sizing, gpu: str) -> str:
     lines += [
         "",
         "stored: bytes one prompt writes (pages + object headers); PUTs: objects it writes.",
-        "hit read: bytes a full repeat of the prompt loads; GETs/HEADs: requests for that hit.",
+        "hit read: bytes a full repeat of the prompt loads; GETs/HEADs: requests for that hit (GETs of",
+        "  ~S3KV_RANGE_SPLIT_MIB each).",
         f"prefill: time to recompute the prompt instead ({gpu}); break-even: S3 read bandwidth at which",
         "  loading the hit takes as long as recomputing it (faster reads: loading wins).",
         "window: sliding layers store only the tails a hit can use; all: every block of every layer.",
