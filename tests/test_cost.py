@@ -8,8 +8,8 @@ import pytest
 
 from s3kv.config import Settings
 from s3kv.core.cost import (
-    Gpu,
     GiB,
+    Gpu,
     MiB,
     Prices,
     Usage,

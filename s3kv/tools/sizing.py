@@ -16,11 +16,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import Settings
+from ..core.cost import HOURS_PER_MONTH, GiB, Gpu, get_requests
 from ..core.hitrule import object_ends_needed, required_range
 from ..core.layout import CacheGeometry, GroupGeometry
 from ..core.objects import header_len
 from ..core.policy import StoragePolicy, object_sizes
-from ..core.cost import HOURS_PER_MONTH, GiB, Gpu, get_requests
 from .models import MODELS, ModelSpec
 
 #: The one registry of model geometries (s3kv.tools.models), under the name ``s3kv size`` used.
@@ -130,11 +130,12 @@ def size(
     tokens_per_block: int = 32,
     prompt_tokens: tuple[int, ...] = (8192, 32768),
     settings: Settings | None = None,
-    gpu: Gpu = Gpu(),
+    gpu: Gpu | None = None,
     traffic: Traffic | None = None,
     prices: Prices = Prices(),
 ) -> Sizing:
     settings = settings or Settings()
+    gpu = gpu or Gpu()
     if model.kv_heads % tp:
         raise ValueError(f"{model.kv_heads} KV heads do not split over TP {tp}")
     geo = geometry_of(model, tokens_per_block, tp)

@@ -33,9 +33,9 @@ from typing import Any
 import click
 
 from ...core import cost as _cost
-from ..models import GEMMA3_27B, ModelSpec  # noqa: F401 - the benchmarks' model
 from ...store.base import HeadBatch, ObjectStore, SpanExpect
 from ...store.throttle import ThrottledStore
+from ..models import GEMMA3_27B, ModelSpec  # noqa: F401 - the benchmarks' model
 
 MiB = 1 << 20
 #: Bucket the embedded server is started with.

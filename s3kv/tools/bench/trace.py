@@ -50,7 +50,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.cost import Gpu, Prices, Usage, cost, get_requests, put_requests, usd_per_million_tokens_served, value
+from ...core.cost import (
+    Gpu,
+    Prices,
+    Usage,
+    cost,
+    get_requests,
+    put_requests,
+    value,
+)
 from ...store.base import StoreWrapper
 from .. import models as _models
 from .billing import BilledStore
