@@ -102,3 +102,51 @@ def test_gc_ages(text, seconds):
 def test_gc_rejects_a_bad_age_in_one_line(text, tmp_path):
     r = CliRunner().invoke(cli(), ["gc", "--url", f"file://{tmp_path}", "--older-than", text])
     assert r.exit_code == 2 and "is not an age" in r.output
+
+
+def test_an_engine_refreshes_what_it_loads_and_gc_keeps_it(tmp_path):
+    """End to end on a file:// cache: a cold cluster saves; three hours pass (mtimes set back);
+    a warm cluster is served a shared prefix -- its loads refresh those objects -- and
+    ``s3kv gc --expired`` (1 h) then deletes everything else; a third cluster still hits."""
+    import os
+
+    from s3kv.config import Settings
+    from s3kv.sim import SimCacheConfig, SimEngine, gemma3_like, repeat_workload, shared_prefix_workload
+    from s3kv.store.fsspec_store import FsspecStore
+    from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+
+    url = f"file://{tmp_path}/cache"
+
+    def engine(store):
+        s = Settings(url=url, staging_mib=64, check_access=False, blocks_per_object=2, lookup_timeout_s=5.0,
+                     retention_h=1.0)
+        return SimEngine(gemma3_like(64, kv_heads=2), SimCacheConfig(tokens_per_block=16, max_seq_len=1024),
+                         S3KvConnectorLeader, S3KvConnectorWorker, connector_kwargs=dict(settings=s, store=store))
+
+    store = FsspecStore(url)
+    specs = shared_prefix_workload(n_users=3, system_len=128, user_len=40)
+    with engine(store) as cold:
+        cold.run(specs)
+        for w in cold.workers:
+            assert w.flush(30)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "cache") for f in fs]
+    old = time.time() - 3 * 3600
+    for f in files:
+        os.utime(f, (old, old))
+    with engine(store) as warm:
+        rep = warm.run(repeat_workload(specs[:1], 100))  # one user again: its prefix is loaded
+        assert rep.matched_tokens > 0 and rep.kv_mismatches == 0
+        refresher = warm.leader._runtime.store  # the engine's store stack
+        while not isinstance(refresher, RefreshOnHit):
+            refresher = refresher.inner
+        assert refresher.wait_idle(10)
+        assert refresher.refreshed > 0
+    young = [f for f in files if os.path.getmtime(f) > old + 60]
+    assert 0 < len(young) < len(files)
+    r = CliRunner().invoke(cli(), ["gc", "--url", url, "--expired", "--yes", "--json"], env={"S3KV_RETENTION_H": "1"})
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["deleted"]["objects"] == len(files) - len(young)
+    assert sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "cache") for f in fs) == sorted(young)
+    with engine(store) as third:
+        rep = third.run(repeat_workload(specs[:1], 200))
+        assert rep.matched_tokens > 0 and rep.kv_mismatches == 0

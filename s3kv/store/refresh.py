@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 
 #: Objects whose last refresh this engine remembers (~150 bytes each).
 MAX_REMEMBERED = 200_000
+#: The refresh thread ends after this long without work (started again on demand).
+IDLE_S = 5.0
 
 
 class RefreshOnHit(StoreWrapper):
@@ -44,12 +46,9 @@ class RefreshOnHit(StoreWrapper):
         self._clock = clock
         self._lock = threading.Lock()
         self._last: OrderedDict[str, float] = OrderedDict()  # key -> last write or refresh here
-        self.refreshed = self.dropped = 0
-        self._queue: queue.Queue[str | None] | None = None
-        if background:
-            self._queue = queue.Queue(maxsize=queue_size)
-            self._thread = threading.Thread(target=self._run, name="s3kv-refresh", daemon=True)
-            self._thread.start()
+        self.refreshed = self.dropped = self._busy = 0
+        self._queue: queue.Queue[str | None] | None = queue.Queue(maxsize=queue_size) if background else None
+        self._thread: threading.Thread | None = None
 
     def _note(self, key: str, now: float) -> None:
         self._last[key] = now
@@ -73,10 +72,21 @@ class RefreshOnHit(StoreWrapper):
         if self._queue is None:
             self._touch(key)
             return
+        with self._lock:
+            self._busy += 1  # queued or running
         try:
             self._queue.put_nowait(key)
         except queue.Full:
+            with self._lock:
+                self._busy -= 1
             self.dropped += 1
+            return
+        with self._lock:
+            # Started on demand and gone after IDLE_S without work: a runtime whose store its
+            # caller owns is never closed, and must not leave a thread behind.
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="s3kv-refresh", daemon=True)
+                self._thread.start()
 
     def _touch(self, key: str) -> None:
         try:
@@ -88,8 +98,29 @@ class RefreshOnHit(StoreWrapper):
 
     def _run(self) -> None:
         assert self._queue is not None
-        while (key := self._queue.get()) is not None:
+        while True:
+            try:
+                key = self._queue.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            if key is None:
+                return
             self._touch(key)
+            with self._lock:
+                self._busy -= 1
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued refresh has run (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._busy == 0:
+                return True
+            time.sleep(0.01)
+        return False
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
         out = self.inner.get_ranges(key, ranges)
