@@ -340,3 +340,24 @@ def test_cli_rejects_a_bad_trace_line(tmp_path):
     result = CliRunner().invoke(main, ["bench", "trace", str(bad), "--json"])
     assert result.exit_code != 0
     assert "bad.jsonl:1" in result.output and "hash_ids" in result.output
+
+
+def test_retention_runs_on_the_trace_clock(replayed):
+    """3 minutes of retention on a 17-minute slice: objects expire (a later lookup misses them),
+    hits refresh what they read, fewer tokens are served, every one still right."""
+    cfg = TraceConfig(path=str(FIXTURE), tokens_per_block=TPB, jobs=1, runs=("window",),
+                      prices=replayed_prices(0.05))
+    with bench_store("memory://test-trace-retention", name="trace") as bs:
+        short = run_trace(bs, cfg)
+    p, full = short["policies"]["window"], replayed["policies"]["window"]
+    assert p["expired_objects"] > 0 and p["refreshes"] > 0
+    assert 0 < p["served_tokens"] < full["served_tokens"]
+    assert p["storage_usd"] < full["storage_usd"]
+    assert short["value"]["retention_h"] == 0.05
+    assert short["kv_mismatches"] == 0 and all(short["targets_met"].values())
+
+
+def replayed_prices(retention_h: float):
+    from s3kv.core.cost import Prices
+
+    return Prices(retention_h=retention_h)
