@@ -150,3 +150,26 @@ def test_an_engine_refreshes_what_it_loads_and_gc_keeps_it(tmp_path):
     with engine(store) as third:
         rep = third.run(repeat_workload(specs[:1], 200))
         assert rep.matched_tokens > 0 and rep.kv_mismatches == 0
+
+
+def test_gc_watch_runs_a_pass_every_period(tmp_path, monkeypatch):
+    """``--watch 10m``: one JSON line per pass, then it sleeps the period (here: stopped after two)."""
+    import s3kv.tools.ops as ops
+    from s3kv.store.fsspec_store import FsspecStore
+
+    url = f"file://{tmp_path}/cache"
+    store = FsspecStore(url)
+    _put(store, KeyScheme("", NS_A, tp_size=1), "e0e0e0e0e0e0e0e0", 0, 64, 0, 2)
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        if len(slept) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ops.time, "sleep", sleep)
+    r = CliRunner().invoke(cli(), ["gc", "--url", url, "--older-than", "1h", "--watch", "10m", "--json",
+                                   "--now", str(time.time() + 7200)])
+    passes = [json.loads(line) for line in r.stdout.splitlines()]
+    assert slept == [600.0, 600.0] and len(passes) == 2
+    assert passes[0]["deleted"]["objects"] == 1 and passes[1]["deleted"]["objects"] == 0

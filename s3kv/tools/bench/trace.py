@@ -31,6 +31,10 @@ Scale: the whole trace in minutes on two cores, so --
   and their full-attention pages are added to the stored bytes by arithmetic. ``--full-outputs``
   generates every answer (about twice as slow).
 
+The bill (``s3kv.tools.bench.billing``): requests and bytes at the real sizes, storage as
+byte-hours under ``--retention-h`` on the trace's clock (objects expire; hits refresh), and the
+``value`` object: S3 dollars next to the prefill GPU dollars the served tokens saved, and their ratio.
+
 The upstream example's rule (the VSWA connector example in TensorRT-LLM) is counted, not
 replayed: every group stores every full prompt block as its own object, a lookup HEADs block by
 block until the first miss, and the hit is capped by the smallest window.
