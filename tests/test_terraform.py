@@ -321,6 +321,8 @@ def test_apply_inspect_update_destroy(tf: Terraform, moto_endpoint: str) -> None
     out = _outputs(tf)
     assert out["s3kv_url"] == f"s3://{bucket}/{PREFIX}"
     assert out["bucket_arn"] == f"arn:aws:s3:::{bucket}"
+    # The retention the cost estimates assume is s3kv's gc, not the (whole-day) lifecycle rule.
+    assert out["gc_command"] == f"s3kv gc --url s3://{bucket}/{PREFIX} --expired --yes --watch 10m"
     for role in ("engine", "operator"):
         arn = out[f"{role}_policy_arn"]
         assert arn.startswith("arn:aws:iam::") and arn.endswith(f":policy/s3kv-{bucket}-{role}"), arn
