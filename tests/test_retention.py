@@ -9,6 +9,7 @@ import time
 
 import pytest
 from click.testing import CliRunner
+from test_ops_cli import NS_A, _put, cli
 
 from s3kv.core.keys import KeyScheme
 from s3kv.store.base import ByteRange
@@ -16,7 +17,6 @@ from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.memory import MemoryStore
 from s3kv.store.refresh import RefreshOnHit
 from s3kv.tools.ops import Duration
-from tests.test_ops_cli import NS_A, _put, cli
 
 BUCKET = "s3kv-retention-test"
 PREFIX = "kv"
