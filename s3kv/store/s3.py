@@ -137,11 +137,12 @@ class S3Options:
     read_timeout_s: float = 30.0
     #: One policy per request; see :class:`RetryPolicy`.
     retry: RetryPolicy = field(default_factory=RetryPolicy)
-    #: Bodies at least this large go up as multipart (parts in parallel).
-    multipart_threshold: int = 64 * MiB
-    part_size: int = 8 * MiB
+    #: Bodies at least this large go up as multipart (parts in parallel). The defaults are the
+    #: settings' (S3KV_MULTIPART_*, S3KV_RANGE_SPLIT_MIB; why: s3kv/config.py).
+    multipart_threshold: int = 1024 * MiB
+    part_size: int = 128 * MiB
     #: A range much longer than this is fetched as parallel sub-ranges of about this size.
-    range_split_bytes: int = 8 * MiB
+    range_split_bytes: int = 16 * MiB
     #: Server-side encryption: None (bucket default), "AES256" (SSE-S3) or "aws:kms".
     sse: Literal["AES256", "aws:kms"] | None = None
     sse_kms_key_id: str | None = None
