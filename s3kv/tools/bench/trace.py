@@ -535,6 +535,9 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "distinct_pages_by_group": {g: v["distinct_pages"] for g, v in r["stored_by_group"].items()},
             "objects_by_group": {g: v["objects"] for g, v in r["stored_by_group"].items()},
             "per_1k_prompt_tokens": {k: rnd(1000 * v / prompt_tokens, 4) for k, v in rq.items()},
+            "per_1k_served_tokens": {k: rnd(1000 * v / r["served_tokens"], 4) for k, v in rq.items()}
+            if r["served_tokens"]
+            else None,
             # HEAD waves that went to the store, per lookup: each is a round trip on the scheduler's path.
             "round_trips_per_lookup": rnd(r["lookup_waves"] / r["lookups"], 3) if r["lookups"] else 0.0,
             # The unreplayed answers' pages live as long as their request's other objects.
@@ -772,6 +775,16 @@ def table(res: dict[str, Any]) -> str:
             f"({b['served_pct_points_added']:+.2f} pp of prompt tokens), {b['stored_bytes_added'] / 2**30:+.1f} GiB "
             f"stored ({b['stored_bytes_added_pct']:+.1f}%: a hit also stores less), {b['tails_stored']} tails"
         )
+    for name, p in res["policies"].items():
+        kinds = p.get("by_kind")
+        if kinds:
+            parts = ", ".join(
+                f"{k} {int(d['objects'])} ({100 * d['objects_read'] / d['objects']:.0f}% read, "
+                f"{d['served_tokens'] / 1e6:.2f}M served)"
+                for k, d in kinds.items()
+                if d["objects"]
+            )
+            lines.append(f"objects by kind, {name}: {parts}")
     pr, v = res["prices"], res["value"]
     lines.append(
         f"prices: PUT ${pr['put_per_1k']}/1k, GET/HEAD ${pr['get_per_1k']}/1k, storage ${pr['gb_month']}/GB-month, "
