@@ -148,7 +148,10 @@ class Settings:
     url: str = ""
     #: Blocks per stored object; 0 = choose from page size (objects of ~target_object_mib).
     blocks_per_object: int = 0
-    target_object_mib: int = 32
+    #: 64: every object is one PUT-class request and the lookup HEADs one key per object, so
+    #: bigger full-attention objects bill fewer of both; on the conversation traces 64 cut PUTs
+    #: 40% and HEADs 25% against 32 for 0.2 pp fewer tokens served (docs/sizing.md).
+    target_object_mib: int = 64
     max_blocks_per_object: int = 64
     #: "async": parked request, reported from get_finished; "sync": finished inside start_load_kv.
     #: A failed sync load has no safe outcome, and no TensorRT-LLM line can fail one (the failed-load
@@ -240,11 +243,17 @@ class Settings:
     exit_drain_s: float = 10.0
     #: Forget a request the engine has not mentioned for this long (0 = never).
     request_state_ttl_s: float = 3600.0
-    #: Bodies at least this large go up as (conditional) multipart. 64: s3kv's ~32 MiB objects are
-    #: one conditional PUT - one billed request instead of parts + 2, and on the obstore client
-    #: one GIL-free request; parallelism comes from the objects in flight.
-    multipart_threshold_mib: int = 64
-    multipart_part_mib: int = 8
+    #: Bodies at least this large go up as (conditional) multipart. 1024: every object s3kv writes
+    #: for the models it knows (~32 MiB chunks, sliding-window tails of ~430 MB for Gemma-3-27B) is
+    #: ONE conditional PUT -- one billed request, where 8 MiB parts made a tail ~55 (S3 allows
+    #: single PUTs up to 5 GiB); parallelism comes from the objects in flight (upload_threads).
+    multipart_threshold_mib: int = 1024
+    #: Part size above the threshold: 128 MiB keeps a multi-GiB object at a handful of requests.
+    multipart_part_mib: int = 128
+    #: A load reads an object's range as parallel GETs of about this many MiB (each a billed
+    #: request; smaller: more parallel streams per object, more requests). 16: a ~430 MB
+    #: sliding-window tail is 27 GETs, still within max_concurrency in one wave, half of 8's.
+    range_split_mib: int = 16
     #: "", "AES256" or "aws:kms".
     sse: str = ""
     sse_kms_key_id: str = ""
@@ -264,12 +273,25 @@ class Settings:
     #: for a Prometheus scraping the pod IP).
     metrics_addr: str = "127.0.0.1"
     #: List prices for the cost estimate (s3kv/core/cost.py; S3 Standard, us-east-1): PUT-class and
-    #: GET-class (GET, HEAD) requests in $ per 1,000, storage in $ per GB-month, and how long an
-    #: object is kept (the bucket's lifecycle expiry; infra/terraform's default is 30 days).
+    #: GET-class (GET, HEAD) requests in $ per 1,000, storage in $ per GB-month.
     cost_put_per_1k_usd: float = 0.005
     cost_get_per_1k_usd: float = 0.0004
     cost_gb_month_usd: float = 0.023
-    cost_retention_days: float = 30.0
+    #: Hours an object is kept after its last write or refresh: what `s3kv gc --watch` enforces
+    #: (docs/operations.md) and the cost estimate assumes. 1: 99% of reuses in the conversation
+    #: traces came within 26 minutes (docs/sizing.md). An engine refreshes an object it loads at
+    #: most once per half of this (refresh_on_hit).
+    retention_h: float = 1.0
+    #: Bump the age of an object this engine loads (a server-side copy onto itself; one PUT-class
+    #: request, at most once per retention_h / 2 per object and engine), so a hot prefix outlives
+    #: the retention. Needs s3:PutObject and s3:GetObject only.
+    refresh_on_hit: bool = True
+    #: What the prefill GPU time a hit saves is worth (s3kv/core/cost.py): $ per GPU-hour, the
+    #: GPU's peak dense BF16 TFLOP/s (H100/H200 SXM), and the prefill MFU (0.65: measured on an
+    #: H200 for Gemma-3-27B, 81-90 us per token).
+    gpu_usd_per_hour: float = 3.0
+    gpu_peak_tflops: float = 989.4
+    prefill_mfu: float = 0.65
     #: Check at start-up that the bucket/prefix is reachable and readable.
     check_access: bool = True
     #: Secret for keyed integrity tags (>= 32 chars, e.g. `openssl rand -hex 32`): objects are
@@ -387,12 +409,18 @@ def validate(s: Settings) -> None:
         need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))
     need(s.multipart_part_mib >= 5, "multipart_part_mib", "must be >= 5 (S3's minimum part size)", s.multipart_part_mib)
     need(s.multipart_threshold_mib > 0, "multipart_threshold_mib", "must be > 0", s.multipart_threshold_mib)
+    need(s.range_split_mib > 0, "range_split_mib", "must be > 0", s.range_split_mib)
     need(s.breaker_failures > 0, "breaker_failures", "must be > 0", s.breaker_failures)
     need(0 <= s.metrics_port < 65536, "metrics_port", "must be a TCP port or 0", s.metrics_port)
     need(_is_bind_address(s.metrics_addr), "metrics_addr", "expected an IP address or 'localhost'", s.metrics_addr)
-    for name in ("cost_put_per_1k_usd", "cost_get_per_1k_usd", "cost_gb_month_usd", "cost_retention_days"):
+    for name in ("cost_put_per_1k_usd", "cost_get_per_1k_usd", "cost_gb_month_usd", "retention_h"):
         v = getattr(s, name)
         need(v >= 0 and v != float("inf"), name, "must be a finite number >= 0", v)
+    need(s.retention_h > 0, "retention_h", "must be > 0 (hours)", s.retention_h)
+    for name in ("gpu_usd_per_hour", "gpu_peak_tflops"):
+        v = getattr(s, name)
+        need(0 < v < float("inf"), name, "must be a finite number > 0", v)
+    need(0 < s.prefill_mfu <= 1, "prefill_mfu", "must be in (0, 1]", s.prefill_mfu)
     # Reads key files now, so a bad or missing key fails at start-up (messages never show a secret).
     _ = s.integrity
 

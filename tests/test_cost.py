@@ -9,6 +9,7 @@ import pytest
 from s3kv.config import Settings
 from s3kv.core.cost import (
     GiB,
+    Gpu,
     MiB,
     Prices,
     Usage,
@@ -18,6 +19,7 @@ from s3kv.core.cost import (
     summary,
     usage_from_stats,
     usd_per_million_tokens_served,
+    value,
 )
 from s3kv.sim import SimCacheConfig, SimEngine, gemma3_like, repeat_workload, shared_prefix_workload
 from s3kv.store.memory import MemoryStore
@@ -26,24 +28,27 @@ from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
 def test_put_requests_single_and_multipart():
     assert put_requests(1) == 1
-    assert put_requests(64 * MiB - 1) == 1  # S3KV_MULTIPART_THRESHOLD_MIB's default: one PUT
-    # create + 8 parts of 8 MiB + complete
-    assert put_requests(64 * MiB) == 10
-    assert put_requests(30 * MiB, threshold=16 * MiB) == 2 + 4
+    # S3KV_MULTIPART_THRESHOLD_MIB's default: a ~430 MB sliding-window tail is one PUT (S3 takes 5 GiB)
+    assert put_requests(1024 * MiB - 1) == 1
+    # create + 8 parts of 128 MiB + complete
+    assert put_requests(1024 * MiB) == 10
+    assert put_requests(30 * MiB, threshold=16 * MiB, part_size=8 * MiB) == 2 + 4
     assert put_requests(30 * MiB, threshold=16 * MiB, part_size=16 * MiB) == 2 + 2
 
 
 def test_get_requests_follow_the_range_split():
     assert get_requests(100) == 1
     assert get_requests(8 * MiB) == 1
-    assert get_requests(13 * MiB) == 2  # round(1.6)
-    assert get_requests(117 * MiB) == 15
+    assert get_requests(13 * MiB, split=8 * MiB) == 2  # round(1.6)
+    assert get_requests(117 * MiB, split=8 * MiB) == 15
+    assert get_requests(26 * MiB) == 2  # S3KV_RANGE_SPLIT_MIB's default: 16
     assert get_requests(117 * MiB, split=64 * MiB) == 2
 
 
 def test_cost_at_list_prices():
     p = Prices()
-    assert (p.put_per_1k, p.get_per_1k, p.gb_month, p.retention_days) == (0.005, 0.0004, 0.023, 30.0)
+    assert (p.put_per_1k, p.get_per_1k, p.gb_month, p.retention_h) == (0.005, 0.0004, 0.023, 1.0)
+    p = Prices(retention_h=30 * 24)
     c = cost(Usage(put_requests=2000, get_requests=5000, head_requests=10_000, bytes_stored=100 * GiB), p)
     assert math.isclose(c.put_usd, 0.01)
     assert math.isclose(c.get_usd, 0.002)
@@ -64,14 +69,29 @@ def test_dollars_per_million_tokens_served():
 def test_prices_refuse_nonsense():
     with pytest.raises(ValueError, match="put_per_1k"):
         Prices(put_per_1k=-1)
-    with pytest.raises(ValueError, match="retention_days"):
-        Prices(retention_days=float("nan"))
+    with pytest.raises(ValueError, match="retention_h"):
+        Prices(retention_h=float("nan"))
 
 
 def test_prices_from_settings():
-    s = Settings(url="memory://x", cost_put_per_1k_usd=0.001, cost_retention_days=1)
+    s = Settings(url="memory://x", cost_put_per_1k_usd=0.001, retention_h=24)
     p = Prices.from_settings(s)
-    assert p.put_per_1k == 0.001 and p.retention_days == 1 and p.get_per_1k == 0.0004
+    assert p.put_per_1k == 0.001 and p.retention_h == 24 and p.get_per_1k == 0.0004
+
+
+def test_the_value_line():
+    g = Gpu()
+    # The default MFU reproduces the H200 measurement: 81-90 us per token of Gemma-3-27B prefill.
+    from s3kv.tools.models import GEMMA3_27B
+
+    for n in (4096, 32768):
+        assert 75e-6 < g.seconds(GEMMA3_27B.prefill_flops(n)) / n < 90e-6
+    assert math.isclose(g.usd(g.peak_tflops * 1e12 * g.mfu * 3600), g.usd_per_hour)
+    v = value(0.5, 2.0)
+    assert v == {"s3_usd": 0.5, "gpu_usd_saved": 2.0, "ratio": 0.25}
+    assert value(1.0, 0.0)["ratio"] is None
+    with pytest.raises(ValueError, match="mfu"):
+        Gpu(mfu=1.5)
 
 
 def _engine(store, **settings):
@@ -122,7 +142,7 @@ def test_multipart_counted_at_the_configured_threshold():
 
     up = Uploader(MemoryStore(), threads=1)
     try:
-        assert (up.multipart_threshold, up.part_size) == (64 * MiB, 8 * MiB)
+        assert (up.multipart_threshold, up.part_size) == (1024 * MiB, 128 * MiB)
     finally:
         up.close()
     store = MemoryStore()

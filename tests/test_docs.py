@@ -226,7 +226,7 @@ def test_kubernetes_manifests_parse_and_name_real_settings(tmp_path):
     known = {"S3KV_" + f.name.upper() for f in dataclasses.fields(Settings)} | OTHER_ENV_VARS
     docs = [d for b in blocks(DOCS / "kubernetes.md") if b.lang == "yaml" for d in yaml.safe_load_all(b.text)]
     kinds = [d.get("kind") for d in docs if "kind" in d]
-    assert kinds == ["ServiceAccount", "ConfigMap", "Deployment"]
+    assert kinds == ["ServiceAccount", "ConfigMap", "Deployment", "ServiceAccount", "CronJob"]
     deploy = docs[2]
     [container] = deploy["spec"]["template"]["spec"]["containers"]
     env = {e["name"]: e["value"] for e in container["env"]}
@@ -243,6 +243,13 @@ def test_kubernetes_manifests_parse_and_name_real_settings(tmp_path):
     assert options["kv_connector_config"]["connector_module"] == "s3kv.trtllm"
     scrape = docs[3]["scrape_configs"][0]
     assert re.fullmatch(scrape["relabel_configs"][0]["regex"], "s3kv-rank1")
+    # The retention CronJob: one `s3kv gc --expired` pass, valid settings, the gc's own account.
+    cron = docs[5]["spec"]
+    pod = cron["jobTemplate"]["spec"]["template"]["spec"]
+    [gc] = pod["containers"]
+    assert gc["args"][:3] == ["s3kv", "gc", "--expired"] and pod["serviceAccountName"] == docs[4]["metadata"]["name"]
+    gc_env = {e["name"]: e["value"] for e in gc["env"]}
+    assert load_settings(gc_env).retention_h == 1.0 and cron["concurrencyPolicy"] == "Forbid"
 
 
 @pytest.mark.skipif(shutil.which("terraform") is None, reason="terraform not on PATH")

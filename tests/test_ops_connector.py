@@ -86,6 +86,8 @@ def test_ls_stats_verify_gc_on_connector_objects(written):
     assert abs(st["cost"]["storage_usd_per_month"] - total / 2**30 * 0.023) < 1e-3
     tokens = max(g["pages"] * g["tokens_per_block"] for g in groups)
     assert st["cost"]["bytes_per_token"] == round(total / tokens, 1)
+    # The value line: the GPU-hours a month of saved prefill at which keeping it pays ($3 / GPU-h).
+    assert st["cost"]["break_even_gpu_hours_per_month"] == pytest.approx(total / 2**30 * 0.023 / 3, abs=1e-4)
 
     code, ver = _cli(s3, prefix, "verify")
     assert code == 0 and ver["checked"] == len(keys) and ver["bad_count"] == 0

@@ -321,6 +321,8 @@ def test_apply_inspect_update_destroy(tf: Terraform, moto_endpoint: str) -> None
     out = _outputs(tf)
     assert out["s3kv_url"] == f"s3://{bucket}/{PREFIX}"
     assert out["bucket_arn"] == f"arn:aws:s3:::{bucket}"
+    # The retention the cost estimates assume is s3kv's gc, not the (whole-day) lifecycle rule.
+    assert out["gc_command"] == f"s3kv gc --url s3://{bucket}/{PREFIX} --expired --yes --watch 10m"
     for role in ("engine", "operator"):
         arn = out[f"{role}_policy_arn"]
         assert arn.startswith("arn:aws:iam::") and arn.endswith(f":policy/s3kv-{bucket}-{role}"), arn
@@ -465,7 +467,7 @@ def test_walkthrough_on_seaweedfs_with_auth(tmp_path: Path, weed_auth: Any) -> N
     engine = json.loads((workdir / "s3kv-engine-policy.json").read_text())
     assert _allowed(engine, "arn:aws:s3:::s3kv-dev/s3kv/*") == {"s3:GetObject", "s3:PutObject", "s3:AbortMultipartUpload"}
     rules = s3.get_bucket_lifecycle_configuration(Bucket="s3kv-dev")["Rules"]
-    assert [r["Filter"] for r in rules] == [{"Prefix": "s3kv/"}] and rules[0]["Expiration"] == {"Days": 30}
+    assert [r["Filter"] for r in rules] == [{"Prefix": "s3kv/"}] and rules[0]["Expiration"] == {"Days": 1}
 
     # Authentication is on: the same Terraform with a wrong key cannot even read the bucket.
     wrong = {k: v for k, v in env.items()}

@@ -50,8 +50,8 @@ VOCAB = SIM_VOCAB
 MiB = 1 << 20
 
 
-def object_blocks(page_bytes: int, target_mib: int = 32, cap: int = 64) -> int:
-    """README: objects of ~32 MiB (at most 64 blocks), at least one block."""
+def object_blocks(page_bytes: int, target_mib: int = 64, cap: int = 64) -> int:
+    """docs/configuration.md: objects of ~64 MiB (at most 64 blocks), at least one block."""
     return max(1, min(cap, target_mib * MiB // page_bytes))
 
 
@@ -107,6 +107,8 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
     ideal: list[int] = []
     runs = ("window", "window-no-branch", "all")
     spine: dict[str, set[bytes]] = {r: set() for r in runs}
+    # Full-attention objects: digest of the prefix they end at -> (first block, end block).
+    full_objects: dict[str, dict[bytes, tuple[int, int]]] = {r: {} for r in runs}
     # Sliding objects: digest of the prefix they end at -> their first block.
     objects: dict[str, dict[bytes, int]] = {r: {} for r in runs}
     sliding: dict[str, set[bytes]] = {r: set() for r in runs}  # pages stored (distinct)
@@ -121,9 +123,12 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
                 pos = end
         return pos >= h
 
+    spans: dict[str, dict[bytes, int]] = {r: {} for r in runs}  # sliding: end digest -> pages
+
     def store(run: str, d: list[bytes], first: int, end: int) -> None:
         if first < end:
             objects[run].setdefault(d[end - 1], first)
+            spans[run].setdefault(d[end - 1], end - first)
             sliding[run].update(d[first:end])
 
     for prompt, answer in streams:
@@ -146,6 +151,9 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
             save_from = h // FULL_BPO * FULL_BPO
             ends = {e for e in range(save_from + 1, E + 1) if e % FULL_BPO == 0} | {P, E}
             spine[run].update(d[e - 1] for e in ends if e > save_from)
+            for e in ends:
+                if e > save_from:  # write once: the first object of a name stays
+                    full_objects[run].setdefault(d[e - 1], (max(save_from, (e - 1) // FULL_BPO * FULL_BPO), e))
             if run == "all":
                 for e in range(save_from + 1, E + 1):
                     store(run, d, e - 1, e)
@@ -163,6 +171,14 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
         "served": served,
         "full_pages": len(kv),
         "sliding_pages": {r: len(s) for r, s in sliding.items()},
+        # Objects created (count, pages) per group: what S3 stores and bills.
+        "objects": {
+            r: {
+                "full": (len(full_objects[r]), [e - f for f, e in full_objects[r].values()]),
+                "sliding1024": (len(spans[r]), list(spans[r].values())),
+            }
+            for r in runs
+        },
     }
 
 
@@ -174,8 +190,8 @@ def replayed() -> dict:
 
 
 def test_object_sizes_the_count_assumes():
-    # Gemma-3-27B at 64 tokens per block: 5 MiB full-attention pages, 26 MiB sliding ones.
-    assert (FULL_BPO, SLIDING_BPO, CP) == (6, 1, 66)
+    # Gemma-3-27B at 64 tokens per block: 5 MiB full-attention pages, 26 MiB sliding ones; 64 MiB objects.
+    assert (FULL_BPO, SLIDING_BPO, CP) == (12, 2, 72)
 
 
 def test_replay_matches_the_independent_count(replayed):
@@ -224,6 +240,67 @@ def test_the_headline_ratios_are_those_of_the_count(replayed):
     assert ratios["distinct_page_bytes"] <= ratios["stored_bytes"] <= 2 * ratios["distinct_page_bytes"]
 
 
+def test_requests_bytes_and_dollars_are_those_of_the_count(replayed):
+    """The bill: objects and bytes S3 holds, PUT-class and HEAD requests, dollars -- from the count's
+    own arithmetic (list prices written out here; header bytes per the object format doc)."""
+    from s3kv.core.objects import header_len
+
+    want = independent_count(token_streams(FIXTURE))
+    pages = {"full": page_bytes(10), "sliding1024": page_bytes(52)}
+    res = replayed
+    pol = res["policies"]
+    unreplayed = res["sim"]["answer_blocks_not_replayed"]
+    for run in ("all", "window", "window-no-branch"):
+        p = pol[run]
+        objs = want["objects"][run]
+        if run != "all":
+            assert p["objects_by_group"] == {g: n for g, (n, _) in objs.items()}, run
+            # Full-attention objects: exactly the count's. A sliding object may repeat pages of an
+            # earlier one (a history-end tail over the prompt-end tail; the test above bounds
+            # that), so its bytes are priced from the pages the store holds: header + pages.
+            n_full, counts = objs["full"]
+            full = sum(header_len(n) + n * pages["full"] for n in counts)
+            hdr = header_len(1) - header_len(0)  # per page; header_len(0) per object
+            slid = p["objects_by_group"]["sliding1024"] * header_len(0) + p["pages_by_group"]["sliding1024"] * (
+                hdr + pages["sliding1024"]
+            )
+            assert p["stored_bytes_by_group"] == {"full": full, "sliding1024": slid}, run
+            assert want["sliding_pages"][run] <= p["pages_by_group"]["sliding1024"], run
+            stored = full + slid
+            assert p["stored_bytes"] == stored, run
+            extra = unreplayed * pages["full"]  # the answers' full-attention pages, by arithmetic
+            assert p["stored_bytes_incl_unreplayed_answers"] == stored + extra, run
+        # Every object is below the 1 GiB multipart threshold: one PUT per put call the store saw;
+        # one HEAD per key asked.
+        assert p["requests"]["put"] == p["store_calls"]["put"] >= sum(p["objects_by_group"].values())
+        assert p["requests"]["head"] == p["store_calls"]["head"]
+        assert p["requests"]["get"] >= p["store_calls"]["get"]
+        # Dollars at S3 list prices: PUT $0.005 / 1k, GET and HEAD $0.0004 / 1k; storage $0.023 per
+        # GiB-month for 1 h after the write plus half the 600 s gc period (nothing in this 17-minute
+        # slice is read 30 minutes after its write: no refresh).
+        assert p["refreshes"] == 0 and p["expired_objects"] == 0
+        rq = p["requests"]
+        usd_req = rq["put"] * 0.005 / 1000 + (rq["get"] + rq["head"]) * 0.0004 / 1000
+        assert p["requests_usd"] == pytest.approx(usd_req, rel=1e-3, abs=2e-6)
+        if run != "all":
+            hours = 1 + 300 / 3600
+            usd_storage = p["stored_bytes_incl_unreplayed_answers"] / 2**30 * 0.023 * hours / (24 * 365.25 / 12)
+            assert p["storage_usd"] == pytest.approx(usd_storage, rel=1e-3, abs=2e-6)
+        # GPU dollars saved: 2 x matmul weights x tokens + attention, at 989.4 TFLOP/s x 0.65, $3 / h.
+        m = GEMMA3_27B
+        weights = m.layers * (m.hidden * m.q_heads * m.head_dim * 2 + 2 * m.hidden * m.kv_heads * m.head_dim
+                              + 3 * m.hidden * m.intermediate)
+        flops = 0.0
+        for n in want["served"][run]:
+            local = n * (n + 1) / 2 if n <= W else W * (W + 1) / 2 + (n - W) * W
+            flops += 2 * weights * n + 4 * m.q_heads * m.head_dim * (10 * n * (n + 1) / 2 + 52 * local)
+        assert p["gpu_usd_saved"] == pytest.approx(flops / (989.4e12 * 0.65) * 3 / 3600, rel=1e-3, abs=2e-6)
+        assert p["ratio"] == pytest.approx(p["s3_usd"] / p["gpu_usd_saved"], rel=2e-3)
+    v = res["value"]
+    assert v["policy"] == "window" and v["ratio"] == pol["window"]["ratio"]
+    assert v["retention_h"] == 1.0 and v["prices"]["put_per_1k"] == 0.005
+
+
 def test_every_page_served_is_right_and_nothing_was_dropped(replayed):
     assert replayed["kv_mismatches"] == 0 and replayed["guard_violations"] == 0
     assert replayed["load_failures"] == 0
@@ -263,3 +340,24 @@ def test_cli_rejects_a_bad_trace_line(tmp_path):
     result = CliRunner().invoke(main, ["bench", "trace", str(bad), "--json"])
     assert result.exit_code != 0
     assert "bad.jsonl:1" in result.output and "hash_ids" in result.output
+
+
+def test_retention_runs_on_the_trace_clock(replayed):
+    """3 minutes of retention on a 17-minute slice: objects expire (a later lookup misses them),
+    hits refresh what they read, fewer tokens are served, every one still right."""
+    cfg = TraceConfig(path=str(FIXTURE), tokens_per_block=TPB, jobs=1, runs=("window",),
+                      prices=replayed_prices(0.05))
+    with bench_store("memory://test-trace-retention", name="trace") as bs:
+        short = run_trace(bs, cfg)
+    p, full = short["policies"]["window"], replayed["policies"]["window"]
+    assert p["expired_objects"] > 0 and p["refreshes"] > 0
+    assert 0 < p["served_tokens"] < full["served_tokens"]
+    assert p["storage_usd"] < full["storage_usd"]
+    assert short["value"]["retention_h"] == 0.05
+    assert short["kv_mismatches"] == 0 and all(short["targets_met"].values())
+
+
+def replayed_prices(retention_h: float):
+    from s3kv.core.cost import Prices
+
+    return Prices(retention_h=retention_h)

@@ -6,8 +6,17 @@ Prices are S3 Standard list prices in us-east-1 (the defaults of the ``cost_*`` 
   its CreateMultipartUpload, each UploadPart and the CompleteMultipartUpload;
 * GET and all other requests (HEAD included): $0.0004 per 1,000 -- each ranged GET;
 * storage: $0.023 per GB-month (first 50 TB; S3 bills GB = 2^30 bytes), kept for
-  ``cost_retention_days`` (default 30: the lifecycle expiry infra/terraform sets);
+  ``retention_h`` hours after the last write or refresh (default 1: what ``s3kv gc --watch``
+  enforces, docs/operations.md; 99% of the traces' reuses come within 26 minutes);
 * data transfer to compute in the same region: free (not counted).
+
+What it buys, in the same dollars (:class:`Gpu`): the prefill GPU time a served token no longer
+costs, at ``gpu_usd_per_hour`` for a GPU of ``gpu_peak_tflops`` running prefill at ``prefill_mfu``.
+The default MFU is a measurement, not a guess: on an H200, a Gemma-3-27B-shaped model (random bf16
+weights, plain PyTorch SDPA) prefilled 4k-32k-token prompts at 81-90 us per token, which is MFU
+0.59-0.68 under ``ModelSpec.prefill_flops`` (matmul-only 0.57-0.64); 0.65 sits at the fast end, so
+the GPU time saved is not overstated. :func:`value` puts the two side by side: ``ratio`` = S3
+dollars / GPU dollars saved (below 1: s3kv pays; docs/sizing.md).
 
 Other storage classes, regions or negotiated prices: set the ``cost_*`` settings (or the bench's
 options). How s3kv's requests map to S3's: an object at least ``multipart_threshold`` bytes long
@@ -26,10 +35,15 @@ MiB = 1 << 20
 GiB = 1 << 30
 #: The defaults of S3KV_MULTIPART_THRESHOLD_MIB / S3KV_MULTIPART_PART_MIB and of the S3 clients'
 #: range split (``S3Options.range_split_bytes``).
-MULTIPART_THRESHOLD = 64 * MiB
-PART_SIZE = 8 * MiB
-RANGE_SPLIT = 8 * MiB
+MULTIPART_THRESHOLD = 1024 * MiB
+PART_SIZE = 128 * MiB
+RANGE_SPLIT = 16 * MiB
 DAYS_PER_MONTH = 365.25 / 12
+HOURS_PER_MONTH = 24 * DAYS_PER_MONTH
+#: The defaults of S3KV_GPU_USD_PER_HOUR / S3KV_GPU_PEAK_TFLOPS / S3KV_PREFILL_MFU (module doc).
+GPU_USD_PER_HOUR = 3.0
+GPU_PEAK_TFLOPS = 989.4
+PREFILL_MFU = 0.65
 
 
 @dataclass(frozen=True)
@@ -37,10 +51,10 @@ class Prices:
     put_per_1k: float = 0.005
     get_per_1k: float = 0.0004
     gb_month: float = 0.023
-    retention_days: float = 30.0
+    retention_h: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("put_per_1k", "get_per_1k", "gb_month", "retention_days"):
+        for name in ("put_per_1k", "get_per_1k", "gb_month", "retention_h"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"price {name} must be a finite number >= 0, got {v!r}")
@@ -51,8 +65,44 @@ class Prices:
             settings.cost_put_per_1k_usd,
             settings.cost_get_per_1k_usd,
             settings.cost_gb_month_usd,
-            settings.cost_retention_days,
+            settings.retention_h,
         )
+
+
+@dataclass(frozen=True)
+class Gpu:
+    """What prefill GPU time costs (module doc): $ per GPU-hour, peak TFLOP/s, prefill MFU."""
+
+    usd_per_hour: float = GPU_USD_PER_HOUR
+    peak_tflops: float = GPU_PEAK_TFLOPS
+    mfu: float = PREFILL_MFU
+
+    def __post_init__(self) -> None:
+        for name in ("usd_per_hour", "peak_tflops", "mfu"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if self.mfu > 1:
+            raise ValueError(f"mfu must be at most 1, got {self.mfu!r}")
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> Gpu:
+        return cls(settings.gpu_usd_per_hour, settings.gpu_peak_tflops, settings.prefill_mfu)
+
+    def seconds(self, flops: float) -> float:
+        return flops / (self.peak_tflops * 1e12 * self.mfu)
+
+    def usd(self, flops: float) -> float:
+        return self.seconds(flops) * self.usd_per_hour / 3600
+
+
+def value(s3_usd: float, gpu_usd_saved: float) -> dict[str, float | None]:
+    """S3 dollars next to the GPU dollars they saved; ``ratio`` below 1: s3kv pays for itself."""
+    return {
+        "s3_usd": s3_usd,
+        "gpu_usd_saved": gpu_usd_saved,
+        "ratio": None if gpu_usd_saved <= 0 else s3_usd / gpu_usd_saved,
+    }
 
 
 def put_requests(size: int, threshold: int = MULTIPART_THRESHOLD, part_size: int = PART_SIZE) -> int:
@@ -100,7 +150,7 @@ class Cost:
 
 def cost(usage: Usage, prices: Prices = Prices()) -> Cost:
     """Dollars for ``usage``: its requests, and its bytes kept for the retention period."""
-    months = prices.retention_days / DAYS_PER_MONTH
+    months = prices.retention_h / HOURS_PER_MONTH
     return Cost(
         put_usd=usage.put_requests * prices.put_per_1k / 1000,
         get_usd=usage.get_requests * prices.get_per_1k / 1000,

@@ -24,6 +24,7 @@ from ..config import Settings
 from ..core.layout import CacheGeometry
 from ..store.base import ObjectStore
 from ..store.breaker import BreakerPolicy, CircuitBreakerStore
+from ..store.refresh import RefreshOnHit
 from .index import KeyIndex
 from .metrics import Metrics, MetricsStore, serve_for_rank
 
@@ -129,6 +130,7 @@ def s3_options(settings: Settings) -> Any:
         retry=RetryPolicy(max_attempts=settings.max_attempts, deadline_s=settings.retry_deadline_s),
         multipart_threshold=settings.multipart_threshold_mib * mib,
         part_size=settings.multipart_part_mib * mib,
+        range_split_bytes=settings.range_split_mib * mib,
         sse=settings.sse or None,  # type: ignore[arg-type]  # validated by Settings
         sse_kms_key_id=settings.sse_kms_key_id or None,
         client=settings.s3_client,  # type: ignore[arg-type]  # validated by Settings
@@ -171,6 +173,8 @@ def acquire_runtime(
             metrics = Metrics()
             # Metrics count every request that reaches the store; the breaker sits
             # outside them so an open breaker answers at once without touching it.
+            if settings.refresh_on_hit:  # keeps loaded objects young under s3kv gc's retention
+                store = RefreshOnHit(store, settings.retention_h * 3600 / 2)
             wrapped: ObjectStore = CircuitBreakerStore(
                 MetricsStore(store, metrics),
                 BreakerPolicy.from_settings(settings),

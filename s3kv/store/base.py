@@ -198,6 +198,12 @@ class ObjectStore(abc.ABC):
             raise NotFound("no such object", key=key)
         return self.get_ranges(key, [ByteRange(0, info.size)])[0]
 
+    def touch(self, key: str) -> bool:
+        """Bump the object's last-modified time to now, keeping its bytes and metadata (refresh
+        on hit, ``s3kv.store.refresh``). False where the store cannot (the default) or the
+        object is gone; raises StoreError on a failed request."""
+        return False
+
     @abc.abstractmethod
     def delete_many(self, keys: Sequence[str]) -> None:
         """Delete keys (missing keys are fine)."""
@@ -254,6 +260,9 @@ class StoreWrapper(ObjectStore):
 
     def delete_many(self, keys: Sequence[str]) -> None:
         self.inner.delete_many(keys)
+
+    def touch(self, key: str) -> bool:
+        return self.inner.touch(key)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         return self.inner.list(prefix)

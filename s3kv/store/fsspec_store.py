@@ -290,6 +290,20 @@ class FsspecStore(ObjectStore):
         return self._guard("get", key, read_all)
 
     # -- DELETE / LIST -----------------------------------------------------------------
+    def touch(self, key: str) -> bool:
+        if not self._local:  # fsspec has no portable "set mtime"
+            return False
+        path = self._path(key)
+
+        def utime() -> bool:
+            try:
+                os.utime(path)
+            except FileNotFoundError:
+                return False
+            return True
+
+        return self._guard("touch", key, utime)
+
     def delete_many(self, keys: Sequence[str]) -> None:
         for key in dict.fromkeys(keys):
             path = self._path(key)

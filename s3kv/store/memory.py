@@ -61,6 +61,14 @@ class MemoryStore(ObjectStore):
             out.append(body[r.offset : r.end])
         return out
 
+    def touch(self, key: str) -> bool:
+        with self._lock:
+            obj = self._objects.get(key)
+            if obj is None:
+                return False
+            self._objects[key] = (obj[0], obj[1], time.time())
+            return True
+
     def delete_many(self, keys: Sequence[str]) -> None:
         with self._lock:
             for key in keys:

@@ -174,7 +174,9 @@ def server_command(kind: str, bucket: str, prefix: str, data_dir: str | None, en
 # --------------------------------------------------------------------------- size
 @click.command("size")
 @click.option("--model", "model_name", default="gemma-3-27b", show_default=True,
-              help="A preset: gemma-3-27b, gemma-3-12b, llama-3.1-8b, llama-3.1-70b.")
+              help="A preset: gemma-3-27b, gemma-3-12b, gemma-3-4b, llama-3.1-8b, llama-3.1-70b.")
+@click.option("--model-config", type=click.Path(dir_okay=False), default=None,
+              help="A Hugging Face config.json to take the geometry from (instead of --model).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--tokens-per-block", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--prompt-tokens", default="8192,32768", show_default=True, help="Prompt lengths to price.")
@@ -182,18 +184,22 @@ def server_command(kind: str, bucket: str, prefix: str, data_dir: str | None, en
               help="Prompt tokens the fleet saves for the first time per day (for the monthly cost).")
 @click.option("--hit-tokens-per-day", type=float, default=0.0,
               help="Prompt tokens served from S3 per day (for the monthly cost).")
-@click.option("--retention-days", type=click.IntRange(min=1), default=30, show_default=True,
-              help="Lifecycle expiry of the bucket (objects live this long).")
+@click.option("--retention-h", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Hours an object lives after its last write or refresh (default: the retention_h "
+              "setting, 1; 24 x days for an S3 lifecycle rule).")
 @click.option("--price-gb-month", type=float, default=0.023, show_default=True)
 @click.option("--price-put-per-1k", type=float, default=0.005, show_default=True)
 @click.option("--price-get-per-1k", type=float, default=0.0004, show_default=True)
-@click.option("--gpu-tflops", type=float, default=989.4, show_default=True,
-              help="Peak dense BF16 TFLOP/s of one GPU (H100/H200 SXM: 989.4); an engine has --tp of them.")
-@click.option("--mfu", type=float, default=0.40, show_default=True, help="Prefill model-FLOPs utilisation.")
+@click.option("--gpu-tflops", type=float, default=None,
+              help="Peak dense BF16 TFLOP/s of one GPU (default 989.4, H100/H200 SXM); an engine has --tp of them.")
+@click.option("--mfu", type=float, default=None,
+              help="Prefill model-FLOPs utilisation (default 0.65, measured on an H200: docs/sizing.md).")
+@click.option("--gpu-usd-per-hour", type=float, default=None, help="$ per GPU-hour (default 3).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def size_command(model_name: str, tp: int, tokens_per_block: int, prompt_tokens: str, new_tokens_per_day: float,
-                 hit_tokens_per_day: float, retention_days: int, price_gb_month: float, price_put_per_1k: float,
-                 price_get_per_1k: float, gpu_tflops: float, mfu: float, as_json: bool) -> None:
+def size_command(model_name: str, model_config: str | None, tp: int, tokens_per_block: int, prompt_tokens: str,
+                 new_tokens_per_day: float, hit_tokens_per_day: float, retention_h: float | None,
+                 price_gb_month: float, price_put_per_1k: float, price_get_per_1k: float, gpu_tflops: float | None,
+                 mfu: float | None, gpu_usd_per_hour: float | None, as_json: bool) -> None:
     """Bytes, requests and dollars per prompt for a model, under both storage policies.
 
     Uses your S3KV_* settings (checkpoint_tokens, target_object_mib ...) where set.
@@ -202,25 +208,36 @@ def size_command(model_name: str, tp: int, tokens_per_block: int, prompt_tokens:
     from dataclasses import asdict
 
     from ..config import load_settings
-    from .sizing import PRESETS, Prices, Traffic, size, table
+    from ..core.cost import Gpu
+    from .models import ModelConfigError, resolve
+    from .sizing import Prices, Traffic, size, table
 
-    model = PRESETS.get(model_name.lower())
-    if model is None:
-        raise click.BadParameter(f"{model_name!r}; presets: {', '.join(PRESETS)}", param_hint="--model")
+    try:
+        model = resolve(model_name, model_config)
+    except ModelConfigError as e:
+        raise click.ClickException(str(e)) from None
+    settings = load_settings(require_url=False)
+    try:
+        gpu = Gpu(
+            settings.gpu_usd_per_hour if gpu_usd_per_hour is None else gpu_usd_per_hour,
+            settings.gpu_peak_tflops if gpu_tflops is None else gpu_tflops,
+            settings.prefill_mfu if mfu is None else mfu,
+        )
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
     try:
         lengths = tuple(int(x) for x in prompt_tokens.split(","))
     except ValueError:
         raise click.BadParameter(f"{prompt_tokens!r} is not a list of integers", param_hint="--prompt-tokens") from None
     result = size(
-        model, tp=tp, tokens_per_block=tokens_per_block, prompt_tokens=lengths,
-        settings=load_settings(require_url=False), gpu_tflops=gpu_tflops, mfu=mfu,
-        traffic=Traffic(new_tokens_per_day, hit_tokens_per_day, retention_days),
+        model, tp=tp, tokens_per_block=tokens_per_block, prompt_tokens=lengths, settings=settings, gpu=gpu,
+        traffic=Traffic(new_tokens_per_day, hit_tokens_per_day, settings.retention_h if retention_h is None else retention_h),
         prices=Prices(price_gb_month, price_put_per_1k, price_get_per_1k),
     )
     if as_json:
         click.echo(json.dumps(asdict(result), indent=2))
     else:
-        click.echo(table(result, f"{tp} x {gpu_tflops:g} TFLOP/s at MFU {mfu:g}"))
+        click.echo(table(result, f"{tp} x {gpu.peak_tflops:g} TFLOP/s at MFU {gpu.mfu:g}, ${gpu.usd_per_hour:g}/GPU-h"))
 
 
 def export_lines(env: dict[str, str]) -> list[str]:

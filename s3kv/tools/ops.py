@@ -521,9 +521,10 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         "unrecognised": {"objects": other.objects, "bytes": other.bytes},
     }
     # What keeping this costs at list prices (S3KV_COST_* settings), and what a stored token weighs.
-    from ..core.cost import GiB, Prices
+    from ..core.cost import GiB, Gpu, Prices
 
     prices = Prices.from_settings(ctx.settings) if ctx.settings is not None else Prices()
+    gpu = Gpu.from_settings(ctx.settings) if ctx.settings is not None else Gpu()
     stored_tokens = 0
     for d in namespaces:
         for gd in d["groups"]:
@@ -534,6 +535,12 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
         "gb_month_usd": prices.gb_month,
         # Bytes per token across every group, over the tokens of the group with the most pages.
         "bytes_per_token": round(doc["total"]["bytes"] / stored_tokens, 1) if stored_tokens else None,
+        # The value line: keeping this much stored pays for itself when hits save at least this
+        # much prefill GPU time a month (S3KV_GPU_USD_PER_HOUR). Requests come on top (s3kv bench
+        # trace, docs/sizing.md).
+        "gpu_usd_per_hour": gpu.usd_per_hour,
+        "break_even_gpu_hours_per_month": round(doc["total"]["bytes"] / GiB * prices.gb_month / gpu.usd_per_hour, 4),
+        "retention_h": prices.retention_h,
     }
     if deep:
         doc["inconsistent"] = inconsistent
@@ -561,6 +568,9 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
             per_token = "" if c["bytes_per_token"] is None else f", {fmt_bytes(int(c['bytes_per_token']))} per token"
             yield (f"storage at ${c['gb_month_usd']:g}/GB-month: ${c['storage_usd_per_month']:.2f} a month"
                    f"{per_token}")
+            yield (f"value: pays for itself when hits save more than {c['break_even_gpu_hours_per_month']:.2f} "
+                   f"GPU-hours of prefill a month (at ${c['gpu_usd_per_hour']:g}/GPU-h; requests on top); "
+                   f"retention {c['retention_h']:g} h: s3kv gc --expired")
         if deep and inconsistent:
             yield f"objects whose metadata and size disagree (run verify): {inconsistent}"
         if other.objects:
@@ -812,16 +822,51 @@ def verify_command(
 
 
 # -- gc ----------------------------------------------------------------------------------------
+class Duration(click.ParamType):
+    """An age: ``90s``, ``30m``, ``1h``, ``2d``, or a bare number of days; in seconds."""
+
+    name = "duration"
+    UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, float):
+            return value
+        text = str(value).strip().lower()
+        scale = self.UNITS.get(text[-1:]) if text else None
+        try:
+            n = float(text[:-1] if scale else text)
+        except ValueError:
+            n = float("nan")
+        if not n >= 0 or n == float("inf"):
+            self.fail(f"{value!r} is not an age: use e.g. 90s, 30m, 1h, 2d (a bare number is days)", param, ctx)
+        return n * (scale or 86400.0)
+
+
 @click.command("gc")
 @_common
 @click.option(
     "--older-than",
     "older_than",
-    type=click.FloatRange(min=0.0),
+    type=Duration(),
     default=None,
-    metavar="DAYS",
-    help="Delete objects last modified more than DAYS ago (0: any age).",
+    metavar="AGE",
+    help="Delete objects last modified more than AGE ago: 90s, 30m, 1h, 2d, or a bare number of days (0: any age).",
 )
+@click.option(
+    "--expired",
+    is_flag=True,
+    help="Delete objects older than the retention_h setting (S3KV_RETENTION_H, default 1 h): what the "
+    "cost estimate assumes. Engines refresh the objects they load (refresh_on_hit).",
+)
+@click.option(
+    "--watch",
+    type=Duration(),
+    default=None,
+    metavar="EVERY",
+    help="Run again every EVERY (e.g. 10m) until stopped, deleting without asking: s3kv's own expiry, "
+    "finer than S3 lifecycle rules (whole days). One JSON line / summary per pass.",
+)
+@click.option("--now", "now", type=float, default=None, hidden=True, help="Clock for tests (POSIX seconds).")
 @click.option("--namespace", "-n", default=None, help="Delete only this namespace (the full 32 hex digits).")
 @click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Delete without asking, however many objects match.")
@@ -836,6 +881,9 @@ def verify_command(
 def gc_command(
     ctx: _Ctx,
     older_than: float | None,
+    expired: bool,
+    watch: float | None,
+    now: float | None,
     namespace: str | None,
     dry_run: bool,
     yes: bool,
@@ -845,11 +893,41 @@ def gc_command(
     """Delete s3kv objects by age and/or namespace (at least one filter is required).
 
     Only keys in the s3kv layout are considered; anything else under the prefix is left alone.
+    Ages are seconds since LastModified, which a loading engine bumps (refresh on hit), so
+    ``--expired`` keeps hot prefixes and drops what nobody read within the retention.
     """
+    if expired:
+        if older_than is not None:
+            raise click.UsageError("--expired and --older-than both set an age: pass one")
+        older_than = ctx.settings.retention_h * 3600.0
     if older_than is None and namespace is None:
-        raise click.UsageError("gc needs a filter: --older-than DAYS and/or --namespace NS")
+        raise click.UsageError("gc needs a filter: --expired, --older-than AGE and/or --namespace NS")
+    if watch is not None:
+        if watch <= 0:
+            raise click.BadParameter("must be > 0", param_hint="--watch")
+        while True:
+            ctx.now = time.time() if now is None else now
+            try:
+                _gc_pass(ctx, older_than, namespace, dry_run, True, confirm_above, verbose)
+            except (StoreError, SystemExit) as exc:  # the next pass tries again
+                click.echo(f"s3kv gc: pass failed: {exc}", err=True)
+            time.sleep(watch)
+    if now is not None:
+        ctx.now = now
+    _gc_pass(ctx, older_than, namespace, dry_run, yes, confirm_above, verbose)
+
+
+def _gc_pass(
+    ctx: _Ctx,
+    older_than: float | None,
+    namespace: str | None,
+    dry_run: bool,
+    yes: bool,
+    confirm_above: int,
+    verbose: bool,
+) -> None:
     ns = _resolve_ns(ctx, namespace, exact=True)
-    cutoff = older_than * 86400.0 if older_than else None  # --older-than 0: everything
+    cutoff = older_than if older_than else None  # --older-than 0: everything
 
     victims: list[Entry] = []
     for e in _walk(ctx, ns):
@@ -888,7 +966,7 @@ def gc_command(
         "url": ctx.url,
         "dry_run": dry_run,
         "namespace": ns,
-        "older_than_days": older_than,
+        "older_than_s": older_than,
         "matched": {"objects": matched.objects, "bytes": matched.bytes},
         "deleted": {"objects": deleted.objects, "bytes": deleted.bytes},
         "by_namespace": {n: {"objects": a.objects, "bytes": a.bytes} for n, a in sorted(by_ns.items())},

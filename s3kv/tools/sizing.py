@@ -16,28 +16,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import Settings
+from ..core.cost import HOURS_PER_MONTH, GiB, Gpu, get_requests
 from ..core.hitrule import object_ends_needed, required_range
 from ..core.layout import CacheGeometry, GroupGeometry
 from ..core.objects import header_len
 from ..core.policy import StoragePolicy, object_sizes
-from .bench.common import GEMMA3_27B, ModelSpec
+from .models import MODELS, ModelSpec
 
-#: Models with published configs (text decoder; KV in 16-bit). Llama has no sliding layers.
-PRESETS: dict[str, ModelSpec] = {
-    "gemma-3-27b": GEMMA3_27B,
-    "gemma-3-12b": ModelSpec(
-        name="Gemma-3-12B", layers=48, hidden=3840, intermediate=15360, q_heads=16, kv_heads=8,
-        head_dim=256, vocab=262_208, window=1024, global_every=6,
-    ),
-    "llama-3.1-8b": ModelSpec(
-        name="Llama-3.1-8B", layers=32, hidden=4096, intermediate=14336, q_heads=32, kv_heads=8,
-        head_dim=128, vocab=128_256, window=0, global_every=1,
-    ),
-    "llama-3.1-70b": ModelSpec(
-        name="Llama-3.1-70B", layers=80, hidden=8192, intermediate=28672, q_heads=64, kv_heads=8,
-        head_dim=128, vocab=128_256, window=0, global_every=1,
-    ),
-}
+#: The one registry of model geometries (s3kv.tools.models), under the name ``s3kv size`` used.
+PRESETS = MODELS
 
 
 @dataclass(frozen=True)
@@ -56,7 +43,9 @@ class Traffic:
 
     new_tokens_per_day: float = 0.0
     hit_tokens_per_day: float = 0.0
-    retention_days: int = 30
+    #: Hours an object lives after its last write or refresh (s3kv gc --expired; 24 x days for a
+    #: lifecycle rule).
+    retention_h: float = 1.0
 
 
 def geometry_of(model: ModelSpec, tokens_per_block: int, tp: int) -> CacheGeometry:
@@ -91,7 +80,7 @@ def prompt_cost(geometry: CacheGeometry, settings: Settings, prompt_tokens: int,
     policy = StoragePolicy(geometry, max(bpo), cp, mode, settings.window_margin_blocks, bpo)
     blocks = prompt_tokens // tpb
     h = (prompt_tokens - 1) // tpb  # the engine never asks for the last prompt token
-    stored = objects = loaded = gets = 0
+    stored = objects = loaded = gets = read_objects = 0
     spine_objects = 0
     for g in geometry.groups:
         gid = g.group_id
@@ -108,12 +97,19 @@ def prompt_cost(geometry: CacheGeometry, settings: Settings, prompt_tokens: int,
         objects += geometry.tp_size * n_objects
         lo, hi = required_range(g, tpb, 0, h, settings.window_margin_blocks)
         loaded += geometry.tp_size * (hi - lo) * g.page_bytes
-        # A sliding tail is stored as one object ending at its boundary; others are chunks.
-        reads = 1 if (not policy.stores_everything(gid) and hi > lo) else len(object_ends_needed(lo, hi, bpo[gid]))
+        # A sliding tail is stored as one object ending at its boundary; others are chunks. Each
+        # object read is GETs of about S3KV_RANGE_SPLIT_MIB (one billed request each).
+        split = settings.range_split_mib << 20
+        if not policy.stores_everything(gid) and hi > lo:
+            n_read, reads = 1, get_requests((hi - lo) * g.page_bytes, split)
+        else:
+            n_read = len(object_ends_needed(lo, hi, bpo[gid]))
+            reads = n_read * get_requests(bpo[gid] * g.page_bytes, split)
         gets += geometry.tp_size * reads
+        read_objects += geometry.tp_size * n_read  # the lookup's verify wave HEADs each one
         if gid == geometry.spine_group:
             spine_objects = min(settings.lookup_probe_budget, -(-h // bpo[gid]))
-    return PromptCost(mode, prompt_tokens, stored, objects, h * tpb, loaded, gets, spine_objects + gets)
+    return PromptCost(mode, prompt_tokens, stored, objects, h * tpb, loaded, gets, spine_objects + read_objects)
 
 
 @dataclass(frozen=True)
@@ -124,6 +120,7 @@ class Sizing:
     kv_bytes_per_token: dict[str, int]
     prompts: list[dict[str, float]]
     monthly: dict[str, float] | None
+    retention_h: float = 1.0
 
 
 def size(
@@ -133,12 +130,12 @@ def size(
     tokens_per_block: int = 32,
     prompt_tokens: tuple[int, ...] = (8192, 32768),
     settings: Settings | None = None,
-    gpu_tflops: float = 989.4,
-    mfu: float = 0.40,
+    gpu: Gpu | None = None,
     traffic: Traffic | None = None,
     prices: Prices = Prices(),
 ) -> Sizing:
     settings = settings or Settings()
+    gpu = gpu or Gpu()
     if model.kv_heads % tp:
         raise ValueError(f"{model.kv_heads} KV heads do not split over TP {tp}")
     geo = geometry_of(model, tokens_per_block, tp)
@@ -149,9 +146,9 @@ def size(
     rows = []
     for p in prompt_tokens:
         # TP ranks split the prefill; perfect scaling is the optimistic (recompute-favouring) case.
-        prefill_s = model.prefill_flops((p - 1) // tokens_per_block * tokens_per_block) / (
-            tp * gpu_tflops * 1e12 * mfu
-        )
+        flops = model.prefill_flops((p - 1) // tokens_per_block * tokens_per_block)
+        prefill_s = gpu.seconds(flops) / tp
+        gpu_usd = gpu.usd(flops)  # tp GPUs for 1/tp of the time
         for mode in ("window", "all"):
             c = prompt_cost(geo, settings, p, mode)
             rows.append(
@@ -163,12 +160,15 @@ def size(
                     "heads_per_1k_hit_tokens": 1000 * c.heads / max(1, c.hit_tokens),
                     "prefill_s": prefill_s,
                     "break_even_gb_s": c.loaded_bytes / prefill_s / 1e9 if prefill_s else 0.0,
+                    # The value line: the prompt stored once and hit once within the retention.
+                    **_value_of_one_hit(c, gpu_usd, prices, traffic.retention_h if traffic else 1.0),
                 }
             )
     monthly = None
     if traffic is not None and (traffic.new_tokens_per_day or traffic.hit_tokens_per_day):
         ref = next(r for r in rows if r["policy"] == "window" and r["prompt_tokens"] == prompt_tokens[-1])
-        stored_gb = ref["stored_bytes_per_token"] * traffic.new_tokens_per_day * traffic.retention_days / 1e9
+        # Bytes alive at any moment: each day's new tokens for the retention (S3 bills GB = 2^30 B).
+        stored_gb = ref["stored_bytes_per_token"] * traffic.new_tokens_per_day * traffic.retention_h / 24 / GiB
         puts = ref["puts_per_1k_tokens"] / 1000 * traffic.new_tokens_per_day * 30
         reads = (ref["gets_per_1k_hit_tokens"] + ref["heads_per_1k_hit_tokens"]) / 1000 * traffic.hit_tokens_per_day * 30
         monthly = {
@@ -180,7 +180,19 @@ def size(
             "get_head_usd": reads / 1000 * prices.get_per_1k,
         }
         monthly["total_usd"] = monthly["storage_usd"] + monthly["put_usd"] + monthly["get_head_usd"]
-    return Sizing(model.name, tp, tokens_per_block, per_token, rows, monthly)
+        gpu_per_token = ref["gpu_usd_saved"] / max(1, ref["hit_tokens"])
+        monthly["gpu_usd_saved"] = gpu_per_token * traffic.hit_tokens_per_day * 30
+        monthly["ratio"] = monthly["total_usd"] / monthly["gpu_usd_saved"] if monthly["gpu_usd_saved"] else None
+    return Sizing(model.name, tp, tokens_per_block, per_token, rows, monthly, traffic.retention_h if traffic else 1.0)
+
+
+def _value_of_one_hit(c: PromptCost, gpu_usd: float, prices: Prices, retention_h: float) -> dict[str, float | None]:
+    s3 = (
+        c.objects * prices.put_per_1k / 1000
+        + (c.gets + c.heads) * prices.get_per_1k / 1000
+        + c.stored_bytes / GiB * prices.gb_month * retention_h / HOURS_PER_MONTH
+    )
+    return {"s3_usd_one_hit": s3, "gpu_usd_saved": gpu_usd, "ratio": s3 / gpu_usd if gpu_usd else None}
 
 
 def _b(n: float) -> str:
@@ -199,22 +211,28 @@ def table(s: Sizing, gpu: str) -> str:
         + f"; total {_b(sum(s.kv_bytes_per_token.values()))}",
         "",
         f"{'prompt':>7} {'policy':>6} | {'stored':>9} {'per token':>9} {'PUTs':>5} {'PUT/1k':>6} | "
-        f"{'hit read':>9} {'GETs':>5} {'HEADs':>5} {'GET+HEAD/1k':>11} | {'prefill':>8} {'break-even':>10}",
+        f"{'hit read':>9} {'GETs':>5} {'HEADs':>5} {'GET+HEAD/1k':>11} | {'prefill':>8} {'break-even':>10} | "
+        f"{'S3 $':>8} {'GPU $':>8} {'ratio':>6}",
     ]
     for r in s.prompts:
         lines.append(
             f"{r['prompt_tokens']:>7} {r['policy']:>6} | {_b(r['stored_bytes']):>9} {_b(r['stored_bytes_per_token']):>9} "
             f"{r['objects']:>5} {r['puts_per_1k_tokens']:>6.1f} | {_b(r['loaded_bytes']):>9} {r['gets']:>5} "
             f"{r['heads']:>5} {r['gets_per_1k_hit_tokens'] + r['heads_per_1k_hit_tokens']:>11.1f} | "
-            f"{r['prefill_s']:>7.2f}s {r['break_even_gb_s']:>6.1f} GB/s"
+            f"{r['prefill_s']:>7.2f}s {r['break_even_gb_s']:>6.1f} GB/s | "
+            f"{r['s3_usd_one_hit']:>8.5f} {r['gpu_usd_saved']:>8.5f} {r['ratio']:>6.3f}"
         )
     lines += [
         "",
         "stored: bytes one prompt writes (pages + object headers); PUTs: objects it writes.",
-        "hit read: bytes a full repeat of the prompt loads; GETs/HEADs: requests for that hit.",
+        "hit read: bytes a full repeat of the prompt loads; GETs/HEADs: requests for that hit (GETs of",
+        "  ~S3KV_RANGE_SPLIT_MIB each).",
         f"prefill: time to recompute the prompt instead ({gpu}); break-even: S3 read bandwidth at which",
         "  loading the hit takes as long as recomputing it (faster reads: loading wins).",
         "window: sliding layers store only the tails a hit can use; all: every block of every layer.",
+        f"S3 $: the prompt stored once (PUTs, bytes kept {s.retention_h:g} h) and hit once (GETs, HEADs); GPU $: the",
+        "  prefill that hit saves; ratio = S3 $ / GPU $ (below 1 s3kv pays at one hit; each further hit within",
+        "  the retention adds only its GETs and HEADs). docs/sizing.md says which knobs move it.",
     ]
     if s.monthly:
         m = s.monthly
@@ -223,5 +241,7 @@ def table(s: Sizing, gpu: str) -> str:
             f"per month at the largest prompt, window policy: {m['stored_gb']:.0f} GB stored "
             f"(${m['storage_usd']:.2f}), {m['put_requests']:.3g} PUTs (${m['put_usd']:.2f}), "
             f"{m['get_head_requests']:.3g} GETs+HEADs (${m['get_head_usd']:.2f}); total ${m['total_usd']:.2f}",
+            f"  for ${m['gpu_usd_saved']:.2f} of prefill GPU time saved: ratio "
+            + ("-" if m["ratio"] is None else f"{m['ratio']:.3f}"),
         ]
     return "\n".join(lines)

@@ -355,7 +355,7 @@ def staging_command(
     help="GPU peak BF16 TFLOP/s for the prefill estimate (default: H100/H200 SXM dense, 989.4).",
 )
 @click.option(
-    "--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation assumed (default 0.40)."
+    "--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation assumed (default 0.65, measured on an H200: docs/sizing.md)."
 )
 @click.option(
     "--checkpoint-tokens",
@@ -419,15 +419,40 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
 # --------------------------------------------------------------------------- trace
 
 
+def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
+    """``--set name=value`` pairs, converted and checked as the settings loader does."""
+    import dataclasses
+
+    from ...config import ConfigError, Settings, load_settings
+
+    names = {f.name for f in dataclasses.fields(Settings)}
+    env: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, text = pair.partition("=")
+        name = name.strip().lower()
+        if not sep or name not in names:
+            raise click.BadParameter(f"{pair!r}: expected NAME=VALUE with NAME a setting", param_hint="--set")
+        env[f"S3KV_{name.upper()}"] = text
+    try:
+        s = load_settings(env=env, require_url=False)
+    except (ConfigError, ValueError) as e:
+        raise click.BadParameter(str(e), param_hint="--set") from None
+    return {k[5:].lower(): getattr(s, k[5:].lower()) for k in env}
+
+
 @bench_group.command("trace")
 @click.argument("trace_file", type=click.Path(exists=True, dir_okay=False))
 @click.option("--format", "fmt", type=click.Choice(["mooncake"]), default="mooncake", show_default=True)
 @click.option(
     "--model",
-    type=click.Choice(["gemma-3-27b", "gemma-3-12b", "gemma-3-4b"]),
     default="gemma-3-27b",
     show_default=True,
-    help="Geometry for page sizes, objects and prefill FLOPs.",
+    help="Geometry for page sizes, objects and prefill FLOPs: a preset (s3kv size's; one with sliding-window "
+    "and full-attention layers).",
+)
+@click.option(
+    "--model-config", type=click.Path(dir_okay=False), default=None,
+    help="A Hugging Face config.json to take the geometry from (instead of --model).",
 )
 @click.option(
     "--policy",
@@ -450,9 +475,20 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
 @click.option("--put-per-1k", type=float, default=None, help="$ per 1,000 PUT-class requests (default 0.005).")
 @click.option("--get-per-1k", type=float, default=None, help="$ per 1,000 GET/HEAD requests (default 0.0004).")
 @click.option("--gb-month", type=float, default=None, help="$ per GB-month stored (default 0.023).")
-@click.option("--retention-days", type=float, default=None, help="Days an object is kept (default 30).")
+@click.option(
+    "--retention-h", type=float, default=None,
+    help="Hours an object is kept after its last write or refresh (default 1; 24 x days for a lifecycle rule).",
+)
+@click.option("--gc-period-s", type=click.FloatRange(min=0), default=600.0, show_default=True,
+              help="How often gc deletes what has expired (an expired object lives on half of it on average).")
+@click.option("--gpu-usd-per-hour", type=float, default=None, help="$ per GPU-hour (default 3).")
+@click.option(
+    "--set", "overrides", multiple=True, metavar="NAME=VALUE",
+    help="A connector setting for the replay (e.g. target_object_mib=64, range_split_mib=32): the levers.",
+)
 @click.option("--gpu-tflops", type=float, default=None, help="GPU peak BF16 TFLOP/s (default H100/H200, 989.4).")
-@click.option("--mfu", type=float, default=None, help="Prefill model-FLOPs utilisation (default 0.40).")
+@click.option("--mfu", type=float, default=None,
+              help="Prefill model-FLOPs utilisation (default 0.65: measured on an H200, docs/sizing.md).")
 @click.option("--audit", is_flag=True, help="Re-verify every page when the engine frees it (slower).")
 @click.option(
     "--jobs", type=int, default=None, help="Replays run at once, one process each (default: min(2, cores))."
@@ -466,6 +502,7 @@ def trace_command(
     trace_file: str,
     fmt: str,
     model: str,
+    model_config: str | None,
     policy: str,
     branch_tails: str,
     limit: int | None,
@@ -475,7 +512,10 @@ def trace_command(
     put_per_1k: float | None,
     get_per_1k: float | None,
     gb_month: float | None,
-    retention_days: float | None,
+    retention_h: float | None,
+    gc_period_s: float,
+    gpu_usd_per_hour: float | None,
+    overrides: tuple[str, ...],
     gpu_tflops: float | None,
     mfu: float | None,
     audit: bool,
@@ -489,7 +529,7 @@ def trace_command(
     S3 requests and dollars, prefill saved."""
     import os
 
-    from ...core.cost import Prices
+    from ...core.cost import Gpu, Prices
     from . import trace
     from .common import bench_store
     from .tracefile import TraceError
@@ -507,14 +547,33 @@ def trace_command(
             d.put_per_1k if put_per_1k is None else put_per_1k,
             d.get_per_1k if get_per_1k is None else get_per_1k,
             d.gb_month if gb_month is None else gb_month,
-            d.retention_days if retention_days is None else retention_days,
+            d.retention_h if retention_h is None else retention_h,
+        )
+        g = Gpu()
+        gpu = Gpu(
+            g.usd_per_hour if gpu_usd_per_hour is None else gpu_usd_per_hour,
+            g.peak_tflops if gpu_tflops is None else gpu_tflops,
+            g.mfu if mfu is None else mfu,
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
+    if prices.retention_h <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--retention-h")
+    from ..models import ModelConfigError, resolve
+
+    try:
+        spec = resolve(model, model_config)
+    except ModelConfigError as e:
+        raise click.ClickException(str(e)) from None
+    if not (spec.window and spec.global_layers and spec.local_layers):
+        raise click.ClickException(
+            f"bench trace replays a model with sliding-window and full-attention layers; {spec.name} "
+            f"has {'no sliding-window' if not (spec.window and spec.local_layers) else 'no full-attention'} layers"
+        )
     cfg = trace.TraceConfig(
         path=trace_file,
         fmt=fmt,
-        model=trace.MODELS[model],
+        model=spec,
         runs=tuple(runs),
         limit=limit,
         tokens_per_block=tokens_per_block,
@@ -525,10 +584,7 @@ def trace_command(
         jobs=max(1, jobs if jobs is not None else min(2, os.cpu_count() or 1)),
         url=url,
     )
-    if gpu_tflops is not None:
-        cfg = cfg.replace(gpu_tflops=gpu_tflops)
-    if mfu is not None:
-        cfg = cfg.replace(mfu=mfu)
+    cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s, settings=_settings_overrides(overrides))
     with bench_store(url or trace.DEFAULT_URL, name="trace") as bs:
         try:
             res = trace.run_trace(bs, cfg)

@@ -32,8 +32,10 @@ from typing import Any
 
 import click
 
+from ...core import cost as _cost
 from ...store.base import HeadBatch, ObjectStore, SpanExpect
 from ...store.throttle import ThrottledStore
+from ..models import GEMMA3_27B, ModelSpec  # noqa: F401 - the benchmarks' model
 
 MiB = 1 << 20
 #: Bucket the embedded server is started with.
@@ -45,81 +47,12 @@ DEFAULT_CONCURRENCY = 32
 # --------------------------------------------------------------------------- the model we quote
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """A real model's geometry, for page sizes and the prefill FLOP model.
-
-    Gemma-3-27B (text decoder), from its published config: 62 layers, hidden 5376, MLP 21504
-    (gated, 3 matrices), 32 query heads and 16 KV heads of dim 128, vocab 262,144 (tied
-    embedding), sliding window 1024 on 5 of every 6 layers (layer ``i`` is global when
-    ``(i + 1) % 6 == 0``: 10 global, 52 local). KV in bf16.
-    """
-
-    name: str = "Gemma-3-27B"
-    layers: int = 62
-    hidden: int = 5376
-    intermediate: int = 21504
-    q_heads: int = 32
-    kv_heads: int = 16
-    head_dim: int = 128
-    vocab: int = 262_144
-    window: int = 1024
-    global_every: int = 6
-    kv_dtype_bytes: int = 2
-
-    def is_global(self, layer: int) -> bool:
-        return (layer + 1) % self.global_every == 0
-
-    @property
-    def global_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.layers) if self.is_global(i))
-
-    @property
-    def local_layers(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.layers) if not self.is_global(i))
-
-    @property
-    def matmul_params_per_layer(self) -> int:
-        q = self.q_heads * self.head_dim
-        kv = self.kv_heads * self.head_dim
-        attn = self.hidden * q + 2 * self.hidden * kv + q * self.hidden
-        mlp = 3 * self.hidden * self.intermediate
-        return attn + mlp
-
-    @property
-    def matmul_params(self) -> int:
-        """Weights every prefill token multiplies (decoder layers; the embedding is a lookup and the
-        LM head only runs for the last prompt token, so neither counts for skipped tokens)."""
-        return self.layers * self.matmul_params_per_layer
-
-    def page_bytes(self, tokens_per_block: int, tp_size: int = 1) -> dict[str, int]:
-        """Bytes of one block's page per layer group on one shard (K and V of every layer in the group)."""
-        per_layer = 2 * tokens_per_block * (self.kv_heads // tp_size) * self.head_dim * self.kv_dtype_bytes
-        return {"full": per_layer * len(self.global_layers), "sliding": per_layer * len(self.local_layers)}
-
-    def prefill_flops(self, tokens: int) -> float:
-        """FLOPs to prefill ``tokens`` tokens from nothing (causal): 2 x params x tokens + attention.
-
-        Attention per layer: QK^T and AV cost 2 x head_dim FLOPs each per (query, key) pair and
-        query head, so 4 x q_heads x head_dim x (sum over query positions of keys attended):
-        ``t + 1`` keys for a global layer, ``min(t + 1, window)`` for a local one.
-        """
-        n = max(0, int(tokens))
-        full_pairs = n * (n + 1) / 2
-        w = self.window
-        local_pairs = n * (n + 1) / 2 if n <= w else w * (w + 1) / 2 + (n - w) * w
-        per_pair = 4 * self.q_heads * self.head_dim
-        attn = per_pair * (len(self.global_layers) * full_pairs + len(self.local_layers) * local_pairs)
-        return 2.0 * self.matmul_params * n + attn
-
-
-GEMMA3_27B = ModelSpec()
 
 #: GPU we convert FLOPs into seconds with: H100/H200 SXM dense BF16 peak (no sparsity).
 GPU_NAME = "NVIDIA H100/H200 SXM (BF16 dense)"
-GPU_PEAK_TFLOPS = 989.4
-#: Model FLOPs utilisation we assume for long-prompt prefill on that GPU.
-PREFILL_MFU = 0.40
+#: Its peak, and the prefill MFU measured on an H200 (s3kv/core/cost.py says how).
+GPU_PEAK_TFLOPS = _cost.GPU_PEAK_TFLOPS
+PREFILL_MFU = _cost.PREFILL_MFU
 
 
 # --------------------------------------------------------------------------- machine

@@ -31,6 +31,10 @@ Scale: the whole trace in minutes on two cores, so --
   and their full-attention pages are added to the stored bytes by arithmetic. ``--full-outputs``
   generates every answer (about twice as slow).
 
+The bill (``s3kv.tools.bench.billing``): requests and bytes at the real sizes, storage as
+byte-hours under ``--retention-h`` on the trace's clock (objects expire; hits refresh), and the
+``value`` object: S3 dollars next to the prefill GPU dollars the served tokens saved, and their ratio.
+
 The upstream example's rule (the VSWA connector example in TensorRT-LLM) is counted, not
 replayed: every group stores every full prompt block as its own object, a lookup HEADs block by
 block until the first miss, and the hit is capped by the smallest window.
@@ -50,13 +54,22 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.cost import Prices, Usage, cost, get_requests, put_requests, usd_per_million_tokens_served
-from ...store.base import Buffer, ByteRange, HeadBatch, StoreWrapper
+from ...core.cost import (
+    Gpu,
+    Prices,
+    Usage,
+    cost,
+    get_requests,
+    put_requests,
+    value,
+)
+from ...store.base import StoreWrapper
+from .. import models as _models
+from .billing import BilledStore
 from .common import (
     GEMMA3_27B,
     GPU_NAME,
     GPU_PEAK_TFLOPS,
-    PREFILL_MFU,
     BenchStore,
     ModelSpec,
     machine_info,
@@ -72,13 +85,8 @@ from .tracefile import (
     trace_reuse_tokens,
 )
 
-#: Gemma-3 text decoders (published configs): layers, hidden, MLP, query heads, KV heads, head
-#: dim, sliding window 1024; 5 local : 1 global layers, bf16 KV.
-MODELS: dict[str, ModelSpec] = {
-    "gemma-3-27b": GEMMA3_27B,
-    "gemma-3-12b": ModelSpec("Gemma-3-12B", 48, 3840, 15360, 16, 8, 256, window=1024),
-    "gemma-3-4b": ModelSpec("Gemma-3-4B", 34, 2560, 10240, 8, 4, 256, window=1024),
-}
+#: Geometries ``--model`` names (the one registry, s3kv.tools.models).
+MODELS = _models.MODELS
 #: Storage-policy runs: name -> (S3KV_STORAGE_POLICY, S3KV_BRANCH_TAILS).
 RUNS: dict[str, tuple[str, bool]] = {
     "window": ("window", True),
@@ -102,8 +110,9 @@ class TraceConfig:
     full_outputs: bool = False
     checkpoint_tokens: int = 4096
     prices: Prices = field(default_factory=Prices)
-    gpu_tflops: float = GPU_PEAK_TFLOPS
-    mfu: float = PREFILL_MFU
+    gpu: Gpu = field(default_factory=Gpu)
+    #: ``s3kv gc --watch`` period: an expired object lives on half of it on average.
+    gc_period_s: float = 600.0
     #: Re-verify every page when the engine frees it (catches stray writes; doubles the model's cost).
     audit: bool = False
     #: Chunked prefill: tokens per forward pass (TensorRT-LLM's max_num_tokens default).
@@ -112,89 +121,13 @@ class TraceConfig:
     jobs: int = 1
     #: Store each replay runs on (None: its own in-process memory:// store).
     url: str | None = None
+    #: Settings the replay's connector gets (S3KV_* names, lower case): the levers under test.
+    settings: Mapping[str, Any] = field(default_factory=dict)
     #: Put per-request served tokens (each run, the ideal, the upstream rule) into the result.
     per_request: bool = False
 
     def replace(self, **kw: Any) -> TraceConfig:
         return dataclasses.replace(self, **kw)
-
-
-# --------------------------------------------------------------------------- real-size accounting
-
-
-class RealSizeStore(StoreWrapper):
-    """Counts what the requests this store sees would be at the real model's page sizes.
-
-    The replay moves tiny pages; each object's key names its group, its metadata its page
-    count, so its real size is ``header + count x real page bytes``: PUT-class requests follow
-    from that (multipart above the threshold), GET requests from each range's real length
-    (S3Store's split), and the bytes stored per group from the objects this run created.
-    """
-
-    def __init__(self, inner: Any, multipart_threshold: int, part_size: int):
-        super().__init__(inner)
-        self.multipart_threshold, self.part_size = multipart_threshold, part_size
-        self.sim_page: dict[str, int] = {}  # group fingerprint -> sim page bytes
-        self.real_page: dict[str, int] = {}
-        self.names: dict[str, str] = {}
-        self._count: dict[str, int] = {}  # object key -> page count
-        self.reset()
-
-    def reset(self) -> None:
-        self.real_put = self.real_get = self.heads = 0
-        self.groups: dict[str, dict[str, int]] = {}
-        self.distinct: dict[str, set[bytes]] = {}
-
-    def bind(self, geometry: Any, real_page_bytes: Sequence[int]) -> None:
-        for g, real in zip(geometry.groups, real_page_bytes, strict=True):
-            self.sim_page[g.fingerprint] = g.page_bytes
-            self.real_page[g.fingerprint] = real
-            self.names[g.fingerprint] = "full" if g.window is None else f"sliding{g.window}"
-
-    def head_many(self, keys: Sequence[str]) -> HeadBatch:
-        self.heads += len(keys)
-        return self.inner.head_many(keys)
-
-    def put(self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None) -> bool:
-        from ...core.objects import header_len
-        from ...store.base import as_buffers, total_size
-
-        md = {k.lower(): v for k, v in (metadata or {}).items()}
-        fp, n = md.get("s3kv-group", ""), int(md.get("s3kv-count", "0") or 0)
-        real = header_len(n) + n * self.real_page.get(fp, 0)
-        self.real_put += put_requests(real, self.multipart_threshold, self.part_size)
-        created = self.inner.put(key, data, metadata)
-        if created:
-            self._count[key] = n
-            name = self.names.get(fp, fp)
-            e = self.groups.setdefault(name, {"objects": 0, "pages": 0, "bytes": 0, "sim_bytes": 0})
-            e["objects"] += 1
-            e["pages"] += n
-            e["bytes"] += real
-            e["sim_bytes"] += total_size(data)
-            # A simulated page's bytes are a function of its token prefix (s3kv.sim.model): its first
-            # 8 bytes tell pages apart, so objects that repeat a page (a prompt-end snapshot, then
-            # the whole chunk) count it once here.
-            body = b"".join(bytes(b) for b in as_buffers(data))
-            hl, pb = header_len(n), self.sim_page.get(fp, 0)
-            seen = self.distinct.setdefault(name, set())
-            for k in range(n if pb >= 8 else 0):
-                seen.add(body[hl + k * pb : hl + k * pb + 8])
-        return created
-
-    def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
-        from ...core.keys import parse_key
-        from ...core.objects import header_len
-
-        pk = parse_key(key)
-        fp = pk.group_fingerprint if pk else ""
-        sim, real = self.sim_page.get(fp, 1), self.real_page.get(fp, 0)
-        hl = header_len(self._count.get(key, 0))
-        for r in ranges:
-            head = min(r.length, hl) if r.offset == 0 else 0
-            pages = (r.length - head) // sim
-            self.real_get += get_requests(head + pages * real)
-        return self.inner.get_ranges(key, ranges)
 
 
 # --------------------------------------------------------------------------- the ideal and the upstream rule
@@ -353,13 +286,25 @@ def replay(
         storage_policy=policy,
         branch_tails=branch,
         checkpoint_tokens=cfg.checkpoint_tokens,
+        **cfg.settings,
         staging_mib=64,
         upload_threads=2,
         download_threads=2,
         lookup_timeout_s=0,  # no time budget: a slow moment on a busy machine must not turn a hit into a miss
+        # Refresh on hit runs on the trace's clock in BilledStore (the engine's runs on wall time).
+        refresh_on_hit=False,
+        # Positives the index remembers would outlive an expiry on the trace's clock.
+        index_ttl_s=600.0 if cfg.prices.retention_h * 3600 >= 600 else 1e-6,
     )
     sizing = real_page_bytes(cfg.model, tpb)
-    counter = RealSizeStore(bs.store, settings.multipart_threshold_mib << 20, settings.multipart_part_mib << 20)
+    counter = BilledStore(
+        bs.store,
+        settings.multipart_threshold_mib << 20,
+        settings.multipart_part_mib << 20,
+        retention_s=cfg.prices.retention_h * 3600,
+        gc_period_s=cfg.gc_period_s,
+        range_split=settings.range_split_mib << 20,
+    )
     before = bs.store.snapshot()
     synth = TokenSynth(block_tokens, SIM_VOCAB)
     history: dict[int, list[int]] = {}
@@ -383,6 +328,8 @@ def replay(
     )
     with engine:
         counter.bind(engine.workers[0].core.geometry, sizing)
+        counter.checkpoint_blocks = engine.leader.core.policy.checkpoint_blocks
+        t_first = reqs[0].timestamp_ms
         step = max(1, len(reqs) // 10)
         for r in reqs:
             a = conts.get(r.index)
@@ -392,11 +339,14 @@ def replay(
             else:
                 prompt = synth.prompt(r)
             n_out = _answer_tokens(cfg, r, r.index in continued)
+            counter.now = (r.timestamp_ms - t_first) / 1000
+            counter.prompt_blocks = len(prompt) // tpb
             rep = engine.run([_spec_class()(r.index, tuple(prompt), max_new_tokens=n_out)])
             for w in engine.workers:
                 w.flush(120)
             rr = rep.requests[0]
             served.append(rr.matched_tokens)
+            counter.credit(rr.matched_tokens)
             totals["kv_mismatches"] += rep.kv_mismatches
             totals["pages_checked"] += rep.pages_checked
             totals["guard_violations"] += rep.guard_violations
@@ -413,6 +363,7 @@ def replay(
                     f"trace: {run}: {r.index + 1}/{len(reqs)} requests, {sum(served) / 1e6:.2f}M tokens served, "
                     f"{time.perf_counter() - t0:.0f} s"
                 )
+        counter.finish()
         lstats = engine.leader.core.stats
         wstats = [w.core.stats() for w in engine.workers]
     wall = time.perf_counter() - t0
@@ -437,6 +388,12 @@ def replay(
         "branch_tail_pages": lstats.branch_tail_pages,
         "requests_sim": {"head": io.head, "put": io.put, "get": io.get},
         "requests_real": {"head": counter.heads, "put": counter.real_put, "get": counter.real_get},
+        "refreshes": counter.refreshes,
+        "get_requests_by_split_mib": counter.get_by_split,
+        "expired_objects": counter.expired,
+        "storage_gib_hours": rnd(counter.byte_seconds / 2**30 / 3600, 1),
+        "storage_usd": counter.storage_usd(cfg.prices.gb_month),
+        "by_kind": counter.kinds,
         "stored_by_group": {
             g: {**v, "distinct_pages": len(counter.distinct.get(g, ()))} for g, v in sorted(counter.groups.items())
         },
@@ -522,26 +479,38 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
 
     ideal = sum(oracle.ideal)
     unreplayed = _unreplayed_blocks(cfg, reqs, continued)
-    flop_eff = cfg.gpu_tflops * 1e12 * cfg.mfu
-
     def prefill(per_request: Sequence[int]) -> dict[str, float]:
         flops = sum(m.prefill_flops(t) for t in per_request)
-        return {"prefill_pflops_saved": rnd(flops / 1e15, 3), "gpu_seconds_saved": rnd(flops / flop_eff, 1)}
+        return {
+            "prefill_pflops_saved": rnd(flops / 1e15, 3),
+            "gpu_seconds_saved": rnd(cfg.gpu.seconds(flops), 1),
+            "gpu_usd_saved": rnd(cfg.gpu.usd(flops), 6),
+        }
 
-    def money(put: int, get: int, head: int, stored: int, served: int) -> dict[str, Any]:
+    def money(
+        put: int, get: int, head: int, stored: int, served: int, storage_usd: float | None = None
+    ) -> dict[str, Any]:
+        """Requests at list prices; storage as replayed (``storage_usd``: byte-seconds under
+        retention) or, for the counted upstream rule, every byte kept for the retention."""
         usage = Usage(put, get, head, stored, served)
         c = cost(usage, cfg.prices)
+        if storage_usd is not None:
+            c = dataclasses.replace(c, storage_usd=storage_usd)
         per_h = (lambda x: rnd(x / hours, 4)) if hours > 0 else (lambda x: None)
         return {
-            "requests_usd": rnd(c.requests_usd, 4),
-            "storage_usd": rnd(c.storage_usd, 4),
+            "requests_usd": rnd(c.requests_usd, 6),
+            "storage_usd": rnd(c.storage_usd, 6),
+            "s3_usd": rnd(c.total_usd, 6),
             "usd_per_trace_hour": per_h(c.total_usd),
             "requests_usd_per_trace_hour": per_h(c.requests_usd),
             "storage_usd_per_trace_hour": per_h(c.storage_usd),
-            "usd_per_1m_tokens_served": None
-            if served <= 0
-            else rnd(usd_per_million_tokens_served(usage, cfg.prices) or 0.0, 4),
+            "usd_per_1m_tokens_served": None if served <= 0 else rnd(c.total_usd * 1e6 / served, 4),
         }
+
+    def priced(row: dict[str, Any]) -> dict[str, Any]:
+        v = value(row["s3_usd"], row["gpu_usd_saved"])
+        row["ratio"] = None if v["ratio"] is None else rnd(v["ratio"], 4)
+        return row
 
     page_of = {"full": pages[0], f"sliding{m.window}": pages[1]}
     table: dict[str, dict[str, Any]] = {}
@@ -566,10 +535,24 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "distinct_pages_by_group": {g: v["distinct_pages"] for g, v in r["stored_by_group"].items()},
             "objects_by_group": {g: v["objects"] for g, v in r["stored_by_group"].items()},
             "per_1k_prompt_tokens": {k: rnd(1000 * v / prompt_tokens, 4) for k, v in rq.items()},
+            "per_1k_served_tokens": {k: rnd(1000 * v / r["served_tokens"], 4) for k, v in rq.items()}
+            if r["served_tokens"]
+            else None,
             # HEAD waves that went to the store, per lookup: each is a round trip on the scheduler's path.
             "round_trips_per_lookup": rnd(r["lookup_waves"] / r["lookups"], 3) if r["lookups"] else 0.0,
-            **money(rq["put"], rq["get"], rq["head"], stored_real + extra, r["served_tokens"]),
+            # The unreplayed answers' pages live as long as their request's other objects.
+            **money(
+                rq["put"], rq["get"], rq["head"], stored_real + extra, r["served_tokens"],
+                r["storage_usd"] * (stored_real + extra) / stored_real if stored_real else 0.0,
+            ),
             **prefill(r["served_per_request"]),
+            "refreshes": r["refreshes"],
+            "expired_objects": r["expired_objects"],
+            "get_requests_by_split_mib": r["get_requests_by_split_mib"],
+            # What the store itself counted (calls, not billed requests): the accounting's cross-check.
+            "store_calls": r["requests_sim"],
+            "requests": dict(rq),
+            "by_kind": r["by_kind"],
             "kv_mismatches": r["kv_mismatches"],
             "branch_tails_stored": r["branch_tails_stored"],
             "wall_s": r["wall_s"],
@@ -587,11 +570,36 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "put": rnd(1000 * oracle.up["real_put"] / prompt_tokens, 4),
             "get": rnd(1000 * oracle.up["real_get"] / prompt_tokens, 4),
         },
-        **money(oracle.up["real_put"], oracle.up["real_get"], oracle.up["head"], up_stored, sum(oracle.upstream)),
+        **money(oracle.up["real_put"], oracle.up["real_get"], oracle.up["head"], up_stored, sum(oracle.upstream),
+                cost(Usage(bytes_stored=up_stored), cfg.prices).storage_usd),
         **prefill(oracle.upstream),
         "modelled": "counted from its rule, not replayed",
     }
+    for row in table.values():
+        priced(row)
+    from ...config import Settings
+
+    first = table[cfg.runs[0]]
+    res_value = {
+        "policy": cfg.runs[0],
+        "s3_usd": first["s3_usd"],
+        "requests_usd": first["requests_usd"],
+        "storage_usd": first["storage_usd"],
+        "gpu_usd_saved": first["gpu_usd_saved"],
+        "ratio": first["ratio"],
+        "prices": dataclasses.asdict(cfg.prices),
+        "retention_h": cfg.prices.retention_h,
+        "gc_period_s": cfg.gc_period_s,
+        "gpu": dataclasses.asdict(cfg.gpu),
+        "settings": {
+            k: getattr(Settings(**cfg.settings), k)
+            for k in ("multipart_threshold_mib", "multipart_part_mib", "range_split_mib", "target_object_mib")
+        },
+        "note": "ratio = S3 $ (requests + storage from write to retention after the last write or refresh) / "
+        "prefill GPU $ the served tokens saved; below 1 s3kv pays for itself",
+    }
     res: dict[str, Any] = {
+        "value": res_value,
         "bench": "trace",
         "store": bs.info(),
         "latency_ms_injected": bs.latency_ms,
@@ -633,9 +641,9 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "sliding_window": m.window,
             "kv_heads": m.kv_heads,
             "head_dim": m.head_dim,
-            "gpu": GPU_NAME if cfg.gpu_tflops == GPU_PEAK_TFLOPS else "user-given",
-            "gpu_peak_tflops": cfg.gpu_tflops,
-            "mfu": cfg.mfu,
+            "gpu": GPU_NAME if cfg.gpu.peak_tflops == GPU_PEAK_TFLOPS else "user-given",
+            "gpu_peak_tflops": cfg.gpu.peak_tflops,
+            "mfu": cfg.gpu.mfu,
         },
         "prices": dataclasses.asdict(cfg.prices),
         "ideal_tokens": ideal,
@@ -734,19 +742,18 @@ def table(res: dict[str, Any]) -> str:
         f"{t['reuse_by_hash_ids_tokens'] / 1e6:.2f}M",
         "",
         f"{'policy':>18} | {'served':>8} {'%prompt':>7} {'%ideal':>7} | {'stored GiB':>10} | "
-        f"{'PUT/1k':>7} {'GET/1k':>7} {'HEAD/1k':>7} | {'$/trace-h':>9} {'$/1M srv':>8} | {'GPU-s saved':>11} | "
+        f"{'PUT/1k':>7} {'GET/1k':>7} {'HEAD/1k':>7} | {'S3 $':>7} {'GPU $':>7} {'ratio':>6} | {'GPU-s saved':>11} | "
         f"{'mism':>4}",
     ]
     for name, p in res["policies"].items():
         per = p["per_1k_prompt_tokens"]
-        usd_h = p["usd_per_trace_hour"]
-        usd_m = p["usd_per_1m_tokens_served"]
+        ratio = "-" if p["ratio"] is None else f"{p['ratio']:.3f}"
         lines.append(
             f"{name:>18} | {p['served_tokens'] / 1e6:>7.2f}M {p['served_pct_of_prompt']:>6.1f}% "
             f"{(p['served_pct_of_ideal'] or 0):>6.1f}% | "
             f"{p.get('stored_bytes_incl_unreplayed_answers', p['stored_bytes']) / 2**30:>10.1f} | "
             f"{per['put']:>7.3f} {per['get']:>7.3f} {per['head']:>7.3f} | "
-            f"{'-' if usd_h is None else f'{usd_h:.2f}':>9} {'-' if usd_m is None else f'{usd_m:.3f}':>8} | "
+            f"{p['s3_usd']:>7.3f} {p['gpu_usd_saved']:>7.3f} {ratio:>6} | "
             f"{p['gpu_seconds_saved']:>11.0f} | {p.get('kv_mismatches', '-'):>4}"
         )
     lines.append("")
@@ -768,11 +775,27 @@ def table(res: dict[str, Any]) -> str:
             f"({b['served_pct_points_added']:+.2f} pp of prompt tokens), {b['stored_bytes_added'] / 2**30:+.1f} GiB "
             f"stored ({b['stored_bytes_added_pct']:+.1f}%: a hit also stores less), {b['tails_stored']} tails"
         )
-    pr = res["prices"]
+    for name, p in res["policies"].items():
+        kinds = p.get("by_kind")
+        if kinds:
+            parts = ", ".join(
+                f"{k} {int(d['objects'])} ({100 * d['objects_read'] / d['objects']:.0f}% read, "
+                f"{d['served_tokens'] / 1e6:.2f}M served)"
+                for k, d in kinds.items()
+                if d["objects"]
+            )
+            lines.append(f"objects by kind, {name}: {parts}")
+    pr, v = res["prices"], res["value"]
     lines.append(
-        f"prices: PUT ${pr['put_per_1k']}/1k, GET/HEAD ${pr['get_per_1k']}/1k, storage ${pr['gb_month']}/GB-month "
-        f"kept {pr['retention_days']:g} days; GPU-s at {res['model']['gpu_peak_tflops']:g} TFLOP/s x MFU "
-        f"{res['model']['mfu']:g}"
+        f"prices: PUT ${pr['put_per_1k']}/1k, GET/HEAD ${pr['get_per_1k']}/1k, storage ${pr['gb_month']}/GB-month, "
+        f"kept {pr['retention_h']:g} h after the last write or refresh (+ half a {v['gc_period_s']:g} s gc period); "
+        f"GPU ${v['gpu']['usd_per_hour']:g}/h at {v['gpu']['peak_tflops']:g} TFLOP/s x MFU {v['gpu']['mfu']:g}"
+    )
+    ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
+    lines.append(
+        f"value ({v['policy']}): S3 ${v['s3_usd']:.3f} (requests ${v['requests_usd']:.3f}, storage "
+        f"${v['storage_usd']:.3f}) for ${v['gpu_usd_saved']:.3f} of prefill GPU time saved: ratio {ratio} "
+        "(below 1: s3kv pays for itself)"
     )
     lines.append(f"took {res['seconds']:.0f} s")
     lines.append(targets_line(res))

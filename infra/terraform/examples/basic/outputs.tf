@@ -27,3 +27,8 @@ output "operator_policy_json" {
   description = "The operator policy document."
   value       = module.s3kv_bucket.operator_policy_json
 }
+
+output "gc_command" {
+  description = "Run this (operator role) for the 1-hour retention the cost estimates assume; the lifecycle rule is the backstop."
+  value       = module.s3kv_bucket.gc_command
+}

@@ -22,9 +22,9 @@ variable "force_destroy" {
 }
 
 variable "expiration_days" {
-  description = "Days after which cache objects expire."
+  description = "Days after which cache objects expire (backstop; s3kv gc --expired runs the 1-hour retention)."
   type        = number
-  default     = 30
+  default     = 1
 }
 
 variable "kms_key_arn" {

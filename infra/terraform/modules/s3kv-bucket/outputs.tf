@@ -37,3 +37,8 @@ output "s3kv_url" {
   description = "The URL to configure s3kv with (s3://<bucket>/<prefix>)."
   value       = "s3://${aws_s3_bucket.this.id}/${var.prefix}"
 }
+
+output "gc_command" {
+  description = "The retention the cost estimates assume: run this with the operator policy (a CronJob every 10 minutes without --watch, or one long-running process). It deletes objects not written or refreshed on a hit for S3KV_RETENTION_H hours (default 1); the lifecycle rule above is the backstop. docs/operations.md#retention"
+  value       = "s3kv gc --url s3://${aws_s3_bucket.this.id}/${var.prefix} --expired --yes --watch 10m"
+}

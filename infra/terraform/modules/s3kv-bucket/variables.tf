@@ -28,9 +28,9 @@ variable "force_destroy" {
 }
 
 variable "expiration_days" {
-  description = "Days after creation at which a cache object under the prefix expires (lifecycle rule). s3kv objects are write-once, so this bounds both storage cost and the age of any served KV."
+  description = "Days after creation at which a cache object under the prefix expires (lifecycle rule): the backstop. s3kv's own retention (`s3kv gc --expired --watch 10m`, 1 hour after the last write or refresh by default; docs/operations.md) deletes far sooner -- S3 lifecycle rules count whole days, while 99% of prefix reuse in conversation traces comes within 26 minutes. 1 (the smallest a rule allows) bounds the bill if the gc stops."
   type        = number
-  default     = 30
+  default     = 1
 
   validation {
     condition     = var.expiration_days > 0 && floor(var.expiration_days) == var.expiration_days

@@ -1,0 +1,140 @@
+"""Refresh on hit: keep a hot prefix alive under short retention.
+
+S3 has no access time, and s3kv's retention (``s3kv gc --expired``, docs/operations.md) deletes
+by ``LastModified``. So an engine that loads an object bumps its ``LastModified`` with a
+server-side copy of the object onto itself (:meth:`ObjectStore.touch`: same bytes, same
+metadata -- content stays write-once; one PUT-class request, no bytes through the engine).
+
+Rate limit, per object and engine: no refresh of an object this engine wrote or refreshed less
+than ``interval_s`` (half the retention) ago -- an object read by many requests costs one copy
+per half retention, and its age never passes the retention while it is read at least that
+often. Refreshes run on one background thread from a bounded queue; a full queue or a failed
+copy drops the refresh (the object may expire and be recomputed: a miss, never a wrong byte).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+
+from .base import Buffer, ByteRange, ObjectStore, StoreError, StoreWrapper
+
+log = logging.getLogger(__name__)
+
+#: Objects whose last refresh this engine remembers (~150 bytes each).
+MAX_REMEMBERED = 200_000
+#: The refresh thread ends after this long without work (started again on demand).
+IDLE_S = 5.0
+
+
+class RefreshOnHit(StoreWrapper):
+    def __init__(
+        self,
+        inner: ObjectStore,
+        interval_s: float,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        background: bool = True,
+        queue_size: int = 1024,
+    ):
+        super().__init__(inner)
+        self.interval_s = interval_s
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last: OrderedDict[str, float] = OrderedDict()  # key -> last write or refresh here
+        self.refreshed = self.dropped = self._busy = 0
+        self._queue: queue.Queue[str | None] | None = queue.Queue(maxsize=queue_size) if background else None
+        self._thread: threading.Thread | None = None
+
+    def _note(self, key: str, now: float) -> None:
+        self._last[key] = now
+        self._last.move_to_end(key)
+        while len(self._last) > MAX_REMEMBERED:
+            self._last.popitem(last=False)
+
+    def put(self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None) -> bool:
+        created = self.inner.put(key, data, metadata)
+        with self._lock:
+            self._note(key, self._clock())
+        return created
+
+    def _hit(self, key: str) -> None:
+        now = self._clock()
+        with self._lock:
+            last = self._last.get(key)
+            if last is not None and now - last < self.interval_s:
+                return
+            self._note(key, now)
+        if self._queue is None:
+            self._touch(key)
+            return
+        with self._lock:
+            self._busy += 1  # queued or running
+        try:
+            self._queue.put_nowait(key)
+        except queue.Full:
+            with self._lock:
+                self._busy -= 1
+            self.dropped += 1
+            return
+        with self._lock:
+            # Started on demand and gone after IDLE_S without work: a runtime whose store its
+            # caller owns is never closed, and must not leave a thread behind.
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="s3kv-refresh", daemon=True)
+                self._thread.start()
+
+    def _touch(self, key: str) -> None:
+        try:
+            if self.inner.touch(key):
+                self.refreshed += 1
+        except StoreError as exc:  # best effort: the object may expire and be recomputed
+            self.dropped += 1
+            log.debug("refresh of %s failed: %s", key, exc)
+
+    def _run(self) -> None:
+        assert self._queue is not None
+        while True:
+            try:
+                key = self._queue.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            if key is None:
+                return
+            self._touch(key)
+            with self._lock:
+                self._busy -= 1
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """Wait until every queued refresh has run (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._busy == 0:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
+        out = self.inner.get_ranges(key, ranges)
+        self._hit(key)
+        return out
+
+    def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
+        self.inner.get_ranges_into(key, ranges, out)
+        self._hit(key)
+
+    def close(self) -> None:
+        if self._queue is not None:
+            try:
+                self._queue.put_nowait(None)
+            except queue.Full:
+                pass
+        self.inner.close()

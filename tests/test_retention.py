@@ -1,0 +1,175 @@
+"""Retention that matches reuse: ``s3kv gc --expired/--older-than`` deletes by LastModified, and an
+engine's refresh on hit (a copy of the object onto itself) keeps a hot prefix alive -- against the
+embedded S3 server, with gc's clock injected (no real hours slept)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from click.testing import CliRunner
+from test_ops_cli import NS_A, _put, cli
+
+from s3kv.core.keys import KeyScheme
+from s3kv.store.base import ByteRange
+from s3kv.store.embedded import EmbeddedS3
+from s3kv.store.memory import MemoryStore
+from s3kv.store.refresh import RefreshOnHit
+from s3kv.tools.ops import Duration
+
+BUCKET = "s3kv-retention-test"
+PREFIX = "kv"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with EmbeddedS3("moto", bucket=BUCKET) as s:
+        yield s
+
+
+def test_gc_drops_what_expired_and_keeps_a_prefix_refreshed_on_hit(server):
+    store = server.make_store()
+    scheme = KeyScheme(PREFIX, NS_A, tp_size=1)
+    cold = _put(store, scheme, "c0c0c0c0c0c0c0c0", 0, 64, 0, 4)
+    hot = _put(store, scheme, "d0d0d0d0d0d0d0d0", 0, 64, 0, 4)
+    before = store.head(hot.key)
+    body = store.get(hot.key)
+    time.sleep(1.2)  # LastModified counts whole seconds
+    engine_side = RefreshOnHit(store, interval_s=0.0, background=False)
+    engine_side.get_ranges(hot.key, [ByteRange(0, 16)])  # a hit: the engine loads it
+    assert engine_side.refreshed == 1
+    after = store.head(hot.key)
+    lm_cold = store.head(cold.key).last_modified
+    assert after.last_modified > before.last_modified >= lm_cold - 1
+    # The copy kept the bytes and the metadata (the integrity of the object is unchanged).
+    assert store.get(hot.key) == body and dict(after.metadata) == dict(before.metadata)
+
+    # An hour later by gc's clock, with a one-hour retention... minus what separates the two:
+    # the cold object is 1 h + ~1 s old, the refreshed one 1 h - 0.5 s.
+    now = after.last_modified + 3600 - 0.5
+    env = {**server.env(PREFIX), "S3KV_RETENTION_H": "1"}
+    r = CliRunner().invoke(cli(), ["gc", "--expired", "--now", str(now), "--yes", "--json"], env=env)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    assert doc["deleted"]["objects"] == 1 and doc["older_than_s"] == 3600
+    assert store.head(cold.key) is None
+    assert store.head(hot.key) is not None
+    store.close()
+
+
+def test_refresh_is_rate_limited_per_object():
+    t = [0.0]
+    inner = MemoryStore()
+    touched: list[str] = []
+    real_touch = inner.touch
+    inner.touch = lambda key: touched.append(key) or real_touch(key)  # type: ignore[method-assign]
+    s = RefreshOnHit(inner, interval_s=1800, clock=lambda: t[0], background=False)
+    s.put("own", b"x" * 8)
+    inner.put("theirs", b"y" * 8)  # written by another cluster
+    s.get_ranges("own", [ByteRange(0, 1)])  # this engine wrote it a moment ago: young enough
+    s.get_ranges("theirs", [ByteRange(0, 1)])  # age unknown here: refreshed once...
+    s.get_ranges("theirs", [ByteRange(0, 1)])  # ...not on every hit
+    assert touched == ["theirs"]
+    t[0] = 1801.0
+    s.get_ranges("own", [ByteRange(0, 1)])
+    s.get_ranges("theirs", [ByteRange(0, 1)])
+    assert touched == ["theirs", "own", "theirs"]
+
+
+def test_a_refresh_that_fails_is_dropped_never_raised():
+    class Broken(MemoryStore):
+        def touch(self, key: str) -> bool:
+            from s3kv.store.base import TransientError
+
+            raise TransientError("copy failed", key=key)
+
+    inner = Broken()
+    inner.put("k", b"abc")
+    s = RefreshOnHit(inner, interval_s=0.0, background=False)
+    assert s.get_ranges("k", [ByteRange(0, 3)]) == [b"abc"]
+    assert s.dropped == 1 and s.refreshed == 0
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"), [("90s", 90), ("30m", 1800), ("1h", 3600), ("2d", 172800), ("1", 86400), ("0", 0)]
+)
+def test_gc_ages(text, seconds):
+    assert Duration().convert(text, None, None) == seconds
+
+
+@pytest.mark.parametrize("text", ["1w", "-1h", "h", "nan", "inf"])
+def test_gc_rejects_a_bad_age_in_one_line(text, tmp_path):
+    r = CliRunner().invoke(cli(), ["gc", "--url", f"file://{tmp_path}", "--older-than", text])
+    assert r.exit_code == 2 and "is not an age" in r.output
+
+
+def test_an_engine_refreshes_what_it_loads_and_gc_keeps_it(tmp_path):
+    """End to end on a file:// cache: a cold cluster saves; three hours pass (mtimes set back);
+    a warm cluster is served a shared prefix -- its loads refresh those objects -- and
+    ``s3kv gc --expired`` (1 h) then deletes everything else; a third cluster still hits."""
+    import os
+
+    from s3kv.config import Settings
+    from s3kv.sim import SimCacheConfig, SimEngine, gemma3_like, repeat_workload, shared_prefix_workload
+    from s3kv.store.fsspec_store import FsspecStore
+    from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+
+    url = f"file://{tmp_path}/cache"
+
+    def engine(store):
+        s = Settings(url=url, staging_mib=64, check_access=False, blocks_per_object=2, lookup_timeout_s=5.0,
+                     retention_h=1.0)
+        return SimEngine(gemma3_like(64, kv_heads=2), SimCacheConfig(tokens_per_block=16, max_seq_len=1024),
+                         S3KvConnectorLeader, S3KvConnectorWorker, connector_kwargs=dict(settings=s, store=store))
+
+    store = FsspecStore(url)
+    specs = shared_prefix_workload(n_users=3, system_len=128, user_len=40)
+    with engine(store) as cold:
+        cold.run(specs)
+        for w in cold.workers:
+            assert w.flush(30)
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "cache") for f in fs]
+    old = time.time() - 3 * 3600
+    for f in files:
+        os.utime(f, (old, old))
+    with engine(store) as warm:
+        rep = warm.run(repeat_workload(specs[:1], 100))  # one user again: its prefix is loaded
+        assert rep.matched_tokens > 0 and rep.kv_mismatches == 0
+        refresher = warm.leader._runtime.store  # the engine's store stack
+        while not isinstance(refresher, RefreshOnHit):
+            refresher = refresher.inner
+        assert refresher.wait_idle(10)
+        assert refresher.refreshed > 0
+    young = [f for f in files if os.path.getmtime(f) > old + 60]
+    assert 0 < len(young) < len(files)
+    r = CliRunner().invoke(cli(), ["gc", "--url", url, "--expired", "--yes", "--json"], env={"S3KV_RETENTION_H": "1"})
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["deleted"]["objects"] == len(files) - len(young)
+    assert sorted(os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "cache") for f in fs) == sorted(young)
+    with engine(store) as third:
+        rep = third.run(repeat_workload(specs[:1], 200))
+        assert rep.matched_tokens > 0 and rep.kv_mismatches == 0
+
+
+def test_gc_watch_runs_a_pass_every_period(tmp_path, monkeypatch):
+    """``--watch 10m``: one JSON line per pass, then it sleeps the period (here: stopped after two)."""
+    import s3kv.tools.ops as ops
+    from s3kv.store.fsspec_store import FsspecStore
+
+    url = f"file://{tmp_path}/cache"
+    store = FsspecStore(url)
+    _put(store, KeyScheme("", NS_A, tp_size=1), "e0e0e0e0e0e0e0e0", 0, 64, 0, 2)
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        if len(slept) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ops.time, "sleep", sleep)
+    r = CliRunner().invoke(cli(), ["gc", "--url", url, "--older-than", "1h", "--watch", "10m", "--json",
+                                   "--now", str(time.time() + 7200)])
+    passes = [json.loads(line) for line in r.stdout.splitlines()]
+    assert slept == [600.0, 600.0] and len(passes) == 2
+    assert passes[0]["deleted"]["objects"] == 1 and passes[1]["deleted"]["objects"] == 0
