@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
 import time
 
 import pytest
@@ -272,10 +273,12 @@ def test_v2s_own_smaller_honour_parks_only_off_a_stored_tail(chunk_blocks, parks
     assert rep.kv_mismatches == 0 and rep.requests[0].recomputed_failed_load == parks
 
 
-def test_an_abort_quiesces_another_ranks_load_in_flight():
-    """TP 2: rank 0's object is corrupt, rank 1's GET still in flight. The manager aborts on every
-    rank, then frees the pages: rank 1's download, when it comes back, must place nothing."""
-    from test_worker import GatedStore, digest, load_md, make_core, save_object, step
+@pytest.mark.parametrize("rank1", ["reading", "copying"])
+def test_an_abort_quiesces_another_ranks_load_in_flight(rank1):
+    """TP 2: rank 0's object is corrupt, rank 1's load still in flight. The manager aborts on every
+    rank, then frees the pages: rank 1's GET, when it comes back, must place nothing; a copy
+    already issued must have completed before its ``try_abort_request`` returns."""
+    from test_worker import GatedStore, _FakeEvent, digest, load_md, make_core, save_object, step
 
     from s3kv.sim.layouts import page_bytes
 
@@ -306,7 +309,24 @@ def test_an_abort_quiesces_another_ranks_load_in_flight():
         step(r0, None)
         failed = r0.take_failed_load_request_ids()
     assert failed == {5} and in_flight and not any(j.finished for j in in_flight)
-    assert r0.try_abort_request(5) is True and r1.try_abort_request(5) is True
+    assert r0.try_abort_request(5) is True
+    if rank1 == "copying":  # the GET is back, its device copies still running
+        copy_done, real_load = _FakeEvent(), r1._copier.load
+        r1._copier.load = lambda copies: (real_load(copies), copy_done)[1]
+        gated.gate.set()
+        while not all(j.event is copy_done for j in in_flight) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        returned = threading.Event()
+        t = threading.Thread(target=lambda: r1.try_abort_request(5) and returned.set())
+        t.start()
+        assert not returned.wait(0.2)  # waits for the copies ...
+        copy_done.flag.set()
+        assert returned.wait(5)  # ... then releases the pages
+        t.join()
+        r0.close()
+        r1.close()
+        return
+    assert r1.try_abort_request(5) is True
     gated.gate.set()  # rank 1's GET comes back after the abort
     while not all(j.finished for j in in_flight) and time.monotonic() < deadline:
         time.sleep(0.01)
