@@ -81,7 +81,7 @@ class AdapterIdentities:
         self._conflicted: set[int] = set()
         self._logged: set[tuple[str, str]] = set()
         self._hasher: ThreadPoolExecutor | None = None
-        self._hashing: set[Future[None]] = set()
+        self._hashing: list[Future[None]] = []
         #: Requests refused, by reason.
         self.refused: Counter[str] = Counter()
         #: Requests neither served nor saved because their adapter was still being hashed.
@@ -126,7 +126,7 @@ class AdapterIdentities:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the adapter hashes started so far (tests, benchmarks); True once all finished."""
         with self._lock:
-            futures = set(self._hashing)
+            futures = list(self._hashing)
         return not wait_futures(futures, timeout).not_done
 
     # -- internals ----------------------------------------------------------------------------
@@ -150,9 +150,8 @@ class AdapterIdentities:
             # the adapter's requests are neither served nor saved.
             if self._hasher is None:
                 self._hasher = ThreadPoolExecutor(1, thread_name_prefix="s3kv-lora-hash")
-            fut = self._hasher.submit(self._hash, a)
-            self._hashing.add(fut)
-            fut.add_done_callback(self._hashing.discard)
+            self._hashing = [f for f in self._hashing if not f.done()]
+            self._hashing.append(self._hasher.submit(self._hash, a))
             return a
         if a.state in (_READY, _PENDING) or (a.state == UNREADABLE and a.signature is None):
             if not self._unchanged(a):
