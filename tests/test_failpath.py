@@ -11,6 +11,8 @@ from __future__ import annotations
 import itertools
 import logging
 import random
+import threading
+import time
 
 import pytest
 
@@ -269,3 +271,68 @@ def test_v2s_own_smaller_honour_parks_only_off_a_stored_tail(chunk_blocks, parks
     with _engine(store, honour=honour, chunk=chunk_blocks * TPB) as eng:
         rep = eng.run([SimRequestSpec(501, PROMPT, max_new_tokens=2)], max_iterations=200)
     assert rep.kv_mismatches == 0 and rep.requests[0].recomputed_failed_load == parks
+
+
+@pytest.mark.parametrize("rank1", ["reading", "copying"])
+def test_an_abort_quiesces_another_ranks_load_in_flight(rank1):
+    """TP 2: rank 0's object is corrupt, rank 1's load still in flight. The manager aborts on every
+    rank, then frees the pages: rank 1's GET, when it comes back, must place nothing; a copy
+    already issued must have completed before its ``try_abort_request`` returns."""
+    from test_worker import GatedStore, _FakeEvent, digest, load_md, make_core, save_object, step
+
+    from s3kv.sim.layouts import page_bytes
+
+    store = MemoryStore()
+    saver0, _ = make_core(store, seed=10, tp_rank=0, tp_size=2)
+    saver1, _ = make_core(store, seed=11, tp_rank=1, tp_size=2)
+    d = digest("abort-tp")
+    md = save_object(saver0, 1, 1, 0, [3, 4, 5], d)
+    for c in (saver0, saver1):
+        step(c, md)
+        assert c.flush(5)
+        c.close()
+    key0 = saver0.object_key(1, d)
+    body, meta, t = store._objects[key0]
+    store._objects[key0] = (body[:-8] + bytes(8), meta, t)  # rank 0's checksums fail
+    gated = GatedStore(store)
+    r0, _ = make_core(store, seed=20, tp_rank=0, tp_size=2)
+    r1, l1 = make_core(gated, seed=21, tp_rank=1, tp_size=2)
+    slots = (7, 8, 9)
+    before = [page_bytes(l1, 1, s) for s in slots]
+    lmd = load_md(5, 1, d, ((0, 3), (0, 3)), range(3), slots, is_async=True)
+    step(r0, lmd, started_loading=[5])
+    step(r1, lmd, started_loading=[5])
+    in_flight = list(r1._loads.jobs)
+    deadline = time.monotonic() + 10
+    failed: set[int] = set()
+    while not failed and time.monotonic() < deadline:
+        step(r0, None)
+        failed = r0.take_failed_load_request_ids()
+    assert failed == {5} and in_flight and not any(j.finished for j in in_flight)
+    assert r0.try_abort_request(5) is True
+    if rank1 == "copying":  # the GET is back, its device copies still running
+        copy_done, real_load = _FakeEvent(), r1._copier.load
+        r1._copier.load = lambda copies: (real_load(copies), copy_done)[1]
+        gated.gate.set()
+        while not all(j.event is copy_done for j in in_flight) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        returned = threading.Event()
+        t = threading.Thread(target=lambda: r1.try_abort_request(5) and returned.set())
+        t.start()
+        assert not returned.wait(0.2)  # waits for the copies ...
+        copy_done.flag.set()
+        assert returned.wait(5)  # ... then releases the pages
+        t.join()
+        r0.close()
+        r1.close()
+        return
+    assert r1.try_abort_request(5) is True
+    gated.gate.set()  # rank 1's GET comes back after the abort
+    while not all(j.finished for j in in_flight) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert all(j.finished for j in in_flight)
+    assert [page_bytes(l1, 1, s) for s in slots] == before  # nothing landed in the freed pages
+    assert step(r1, None) == ([], []) and r1.take_failed_load_request_ids() == set()
+    r0.close()
+    r1.close()

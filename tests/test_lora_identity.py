@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +20,7 @@ from test_connector_sim import make_engine, run
 
 from s3kv.sim import SimRequestSpec, gemma3_like, random_tokens
 from s3kv.store.memory import MemoryStore
-from s3kv.trtllm.lora import CHANGED, ID_CONFLICT, NO_PATH, UNREADABLE, AdapterIdentities
+from s3kv.trtllm.lora import CHANGED, ID_CONFLICT, NO_PATH, PENDING, UNREADABLE, AdapterIdentities
 
 PROMPT_LEN = 160
 
@@ -30,6 +32,16 @@ def adapter(d, weights: bytes, config: str = '{"r": 8, "lora_alpha": 16}') -> st
     with open(os.path.join(d, "adapter_model.safetensors"), "wb") as f:
         f.write(weights)
     return str(d)
+
+
+def hashed(eng, path: str | None, task: int = 7):
+    """The engine with the adapter's identity computed: it is hashed in the background, and its
+    requests are neither served nor saved until then."""
+    ids = eng.leader.adapters
+    ids.resolve(req(task, path))
+    assert ids.wait(30)
+    ids.pending = 0
+    return eng
 
 
 def prompts(n: int, seed: int = 5) -> list[tuple[int, ...]]:
@@ -55,12 +67,12 @@ def test_one_lora_id_on_two_clusters_never_shares_kv(tmp_path, tp):
     c = str(tmp_path / "c" / "another-name")
     shutil.copytree(a, c)  # A's adapter, copied to cluster C under another path
 
-    cold = run(make_engine(store, gemma3_like(64), tp=tp), specs(1, a))
+    cold = run(hashed(make_engine(store, gemma3_like(64), tp=tp), a), specs(1, a))
     assert cold.kv_mismatches == 0 and cold.matched_tokens == 0
-    other = run(make_engine(store, gemma3_like(64), tp=tp), specs(11, b))
+    other = run(hashed(make_engine(store, gemma3_like(64), tp=tp), b), specs(11, b))
     assert other.kv_mismatches == 0
     assert other.matched_tokens == 0 and other.pages_checked == 0
-    same = run(make_engine(store, gemma3_like(64), tp=tp), specs(21, c, task=3))
+    same = run(hashed(make_engine(store, gemma3_like(64), tp=tp), c, task=3), specs(21, c, task=3))
     assert same.kv_mismatches == 0
     assert same.matched_tokens == 2 * (PROMPT_LEN - 16)  # every full block but the last token's
 
@@ -69,7 +81,7 @@ def test_lora_and_base_requests_never_share_kv(tmp_path):
     store = MemoryStore()
     a = adapter(tmp_path / "a", b"weights")
     run(make_engine(store, gemma3_like(64)), specs(1, None, task=None))
-    rep = run(make_engine(store, gemma3_like(64)), specs(11, a))
+    rep = run(hashed(make_engine(store, gemma3_like(64)), a), specs(11, a))
     assert rep.matched_tokens == 0 and rep.kv_mismatches == 0
     rep = run(make_engine(store, gemma3_like(64)), specs(21, None, task=None))
     assert rep.matched_tokens > 0 and rep.kv_mismatches == 0
@@ -97,6 +109,13 @@ def req(task, path):
     return SimpleNamespace(lora_task_id=task, py_lora_path=path)
 
 
+def resolved(ids, task, path):
+    """``resolve`` once the adapter's background hash is done."""
+    ids.resolve(req(task, path))
+    assert ids.wait(30)
+    return ids.resolve(req(task, path))
+
+
 def test_identity_is_the_adapters_content_not_its_path_or_id(tmp_path):
     ids = AdapterIdentities()
     a = adapter(tmp_path / "a", b"w1")
@@ -104,7 +123,7 @@ def test_identity_is_the_adapters_content_not_its_path_or_id(tmp_path):
     shutil.copytree(a, a2)
     b = adapter(tmp_path / "b", b"w2")
     cfg = adapter(tmp_path / "cfg", b"w1", config='{"r": 8, "lora_alpha": 32}')
-    got = {name: ids.resolve(req(task, path)) for name, task, path in
+    got = {name: resolved(ids, task, path) for name, task, path in
            [("a", 1, a), ("a2", 2, a2), ("b", 3, b), ("cfg", 4, cfg)]}
     assert all(why == "" and ident for ident, why in got.values())
     assert got["a"] == got["a2"]
@@ -116,7 +135,7 @@ def test_how_the_engine_applies_adapters_is_part_of_the_identity(tmp_path):
     a = adapter(tmp_path / "a", b"w1")
     qv = SimpleNamespace(lora_config=SimpleNamespace(lora_target_modules=["attn_q", "attn_v"]))
     all_ = SimpleNamespace(lora_config=SimpleNamespace(lora_target_modules=["attn_q", "attn_v", "attn_k"]))
-    assert AdapterIdentities(qv).resolve(req(1, a)) != AdapterIdentities(all_).resolve(req(1, a))
+    assert resolved(AdapterIdentities(qv), 1, a) != resolved(AdapterIdentities(all_), 1, a)
 
 
 def test_a_nemo_archive_is_identified_by_its_bytes(tmp_path):
@@ -124,7 +143,8 @@ def test_a_nemo_archive_is_identified_by_its_bytes(tmp_path):
     f1.write_bytes(b"archive one")
     f2.write_bytes(b"archive two")
     ids = AdapterIdentities()
-    assert ids.resolve(req(1, str(f1)))[0] != ids.resolve(req(2, str(f2)))[0]
+    one, two = resolved(ids, 1, str(f1))[0], resolved(ids, 2, str(f2))[0]
+    assert one and two and one != two
 
 
 @pytest.mark.parametrize("case", ["no_path", "missing", "no_weights", "no_config"])
@@ -147,7 +167,7 @@ def test_unidentifiable_adapters_are_refused_and_counted(tmp_path, case, caplog)
 def test_an_adapter_changed_on_disk_is_refused_from_then_on(tmp_path):
     ids = AdapterIdentities()
     d = adapter(tmp_path / "a", b"w1")
-    first, _ = ids.resolve(req(7, d))
+    first, _ = resolved(ids, 7, d)
     assert first is not None
     with open(os.path.join(d, "README.md"), "w") as f:  # not the adapter: still the same identity
         f.write("notes")
@@ -164,8 +184,139 @@ def test_one_task_id_for_two_adapters_refuses_that_id(tmp_path):
     applies is unknowable, so neither adapter is served or saved under that id again."""
     ids = AdapterIdentities()
     a, b = adapter(tmp_path / "a", b"w1"), adapter(tmp_path / "b", b"w2")
-    assert ids.resolve(req(7, a))[0] is not None
-    assert ids.resolve(req(7, b))[0] is None
+    assert resolved(ids, 7, a)[0] is not None
+    assert resolved(ids, 7, b)[0] is None
     assert ids.resolve(req(7, a))[0] is None
     assert ids.resolve(req(8, b))[0] is not None  # its own id is fine
     assert ids.refused == {ID_CONFLICT: 2}
+
+
+# ------------------------------------------------------------------ first sight is what counts
+
+
+def test_an_adapter_rewritten_while_hashed_stays_refused(tmp_path, monkeypatch):
+    """The engine loaded (and cached by task id) the files as they were when first scheduled; a
+    rewrite that lands during s3kv's hash must not let a later request be keyed by the new files
+    (the engine still applies the old weights)."""
+    d = adapter(tmp_path / "a", b"v1" * 1000)
+    w = os.path.join(d, "adapter_model.safetensors")
+    ids = AdapterIdentities()
+    real = ids._digest
+
+    def racing(files, sizes):
+        out = real(files, sizes)
+        with open(w, "wb") as f:  # the operator's rewrite lands while s3kv hashes
+            f.write(b"v2" * 1001)
+        return out
+
+    monkeypatch.setattr(ids, "_digest", racing)
+    assert ids.resolve(req(7, d)) == (None, PENDING)
+    assert ids.wait(30)
+    monkeypatch.setattr(ids, "_digest", real)
+    for _ in range(2):
+        assert ids.resolve(req(7, d))[0] is None
+        assert ids.wait(30)
+    assert ids.refused == {CHANGED: 2}
+
+
+def test_an_adapter_missing_when_first_seen_stays_refused(tmp_path):
+    """Unreadable at first sight, readable later: what the engine loaded then is unknowable."""
+    d = str(tmp_path / "a")
+    assert ids_resolve_all(ids := AdapterIdentities(), d)[0] is None
+    adapter(tmp_path / "a", b"w1")
+    assert ids_resolve_all(ids, d)[0] is None
+    assert ids.refused == {UNREADABLE: 1, CHANGED: 1}
+
+
+def ids_resolve_all(ids, path, task=7):
+    got = ids.resolve(req(task, path))
+    assert ids.wait(30)
+    return got
+
+
+def test_a_same_size_rewrite_with_its_mtime_restored_is_seen(tmp_path):
+    """``rsync --inplace -t``: same size, same inode, mtime restored; only the ctime tells."""
+    d = adapter(tmp_path / "a", b"A" * 4096)
+    w = os.path.join(d, "adapter_model.safetensors")
+    ids = AdapterIdentities()
+    assert resolved(ids, 7, d)[0] is not None
+    st = os.stat(w)
+    time.sleep(0.01)  # a ctime tick apart
+    with open(w, "r+b") as f:
+        f.write(b"B" * 4096)
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert ids.resolve(req(7, d)) == (None, ids.resolve(req(7, d))[1])
+    assert ids.refused[CHANGED] == 2
+
+
+def test_a_file_truncated_during_the_hash_refuses_the_adapter_without_a_crash(tmp_path, monkeypatch):
+    """A memory-mapped hash of a file truncated under it dies of SIGBUS (the scheduler with it);
+    plain reads come back short: the adapter changed, refused."""
+    import blake3
+
+    d = adapter(tmp_path / "a", os.urandom(20 << 20))  # more than one read
+    w = os.path.join(d, "adapter_model.safetensors")
+    big = [0]
+
+    real = blake3.blake3
+
+    class Truncating:
+        AUTO = real.AUTO
+
+        def __init__(self, *args, **kwargs):
+            self.h = real(*args, **kwargs)
+
+        def update(self, data):
+            if len(data) >= 1 << 20 and not big[0]:
+                big[0] = 1
+                os.truncate(w, 4096)  # what `cp new old` does first (O_TRUNC)
+            return self.h.update(data)
+
+        def update_mmap(self, path):
+            raise AssertionError("memory-mapped hash: a truncation SIGBUSes the engine")
+
+        def hexdigest(self, length=32):
+            return self.h.hexdigest(length=length)
+
+    monkeypatch.setattr(blake3, "blake3", Truncating)
+    ids = AdapterIdentities()
+    assert ids.resolve(req(7, d)) == (None, PENDING)
+    assert ids.wait(30)
+    assert ids.resolve(req(7, d))[0] is None
+    assert ids.refused == {CHANGED: 1} and big[0]
+
+
+def test_the_first_request_never_waits_for_the_hash(tmp_path, monkeypatch):
+    """The hash runs off the scheduler thread: the first requests are pending (not served, not
+    saved, not counted as unidentified, not warned), then the identity serves."""
+    d = adapter(tmp_path / "a", b"w1")
+    ids = AdapterIdentities()
+    gate = threading.Event()
+    real = ids._digest
+
+    def slow(files, sizes):
+        assert gate.wait(30)
+        return real(files, sizes)
+
+    monkeypatch.setattr(ids, "_digest", slow)
+    assert ids.resolve(req(7, d)) == (None, PENDING)  # returns while the hash is held
+    assert ids.resolve(req(7, d)) == (None, PENDING)
+    assert ids.pending == 2 and not ids.refused
+    gate.set()
+    assert ids.wait(30)
+    assert ids.resolve(req(7, d))[0] is not None
+
+
+def test_pending_requests_are_neither_served_nor_saved_nor_counted_unidentified(tmp_path):
+    store = MemoryStore()
+    a = adapter(tmp_path / "a", b"weights")
+    eng = make_engine(store, gemma3_like(64))
+    gate = threading.Event()
+    ids = eng.leader.adapters
+    real = ids._digest
+    ids._digest = lambda files, sizes: (gate.wait(30), real(files, sizes))[1]
+    rep = run(eng, specs(1, a, n=2))
+    gate.set()
+    assert rep.kv_mismatches == 0 and rep.matched_tokens == 0
+    assert eng.leader.core.stats.lora_unidentified == 0 and ids.pending == 2
+    assert store.keys() == []

@@ -719,6 +719,33 @@ def test_finishing_id_waits_for_its_stage_copies(store):
     a.close()
 
 
+def test_an_abort_waits_for_the_requests_stage_copies(store):
+    """The engine frees an aborted request's pages once every rank's ``try_abort_request``
+    returned: a stage copy still reading them would save another request's KV under its keys."""
+    a, _ = make_core(store, seed=1)
+    ev = _FakeEvent()
+    real_save = a._copier.save
+
+    def save(copies, stream):
+        real_save(copies, stream)
+        return ev  # the device->host copies still running on the save stream
+
+    a._copier.save = save
+    md = save_object(a, 1, 0, 0, [2, 3], digest("abort"))
+    md = ConnectorMetadata(finish_plans=(FinishPlan(1, md.stages, md.seals),))
+    assert step(a, md, finished_gen=[1]) == ([], [])  # handed, its copies pending
+    returned = threading.Event()
+    t = threading.Thread(target=lambda: returned.set() if a.try_abort_request(1) else None)
+    t.start()
+    assert not returned.wait(0.2)  # waits for the copies ...
+    ev.flag.set()
+    assert returned.wait(5)  # ... and no longer
+    t.join()
+    assert a.get_finished([], []) == ([], [])  # forgotten: never returned
+    assert not a._saves.handed and not a._saves.finish_plans and not a._saves.copy_events
+    a.close()
+
+
 def test_metrics_hook_and_several_cores_in_one_process(store):
     seen = {}
 

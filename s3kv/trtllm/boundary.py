@@ -30,19 +30,6 @@ class UnsupportedEngine(S3KvError, ValueError):
     """Bring-up refused: this engine configuration cannot be served correctly (the message says why)."""
 
 
-def kv_dtype(llm_args: Any) -> str:
-    from .identity import model_identity
-
-    return model_identity(llm_args).kv_dtype  # resolved: "auto" -> the dtype the pages really hold
-
-
-def model_id(llm_args: Any, settings: Settings) -> str:
-    from .identity import model_identity
-
-    # Name, revision, model dtype, quantization, config digest (see s3kv/trtllm/identity.py).
-    return model_identity(llm_args, settings.model_id).model_id
-
-
 def check_engine(llm_args: Any) -> None:
     """Refuse, at construction, engine settings s3kv cannot serve correctly (none left today:
     both executor loops and attention DP are served; layouts are checked at registration)."""

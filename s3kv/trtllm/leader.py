@@ -15,7 +15,7 @@ from ..engine.runtime import release_runtime
 from .api import KvCacheConnectorScheduler
 from .boundary import ConnectorSide, kv_shard, log
 from .identity import model_identity, weak_identity_warning
-from .lora import AdapterIdentities
+from .lora import PENDING, AdapterIdentities
 
 __all__ = ["S3KvConnectorLeader"]
 
@@ -101,7 +101,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             tokens = list(request.get_tokens(0))
             prompt_len = int(getattr(request, "prompt_len", len(tokens)))
             lora, unidentified = self.adapters.resolve(request)
-            if unidentified:
+            if unidentified and unidentified != PENDING:  # pending clears by itself: not counted
                 self.core.stats.lora_unidentified += 1
             n, is_async = self.core.get_num_new_matched_tokens(
                 int(request.request_id),

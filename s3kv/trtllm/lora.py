@@ -18,14 +18,17 @@ of an adapter). The adapter's name does not reach it. So the identity is built f
 
 plus the engine's ``lora_config`` fields that decide how an adapter is applied (target modules
 and their mapping, checkpoint source). Whole contents, not headers: two trainings of one
-recipe have identical safetensors headers. Hashed once per path with BLAKE3 (memory-mapped,
-all cores), the same order of work as the engine's own loading of the adapter.
+recipe have identical safetensors headers. Hashed once per path with BLAKE3 (all cores) in a
+background thread, the same order of work as the engine's own loading of the adapter; until the
+hash is done the adapter's requests are neither served nor saved (counted as pending, not warned).
 
 A request whose identity cannot be established is neither served nor saved (counted per
 reason, logged once per adapter): no path on the request (an older TensorRT-LLM), files missing
-or unreadable, files changed on disk while the engine runs (the engine may still hold the
-weights it loaded before), or one task id seen with two identities (the engine caches adapters
-by task id, so which weights it applies is unknowable; that id stays refused).
+or unreadable, files changed on disk while the engine runs, or one task id seen with two
+identities (that id stays refused). The engine loads an adapter when it first schedules one of
+its requests and caches those weights by task id, so the files as first seen (their stats,
+recorded on the scheduler thread at first sight, even when unreadable) are the weights it
+applies: any later difference -- during the hash included -- refuses that path for good.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ import os
 import threading
 from collections import Counter
 from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
@@ -51,8 +57,15 @@ _APPLY_FIELDS = ("lora_target_modules", "trtllm_modules_to_hf_modules", "lora_ck
 
 #: Refusal reasons (the keys of :attr:`AdapterIdentities.refused`).
 NO_PATH, UNREADABLE, CHANGED, ID_CONFLICT = "no_path", "unreadable", "changed_on_disk", "id_conflict"
+#: ``resolve``'s answer while the adapter is being hashed (not a refusal: it clears by itself).
+PENDING = "LoRA adapter identity being computed"
+_PENDING, _READY = "pending", "ready"
+#: Read size of the adapter hash.
+_CHUNK = 16 << 20
 
-_Signature = tuple[tuple[str, int, int, int], ...]
+#: (name, size, mtime, ctime, inode, device) of the directory ("") and each file: ctime too,
+#: because a same-size rewrite in place can restore the mtime (``rsync --inplace -t``).
+_Signature = tuple[tuple[str, int, int, int, int, int], ...]
 
 
 class AdapterIdentities:
@@ -61,19 +74,22 @@ class AdapterIdentities:
     def __init__(self, llm_args: Any = None):
         self._apply = _apply_settings(llm_args)
         self._lock = threading.Lock()
-        #: path -> (its files, their signature, the identity): a request for a known adapter
-        #: costs a few stats, no listing and no read.
-        self._by_path: dict[str, tuple[list[tuple[str, str]], _Signature, str]] = {}
-        self._changed: set[str] = set()
-        self._by_task: dict[int, str] = {}
+        self._paths: dict[str, _Adapter] = {}
+        #: task id -> the path it was first seen with: the engine caches the weights it loads
+        #: for a task id, so the first path is the one whose weights it applies.
+        self._task_path: dict[int, str] = {}
         self._conflicted: set[int] = set()
         self._logged: set[tuple[str, str]] = set()
+        self._hasher: ThreadPoolExecutor | None = None
+        self._hashing: list[Future[None]] = []
         #: Requests refused, by reason.
         self.refused: Counter[str] = Counter()
+        #: Requests neither served nor saved because their adapter was still being hashed.
+        self.pending = 0
 
     def resolve(self, request: Any) -> tuple[str | None, str]:
-        """``(identity, "")`` for a LoRA request, ``(None, "")`` for a base one, or
-        ``(None, why)`` when the adapter's identity cannot be established."""
+        """``(identity, "")`` for a LoRA request, ``(None, "")`` for a base one, ``(None, PENDING)``
+        while its adapter is hashed, or ``(None, why)`` when its identity cannot be established."""
         task = getattr(request, "lora_task_id", None)
         if task is None:
             return None, ""
@@ -91,58 +107,112 @@ class AdapterIdentities:
         with self._lock:
             if task in self._conflicted:
                 return self._refuse_locked(ID_CONFLICT, f"task {task}", _conflict_message(task))
-            identity, why, reason = self._identity_locked(path)
-            if identity is None:
-                return self._refuse_locked(reason, path, why)
-            seen = self._by_task.setdefault(task, identity)
-            if seen != identity:
-                self._conflicted.add(task)
-                return self._refuse_locked(ID_CONFLICT, f"task {task}", _conflict_message(task))
-            return identity, ""
+            first = self._task_path.setdefault(task, path)
+            a = self._adapter_locked(path)
+            if first != path:  # one id, two paths: only the same weights are the same adapter
+                b = self._adapter_locked(first)
+                if a.state == b.state == _READY and a.identity != b.identity:
+                    self._conflicted.add(task)
+                    return self._refuse_locked(ID_CONFLICT, f"task {task}", _conflict_message(task))
+                if b.state != _READY:
+                    a = b  # the weights the engine applies are those of the first path
+            if a.state == _PENDING:
+                self.pending += 1
+                return None, PENDING
+            if a.state != _READY:
+                return self._refuse_locked(a.state, a.path, a.why)
+            return a.identity, ""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the adapter hashes started so far (tests, benchmarks); True once all finished."""
+        with self._lock:
+            futures = list(self._hashing)
+        return not wait_futures(futures, timeout).not_done
 
     # -- internals ----------------------------------------------------------------------------
 
-    def _identity_locked(self, path: str) -> tuple[str | None, str, str]:
-        if path in self._changed:
-            return None, _changed_message(path), CHANGED
-        cached = self._by_path.get(path)
-        if cached is not None:
-            files, signature, identity = cached
+    def _adapter_locked(self, path: str) -> _Adapter:
+        """The path's state, checked against the files as they are now (a few stats)."""
+        a = self._paths.get(path)
+        if a is None:
+            # First sight: the engine loads the adapter as it schedules this request, so these
+            # files (this signature) are the weights it applies for as long as it runs. Recorded
+            # now, even when they cannot be read; any later difference refuses the path for good.
+            a = self._paths[path] = _Adapter(path)
             try:
-                now = _signature(files, path)
-                if now != signature and now[1:] == signature[1:] and _adapter_files(path) == files:
-                    # The directory changed, not the adapter's files (e.g. a README added).
-                    self._by_path[path] = (files, now, identity)
-                    signature = now
-                if now == signature:
-                    return identity, "", ""
-            except (OSError, ValueError):
-                pass  # a file gone: changed
-            self._changed.add(path)
-            return None, _changed_message(path), CHANGED
-        try:
-            files = _adapter_files(path)
-            before = _signature(files, path)
-        except (OSError, ValueError) as e:
-            return None, f"LoRA adapter {path}: {e}", UNREADABLE
-        try:
-            identity = self._digest(files)
-            after = _signature(files, path)
-        except (OSError, ValueError) as e:
-            return None, f"LoRA adapter {path}: {e}", UNREADABLE
-        if after != before:  # written to while it was read: try again on a later request
-            return None, f"LoRA adapter {path} changed while it was read", UNREADABLE
-        self._by_path[path] = (files, before, identity)
-        return identity, "", ""
+                a.files = _adapter_files(path)
+                a.signature = _signature(a.files, path)
+            except (OSError, ValueError) as e:
+                a.state, a.why = UNREADABLE, f"LoRA adapter {path}: {e}"
+                return a
+            a.state = _PENDING
+            # Hashed off the scheduler thread (a large adapter takes a second): until it is done
+            # the adapter's requests are neither served nor saved.
+            if self._hasher is None:
+                self._hasher = ThreadPoolExecutor(1, thread_name_prefix="s3kv-lora-hash")
+            self._hashing = [f for f in self._hashing if not f.done()]
+            self._hashing.append(self._hasher.submit(self._hash, a))
+            return a
+        if a.state in (_READY, _PENDING) or (a.state == UNREADABLE and a.signature is None):
+            if not self._unchanged(a):
+                a.state, a.why = CHANGED, _changed_message(path)
+        return a
 
-    def _digest(self, files: list[tuple[str, str]]) -> str:
+    def _unchanged(self, a: _Adapter) -> bool:
+        if a.signature is None:  # unreadable when first seen: still so?
+            try:
+                _signature(_adapter_files(a.path), a.path)
+            except (OSError, ValueError):
+                return True
+            return False
+        try:
+            now = _signature(a.files, a.path)
+            if now == a.signature:
+                return True
+            if now[1:] == a.signature[1:] and _adapter_files(a.path) == a.files:
+                # Only the directory changed, not the adapter's files (e.g. a README added).
+                a.signature = now
+                return True
+        except (OSError, ValueError):
+            pass  # a file gone: changed
+        return False
+
+    def _hash(self, a: _Adapter) -> None:
+        first = a.signature
+        assert first is not None  # hashed only when it could be read at first sight
+        try:
+            identity = self._digest(a.files, [s[1] for s in first[1:]])
+            same = _signature(a.files, a.path)[1:] == first[1:]
+            state, why = (_READY, "") if same else (CHANGED, _changed_message(a.path))
+        except _ShortRead:
+            identity, state, why = "", CHANGED, _changed_message(a.path)
+        except (OSError, ValueError) as e:
+            identity, state, why = "", UNREADABLE, f"LoRA adapter {a.path}: {e}"
+        except Exception as e:  # noqa: BLE001 - a hashing bug refuses the adapter, never the engine
+            log.exception("s3kv: hashing LoRA adapter %s failed", a.path)
+            identity, state, why = "", UNREADABLE, f"LoRA adapter {a.path}: {e!r}"
+        with self._lock:
+            if a.state == _PENDING:  # a change seen meanwhile stands
+                a.identity, a.state, a.why = identity, state, why
+
+    def _digest(self, files: list[tuple[str, str]], sizes: list[int]) -> str:
+        """BLAKE3 of the files with the sizes first seen. Ordinary reads, not a memory map: a
+        file truncated under a map kills the process (SIGBUS); a read just comes back short."""
         h = blake3.blake3(max_threads=blake3.blake3.AUTO)
         h.update(b"s3kv-lora-v1\0" + self._apply)
-        for name, full in files:
-            size = os.stat(full).st_size
+        buf = memoryview(bytearray(_CHUNK))
+        for (name, full), size in zip(files, sizes, strict=True):
             h.update(name.encode() + b"\0" + size.to_bytes(8, "little"))
-            if size:  # an empty file cannot be mapped
-                h.update_mmap(full)
+            with open(full, "rb", buffering=0) as f:
+                left = size
+                while left:
+                    n = f.readinto(buf[: min(left, _CHUNK)])
+                    if not n:
+                        raise _ShortRead(name)
+                    h.update(buf[:n])
+                    left -= n
+                if f.read(1):
+                    raise _ShortRead(name)
         return h.hexdigest(length=16)
 
     def _refuse(self, reason: str, subject: str, message: str) -> tuple[None, str]:
@@ -156,6 +226,21 @@ class AdapterIdentities:
             log.warning("s3kv: %s; its requests are neither served from nor saved to the cache "
                         "(counted as lora_unidentified)", message)
         return None, message
+
+
+class _ShortRead(Exception):
+    """A file's size differs from the one first seen: it changed while it was read."""
+
+
+@dataclass(eq=False)
+class _Adapter:
+    path: str
+    state: str = _PENDING
+    why: str = ""
+    identity: str = ""
+    files: list[tuple[str, str]] = field(default_factory=list)
+    #: Stats when first seen (None: it could not be read then).
+    signature: _Signature | None = None
 
 
 def _adapter_files(path: str) -> list[tuple[str, str]]:
@@ -178,11 +263,10 @@ def _adapter_files(path: str) -> list[tuple[str, str]]:
 
 def _signature(files: list[tuple[str, str]], path: str) -> _Signature:
     """Sizes, times and inodes of the files, and of the directory (a file added or removed)."""
-    st = os.stat(path)
-    out = [("", st.st_size, st.st_mtime_ns, st.st_ino)]
-    for name, full in files:
+    out = []
+    for name, full in [("", path), *files]:
         st = os.stat(full)
-        out.append((name, st.st_size, st.st_mtime_ns, st.st_ino))
+        out.append((name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev))
     return tuple(out)
 
 

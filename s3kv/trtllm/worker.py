@@ -19,7 +19,8 @@ from .api import (
     KvCacheLayerGroupLayout,
     KvCacheLayout,
 )
-from .boundary import ConnectorSide, check_layout, kv_dtype, kv_shard, log, model_id
+from .boundary import ConnectorSide, check_layout, kv_shard, log
+from .identity import model_identity
 
 __all__ = ["S3KvConnectorWorker"]
 
@@ -33,14 +34,15 @@ class S3KvConnectorWorker(ConnectorSide, KvCacheConnectorWorker):
         from ..engine.worker import WorkerCore  # imported here: it pulls in the transfer threads
 
         self.tp_rank, self.tp_size = kv_shard(llm_args, mapping)
+        identity = model_identity(llm_args, self.settings.model_id)  # as the leader's (same process cache)
         self.core = WorkerCore(
             settings=self.settings,
             store=self._runtime.store,
             key_prefix=self._runtime.key_prefix,
             rank=self.tp_rank,
             tp_size=self.tp_size,
-            model_id=model_id(llm_args, self.settings),
-            kv_dtype=kv_dtype(llm_args),
+            model_id=identity.model_id,
+            kv_dtype=identity.kv_dtype,
             index=self._runtime.index,
             failed_load_hook=FAILED_LOAD_HOOK in self.features,
         )

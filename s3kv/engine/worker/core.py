@@ -288,11 +288,12 @@ class WorkerCore:
     def try_abort_request(self, request_id: int) -> bool:
         """The engine's failed-load path: every rank releases the request before any rank frees
         its pages. Returns once no copy of its load can still land (pending downloads dropped,
-        copies in flight waited for) and its staged buffers are dropped: always ``True`` -- the
-        manager treats anything else as a fatal error of the engine."""
+        copies in flight waited for), no stage copy can still read its pages, and its save state
+        is dropped: always ``True`` -- the manager treats anything else as a fatal error of the
+        engine."""
         with self._lock:
             self._loads.abort(int(request_id))
-            self._saves.discard(int(request_id))
+            self._saves.abort(int(request_id))
             return True
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any = None) -> None:

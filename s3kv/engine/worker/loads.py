@@ -227,17 +227,22 @@ class LoadJobs:
         return failed
 
     def fail_now(self, failed: Failures, plan: Sequence[LoadJob] = ()) -> None:
-        """Sync loads that failed: no copy may still land, and the engine's failed-load hook (the
-        only safe outcome for a sync load) is told. ``plan``: the jobs their plans ran."""
+        """Sync loads that failed: no copy may still land, and the ids are reported where the
+        engine polls failed loads. ``plan``: the jobs their plans ran.
+
+        No TensorRT-LLM line can fail a request whose sync load failed (its failed-load path
+        covers async loads only), so the TensorRT-LLM leader plans none (``trtllm/leader.py``):
+        from an engine, reaching this is a bug -- the forward runs on unverified pages -- and is
+        logged critical. Only a ``LeaderCore`` built with ``failed_load_hook=True`` plans sync
+        loads (tests and benchmarks that drive ``WorkerCore`` directly)."""
         self._quiesce(set(failed))
         self._note_failed(failed, plan=plan)
+        log.critical("s3kv: sync load failed (no TensorRT-LLM engine can fail its request): %s", failed)
         if self.failed_load_hook:
             self.failed_report |= set(failed)
             self.counters.add("rung_engine_recompute", len(failed))
         else:
-            # The leader plans sync loads only on engines with the hook; reaching this is a bug.
             self.counters.add("rung_none", len(failed))
-            log.critical("s3kv: sync load failed on an engine without a failed-load hook: %s", failed)
 
     def fail_bound(self, md: ConnectorMetadata, reason: str, now: float) -> Failures:
         """Every load of the plan takes the failure rung; returns the sync ones (to ``fail_now``)."""

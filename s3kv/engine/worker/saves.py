@@ -271,6 +271,15 @@ class SaveJobs:
         if ob is not None:
             ob.buf.release()
 
+    def abort(self, rid: int) -> None:
+        """The engine aborts the request and frees its pages once every rank returns: wait for
+        its stage copies (``get_finished`` waits for exactly these; the latest covers the earlier
+        ones, one save stream), then forget it -- it is never returned from ``get_finished``."""
+        Copier.synchronize(self.copy_events.pop(rid, None))
+        self.handed.pop(rid, None)
+        self.finish_plans.pop(rid, None)
+        self.discard(rid)
+
     def discard(self, request_id: int) -> None:
         for bid in [b for b in self.buffers if b.request_id == request_id]:
             self._close_buffer(bid)
