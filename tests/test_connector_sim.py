@@ -345,29 +345,6 @@ def test_a_load_from_an_objects_start_is_one_get():
     assert store.snapshot().get == loaded
 
 
-@pytest.mark.parametrize("loop", ["non-overlap", "overlap+graphs"])
-def test_attention_dp_owners_share_saves_without_collectives(loop):
-    """Attention DP (1.4.0rc4 line): one scheduler and worker per owner rank, each on its own
-    requests with no collective between owners; attention is not sharded, so the keys carry no DP
-    rank (one shard) and owner 1 is served what owner 0 saved, bit-exact."""
-    store = MemoryStore()
-
-    def owner(r):
-        s = Settings(url="memory://unused", staging_mib=64, check_access=False, lookup_timeout_s=5.0)
-        return SimEngine(gemma3_like(64, kv_heads=2), SimCacheConfig(tokens_per_block=16, max_seq_len=2048),
-                         S3KvConnectorLeader, S3KvConnectorWorker, chunk_size=48, attention_dp=(r, 2),
-                         connector_kwargs=dict(settings=s, store=store, engine_key=f"adp-{r}-{next(_keys)}"),
-                         **EXECUTOR_LOOPS[loop])
-
-    specs = multi_turn_workload(n_conversations=2, turns=2, system_len=160, first_len=96, turn_len=64,
-                                max_new_tokens=24)
-    cold = run(owner(0), specs)
-    warm = run(owner(1), repeat_workload(specs, 10_000))
-    assert cold.kv_mismatches == 0 and warm.kv_mismatches == 0
-    assert warm.hit_rate >= 0.9, warm.summary()
-    assert store.keys() and all(".0of1/" in k for k in store.keys())
-
-
 def test_attention_dp_needs_connectors_that_declare_it():
     from sim_connectors import OracleLeader, OracleStore, OracleWorker
 

@@ -336,15 +336,25 @@ def _args(**kw):
 
 
 @pytest.mark.parametrize("cls", [S3KvConnectorLeader, S3KvConnectorWorker])
-@pytest.mark.parametrize("field", ["disable_overlap_scheduler", "enable_attention_dp"])
-def test_the_overlap_scheduler_and_attention_dp_are_served(cls, field):
-    """TensorRT-LLM's default loop and attention DP: accepted at bring-up, and the class flags newer
-    lines check say so."""
+def test_the_overlap_scheduler_is_served(cls):
+    """TensorRT-LLM's default loop: accepted at bring-up, and the class flag newer lines check says so."""
     s = Settings(url="memory://unused", check_access=False)
-    value = field == "enable_attention_dp"  # overlap on: disable_overlap_scheduler=False
-    side = cls(_args(**{field: value}), settings=s, store=MemoryStore(), engine_key=f"bringup-{next(_keys)}")
-    assert cls.requires_disable_overlap_scheduler is False and cls.supports_attention_dp is True
+    side = cls(_args(disable_overlap_scheduler=False), settings=s, store=MemoryStore(),
+               engine_key=f"bringup-{next(_keys)}")
+    assert cls.requires_disable_overlap_scheduler is False
     side.shutdown()
+
+
+@pytest.mark.parametrize("cls", [S3KvConnectorLeader, S3KvConnectorWorker])
+def test_attention_dp_is_refused_at_bring_up(cls):
+    """The owners' batch-size allgather can skip a pass after its metadata is bound (not modelled):
+    refused with one message, and the class flag says so."""
+    from s3kv.trtllm import UnsupportedEngine
+
+    s = Settings(url="memory://unused", check_access=False)
+    with pytest.raises(UnsupportedEngine, match="attention data parallelism"):
+        cls(_args(enable_attention_dp=True), settings=s, store=MemoryStore(), engine_key=f"bringup-{next(_keys)}")
+    assert cls.supports_attention_dp is False
 
 
 def test_bring_up_refuses_a_layout_without_the_page_api():

@@ -224,7 +224,9 @@ class SimEngine:
     ``save_kv_layer`` are not called; the forward-pass callables and ``wait_for_save`` are).
     ``attention_dp=(owner, size)``: this engine is owner rank ``owner`` of an attention-DP engine
     of ``size`` ranks (1.4.0rc4 line): its own scheduler and worker, its own requests, attention not
-    sharded (``tp_size`` 1 here), no collective with other owners -- run one SimEngine per owner.
+    sharded (``tp_size`` 1 here) -- run one SimEngine per owner. Not modelled yet: the owners'
+    batch-size allgather in ``_can_queue``, which can skip a pass on every owner after its metadata
+    was bound (why s3kv refuses attention DP; docs/failures.md).
     Both connector classes must declare ``supports_attention_dp = True`` (the manager's
     ``validate_attention_dp``); the scheduler output carries ``attention_dp_rank``.
     """
