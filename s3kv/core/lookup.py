@@ -75,6 +75,20 @@ class LookupResult:
 _EARLY_GAP = 16
 
 
+def stall_budget_s(saveable_tokens: int, prefill_tokens_per_s: float, fraction: float, cap_s: float) -> float:
+    """How long one lookup may stall the scheduler: ``fraction`` of the prefill time its best
+    possible hit would save (``saveable_tokens`` at ``prefill_tokens_per_s``), at most ``cap_s``.
+
+    Why value, not a fixed time: the lookup holds the whole batch for its wall time, while a miss
+    costs that request's prefill. Waiting 100 ms to skip the ~2 s prefill of a 16k-token prompt
+    is a good trade; waiting 50 ms to skip 200 tokens is not. The cap bounds what a hung store
+    can cost any one lookup, however long the prompt.
+    """
+    if saveable_tokens <= 0 or prefill_tokens_per_s <= 0:
+        return 0.0
+    return max(0.0, min(cap_s, fraction * saveable_tokens / prefill_tokens_per_s))
+
+
 def _strided(ends: list[int], budget: int) -> list[int]:
     if len(ends) <= budget:
         return list(ends)
