@@ -183,6 +183,9 @@ class Settings:
     #: HEAD answers do (for index_ttl_s): a cold hit then costs no request either. Spans come
     #: from the key and the size; the load still verifies header and checksums before placing.
     lookup_summary_trust_s: float = 0.0
+    #: At layout registration (before the first request), spend at most about this long paying
+    #: what the first lookup would pay once: HEAD helper processes, event loop, connections. 0 = off.
+    warm_up_s: float = 10.0
     #: S3 client for s3:// URLs: auto (obstore when installed, else boto3), obstore, boto3.
     s3_client: str = "auto"
     #: Local key index bound (~300 bytes an entry).
@@ -325,6 +328,7 @@ def validate(s: Settings) -> None:
         "request_state_ttl_s",
         "breaker_reset_s",
         "lookup_max_stall_ms",
+        "warm_up_s",
     ):
         need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))
     need(s.lookup_timeout_s >= 0 or s.lookup_timeout_s == -1, "lookup_timeout_s",

@@ -218,6 +218,7 @@ INVALID = {
     "lookup_stall_fraction": ["0", "-0.5", "nan"],
     "lookup_max_stall_ms": ["-1"],
     "prefill_tokens_per_s": ["0", "fast"],
+    "warm_up_s": ["-1"],
     "lookup_max_pending": ["-1"],
     "lookup_head_concurrency": ["0"],
     "lookup_head_processes": ["-2", "many"],

@@ -30,7 +30,7 @@ Metric names (all prefixed ``s3kv_``)::
     lookup_cpu_seconds_total, lookup_hash_cpu_seconds_total, prompt_tokens_total, rank_info{rank,tp_size}
     lookup_stall_seconds{decision} (histogram: what each lookup held the scheduler),
     lookup_budget_seconds (histogram), lookup_saveable_tokens_total{decision},
-    lookup_decisions_total{decision}  (hit, miss, ran_out, busy, error, skipped)
+    lookup_decisions_total{decision}  (hit, miss, ran_out, busy, error, skipped), warm_up_seconds
     store_requests_total{op}, store_bytes_total{op,direction}, store_request_seconds{op},
     store_retries_total{op}, store_errors_total{op,type}
     breaker_state (0 closed, 1 half-open, 2 open), breaker_transitions_total{from_state,to_state}
@@ -200,6 +200,11 @@ class Metrics:
             ["decision"], registry=r,
         )
         self._lookup_seq: dict[str, int] = {}
+        self.warm_up_seconds = Gauge(
+            f"{p}_warm_up_seconds",
+            "Seconds the store client's warm-up took at layout registration (helpers, connections).",
+            registry=r,
+        )
         self.hits = Counter(f"{p}_lookup_hits", "Lookups that found servable KV.", registry=r)
         self.misses = Counter(f"{p}_lookup_misses", "Lookups that found nothing servable.", registry=r)
         self.lookup_errors = Counter(

@@ -191,14 +191,9 @@ class LeaderCore:
                 self.stats.lookup_hash_cpu_s += time.thread_time() - h0
                 st = RequestState(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
                 self._requests[request_id] = st
-                lk = self._lookups
-                offer = lk.offer(
-                    st, num_computed_tokens, store_available=store_available, load_async=self.load_async,
-                    on_lookup=self._on_lookup,
-                )
-                # What the scheduler paid for this lookup, beside what it could have saved.
-                self.stats.record_lookup(time.perf_counter() - w0, lk.budget_s, lk.saveable_tokens, offer[0],
-                                         lk.decision)
+                offer = self._lookups.offer(st, num_computed_tokens, store_available=store_available,
+                                            load_async=self.load_async, on_lookup=self._on_lookup)
+                self._lookups.record(time.perf_counter() - w0, offer[0])  # what the scheduler paid
                 return offer
         finally:
             # All of it runs on the scheduler thread: what the engine's batch waited for.

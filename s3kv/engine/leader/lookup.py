@@ -131,6 +131,11 @@ class Lookups:
         )
         return gain * tpb, ld.load_async
 
+    def record(self, stall_s: float, hit_tokens: int) -> None:
+        """The lookup just offered held the scheduler ``stall_s``: note it beside its budget, what
+        its best hit could have saved, and how it ended."""
+        self.stats.record_lookup(stall_s, self.budget_s, self.saveable_tokens, hit_tokens, self.decision)
+
     def recheck(self, st: RequestState, h: int) -> LookupResult:
         """Verify a smaller history ``h`` than offered (the index answers most of it)."""
         ctx = self.ctx
