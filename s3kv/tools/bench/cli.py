@@ -458,6 +458,13 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
     "--jobs", type=int, default=None, help="Replays run at once, one process each (default: min(2, cores))."
 )
 @click.option("--url", default=None, help="Store to replay on (default: in-process memory://, one per replay).")
+@click.option(
+    "--s3-latency-ms",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Replay on S3 (the embedded server, or --url s3://) behind s3kv's fault proxy, this much added to "
+    "every request, lookups under the engine's default time budget; prints the scheduler stall per lookup.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write a PNG chart here."
@@ -481,6 +488,7 @@ def trace_command(
     audit: bool,
     jobs: int | None,
     url: str | None,
+    s3_latency_ms: float | None,
     as_json: bool,
     plot_path: str | None,
 ) -> None:
@@ -524,12 +532,14 @@ def trace_command(
         audit=audit,
         jobs=max(1, jobs if jobs is not None else min(2, os.cpu_count() or 1)),
         url=url,
+        s3_latency_ms=s3_latency_ms,
     )
     if gpu_tflops is not None:
         cfg = cfg.replace(gpu_tflops=gpu_tflops)
     if mfu is not None:
         cfg = cfg.replace(mfu=mfu)
-    with bench_store(url or trace.DEFAULT_URL, name="trace") as bs:
+    with bench_store(url or (None if s3_latency_ms is not None else trace.DEFAULT_URL), name="trace",
+                     s3_latency_ms=s3_latency_ms) as bs:
         try:
             res = trace.run_trace(bs, cfg)
         except TraceError as e:
