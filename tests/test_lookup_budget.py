@@ -326,6 +326,34 @@ def test_a_long_prompt_waits_for_its_hit_where_a_short_one_misses():
     assert core.stats.lookup_saveable_tokens == 68 * TPB
 
 
+def test_a_short_budget_running_out_is_no_store_failure_a_wait_to_the_cap_is():
+    """A healthy store 50 ms away: short prompts' budgets (a few ms) run out lookup after lookup,
+    which says nothing of the store -- the breaker stays closed. A hung store that holds long
+    prompts to the cap still opens it."""
+    g = geo()
+    mem = MemoryStore()
+    slow = CircuitBreakerStore(SlowHeads(mem, 0.05), BreakerPolicy(failures=2, reset_s=60))
+    core = _leader(slow, g, prefill_tokens_per_s=10_000.0, lookup_max_stall_ms=100.0, lookup_max_pending=8)
+    try:
+        for i in range(4):
+            prompt = tokens_of(4 * TPB + 3, seed=i + 1)  # 128 tokens: a 6.4 ms budget
+            assert core.get_num_new_matched_tokens(i, prompt, len(prompt), 0) == (0, False)
+        assert core.stats.lookup_timeouts == 4 and slow.state is BreakerState.CLOSED
+    finally:
+        core.close_lookup()
+    hung = HungHeads(mem)
+    breaker = CircuitBreakerStore(hung, BreakerPolicy(failures=2, reset_s=60))
+    core = _leader(breaker, g, prefill_tokens_per_s=10_000.0, lookup_max_stall_ms=50.0, lookup_max_pending=8)
+    try:
+        for i in range(2):
+            prompt = tokens_of(64 * TPB + 3, seed=i + 10)  # 2048 tokens: 102 ms, capped at 50
+            assert core.get_num_new_matched_tokens(i, prompt, len(prompt), 0) == (0, False)
+        assert breaker.state is BreakerState.OPEN
+    finally:
+        hung.release.set()
+        core.close_lookup()
+
+
 def test_the_cap_holds_against_a_hung_store_whatever_the_prompt():
     """A hung store costs each lookup at most the cap, however much its prompt could save."""
     g = geo()

@@ -159,6 +159,11 @@ class Lookups:
         return stall_budget_s(saveable_tokens, s.prefill_tokens_per_s, s.lookup_stall_fraction,
                               s.lookup_max_stall_ms / 1000.0)
 
+    def _max_budget_s(self) -> float:
+        """The longest budget any lookup gets: the fixed one, else the cap."""
+        s = self.settings
+        return s.lookup_timeout_s if s.lookup_timeout_s > 0 else s.lookup_max_stall_ms / 1000.0
+
     def _start_budget(self, saveable_tokens: int) -> None:
         """One scheduler-path answer (a lookup, a re-check) starts: its time budget from now."""
         self.saveable_tokens = max(0, saveable_tokens)
@@ -427,8 +432,12 @@ class Lookups:
         except FutureTimeout:
             timed_out[0] = True
             self._late_wave = fut
-            # A hung store never fails a call, so count the timeout where health is judged.
-            self.store.note_timeout("head")
+            # A hung store never fails a call, so count the timeout where health is judged -- when
+            # the lookup waited as long as any may (the cap). A shorter budget ran out because its
+            # hit was not worth a longer wait: a short prompt at 30 ms a request does so on a
+            # healthy store, and counted, a few in a row would open the breaker on it.
+            if self.budget_s >= self._max_budget_s():
+                self.store.note_timeout("head")
             raise _LookupTimeout from None
         finally:
             fut.add_done_callback(done)

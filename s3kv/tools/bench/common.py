@@ -419,17 +419,51 @@ def bench_store(
             emb.stop()
 
 
-def _wire_latency(endpoint_url: str, latency_ms: float) -> Any:
-    """s3kv's fault proxy in front of ``endpoint_url``, holding every request ``latency_ms``."""
-    from ...store.faultproxy import FaultProxy, WireFaultPlan
+class _ProxyProcess:
+    """``python -m s3kv.store.faultproxy`` in a process of its own, adding ``latency_ms`` to every
+    request. Why not a thread here: the proxy runs a thread per connection, and a lookup's wave is
+    hundreds of HEADs at once -- in the benchmark's process their Python would hold the GIL the
+    measured engine's scheduler thread needs, and charge the proxy's work to the lookups' stall."""
 
-    try:
-        return FaultProxy.for_url(endpoint_url, WireFaultPlan(latency_s=latency_ms / 1000.0)).start()
-    except ValueError:
+    def __init__(self, endpoint_url: str, latency_ms: float):
+        import subprocess
+
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "s3kv.store.faultproxy", endpoint_url, "--set", f"latency_s={latency_ms / 1000.0}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        try:
+            self.endpoint_url = str(json.loads(line)["endpoint_url"])
+        except (ValueError, KeyError, TypeError):
+            self.stop()
+            raise click.ClickException(f"the latency proxy in front of {endpoint_url} did not start") from None
+
+    def stop(self) -> None:
+        import subprocess
+
+        with contextlib.suppress(OSError, ValueError):
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()  # the proxy runs until its stdin closes
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _wire_latency(endpoint_url: str, latency_ms: float) -> _ProxyProcess:
+    """s3kv's fault proxy in front of ``endpoint_url``, holding every request ``latency_ms``."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(endpoint_url)
+    if parts.scheme != "http" or not parts.hostname or not parts.port:
         raise click.UsageError(
             f"--s3-latency-ms puts a proxy in front of an http://host:port S3 endpoint; this store's is "
             f"{endpoint_url or 'unknown'!r} (leave out --url to use the embedded server)"
-        ) from None
+        )
+    return _ProxyProcess(endpoint_url, latency_ms)
 
 
 # --------------------------------------------------------------------------- output
