@@ -326,6 +326,34 @@ def test_a_long_prompt_waits_for_its_hit_where_a_short_one_misses():
     assert core.stats.lookup_saveable_tokens == 68 * TPB
 
 
+def test_a_budget_shorter_than_waves_take_spends_no_stall_and_still_warms_the_index():
+    """Waves take ~50 ms lately; a lookup with a 16 ms budget would surely run out: it sends no
+    wave of its own (no stall beyond hashing), is finished in the background, and the prefix's
+    next lookup hits from the index."""
+    g = geo()
+    mem = MemoryStore()
+    long = tokens_of(64 * TPB + 3, seed=1)
+    short = tokens_of(2 * TPB + 3, seed=2)
+    put_prefix(mem, g, long, 64, 4)
+    put_prefix(mem, g, short, 2, 4)
+    core = _leader(SlowHeads(mem, 0.05), g, prefill_tokens_per_s=2_000.0, lookup_max_stall_ms=2000.0)
+    try:
+        assert core.get_num_new_matched_tokens(1, long, len(long), 0)[0] == 64 * TPB  # waves: ~50 ms each
+        waves = core.stats.lookup_waves
+        assert core.get_num_new_matched_tokens(2, short, len(short), 0) == (0, False)
+        rec = core.stats.recent_lookups[-1]
+        assert rec.decision == "ran_out" and rec.budget_s == pytest.approx(0.016)
+        assert core.stats.lookup_waves == waves  # nothing sent on the scheduler's time
+        assert rec.stall_s < rec.budget_s
+        deadline = time.monotonic() + 5
+        while core.stats.lookups_finished_late == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.get_num_new_matched_tokens(3, short, len(short), 0)[0] == 2 * TPB
+        assert core.stats.recent_lookups[-1].decision == "hit"
+    finally:
+        core.close_lookup()
+
+
 def test_a_short_budget_running_out_is_no_store_failure_a_wait_to_the_cap_is():
     """A healthy store 50 ms away: short prompts' budgets (a few ms) run out lookup after lookup,
     which says nothing of the store -- the breaker stays closed. A hung store that holds long

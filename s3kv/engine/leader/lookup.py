@@ -73,6 +73,8 @@ class Lookups:
         self.budget_s = math.inf
         self.saveable_tokens = 0
         self.decision = ""
+        #: Recent HEAD waves' wall time (moving average, each at most the cap): see ``_head_wave``.
+        self._wave_s = 0.0
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -405,7 +407,11 @@ class Lookups:
         if self._deadline == math.inf:
             return self.store.head_many_checked(keys, expect)
         remaining = self._deadline - time.monotonic()
-        if remaining <= 0 or self._timed_out:
+        # Less left than half of what waves take lately: it would almost surely run out, so spend
+        # none of the scheduler's time on it -- the lookup is finished in the background all the
+        # same (a repeat of the prefix then hits from the index). A short prompt at 30 ms a
+        # request otherwise stalled its whole few-ms budget for a certain miss.
+        if remaining <= 0 or self._timed_out or remaining < self._wave_s / 2:
             self._last_probe_used_network = False  # nothing sent: not a round trip
             raise _LookupTimeout
         with self._pending_lock:
@@ -421,8 +427,10 @@ class Lookups:
             )
         asks = dict(todo)
         timed_out = [False]
+        sent = time.monotonic()
 
         def done(f: Future) -> None:
+            self._note_wave(time.monotonic() - sent)
             with self._pending_lock:
                 self.pending_waves -= 1
             if timed_out[0] and not f.cancelled() and f.exception() is None:
@@ -444,6 +452,14 @@ class Lookups:
             raise _LookupTimeout from None
         finally:
             fut.add_done_callback(done)
+
+    def _note_wave(self, seconds: float) -> None:
+        """A wave's wall time into the moving average. At most the cap: after a hang the average
+        must not make every later lookup give up before sending (the background waves, which
+        still run, bring it back down)."""
+        seconds = min(seconds, self._max_budget_s())
+        with self._pending_lock:
+            self._wave_s = seconds if self._wave_s == 0.0 else 0.8 * self._wave_s + 0.2 * seconds
 
     def _finish_late(self, st: RequestState, full_blocks: int, hmax: int) -> None:
         """Run a probe lookup that ran out of its budget to its end in the background: every
@@ -499,7 +515,9 @@ class Lookups:
             try:
                 # Checked where the answers arrive, as the foreground waves are: this runs beside
                 # the executor thread, and every answer checked here holds its GIL.
+                sent = time.monotonic()
                 batch = self.store.head_many_checked(list(todo), self._expect(todo))
+                self._note_wave(time.monotonic() - sent)
             except StoreError:
                 return {**out, **{a: None for a in todo.values()}}
             out.update(self._absorb(todo, batch, count=False))
