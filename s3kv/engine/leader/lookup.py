@@ -75,6 +75,8 @@ class Lookups:
         self.decision = ""
         #: Recent HEAD waves' wall time (moving average, each at most the cap): see ``_head_wave``.
         self._wave_s = 0.0
+        #: This answer re-checks a promise (``recheck``): the longest budget, always tried.
+        self._promise = False
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -146,8 +148,9 @@ class Lookups:
         # A budget of its own, as a lookup has: left with what the last lookup did not use (or
         # another request's), a wave to a slow store would run out at once and break a promise
         # the store can keep -- on an engine without the failed-load hook the request would then
-        # stay parked until its client gave up.
-        self._start_budget((h - st.load.d_blocks) * g.tokens_per_block)
+        # stay parked until its client gave up. The longest budget any lookup gets, whatever the
+        # hit is worth: a promise is at stake, not a hit.
+        self._start_budget((h - st.load.d_blocks) * g.tokens_per_block, promise=True)
         return find_hit(g, ctx.params, st.load.d_blocks, st.prompt_len // g.tokens_per_block, h,
                         lambda asks: self._probe(st, asks))
 
@@ -166,10 +169,14 @@ class Lookups:
         s = self.settings
         return s.lookup_timeout_s if s.lookup_timeout_s > 0 else s.lookup_max_stall_ms / 1000.0
 
-    def _start_budget(self, saveable_tokens: int) -> None:
+    def _start_budget(self, saveable_tokens: int, *, promise: bool = False) -> None:
         """One scheduler-path answer (a lookup, a re-check) starts: its time budget from now."""
         self.saveable_tokens = max(0, saveable_tokens)
-        self.budget_s = budget = self.lookup_budget_s(self.saveable_tokens)
+        self._promise = promise
+        if promise:
+            self.budget_s = budget = math.inf if self.settings.lookup_timeout_s == 0 else self._max_budget_s()
+        else:
+            self.budget_s = budget = self.lookup_budget_s(self.saveable_tokens)
         self._deadline = time.monotonic() + budget
         self._timed_out = False
         self._late_wave = None
@@ -411,7 +418,7 @@ class Lookups:
         # none of the scheduler's time on it -- the lookup is finished in the background all the
         # same (a repeat of the prefix then hits from the index). A short prompt at 30 ms a
         # request otherwise stalled its whole few-ms budget for a certain miss.
-        if remaining <= 0 or self._timed_out or remaining < self._wave_s / 2:
+        if remaining <= 0 or self._timed_out or (remaining < self._wave_s / 2 and not self._promise):
             self._last_probe_used_network = False  # nothing sent: not a round trip
             raise _LookupTimeout
         with self._pending_lock:
