@@ -386,7 +386,8 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
         env["S3KV_URL"] = run_url
         where = "your store"
         if s3_latency_ms:
-            proxy = _latency_proxy(env.get("AWS_ENDPOINT_URL_S3", ""), s3_latency_ms, "AWS_ENDPOINT_URL_S3")
+            endpoint = env.get("AWS_ENDPOINT_URL_S3", "") if url.strip().lower().startswith("s3://") else ""
+            proxy = _latency_proxy(endpoint, s3_latency_ms, f"{url}'s endpoint (AWS_ENDPOINT_URL_S3)")
             env["AWS_ENDPOINT_URL_S3"] = proxy.endpoint_url
         _check_access(run_url)
     else:
@@ -444,9 +445,9 @@ def _latency_proxy(endpoint_url: str, latency_ms: float, what: str) -> Any:
     try:
         return FaultProxy.for_url(endpoint_url, WireFaultPlan(latency_s=latency_ms / 1000.0)).start()
     except ValueError:
-        raise click.UsageError(
-            f"--s3-latency-ms needs an http://host:port endpoint to put its proxy in front of; {what} is "
-            f"{endpoint_url or 'unset'!r} (leave out --url to use the embedded server)"
+        raise click.ClickException(
+            f"--s3-latency-ms needs an S3 store on an http://host:port endpoint to put its proxy in front of; "
+            f"{what} is {endpoint_url or 'none'!r} (leave out --url to use the embedded server)"
         ) from None
 
 

@@ -392,7 +392,9 @@ def bench_store(
                 kind, where, cleanup = "s3", url, True
             else:
                 if s3_latency_ms is not None:
-                    raise click.UsageError(f"--s3-latency-ms needs an s3:// store (or none: the embedded server), got {url}")
+                    raise click.ClickException(
+                        f"--s3-latency-ms needs an s3:// store (or no --url: the embedded server), got {url}"
+                    )
                 raw = open_store(url)
                 raw_client = _store_raw(raw, latency_s)
                 kind, where = scheme, url
@@ -459,7 +461,7 @@ def _wire_latency(endpoint_url: str, latency_ms: float) -> _ProxyProcess:
 
     parts = urlsplit(endpoint_url)
     if parts.scheme != "http" or not parts.hostname or not parts.port:
-        raise click.UsageError(
+        raise click.ClickException(
             f"--s3-latency-ms puts a proxy in front of an http://host:port S3 endpoint; this store's is "
             f"{endpoint_url or 'unknown'!r} (leave out --url to use the embedded server)"
         )
