@@ -153,7 +153,7 @@ class Settings:
     #: possible hit would save (prompt tokens past the device match / prefill_tokens_per_s) ...
     lookup_stall_fraction: float = 0.5
     #: ... and never longer than this (what a hung store may cost one lookup).
-    lookup_max_stall_ms: float = 200.0
+    lookup_max_stall_ms: float = 500.0
     #: One engine's prefill throughput for this model, tokens per second (TP ranks together).
     #: 7500 = Gemma-3-27B on one H100/H200 at 40% MFU: `s3kv size` prints the prefill time of a
     #: prompt for a model and GPU (tokens / prefill_s).

@@ -282,7 +282,7 @@ def test_the_budget_follows_the_prefill_a_hit_would_save_within_the_cap():
     assert stall_budget_s(0, 7500.0, 0.5, 0.2) == 0.0
     s = Settings()
     assert s.lookup_timeout_s == -1  # by default the budget follows the value
-    assert (s.lookup_stall_fraction, s.lookup_max_stall_ms, s.prefill_tokens_per_s) == (0.5, 200.0, 7500.0)
+    assert (s.lookup_stall_fraction, s.lookup_max_stall_ms, s.prefill_tokens_per_s) == (0.5, 500.0, 7500.0)
 
 
 class SlowHeads(StoreWrapper):
