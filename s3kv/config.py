@@ -195,8 +195,18 @@ class Settings:
     lookup_probe_budget: int = 128
     #: Budget for one lookup's HEAD waves (it runs in the engine's scheduling path, where every
     #: millisecond stalls the whole batch); past it the lookup is a miss and its HEADs finish in
-    #: the background, warming the index. 0 = none.
-    lookup_timeout_s: float = 0.05
+    #: the background, warming the index. -1 = follow the value: the stall-fraction rule below;
+    #: 0 = none; > 0 = this many seconds for every lookup.
+    lookup_timeout_s: float = -1.0
+    #: A lookup may stall the scheduler for at most this fraction of the prefill time its best
+    #: possible hit would save (prompt tokens past the device match / prefill_tokens_per_s) ...
+    lookup_stall_fraction: float = 0.5
+    #: ... and never longer than this (what a hung store may cost one lookup).
+    lookup_max_stall_ms: float = 500.0
+    #: One engine's prefill throughput for this model, tokens per second (TP ranks together).
+    #: 7500 = Gemma-3-27B on one H100/H200 at 40% MFU: `s3kv size` prints the prefill time of a
+    #: prompt for a model and GPU (tokens / prefill_s).
+    prefill_tokens_per_s: float = 7500.0
     #: HEAD waves of timed-out lookups still running in the background; a lookup that finds this
     #: many is a miss at once (a hung store must not queue waves without bound).
     lookup_max_pending: int = 4
@@ -222,6 +232,9 @@ class Settings:
     #: HEAD answers do (for index_ttl_s): a cold hit then costs no request either. Spans come
     #: from the key and the size; the load still verifies header and checksums before placing.
     lookup_summary_trust_s: float = 0.0
+    #: At layout registration (before the first request), spend at most about this long paying
+    #: what the first lookup would pay once: HEAD helper processes, event loop, connections. 0 = off.
+    warm_up_s: float = 10.0
     #: S3 client for s3:// URLs: auto (obstore when installed, else boto3), obstore, boto3.
     s3_client: str = "auto"
     #: Local key index bound (~300 bytes an entry).
@@ -404,9 +417,14 @@ def validate(s: Settings) -> None:
         "breaker_reset_s",
         "breaker_stall_s",
         "load_stall_s",
-        "lookup_timeout_s",
+        "lookup_max_stall_ms",
+        "warm_up_s",
     ):
         need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))
+    need(s.lookup_timeout_s >= 0 or s.lookup_timeout_s == -1, "lookup_timeout_s",
+         "must be >= 0, or -1 (follow the value)", s.lookup_timeout_s)
+    need(0 < s.lookup_stall_fraction <= 10, "lookup_stall_fraction", "must be in (0, 10]", s.lookup_stall_fraction)
+    need(s.prefill_tokens_per_s > 0, "prefill_tokens_per_s", "must be > 0", s.prefill_tokens_per_s)
     need(s.multipart_part_mib >= 5, "multipart_part_mib", "must be >= 5 (S3's minimum part size)", s.multipart_part_mib)
     need(s.multipart_threshold_mib > 0, "multipart_threshold_mib", "must be > 0", s.multipart_threshold_mib)
     need(s.range_split_mib > 0, "range_split_mib", "must be > 0", s.range_split_mib)

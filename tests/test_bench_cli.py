@@ -85,6 +85,21 @@ def test_lookup_quick_json_and_plot(tmp_path: Path) -> None:
     assert_png(png)
 
 
+def test_lookup_with_latency_on_the_wire() -> None:
+    """Issue 30: ``--s3-latency-ms`` puts the fault proxy in front of the server; each lookup row
+    says its time budget (which follows the value) and how it ended."""
+    res = run_json("lookup", "--quick", "--prompts", "1k", "--s3-latency-ms", "5", "--seq-cap", "8")
+    assert res["store"]["s3_latency_ms"] == 5 and "fault proxy" in res["store"]["where"]
+    assert res["latency_ms_injected"] == 0  # on the wire instead of the in-process model
+    assert res["lookup_budget"] == {"stall_fraction": 0.5, "max_stall_ms": 500.0, "prefill_tokens_per_s": 7500.0}
+    (r,) = res["results"]
+    for c in r["clients"].values():
+        first = c["budget_first"]
+        assert first["budget_ms"] == pytest.approx(0.5 * 992 / 7500 * 1e3, abs=0.1)
+        assert first["decision"] in ("hit", "ran_out") and c["probe"]["decision"] == "hit"
+        assert c["probe"]["wall_round_trips"] >= 1  # every round trip paid 5 ms on the wire
+
+
 def test_lookup_table_on_memory_store() -> None:
     result = CliRunner().invoke(
         main,

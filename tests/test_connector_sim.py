@@ -42,7 +42,7 @@ def make_engine(store, model, *, tp=1, chunk=None, tpb=16, max_seq_len=2048, fla
     """``load_mode="sync"`` runs on a line with the failed-load path (s3kv loads async there too:
     no line can fail a sync load, docs/failures.md)."""
     # A generous lookup budget: these tests count hits, and a busy CI core can take longer than
-    # the 50 ms default (then a lookup is a miss, by design; tests/test_lookup_budget.py covers that).
+    # the default budget (then a lookup is a miss, by design; tests/test_lookup_budget.py covers that).
     s = Settings(url="memory://unused", staging_mib=64, check_access=False, **{"lookup_timeout_s": 5.0, **settings})
     if failed_load_hook is None:
         failed_load_hook = s.load_mode == "sync"

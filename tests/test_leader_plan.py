@@ -626,6 +626,25 @@ def test_a_smaller_honours_recheck_has_a_budget_of_its_own():
         core.close_lookup()
 
 
+def test_a_recheck_gets_the_longest_budget_not_a_share_of_the_smaller_hit():
+    """Under the value rule a lookup's budget is a share of the prefill its hit saves; a re-check
+    keeps a promise, so it gets the cap whatever the smaller honour is worth."""
+    g = geometry(tp=2)
+    mem = MemoryStore()
+    tokens = toks(20 * TPB + 5, seed=4)
+    save_through_store(g, mem, tokens)
+    store = CountingStore(mem)
+    core = make_core(g, store, lookup_timeout_s=-1, lookup_max_stall_ms=300.0, prefill_tokens_per_s=1e6)
+    try:
+        assert core.get_num_new_matched_tokens(6, tokens, len(tokens), 0)[0] == 20 * TPB
+        assert core.stats.recent_lookups[-1].budget_s == pytest.approx(0.5 * 20 * TPB / 1e6)
+        slots = engine_slots(g, Slots(g), 21, 9)
+        core.update_state_after_alloc(6, slots, honoured_tokens=9 * TPB)
+        assert core._lookups.budget_s == 0.3 and core.stats.promises_broken == 0
+    finally:
+        core.close_lookup()
+
+
 def test_honoured_less_without_stored_tail_is_a_broken_promise_not_an_error():
     """Window policy: sliding tails exist only at checkpoints and prompt ends. An honour that
     lands elsewhere cannot be served: never a load of garbage, never an exception into the

@@ -95,6 +95,22 @@ def test_partial_prefix_of_long_prompt_in_at_most_3_waves(stored_blocks):
     assert len(prober.waves) <= 3
 
 
+@pytest.mark.parametrize("n_blocks", [8, 40, 41])
+def test_a_cold_hit_of_a_prompt_stored_whole_takes_one_wave(n_blocks):
+    """Issue 30: the first wave also asks what verifying the longest hit needs (bounded), so a
+    repeat of a stored prompt -- a warm cluster's usual cold hit -- is one round trip, not two."""
+    g = geo()
+    objs = stored(g, n_blocks, 4)
+    res, prober = run_lookup(g, objs, n_blocks * TPB + 5, bpo=4, cp_blocks=16)
+    assert res.h_blocks == n_blocks
+    assert len(prober.waves) == 1
+    # On a miss the same wave costs at most the bounded extra asks beside the probe.
+    res, miss = run_lookup(g, {}, n_blocks * TPB + 5, bpo=4, cp_blocks=16)
+    assert res.h_blocks == 0 and len(miss.waves) <= 2
+    probes = {a for a in miss.waves[0] if a[0] == g.spine_group and a[1] == 0}
+    assert len(miss.waves[0]) - len(probes) <= 24
+
+
 def test_nothing_stored_is_a_quick_miss():
     g = geo()
     res, prober = run_lookup(g, {}, 4096 * TPB, bpo=1)
@@ -517,7 +533,8 @@ def test_a_lookup_that_ran_out_is_finished_in_the_background():
 
     g = geo()
     mem = MemoryStore()
-    tokens = tokens_of(64 * TPB + 5, seed=11)
+    # Stored: 64 blocks of an 80-block prompt (a whole-prompt hit would be found in one wave).
+    tokens = tokens_of(80 * TPB + 5, seed=11)
     put_prefix(mem, g, tokens, 64, 4)
     store = InstrumentedStore(SlowHeads(mem))
     store.inner.delay = 0.3

@@ -19,6 +19,7 @@ import pytest
 from test_lookup import TPB, geo, put_prefix, tokens_of
 
 from s3kv.config import Settings
+from s3kv.core.lookup import stall_budget_s
 from s3kv.core.objects import ObjectSpan
 from s3kv.engine.index import MISSING, KeyIndex
 from s3kv.engine.leader import LeaderCore
@@ -272,9 +273,132 @@ def test_index_does_bounded_work_per_insert():
     assert small.get("b") is None and small.get("a") is not None and len(small) == 3
 
 
-@pytest.mark.parametrize("budget", [0.05])
-def test_default_budget_is_tens_of_ms(budget):
-    assert Settings().lookup_timeout_s == budget
+def test_the_budget_follows_the_prefill_a_hit_would_save_within_the_cap():
+    """Issue 30: a lookup may stall the scheduler for a share of the prefill its best hit saves
+    (a long prompt waits longer than a short one), never past the cap, never for nothing."""
+    assert stall_budget_s(16_384, 7500.0, 0.5, 0.2) == 0.2  # 16k tokens: ~1.1 s at half: the cap
+    assert stall_budget_s(1_500, 7500.0, 0.5, 0.2) == pytest.approx(0.1)
+    assert stall_budget_s(150, 7500.0, 0.5, 0.2) == pytest.approx(0.01)
+    assert stall_budget_s(0, 7500.0, 0.5, 0.2) == 0.0
+    s = Settings()
+    assert s.lookup_timeout_s == -1  # by default the budget follows the value
+    assert (s.lookup_stall_fraction, s.lookup_max_stall_ms, s.prefill_tokens_per_s) == (0.5, 500.0, 7500.0)
+
+
+class SlowHeads(StoreWrapper):
+    """Every HEAD wave takes ``delay_s`` (a store far away)."""
+
+    def __init__(self, inner, delay_s: float):
+        super().__init__(inner)
+        self.delay_s = delay_s
+        self.waves = 0
+
+    def head_many(self, keys) -> HeadBatch:
+        self.waves += 1
+        time.sleep(self.delay_s)
+        return super().head_many(keys)
+
+
+def test_a_long_prompt_waits_for_its_hit_where_a_short_one_misses():
+    """Same store, 80 ms a wave: the short prompt's budget (a share of its small prefill) runs out
+    and it misses; the long prompt's budget covers its waves and it hits. The records say why."""
+    g = geo()
+    mem = MemoryStore()
+    short = tokens_of(4 * TPB + 3, seed=1)
+    long = tokens_of(64 * TPB + 3, seed=2)
+    put_prefix(mem, g, short, 4, 4)
+    put_prefix(mem, g, long, 64, 4)
+    # 2,000 tokens/s at a fraction of 0.5: 4 blocks -> 32 ms (under one wave); 64 blocks -> 512 ms.
+    core = _leader(SlowHeads(mem, 0.08), g, prefill_tokens_per_s=2_000.0, lookup_max_stall_ms=2000.0)
+    try:
+        assert core.get_num_new_matched_tokens(1, short, len(short), 0) == (0, False)
+        short_rec = core.stats.recent_lookups[-1]
+        n, _ = core.get_num_new_matched_tokens(2, long, len(long), 0)
+        long_rec = core.stats.recent_lookups[-1]
+    finally:
+        core.close_lookup()
+    assert short_rec.decision == "ran_out" and short_rec.saveable_tokens == 4 * TPB
+    assert short_rec.budget_s == pytest.approx(0.5 * 4 * TPB / 2_000.0)
+    assert n == 64 * TPB and long_rec.decision == "hit" and long_rec.hit_tokens == 64 * TPB
+    assert long_rec.budget_s == pytest.approx(0.5 * 64 * TPB / 2_000.0)
+    assert long_rec.stall_s > short_rec.budget_s  # it waited longer than the short one could
+    assert core.stats.lookup_decisions == {"ran_out": 1, "hit": 1}
+    assert core.stats.lookup_saveable_tokens == 68 * TPB
+
+
+def test_a_budget_shorter_than_waves_take_spends_no_stall_and_still_warms_the_index():
+    """Waves take ~50 ms lately; a lookup with a 16 ms budget would surely run out: it sends no
+    wave of its own (no stall beyond hashing), is finished in the background, and the prefix's
+    next lookup hits from the index."""
+    g = geo()
+    mem = MemoryStore()
+    long = tokens_of(64 * TPB + 3, seed=1)
+    short = tokens_of(2 * TPB + 3, seed=2)
+    put_prefix(mem, g, long, 64, 4)
+    put_prefix(mem, g, short, 2, 4)
+    core = _leader(SlowHeads(mem, 0.05), g, prefill_tokens_per_s=2_000.0, lookup_max_stall_ms=2000.0)
+    try:
+        assert core.get_num_new_matched_tokens(1, long, len(long), 0)[0] == 64 * TPB  # waves: ~50 ms each
+        waves = core.stats.lookup_waves
+        assert core.get_num_new_matched_tokens(2, short, len(short), 0) == (0, False)
+        rec = core.stats.recent_lookups[-1]
+        assert rec.decision == "ran_out" and rec.budget_s == pytest.approx(0.016)
+        assert core.stats.lookup_waves == waves  # nothing sent on the scheduler's time
+        assert rec.stall_s < rec.budget_s
+        deadline = time.monotonic() + 5
+        while core.stats.lookups_finished_late == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.get_num_new_matched_tokens(3, short, len(short), 0)[0] == 2 * TPB
+        assert core.stats.recent_lookups[-1].decision == "hit"
+    finally:
+        core.close_lookup()
+
+
+def test_a_short_budget_running_out_is_no_store_failure_a_wait_to_the_cap_is():
+    """A healthy store 50 ms away: short prompts' budgets (a few ms) run out lookup after lookup,
+    which says nothing of the store -- the breaker stays closed. A hung store that holds long
+    prompts to the cap still opens it."""
+    g = geo()
+    mem = MemoryStore()
+    slow = CircuitBreakerStore(SlowHeads(mem, 0.05), BreakerPolicy(failures=2, reset_s=60))
+    core = _leader(slow, g, prefill_tokens_per_s=10_000.0, lookup_max_stall_ms=100.0, lookup_max_pending=8)
+    try:
+        for i in range(4):
+            prompt = tokens_of(4 * TPB + 3, seed=i + 1)  # 128 tokens: a 6.4 ms budget
+            assert core.get_num_new_matched_tokens(i, prompt, len(prompt), 0) == (0, False)
+        assert core.stats.lookup_timeouts == 4 and slow.state is BreakerState.CLOSED
+    finally:
+        core.close_lookup()
+    hung = HungHeads(mem)
+    breaker = CircuitBreakerStore(hung, BreakerPolicy(failures=2, reset_s=60))
+    core = _leader(breaker, g, prefill_tokens_per_s=10_000.0, lookup_max_stall_ms=50.0, lookup_max_pending=8)
+    try:
+        for i in range(2):
+            prompt = tokens_of(64 * TPB + 3, seed=i + 10)  # 2048 tokens: 102 ms, capped at 50
+            assert core.get_num_new_matched_tokens(i, prompt, len(prompt), 0) == (0, False)
+        assert breaker.state is BreakerState.OPEN
+    finally:
+        hung.release.set()
+        core.close_lookup()
+
+
+def test_the_cap_holds_against_a_hung_store_whatever_the_prompt():
+    """A hung store costs each lookup at most the cap, however much its prompt could save."""
+    g = geo()
+    hung = HungHeads(MemoryStore())
+    core = _leader(hung, g, lookup_max_stall_ms=60.0, lookup_max_pending=8)  # default rule otherwise
+    try:
+        for i in range(3):
+            prompt = tokens_of(400 * TPB + 3, seed=i + 1)  # 12.8k tokens: ~0.85 s at half: past the cap
+            t0 = time.monotonic()
+            assert core.get_num_new_matched_tokens(i, prompt, len(prompt), 0) == (0, False)
+            took = time.monotonic() - t0
+            rec = core.stats.recent_lookups[-1]
+            assert rec.budget_s == 0.06 and rec.decision == "ran_out"
+            assert rec.stall_s <= took and took < 0.06 + 0.4, took  # the cap plus scheduling slack
+    finally:
+        hung.release.set()
+        core.close_lookup()
 
 
 def test_index_get_many_answers_like_get_and_expires_the_same():

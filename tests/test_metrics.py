@@ -150,6 +150,24 @@ def test_zero_series_exist_before_anything_happens():
     assert sample(s, "s3kv_breaker_state") == 0
 
 
+def test_each_lookup_is_observed_once_with_its_stall_budget_saveable_tokens_and_decision():
+    m = Metrics()
+    st = LeaderStats()
+    st.record_lookup(0.030, 0.100, 1500, 1472, "hit")
+    st.record_lookup(0.200, 0.200, 9000, 0, "ran_out")
+    m.observe_leader(st)
+    m.observe_leader(st)  # nothing new: no change
+    st.record_lookup(0.001, 0.002, 30, 0, "miss")
+    m.observe_leader(st)
+    s = scrape(m)
+    assert sample(s, "s3kv_lookup_stall_seconds_count", decision="hit") == 1
+    assert sample(s, "s3kv_lookup_stall_seconds_sum", decision="ran_out") == 0.2
+    assert sample(s, "s3kv_lookup_budget_seconds_count") == 3
+    assert sample(s, "s3kv_lookup_saveable_tokens_total", decision="hit") == 1500
+    assert sample(s, "s3kv_lookup_saveable_tokens_total", decision="ran_out") == 9000
+    assert sample(s, "s3kv_lookup_decisions_total", decision="miss") == 1
+
+
 def test_observe_leader_adds_deltas():
     m = Metrics()
     st = LeaderStats()

@@ -17,7 +17,8 @@ stored prefix is; that group is the *spine*. Three waves of parallel HEADs:
    for a few fallbacks (the checkpoints just below it), since sliding groups
    hold only tails at checkpoint, prompt-end and history-end boundaries.
 
-So a cold miss usually costs one round trip and a hit two (a next turn's hit, too).
+So a cold miss usually costs one round trip and a hit two (a next turn's hit, too); a hit of a
+prompt stored whole one, since the probe wave also carries its verify asks when they are few.
 A hole found by the verify wave (an object deleted from the middle) costs one
 more wave for the candidates below the hole; otherwise the answer is final.
 Probes answered by the local index cost no round trip.
@@ -73,6 +74,25 @@ class LookupResult:
 #: asking that many more HEADs of every lookup, hit or miss, would cost more than the round trip
 #: a cold miss saves. The same bound lets the fill-in wave carry the verify wave's asks.
 _EARLY_GAP = 16
+
+
+#: At most this many verify asks ride in the first wave (see ``find_hit``): about the sliding
+#: tails of a hit and its two checkpoint fallbacks for a few layer groups and shards.
+_SPECULATIVE_VERIFY = 24
+
+
+def stall_budget_s(saveable_tokens: int, prefill_tokens_per_s: float, fraction: float, cap_s: float) -> float:
+    """How long one lookup may stall the scheduler: ``fraction`` of the prefill time its best
+    possible hit would save (``saveable_tokens`` at ``prefill_tokens_per_s``), at most ``cap_s``.
+
+    Why value, not a fixed time: the lookup holds the whole batch for its wall time, while a miss
+    costs that request's prefill. Waiting 100 ms to skip the ~2 s prefill of a 16k-token prompt
+    is a good trade; waiting 50 ms to skip 200 tokens is not. The cap bounds what a hung store
+    can cost any one lookup, however long the prompt.
+    """
+    if saveable_tokens <= 0 or prefill_tokens_per_s <= 0:
+        return 0.0
+    return max(0.0, min(cap_s, fraction * saveable_tokens / prefill_tokens_per_s))
 
 
 def _strided(ends: list[int], budget: int) -> list[int]:
@@ -169,7 +189,20 @@ def find_hit(
     probes = _strided(chunk_ends, params.budget)
     first_gap = range(d_blocks + 1, min(chunk_ends[0], top + 1))
     early = first_gap if len(first_gap) <= min(_EARLY_GAP, len(probes)) else range(0)
-    run([*((spine, 0, e) for e in probes), *((spine, 0, e) for e in early)])
+    wave1 = {*((spine, 0, e) for e in probes), *((spine, 0, e) for e in early)}
+    # With it, when they are few, the verify asks of the longest hit and its checkpoint fallbacks
+    # (the sliding tails, the other shards): a cold hit of a prompt stored whole -- a repeat, a
+    # cluster serving what another computed -- then takes one round trip instead of two, and a
+    # checkpoint hit's verify wave is mostly answered already. Why a bound: on a miss these HEADs
+    # buy nothing (``s3kv bench trace`` counts the HEADs; the demo's warm cluster: +2%).
+    if not geometry.groups[spine].is_sliding:
+        spec: set[Ask] = set()
+        for h in candidates(hmax_blocks):
+            spec |= needed(h)
+        spec -= wave1
+        if len(spec) <= _SPECULATIVE_VERIFY:
+            wave1 |= spec
+    run(wave1)
 
     # The highest probe below which every probe was found (the spine stores
     # every block, so presence is a prefix until proven otherwise).

@@ -28,6 +28,9 @@ Metric names (all prefixed ``s3kv_``)::
     lookup_waves_total, lookup_not_cacheable_total, lora_unidentified_total, hit_tokens_total, hit_blocks_total{group},
     lookup_timeouts_total, lookup_busy_total, lookups_finished_late_total,
     lookup_cpu_seconds_total, lookup_hash_cpu_seconds_total, prompt_tokens_total, rank_info{rank,tp_size}
+    lookup_stall_seconds{decision} (histogram: what each lookup held the scheduler),
+    lookup_budget_seconds (histogram), lookup_saveable_tokens_total{decision},
+    lookup_decisions_total{decision}  (hit, miss, ran_out, busy, error, skipped), warm_up_seconds
     store_requests_total{op}, store_bytes_total{op,direction}, store_request_seconds{op},
     store_retries_total{op}, store_errors_total{op,type}
     breaker_state (0 closed, 1 half-open, 2 open), breaker_transitions_total{from_state,to_state}
@@ -174,6 +177,35 @@ class Metrics:
 
         # -- leader / lookups ----------------------------------------------------------
         self.lookups = Counter(f"{p}_lookups", "Lookups (requests asked about).", registry=r)
+        self.lookup_stall = Histogram(
+            f"{p}_lookup_stall_seconds",
+            "Wall time one lookup held the scheduler (hashing included), by how it ended.",
+            ["decision"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.lookup_budget = Histogram(
+            f"{p}_lookup_budget_seconds",
+            "Time budget of one lookup: a share of the prefill its best hit saves, within the cap.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.lookup_saveable = Counter(
+            f"{p}_lookup_saveable_tokens",
+            "Prompt tokens the lookups' best possible hits would have saved, by how each ended.",
+            ["decision"],
+            registry=r,
+        )
+        self.lookup_decisions = Counter(
+            f"{p}_lookup_decisions", "Lookups by how they ended (hit, miss, ran_out, busy, error, skipped).",
+            ["decision"], registry=r,
+        )
+        self._lookup_seq: dict[str, int] = {}
+        self.warm_up_seconds = Gauge(
+            f"{p}_warm_up_seconds",
+            "Seconds the store client's warm-up took at layout registration (helpers, connections).",
+            registry=r,
+        )
         self.hits = Counter(f"{p}_lookup_hits", "Lookups that found servable KV.", registry=r)
         self.misses = Counter(f"{p}_lookup_misses", "Lookups that found nothing servable.", registry=r)
         self.lookup_errors = Counter(
@@ -469,6 +501,24 @@ class Metrics:
         for group, n in (by_group or {}).items():
             v = _number(n)
             self._feed(self.hit_blocks.labels(str(group)), source, f"hit_blocks[{group}]", v)
+        self.observe_lookups(_field(stats, "recent_lookups") or (), source)
+
+    def observe_lookups(self, records: Any, source: str = "leader") -> None:
+        """Each lookup record (``LeaderStats.recent_lookups``) not observed yet: its stall, budget,
+        saveable tokens and decision. Records dropped from the bounded list between two calls are
+        missed by the histograms and these counters alike (observe at least every few thousand
+        lookups)."""
+        with self._lock:
+            last = self._lookup_seq.get(source, -1)
+            new = [x for x in list(records) if x.seq > last]
+            if new:
+                self._lookup_seq[source] = new[-1].seq
+        for x in new:
+            self.lookup_stall.labels(x.decision).observe(x.stall_s)
+            if x.budget_s != float("inf"):
+                self.lookup_budget.observe(x.budget_s)
+            self.lookup_saveable.labels(x.decision).inc(x.saveable_tokens)
+            self.lookup_decisions.labels(x.decision).inc()
 
     def observe_head_helpers(self, stats: Mapping[str, float]) -> None:
         """Copy :meth:`s3kv.store.headprocs.HeadHelpers.stats`."""

@@ -417,7 +417,11 @@ def _delete_under(url: str) -> str:
 @click.option("--keep", is_flag=True,
               help="Keep what the demo wrote: the embedded server keeps running until Ctrl-C (its "
               "environment is printed), or the objects under --url are not deleted.")
-def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode: str | None, keep: bool) -> None:
+@click.option("--s3-latency-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Delay every S3 request by this much (s3kv's fault proxy in front of the embedded "
+              "server, or of an http:// AWS_ENDPOINT_URL_S3), as a store in your region would.")
+def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode: str | None, keep: bool,
+                 s3_latency_ms: float) -> None:
     """Cold cluster A, then warm cluster B, sharing only the bucket."""
     from ..config import ConfigError, explicit_settings, load_settings, unknown_env_names
     from .cli import debug_enabled, export_lines, url_option, wait_for_interrupt
@@ -441,7 +445,7 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
     env["S3KV_LOG_LEVEL"] = logging.getLevelName(logging.getLogger("s3kv").getEffectiveLevel())
     if debug_enabled(click.get_current_context(silent=True)):
         env["S3KV_DEBUG"] = "1"
-    emb = None
+    emb = proxy = None
     if url:
         run_url = url.strip().rstrip("/") + f"/demo-{int(time.time())}"
         try:
@@ -450,6 +454,10 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
             raise click.ClickException(str(exc)) from exc
         env["S3KV_URL"] = run_url
         where = "your store"
+        if s3_latency_ms:
+            endpoint = env.get("AWS_ENDPOINT_URL_S3", "") if url.strip().lower().startswith("s3://") else ""
+            proxy = _latency_proxy(endpoint, s3_latency_ms, f"{url}'s endpoint (AWS_ENDPOINT_URL_S3)")
+            env["AWS_ENDPOINT_URL_S3"] = proxy.endpoint_url
         _check_access(run_url)
     else:
         try:  # the user's other settings must be valid before a server starts
@@ -462,6 +470,11 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
         env.update(emb.env())
         run_url = emb.url
         where = f"embedded {emb.kind} S3 server at {emb.endpoint_url}"
+        if s3_latency_ms:
+            proxy = _latency_proxy(emb.endpoint_url, s3_latency_ms, "the embedded server")
+            env["AWS_ENDPOINT_URL_S3"] = proxy.endpoint_url
+    if proxy is not None:
+        where += f", {s3_latency_ms:g} ms added to every request (fault proxy at {proxy.endpoint_url})"
     try:
         _progress(f"demo: cluster A (cold), then cluster B (warm), on {run_url} ({where})")
         cold = _spawn("A", shape, forced, env)
@@ -492,8 +505,23 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
             out("Press Ctrl-C to stop it.")
             wait_for_interrupt()
     finally:
+        if proxy is not None:
+            proxy.stop()
         if emb is not None:
             emb.stop()
+
+
+def _latency_proxy(endpoint_url: str, latency_ms: float, what: str) -> Any:
+    """s3kv's fault proxy in front of ``endpoint_url``, adding ``latency_ms`` to every request."""
+    from ..store.faultproxy import FaultProxy, WireFaultPlan
+
+    try:
+        return FaultProxy.for_url(endpoint_url, WireFaultPlan(latency_s=latency_ms / 1000.0)).start()
+    except ValueError:
+        raise click.ClickException(
+            f"--s3-latency-ms needs an S3 store on an http://host:port endpoint to put its proxy in front of; "
+            f"{what} is {endpoint_url or 'none'!r} (leave out --url to use the embedded server)"
+        ) from None
 
 
 def _progress(message: str) -> None:

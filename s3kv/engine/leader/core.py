@@ -145,7 +145,7 @@ class LeaderCore:
         """What the connector can add to the device match: (tokens, load async). ``owned``: the
         caller hands ``tokens`` over (a list nobody else changes), so it is kept, not copied.
         ``not_cacheable``: why the caller cannot name all its KV depends on (never served or saved)."""
-        c0 = time.thread_time()
+        c0, w0 = time.thread_time(), time.perf_counter()
         try:
             with self._lock:
                 old = self._requests.pop(request_id, None)
@@ -191,10 +191,10 @@ class LeaderCore:
                 self.stats.lookup_hash_cpu_s += time.thread_time() - h0
                 st = RequestState(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
                 self._requests[request_id] = st
-                return self._lookups.offer(
-                    st, num_computed_tokens, store_available=store_available, load_async=self.load_async,
-                    on_lookup=self._on_lookup,
-                )
+                offer = self._lookups.offer(st, num_computed_tokens, store_available=store_available,
+                                            load_async=self.load_async, on_lookup=self._on_lookup)
+                self._lookups.record(time.perf_counter() - w0, offer[0])  # what the scheduler paid
+                return offer
         finally:
             # All of it runs on the scheduler thread: what the engine's batch waited for.
             self.stats.lookup_cpu_s += time.thread_time() - c0

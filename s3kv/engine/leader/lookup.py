@@ -2,8 +2,9 @@
 
 ``s3kv.core.lookup.find_hit`` plans which objects to ask about; this module answers its asks:
 from the local index, from the namespace summary (a cold miss then costs no request, a hit one
-verify wave), else with parallel HEAD waves. A wave has what is left of the lookup's time budget;
-past it the wave keeps running on its thread and feeds the index when it ends, the rest of
+verify wave), else with parallel HEAD waves. A wave has what is left of the lookup's time budget
+(``s3kv.core.lookup.stall_budget_s``: a share of the prefill its best possible hit would save,
+within a hard cap); past it the wave keeps running on its thread and feeds the index when it ends, the rest of
 the lookup is then finished in the background (so the next lookup of that prefix is local), and
 at most ``lookup_max_pending`` such waves may run at once. A store error, a timeout or a full
 backlog is a miss, never an exception. HEAD answers are checked against the object identity the
@@ -17,6 +18,7 @@ split apart, each piece would reach into the others.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -27,7 +29,7 @@ from typing import Any
 
 from ...config import Settings
 from ...core.hitrule import Span, required_range, servable
-from ...core.lookup import Ask, LookupResult, find_hit
+from ...core.lookup import Ask, LookupResult, find_hit, stall_budget_s
 from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
 from ..index import MISSING, KeyIndex
@@ -66,6 +68,15 @@ class Lookups:
         self._last_probe_used_network = False
         #: The wave this lookup's budget ran out on (still running), if any.
         self._late_wave: Future | None = None
+        #: This lookup's budget (seconds, inf = none), the tokens its best hit would save, and
+        #: what it decided (see ``DECISIONS``); read by ``record``.
+        self.budget_s = math.inf
+        self.saveable_tokens = 0
+        self.decision = ""
+        #: Recent HEAD waves' wall time (moving average, each at most the cap): see ``_head_wave``.
+        self._wave_s = 0.0
+        #: This answer re-checks a promise (``recheck``): the longest budget, always tried.
+        self._promise = False
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -90,6 +101,7 @@ class Lookups:
         ld.device_tokens = num_computed_tokens
         ld.h_blocks = ld.d_blocks
         self.stats.lookups += 1
+        self.decision, self.saveable_tokens, self.budget_s = "skipped", 0, 0.0
         if num_computed_tokens % tpb or not store_available:
             # A device match that ends mid-block (partial reuse) leaves nothing whole to
             # append to: an S3 load must start on a block boundary.
@@ -99,7 +111,7 @@ class Lookups:
             return 0, False
         prompt_len = st.prompt_len
         hmax = (prompt_len - 1) // tpb
-        self._start_budget()
+        self._start_budget((hmax - ld.d_blocks) * tpb)
         result = self._find(st, prompt_len // tpb, hmax)
         self.stats.lookup_waves += result.waves
         self.stats.lookup_asks += result.asks
@@ -109,7 +121,9 @@ class Lookups:
         gain = result.h_blocks - ld.d_blocks
         if gain < self.settings.min_hit_blocks:
             self.stats.misses += 1
+            self.decision = self.decision or "miss"
             return 0, False
+        self.decision = "hit"
         ld.coverage = result.coverage
         ld.offered_blocks = gain
         ld.load_async = load_async
@@ -121,6 +135,11 @@ class Lookups:
         )
         return gain * tpb, ld.load_async
 
+    def record(self, stall_s: float, hit_tokens: int) -> None:
+        """The lookup just offered held the scheduler ``stall_s``: note it beside its budget, what
+        its best hit could have saved, and how it ended."""
+        self.stats.record_lookup(stall_s, self.budget_s, self.saveable_tokens, hit_tokens, self.decision)
+
     def recheck(self, st: RequestState, h: int) -> LookupResult:
         """Verify a smaller history ``h`` than offered (the index answers most of it)."""
         ctx = self.ctx
@@ -129,17 +148,39 @@ class Lookups:
         # A budget of its own, as a lookup has: left with what the last lookup did not use (or
         # another request's), a wave to a slow store would run out at once and break a promise
         # the store can keep -- on an engine without the failed-load hook the request would then
-        # stay parked until its client gave up.
-        self._start_budget()
+        # stay parked until its client gave up. The longest budget any lookup gets, whatever the
+        # hit is worth: a promise is at stake, not a hit.
+        self._start_budget((h - st.load.d_blocks) * g.tokens_per_block, promise=True)
         return find_hit(g, ctx.params, st.load.d_blocks, st.prompt_len // g.tokens_per_block, h,
                         lambda asks: self._probe(st, asks))
 
-    def _start_budget(self) -> None:
+    def lookup_budget_s(self, saveable_tokens: int) -> float:
+        """The time budget of a lookup whose best possible hit saves ``saveable_tokens`` (inf: none)."""
+        s = self.settings
+        if s.lookup_timeout_s > 0:
+            return s.lookup_timeout_s
+        if s.lookup_timeout_s == 0:
+            return math.inf
+        return stall_budget_s(saveable_tokens, s.prefill_tokens_per_s, s.lookup_stall_fraction,
+                              s.lookup_max_stall_ms / 1000.0)
+
+    def _max_budget_s(self) -> float:
+        """The longest budget any lookup gets: the fixed one, else the cap."""
+        s = self.settings
+        return s.lookup_timeout_s if s.lookup_timeout_s > 0 else s.lookup_max_stall_ms / 1000.0
+
+    def _start_budget(self, saveable_tokens: int, *, promise: bool = False) -> None:
         """One scheduler-path answer (a lookup, a re-check) starts: its time budget from now."""
-        budget = self.settings.lookup_timeout_s
-        self._deadline = time.monotonic() + budget if budget > 0 else float("inf")
+        self.saveable_tokens = max(0, saveable_tokens)
+        self._promise = promise
+        if promise:
+            self.budget_s = budget = math.inf if self.settings.lookup_timeout_s == 0 else self._max_budget_s()
+        else:
+            self.budget_s = budget = self.lookup_budget_s(self.saveable_tokens)
+        self._deadline = time.monotonic() + budget
         self._timed_out = False
         self._late_wave = None
+        self.decision = ""
 
     def _find(self, st: RequestState, full_blocks: int, hmax: int) -> LookupResult:
         """The largest servable history: from the namespace summary when one is ready (a miss
@@ -286,6 +327,7 @@ class Lookups:
                 return LookupResult(d, waves=1 if isinstance(e, _LookupTimeout) else 0, asks=len(todo))
             except StoreError as e:
                 self.stats.lookup_errors += 1
+                self.decision = "error"
                 log.warning("s3kv: lookup verify wave failed (%s); treating as miss", e,
                             extra={"request_id": st.request_id})
                 return LookupResult(d, waves=1, asks=len(todo))
@@ -304,13 +346,18 @@ class Lookups:
     def _note_skipped(self, st: RequestState, e: BaseException) -> None:
         if isinstance(e, _LookupBusy):
             self.stats.lookup_busy += 1
+            self.decision = "busy"
             log.warning("s3kv: lookup of request %s skipped: %d earlier HEAD waves still running; a miss",
                         st.request_id, self.pending_waves, extra={"request_id": st.request_id})
         elif not self._timed_out:
             self._timed_out = True
+            self.decision = "ran_out"
             self.stats.lookup_timeouts += 1
-            log.warning("s3kv: lookup of request %s ran out of its %.3f s budget; a miss",
-                        st.request_id, self.settings.lookup_timeout_s, extra={"request_id": st.request_id})
+            # A warning when it waited as long as any lookup may (a slow store); a short budget
+            # running out is the rule at work (a small hit was not worth a longer wait).
+            log.log(logging.WARNING if self.budget_s >= self._max_budget_s() else logging.DEBUG,
+                    "s3kv: lookup of request %s ran out of its %.3f s budget (%d tokens to save); a miss",
+                    st.request_id, self.budget_s, self.saveable_tokens, extra={"request_id": st.request_id})
 
     def _split(
         self, st: RequestState, asks: set[Ask], trust_index: bool
@@ -344,6 +391,7 @@ class Lookups:
         except StoreError as e:
             # A store error during lookup is a miss, never an exception.
             self.stats.lookup_errors += 1
+            self.decision = self.decision or "error"
             log.warning("s3kv: lookup HEAD wave failed (%s); treating as miss", e,
                         extra={"request_id": st.request_id})
             return {**out, **{a: None for a in todo.values()}}
@@ -364,10 +412,14 @@ class Lookups:
         """
         keys = list(todo)
         expect = self._expect(todo)
-        if self._deadline == float("inf"):
+        if self._deadline == math.inf:
             return self.store.head_many_checked(keys, expect)
         remaining = self._deadline - time.monotonic()
-        if remaining <= 0 or self._timed_out:
+        # Less left than half of what waves take lately: it would almost surely run out, so spend
+        # none of the scheduler's time on it -- the lookup is finished in the background all the
+        # same (a repeat of the prefix then hits from the index). A short prompt at 30 ms a
+        # request otherwise stalled its whole few-ms budget for a certain miss.
+        if remaining <= 0 or self._timed_out or (remaining < self._wave_s / 2 and not self._promise):
             self._last_probe_used_network = False  # nothing sent: not a round trip
             raise _LookupTimeout
         with self._pending_lock:
@@ -383,8 +435,10 @@ class Lookups:
             )
         asks = dict(todo)
         timed_out = [False]
+        sent = time.monotonic()
 
         def done(f: Future) -> None:
+            self._note_wave(time.monotonic() - sent)
             with self._pending_lock:
                 self.pending_waves -= 1
             if timed_out[0] and not f.cancelled() and f.exception() is None:
@@ -397,11 +451,23 @@ class Lookups:
         except FutureTimeout:
             timed_out[0] = True
             self._late_wave = fut
-            # A hung store never fails a call, so count the timeout where health is judged.
-            self.store.note_timeout("head")
+            # A hung store never fails a call, so count the timeout where health is judged -- when
+            # the lookup waited as long as any may (the cap). A shorter budget ran out because its
+            # hit was not worth a longer wait: a short prompt at 30 ms a request does so on a
+            # healthy store, and counted, a few in a row would open the breaker on it.
+            if self.budget_s >= self._max_budget_s():
+                self.store.note_timeout("head")
             raise _LookupTimeout from None
         finally:
             fut.add_done_callback(done)
+
+    def _note_wave(self, seconds: float) -> None:
+        """A wave's wall time into the moving average. At most the cap: after a hang the average
+        must not make every later lookup give up before sending (the background waves, which
+        still run, bring it back down)."""
+        seconds = min(seconds, self._max_budget_s())
+        with self._pending_lock:
+            self._wave_s = seconds if self._wave_s == 0.0 else 0.8 * self._wave_s + 0.2 * seconds
 
     def _finish_late(self, st: RequestState, full_blocks: int, hmax: int) -> None:
         """Run a probe lookup that ran out of its budget to its end in the background: every
@@ -457,7 +523,9 @@ class Lookups:
             try:
                 # Checked where the answers arrive, as the foreground waves are: this runs beside
                 # the executor thread, and every answer checked here holds its GIL.
+                sent = time.monotonic()
                 batch = self.store.head_many_checked(list(todo), self._expect(todo))
+                self._note_wave(time.monotonic() - sent)
             except StoreError:
                 return {**out, **{a: None for a in todo.values()}}
             out.update(self._absorb(todo, batch, count=False))

@@ -148,6 +148,13 @@ def _floats(text: str | None) -> tuple[float, ...] | None:
     help="Summary-path lookups per prompt and client, each on a fresh leader; medians are shown "
     "(default 5, --quick 1).",
 )
+@click.option(
+    "--s3-latency-ms",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Add this much to every request on the wire (s3kv's fault proxy in front of the S3 server) "
+    "instead of --latency-ms's in-process model.",
+)
 def lookup_command(
     as_json: bool,
     plot_path: str | None,
@@ -160,6 +167,7 @@ def lookup_command(
     blocks_per_object: int,
     seq_cap: int | None,
     repeats: int | None,
+    s3_latency_ms: float | None,
 ) -> None:
     """Lookup round trips and latency, 1k-128k-token prompts, vs a sequential per-block HEAD scan.
 
@@ -173,7 +181,9 @@ def lookup_command(
     cap = seq_cap if seq_cap is not None else (64 if quick else 256)
     reps = repeats if repeats is not None else (1 if quick else 5)
     cfg = lookup.LookupConfig(prompts=chosen, blocks_per_object=blocks_per_object, seq_cap=cap, repeats=reps)
-    res = run_on_store("lookup", url, server, latency_ms, keep, lambda bs: lookup.run_lookup(bs, cfg))
+    if s3_latency_ms is not None:
+        latency_ms = 0.0  # on the wire instead
+    res = run_on_store("lookup", url, server, latency_ms, keep, lambda bs: lookup.run_lookup(bs, cfg), s3_latency_ms)
     finish(res, as_json=as_json, table=explained("lookup", lookup.table), plot_path=plot_path, plot=plot.plot_lookup)
 
 
@@ -299,12 +309,14 @@ def jitter_command(
 
 
 def run_on_store(
-    name: str, url: str | None, server: str, latency_ms: float, keep: bool, run: Callable[[Any], dict[str, Any]]
+    name: str, url: str | None, server: str, latency_ms: float, keep: bool, run: Callable[[Any], dict[str, Any]],
+    s3_latency_ms: float | None = None,
 ) -> dict[str, Any]:
     """``run(bench store)`` on ``--url`` or an embedded server, announcing which (every store bench)."""
     from .common import bench_store
 
-    with bench_store(url, server=server, latency_ms=latency_ms, name=name, keep=keep) as bs:
+    with bench_store(url, server=server, latency_ms=latency_ms, name=name, keep=keep,
+                     s3_latency_ms=s3_latency_ms) as bs:
         progress(f"{name}: store {bs.where}, {latency_ms:g} ms injected per request")
         return run(bs)
 
@@ -494,6 +506,13 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
     "--jobs", type=int, default=None, help="Replays run at once, one process each (default: min(2, cores))."
 )
 @click.option("--url", default=None, help="Store to replay on (default: in-process memory://, one per replay).")
+@click.option(
+    "--s3-latency-ms",
+    type=click.FloatRange(min=0),
+    default=None,
+    help="Replay on S3 (the embedded server, or --url s3://) behind s3kv's fault proxy, this much added to "
+    "every request, lookups under the engine's default time budget; prints the scheduler stall per lookup.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write a PNG chart here."
@@ -521,6 +540,7 @@ def trace_command(
     audit: bool,
     jobs: int | None,
     url: str | None,
+    s3_latency_ms: float | None,
     as_json: bool,
     plot_path: str | None,
 ) -> None:
@@ -583,9 +603,11 @@ def trace_command(
         audit=audit,
         jobs=max(1, jobs if jobs is not None else min(2, os.cpu_count() or 1)),
         url=url,
+        s3_latency_ms=s3_latency_ms,
     )
     cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s, settings=_settings_overrides(overrides))
-    with bench_store(url or trace.DEFAULT_URL, name="trace") as bs:
+    with bench_store(url or (None if s3_latency_ms is not None else trace.DEFAULT_URL), name="trace",
+                     s3_latency_ms=s3_latency_ms) as bs:
         try:
             res = trace.run_trace(bs, cfg)
         except TraceError as e:

@@ -218,6 +218,8 @@ class BenchStore:
     concurrency: int
     raw_client: RawClient
     latency: RegionLatency | None = None
+    #: Delay the fault proxy adds to every request on the wire (``--s3-latency-ms``).
+    s3_latency_ms: float = 0.0
 
     def injected_round_trips(self) -> int:
         """Round trips charged injected latency so far (0 without latency)."""
@@ -238,6 +240,7 @@ class BenchStore:
                 else "none (loopback)"
             ),
             "raw_baseline_client": self.raw_client.kind,
+            "s3_latency_ms": self.s3_latency_ms,
         }
 
     def delete_prefix(self, prefix: str) -> int:
@@ -256,28 +259,40 @@ def bench_store(
     name: str = "bench",
     concurrency: int = DEFAULT_CONCURRENCY,
     keep: bool = False,
+    s3_latency_ms: float | None = None,
 ) -> Iterator[BenchStore]:
-    """The store a benchmark runs on, with a run-unique key prefix; cleaned up on exit."""
+    """The store a benchmark runs on, with a run-unique key prefix; cleaned up on exit.
+
+    ``s3_latency_ms`` (not None): every request, set-up included, goes through s3kv's fault
+    proxy, which holds it that long on the wire (``--s3-latency-ms``): an S3 store on an
+    ``http://`` endpoint only (the embedded server, or ``AWS_ENDPOINT_URL_S3``)."""
     from ...store.instrument import InstrumentedStore
 
     if latency_ms < 0:
         raise click.BadParameter("must be >= 0", param_hint="--latency-ms")
+    if s3_latency_ms is not None and s3_latency_ms < 0:
+        raise click.BadParameter("must be >= 0", param_hint="--s3-latency-ms")
     latency_s = latency_ms / 1000.0
     run = f"bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    emb = None
+    emb = proxy = None
     raw: ObjectStore
     url_prefix = ""
     cleanup = False
     try:
         if not url:
             from ...store.embedded import EmbeddedS3
-            from ...store.s3 import S3Options
+            from ...store.s3 import S3Options, S3Store
 
             emb = EmbeddedS3(kind=server, bucket=BENCH_BUCKET).start()  # type: ignore[arg-type]
-            raw = emb.make_store(options=S3Options(max_concurrency=concurrency))
+            endpoint = emb.endpoint_url
+            if s3_latency_ms is not None:
+                proxy = _wire_latency(endpoint, s3_latency_ms)
+                endpoint = proxy.endpoint_url
+            raw = S3Store(emb.bucket, endpoint_url=endpoint, options=S3Options(max_concurrency=concurrency),
+                          aws_access_key_id=emb.access_key, aws_secret_access_key=emb.secret_key, url=emb.url)
             raw_client = _boto3_raw(
                 emb.bucket,
-                emb.endpoint_url,
+                endpoint,
                 latency_s,
                 {
                     "aws_access_key_id": emb.access_key,
@@ -292,13 +307,27 @@ def bench_store(
 
             scheme, bucket, url_prefix = parse_store_url(url)
             if scheme == "s3":
-                from ...store.s3 import S3Options, S3Store
+                from ...store.s3 import S3Options
 
                 raw = open_store(url, options=S3Options(max_concurrency=concurrency))
-                assert isinstance(raw, S3Store)
-                raw_client = _boto3_raw(bucket, raw.endpoint_url, latency_s, {})
+                # Whichever client the factory picked (boto3's S3Store, obstore's): its endpoint.
+                endpoint = str(getattr(raw, "endpoint_url", "") or "")
+                if s3_latency_ms is not None:
+                    raw.close()
+                    proxy = _wire_latency(endpoint, s3_latency_ms)
+                    endpoint = proxy.endpoint_url
+                    from ...store.factory import make_s3_store
+
+                    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+                    raw = make_s3_store(bucket, options=S3Options(max_concurrency=concurrency, region=region),
+                                        endpoint_url=endpoint, url=url)
+                raw_client = _boto3_raw(bucket, endpoint or None, latency_s, {})
                 kind, where, cleanup = "s3", url, True
             else:
+                if s3_latency_ms is not None:
+                    raise click.ClickException(
+                        f"--s3-latency-ms needs an s3:// store (or no --url: the embedded server), got {url}"
+                    )
                 raw = open_store(url)
                 raw_client = _store_raw(raw, latency_s)
                 kind, where = scheme, url
@@ -306,7 +335,10 @@ def bench_store(
         shaped = RegionLatency(raw, latency_s, concurrency) if latency_s else None
         store = InstrumentedStore(shaped if shaped is not None else raw)
         prefix = "/".join(p for p in (url_prefix, run) if p)
-        bs = BenchStore(raw, store, prefix, kind, where, latency_ms, concurrency, raw_client, shaped)
+        if proxy is not None:
+            where += f", {s3_latency_ms:g} ms added on the wire (fault proxy at {proxy.endpoint_url})"
+        bs = BenchStore(raw, store, prefix, kind, where, latency_ms, concurrency, raw_client, shaped,
+                        s3_latency_ms=s3_latency_ms or 0.0)
         try:
             yield bs
         finally:
@@ -316,8 +348,57 @@ def bench_store(
             with contextlib.suppress(Exception):
                 raw.close()
     finally:
+        if proxy is not None:
+            proxy.stop()
         if emb is not None:
             emb.stop()
+
+
+class _ProxyProcess:
+    """``python -m s3kv.store.faultproxy`` in a process of its own, adding ``latency_ms`` to every
+    request. Why not a thread here: the proxy runs a thread per connection, and a lookup's wave is
+    hundreds of HEADs at once -- in the benchmark's process their Python would hold the GIL the
+    measured engine's scheduler thread needs, and charge the proxy's work to the lookups' stall."""
+
+    def __init__(self, endpoint_url: str, latency_ms: float):
+        import subprocess
+
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "s3kv.store.faultproxy", endpoint_url, "--set", f"latency_s={latency_ms / 1000.0}"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )
+        assert self._proc.stdout is not None
+        line = self._proc.stdout.readline()
+        try:
+            self.endpoint_url = str(json.loads(line)["endpoint_url"])
+        except (ValueError, KeyError, TypeError):
+            self.stop()
+            raise click.ClickException(f"the latency proxy in front of {endpoint_url} did not start") from None
+
+    def stop(self) -> None:
+        import subprocess
+
+        with contextlib.suppress(OSError, ValueError):
+            if self._proc.stdin is not None:
+                self._proc.stdin.close()  # the proxy runs until its stdin closes
+        try:
+            self._proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+
+
+def _wire_latency(endpoint_url: str, latency_ms: float) -> _ProxyProcess:
+    """s3kv's fault proxy in front of ``endpoint_url``, holding every request ``latency_ms``."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(endpoint_url)
+    if parts.scheme != "http" or not parts.hostname or not parts.port:
+        raise click.ClickException(
+            f"--s3-latency-ms puts a proxy in front of an http://host:port S3 endpoint; this store's is "
+            f"{endpoint_url or 'unknown'!r} (leave out --url to use the embedded server)"
+        )
+    return _ProxyProcess(endpoint_url, latency_ms)
 
 
 # --------------------------------------------------------------------------- output

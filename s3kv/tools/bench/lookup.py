@@ -208,6 +208,9 @@ class _Measured:
     process_cpu_s: float
     hash_cpu_s: float
     helper_cpu_s: float = 0.0
+    #: The lookup's time budget (ms; None: none) and how it ended (``LeaderStats.recent_lookups``).
+    budget_ms: float | None = None
+    decision: str = ""
 
 
 def _measure(
@@ -225,9 +228,11 @@ def _measure(
     c1, p1 = time.thread_time(), time.process_time()
     io = store.snapshot() - before
     injected = ((lat.round_trips if lat is not None else 0) - rt0) * bs.latency_ms
+    rec = leader.stats.recent_lookups[-1] if leader.stats.recent_lookups else None
     return _Measured(
         len(prompt), hit, leader.stats.lookup_waves - waves, io.head, wall, injected, c1 - c0, p1 - p0,
         leader.stats.lookup_hash_cpu_s - hashing, helper_cpu_s(plain) - h0,
+        None if rec is None or rec.budget_s == math.inf else rec.budget_s * 1e3, rec.decision if rec else "",
     )
 
 
@@ -246,13 +251,16 @@ def _median(runs: Sequence[_Measured]) -> _Measured:
 
 
 def _row(m: _Measured, bs: BenchStore) -> dict[str, Any]:
+    rtt = bs.latency_ms or bs.s3_latency_ms
     return {
         "hit_tokens": m.hit,
+        "budget_ms": None if m.budget_ms is None else rnd(m.budget_ms, 1),
+        "decision": m.decision,
         "round_trips": m.round_trips,
         "requests": m.requests,
         "latency_ms": rnd(m.wall_s * 1e3, 2),
         "latency_injected_ms": rnd(m.injected_ms, 1),
-        "wall_round_trips": rnd(m.wall_s * 1e3 / bs.latency_ms, 2) if bs.latency_ms else None,
+        "wall_round_trips": rnd(m.wall_s * 1e3 / rtt, 2) if rtt else None,
         "executor_cpu_ms": rnd(m.thread_cpu_s * 1e3, 3),
         "process_cpu_ms": rnd(m.process_cpu_s * 1e3, 3),
         "chain_cpu_ms": rnd(m.hash_cpu_s * 1e3, 3),
@@ -452,7 +460,10 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
         "prepopulated": counts,
         "results": rows,
         "s3kv_client": default_client,
-        "lookup_budget_ms": settings.lookup_timeout_s * 1e3,
+        # The default budget follows the value (budget_first / budget_next rows carry each one's).
+        "lookup_budget": {"stall_fraction": settings.lookup_stall_fraction,
+                          "max_stall_ms": settings.lookup_max_stall_ms,
+                          "prefill_tokens_per_s": settings.prefill_tokens_per_s},
         "targets": {
             "summary_wall_le_2.5_rt": f"a cold lookup with the namespace summary: wall <= {TARGET_WALL_ROUND_TRIPS} "
             "x the injected latency, full hit",

@@ -125,6 +125,9 @@ class TraceConfig:
     settings: Mapping[str, Any] = field(default_factory=dict)
     #: Put per-request served tokens (each run, the ideal, the upstream rule) into the result.
     per_request: bool = False
+    #: Replay on the embedded S3 server (or ``url``) behind the fault proxy, this many ms added to
+    #: every request, lookups under the engine's default time budget (None: in-process, no budget).
+    s3_latency_ms: float | None = None
 
     def replace(self, **kw: Any) -> TraceConfig:
         return dataclasses.replace(self, **kw)
@@ -290,7 +293,9 @@ def replay(
         staging_mib=64,
         upload_threads=2,
         download_threads=2,
-        lookup_timeout_s=0,  # no time budget: a slow moment on a busy machine must not turn a hit into a miss
+        # No time budget in-process: a slow moment on a busy machine must not turn a hit into a
+        # miss. At --s3-latency-ms the engine's default budget: what that latency costs is the point.
+        lookup_timeout_s=-1 if cfg.s3_latency_ms is not None else 0,
         # Refresh on hit runs on the trace's clock in BilledStore (the engine's runs on wall time).
         refresh_on_hit=False,
         # Positives the index remembers would outlive an expiry on the trace's clock.
@@ -326,6 +331,7 @@ def replay(
             settings=settings, store=_Shared(counter), key_prefix=bs.key(f"trace-{run}"), engine_key=f"trace-{run}"
         ),
     )
+    stalls: list[Any] = []  # LookupRecord of every lookup
     with engine:
         counter.bind(engine.workers[0].core.geometry, sizing)
         counter.checkpoint_blocks = engine.leader.core.policy.checkpoint_blocks
@@ -345,6 +351,8 @@ def replay(
             for w in engine.workers:
                 w.flush(120)
             rr = rep.requests[0]
+            recent = engine.leader.core.stats.recent_lookups
+            stalls += [x for x in recent if not stalls or x.seq > stalls[-1].seq]
             served.append(rr.matched_tokens)
             counter.credit(rr.matched_tokens)
             totals["kv_mismatches"] += rep.kv_mismatches
@@ -400,7 +408,32 @@ def replay(
         "generated_tokens": generated,
         "answer_tokens_not_replayed": not_generated,
         "tokens_fingerprint": fingerprint.hexdigest(),
+        "lookup_stall": stall_summary(stalls, sum(served)),
         "wall_s": rnd(wall, 1),
+    }
+
+
+def stall_summary(records: Sequence[Any], served_tokens: int) -> dict[str, Any]:
+    """What the lookups held the scheduler: per lookup (p50, p99, max, ms), per token served
+    (microseconds), and how the lookups ended."""
+    import statistics
+
+    ms = sorted(x.stall_s * 1e3 for x in records)
+    decisions: dict[str, int] = {}
+    for x in records:
+        decisions[x.decision] = decisions.get(x.decision, 0) + 1
+
+    def pct(q: float) -> float:
+        return rnd(ms[min(len(ms) - 1, int(q * len(ms)))], 2) if ms else 0.0
+
+    return {
+        "lookups": len(ms),
+        "p50_ms": rnd(statistics.median(ms), 2) if ms else 0.0,
+        "p99_ms": pct(0.99),
+        "max_ms": rnd(ms[-1], 2) if ms else 0.0,
+        "total_s": rnd(sum(ms) / 1e3, 3),
+        "us_per_token_served": rnd(sum(ms) * 1e3 / served_tokens, 3) if served_tokens else None,
+        "decisions": decisions,
     }
 
 
@@ -429,7 +462,8 @@ def _replay_job(
     from .common import bench_store
 
     torch.set_num_threads(1)  # tiny tensors; the other replay process needs the other core
-    with bench_store(cfg.url or DEFAULT_URL, name=f"trace-{run}") as bs:
+    url = cfg.url or (None if cfg.s3_latency_ms is not None else DEFAULT_URL)
+    with bench_store(url, name=f"trace-{run}", s3_latency_ms=cfg.s3_latency_ms) as bs:
         return replay(cfg, bs, reqs, bt, conts, run, oracle), oracle
 
 
@@ -555,6 +589,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "by_kind": r["by_kind"],
             "kv_mismatches": r["kv_mismatches"],
             "branch_tails_stored": r["branch_tails_stored"],
+            "lookup_stall": r["lookup_stall"],
             "wall_s": r["wall_s"],
         }
     up_stored = sum(oracle.up_bytes)
@@ -757,6 +792,15 @@ def table(res: dict[str, Any]) -> str:
             f"{p['gpu_seconds_saved']:>11.0f} | {p.get('kv_mismatches', '-'):>4}"
         )
     lines.append("")
+    lines.append("scheduler stall per lookup (ms; the lookup's wall time, hashing included) and per token served:")
+    for name, p in res["policies"].items():
+        st = p.get("lookup_stall")
+        if st:
+            lines.append(
+                f"  {name:>18}: p50 {st['p50_ms']:.2f}, p99 {st['p99_ms']:.2f}, max {st['max_ms']:.1f} ms over "
+                f"{st['lookups']} lookups; {st['us_per_token_served'] or 0:.2f} us per token served; "
+                + ", ".join(f"{k} {v}" for k, v in sorted(st["decisions"].items()))
+            )
     lines.append("stored bytes per layer group (GiB, real page sizes):")
     for name, p in res["policies"].items():
         parts = ", ".join(f"{g} {b / 2**30:.1f}" for g, b in p["stored_bytes_by_group"].items())
