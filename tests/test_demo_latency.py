@@ -13,7 +13,7 @@ def test_demo_through_the_latency_proxy_hits_and_says_so():
     r = s3kv("demo", "--json", "--s3-latency-ms", "5", "--server", "moto", env=_clean_env())
     assert r.returncode == 0, r.stderr
     res = json.loads(r.stdout)
-    assert "5 ms added to every request (fault proxy at http://127.0.0.1:" in res["store"]
+    assert "5 ms added to every request (fault proxy" in res["store"]
     warm = res["warm"]
     assert warm["kv_mismatches"] == 0 and warm["matched_tokens"] > 0
     assert warm["per_request"][0]["matched_tokens"] > 0  # a fresh cluster's first request hits

@@ -489,6 +489,8 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
             # Its address is gone once this command returns: do not print it as where to look.
             where = (f"embedded {emb.kind} S3 server, stopped now with the demo's objects; "
                      "s3kv demo --keep keeps it running to look inside with s3kv ls, stats, verify")
+            if proxy is not None:
+                where += f"; {s3_latency_ms:g} ms added to every request (fault proxy, stopped too)"
         chosen = {k: v for k, v in explicit_settings().items() if k in demo_defaults(shape) and k not in forced}
         res = {"cold": cold, "warm": warm, "store": where, "store_url": run_url, "shape": asdict(shape),
                "user_settings": chosen, "cleanup": cleanup}
