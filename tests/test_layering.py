@@ -1,6 +1,6 @@
 """The package layout is the design (docs/architecture.md): layers import only downwards, the core
-is pure, big modules say why they are one module, and the README and the architecture page name
-the tree as it is.
+is pure, big modules say why they are one module, and the architecture page (its diagram and its
+Layout block) names the tree as it is.
 
 Imports are read from the source (every ``import`` / ``from`` statement of every module, also
 inside functions and ``TYPE_CHECKING`` blocks), not from ``sys.modules``: the standard library
@@ -146,13 +146,14 @@ def _packages() -> list[str]:
 
 
 def _layout_block() -> str:
-    text = (REPO / "README.md").read_text()
+    """The code block of docs/architecture.md's Layout section (the README links there)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
     section = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
-    return section.split("```", 2)[1]
+    return section.split("```", 2)[1].split("\n", 1)[1]  # past the fence's info string
 
 
 def _layout_entries() -> tuple[set[str], set[str]]:
-    """(directories, files) the README's layout block names, as repository paths.
+    """(directories, files) the layout block names, as repository paths.
 
     A line whose first word ends in ``/`` names a directory (below ``s3kv/`` when indented);
     every ``*.py`` word belongs to the latest directory named.
@@ -176,17 +177,17 @@ def _layout_entries() -> tuple[set[str], set[str]]:
     return dirs, files
 
 
-def test_readme_layout_names_real_paths():
+def test_layout_block_names_real_paths():
     dirs, files = _layout_entries()
-    assert files, "no module named in the README's layout block"
+    assert files, "no module named in the architecture page's layout block"
     missing = sorted(p for p in dirs | files if not (REPO / p).exists())
-    assert not missing, f"the README's layout names what does not exist: {missing}"
+    assert not missing, f"the architecture page's layout names what does not exist: {missing}"
 
 
-def test_readme_layout_names_every_package():
+def test_layout_block_names_every_package():
     dirs, _ = _layout_entries()
     unnamed = [p for p in _packages() if p not in dirs]
-    assert not unnamed, f"packages missing from the README's layout: {unnamed}"
+    assert not unnamed, f"packages missing from the architecture page's layout: {unnamed}"
 
 
 def test_architecture_page_names_real_modules_and_every_package():
@@ -202,16 +203,16 @@ def test_architecture_page_names_real_modules_and_every_package():
 
 
 def test_the_docs_check_can_fail(monkeypatch):
-    """A module the README names that does not exist, and a package it leaves out, are caught."""
+    """A module the layout block names that does not exist, and a package it leaves out, are caught."""
     block = _layout_block()
     monkeypatch.setattr(
         sys.modules[__name__], "_layout_block",
         lambda: block.replace("engine/worker/", "engine/workers/").replace("rank.py", "ranks.py"),
     )
     with pytest.raises(AssertionError, match="ranks.py"):
-        test_readme_layout_names_real_paths()
+        test_layout_block_names_real_paths()
     with pytest.raises(AssertionError, match="s3kv/engine/worker/"):
-        test_readme_layout_names_every_package()
+        test_layout_block_names_every_package()
 
 
 # --------------------------------------------------------------------------- what users import
