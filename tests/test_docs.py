@@ -30,7 +30,7 @@ RUN_ELSEWHERE = {"s3-compatible.md": "tests/test_terraform.py::test_walkthrough_
 MINE = [
     "README.md", "getting-started.md", "configuration.md", "operations.md", "sizing.md",
     "metrics.md", "kubernetes.md", "s3-compatible.md", "architecture.md", "benchmarks.md",
-    "trtllm-serve.md",
+    "trtllm-serve.md", "cli.md",
 ]
 
 
