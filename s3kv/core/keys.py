@@ -6,7 +6,7 @@ key must name the whole prefix. ``c_i = H(c_{i-1}, tokens of block i)`` does tha
 in O(block) per block, and one chain serves every layer group and shard; group
 and shard go into the object key beside it. Keys hold digests only, never tokens.
 
-Key layout (decided here, documented in the README)::
+Key layout (decided here, documented in docs/architecture.md)::
 
     {prefix}/{namespace:32 hex}/{group fingerprint:16 hex}.{shard}of{tp}/{chain digest:32 hex}
 
