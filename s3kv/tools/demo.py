@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import random
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -445,6 +446,13 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
     env["S3KV_LOG_LEVEL"] = logging.getLevelName(logging.getLogger("s3kv").getEffectiveLevel())
     if debug_enabled(click.get_current_context(silent=True)):
         env["S3KV_DEBUG"] = "1"
+    # The simulated model has no weights to fingerprint: name it, so the engines do not warn that
+    # its identity is weak (a real deployment's warning, not the demo's).
+    env.setdefault("S3KV_MODEL_ID", "s3kv-demo/gemma3-like")
+    if not url and not keep and not any(k in env for k in ("S3KV_INTEGRITY_KEY", "S3KV_INTEGRITY_KEY_FILE")):
+        # The embedded server lives and dies with this command: sign its objects with a key of the
+        # run's own (what production should do, docs/security.md) instead of warning that none is set.
+        env["S3KV_INTEGRITY_KEY"] = secrets.token_hex(32)
     emb = proxy = None
     if url:
         run_url = url.strip().rstrip("/") + f"/demo-{int(time.time())}"
