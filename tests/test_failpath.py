@@ -336,3 +336,42 @@ def test_an_abort_quiesces_another_ranks_load_in_flight(rank1):
     assert step(r1, None) == ([], []) and r1.take_failed_load_request_ids() == set()
     r0.close()
     r1.close()
+
+
+def test_an_abort_that_raises_part_way_still_waits_for_the_copies_before_releasing():
+    """The manager frees an aborted request's pages once ``try_abort_request`` returned True (the
+    adapter's answer even when the core raised): a load copy already issued must have completed."""
+    from test_worker import _FakeEvent, digest, load_md, make_core, save_object, step
+
+    from s3kv.trtllm.boundary import Contain
+
+    store = MemoryStore()
+    saver, _ = make_core(store, seed=10)
+    d = digest("abort-raises")
+    step(saver, save_object(saver, 1, 1, 0, [3, 4, 5], d))
+    assert saver.flush(5)
+    saver.close()
+    core, _ = make_core(store, seed=20)
+    copy_done, real_load = _FakeEvent(), core._copier.load
+    core._copier.load = lambda copies: (real_load(copies), copy_done)[1]  # copies still running
+    step(core, load_md(5, 1, d, ((0, 3),), range(3), (7, 8, 9), is_async=True), started_loading=[5])
+    deadline = time.monotonic() + 10
+    while not all(j.event is copy_done for j in core._loads.jobs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core._loads.jobs and all(j.event is copy_done for j in core._loads.jobs)
+
+    def broken(rid):
+        raise RuntimeError("abort failed before it waited for anything")
+
+    core._loads.abort = broken
+    w = object.__new__(S3KvConnectorWorker)  # the adapter around this core
+    w.core, w._contain = core, Contain("worker")
+    returned = threading.Event()
+    t = threading.Thread(target=lambda: w.try_abort_request(5) and returned.set())
+    t.start()
+    assert not returned.wait(0.2)  # waits for the copies ...
+    copy_done.flag.set()
+    assert returned.wait(5)  # ... then lets the manager free the pages
+    t.join()
+    assert w._contain.errors["try_abort_request"] == 1
+    core.close()

@@ -296,6 +296,17 @@ class WorkerCore:
             self._saves.abort(int(request_id))
             return True
 
+    def fence_abort(self, request_id: int) -> None:
+        """What ``try_abort_request`` promises, for the adapter after it raised part-way: no copy
+        of the request's load can land and no stage copy still reads its pages (the manager frees
+        them once the abort returns). Waits for every copy this rank issued; nothing on CPU."""
+        rid = int(request_id)
+        try:
+            self._loads.fence(rid)
+        finally:
+            for ev in list(self._saves.copy_events.values()):
+                Copier.synchronize(ev)
+
     def wait_for_layer_load(self, layer_idx: int, stream: Any = None) -> None:
         """Make the forward stream wait for the copies into the layer's group (no host wait)."""
         with self._lock:

@@ -339,6 +339,30 @@ class LoadJobs:
         self._quiesce({rid})
         self.failed_report.discard(rid)
 
+    def fence(self, rid: int) -> None:
+        """Make sure no load copy of ``rid`` can land from now on, whatever state an abort that
+        raised part-way left behind: its pending targets dropped, jobs already placing waited for,
+        and every copy this rank issued completed (one job failing here does not stop the others).
+        Rare path: a host wait is fine."""
+        reason = LoadFailed("request aborted", request_ids={rid})
+        try:
+            for job in list(self.jobs):
+                try:
+                    mine = rid in job.request_ids or rid in job.owners.values()
+                    if mine and job.drop_requests({rid}, reason):
+                        continue
+                    if mine and job.future is not None:
+                        try:
+                            job.future.result()
+                        except BaseException:  # noqa: BLE001 - cancelled or failed: nothing placed later
+                            pass
+                    Copier.synchronize(job.event)
+                except Exception:  # noqa: BLE001 - the copy stream is drained below anyway
+                    log.exception("s3kv: fencing the load of %s for request %d", job.key, rid)
+        finally:
+            if self.copier is not None:
+                self.copier.drain()
+
     def parked_now(self) -> int:
         """Requests parked right now while their load is retried (rung 3)."""
         return sum(1 for st in list(self.parked.values()) if st.attempts)
