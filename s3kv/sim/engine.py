@@ -18,8 +18,9 @@ docs/failures.md). One iteration:
      ``save_kv_layer``; then the forward-pass callables) and ``wait_for_save``;
   4. tokens are sampled, histories advance, context pages that left the window
      are freed (and junked: V2's update_context_resources);
-  5. ``request_finished[_by_layer_group]`` for requests that finished (or were
-     cancelled); True keeps the pages, False frees them at once; then
+  5. ``request_finished[_by_layer_group]`` for requests that finished (a cancel, only in
+     a pass with a batch, frees its request silently: see ``SimEngine``); True keeps the
+     pages, False frees them at once; then
      ``update_resources`` frees the generation pages that left the window --
      also of a request just held for an async save (its lists were passed
      with that page still in them);
