@@ -339,11 +339,11 @@ class LoadJobs:
         self._quiesce({rid})
         self.failed_report.discard(rid)
 
-    def fence(self, rid: int) -> None:
+    def fence(self, rid: int, stage_events: Sequence[Any] = ()) -> None:
         """Make sure no load copy of ``rid`` can land from now on, whatever state an abort that
         raised part-way left behind: its pending targets dropped, jobs already placing waited for,
-        and every copy this rank issued completed (one job failing here does not stop the others).
-        Rare path: a host wait is fine."""
+        and every copy this rank issued (``stage_events`` too) completed -- one job failing here
+        does not stop the others. Rare path: a host wait is fine."""
         reason = LoadFailed("request aborted", request_ids={rid})
         try:
             for job in list(self.jobs):
@@ -360,6 +360,8 @@ class LoadJobs:
                 except Exception:  # noqa: BLE001 - the copy stream is drained below anyway
                     log.exception("s3kv: fencing the load of %s for request %d", job.key, rid)
         finally:
+            for ev in stage_events:
+                Copier.synchronize(ev)
             if self.copier is not None:
                 self.copier.drain()
 
