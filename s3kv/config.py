@@ -58,8 +58,12 @@ OTHER_ENV_VARS = frozenset(
     }
 )
 
-# A URL as it appears in free text: a scheme, "://", then everything up to whitespace or a quote.
-_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]*")
+# What may be a URL in free text: a scheme-like word and ":", then everything up to whitespace or
+# a quote -- any number of slashes after the ":" (a mistyped ``s3:/AKIA…:secret@bucket`` carries
+# credentials as well as ``s3://`` does). Without an "@" it is shown unchanged.
+_URL_IN_TEXT = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:[^\s'\"<>]*")
+# A URL's scheme and the slashes after it: kept when the rest is redacted.
+_SCHEME_HEAD = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):(/+)")
 
 
 def _userinfo_end(url: str) -> int:
@@ -68,16 +72,16 @@ def _userinfo_end(url: str) -> int:
     Why not ``urlsplit(url).netloc``: the authority ends at the first ``/``, and about half of AWS
     secret keys hold one, so in ``s3://AKIA…:wJal…/K7MD…@bucket/p`` the parser sees host
     ``AKIA…:wJal…`` and a path holding the rest of the secret. No parser can tell that from a path
-    holding an ``@``, so every ``@`` after ``://`` counts -- except in a ``file:///path``, whose
-    authority is empty (it cannot carry credentials).
+    holding an ``@``, so every ``@`` after the scheme counts -- except in a ``file:///path``, whose
+    authority is empty (it cannot carry credentials). A scheme with one slash (``s3:/…``) or none
+    is a typo that may still hold a key pair: the same rule.
     """
-    scheme, sep, rest = url.partition("://")
-    if not sep:
+    head = _SCHEME_HEAD.match(url)
+    if head is None:
         return url.rfind("@")
-    if scheme.lower() == "file" and rest.startswith("/"):
+    if head.group(1).lower() == "file" and len(head.group(2)) >= 3:
         return -1
-    at = rest.rfind("@")
-    return -1 if at < 0 else len(scheme) + len(sep) + at
+    return url.rfind("@", head.end())
 
 
 def redact_url(url: str) -> str:
@@ -85,13 +89,13 @@ def redact_url(url: str) -> str:
     at = _userinfo_end(url)
     if at < 0:
         return url
-    head, sep, _ = url.partition("://")
-    return f"{head}{sep}***{url[at:]}" if sep else f"***{url[at:]}"
+    head = _SCHEME_HEAD.match(url)
+    return f"{head.group(0) if head else ''}***{url[at:]}"
 
 
 def redact(text: str) -> str:
-    """``text`` with whatever may be a ``user[:password]`` part of every URL in it (all from
-    ``://`` to the URL's last ``@``) replaced by ``***`` (see :func:`_userinfo_end`)."""
+    """``text`` with whatever may be a ``user[:password]`` part of every URL in it (all from the
+    scheme's slashes to the URL's last ``@``) replaced by ``***`` (see :func:`_userinfo_end`)."""
     return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
 
 
@@ -105,7 +109,9 @@ def _scheme_hint(parts: Any) -> str:
     the userinfo part)."""
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
         return ""
-    host = f"{parts.hostname}:{parts.port}" if parts.port else parts.hostname
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname  # IPv6 keeps its brackets
+    if parts.port:
+        host = f"{host}:{parts.port}"
     bucket, _, prefix = parts.path.strip("/").partition("/")
     target = f"s3://{bucket}/{prefix}".rstrip("/") if bucket else "s3://bucket/prefix"
     return (f". An S3-compatible server (MinIO, SeaweedFS ...) is named by AWS_ENDPOINT_URL_S3: "

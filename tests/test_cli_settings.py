@@ -108,6 +108,8 @@ def test_an_http_url_points_at_aws_endpoint_url_s3():
                          "AWS_ENDPOINT_URL_S3=http://minio.local:9000 with the URL s3://kv-bucket/team-a")
     line = error_line(invoke("ls", "--url", "https://alice:hunter2@minio.local/b"))
     assert "AWS_ENDPOINT_URL_S3=https://minio.local with the URL s3://b" in line and "hunter2" not in line
+    line = error_line(invoke("ls", "--url", "http://[::1]:9000/b/p"))  # IPv6 keeps its brackets
+    assert line.endswith("AWS_ENDPOINT_URL_S3=http://[::1]:9000 with the URL s3://b/p"), line
 
 
 @pytest.mark.parametrize("name, value, stored", [

@@ -216,10 +216,13 @@ def _boundaries(policy, hook):
     served, rung = [], []
     for k in range(0, 21):
         with engine(store, storage_policy=policy, honour=lambda offer, k=k: min(offer, k * TPB), hook=hook) as eng:
-            # On the merged line a broken promise parks the request until its client gives up.
+            # On the merged line a broken promise parks the request until its client gives up; the
+            # cancel lands in a pass that queues a batch (py_executor @0004396), so another request
+            # keeps batches coming meanwhile.
             spec = SimRequestSpec(100 + k, p, max_new_tokens=2, cancel_after_iterations=None if hook else 40)
-            rep = eng.run([spec])
-        r = rep.requests[0]
+            busy = [] if hook else [SimRequestSpec(200 + k, prompt(2 * TPB, 9), max_new_tokens=50)]
+            rep = eng.run([spec, *busy])
+        r = rep.by_id(100 + k)
         assert rep.kv_mismatches == 0, (policy, k)
         if r.recomputed_failed_load or r.cancelled:
             rung.append(k)

@@ -167,7 +167,8 @@ def test_the_path_is_detected_by_its_names(worker, scheduler, found):
 # ----------------------------------------------------------------------------- s3kv on the path
 
 
-def _engine(store, *, tp=1, hook=True, outcome="recompute", honour=None, policy="window", chunk=48, **settings):
+def _engine(store, *, tp=1, hook=True, outcome="recompute", honour=None, policy="window", chunk=48, overlap=False,
+            **settings):
     s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=4, lookup_timeout_s=5.0,
                  checkpoint_tokens=8 * TPB, storage_policy=policy, **settings)
     return SimEngine(
@@ -180,6 +181,7 @@ def _engine(store, *, tp=1, hook=True, outcome="recompute", honour=None, policy=
         honour=honour,
         failed_load_hook=hook,
         failed_load_outcome=outcome,
+        overlap=overlap,
         connector_kwargs=dict(settings=s, store=store, engine_key=f"failpath-{next(_keys)}"),
     )
 
@@ -243,12 +245,18 @@ def test_sync_is_never_honoured_even_with_the_path(caplog):
     assert "covers async loads only" in caplog.text
 
 
+def _busy(rid):
+    """A request that keeps batches queued for ~70 passes: upstream cancels only in a pass that
+    queues a batch (py_executor @0004396), so a request parked for good is cancelled only then."""
+    return SimRequestSpec(rid, tuple(random_tokens(random.Random(rid), 2 * TPB, 32000)), max_new_tokens=70)
+
+
 def test_without_the_path_a_broken_promise_parks_and_is_counted_by_cause():
     store = _stored(1)
     with _engine(store, hook=False, honour=lambda offer: min(offer, 3 * TPB)) as eng:
-        rep = eng.run([SimRequestSpec(400, PROMPT, max_new_tokens=2, cancel_after_iterations=30)])
+        rep = eng.run([SimRequestSpec(400, PROMPT, max_new_tokens=2, cancel_after_iterations=30), _busy(401)])
         stats = eng.workers[0].core.stats()
-    assert rep.kv_mismatches == 0 and rep.requests[0].cancelled
+    assert rep.kv_mismatches == 0 and rep.by_id(400).cancelled
     assert stats.parked_by_cause == {"broken_promise": 1} and stats.rung_parked_retry == 1
 
 
@@ -261,9 +269,9 @@ def test_v2s_own_smaller_honour_parks_only_off_a_stored_tail(chunk_blocks, parks
     store = _stored(1)
     honour = honour_when_growth_fails(chunk_blocks * TPB, TPB)
     with _engine(store, hook=False, honour=honour, chunk=chunk_blocks * TPB) as eng:
-        rep = eng.run([SimRequestSpec(500, PROMPT, max_new_tokens=2, cancel_after_iterations=30)])
+        rep = eng.run([SimRequestSpec(500, PROMPT, max_new_tokens=2, cancel_after_iterations=30), _busy(502)])
         stats = eng.workers[0].core.stats()
-    r = rep.requests[0]
+    r = rep.by_id(500)
     assert rep.kv_mismatches == 0 and r.cancelled == parks
     assert stats.parked_by_cause == ({"broken_promise": 1} if parks else {})
     if not parks:
@@ -336,3 +344,64 @@ def test_an_abort_quiesces_another_ranks_load_in_flight(rank1):
     assert step(r1, None) == ([], []) and r1.take_failed_load_request_ids() == set()
     r0.close()
     r1.close()
+
+
+def test_an_abort_that_raises_part_way_still_waits_for_the_copies_before_releasing():
+    """The manager frees an aborted request's pages once ``try_abort_request`` returned True (the
+    adapter's answer even when the core raised): a load copy already issued must have completed."""
+    from test_worker import _FakeEvent, digest, load_md, make_core, save_object, step
+
+    from s3kv.trtllm.boundary import Contain
+
+    store = MemoryStore()
+    saver, _ = make_core(store, seed=10)
+    d = digest("abort-raises")
+    step(saver, save_object(saver, 1, 1, 0, [3, 4, 5], d))
+    assert saver.flush(5)
+    saver.close()
+    core, _ = make_core(store, seed=20)
+    copy_done, real_load = _FakeEvent(), core._copier.load
+    core._copier.load = lambda copies: (real_load(copies), copy_done)[1]  # copies still running
+    step(core, load_md(5, 1, d, ((0, 3),), range(3), (7, 8, 9), is_async=True), started_loading=[5])
+    deadline = time.monotonic() + 10
+    while not all(j.event is copy_done for j in core._loads.jobs) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert core._loads.jobs and all(j.event is copy_done for j in core._loads.jobs)
+
+    def broken(rid):
+        raise RuntimeError("abort failed before it waited for anything")
+
+    core._loads.abort = broken
+    w = object.__new__(S3KvConnectorWorker)  # the adapter around this core
+    w.core, w._contain = core, Contain("worker")
+    returned = threading.Event()
+    t = threading.Thread(target=lambda: w.try_abort_request(5) and returned.set())
+    t.start()
+    assert not returned.wait(0.2)  # waits for the copies ...
+    copy_done.flag.set()
+    assert returned.wait(5)  # ... then lets the manager free the pages
+    t.join()
+    assert w._contain.errors["try_abort_request"] == 1
+    core.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["non-overlap", "overlap"])
+def test_a_cancel_lands_only_in_a_pass_that_queues_a_batch_and_tells_the_connector_nothing(overlap):
+    """py_executor @0004396 runs ``_handle_canceled_requests`` only inside ``if can_queue:`` (after
+    ``_send_kv_async``; the overlap loop: in ``_process_previous_batch``, with a previous batch): a
+    request parked for good, alone, is never cancelled; beside a running request it is, freed
+    without ``request_finished``."""
+    from s3kv.sim import SimHang
+
+    store = _stored(1)
+    honour = lambda offer: min(offer, 3 * TPB)  # noqa: E731 - a broken promise: parked for good (no hook)
+    with _engine(store, hook=False, honour=honour, overlap=overlap) as eng:
+        with pytest.raises(SimHang):
+            eng.run([SimRequestSpec(410, PROMPT, max_new_tokens=2, cancel_after_iterations=5)], max_iterations=100)
+    with _engine(store, hook=False, honour=honour, overlap=overlap) as eng:
+        told: list[int] = []
+        real = eng.leader.request_finished_by_layer_group
+        eng.leader.request_finished_by_layer_group = lambda req, lists: (told.append(req.request_id), real(req, lists))[1]
+        rep = eng.run([SimRequestSpec(411, PROMPT, max_new_tokens=2, cancel_after_iterations=5), _busy(412)])
+    assert rep.by_id(411).cancelled and not rep.by_id(412).cancelled
+    assert told == [412]

@@ -108,3 +108,37 @@ def test_a_sync_load_stalled_fails_in_load_stall_s():
     finally:
         gated.gate.set()
         b.close()
+
+
+def test_a_load_waiting_behind_healthy_full_object_reads_is_not_cut_by_its_own_limit():
+    """S3KV_LOAD_STALL_S is per 32 MiB: a 1-page tail load queued behind eight 128 MiB reads (every
+    GET slot) waits as long as those reads may healthily take, and is cut only once no read ended
+    for that long. Injected clock, no threads."""
+    from types import SimpleNamespace
+
+    from s3kv.core.objects import ObjectIdentity
+    from s3kv.engine.worker.loads import LoadJobs
+    from s3kv.transfer.counters import Counters
+    from s3kv.transfer.download import LoadJob
+
+    inf = float("inf")
+    loads = LoadJobs(Settings(url="memory://unused", check_access=False, load_stall_s=5.0), None, Counters(),
+                     failed_load_hook=True)
+    loads.downloader = SimpleNamespace(last_read_end=0.0)
+    ident = ObjectIdentity(b"ns", "0" * 16, 0, 1, TPB, 1 << 20)  # 1 MiB pages
+
+    def job(pages, reading_since=inf):
+        return LoadJob(key=f"k{pages}", group=0, regions=(), identity=ident, first=0, count=pages,
+                       last_digest=b"", targets=[(i, i) for i in range(pages)], request_ids={1},
+                       is_async=True, deadline=inf, submitted_at=0.0, reading_since=reading_since)
+
+    reads = [job(128, reading_since=0.0) for _ in range(8)]  # 128 MiB each: 20 s allowed
+    tail = job(1)  # 1 MiB: 5 s of its own
+    loads.jobs.extend([*reads, tail])
+    assert not loads._stalled(tail, 19.0)  # the reads stream at ~7 MB/s each: healthy, it waits
+    assert loads._stalled(tail, 20.5)  # no read ended for longer than any may take: they hang
+    loads.downloader.last_read_end = 18.0  # one ended meanwhile
+    assert not loads._stalled(tail, 20.5)
+    for r in reads:  # the reads are over and it still has no connection: its own limit again
+        r.reading_since = inf
+    assert not loads._stalled(tail, 22.9) and loads._stalled(tail, 23.1)

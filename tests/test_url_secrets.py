@@ -97,3 +97,14 @@ def test_an_endpoint_url_with_credentials_is_refused_without_echo(monkeypatch):
         S3Store("my-bucket", aws_access_key_id="a", aws_secret_access_key="b")
     msg = str(ei.value)
     assert "AWS_ENDPOINT_URL_S3" in msg and "credentials" in msg and _leaks(msg) == [], msg
+
+
+def test_a_mistyped_scheme_still_hides_the_key_pair():
+    """``s3:/…`` (one slash) or ``s3:…`` (none) is a typo that carries a key pair as well as ``s3://``."""
+    text = f"open s3:/{KEY_ID}:{SECRET}@my-bucket/kv and s3:{KEY_ID}:{SECRET}@b, file:/d ok"
+    out = redact(text)
+    assert _leaks(out) == [] and KEY_ID not in out, out
+    assert out == "open s3:/***@my-bucket/kv and ***@b, file:/d ok"
+    with pytest.raises(ConfigError) as ei:
+        check_url(f"s3:/{KEY_ID}:{SECRET}@my-bucket/kv")
+    assert _leaks(str(ei.value)) == [] and KEY_ID not in str(ei.value), ei.value

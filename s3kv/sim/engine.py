@@ -18,8 +18,9 @@ docs/failures.md). One iteration:
      ``save_kv_layer``; then the forward-pass callables) and ``wait_for_save``;
   4. tokens are sampled, histories advance, context pages that left the window
      are freed (and junked: V2's update_context_resources);
-  5. ``request_finished[_by_layer_group]`` for requests that finished (or were
-     cancelled); True keeps the pages, False frees them at once; then
+  5. ``request_finished[_by_layer_group]`` for requests that finished (a cancel, only in
+     a pass with a batch, frees its request silently: see ``SimEngine``); True keeps the
+     pages, False frees them at once; then
      ``update_resources`` frees the generation pages that left the window --
      also of a request just held for an async save (its lists were passed
      with that page still in them);
@@ -213,10 +214,19 @@ class SimEngine:
     (``_terminate_recompute_paused_requests`` frees its pages, ``reset_for_recompute`` folds the
     generated tokens into its prompt; no connector call): it is re-admitted with the longer
     prompt, looked up and reported anew under the same id.
-    ``silent_cancel``: a cancelled request is freed with no connector call, parked or not (the
-    flat-API executor line whose ``_handle_canceled_requests`` finishes it and
-    ``_terminate_request`` frees its pages; ``request_finished`` is only called for requests
-    that finished in a scheduled batch). Its pages go to the next allocation at once (LIFO).
+    Cancellation (``SimRequestSpec.cancel_after_iterations``) as py_executor @0004396 does it:
+    ``_handle_canceled_requests`` runs only inside ``if can_queue:`` of ``_executor_loop`` (after
+    ``_send_kv_async``), and in ``_executor_loop_overlap`` only inside ``_process_previous_batch``,
+    i.e. in a pass that has a previous batch. A pass with no batch (say only parked requests are
+    left) cancels nothing: the cancel waits for the next pass that queues one.
+    ``silent_cancel`` (default True, @0004396): a cancelled request is freed with no connector
+    call, parked or not -- ``_handle_canceled_requests`` marks it finished after
+    ``_send_kv_async`` ran, ``_handle_responses`` -> ``_terminate_request`` frees its pages at once
+    (they go to the next allocation, LIFO), and by the next ``_send_kv_async`` it is gone (overlap
+    loop: it is in the previous batch there, its pages already freed; the simulator drops it, not
+    verified against V1's C++ ``get_cache_block_ids`` for a freed sequence). ``False`` calls
+    ``request_finished`` for a cancel as for a finish -- no stored upstream source does; kept as a
+    stricter check that the connector also survives being told.
     ``overlap`` runs ``_executor_loop_overlap`` (TensorRT-LLM's default) instead of the
     non-overlap loop, and tells the connectors so through ``llm_args.disable_overlap_scheduler``
     (see :meth:`_iteration_overlap`). ``cuda_graphs``: a pass whose batch is generation only
@@ -259,7 +269,7 @@ class SimEngine:
         connector_kwargs: Mapping[str, Any] | None = None,
         max_mismatch_details: int = 200,
         process_per_rank: bool = True,
-        silent_cancel: bool = False,
+        silent_cancel: bool = True,
         preempt_generation_hook: PreemptGenerationHook | None = None,
         overlap: bool = False,
         cuda_graphs: bool = False,
@@ -372,6 +382,7 @@ class SimEngine:
         # Overlap loop: the batch whose forward ran last pass, with each request's KV count after
         # it (``previous_batch``: its tokens, finishes and page updates are processed a pass late).
         self._prev: list[tuple[_Req, int, bool, int]] = []
+        self._had_batch = False
         self._seq = 0
         self._wake_id = 1 << 40
         self._iterations = 0
@@ -558,7 +569,8 @@ class SimEngine:
         finished: list[_Req] = []
         for st, n, is_ctx in scheduled:
             self._advance(st, n, is_ctx, it, finished)
-        self._cancel_due(it, finished)
+        if scheduled:  # _handle_canceled_requests runs inside ``if can_queue:`` only
+            self._cancel_due(it, finished)
 
         # 5. _send_kv_async -> request_finished; True holds the pages ("still saving"), False frees
         #    them now (_handle_responses). Their ids reach get_finished in this same iteration.
@@ -594,6 +606,8 @@ class SimEngine:
         progressed, started_loading, scheduled, stream = self._schedule_and_start(it)
         progressed |= self._run_forward(scheduled, stream)
         prev, self._prev = self._prev, []
+        # previous_batch: set by a pass that queued a batch, cleared by one that did not.
+        had_batch, self._had_batch = self._had_batch, bool(scheduled)
 
         # _update_requests(previous batch): the host appends the tokens its forward sampled.
         finished: list[_Req] = []
@@ -627,9 +641,11 @@ class SimEngine:
             elif self._sample(st, n, is_ctx):
                 current.append((st, n, is_ctx, st.computed))
 
-        # _process_previous_batch: cancellations, then update_resources(previous batch).
+        # _process_previous_batch (only with a previous batch): cancellations, then
+        # update_resources(previous batch).
         cancelled: list[_Req] = []
-        self._cancel_due(it, cancelled)
+        if had_batch:
+            self._cancel_due(it, cancelled)
         for st in cancelled:
             self._finish(st, it, finished_gen, tell=not self.silent_cancel)
             progressed = True
@@ -1186,7 +1202,7 @@ class SimEngine:
 
     def _finish(self, st: _Req, it: int, finished_gen: list[int], *, tell: bool = True) -> None:
         """``_handle_responses``: ``request_finished``; True keeps the pages until every rank returns
-        the id. ``tell=False``: a cancel on the flat executor line, freed with no connector call."""
+        the id. ``tell=False``: a cancel (``silent_cancel``), freed with no connector call."""
         st.gen_done = True
         st.t_done, st.it_done = time.perf_counter(), it
         if not st.t_first_token:

@@ -14,16 +14,16 @@ complete) and ``stats`` (the counters). Nothing here ever raises into the engine
 or a load: a save is dropped and counted, a failed load takes the least harmful outcome the
 engine allows (docs/failures.md).
 
-Finishing requests: ``metadata.finish_plans`` keep, per request, what to save
-if it finishes after the current pass. When its id reaches ``get_finished``
-(same iteration as ``request_finished``, possibly on an engine about to go
-idle) the plan's pages are copied off the device, its objects sealed and
-uploaded in the background, and the id is returned once those copies completed.
+Finishing requests: ``metadata.finish_plans`` keep, per request, what to save if it finishes
+after the current pass. When its id reaches ``get_finished`` (same iteration as
+``request_finished``, possibly on an engine about to go idle) the plan's pages are copied off the
+device, its objects sealed and uploaded in the background, and the id is returned once those
+copies completed.
 
-``get_finished`` hand-over state machine (per id, per hand-over): an id is
-returned only after it was passed in, exactly once; a saving id as soon as every
-stage copy of that request issued so far has completed (at once when nothing is
-pending; at once on CPU), a loading id once all its pages are in place.
+``get_finished`` hand-over state machine (per id, per hand-over): an id is returned only after it
+was passed in, exactly once; a saving id as soon as every stage copy of that request issued so far
+has completed (at once when nothing is pending; at once on CPU), a loading id once all its pages
+are in place.
 """
 
 from __future__ import annotations
@@ -234,10 +234,8 @@ class WorkerCore:
 
     def start_load_kv(self, stream: Any = None) -> None:
         """Start every load of the bound plan; sync ones are downloaded and verified before return.
-
-        Never raises: a load that cannot be completed with verified bytes takes the
-        failure rung this engine allows (see :meth:`_load_failed_now`).
-        """
+        Never raises: a load that cannot be completed with verified bytes takes the failure rung
+        this engine allows (see :meth:`_load_failed_now`)."""
         with self._lock:
             md = self._metadata
             if md is None or self._loads_started:
@@ -286,14 +284,19 @@ class WorkerCore:
             return self._loads.take_failed()
 
     def try_abort_request(self, request_id: int) -> bool:
-        """The engine's failed-load path: every rank releases the request before any rank frees
-        its pages. Returns once no copy of its load can still land (pending downloads dropped,
-        copies in flight waited for), no stage copy can still read its pages, and its save state
-        is dropped: always ``True`` -- the manager treats anything else as a fatal error of the
-        engine."""
+        """The engine's failed-load path: every rank releases the request before any rank frees its
+        pages. Returns once no copy of its load can still land (pending downloads dropped, copies
+        in flight waited for), no stage copy can still read its pages, and its save state is
+        dropped: always ``True`` -- the manager treats anything else as fatal. A step that raises
+        leaves only after every copy this rank issued completed (the adapter answers True)."""
+        rid = int(request_id)
         with self._lock:
-            self._loads.abort(int(request_id))
-            self._saves.abort(int(request_id))
+            try:
+                self._loads.abort(rid)
+                self._saves.abort(rid)
+            except Exception:
+                self._loads.fence(rid, list(self._saves.copy_events.values()))  # stopped part-way
+                raise
             return True
 
     def wait_for_layer_load(self, layer_idx: int, stream: Any = None) -> None:
@@ -320,12 +323,9 @@ class WorkerCore:
         self, finished_gen_req_ids: Iterable[int], started_loading_req_ids: Iterable[int]
     ) -> tuple[list[int], list[int]]:
         """(finished saving, finished loading) ids; see the module doc for the rules. Never raises.
-
-        A finishing id runs its standing finish plan here (pages copied off the
-        device, objects sealed) and is returned once those copies completed. A
-        parked request whose load failed takes the engine's failed-load hook
-        (rung 1) or stays parked while the load is retried (rung 3).
-        """
+        A finishing id runs its standing finish plan here (pages copied off the device, objects
+        sealed) and is returned once those copies completed. A parked request whose load failed
+        takes the engine's failed-load hook (rung 1) or stays parked while it is retried (rung 3)."""
         with self._lock:
             self._reap()
             now = time.monotonic()

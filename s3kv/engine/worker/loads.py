@@ -339,6 +339,32 @@ class LoadJobs:
         self._quiesce({rid})
         self.failed_report.discard(rid)
 
+    def fence(self, rid: int, stage_events: Sequence[Any] = ()) -> None:
+        """Make sure no load copy of ``rid`` can land from now on, whatever state an abort that
+        raised part-way left behind: its pending targets dropped, jobs already placing waited for,
+        and every copy this rank issued (``stage_events`` too) completed -- one job failing here
+        does not stop the others. Rare path: a host wait is fine."""
+        reason = LoadFailed("request aborted", request_ids={rid})
+        try:
+            for job in list(self.jobs):
+                try:
+                    mine = rid in job.request_ids or rid in job.owners.values()
+                    if mine and job.drop_requests({rid}, reason):
+                        continue
+                    if mine and job.future is not None:
+                        try:
+                            job.future.result()
+                        except BaseException:  # noqa: BLE001 - cancelled or failed: nothing placed later
+                            pass
+                    Copier.synchronize(job.event)
+                except Exception:  # noqa: BLE001 - the copy stream is drained below anyway
+                    log.exception("s3kv: fencing the load of %s for request %d", job.key, rid)
+        finally:
+            for ev in stage_events:
+                Copier.synchronize(ev)
+            if self.copier is not None:
+                self.copier.drain()
+
     def parked_now(self) -> int:
         """Requests parked right now while their load is retried (rung 3)."""
         return sum(1 for st in list(self.parked.values()) if st.attempts)
@@ -538,8 +564,8 @@ class LoadJobs:
 
     def _stalled(self, job: LoadJob, now: float) -> bool:
         """Whether ``job``'s read stalled: sent longer ago than ``load_stall_s`` per 32 MiB it
-        fetches, or still waiting for a connection that long while no read of this rank ended
-        (the connections are held by reads that hang).
+        fetches, or still waiting for a connection while no read of this rank ended for longer
+        than the largest such limit among the reads holding the connections (then they hang).
 
         Why not only ``load_timeout_s``: a store that stops answering fails no read until the
         client's own timeouts and retries run out, so a load promised just before a hang stayed
@@ -549,12 +575,21 @@ class LoadJobs:
         """
         if self.stall_s <= 0 or job.finished:
             return False
-        pages = len({o for o, _ in job.targets}) or 1
-        limit = self.stall_s * max(1.0, pages * job.identity.page_bytes / _STALL_UNIT)
+        limit = self._stall_limit(job)
         if job.reading_since != float("inf"):
             return now - job.reading_since > limit
+        # Waiting for a connection: until one of the reads holding them ends, the wait is as long
+        # as the longest of them may healthily take -- a small load queued behind full-object
+        # reads is not cut by its own small limit while they stream.
+        limit = max([limit, *(self._stall_limit(j) for j in list(self.jobs)
+                              if j.place and j.reading_since != float("inf"))])
         last_end = self.downloader.last_read_end if self.downloader is not None else job.submitted_at
         return now - max(job.submitted_at, last_end) > limit
+
+    def _stall_limit(self, job: LoadJob) -> float:
+        """``load_stall_s`` per 32 MiB the job fetches (at least ``load_stall_s``)."""
+        pages = len({o for o, _ in job.targets}) or 1
+        return self.stall_s * max(1.0, pages * job.identity.page_bytes / _STALL_UNIT)
 
     def _cancel(self, job: LoadJob, stalled: bool = False) -> bool:
         """Give up on a job past its deadline or stalled; False if it is already placing pages."""
