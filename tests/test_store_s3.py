@@ -17,6 +17,7 @@ from s3kv.store.base import (
     BucketNotFound,
     ByteRange,
     DeadlineExceeded,
+    ObjectChanged,
     PermissionDenied,
     StoreConfigError,
     TransientError,
@@ -187,6 +188,37 @@ def test_split_ranges_are_parallel_sub_requests(s3case: StoreCase) -> None:
     assert max(sizes) - min(sizes) < len(sizes)
 
 
+def test_an_object_replaced_mid_read_is_read_again_and_never_called_corrupt(s3case: StoreCase) -> None:
+    """A refresh's self-copy re-tags a multipart object (moto; AWS for multipart and SSE-KMS):
+    a split read that sees two ETags reads again once, and twice is a transient failure, not an
+    IntegrityError (which would quarantine the object as corrupt and, with delete_corrupt, delete it)."""
+    from s3kv.engine.worker.loads import _kind, describe
+
+    store = s3case.store
+    assert isinstance(store, S3Store)
+    k = s3case.key("retagged")
+    body = os.urandom(3 * MiB)
+    store.put(k, body)
+    real = store._get_one
+    calls = [0]
+    lock = threading.Lock()
+
+    def once(key: str, offset: int, length: int) -> tuple[bytes, str]:
+        with lock:  # parts run on a pool
+            with lock:  # parts run on a pool
+                calls[0] += 1
+                first = calls[0] == 1
+        data, etag = real(key, offset, length)
+        return data, etag + "-before" if first else etag
+
+    store._get_one = once  # type: ignore[method-assign]
+    assert store.get_ranges(k, [ByteRange(0, len(body))]) == [body]
+    store._get_one = lambda key, o, n: (real(key, o, n)[0], f"e{o}")  # type: ignore[method-assign]
+    with pytest.raises(ObjectChanged) as err:
+        store.get_ranges(k, [ByteRange(0, len(body))])
+    assert _kind(describe(err.value)) == "transient"
+
+
 def test_throttled_put_is_retried_inside_the_store(s3case: StoreCase) -> None:
     store = s3case.store
     k = s3case.key("throttled")
@@ -306,6 +338,7 @@ def test_not_implemented_switches_to_fallback(
 ) -> None:
     store = s3_store_for(s3case.server)
     calls = [0]
+    lock = threading.Lock()
 
     def reject_conditional(params: dict[str, Any], **_: Any) -> None:
         if "IfNoneMatch" in params:
