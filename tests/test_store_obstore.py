@@ -121,8 +121,6 @@ def test_not_implemented_switches_to_fallback(moto_s3: EmbeddedS3, prefix: str) 
 
         real = obstore.put
         calls = [0]
-        lock = threading.Lock()
-    lock = threading.Lock()
 
         def old_server(st: Any, key: str, body: Any, **kw: Any) -> Any:
             if kw.get("mode") == "create":
@@ -259,14 +257,13 @@ def test_an_object_replaced_mid_read_is_read_again_and_never_called_corrupt(moto
         body = os.urandom(3 * MiB)
         assert store.put(k, body)
         real = store._get_part
-        calls = [0]
+        seen = [0]
         lock = threading.Lock()
-    lock = threading.Lock()
 
         def once(*a: Any) -> str:
             with lock:  # parts run on a pool
-                calls[0] += 1
-                first = calls[0] == 1
+                seen[0] += 1
+                first = seen[0] == 1
             etag = real(*a)
             return etag + "-before" if first else etag
 

@@ -200,14 +200,13 @@ def test_an_object_replaced_mid_read_is_read_again_and_never_called_corrupt(s3ca
     body = os.urandom(3 * MiB)
     store.put(k, body)
     real = store._get_one
-    calls = [0]
+    seen = [0]
     lock = threading.Lock()
 
     def once(key: str, offset: int, length: int) -> tuple[bytes, str]:
         with lock:  # parts run on a pool
-            with lock:  # parts run on a pool
-                calls[0] += 1
-                first = calls[0] == 1
+            seen[0] += 1
+            first = seen[0] == 1
         data, etag = real(key, offset, length)
         return data, etag + "-before" if first else etag
 
@@ -338,7 +337,6 @@ def test_not_implemented_switches_to_fallback(
 ) -> None:
     store = s3_store_for(s3case.server)
     calls = [0]
-    lock = threading.Lock()
 
     def reject_conditional(params: dict[str, Any], **_: Any) -> None:
         if "IfNoneMatch" in params:
