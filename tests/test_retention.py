@@ -298,3 +298,17 @@ def test_touch_keeps_the_objects_encryption(server):
     assert server.client().head_object(Bucket=BUCKET, Key="kv/sse").get("ServerSideEncryption") == "AES256"
     writer.close()
     plain.close()
+
+
+def test_the_write_once_policy_says_it_turns_refresh_off():
+    """The module's enforce_write_once denies CopyObject (403; 501 with If-None-Match), so refresh
+    on hit cannot work under it: its README and docs/operations.md must say so, and not that
+    s3kv never copies."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    module = (root / "infra/terraform/modules/s3kv-bucket/README.md").read_text()
+    ops = (root / "docs/operations.md").read_text()
+    assert "never copies" not in module
+    for text in (module, ops):
+        assert "S3KV_REFRESH_ON_HIT" in text and "enforce_write_once = false" in text
