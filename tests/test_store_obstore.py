@@ -274,6 +274,29 @@ def test_an_object_replaced_mid_read_is_read_again_and_never_called_corrupt(moto
             store.get_ranges(k, [ByteRange(0, len(body))])
 
 
+def test_a_large_single_put_heads_first_and_skips_a_stored_object(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """As test_store_s3's namesake, on object_store's single PUT."""
+    import obstore
+
+    opts = dataclasses.replace(TEST_OPTS, head_before_put_bytes=64 * 1024)
+    with _native(moto_s3, opts) as store:
+        k = f"{prefix}/big"
+        assert store.put(k, os.urandom(64 * 1024))
+        puts: list[str] = []
+
+        class Counting:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(obstore, name)
+
+            def put(self, st: Any, key: str, *a: Any, **kw: Any) -> Any:
+                puts.append(key)
+                return obstore.put(st, key, *a, **kw)
+
+        store._obs = Counting()
+        assert store.put(k, os.urandom(64 * 1024)) is False
+        assert puts == []
+
+
 def test_a_failed_part_never_writes_after_the_read_returns(moto_s3: EmbeddedS3, prefix: str) -> None:
     """One part of a split read fails at once while another is still downloading: the call
     must not return before that other part is done, and the other part must not copy into

@@ -218,6 +218,21 @@ def test_an_object_replaced_mid_read_is_read_again_and_never_called_corrupt(s3ca
     assert _kind(describe(err.value)) == "transient"
 
 
+def test_a_large_single_put_heads_first_and_skips_a_stored_object(s3case: StoreCase) -> None:
+    """Single PUTs go up to 1 GiB: one another cluster already stored is found with a HEAD, not
+    uploaded in full just to get a 412. Small ones PUT at once (If-None-Match settles it)."""
+    store = s3case.store
+    assert isinstance(store, S3Store)
+    store.options = replace(store.options, head_before_put_bytes=64 * 1024)
+    big, small = s3case.key("big"), s3case.key("small")
+    assert store.put(big, os.urandom(64 * 1024)) and store.put(small, b"s" * 100)
+    puts, heads = _count_calls(store, "PutObject"), _count_calls(store, "HeadObject")
+    assert store.put(big, os.urandom(64 * 1024)) is False
+    assert (len(puts), len(heads)) == (0, 1)
+    assert store.put(small, b"s" * 100) is False
+    assert (len(puts), len(heads)) == (1, 1)
+
+
 def test_throttled_put_is_retried_inside_the_store(s3case: StoreCase) -> None:
     store = s3case.store
     k = s3case.key("throttled")

@@ -551,6 +551,10 @@ class ObstoreS3Store(ObjectStore):
                 return False
             self._call("put", key, lambda: obs.put(self._store, key, body, attributes=meta, use_multipart=False))
             return True
+        if sum(v.nbytes for v in views) >= self.options.head_before_put_bytes and isinstance(
+            self._head_one(key), ObjectInfo
+        ):
+            return False  # S3Options.head_before_put_bytes says why; a failed HEAD: the PUT decides
 
         def attempt() -> bool:
             try:

@@ -148,6 +148,10 @@ class S3Options:
     part_size: int = 128 * MiB
     #: A range much longer than this is fetched as parallel sub-ranges of about this size.
     range_split_bytes: int = 16 * MiB
+    #: A single PUT at least this large HEADs first: another cluster usually stored the same
+    #: prefix, and a HEAD costs far less than uploading hundreds of MiB a 412 throws away (a
+    #: multipart upload always HEADs first). If-None-Match still settles a race.
+    head_before_put_bytes: int = 64 * MiB
     #: Server-side encryption: None (bucket default), "AES256" (SSE-S3) or "aws:kms".
     sse: Literal["AES256", "aws:kms"] | None = None
     sse_kms_key_id: str | None = None
@@ -542,6 +546,11 @@ class S3Store(ObjectStore):
                 return False
             self._call("put", key, lambda: self._client.put_object(Body=_body(views), **args))
             return True
+
+        if sum(v.nbytes for v in views) >= self.options.head_before_put_bytes and isinstance(
+            self._head_one(key), ObjectInfo
+        ):
+            return False  # (a failed HEAD: the conditional PUT decides)
 
         def attempt() -> bool:
             try:
