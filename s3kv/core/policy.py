@@ -69,8 +69,8 @@ def largest_object_bytes(policy: StoragePolicy) -> int:
 
 def staging_warnings(geometry: CacheGeometry, settings: Settings, capacity: int) -> list[str]:
     """What a host staging pool of ``capacity`` bytes cannot do for this geometry (logged at
-    layout registration): a save or load stages a whole object, and saves need a buffer per
-    open object and group."""
+    layout registration): a save stages a whole object (a load that does not fit falls back to
+    unpinned memory), and saves need a buffer per open object and group."""
     out = []
     blocks, cp = object_sizes([g.page_bytes for g in geometry.groups], geometry.tokens_per_block, settings)
     biggest = max(b * g.page_bytes for b, g in zip(blocks, geometry.groups, strict=True))
@@ -84,11 +84,10 @@ def staging_warnings(geometry: CacheGeometry, settings: Settings, capacity: int)
     policy = StoragePolicy(geometry, max(blocks), cp, settings.storage_policy, settings.window_margin_blocks,
                            group_blocks=blocks)
     largest = largest_object_bytes(policy)
-    if largest > capacity:  # an object that does not fit is never staged
+    if largest > capacity:  # a save that cannot stage its object is dropped, every time
         out.append(
             f"the largest object a layer group can make ({largest / 2**20:.1f} MiB, a sliding tail or a full "
-            f"object) does not fit S3KV_STAGING_MIB={settings.staging_mib}: such objects are never saved or "
-            f"loaded; raise it to at least {-(-4 * largest // 2**20)} (room for 4)"
+            f"object) does not fit S3KV_STAGING_MIB={settings.staging_mib}: such objects are never saved; raise it to at least {-(-4 * largest // 2**20)} (room for 4)"
         )
     return out
 
