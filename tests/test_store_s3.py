@@ -193,6 +193,7 @@ def test_an_object_replaced_mid_read_is_read_again_and_never_called_corrupt(s3ca
     a split read that sees two ETags reads again once, and twice is a transient failure, not an
     IntegrityError (which would quarantine the object as corrupt and, with delete_corrupt, delete it)."""
     from s3kv.engine.worker.loads import _kind, describe
+    from s3kv.store.breaker import is_store_failure
 
     store = s3case.store
     assert isinstance(store, S3Store)
@@ -215,7 +216,8 @@ def test_an_object_replaced_mid_read_is_read_again_and_never_called_corrupt(s3ca
     store._get_one = lambda key, o, n: (real(key, o, n)[0], f"e{o}")  # type: ignore[method-assign]
     with pytest.raises(ObjectChanged) as err:
         store.get_ranges(k, [ByteRange(0, len(body))])
-    assert _kind(describe(err.value)) == "transient"
+    assert _kind(describe(err.value)) == "transient"  # a failed load, no quarantine
+    assert not is_store_failure(err.value)  # the store answered: not toward the breaker
 
 
 def test_a_large_single_put_heads_first_and_skips_a_stored_object(s3case: StoreCase) -> None:

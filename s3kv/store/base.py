@@ -61,11 +61,12 @@ class IntegrityError(StoreError):
     """Bytes came back that do not match what the store promised (short read, etc.)."""
 
 
-class ObjectChanged(TransientError):
+class ObjectChanged(StoreError):
     """The object's ETag changed between the parts of one ranged read, twice in a row: it was
     replaced meanwhile (a refresh's self-copy re-tags a multipart object; gc deleted it and
     another writer stored it again). Nothing is wrong with either version, so a load that
-    meets it failed for now -- never a sign of corruption (no quarantine, no delete)."""
+    meets it failed for now -- never a sign of corruption (no quarantine, no delete). The
+    store answered, so it is no store failure either (the circuit breaker's _ANSWERS)."""
 
 
 class StoreConfigError(StoreError, ValueError):
