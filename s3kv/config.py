@@ -303,7 +303,8 @@ class Settings:
     retention_h: float = 1.0
     #: Bump the age of an object this engine loads (a server-side copy onto itself; one PUT-class
     #: request, at most once per retention_h / 2 per object and engine), so a hot prefix outlives
-    #: the retention. Needs s3:PutObject and s3:GetObject only.
+    #: the retention. Needs s3:PutObject and s3:GetObject only, and a bucket that allows CopyObject
+    #: (the Terraform module's enforce_write_once refuses it: docs/operations.md).
     refresh_on_hit: bool = True
     #: What the prefill GPU time a hit saves is worth (s3kv/core/cost.py): $ per GPU-hour, the
     #: GPU's peak dense BF16 TFLOP/s (H100/H200 SXM), and the prefill MFU (0.65: measured on an

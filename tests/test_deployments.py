@@ -18,9 +18,7 @@ import re
 from pathlib import Path
 
 import pytest
-
-yaml = pytest.importorskip("yaml")
-
+import yaml
 from docshell import blocks  # noqa: E402
 
 from s3kv.config import load_settings  # noqa: E402
@@ -141,3 +139,10 @@ def test_deployment_passes_bring_up_and_serves_a_shared_prefix_from_s3(page, tmp
     assert report.kv_mismatches == 0
     assert metrics["s3kv_prompt_tokens_total"] == len(prefix) + 20
     assert metrics["s3kv_hit_tokens_total"] == checkpoint == report.matched_tokens
+
+
+def test_the_test_extra_installs_what_the_tests_import():
+    """pyyaml came only through moto[server]; an importorskip hid its absence as a skip."""
+    text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    test_extra = re.search(r"^test = \[(.*?)^\]", text, re.S | re.M)  # (tomllib: Python 3.11+)
+    assert test_extra and '"pyyaml' in test_extra.group(1)

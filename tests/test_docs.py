@@ -220,7 +220,8 @@ def test_promql_and_dashboard_name_real_metrics():
 
 
 def test_kubernetes_manifests_parse_and_name_real_settings(tmp_path):
-    yaml = pytest.importorskip("yaml")
+    import yaml
+
     from s3kv.config import OTHER_ENV_VARS, Settings
 
     known = {"S3KV_" + f.name.upper() for f in dataclasses.fields(Settings)} | OTHER_ENV_VARS

@@ -45,14 +45,14 @@ def test_gc_drops_what_expired_and_keeps_a_prefix_refreshed_on_hit(server):
     # The copy kept the bytes and the metadata (the integrity of the object is unchanged).
     assert store.get(hot.key) == body and dict(after.metadata) == dict(before.metadata)
 
-    # An hour later by gc's clock, with a one-hour retention... minus what separates the two:
-    # the cold object is 1 h + ~1 s old, the refreshed one 1 h - 0.5 s.
-    now = after.last_modified + 3600 - 0.5
+    # An hour (plus the 600 s an engine trusts a HEAD and a 60 s margin) later by gc's clock,
+    # minus what separates the two: the cold object is that + ~1 s old, the refreshed one - 0.5 s.
+    now = after.last_modified + 4260 - 0.5
     env = {**server.env(PREFIX), "S3KV_RETENTION_H": "1"}
     r = CliRunner().invoke(cli(), ["gc", "--expired", "--now", str(now), "--yes", "--json"], env=env)
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["deleted"]["objects"] == 1 and doc["older_than_s"] == 3600
+    assert doc["deleted"]["objects"] == 1 and doc["older_than_s"] == 4260
     assert store.head(cold.key) is None
     assert store.head(hot.key) is not None
     store.close()
@@ -63,7 +63,7 @@ def test_refresh_is_rate_limited_per_object():
     inner = MemoryStore()
     touched: list[str] = []
     real_touch = inner.touch
-    inner.touch = lambda key: touched.append(key) or real_touch(key)  # type: ignore[method-assign]
+    inner.touch = lambda key, age=0.0: touched.append(key) or real_touch(key, age)  # type: ignore[method-assign]
     s = RefreshOnHit(inner, interval_s=1800, clock=lambda: t[0], background=False)
     s.put("own", b"x" * 8)
     inner.put("theirs", b"y" * 8)  # written by another cluster
@@ -79,7 +79,7 @@ def test_refresh_is_rate_limited_per_object():
 
 def test_a_refresh_that_fails_is_dropped_never_raised():
     class Broken(MemoryStore):
-        def touch(self, key: str) -> bool:
+        def touch(self, key: str, min_age_s: float = 0.0) -> str:
             from s3kv.store.base import TransientError
 
             raise TransientError("copy failed", key=key)
@@ -173,3 +173,142 @@ def test_gc_watch_runs_a_pass_every_period(tmp_path, monkeypatch):
     passes = [json.loads(line) for line in r.stdout.splitlines()]
     assert slept == [600.0, 600.0] and len(passes) == 2
     assert passes[0]["deleted"]["objects"] == 1 and passes[1]["deleted"]["objects"] == 0
+
+
+def test_gc_expired_outlives_what_an_engine_may_still_believe(tmp_path):
+    """An engine promises loads from a HEAD up to index_ttl_s old (a listing up to
+    lookup_summary_trust_s): an object it saw young must not be deleted before that runs out."""
+    from s3kv.store.fsspec_store import FsspecStore
+
+    url = f"file://{tmp_path}/cache"
+    _put(FsspecStore(url), KeyScheme("", NS_A, tp_size=1), "e0e0e0e0e0e0e0e0", 0, 64, 0, 2)
+    env = {"S3KV_RETENTION_H": "1", "S3KV_INDEX_TTL_S": "120", "S3KV_LOOKUP_SUMMARY_TRUST_S": "30"}
+
+    def gc(age: float) -> dict:
+        r = CliRunner().invoke(cli(), ["gc", "--url", url, "--expired", "--dry-run", "--json",
+                                       "--now", str(time.time() + age)], env=env)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)
+
+    kept = gc(3600 + 120 + 30)  # past the retention, within what an engine may believe
+    assert kept["older_than_s"] == 3600 + 120 + 30 + 60 and kept["matched"]["objects"] == 0
+    assert gc(3600 + 120 + 30 + 62)["matched"]["objects"] == 1
+
+
+def test_a_write_that_found_another_writers_object_does_not_count_as_fresh():
+    """put() -> False: the object there is another writer's, of unknown age; this engine's first
+    hit must refresh it (else it expires while this engine reads it)."""
+    t = [0.0]
+    inner = MemoryStore()
+    inner.put("k", b"x" * 8)  # another cluster's, stored long ago
+    touched: list[str] = []
+    real_touch = inner.touch
+    inner.touch = lambda key, age=0.0: touched.append(key) or real_touch(key, age)  # type: ignore[method-assign]
+    s = RefreshOnHit(inner, interval_s=1800, clock=lambda: t[0], background=False)
+    assert s.put("k", b"x" * 8) is False
+    s.get_ranges("k", [ByteRange(0, 1)])
+    assert touched == ["k"]
+
+
+def test_outcomes_are_counted_and_a_refused_copy_warns_once(caplog):
+    from s3kv.engine.metrics import Metrics
+    from s3kv.store.base import PermissionDenied
+
+    class Refusing(MemoryStore):
+        def touch(self, key: str, min_age_s: float = 0.0) -> str:
+            raise PermissionDenied("S3 copy: AccessDenied (HTTP 403)", key=key)
+
+    m = Metrics()
+    inner = Refusing()
+    for k in ("a", "b"):
+        inner.put(k, b"abc")
+    s = RefreshOnHit(inner, interval_s=0.0, background=False, on_outcome=m.on_refresh)
+    with caplog.at_level("WARNING", logger="s3kv.store.refresh"):
+        s.get_ranges("a", [ByteRange(0, 3)])
+        s.get_ranges("b", [ByteRange(0, 3)])
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "enforce_write_once" in warnings[0].getMessage()
+    assert m.registry.get_sample_value("s3kv_refresh_total", {"outcome": "denied"}) == 2
+
+    ok = RefreshOnHit(MemoryStore(), interval_s=0.0, background=False, on_outcome=m.on_refresh)
+    ok.inner.put("c", b"abc")
+    ok.get_ranges("c", [ByteRange(0, 3)])
+    assert m.registry.get_sample_value("s3kv_refresh_total", {"outcome": "refreshed"}) == 1
+
+
+def test_a_copy_refused_by_a_write_once_policy_is_denied(server, monkeypatch):
+    """AWS answers 501 to a CopyObject a write-once policy forces to carry If-None-Match (403
+    without it): both are a refusal by configuration, not a transient fault to retry."""
+    import botocore.exceptions as bexc
+
+    from s3kv.store.base import PermissionDenied
+
+    store = server.make_store()
+    store.put("kv/refused", b"abc")
+
+    def refuse(**kw):
+        raise bexc.ClientError({"Error": {"Code": "NotImplemented", "Message": "no"},
+                                "ResponseMetadata": {"HTTPStatusCode": 501}}, "CopyObject")
+
+    monkeypatch.setattr(store._client, "copy_object", refuse)
+    with pytest.raises(PermissionDenied):
+        store.touch("kv/refused")
+    store.close()
+
+
+def test_touch_skips_the_copy_of_an_object_refreshed_recently(server):
+    store = server.make_store()
+    store.put("kv/young", b"abc")
+    before = store.head("kv/young")
+    time.sleep(1.1)
+    assert store.touch("kv/young", 1800.0) == "young"
+    assert store.head("kv/young").last_modified == before.last_modified
+    assert store.touch("kv/young", 0.5) == "refreshed"
+    assert store.head("kv/young").last_modified > before.last_modified
+    store.close()
+
+
+def test_touch_does_not_copy_an_object_replaced_after_its_head(seaweed_s3, monkeypatch):
+    """gc deletes the object and another writer stores it again between touch's HEAD and its
+    copy: the copy is conditional on the HEAD's ETag, so the new object is left alone.
+    (SeaweedFS: moto ignores x-amz-copy-source-if-match.)"""
+    store = seaweed_s3.make_store()
+    store.put("kv/raced", b"old")
+    real_copy = store._client.copy_object
+
+    def copy(**kw):
+        store.delete_many(["kv/raced"])
+        store.put("kv/raced", b"new", {"s3kv-w": "2"})
+        return real_copy(**kw)
+
+    monkeypatch.setattr(store._client, "copy_object", copy)
+    assert store.touch("kv/raced") == "gone"
+    assert dict(store.head("kv/raced").metadata) == {"s3kv-w": "2"}
+    store.close()
+
+
+def test_touch_keeps_the_objects_encryption(server):
+    """The copy re-encrypts: it must ask for the object's encryption, not the engine's settings."""
+    from s3kv.store.s3 import S3Options
+
+    writer = server.make_store(options=S3Options(sse="AES256"))
+    writer.put("kv/sse", b"abc")
+    plain = server.make_store()
+    assert plain.touch("kv/sse") == "refreshed"
+    assert server.client().head_object(Bucket=BUCKET, Key="kv/sse").get("ServerSideEncryption") == "AES256"
+    writer.close()
+    plain.close()
+
+
+def test_the_write_once_policy_says_it_turns_refresh_off():
+    """The module's enforce_write_once denies CopyObject (403; 501 with If-None-Match), so refresh
+    on hit cannot work under it: its README and docs/operations.md must say so, and not that
+    s3kv never copies."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    module = (root / "infra/terraform/modules/s3kv-bucket/README.md").read_text()
+    ops = (root / "docs/operations.md").read_text()
+    assert "never copies" not in module
+    for text in (module, ops):
+        assert "S3KV_REFRESH_ON_HIT" in text and "enforce_write_once = false" in text

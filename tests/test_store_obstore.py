@@ -21,7 +21,14 @@ from typing import Any
 import pytest
 from test_faultproxy import OPTS, STALL_OPTS, run_ops, verify_behind
 
-from s3kv.store.base import ByteRange, DeadlineExceeded, PermissionDenied, StoreConfigError, StoreError
+from s3kv.store.base import (
+    ByteRange,
+    DeadlineExceeded,
+    ObjectChanged,
+    PermissionDenied,
+    StoreConfigError,
+    StoreError,
+)
 from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.factory import make_s3_store, open_store
 from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
@@ -240,6 +247,54 @@ def test_seaweedfs_through_proxy(seaweed_s3: EmbeddedS3, proxies: list, prefix: 
         out = run_ops(store, prefix, 30, big=6 * MiB)
     verify_behind(seaweed_s3, out)
     assert px.stats()["faults_total"] >= 5 and out.ok >= 25, [str(e) for e in out.errors]
+
+
+def test_an_object_replaced_mid_read_is_read_again_and_never_called_corrupt(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """As test_store_s3's namesake: two ETags in one split read: read again once; twice is
+    ObjectChanged (transient), never IntegrityError (quarantined as corrupt)."""
+    with _native(moto_s3) as store:
+        k = f"{prefix}/retagged"
+        body = os.urandom(3 * MiB)
+        assert store.put(k, body)
+        real = store._get_part
+        seen = [0]
+        lock = threading.Lock()
+
+        def once(*a: Any) -> str:
+            with lock:  # parts run on a pool
+                seen[0] += 1
+                first = seen[0] == 1
+            etag = real(*a)
+            return etag + "-before" if first else etag
+
+        store._get_part = once  # type: ignore[method-assign]
+        assert store.get_ranges(k, [ByteRange(0, len(body))]) == [body]
+        store._get_part = lambda *a: real(*a) + f"-{a[1]}"  # type: ignore[method-assign]
+        with pytest.raises(ObjectChanged):
+            store.get_ranges(k, [ByteRange(0, len(body))])
+
+
+def test_a_large_single_put_heads_first_and_skips_a_stored_object(moto_s3: EmbeddedS3, prefix: str) -> None:
+    """As test_store_s3's namesake, on object_store's single PUT."""
+    import obstore
+
+    opts = dataclasses.replace(TEST_OPTS, head_before_put_bytes=64 * 1024)
+    with _native(moto_s3, opts) as store:
+        k = f"{prefix}/big"
+        assert store.put(k, os.urandom(64 * 1024))
+        puts: list[str] = []
+
+        class Counting:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(obstore, name)
+
+            def put(self, st: Any, key: str, *a: Any, **kw: Any) -> Any:
+                puts.append(key)
+                return obstore.put(st, key, *a, **kw)
+
+        store._obs = Counting()
+        assert store.put(k, os.urandom(64 * 1024)) is False
+        assert puts == []
 
 
 def test_a_failed_part_never_writes_after_the_read_returns(moto_s3: EmbeddedS3, prefix: str) -> None:

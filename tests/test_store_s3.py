@@ -17,6 +17,7 @@ from s3kv.store.base import (
     BucketNotFound,
     ByteRange,
     DeadlineExceeded,
+    ObjectChanged,
     PermissionDenied,
     StoreConfigError,
     TransientError,
@@ -185,6 +186,53 @@ def test_split_ranges_are_parallel_sub_requests(s3case: StoreCase) -> None:
     assert all(b + 1 == a for (_, b), (a, _) in zip(spans, spans[1:], strict=False))
     sizes = [b - a + 1 for a, b in spans]
     assert max(sizes) - min(sizes) < len(sizes)
+
+
+def test_an_object_replaced_mid_read_is_read_again_and_never_called_corrupt(s3case: StoreCase) -> None:
+    """A refresh's self-copy re-tags a multipart object (moto; AWS for multipart and SSE-KMS):
+    a split read that sees two ETags reads again once, and twice is a transient failure, not an
+    IntegrityError (which would quarantine the object as corrupt and, with delete_corrupt, delete it)."""
+    from s3kv.engine.worker.loads import _kind, describe
+    from s3kv.store.breaker import is_store_failure
+
+    store = s3case.store
+    assert isinstance(store, S3Store)
+    k = s3case.key("retagged")
+    body = os.urandom(3 * MiB)
+    store.put(k, body)
+    real = store._get_one
+    seen = [0]
+    lock = threading.Lock()
+
+    def once(key: str, offset: int, length: int) -> tuple[bytes, str]:
+        with lock:  # parts run on a pool
+            seen[0] += 1
+            first = seen[0] == 1
+        data, etag = real(key, offset, length)
+        return data, etag + "-before" if first else etag
+
+    store._get_one = once  # type: ignore[method-assign]
+    assert store.get_ranges(k, [ByteRange(0, len(body))]) == [body]
+    store._get_one = lambda key, o, n: (real(key, o, n)[0], f"e{o}")  # type: ignore[method-assign]
+    with pytest.raises(ObjectChanged) as err:
+        store.get_ranges(k, [ByteRange(0, len(body))])
+    assert _kind(describe(err.value)) == "transient"  # a failed load, no quarantine
+    assert not is_store_failure(err.value)  # the store answered: not toward the breaker
+
+
+def test_a_large_single_put_heads_first_and_skips_a_stored_object(s3case: StoreCase) -> None:
+    """Single PUTs go up to 1 GiB: one another cluster already stored is found with a HEAD, not
+    uploaded in full just to get a 412. Small ones PUT at once (If-None-Match settles it)."""
+    store = s3case.store
+    assert isinstance(store, S3Store)
+    store.options = replace(store.options, head_before_put_bytes=64 * 1024)
+    big, small = s3case.key("big"), s3case.key("small")
+    assert store.put(big, os.urandom(64 * 1024)) and store.put(small, b"s" * 100)
+    puts, heads = _count_calls(store, "PutObject"), _count_calls(store, "HeadObject")
+    assert store.put(big, os.urandom(64 * 1024)) is False
+    assert (len(puts), len(heads)) == (0, 1)
+    assert store.put(small, b"s" * 100) is False
+    assert (len(puts), len(heads)) == (1, 1)
 
 
 def test_throttled_put_is_retried_inside_the_store(s3case: StoreCase) -> None:

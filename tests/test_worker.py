@@ -1032,3 +1032,17 @@ def test_a_gone_object_puts_the_unverified_rest_of_its_plan_in_doubt(reason: str
     assert index.get("d") is (MISSING if in_doubt else None)  # failed too, though the request failed on "a"
     assert index.get("other") == ObjectSpan(0, 1)  # another plan's object: untouched
     assert loads.take_failed() == {7}
+
+
+def test_a_sliding_tail_larger_than_the_staging_pool_is_named_at_registration(store, caplog):
+    """A sliding group's tail is ONE object of its whole window: with 1 MiB objects but a
+    4096-token window of 64 KiB pages (16 MiB tails), an 8 MiB pool can never stage a tail."""
+    groups = [GroupSpec((0,), None, (64 * 1024,)), GroupSpec((1,), 4096, (64 * 1024,))]
+    with caplog.at_level("WARNING"):
+        make_core(store, groups=groups, num_slots=8, staging_mib=8, target_object_mib=1)
+    [w] = [r for r in caplog.records if "largest object a layer group can make" in r.getMessage()]
+    assert "S3KV_STAGING_MIB=8" in w.getMessage() and "16." in w.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        make_core(store, groups=groups, num_slots=8, staging_mib=8, target_object_mib=1, storage_policy="all")
+    assert not any("largest object" in r.getMessage() for r in caplog.records)

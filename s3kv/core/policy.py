@@ -51,6 +51,47 @@ def object_sizes(page_bytes: Sequence[int], tokens_per_block: int, settings: Set
     return tuple(out), cp
 
 
+def largest_object_bytes(policy: StoragePolicy) -> int:
+    """The largest object any group of ``policy`` can make: a full object of its blocks, or (a
+    sliding group stored by window) the one object holding a whole tail, which at long windows
+    is far larger than the target size."""
+    g = policy.geometry
+    far = 1 << 30  # a boundary past every window: the widest tail
+    out = 0
+    for i, grp in enumerate(g.groups):
+        blocks = policy.bpo(i)
+        if not policy.stores_everything(i):
+            lo, hi = policy._tail(i, far)
+            blocks = max(blocks, hi - lo)
+        out = max(out, blocks * grp.page_bytes)
+    return out
+
+
+def staging_warnings(geometry: CacheGeometry, settings: Settings, capacity: int) -> list[str]:
+    """What a host staging pool of ``capacity`` bytes cannot do for this geometry (logged at
+    layout registration): a save stages a whole object (a load that does not fit falls back to
+    unpinned memory), and saves need a buffer per open object and group."""
+    out = []
+    blocks, cp = object_sizes([g.page_bytes for g in geometry.groups], geometry.tokens_per_block, settings)
+    biggest = max(b * g.page_bytes for b, g in zip(blocks, geometry.groups, strict=True))
+    n = max(1, geometry.num_groups)
+    if capacity < 4 * biggest * n:  # with room for fewer, most saves would be dropped
+        out.append(
+            f"S3KV_STAGING_MIB={settings.staging_mib} holds fewer than 4 objects per layer group (largest object "
+            f"{biggest / 2**20:.1f} MiB, {geometry.num_groups} groups): saves will be dropped under load; raise it "
+            f"to at least {-(-4 * biggest * n // 2**20)}"
+        )
+    policy = StoragePolicy(geometry, max(blocks), cp, settings.storage_policy, settings.window_margin_blocks,
+                           group_blocks=blocks)
+    largest = largest_object_bytes(policy)
+    if largest > capacity:  # a save that cannot stage its object is dropped, every time
+        out.append(
+            f"the largest object a layer group can make ({largest / 2**20:.1f} MiB, a sliding tail or a full "
+            f"object) does not fit S3KV_STAGING_MIB={settings.staging_mib}: such objects are never saved; raise it to at least {-(-4 * largest // 2**20)} (room for 4)"
+        )
+    return out
+
+
 @dataclass(frozen=True)
 class StoragePolicy:
     geometry: CacheGeometry

@@ -262,6 +262,12 @@ class Metrics:
             ["op"],
             registry=r,
         )
+        self.refreshes = Counter(
+            f"{p}_refresh",
+            "Refreshes on hit (self-copies that keep a loaded object young under s3kv gc), by outcome.",
+            ["outcome"],
+            registry=r,
+        )
         self.prompt_tokens = Counter(
             f"{p}_prompt_tokens",
             "Prompt tokens of the requests looked up (the denominator of the share served from the store).",
@@ -452,6 +458,10 @@ class Metrics:
         o, n = _state_name(old), _state_name(new)
         self.breaker_state.set(BREAKER_LEVELS[n])
         self.breaker_transitions.labels(o, n).inc()
+
+    def on_refresh(self, outcome: str) -> None:
+        """A ``RefreshOnHit(on_outcome=...)`` callback."""
+        self.refreshes.labels(outcome).inc()
 
     # -- cumulative stats -> counters ---------------------------------------------------
     def _delta(self, source: str, name: str, value: float) -> float:

@@ -214,7 +214,7 @@ def acquire_runtime(
             # Metrics count every request that reaches the store; the breaker sits
             # outside them so an open breaker answers at once without touching it.
             if settings.refresh_on_hit:  # keeps loaded objects young under s3kv gc's retention
-                store = RefreshOnHit(store, settings.retention_h * 3600 / 2)
+                store = RefreshOnHit(store, settings.retention_h * 3600 / 2, on_outcome=metrics.on_refresh)
             wrapped: ObjectStore = CircuitBreakerStore(
                 MetricsStore(store, metrics),
                 BreakerPolicy.from_settings(settings),

@@ -61,12 +61,27 @@ class IntegrityError(StoreError):
     """Bytes came back that do not match what the store promised (short read, etc.)."""
 
 
+class ObjectChanged(StoreError):
+    """The object's ETag changed between the parts of one ranged read, twice in a row: it was
+    replaced meanwhile (a refresh's self-copy re-tags a multipart object; gc deleted it and
+    another writer stored it again). Nothing is wrong with either version, so a load that
+    meets it failed for now -- never a sign of corruption (no quarantine, no delete). The
+    store answered, so it is no store failure either (the circuit breaker's _ANSWERS)."""
+
+
 class StoreConfigError(StoreError, ValueError):
     """The store location or its settings are unusable: bad URL, unknown scheme, unreachable endpoint.
 
     Raised at start-up (``open_store`` / ``check_access``); the message names the setting to fix.
     Also a ValueError so config-validation code can catch it with other bad-value errors.
     """
+
+
+#: What :meth:`ObjectStore.touch` did (the ``outcome`` label of ``s3kv_refresh_total``).
+TOUCH_REFRESHED = "refreshed"  # LastModified is now
+TOUCH_YOUNG = "young"  # modified less than min_age_s ago (another engine refreshed it): no copy
+TOUCH_GONE = "gone"  # deleted, or replaced since the HEAD (the copy's If-Match failed)
+TOUCH_UNSUPPORTED = "unsupported"  # the store cannot bump an age
 
 
 @dataclass(frozen=True)
@@ -198,11 +213,12 @@ class ObjectStore(abc.ABC):
             raise NotFound("no such object", key=key)
         return self.get_ranges(key, [ByteRange(0, info.size)])[0]
 
-    def touch(self, key: str) -> bool:
+    def touch(self, key: str, min_age_s: float = 0.0) -> str:
         """Bump the object's last-modified time to now, keeping its bytes and metadata (refresh
-        on hit, ``s3kv.store.refresh``). False where the store cannot (the default) or the
-        object is gone; raises StoreError on a failed request."""
-        return False
+        on hit, ``s3kv.store.refresh``), unless it was last modified less than ``min_age_s``
+        ago. Returns a ``TOUCH_*`` outcome; raises StoreError on a failed request
+        (PermissionDenied where the bucket refuses the copy)."""
+        return TOUCH_UNSUPPORTED
 
     @abc.abstractmethod
     def delete_many(self, keys: Sequence[str]) -> None:
@@ -261,8 +277,8 @@ class StoreWrapper(ObjectStore):
     def delete_many(self, keys: Sequence[str]) -> None:
         self.inner.delete_many(keys)
 
-    def touch(self, key: str) -> bool:
-        return self.inner.touch(key)
+    def touch(self, key: str, min_age_s: float = 0.0) -> str:
+        return self.inner.touch(key, min_age_s)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         return self.inner.list(prefix)

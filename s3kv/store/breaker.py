@@ -71,6 +71,7 @@ from .base import (
     IntegrityError,
     LocalFailure,
     NotFound,
+    ObjectChanged,
     ObjectInfo,
     ObjectStore,
     PermissionDenied,
@@ -474,7 +475,7 @@ def is_store_failure(exc: BaseException | None) -> bool:
 
 
 #: What the store says about one object: it is alive (LocalFailure: it never answered).
-_ANSWERS = (NotFound, PermissionDenied, IntegrityError, BucketNotFound, LocalFailure)
+_ANSWERS = (NotFound, PermissionDenied, IntegrityError, ObjectChanged, BucketNotFound, LocalFailure)
 
 
 def _describe(exc: BaseException) -> str:

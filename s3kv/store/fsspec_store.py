@@ -32,6 +32,7 @@ import json
 import os
 import stat
 import struct
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -40,6 +41,10 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .base import (
+    TOUCH_GONE,
+    TOUCH_REFRESHED,
+    TOUCH_UNSUPPORTED,
+    TOUCH_YOUNG,
     Buffer,
     ByteRange,
     HeadBatch,
@@ -290,17 +295,19 @@ class FsspecStore(ObjectStore):
         return self._guard("get", key, read_all)
 
     # -- DELETE / LIST -----------------------------------------------------------------
-    def touch(self, key: str) -> bool:
+    def touch(self, key: str, min_age_s: float = 0.0) -> str:
         if not self._local:  # fsspec has no portable "set mtime"
-            return False
+            return TOUCH_UNSUPPORTED
         path = self._path(key)
 
-        def utime() -> bool:
+        def utime() -> str:
             try:
+                if time.time() - os.stat(path).st_mtime < min_age_s:
+                    return TOUCH_YOUNG
                 os.utime(path)
             except FileNotFoundError:
-                return False
-            return True
+                return TOUCH_GONE
+            return TOUCH_REFRESHED
 
         return self._guard("touch", key, utime)
 

@@ -8,6 +8,9 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 
 from .base import (
+    TOUCH_GONE,
+    TOUCH_REFRESHED,
+    TOUCH_YOUNG,
     Buffer,
     ByteRange,
     HeadBatch,
@@ -61,13 +64,16 @@ class MemoryStore(ObjectStore):
             out.append(body[r.offset : r.end])
         return out
 
-    def touch(self, key: str) -> bool:
+    def touch(self, key: str, min_age_s: float = 0.0) -> str:
         with self._lock:
             obj = self._objects.get(key)
             if obj is None:
-                return False
-            self._objects[key] = (obj[0], obj[1], time.time())
-            return True
+                return TOUCH_GONE
+            now = time.time()
+            if now - obj[2] < min_age_s:
+                return TOUCH_YOUNG
+            self._objects[key] = (obj[0], obj[1], now)
+            return TOUCH_REFRESHED
 
     def delete_many(self, keys: Sequence[str]) -> None:
         with self._lock:

@@ -63,6 +63,7 @@ from .base import (
     IntegrityError,
     LocalFailure,
     NotFound,
+    ObjectChanged,
     ObjectInfo,
     ObjectStore,
     PermissionDenied,
@@ -550,6 +551,10 @@ class ObstoreS3Store(ObjectStore):
                 return False
             self._call("put", key, lambda: obs.put(self._store, key, body, attributes=meta, use_multipart=False))
             return True
+        if sum(v.nbytes for v in views) >= self.options.head_before_put_bytes and isinstance(
+            self._head_one(key), ObjectInfo
+        ):
+            return False  # S3Options.head_before_put_bytes says why; a failed HEAD: the PUT decides
 
         def attempt() -> bool:
             try:
@@ -627,19 +632,21 @@ class ObstoreS3Store(ObjectStore):
                 abandon.set()
                 raise
 
-        etags = self._map(part, jobs)
-        if len({e for e in etags if e}) > 1:
-            # Write-once makes this "deleted and re-written between our reads"; refuse a mix.
-            raise IntegrityError(f"object changed during a ranged read (ETags {sorted(set(etags))})", key=key)
+        for _ in range(2):
+            etags = self._map(part, jobs)
+            if len({e for e in etags if e}) <= 1:
+                return
+            # Replaced between our reads (s3.py's get_ranges says how): read it all again, once.
+        raise ObjectChanged(f"object changed during a ranged read, twice (ETags {sorted(set(etags))})", key=key)
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
         bufs = [bytearray(r.length) for r in ranges]
         self.get_ranges_into(key, ranges, [memoryview(b) for b in bufs])
         return [bytes(b) for b in bufs]
 
-    def touch(self, key: str) -> bool:
+    def touch(self, key: str, min_age_s: float = 0.0) -> str:
         # object_store's copy sends no metadata directive, which S3 refuses for a self-copy.
-        return self._boto.touch(key)
+        return self._boto.touch(key, min_age_s)
 
     # -- DELETE / LIST -------------------------------------------------------------------
     def delete_many(self, keys: Sequence[str]) -> None:

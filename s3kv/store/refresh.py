@@ -8,8 +8,13 @@ metadata -- content stays write-once; one PUT-class request, no bytes through th
 Rate limit, per object and engine: no refresh of an object this engine wrote or refreshed less
 than ``interval_s`` (half the retention) ago -- an object read by many requests costs one copy
 per half retention, and its age never passes the retention while it is read at least that
-often. Refreshes run on one background thread from a bounded queue; a full queue or a failed
-copy drops the refresh (the object may expire and be recomputed: a miss, never a wrong byte).
+often. The store skips the copy of an object last modified less than ``interval_s`` ago
+(another engine refreshed it): one HEAD instead. Refreshes run on one background thread from a
+bounded queue; a full queue or a failed copy drops the refresh (the object may expire and be
+recomputed: a miss, never a wrong byte). Every outcome is counted (``s3kv_refresh_total``), and
+the first copy the bucket refuses is logged as a WARNING: a bucket policy that denies CopyObject
+(the Terraform module's ``enforce_write_once``) turns refresh off, and hot prefixes then expire
+``retention_h`` after their write.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 
-from .base import Buffer, ByteRange, ObjectStore, StoreError, StoreWrapper
+from .base import TOUCH_REFRESHED, Buffer, ByteRange, ObjectStore, PermissionDenied, StoreError, StoreWrapper
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +45,13 @@ class RefreshOnHit(StoreWrapper):
         clock: Callable[[], float] = time.monotonic,
         background: bool = True,
         queue_size: int = 1024,
+        on_outcome: Callable[[str], None] | None = None,
     ):
         super().__init__(inner)
         self.interval_s = interval_s
         self._clock = clock
+        self._on_outcome = on_outcome
+        self._warned = False
         self._lock = threading.Lock()
         self._last: OrderedDict[str, float] = OrderedDict()  # key -> last write or refresh here
         self.refreshed = self.dropped = self._busy = 0
@@ -58,8 +66,9 @@ class RefreshOnHit(StoreWrapper):
 
     def put(self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None) -> bool:
         created = self.inner.put(key, data, metadata)
-        with self._lock:
-            self._note(key, self._clock())
+        if created:  # not when another writer's object was there: its age is not ours to know
+            with self._lock:
+                self._note(key, self._clock())
         return created
 
     def _hit(self, key: str) -> None:
@@ -80,6 +89,7 @@ class RefreshOnHit(StoreWrapper):
             with self._lock:
                 self._busy -= 1
             self.dropped += 1
+            self._count("dropped")
             return
         with self._lock:
             # Started on demand and gone after IDLE_S without work: a runtime whose store its
@@ -88,13 +98,33 @@ class RefreshOnHit(StoreWrapper):
                 self._thread = threading.Thread(target=self._run, name="s3kv-refresh", daemon=True)
                 self._thread.start()
 
+    def _count(self, outcome: str) -> None:
+        if self._on_outcome is not None:
+            self._on_outcome(outcome)
+
     def _touch(self, key: str) -> None:
         try:
-            if self.inner.touch(key):
-                self.refreshed += 1
+            outcome = self.inner.touch(key, self.interval_s)
+        except PermissionDenied as exc:
+            self.dropped += 1
+            self._count("denied")
+            if not self._warned:  # once: every refresh fails the same way
+                self._warned = True
+                log.warning(
+                    "s3kv: refresh on hit is refused by the bucket (%s); hot prefixes will expire "
+                    "retention_h after their write. A bucket policy that denies CopyObject under "
+                    "the prefix (the Terraform module's enforce_write_once) does this: set "
+                    "enforce_write_once=false, or S3KV_REFRESH_ON_HIT=false with a longer retention "
+                    "(docs/operations.md)", exc)
+            return
         except StoreError as exc:  # best effort: the object may expire and be recomputed
             self.dropped += 1
+            self._count("failed")
             log.debug("refresh of %s failed: %s", key, exc)
+            return
+        if outcome == TOUCH_REFRESHED:
+            self.refreshed += 1
+        self._count(outcome)
 
     def _run(self) -> None:
         assert self._queue is not None

@@ -48,6 +48,9 @@ from botocore.config import Config
 
 from ..config import has_userinfo, redact_url
 from .base import (
+    TOUCH_GONE,
+    TOUCH_REFRESHED,
+    TOUCH_YOUNG,
     AnswerClock,
     BucketNotFound,
     Buffer,
@@ -56,6 +59,7 @@ from .base import (
     HeadBatch,
     IntegrityError,
     NotFound,
+    ObjectChanged,
     ObjectInfo,
     ObjectStore,
     PermissionDenied,
@@ -144,6 +148,10 @@ class S3Options:
     part_size: int = 128 * MiB
     #: A range much longer than this is fetched as parallel sub-ranges of about this size.
     range_split_bytes: int = 16 * MiB
+    #: A single PUT at least this large HEADs first: another cluster usually stored the same
+    #: prefix, and a HEAD costs far less than uploading hundreds of MiB a 412 throws away (a
+    #: multipart upload always HEADs first). If-None-Match still settles a race.
+    head_before_put_bytes: int = 64 * MiB
     #: Server-side encryption: None (bucket default), "AES256" (SSE-S3) or "aws:kms".
     sse: Literal["AES256", "aws:kms"] | None = None
     sse_kms_key_id: str | None = None
@@ -539,6 +547,11 @@ class S3Store(ObjectStore):
             self._call("put", key, lambda: self._client.put_object(Body=_body(views), **args))
             return True
 
+        if sum(v.nbytes for v in views) >= self.options.head_before_put_bytes and isinstance(
+            self._head_one(key), ObjectInfo
+        ):
+            return False  # (a failed HEAD: the conditional PUT decides)
+
         def attempt() -> bool:
             try:
                 # A fresh body per attempt: a failed attempt may have consumed the stream.
@@ -709,44 +722,81 @@ class S3Store(ObjectStore):
             parts = max(1, round(r.length / split))
             step = max(1, -(-r.length // parts))
             jobs += [(i, r.offset + off, min(step, r.length - off)) for off in range(0, r.length, step)]
-        results = self._map(lambda j: self._get_one(key, j[1], j[2]), jobs)
-        etags = {etag for _, etag in results if etag}
-        if len(etags) > 1:
-            # Write-once makes this "deleted and re-written between our reads" (gc racing a
-            # load); mixing two bodies would be wrong KV, so refuse.
-            raise IntegrityError(f"object changed during a ranged read (ETags {sorted(etags)})", key=key)
+        for _ in range(2):
+            results = self._map(lambda j: self._get_one(key, j[1], j[2]), jobs)
+            etags = {etag for _, etag in results if etag}
+            if len(etags) <= 1:
+                break
+            # The object was replaced between our reads (a refresh's self-copy re-tags a
+            # multipart object; gc deleted it and another writer stored it again): mixing two
+            # bodies would be wrong KV, and neither is corrupt. Read it all again, once.
+        else:
+            raise ObjectChanged(f"object changed during a ranged read, twice (ETags {sorted(etags)})", key=key)
         pieces: list[list[bytes]] = [[] for _ in ranges]
         for (i, _, _), (data, _) in zip(jobs, results, strict=True):
             pieces[i].append(data)
         return [p[0] if len(p) == 1 else b"".join(p) for p in pieces]
 
     # -- TOUCH -------------------------------------------------------------------------
-    def touch(self, key: str) -> bool:
+    def touch(self, key: str, min_age_s: float = 0.0) -> str:
         """Copy the object onto itself (S3 refuses a self-copy that changes nothing, so the
         metadata is replaced -- by the same metadata, read with a HEAD first): LastModified
-        becomes now, bytes and metadata stay. One HEAD and one PUT-class request; objects are
-        far below CopyObject's 5 GiB limit."""
-        info = self._head_one(key)
-        if isinstance(info, StoreError):
-            raise info
-        if info is None:
-            return False
+        becomes now, bytes and metadata stay. One HEAD and, unless the object is younger than
+        ``min_age_s`` (another engine refreshed it), one PUT-class request; objects are far
+        below CopyObject's 5 GiB limit.
 
-        def copy() -> None:
-            self._client.copy_object(
-                Bucket=self.bucket,
-                Key=key,
-                CopySource={"Bucket": self.bucket, "Key": key},
-                MetadataDirective="REPLACE",
-                Metadata=dict(info.metadata),
-                **self._sse_args(),
-            )
+        The copy is conditional on the HEAD's ETag: between the two, gc may delete the object
+        and another writer store it again, and that object is young anyway. Its encryption is
+        the object's (from the HEAD), not this engine's sse settings: a copy re-encrypts."""
+
+        def head() -> dict[str, Any] | None:
+            try:
+                return dict(self._client.head_object(Bucket=self.bucket, Key=key))
+            except bexc.ClientError as exc:
+                if _error_code(exc)[1] != 404:
+                    raise
+                return None
+
+        r = self._call("head", key, head)
+        if r is None:
+            return TOUCH_GONE
+        lm = r.get("LastModified")
+        if min_age_s > 0 and lm is not None and time.time() - lm.timestamp() < min_age_s:
+            return TOUCH_YOUNG
+        enc: dict[str, Any] = {}
+        if r.get("ServerSideEncryption"):
+            enc["ServerSideEncryption"] = r["ServerSideEncryption"]
+        if r.get("SSEKMSKeyId"):
+            enc["SSEKMSKeyId"] = r["SSEKMSKeyId"]
+        if r.get("BucketKeyEnabled"):
+            enc["BucketKeyEnabled"] = True
+        meta = {k.lower(): v for k, v in (r.get("Metadata") or {}).items()}
+
+        def copy() -> bool:
+            try:
+                self._client.copy_object(
+                    Bucket=self.bucket,
+                    Key=key,
+                    CopySource={"Bucket": self.bucket, "Key": key},
+                    CopySourceIfMatch=r["ETag"],
+                    MetadataDirective="REPLACE",
+                    Metadata=meta,
+                    **enc,
+                )
+            except bexc.ClientError as exc:
+                if _is_precondition_failed(exc):
+                    return False  # replaced since the HEAD (or our own retried copy re-tagged it)
+                if _is_not_implemented(exc):
+                    # AWS answers 501 to a CopyObject that a write-once bucket policy forces to
+                    # carry If-None-Match: a refusal by configuration, as a 403 is.
+                    raise PermissionDenied(f"S3 copy s3://{self.bucket}/{key}: NotImplemented (HTTP 501)", key=key) from exc
+                raise
+            return True
 
         try:
-            self._call("copy", key, copy)
+            return TOUCH_REFRESHED if self._call("copy", key, copy) else TOUCH_GONE
         except NotFound:
-            return False
-        return True
+            return TOUCH_GONE
 
     # -- DELETE / LIST -----------------------------------------------------------------
     def delete_many(self, keys: Sequence[str]) -> None:

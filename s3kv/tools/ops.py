@@ -34,7 +34,7 @@ from typing import Any
 import click
 import xxhash
 
-from ..config import ConfigError, load_settings
+from ..config import ConfigError, Settings, load_settings
 from ..core.keys import DIGEST_SIZE, ParsedKey, parse_key
 from ..core.objects import (
     ChecksumMismatch,
@@ -855,8 +855,9 @@ class Duration(click.ParamType):
 @click.option(
     "--expired",
     is_flag=True,
-    help="Delete objects older than the retention_h setting (S3KV_RETENTION_H, default 1 h): what the "
-    "cost estimate assumes. Engines refresh the objects they load (refresh_on_hit).",
+    help="Delete objects older than the retention_h setting (S3KV_RETENTION_H, default 1 h) plus how long "
+    "an engine may still trust an earlier answer (index_ttl_s + lookup_summary_trust_s + 60 s). Engines "
+    "refresh the objects they load (refresh_on_hit).",
 )
 @click.option(
     "--watch",
@@ -899,7 +900,7 @@ def gc_command(
     if expired:
         if older_than is not None:
             raise click.UsageError("--expired and --older-than both set an age: pass one")
-        older_than = ctx.settings.retention_h * 3600.0
+        older_than = expiry_age_s(ctx.settings)
     if older_than is None and namespace is None:
         raise click.UsageError("gc needs a filter: --expired, --older-than AGE and/or --namespace NS")
     if watch is not None:
@@ -915,6 +916,20 @@ def gc_command(
     if now is not None:
         ctx.now = now
     _gc_pass(ctx, older_than, namespace, dry_run, yes, confirm_above, verbose)
+
+
+#: Clock skew between engines, S3 and the host running gc.
+EXPIRY_MARGIN_S = 60.0
+
+
+def expiry_age_s(settings: Settings) -> float:
+    """The age past which ``gc --expired`` deletes: the retention plus what an engine may still
+    believe. An engine that saw the object (a HEAD within ``index_ttl_s``, a listing within
+    ``lookup_summary_trust_s``) promises loads of it without asking again; an object young then
+    must outlive that belief, or the promised load finds nothing (a failed load, where refresh
+    could not keep it young: a bucket refusing the copy, an engine that only looked it up).
+    Settings are the ones gc runs with: engines with longer ones need them here too."""
+    return settings.retention_h * 3600.0 + settings.index_ttl_s + settings.lookup_summary_trust_s + EXPIRY_MARGIN_S
 
 
 def _gc_pass(

@@ -40,7 +40,7 @@ from ...core.keys import KeyScheme
 from ...core.layout import CacheGeometry
 from ...core.objects import ObjectIdentity
 from ...core.plan import ConnectorMetadata
-from ...core.policy import object_sizes
+from ...core.policy import staging_warnings
 from ...store.base import ObjectStore
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters, MetricsHook
@@ -163,17 +163,8 @@ class WorkerCore:
             self._loads.attach(rank, copier, downloader)
             self._saves.attach(rank, copier, pool)
             self._rank = rank
-            # Saves need a buffer per open object and group; with room for fewer than a few
-            # objects of the largest group, most saves would be dropped.
-            blocks, _ = object_sizes([g.page_bytes for g in geometry.groups], geometry.tokens_per_block, self.settings)
-            biggest = max(b * g.page_bytes for b, g in zip(blocks, geometry.groups, strict=True))
-            if pool.capacity < 4 * biggest * max(1, geometry.num_groups):
-                log.warning(
-                    "s3kv: S3KV_STAGING_MIB=%d holds fewer than 4 objects per layer group (largest object "
-                    "%.1f MiB, %d groups): saves will be dropped under load; raise it to at least %d",
-                    self.settings.staging_mib, biggest / 2**20, geometry.num_groups,
-                    -(-4 * biggest * geometry.num_groups // 2**20),
-                )
+            for text in staging_warnings(geometry, self.settings, pool.capacity):
+                log.warning("s3kv: %s", text)
             log.info(
                 "s3kv worker rank %d/%d: %d layer group(s), namespace %s, staging %d MiB (%s) on %s",
                 self.tp_rank,

@@ -104,6 +104,8 @@ data "aws_iam_policy_document" "bucket" {
   # (engine, operator or admin) can overwrite KV that engines may be reading. s3kv sends the
   # header on PutObject and CompleteMultipartUpload; CreateMultipartUpload and UploadPart
   # cannot carry it, and s3:ObjectCreationOperation is false for exactly those, so they pass.
+  # CopyObject is refused (403; 501 with If-None-Match), and with it refresh on hit's self-copy:
+  # no condition key names the request's own key, so a same-key copy cannot be exempted alone.
   dynamic "statement" {
     for_each = var.enforce_write_once ? [1] : []
 

@@ -67,7 +67,7 @@ variable "require_tls" {
 }
 
 variable "enforce_write_once" {
-  description = "Bucket policy: deny creating an object under the prefix without If-None-Match (s3:if-none-match), so no one can overwrite KV that engines read. s3kv always sends it."
+  description = "Bucket policy: deny creating an object under the prefix without If-None-Match (s3:if-none-match), so no one can overwrite KV that engines read. s3kv always sends it on writes, but it also refuses CopyObject, which refresh on hit (S3KV_REFRESH_ON_HIT, on by default) needs: set false to keep hot prefixes alive under s3kv gc --expired."
   type        = bool
   default     = true
 }
