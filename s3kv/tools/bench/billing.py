@@ -6,11 +6,12 @@ connector and the replay's store and counts what every request would be at the r
 * **PUT-class requests**: one per object below the multipart threshold, else create + parts +
   complete (``s3kv.core.cost.put_requests``), plus one per *refresh* (below);
 * **GET requests**: each range at its real length (the S3 clients' range split); HEADs one each;
-* **storage**: byte-seconds, each object from its write until ``retention_s`` after its last write
-  or refresh (plus half the gc period: ``s3kv gc --watch`` deletes what has expired every
+* **storage**: byte-seconds, each object from its write until ``expire_after_s`` after its last
+  write or refresh -- gc's cutoff, the retention plus what engines may still believe
+  (``s3kv.tools.ops.expiry_age_s``) -- (plus half the gc period: ``s3kv gc --watch`` deletes what has expired every
   ``gc_period_s``), priced per GB-month -- not "every byte for the retention period";
 * **retention on the trace's clock** (``now``, set by the replay before each request): an object
-  whose last write or refresh is more than ``retention_s`` old is gone (deleted from the store on
+  whose last write or refresh is more than ``expire_after_s`` old is gone (deleted from the store on
   first sight, as ``s3kv gc`` would have) and a later write of it is new;
 * **refresh on hit**, the engine's rule (``s3kv.store.refresh``): a read of an object this engine
   has neither written nor refreshed within ``retention_s / 2`` bumps its age (one PUT-class copy);
@@ -42,6 +43,7 @@ class BilledStore(StoreWrapper):
         part_size: int,
         *,
         retention_s: float = float("inf"),
+        expire_after_s: float | None = None,
         gc_period_s: float = 0.0,
         checkpoint_blocks: int = 0,
         range_split: int = 8 << 20,
@@ -49,6 +51,7 @@ class BilledStore(StoreWrapper):
         super().__init__(inner)
         self.multipart_threshold, self.part_size = multipart_threshold, part_size
         self.retention_s, self.gc_period_s = retention_s, gc_period_s
+        self.expire_after_s = retention_s if expire_after_s is None else expire_after_s
         self.checkpoint_blocks = checkpoint_blocks
         self.range_split = range_split
         self.sim_page: dict[str, int] = {}  # group fingerprint -> sim page bytes
@@ -82,11 +85,11 @@ class BilledStore(StoreWrapper):
 
     # -- retention ------------------------------------------------------------------------
     def _life_end(self, o: list[Any]) -> float:
-        return o[1] + self.retention_s + self.gc_period_s / 2
+        return o[1] + self.expire_after_s + self.gc_period_s / 2
 
     def _expire(self, key: str) -> None:
         o = self._objects.get(key)
-        if o is None or self.now - o[1] <= self.retention_s:
+        if o is None or self.now - o[1] <= self.expire_after_s:
             return
         self.byte_seconds += o[2] * (self._life_end(o) - o[0])
         del self._objects[key]

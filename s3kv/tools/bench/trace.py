@@ -65,6 +65,7 @@ from ...core.cost import (
 )
 from ...store.base import StoreWrapper
 from .. import models as _models
+from ..ops import expiry_age_s
 from .billing import BilledStore
 from .common import (
     GEMMA3_27B,
@@ -307,6 +308,8 @@ def replay(
         settings.multipart_threshold_mib << 20,
         settings.multipart_part_mib << 20,
         retention_s=cfg.prices.retention_h * 3600,
+        # gc deletes later than the retention: what an engine may still believe must outlive it.
+        expire_after_s=expiry_age_s(dataclasses.replace(settings, retention_h=cfg.prices.retention_h)),
         gc_period_s=cfg.gc_period_s,
         range_split=settings.range_split_mib << 20,
     )
