@@ -633,7 +633,8 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             k: getattr(Settings(**cfg.settings), k)
             for k in ("multipart_threshold_mib", "multipart_part_mib", "range_split_mib", "target_object_mib")
         },
-        "note": "ratio = S3 $ (requests + storage from write to retention after the last write or refresh) / "
+        "note": "ratio = S3 $ (requests + storage from write until gc deletes: the retention plus what engines "
+        "may still believe, after the last write or refresh) / "
         "prefill GPU $ the served tokens saved; below 1 s3kv pays for itself",
     }
     res: dict[str, Any] = {
