@@ -269,7 +269,10 @@ def test_v2s_own_smaller_honour_parks_only_off_a_stored_tail(chunk_blocks, parks
     store = _stored(1)
     honour = honour_when_growth_fails(chunk_blocks * TPB, TPB)
     with _engine(store, hook=False, honour=honour, chunk=chunk_blocks * TPB) as eng:
-        rep = eng.run([SimRequestSpec(500, PROMPT, max_new_tokens=2, cancel_after_iterations=30), _busy(502)])
+        # The client gives up on a request parked for good; a served one must never race that
+        # clock (its async load takes wall time, passes spin meanwhile: a loaded box ran 30 first).
+        give_up = 30 if parks else 100_000
+        rep = eng.run([SimRequestSpec(500, PROMPT, max_new_tokens=2, cancel_after_iterations=give_up), _busy(502)])
         stats = eng.workers[0].core.stats()
     r = rep.by_id(500)
     assert rep.kv_mismatches == 0 and r.cancelled == parks
