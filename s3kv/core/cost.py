@@ -198,3 +198,17 @@ def summary(usage: Usage, prices: Prices = Prices()) -> dict[str, float | None]:
         "usd_storage": c.storage_usd,
         "usd_per_1m_tokens_served": usd_per_million_tokens_served(usage, prices),
     }
+
+
+#: Clock skew between engines, S3 and the host running gc.
+EXPIRY_MARGIN_S = 60.0
+
+
+def expiry_age_s(settings: Any) -> float:
+    """The age past which ``gc --expired`` deletes: the retention plus what an engine may still
+    believe. An engine that saw the object (a HEAD within ``index_ttl_s``, a listing within
+    ``lookup_summary_trust_s``) promises loads of it without asking again; an object young then
+    must outlive that belief, or the promised load finds nothing (a failed load, where refresh
+    could not keep it young: a bucket refusing the copy, an engine that only looked it up).
+    Settings are the ones gc runs with: engines with longer ones need them here too."""
+    return settings.retention_h * 3600.0 + settings.index_ttl_s + settings.lookup_summary_trust_s + EXPIRY_MARGIN_S

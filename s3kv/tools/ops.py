@@ -34,7 +34,8 @@ from typing import Any
 import click
 import xxhash
 
-from ..config import ConfigError, Settings, load_settings
+from ..config import ConfigError, load_settings
+from ..core.cost import expiry_age_s
 from ..core.keys import DIGEST_SIZE, ParsedKey, parse_key
 from ..core.objects import (
     ChecksumMismatch,
@@ -916,20 +917,6 @@ def gc_command(
     if now is not None:
         ctx.now = now
     _gc_pass(ctx, older_than, namespace, dry_run, yes, confirm_above, verbose)
-
-
-#: Clock skew between engines, S3 and the host running gc.
-EXPIRY_MARGIN_S = 60.0
-
-
-def expiry_age_s(settings: Settings) -> float:
-    """The age past which ``gc --expired`` deletes: the retention plus what an engine may still
-    believe. An engine that saw the object (a HEAD within ``index_ttl_s``, a listing within
-    ``lookup_summary_trust_s``) promises loads of it without asking again; an object young then
-    must outlive that belief, or the promised load finds nothing (a failed load, where refresh
-    could not keep it young: a bucket refusing the copy, an engine that only looked it up).
-    Settings are the ones gc runs with: engines with longer ones need them here too."""
-    return settings.retention_h * 3600.0 + settings.index_ttl_s + settings.lookup_summary_trust_s + EXPIRY_MARGIN_S
 
 
 def _gc_pass(

@@ -8,7 +8,7 @@ connector and the replay's store and counts what every request would be at the r
 * **GET requests**: each range at its real length (the S3 clients' range split); HEADs one each;
 * **storage**: byte-seconds, each object from its write until ``expire_after_s`` after its last
   write or refresh -- gc's cutoff, the retention plus what engines may still believe
-  (``s3kv.tools.ops.expiry_age_s``) -- (plus half the gc period: ``s3kv gc --watch`` deletes what has expired every
+  (``s3kv.core.cost.expiry_age_s``) -- (plus half the gc period: ``s3kv gc --watch`` deletes what has expired every
   ``gc_period_s``), priced per GB-month -- not "every byte for the retention period";
 * **retention on the trace's clock** (``now``, set by the replay before each request): an object
   whose last write or refresh is more than ``expire_after_s`` old is gone (deleted from the store on

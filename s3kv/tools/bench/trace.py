@@ -59,13 +59,13 @@ from ...core.cost import (
     Prices,
     Usage,
     cost,
+    expiry_age_s,
     get_requests,
     put_requests,
     value,
 )
 from ...store.base import StoreWrapper
 from .. import models as _models
-from ..ops import expiry_age_s
 from .billing import BilledStore
 from .common import (
     GEMMA3_27B,
