@@ -174,6 +174,11 @@ class Settings:
     #: rule (a page outside the plan still fails loudly); raise it where the engine retains more
     #: than the window (speculative decoding). History-end tails then cannot serve (pages gone).
     window_margin_blocks: int = 0
+    #: An offer that a failed allocation grow would cut to an unservable point (V2, chunked
+    #: prefill: ``engine/leader/pressure.py``) is cut to a point inside the request's first chunk:
+    #: "pressure" while the engine shows memory pressure (it honoured less recently), "always",
+    #: or "off".
+    offer_guard: str = "pressure"
     #: Smallest hit worth a load, in blocks.
     min_hit_blocks: int = 1
     #: Window policy: a request whose lookup found the full-attention chain stored past the last
@@ -349,6 +354,7 @@ def _env_name(field: str) -> str:
 CHOICES: dict[str, tuple[str, ...]] = {
     "load_mode": ("async", "sync"),
     "storage_policy": ("window", "all"),
+    "offer_guard": ("pressure", "always", "off"),
     "s3_client": ("auto", "obstore", "boto3"),
     "sse": ("", "AES256", "aws:kms"),
 }

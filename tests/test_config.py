@@ -186,6 +186,7 @@ INVALID = {
     "load_mode": ["eager", ""],
     "save_decode": ["maybe"],
     "storage_policy": ["none"],
+    "offer_guard": ["sometimes"],
     "checkpoint_tokens": ["0", "-4096"],
     "window_margin_blocks": ["-1"],
     "min_hit_blocks": ["0", "-2"],

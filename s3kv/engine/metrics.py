@@ -255,6 +255,21 @@ class Metrics:
         self.branch_tails = Counter(
             f"{p}_branch_tails", "Sliding-window tails stored at a branch point a lookup found.", registry=r
         )
+        self.offers_exposed = Counter(
+            f"{p}_offers_exposed",
+            "Offers a failed allocation grow (KV memory pressure) would cut to a point no stored tail "
+            "serves: a broken promise if the grow fails (engine/leader/pressure.py).",
+            registry=r,
+        )
+        self.offers_cut = Counter(
+            f"{p}_offers_cut",
+            "Exposed offers cut to a point inside the request's first chunk while the engine showed "
+            "KV memory pressure (S3KV_OFFER_GUARD).",
+            registry=r,
+        )
+        self.tokens_cut = Counter(
+            f"{p}_offer_tokens_cut", "Tokens those cuts left to prefill instead of loading.", registry=r
+        )
         self.billed_requests = Counter(
             f"{p}_billed_requests",
             "S3 requests as S3 bills them (multipart parts, split ranged GETs), by op; with HEADs from "
@@ -498,6 +513,9 @@ class Metrics:
             (self.prompt_tokens, ("prompt_tokens",)),
             (self.saved_tokens, ("tokens_saved",)),
             (self.branch_tails, ("branch_tails",)),
+            (self.offers_exposed, ("offers_exposed",)),
+            (self.offers_cut, ("offers_cut",)),
+            (self.tokens_cut, ("tokens_cut",)),
             (self.requests_freed_silently, ("requests_freed_silently",)),
         ):
             self._feed(metric, source, names[0], _first(stats, names))

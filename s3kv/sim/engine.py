@@ -152,6 +152,9 @@ class _Req:
     needs_first_report: bool = True
     check_pending: bool = False
     chunks_done: int = 0
+    #: The first context pass's length when it differs from ``chunk_size`` (``first_chunk`` hook,
+    #: a failed grow); used once.
+    first_pass: int | None = None
     generated: int = 0  # tokens sampled (on the device; the host may not know the last one yet)
     #: Overlap loop: the token the last forward sampled, not yet on the host (``_update_requests``
     #: of the next pass appends it); the next forward reads it on the device.
@@ -232,6 +235,15 @@ class SimEngine:
     (see :meth:`_iteration_overlap`). ``cuda_graphs``: a pass whose batch is generation only
     replays a CUDA graph, inside which no layer hook fires (``wait_for_layer_load`` /
     ``save_kv_layer`` are not called; the forward-pass callables and ``wait_for_save`` are).
+    ``first_chunk(request_id) -> tokens | None``: the scheduler's chunk for the request's first
+    context pass (smaller under load; a whole number of blocks); default ``chunk_size``. The request
+    carries it as ``context_chunk_size`` when the connector is asked (``get_num_new_matched_tokens``),
+    as KVCacheManagerV2 does: its scheduler sized the chunk before the connector hooks run.
+    ``grow_fails(request_id) -> bool``: memory pressure. An offer reaching the first chunk's end
+    ``C = d + chunk`` (capped at the prompt) needs the allocation grown; when that fails, V2's
+    ``_reserve_connector_prefix`` honours ``(C - 1) // tpb * tpb`` (nothing when that is not past
+    ``d``) and the first pass computes up to ``C`` (``honour_when_growth_fails`` is the same rule for
+    one fixed chunk). Applied before ``honour``.
     ``attention_dp=(owner, size)``: this engine is owner rank ``owner`` of an attention-DP engine
     of ``size`` ranks (1.4.0rc4 line): its own scheduler and worker, its own requests, attention not
     sharded (``tp_size`` 1 here) -- run one SimEngine per owner. Not modelled yet: the owners'
@@ -274,6 +286,8 @@ class SimEngine:
         overlap: bool = False,
         cuda_graphs: bool = False,
         attention_dp: tuple[int, int] | None = None,
+        first_chunk: Callable[[int], int | None] | None = None,
+        grow_fails: Callable[[int], bool] | None = None,
     ):
         if tp_size is None:
             tp_size = model.tp_size
@@ -295,6 +309,8 @@ class SimEngine:
         self.chunk_size = chunk_size
         self.max_batch = max_batch
         self.honour = honour or (lambda offer: offer)
+        self.first_chunk = first_chunk
+        self.grow_fails = grow_fails
         self.preempt_hook = preempt_hook
         self.discard_hook = discard_hook
         self.extra_retained_blocks = extra_retained_blocks
@@ -704,7 +720,8 @@ class SimEngine:
             out = SchedulerOutput(new_requests=[], cached_requests=[], **dp)
             for st in running:
                 is_ctx = st.computed < st.req.prompt_len
-                n = min(self.chunk_size or st.req.prompt_len, st.req.prompt_len - st.computed) if is_ctx else 1
+                n = min(st.first_pass or self.chunk_size or st.req.prompt_len, st.req.prompt_len - st.computed) if is_ctx else 1
+                st.first_pass = None
                 self._ensure_pages(st, -(-(st.computed + n) // self.tpb))
                 rd = self._request_data(st, n, is_ctx)
                 (out.new_requests if rd[1] else out.cached_requests).append(rd[0])
@@ -860,6 +877,12 @@ class SimEngine:
         req, tpb = st.req, self.tpb
         d = st.spec.device_match_tokens
         req.py_num_connector_matched_tokens = 0
+        hooked = self.first_chunk(st.rid) if self.first_chunk is not None else None
+        if hooked is not None and (hooked <= 0 or hooked % tpb):
+            raise SimError(f"first_chunk({st.rid}) returned {hooked}: must be a positive whole number of blocks")
+        chunk = hooked or self.chunk_size
+        chunk_end = min(d + chunk, req.prompt_len) if chunk else req.prompt_len
+        req.context_chunk_size = chunk_end - d
         ret = self._call("get_num_new_matched_tokens", self.leader.get_num_new_matched_tokens, req, d)
         try:
             offer, is_async = int(ret[0]), bool(ret[1])
@@ -873,7 +896,9 @@ class SimEngine:
                 f"request {rid}: offer {offer} on top of device match {d} must be >= 0, end on a block "
                 f"boundary and leave the last prompt token (prompt_len {req.prompt_len})"
             )
-        honoured = int(self.honour(offer))
+        grow_failed = self.grow_fails is not None and d + offer >= chunk_end and self.grow_fails(st.rid)
+        honoured = max(0, (chunk_end - 1) // tpb * tpb - d) if grow_failed else offer
+        honoured = min(honoured, int(self.honour(offer)))
         if not 0 <= honoured <= offer or honoured % tpb:
             raise SimError(
                 f"honour({offer}) returned {honoured}: must be a whole number of blocks <= the offer"
@@ -889,7 +914,10 @@ class SimEngine:
         if st.attempt == 0:
             st.t_admit, st.it_admit = time.perf_counter(), it
         # V2: pages cover the first chunk; a sliding group gives no page to ordinals left of its window at h.
-        first = min(self.chunk_size or req.prompt_len, req.prompt_len - h)
+        # The first pass: up to the chunk's end after a failed grow (V2 keeps the pages it has),
+        # else the chunk shifted past what was honoured.
+        first = chunk_end - h if grow_failed and h < chunk_end else min(chunk or req.prompt_len, req.prompt_len - h)
+        st.first_pass = first if grow_failed or hooked is not None else None
         upto = -(-(h + first) // tpb)
         st.blocks = []
         for g in self.groups:
@@ -1102,6 +1130,7 @@ class SimEngine:
         st.needs_first_report = True
         st.req.py_num_connector_matched_tokens = 0
         st.computed = st.prefill_start = st.device_match
+        st.first_pass = None  # the honoured point's first pass no longer applies
         for gi, g in enumerate(self.groups):
             cut = sliding_cutoff(st.device_match, g.window, self.tpb, self.extra_allocated_blocks)
             lst = st.blocks[gi]

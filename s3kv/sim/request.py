@@ -74,6 +74,8 @@ class SimLlmRequest:
         )
         self.max_new_tokens = spec.max_new_tokens
         self.py_num_connector_matched_tokens = 0
+        #: The scheduler's chunk for the next context pass (set before the connector is asked).
+        self.context_chunk_size = self.prompt_len
         self._tokens: list[int] = list(spec.prompt)
 
     def get_tokens(self, beam: int = 0) -> list[int]:

@@ -37,6 +37,14 @@ def warn_if_unsigned(settings: Settings) -> None:
     )
 
 
+def first_chunk(request: Any) -> int | None:
+    """The request's first context chunk, where the engine sized it before asking the connector
+    (KVCacheManagerV2's scheduler sets ``context_chunk_size`` before its connector hooks run);
+    None where it carries none."""
+    n = getattr(request, "context_chunk_size", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
 class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
     """Scheduler side (rank 0): lookups, load plans, save plans."""
 
@@ -114,6 +122,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
                 has_multimodal=has_mm,
                 not_cacheable=unidentified,
                 owned=True,  # our own list() above
+                first_chunk_tokens=first_chunk(request),
             )
         except Exception as e:  # noqa: BLE001 - a lookup must never fail a request
             self._contain("get_num_new_matched_tokens", e)

@@ -139,11 +139,11 @@ class LeaderCore:
         multimodal_hashes: Sequence[Any] | None = None,
         has_multimodal: bool = False,
         not_cacheable: str = "",
-        store_available: bool = True,
-        owned: bool = False,
+        store_available: bool = True, owned: bool = False, first_chunk_tokens: int | None = None,
     ) -> tuple[int, bool]:
         """What the connector can add to the device match: (tokens, load async). ``owned``: the
         caller hands ``tokens`` over (a list nobody else changes), so it is kept, not copied.
+        ``first_chunk_tokens``: the request's first context chunk, if known (``pressure.py``).
         ``not_cacheable``: why the caller cannot name all its KV depends on (never served or saved)."""
         c0, w0 = time.thread_time(), time.perf_counter()
         try:
@@ -192,11 +192,11 @@ class LeaderCore:
                 st = RequestState(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
                 self._requests[request_id] = st
                 offer = self._lookups.offer(st, num_computed_tokens, store_available=store_available,
-                                            load_async=self.load_async, on_lookup=self._on_lookup)
+                                            load_async=self.load_async, on_lookup=self._on_lookup,
+                                            first_chunk_tokens=first_chunk_tokens)
                 self._lookups.record(time.perf_counter() - w0, offer[0])  # what the scheduler paid
                 return offer
-        finally:
-            # All of it runs on the scheduler thread: what the engine's batch waited for.
+        finally:  # all of it runs on the scheduler thread: what the engine's batch waited for
             self.stats.lookup_cpu_s += time.thread_time() - c0
 
     def lookup_summary(self) -> NamespaceSummary | None:

@@ -51,8 +51,10 @@ class LoadPlanner:
         # return its id (at once when there is nothing to load).
         ld.parked = ld.declare_async = ld.load_async
         honoured = ld.offered_blocks * tpb if honoured_tokens is None else int(honoured_tokens)
-        if honoured < ld.offered_blocks * tpb:
-            self.stats.honoured_less += 1
+        less = honoured < ld.offered_blocks * tpb
+        self.stats.honoured_less += less
+        if honoured_tokens is not None:
+            self.lookups.pressure.honoured(needed_grow=ld.needs_grow, less=less)
         if honoured <= 0:
             ld.h_blocks = ld.d_blocks
             return

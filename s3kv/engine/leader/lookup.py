@@ -35,6 +35,7 @@ from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
 from ..index import MISSING, KeyIndex
 from ..summary import NamespaceSummary, SummaryGroup
 from .context import LeaderContext
+from .pressure import PressureGauge, fallback_blocks
 from .requests import RequestState
 from .stats import LeaderStats
 
@@ -77,6 +78,8 @@ class Lookups:
         self._wave_s = 0.0
         #: This answer re-checks a promise (``recheck``): the longest budget, always tried.
         self._promise = False
+        #: What the engine's honours say of its KV memory (``pressure.py``); ``loads.py`` feeds it.
+        self.pressure = PressureGauge()
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -90,8 +93,11 @@ class Lookups:
         store_available: bool,
         load_async: bool,
         on_lookup: Callable[[int, LookupResult], None] | None,
+        first_chunk_tokens: int | None = None,
     ) -> tuple[int, bool]:
-        """What the connector offers ``st`` on top of its device match: (tokens, async)."""
+        """What the connector offers ``st`` on top of its device match: (tokens, async).
+        ``first_chunk_tokens``: the request's first context chunk, when the engine chunks the
+        prompt and says how much (``pressure.py`` guards offers that reach its end)."""
         ctx = self.ctx
         assert ctx is not None
         g = ctx.geometry
@@ -113,9 +119,11 @@ class Lookups:
         hmax = (prompt_len - 1) // tpb
         self._start_budget((hmax - ld.d_blocks) * tpb)
         result = self._find(st, prompt_len // tpb, hmax)
+        ld.spine_blocks = result.spine_blocks
+        if first_chunk_tokens is not None and result.h_blocks > ld.d_blocks:
+            result = self._guard(st, result, int(first_chunk_tokens))
         self.stats.lookup_waves += result.waves
         self.stats.lookup_asks += result.asks
-        ld.spine_blocks = result.spine_blocks
         if on_lookup:
             on_lookup(st.request_id, result)
         gain = result.h_blocks - ld.d_blocks
@@ -134,6 +142,49 @@ class Lookups:
             extra={"request_id": st.request_id, "hit_tokens": gain * tpb, "prompt_tokens": prompt_len},
         )
         return gain * tpb, ld.load_async
+
+    def _guard(self, st: RequestState, result: LookupResult, first_chunk_tokens: int) -> LookupResult:
+        """``result``, or a smaller hit inside the first chunk when the offer is exposed and the
+        engine shows memory pressure (``pressure.py``: why, and when)."""
+        ctx = self.ctx
+        assert ctx is not None
+        g = ctx.geometry
+        tpb = g.tokens_per_block
+        ld = st.load
+        d = ld.d_blocks
+        # V2 caps the chunk's end at the prompt: a chunk holding the rest never grows.
+        first = min(first_chunk_tokens, st.prompt_len - ld.device_tokens)
+        fb = fallback_blocks(d, result.h_blocks - d, first, tpb)
+        ld.needs_grow = fb is not None
+        margin = self.settings.window_margin_blocks
+        if fb is None or fb <= d or servable(g, result.coverage, d, fb, margin):
+            return result  # no grow; or a failed one honours nothing, or a point that is stored
+        mode = self.settings.offer_guard
+        self.stats.offers_exposed += 1
+        if mode == "off" or (mode == "pressure" and not self.pressure.on()):
+            return result
+        # The largest servable point no further than the fallback: that is the fallback itself
+        # when a tail ends there that the lookup did not ask about (then the offer is safe), else
+        # a point inside the first chunk, which V2 honours in full.
+        inside = find_hit(g, ctx.params, d, st.prompt_len // tpb, fb, lambda a: self._probe(st, a),
+                          count_wave=lambda a: self._last_probe_used_network)
+        for key, spans in inside.coverage.items():
+            result.coverage.setdefault(key, {}).update(spans)
+        result.waves += inside.waves
+        result.asks += inside.asks
+        if inside.h_blocks >= fb:
+            return result
+        self.stats.offers_cut += 1
+        self.stats.tokens_cut += (result.h_blocks - inside.h_blocks) * tpb
+        log.info(
+            "s3kv: request %s: offering %d of %d tokens: the engine shows KV memory pressure and a "
+            "failed grow would honour block %d, which no stored sliding-window tail serves",
+            st.request_id, (inside.h_blocks - d) * tpb, (result.h_blocks - d) * tpb, fb,
+            extra={"request_id": st.request_id},
+        )
+        ld.needs_grow = False
+        result.h_blocks = inside.h_blocks
+        return result
 
     def record(self, stall_s: float, hit_tokens: int) -> None:
         """The lookup just offered held the scheduler ``stall_s``: note it beside its budget, what

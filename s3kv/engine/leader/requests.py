@@ -52,6 +52,9 @@ class LoadState:
     coverage: dict[tuple[int, int], dict[int, Span]] = field(default_factory=dict)
     #: How far the lookup saw the full-attention chain stored (``LookupResult.spine_blocks``).
     spine_blocks: int = 0
+    #: The offer reaches the first chunk's end: the engine must grow the allocation to honour it
+    #: (``pressure.py``). Known only where the engine says how it chunks the prompt.
+    needs_grow: bool = False
     #: An async load was promised and the request has not been reported since (still parked).
     parked: bool = False
     #: The next metadata must declare this request's async load (even with nothing to load).

@@ -87,6 +87,11 @@ class LeaderStats:
     honoured_less: int = 0
     #: Smaller honours served by a correct smaller load.
     honoured_less_served: int = 0
+    #: Offers a failed allocation grow would cut to a point no stored tail serves
+    #: (``pressure.py``); of those, cut while the engine showed memory pressure, and the tokens cut.
+    offers_exposed: int = 0
+    offers_cut: int = 0
+    tokens_cut: int = 0
     #: Promised loads the leader could not plan (failure rung taken).
     promises_broken: int = 0
     planned_pages_saved: int = 0

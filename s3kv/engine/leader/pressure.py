@@ -1,0 +1,72 @@
+"""Offers a smaller honour cannot break: V2's one fallback point, and when to stay clear of it.
+
+KVCacheManagerV2 with chunked prefill honours less than offered in one case only (its
+``_apply_connector_matched_prefix``; docs/failures.md, "Smaller honours"): the offer reaches the
+end of the request's first chunk ``C = d + chunk``, so the allocation must grow to the offer plus
+a chunk, and that grow fails -- no free page, memory pressure. It then honours the largest whole
+block that still leaves a chunk to compute, ``(C - 1) // tpb * tpb`` (nothing when that is not
+past ``d``). An offer is therefore **exposed** only when it needs that grow and its fallback point
+is past ``d`` and not servable (no stored sliding tail ends there): a failed grow breaks the
+promise -- the request parks on a line without the failed-load path, and is recomputed whole on
+one with it.
+
+Why not store a tail at every fallback point: the chunk is the scheduler's choice each pass, so
+the point is any block boundary, and tails that tile every sliding block cost about what storing
+everything costs (+128% bytes on the trace). Why not cut every exposed offer to a point inside the
+first chunk (V2 always honours that in full): on an engine with free pages that throws away every
+token past the first chunk of every long hit. So an exposed offer is cut only while the engine
+*shows* pressure: a smaller honour (of any request) turns it on; an offer that needed a grow and
+was honoured in full -- the engine grew -- or ``PRESSURE_HOLD_S`` without a smaller honour turns
+it off. The first exposed offer of an episode can still be broken; the ones after it are not.
+Offers that need a grow but are safe (their fallback is servable, or not past ``d``) are made in
+full all along, and they are what shows when the pressure ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+#: Seconds after the last smaller honour the engine counts as under memory pressure, unless a
+#: grow is seen to succeed first. A minute: pressure comes from the batch the engine is running,
+#: which turns over in seconds to a minute; a longer hold only cuts offers a grown engine could take.
+PRESSURE_HOLD_S = 60.0
+
+#: ``S3KV_OFFER_GUARD`` values: cut exposed offers while the engine shows pressure; always; never.
+GUARD_MODES = ("pressure", "always", "off")
+
+
+def fallback_blocks(d_blocks: int, offer_blocks: int, first_chunk_tokens: int, tpb: int) -> int | None:
+    """The history (blocks) V2 honours if growing the allocation for this offer fails, or None
+    when the offer ends inside the first chunk (no grow: always honoured in full)."""
+    end = d_blocks * tpb + first_chunk_tokens
+    if (d_blocks + offer_blocks) * tpb < end:
+        return None
+    return max(d_blocks, (end - 1) // tpb)
+
+
+class PressureGauge:
+    """Whether the engine shows KV memory pressure, from what it honoured."""
+
+    def __init__(self, hold_s: float = PRESSURE_HOLD_S, clock: Callable[[], float] = time.monotonic):
+        self.hold_s = hold_s
+        self.clock = clock
+        self._since: float | None = None
+        #: Times pressure was seen to begin (a smaller honour while none was held).
+        self.episodes = 0
+
+    def on(self) -> bool:
+        if self._since is not None and self.clock() - self._since > self.hold_s:
+            self._since = None
+        return self._since is not None
+
+    def honoured(self, *, needed_grow: bool, less: bool) -> None:
+        """What the engine honoured of an offer (``needed_grow``: the offer reached the first
+        chunk's end). Smaller: a grow failed, pressure (re)starts. In full after a needed grow:
+        the engine had the pages, pressure is over."""
+        if less:
+            if not self.on():
+                self.episodes += 1
+            self._since = self.clock()
+        elif needed_grow:
+            self._since = None
