@@ -178,7 +178,7 @@ def test_the_guard_predicts_the_simulators_v2_rule(d_blocks):
             assert got == (d_blocks + offer_blocks if fb is None else fb)
 
 
-def test_the_gauge_holds_pressure_for_its_hold_then_drops_it():
+def test_the_gauge_holds_pressure_for_its_hold_and_backs_off_when_it_comes_straight_back():
     now = [0.0]
     g = PressureGauge(hold_s=60, clock=lambda: now[0])
     assert not g.on()
@@ -191,6 +191,18 @@ def test_the_gauge_holds_pressure_for_its_hold_then_drops_it():
     assert g.on()
     now[0] = 120
     assert not g.on()
-    g.honoured(needed_grow=False, less=True)
-    g.honoured(needed_grow=True, less=False)  # the engine grew
-    assert not g.on() and g.episodes == 2
+    g.honoured(needed_grow=False, less=True)  # back within a hold of the expiry: the hold doubles
+    assert g.on() and g.episodes == 2 and g.hold_s == 120
+    now[0] = 120 + 121
+    assert not g.on()
+    g.honoured(needed_grow=True, less=True)
+    assert g.hold_s == 240 and g.episodes == 3
+    g.honoured(needed_grow=True, less=False)  # the engine grew: over, and the hold is back to base
+    assert not g.on() and g.hold_s == 60
+    now[0] = 1000
+    g.honoured(needed_grow=True, less=True)
+    now[0] = 1061
+    assert not g.on()
+    now[0] = 1061 + 600  # long after the expiry: a new episode, at the base hold
+    g.honoured(needed_grow=True, less=True)
+    assert g.on() and g.hold_s == 60 and g.episodes == 5

@@ -16,10 +16,14 @@ everything costs (+128% bytes on the trace). Why not cut every exposed offer to 
 first chunk (V2 always honours that in full): on an engine with free pages that throws away every
 token past the first chunk of every long hit. So an exposed offer is cut only while the engine
 *shows* pressure: a smaller honour (of any request) turns it on; an offer that needed a grow and
-was honoured in full -- the engine grew -- or ``PRESSURE_HOLD_S`` without a smaller honour turns
-it off. The first exposed offer of an episode can still be broken; the ones after it are not.
-Offers that need a grow but are safe (their fallback is servable, or not past ``d``) are made in
-full all along, and they are what shows when the pressure ends.
+was honoured in full -- the engine grew -- or the hold (``PRESSURE_HOLD_S``) without a smaller
+honour turns it off. The first exposed offer of an episode can still be broken; the ones after it
+are not. Offers that need a grow but are safe (their fallback is servable, or not past ``d``) are
+made in full all along, and they are what shows when the pressure ends. Where few such offers
+come (with the Gemma-3-27B geometry checkpoints fall every 4608 tokens, so a first chunk of 8192
+is exposed), the hold is what ends an episode; pressure seen again within a hold of its expiry
+doubles the hold (up to ``PRESSURE_HOLD_MAX_S``), so sustained pressure risks one broken promise
+per doubling, not one a minute. A grow seen to succeed resets it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from collections.abc import Callable
 #: grow is seen to succeed first. A minute: pressure comes from the batch the engine is running,
 #: which turns over in seconds to a minute; a longer hold only cuts offers a grown engine could take.
 PRESSURE_HOLD_S = 60.0
+PRESSURE_HOLD_MAX_S = 960.0
 
 #: ``S3KV_OFFER_GUARD`` values: cut exposed offers while the engine shows pressure; always; never.
 GUARD_MODES = ("pressure", "always", "off")
@@ -48,15 +53,20 @@ def fallback_blocks(d_blocks: int, offer_blocks: int, first_chunk_tokens: int, t
 class PressureGauge:
     """Whether the engine shows KV memory pressure, from what it honoured."""
 
-    def __init__(self, hold_s: float = PRESSURE_HOLD_S, clock: Callable[[], float] = time.monotonic):
-        self.hold_s = hold_s
+    def __init__(self, hold_s: float = PRESSURE_HOLD_S, max_hold_s: float = PRESSURE_HOLD_MAX_S,
+                 clock: Callable[[], float] = time.monotonic):
+        self.base_hold_s = self.hold_s = hold_s
+        self.max_hold_s = max(hold_s, max_hold_s)
         self.clock = clock
         self._since: float | None = None
+        #: When the last episode ran out its hold (None: it ended by a grow, or none did).
+        self._expired_at: float | None = None
         #: Times pressure was seen to begin (a smaller honour while none was held).
         self.episodes = 0
 
     def on(self) -> bool:
         if self._since is not None and self.clock() - self._since > self.hold_s:
+            self._expired_at = self._since + self.hold_s
             self._since = None
         return self._since is not None
 
@@ -64,9 +74,13 @@ class PressureGauge:
         """What the engine honoured of an offer (``needed_grow``: the offer reached the first
         chunk's end). Smaller: a grow failed, pressure (re)starts. In full after a needed grow:
         the engine had the pages, pressure is over."""
+        now = self.clock()
         if less:
             if not self.on():
                 self.episodes += 1
-            self._since = self.clock()
+                back_soon = self._expired_at is not None and now - self._expired_at <= self.hold_s
+                self.hold_s = min(2 * self.hold_s, self.max_hold_s) if back_soon else self.base_hold_s
+            self._since = now
         elif needed_grow:
-            self._since = None
+            self._since = self._expired_at = None
+            self.hold_s = self.base_hold_s

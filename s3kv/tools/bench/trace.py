@@ -395,6 +395,11 @@ def replay(
         "lookup_waves": lstats.lookup_waves,
         "hits": lstats.hits,
         "promises_broken": lstats.promises_broken,
+        # Offers a failed grow would break (pressure.py), and what the guard cut (all of them under
+        # --set offer_guard=always: the price of memory pressure that never lets up).
+        "offers_exposed": lstats.offers_exposed,
+        "offers_cut": lstats.offers_cut,
+        "tokens_cut": lstats.tokens_cut,
         "branch_tails_stored": lstats.branch_tails,
         "branch_tail_pages": lstats.branch_tail_pages,
         "requests_sim": {"head": io.head, "put": io.put, "get": io.get},
@@ -592,6 +597,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "by_kind": r["by_kind"],
             "kv_mismatches": r["kv_mismatches"],
             "branch_tails_stored": r["branch_tails_stored"],
+            "offer_guard": {k: r[k] for k in ("offers_exposed", "offers_cut", "tokens_cut")},
             "lookup_stall": r["lookup_stall"],
             "wall_s": r["wall_s"],
         }
