@@ -58,6 +58,24 @@ def test_engine_cancel_load_shrinks_the_offer_and_request_reset_discards():
     assert core.active_requests() == 0 and 5 in core.build_connector_meta([], []).discard_ids
 
 
+def test_a_smaller_honour_told_by_cancel_load_first_still_shows_memory_pressure():
+    """An engine may hand back the offer's tail (``cancel_load``) before it reports what it
+    honoured: the offer guard must still see a smaller honour of a grow-needing offer (pressure),
+    not a full one (the engine grew), or it would never cut (engine/leader/pressure.py)."""
+    g = geometry()
+    store = MemoryStore()
+    tokens = toks(12 * TPB + 5, seed=6)
+    save_through_store(g, store, tokens)
+    core = make_core(g, store, offer_guard="pressure")
+    gauge = core._lookups.pressure
+    gauge.clock = lambda: 0.0
+    n, _ = core.get_num_new_matched_tokens(5, tokens, len(tokens), 0, first_chunk_tokens=9 * TPB)
+    assert n == 12 * TPB and not gauge.on()  # reaches the first chunk's end: needs a grow
+    core.cancel_load(5, 8 * TPB, 12 * TPB)
+    core.update_state_after_alloc(5, engine_slots(g, Slots(g), 13, 8), honoured_tokens=8 * TPB)
+    assert gauge.on() and gauge.episodes == 1
+
+
 def test_partial_block_device_match_is_a_counted_miss():
     g = geometry()
     core = make_core(g)

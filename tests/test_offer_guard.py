@@ -36,10 +36,10 @@ PROMPT = tuple(random_tokens(random.Random(8), BLOCKS * TPB + 5, 32000))
 _keys = itertools.count()
 
 
-def _engine(store, *, guard, chunks, grow_fails, hook=False):
+def _engine(store, *, guard, chunks, grow_fails, hook=False, frozen=True):
     s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=4, lookup_timeout_s=5.0,
                  checkpoint_tokens=8 * TPB, offer_guard=guard)
-    return SimEngine(
+    eng = SimEngine(
         gemma3_like(WINDOW, num_layers=6, kv_heads=2, head_dim=8),
         SimCacheConfig(tokens_per_block=TPB, max_seq_len=4096),
         S3KvConnectorLeader,
@@ -50,6 +50,9 @@ def _engine(store, *, guard, chunks, grow_fails, hook=False):
         failed_load_hook=hook,
         connector_kwargs=dict(settings=s, store=store, engine_key=f"guard-{next(_keys)}"),
     )
+    if frozen:  # the hold never runs out: pressure ends only as the engine shows it
+        eng.leader.core._lookups.pressure.clock = lambda: 0.0
+    return eng
 
 
 def _stored():
@@ -66,23 +69,26 @@ def _busy(rid):
     return SimRequestSpec(rid, tuple(random_tokens(random.Random(rid), 2 * TPB, 32000)), max_new_tokens=60)
 
 
-def _sweep(store, guard, pressure, *, hook=False, parks=()):
-    """One request per first-chunk end (1..BLOCKS blocks), in turn on one engine; ``pressure(k)``:
-    does growing the allocation fail for the request whose first chunk is ``k`` blocks.
+def _sweep(store, guard, pressure, *, hook=False, parks=(), order=None):
+    """One request per first-chunk end (1..BLOCKS blocks, or ``order``), in turn on one engine;
+    ``pressure(k)``: does growing the allocation fail for the request whose first chunk is ``k``
+    blocks. Results by ``k`` (a repeat past the first BLOCKS by ``(k, position)``).
 
     ``parks``: the requests expected to park for good, whose client gives up after 25 passes. The
     others get no deadline, so a served request never races its async load against a client's
     clock; one that parks anyway hangs the run (``SimHang``), which fails the test."""
-    chunks = {100 + k: k * TPB for k in range(1, BLOCKS + 1)}
+    order = list(order or range(1, BLOCKS + 1))
+    chunks = {100 * i + k: k * TPB for i, k in enumerate(order, start=1)}
     out = {}
-    with _engine(store, guard=guard, chunks=chunks, grow_fails=lambda rid: pressure(rid - 100), hook=hook) as eng:
-        for k in range(1, BLOCKS + 1):
+    with _engine(store, guard=guard, chunks=chunks, grow_fails=lambda rid: pressure(rid % 100), hook=hook) as eng:
+        for i, k in enumerate(order, start=1):
             give_up = 25 if k in parks else None
-            rep = eng.run([SimRequestSpec(100 + k, PROMPT, max_new_tokens=2, cancel_after_iterations=give_up),
-                           _busy(500 + k)], max_iterations=2000)
-            r = rep.by_id(100 + k)
+            rid = 100 * i + k
+            rep = eng.run([SimRequestSpec(rid, PROMPT, max_new_tokens=2, cancel_after_iterations=give_up),
+                           _busy(10_000 + rid)])
+            r = rep.by_id(rid)
             assert rep.kv_mismatches == 0, (guard, k)
-            out[k] = "parked" if r.cancelled else r.matched_tokens // TPB
+            out[k if i <= BLOCKS else (k, i)] = "parked" if r.cancelled else r.matched_tokens // TPB
         stats = eng.leader.core.stats
         parked_by_cause = eng.workers[0].core.stats().parked_by_cause
     return out, stats, parked_by_cause
@@ -140,13 +146,33 @@ def test_no_pressure_no_cut_and_pressure_ends_when_a_grow_succeeds():
     store = _stored()
     out, stats, _ = _sweep(store, "pressure", lambda k: False)
     assert all(v == BLOCKS for v in out.values()) and stats.offers_cut == 0
-    # Grows fail up to k = 9 only. k = 10 is cut (pressure still held): a cut offer ends inside its
-    # chunk, needs no grow, shows nothing. k = 16's fallback (15) is stored: offered in full, the
-    # grow now succeeds, pressure ends, and every later offer is made in full again.
-    out, stats, _ = _sweep(store, "pressure", lambda k: k <= 9)
-    assert out[10] == 8 and out[16] == BLOCKS
-    assert all(out[k] == BLOCKS for k in range(17, BLOCKS + 1))
+    # Grows fail up to k = 9 only: the 1-block chunk shows the pressure (honours nothing), so the
+    # exposed 2..7 are cut; 10..15 are cut too (pressure still held): a cut offer ends inside its
+    # chunk, needs no grow, shows nothing. k = 16's fallback (15) is stored: offered in
+    # full, the grow now succeeds, pressure ends -- and an exposed chunk end (11) that comes again
+    # after it is offered in full and served whole.
+    order = [*range(1, BLOCKS + 1), 11]
+    out, stats, _ = _sweep(store, "pressure", lambda k: k <= 9, order=order)
+    assert out[10] == 8 and out[11] == 8 and out[16] == BLOCKS
+    assert out[(11, BLOCKS + 1)] == BLOCKS and stats.offers_cut == 12
     assert [k for k, v in out.items() if v == "parked"] == []
+
+
+def test_a_fallback_the_lookup_did_not_ask_about_is_checked_before_cutting():
+    """A tail at the fallback point that the lookup never asked about (it looked for the longest
+    hit): the guard asks the store before cutting, finds it, and makes the offer in full; the
+    engine's failed grow then honours that point and it is served."""
+    store = MemoryStore()
+    with _engine(store, guard="off", chunks={}, grow_fails=None) as cold:
+        cold.run([SimRequestSpec(1, PROMPT[: 13 * TPB + 5], max_new_tokens=2)])  # a tail ending at 13
+        cold.run([SimRequestSpec(2, PROMPT, max_new_tokens=2)])
+        assert cold.workers[0].flush(30)
+    with _engine(store, guard="always", chunks={3: 14 * TPB}, grow_fails=lambda rid: True) as eng:
+        rep = eng.run([SimRequestSpec(3, PROMPT, max_new_tokens=2)])
+        stats = eng.leader.core.stats
+    r = rep.by_id(3)
+    assert rep.kv_mismatches == 0 and r.offered_tokens == BLOCKS * TPB and r.matched_tokens == 13 * TPB
+    assert stats.offers_exposed == 1 and stats.offers_cut == 0 and stats.promises_broken == 0
 
 
 def test_always_cuts_exposed_offers_even_without_pressure():

@@ -191,6 +191,13 @@ class _Req:
         return self.tokens if self.pending is None else [*self.tokens, self.pending]
 
 
+def honoured_after_failed_grow(device_match: int, chunk_end: int, tokens_per_block: int) -> int:
+    """What KVCacheManagerV2 (``_reserve_connector_prefix``) honours of an offer reaching the first
+    chunk's end when growing the allocation fails: the largest whole block inside the pages it
+    has that still leaves a chunk to compute, or nothing when that is not past the device match."""
+    return max(0, (chunk_end - 1) // tokens_per_block * tokens_per_block - device_match)
+
+
 class SimEngine:
     """Simulated TensorRT-LLM engine around a connector.
 
@@ -897,7 +904,7 @@ class SimEngine:
                 f"boundary and leave the last prompt token (prompt_len {req.prompt_len})"
             )
         grow_failed = self.grow_fails is not None and d + offer >= chunk_end and self.grow_fails(st.rid)
-        honoured = max(0, (chunk_end - 1) // tpb * tpb - d) if grow_failed else offer
+        honoured = honoured_after_failed_grow(d, chunk_end, tpb) if grow_failed else offer
         honoured = min(honoured, int(self.honour(offer)))
         if not 0 <= honoured <= offer or honoured % tpb:
             raise SimError(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from .engine import DiscardHook, Honour, PreemptGenerationHook, PreemptHook
+from .engine import DiscardHook, Honour, PreemptGenerationHook, PreemptHook, honoured_after_failed_grow
 
 
 def honour_minus_blocks(blocks: int, tokens_per_block: int) -> Honour:
@@ -31,9 +31,7 @@ def honour_when_growth_fails(chunk_tokens: int, tokens_per_block: int, device_ma
 
     def honour(offer: int) -> int:
         end = d + chunk_tokens
-        if d + offer < end:
-            return offer
-        return max(0, (end - 1) // tpb * tpb - d)
+        return offer if d + offer < end else honoured_after_failed_grow(d, end, tpb)
 
     return honour
 

@@ -40,8 +40,11 @@ def warn_if_unsigned(settings: Settings) -> None:
 def first_chunk(request: Any) -> int | None:
     """The request's first context chunk, where the engine sized it before asking the connector
     (KVCacheManagerV2's scheduler sets ``context_chunk_size`` before its connector hooks run);
-    None where it carries none."""
-    n = getattr(request, "context_chunk_size", None)
+    None where it carries none, or its getter refuses (the C++ binding checks the request's state)."""
+    try:
+        n = request.context_chunk_size
+    except Exception:  # noqa: BLE001 - no chunk known is no guard, never a lost lookup
+        return None
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 

@@ -54,7 +54,9 @@ class LoadPlanner:
         less = honoured < ld.offered_blocks * tpb
         self.stats.honoured_less += less
         if honoured_tokens is not None:
-            self.lookups.pressure.honoured(needed_grow=ld.needs_grow, less=less)
+            # Against the offer as made: an engine that reports a smaller honour by cancelling the
+            # tail first (cancel_load) has shrunk offered_blocks already.
+            self.lookups.pressure.honoured(needed_grow=ld.needs_grow, less=honoured < ld.made_blocks * tpb)
         if honoured <= 0:
             ld.h_blocks = ld.d_blocks
             return

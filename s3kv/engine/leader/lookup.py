@@ -119,8 +119,8 @@ class Lookups:
         hmax = (prompt_len - 1) // tpb
         self._start_budget((hmax - ld.d_blocks) * tpb)
         result = self._find(st, prompt_len // tpb, hmax)
-        ld.spine_blocks = result.spine_blocks
-        if first_chunk_tokens is not None and result.h_blocks > ld.d_blocks:
+        ld.spine_blocks, ld.found_blocks = result.spine_blocks, result.h_blocks
+        if first_chunk_tokens is not None and result.h_blocks - ld.d_blocks >= self.settings.min_hit_blocks:
             result = self._guard(st, result, int(first_chunk_tokens))
         self.stats.lookup_waves += result.waves
         self.stats.lookup_asks += result.asks
@@ -133,7 +133,7 @@ class Lookups:
             return 0, False
         self.decision = "hit"
         ld.coverage = result.coverage
-        ld.offered_blocks = gain
+        ld.offered_blocks = ld.made_blocks = gain
         ld.load_async = load_async
         self.stats.hits += 1
         log.debug(
@@ -174,12 +174,15 @@ class Lookups:
         result.asks += inside.asks
         if inside.h_blocks >= fb:
             return result
+        kept = inside.h_blocks if inside.h_blocks - d >= self.settings.min_hit_blocks else d
         self.stats.offers_cut += 1
-        self.stats.tokens_cut += (result.h_blocks - inside.h_blocks) * tpb
+        self.stats.tokens_cut += (result.h_blocks - kept) * tpb
+        why = ("no time was left to ask whether a stored sliding-window tail serves it" if self._timed_out
+               else "no stored sliding-window tail serves it")
         log.info(
             "s3kv: request %s: offering %d of %d tokens: the engine shows KV memory pressure and a "
-            "failed grow would honour block %d, which no stored sliding-window tail serves",
-            st.request_id, (inside.h_blocks - d) * tpb, (result.h_blocks - d) * tpb, fb,
+            "failed grow would honour block %d; %s",
+            st.request_id, (kept - d) * tpb, (result.h_blocks - d) * tpb, fb, why,
             extra={"request_id": st.request_id},
         )
         ld.needs_grow = False

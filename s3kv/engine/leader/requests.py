@@ -55,6 +55,10 @@ class LoadState:
     #: The offer reaches the first chunk's end: the engine must grow the allocation to honour it
     #: (``pressure.py``). Known only where the engine says how it chunks the prompt.
     needs_grow: bool = False
+    #: The servable history the lookup found (blocks), before the guard cut it; and the offer as
+    #: made (blocks), before the engine cancelled any of it (``cancel_load``).
+    found_blocks: int = 0
+    made_blocks: int = 0
     #: An async load was promised and the request has not been reported since (still parked).
     parked: bool = False
     #: The next metadata must declare this request's async load (even with nothing to load).

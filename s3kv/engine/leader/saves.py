@@ -106,7 +106,9 @@ class SavePlanner:
         """Decide, at the request's first report (its served point is final), whether it stores a
         branch-point tail (``StoragePolicy.branch_end``); if so, start staging it per sliding group."""
         g = ctx.geometry
-        end = ctx.policy.branch_end(st.load.spine_blocks, st.load.h_blocks, st.prompt_len // g.tokens_per_block)
+        # A tail ends where the lookup found one even when less was served (a cut, a smaller honour).
+        served = max(st.load.h_blocks, st.load.found_blocks)
+        end = ctx.policy.branch_end(st.load.spine_blocks, served, st.prompt_len // g.tokens_per_block)
         if end is None:
             return
         st.branch.end = end
