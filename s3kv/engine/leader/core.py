@@ -143,17 +143,16 @@ class LeaderCore:
     ) -> tuple[int, bool]:
         """What the connector can add to the device match: (tokens, load async). ``owned``: the
         caller hands ``tokens`` over (a list nobody else changes), so it is kept, not copied.
-        ``first_chunk_tokens``: the request's first context chunk, if known (``pressure.py``).
-        ``not_cacheable``: why the caller cannot name all its KV depends on (never served or saved)."""
+        ``first_chunk_tokens``: its first context chunk, if known (``pressure.py``). ``not_cacheable``:
+        why the caller cannot name all its KV depends on (never served or saved)."""
         c0, w0 = time.thread_time(), time.perf_counter()
         try:
             with self._lock:
                 old = self._requests.pop(request_id, None)
-                if old is not None:
-                    # A replay: the engine re-allocates from scratch; whatever we staged is stale.
+                if old is not None:  # a replay: the engine re-allocates from scratch, what we staged is stale
                     self._discards.add(request_id)
-                else:
-                    # The denominator of "share of prompt tokens served from S3" (once per request).
+                    self._lookups.pressure.replayed()
+                else:  # the denominator of "share of prompt tokens served from S3" (once per request)
                     self.stats.prompt_tokens += int(prompt_len)
                 if self.verdicts is not None:  # before anything is promised from the index
                     self.verdicts.poll()
@@ -190,6 +189,7 @@ class LeaderCore:
                 chain.extend_to(prompt)
                 self.stats.lookup_hash_cpu_s += time.thread_time() - h0
                 st = RequestState(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
+                st.load.replayed = old is not None
                 self._requests[request_id] = st
                 offer = self._lookups.offer(st, num_computed_tokens, store_available=store_available,
                                             load_async=self.load_async, on_lookup=self._on_lookup,

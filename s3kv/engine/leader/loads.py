@@ -55,8 +55,10 @@ class LoadPlanner:
         self.stats.honoured_less += less
         if honoured_tokens is not None:
             # Against the offer as made: an engine that reports a smaller honour by cancelling the
-            # tail first (cancel_load) has shrunk offered_blocks already.
-            self.lookups.pressure.honoured(needed_grow=ld.needs_grow, less=honoured < ld.made_blocks * tpb)
+            # tail first (cancel_load) has shrunk offered_blocks already. A replayed request's grow
+            # proves no pages are free: it takes back the pages it was just made to give up.
+            self.lookups.pressure.honoured(needed_grow=ld.needs_grow and not ld.replayed,
+                                           less=honoured < ld.made_blocks * tpb)
         if honoured <= 0:
             ld.h_blocks = ld.d_blocks
             return

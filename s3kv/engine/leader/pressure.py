@@ -18,7 +18,8 @@ token past the first chunk of every long hit. So an exposed offer is cut only wh
 *shows* pressure: a smaller honour (of any request) turns it on; an offer that needed a grow and
 was honoured in full -- the engine grew -- or the hold (``PRESSURE_HOLD_S``) without a smaller
 honour turns it off. The first exposed offer of an episode can still be broken; the ones after it
-are not. Offers that need a grow but are safe (their fallback is servable, or not past ``d``) are
+are not; a request the engine looks up again (preempted, or its admission deferred, for want of
+pages) shows pressure before any grow fails. Offers that need a grow but are safe (their fallback is servable, or not past ``d``) are
 made in full all along, and they are what shows when the pressure ends. Where few such offers
 come (with the Gemma-3-27B geometry checkpoints fall every 4608 tokens, so a first chunk of 8192
 is exposed), the hold is what ends an episode; pressure seen again within a hold of its expiry
@@ -69,6 +70,12 @@ class PressureGauge:
             self._expired_at = self._since + self.hold_s
             self._since = None
         return self._since is not None
+
+    def replayed(self) -> None:
+        """The engine looked a request up again: it took the request's pages back to run it anew
+        (V2 preempts, or defers an admission, when pages run short) -- pressure, before any grow
+        has failed."""
+        self.honoured(needed_grow=False, less=True)
 
     def honoured(self, *, needed_grow: bool, less: bool) -> None:
         """What the engine honoured of an offer (``needed_grow``: the offer reached the first

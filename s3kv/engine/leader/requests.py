@@ -59,6 +59,8 @@ class LoadState:
     #: made (blocks), before the engine cancelled any of it (``cancel_load``).
     found_blocks: int = 0
     made_blocks: int = 0
+    #: Looked up again (the engine took its pages back to run it anew).
+    replayed: bool = False
     #: An async load was promised and the request has not been reported since (still parked).
     parked: bool = False
     #: The next metadata must declare this request's async load (even with nothing to load).
