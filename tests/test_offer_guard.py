@@ -176,21 +176,27 @@ def test_a_fallback_the_lookup_did_not_ask_about_is_checked_before_cutting():
     assert stats.offers_exposed == 1 and stats.offers_cut == 0 and stats.promises_broken == 0
 
 
-def test_a_preempted_request_shows_the_pressure_before_any_grow_fails():
+@pytest.mark.parametrize("guard", ["off", "pressure", "always"])
+def test_a_preempted_request_shows_the_pressure_before_any_grow_fails(guard):
     """V2 preempts a request when pages run short and looks it up again: that replay is pressure.
-    The next exposed offer is cut at once -- the first failed grow of the episode breaks nothing
-    (without the replay signal it parks: see the test above)."""
+    The next exposed offer is cut at once -- the first failed grow of the episode breaks nothing;
+    unguarded, it parks."""
     store = _stored()
     other = tuple(random_tokens(random.Random(77), 40 * TPB, 32000))  # five chunks of 8 blocks
-    with _engine(store, guard="pressure", chunks={2: 12 * TPB}, grow_fails=lambda rid: rid == 2) as eng:
+    with _engine(store, guard=guard, chunks={2: 12 * TPB}, grow_fails=lambda rid: rid == 2) as eng:
         eng.preempt_hook = preempt_once(after_chunks=1, request_ids={1})
         first = eng.run([SimRequestSpec(1, other, max_new_tokens=2)])
         assert first.by_id(1).replays == 1 and eng.leader.core._lookups.pressure.on()
-        rep = eng.run([SimRequestSpec(2, PROMPT, max_new_tokens=2), _busy(3)])
+        give_up = 25 if guard == "off" else None
+        rep = eng.run([SimRequestSpec(2, PROMPT, max_new_tokens=2, cancel_after_iterations=give_up), _busy(3)])
         stats = eng.leader.core.stats
     r = rep.by_id(2)
-    assert rep.kv_mismatches == 0 and not r.cancelled and r.matched_tokens == 8 * TPB
-    assert stats.offers_cut == 1 and stats.promises_broken == 0
+    assert rep.kv_mismatches == 0
+    if guard == "off":
+        assert r.cancelled and stats.promises_broken == 1 and stats.offers_cut == 0
+    else:
+        assert not r.cancelled and r.matched_tokens == 8 * TPB
+        assert stats.offers_cut == 1 and stats.promises_broken == 0
 
 
 def test_always_cuts_exposed_offers_even_without_pressure():
