@@ -76,6 +76,21 @@ def test_a_smaller_honour_told_by_cancel_load_first_still_shows_memory_pressure(
     assert gauge.on() and gauge.episodes == 1
 
 
+def test_a_whole_offer_taken_back_then_nothing_honoured_shows_pressure():
+    g = geometry()
+    store = MemoryStore()
+    tokens = toks(12 * TPB + 5, seed=6)
+    save_through_store(g, store, tokens)
+    core = make_core(g, store)
+    gauge = core._lookups.pressure
+    gauge.clock = lambda: 0.0
+    assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0, first_chunk_tokens=TPB)[0] == 12 * TPB
+    core.cancel_load(5, 0, 12 * TPB)
+    core.update_state_after_alloc(5, engine_slots(g, Slots(g), 13, 0), honoured_tokens=0)
+    meta = core.build_connector_meta([], [])
+    assert gauge.on() and not meta.loads and not meta.failed_load_ids
+
+
 def test_partial_block_device_match_is_a_counted_miss():
     g = geometry()
     core = make_core(g)

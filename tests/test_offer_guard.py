@@ -199,6 +199,43 @@ def test_a_preempted_request_shows_the_pressure_before_any_grow_fails(guard):
         assert stats.offers_cut == 1 and stats.promises_broken == 0
 
 
+def test_a_request_asked_again_before_it_ran_shows_no_pressure():
+    """Dropped from a pass before it ran (a token budget, not memory) and asked again: nothing."""
+    store = _stored()
+    with _engine(store, guard="pressure", chunks={}, grow_fails=None) as eng:
+        core = eng.leader.core
+        for _ in range(2):
+            core.get_num_new_matched_tokens(9, list(PROMPT), len(PROMPT), 0, first_chunk_tokens=12 * TPB)
+        assert not core._lookups.pressure.on()
+
+
+def test_a_cut_stores_no_branch_tail_where_the_lookup_found_one():
+    """The lookup found a tail at block 13 (the end of the stored chain); the guard cut the offer
+    to a point inside a 5-block first chunk. A branch tail at 13 would only upload it again."""
+    store = MemoryStore()
+    with _engine(store, guard="off", chunks={}, grow_fails=None) as cold:
+        cold.run([SimRequestSpec(1, PROMPT[: 13 * TPB + 5], max_new_tokens=2)])
+        assert cold.workers[0].flush(30)
+    with _engine(store, guard="always", chunks={3: 5 * TPB}, grow_fails=None) as eng:
+        rep = eng.run([SimRequestSpec(3, PROMPT, max_new_tokens=2)])
+        stats = eng.leader.core.stats
+    assert rep.kv_mismatches == 0 and stats.offers_cut == 1 and stats.branch_tails == 0
+
+
+def test_a_chunk_the_engine_will_not_say_is_no_chunk():
+    from s3kv.trtllm.leader import first_chunk
+
+    class Refuses:  # the C++ binding checks the request's state
+        @property
+        def context_chunk_size(self):
+            raise RuntimeError("TLLM_CHECK failed")
+
+    class Says:
+        context_chunk_size = 256
+
+    assert first_chunk(Refuses()) is None and first_chunk(object()) is None and first_chunk(Says()) == 256
+
+
 def test_always_cuts_exposed_offers_even_without_pressure():
     store = _stored()
     out, stats, _ = _sweep(store, "always", lambda k: False)

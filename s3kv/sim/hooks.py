@@ -20,7 +20,7 @@ def honour_at_most(tokens: int) -> Honour:
 def honour_when_growth_fails(chunk_tokens: int, tokens_per_block: int, device_match: int = 0) -> Honour:
     """KVCacheManagerV2 with no free page to grow a request's allocation (memory pressure).
 
-    Its ``_apply_connector_matched_prefix``: an offer ending inside the first chunk is honoured in
+    Its ``_reserve_connector_prefix``: an offer ending inside the first chunk is honoured in
     full (the chunk only shrinks); one reaching the chunk's end needs a grow, and when that fails
     the honoured point is the largest whole block inside the pages it has that still leaves a chunk
     to compute -- ``(d + chunk - 1) // tpb * tpb`` -- or nothing when that is not past ``d``.

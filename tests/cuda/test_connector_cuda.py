@@ -140,7 +140,7 @@ def test_loads_of_requests_freed_without_a_word_never_land_on_cuda():
                                 max_new_tokens=40)
 
     def engine(store, **kw):
-        s = Settings(url="memory://cuda", staging_mib=256, check_access=False, lookup_timeout_s=5.0)
+        s = Settings(url="memory://cuda", staging_mib=256, check_access=False, lookup_timeout_s=5.0, offer_guard="off")
         return SimEngine(gemma3_like(64, kv_heads=4, head_dim=64), SimCacheConfig(tokens_per_block=32, max_seq_len=4096),
                          S3KvConnectorLeader, S3KvConnectorWorker, tp_size=2, device="cuda", chunk_size=96,
                          connector_kwargs=dict(settings=s, store=store, engine_key=f"cuda-{uuid.uuid4().hex[:8]}"), **kw)

@@ -151,7 +151,7 @@ class LeaderCore:
                 old = self._requests.pop(request_id, None)
                 if old is not None:  # a replay: the engine re-allocates from scratch, what we staged is stale
                     self._discards.add(request_id)
-                    self._lookups.pressure.replayed()
+                    self._lookups.pressure.replayed(ran=old.reported)
                 else:  # the denominator of "share of prompt tokens served from S3" (once per request)
                     self.stats.prompt_tokens += int(prompt_len)
                 if self.verdicts is not None:  # before anything is promised from the index
@@ -225,7 +225,7 @@ class LeaderCore:
         with self._lock:
             st = self._requests.get(request_id)
             ctx = self._ctx
-            if st is None or ctx is None or st.root is None or st.load.offered_blocks == 0:
+            if st is None or ctx is None or st.root is None or st.load.made_blocks == 0:
                 return
             self._loads.after_alloc(ctx, st, block_ids_by_group, honoured_tokens)
             if st.load.parked:

@@ -47,6 +47,10 @@ class LoadPlanner:
         g = ctx.geometry
         ld = st.load
         tpb = g.tokens_per_block
+        if ld.offered_blocks == 0:  # the engine took the whole offer back (cancel_load): nothing to plan
+            if honoured_tokens is not None and ld.made_blocks:
+                self.lookups.pressure.honoured(needed_grow=ld.needs_grow and not ld.replayed, less=True)
+            return
         # The engine parks an async request whatever it honoured: declare it so the workers
         # return its id (at once when there is nothing to load).
         ld.parked = ld.declare_async = ld.load_async

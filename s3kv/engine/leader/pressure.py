@@ -1,7 +1,7 @@
 """Offers a smaller honour cannot break: V2's one fallback point, and when to stay clear of it.
 
 KVCacheManagerV2 with chunked prefill honours less than offered in one case only (its
-``_apply_connector_matched_prefix``; docs/failures.md, "Smaller honours"): the offer reaches the
+``_reserve_connector_prefix``; docs/failures.md, "Smaller honours"): the offer reaches the
 end of the request's first chunk ``C = d + chunk``, so the allocation must grow to the offer plus
 a chunk, and that grow fails -- no free page, memory pressure. It then honours the largest whole
 block that still leaves a chunk to compute, ``(C - 1) // tpb * tpb`` (nothing when that is not
@@ -18,8 +18,8 @@ token past the first chunk of every long hit. So an exposed offer is cut only wh
 *shows* pressure: a smaller honour (of any request) turns it on; an offer that needed a grow and
 was honoured in full -- the engine grew -- or the hold (``PRESSURE_HOLD_S``) without a smaller
 honour turns it off. The first exposed offer of an episode can still be broken; the ones after it
-are not; a request the engine looks up again (preempted, or its admission deferred, for want of
-pages) shows pressure before any grow fails. Offers that need a grow but are safe (their fallback is servable, or not past ``d``) are
+are not; a request the engine looks up again after it ran (preempted for want of pages) shows
+pressure before any grow fails. Offers that need a grow but are safe (their fallback is servable, or not past ``d``) are
 made in full all along, and they are what shows when the pressure ends. Where few such offers
 come (with the Gemma-3-27B geometry checkpoints fall every 4608 tokens, so a first chunk of 8192
 is exposed), the hold is what ends an episode; pressure seen again within a hold of its expiry
@@ -71,11 +71,13 @@ class PressureGauge:
             self._since = None
         return self._since is not None
 
-    def replayed(self) -> None:
-        """The engine looked a request up again: it took the request's pages back to run it anew
-        (V2 preempts, or defers an admission, when pages run short) -- pressure, before any grow
-        has failed."""
-        self.honoured(needed_grow=False, less=True)
+    def replayed(self, *, ran: bool) -> None:
+        """The engine looked a request up again. Once it ``ran`` (was scheduled), that is the engine
+        taking its pages back to run it anew -- V2 preempts when pages run short: pressure, before
+        any grow has failed. A request asked again before it ever ran may have been dropped from a
+        pass for another reason (the token budget), so it shows nothing."""
+        if ran:
+            self.honoured(needed_grow=False, less=True)
 
     def honoured(self, *, needed_grow: bool, less: bool) -> None:
         """What the engine honoured of an offer (``needed_grow``: the offer reached the first
