@@ -19,8 +19,8 @@ token past the first chunk of every long hit. So an exposed offer is cut only wh
 was honoured in full -- the engine grew -- or the hold (``PRESSURE_HOLD_S``) without a smaller
 honour turns it off. The first exposed offer of an episode can still be broken; the ones after it
 are not; a request the engine looks up again after it ran (preempted for want of pages) shows
-pressure before any grow fails. Offers that need a grow but are safe (their fallback is servable, or not past ``d``) are
-made in full all along, and they are what shows when the pressure ends. Where few such offers
+pressure before any grow fails. Offers that need a grow but are safe (their fallback is servable,
+or not past ``d``) are made in full all along, and they are what shows when the pressure ends. Where few such offers
 come (with the Gemma-3-27B geometry checkpoints fall every 4608 tokens, so a first chunk of 8192
 is exposed), the hold is what ends an episode; pressure seen again within a hold of its expiry
 doubles the hold (up to ``PRESSURE_HOLD_MAX_S``), so sustained pressure risks one broken promise
@@ -36,10 +36,9 @@ from collections.abc import Callable
 #: grow is seen to succeed first. A minute: pressure comes from the batch the engine is running,
 #: which turns over in seconds to a minute; a longer hold only cuts offers a grown engine could take.
 PRESSURE_HOLD_S = 60.0
+#: The longest the hold grows to under pressure that keeps coming back (four doublings): past
+#: this, one broken promise per 16 minutes is the price of not cutting for nothing all day.
 PRESSURE_HOLD_MAX_S = 960.0
-
-#: ``S3KV_OFFER_GUARD`` values: cut exposed offers while the engine shows pressure; always; never.
-GUARD_MODES = ("pressure", "always", "off")
 
 
 def fallback_blocks(d_blocks: int, offer_blocks: int, first_chunk_tokens: int, tpb: int) -> int | None:
