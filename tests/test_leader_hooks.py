@@ -41,12 +41,23 @@ def test_state_of_requests_the_engine_forgot_expires(monkeypatch):
     assert m.discard_ids == frozenset({1, 2})  # the workers drop what they staged for them
 
 
-def test_engine_cancel_load_shrinks_the_offer_and_request_reset_discards():
+def _stored_core(**settings):
+    """A leader over a store holding a 12-block prefix, and that prompt (13 blocks and a bit)."""
     g = geometry()
     store = MemoryStore()
     tokens = toks(12 * TPB + 5, seed=6)
     save_through_store(g, store, tokens)
-    core = make_core(g, store)
+    return g, make_core(g, store, **settings), tokens
+
+
+def _frozen_gauge(core):
+    gauge = core._lookups.pressure
+    gauge.clock = lambda: 0.0
+    return gauge
+
+
+def test_engine_cancel_load_shrinks_the_offer_and_request_reset_discards():
+    g, core, tokens = _stored_core()
     n, _ = core.get_num_new_matched_tokens(5, tokens, len(tokens), 0)
     assert n == 12 * TPB
     core.cancel_load(5, 8 * TPB, 12 * TPB)  # the engine hands back the tail of the offer
@@ -62,13 +73,8 @@ def test_a_smaller_honour_told_by_cancel_load_first_still_shows_memory_pressure(
     """An engine may hand back the offer's tail (``cancel_load``) before it reports what it
     honoured: the offer guard must still see a smaller honour of a grow-needing offer (pressure),
     not a full one (the engine grew), or it would never cut (engine/leader/pressure.py)."""
-    g = geometry()
-    store = MemoryStore()
-    tokens = toks(12 * TPB + 5, seed=6)
-    save_through_store(g, store, tokens)
-    core = make_core(g, store, offer_guard="pressure")
-    gauge = core._lookups.pressure
-    gauge.clock = lambda: 0.0
+    g, core, tokens = _stored_core(offer_guard="pressure")
+    gauge = _frozen_gauge(core)
     n, _ = core.get_num_new_matched_tokens(5, tokens, len(tokens), 0, first_chunk_tokens=9 * TPB)
     assert n == 12 * TPB and not gauge.on()  # reaches the first chunk's end: needs a grow
     core.cancel_load(5, 8 * TPB, 12 * TPB)
@@ -77,13 +83,8 @@ def test_a_smaller_honour_told_by_cancel_load_first_still_shows_memory_pressure(
 
 
 def test_a_whole_offer_taken_back_then_nothing_honoured_shows_pressure():
-    g = geometry()
-    store = MemoryStore()
-    tokens = toks(12 * TPB + 5, seed=6)
-    save_through_store(g, store, tokens)
-    core = make_core(g, store)
-    gauge = core._lookups.pressure
-    gauge.clock = lambda: 0.0
+    g, core, tokens = _stored_core()
+    gauge = _frozen_gauge(core)
     assert core.get_num_new_matched_tokens(5, tokens, len(tokens), 0, first_chunk_tokens=TPB)[0] == 12 * TPB
     core.cancel_load(5, 0, 12 * TPB)
     core.update_state_after_alloc(5, engine_slots(g, Slots(g), 13, 0), honoured_tokens=0)

@@ -47,22 +47,19 @@ class LoadPlanner:
         g = ctx.geometry
         ld = st.load
         tpb = g.tokens_per_block
-        if ld.offered_blocks == 0:  # the engine took the whole offer back (cancel_load): nothing to plan
-            if honoured_tokens is not None and ld.made_blocks:
-                self.lookups.pressure.honoured(needed_grow=ld.needs_grow and not ld.replayed, less=True)
-            return
-        # The engine parks an async request whatever it honoured: declare it so the workers
-        # return its id (at once when there is nothing to load).
-        ld.parked = ld.declare_async = ld.load_async
-        honoured = ld.offered_blocks * tpb if honoured_tokens is None else int(honoured_tokens)
-        less = honoured < ld.offered_blocks * tpb
-        self.stats.honoured_less += less
         if honoured_tokens is not None:
             # Against the offer as made: an engine that reports a smaller honour by cancelling the
             # tail first (cancel_load) has shrunk offered_blocks already. A replayed request's grow
             # proves no pages are free: it takes back the pages it was just made to give up.
             self.lookups.pressure.honoured(needed_grow=ld.needs_grow and not ld.replayed,
-                                           less=honoured < ld.made_blocks * tpb)
+                                           less=int(honoured_tokens) < ld.made_blocks * tpb)
+        if ld.offered_blocks == 0:  # the engine took the whole offer back (cancel_load): nothing to plan
+            return
+        # The engine parks an async request whatever it honoured: declare it so the workers
+        # return its id (at once when there is nothing to load).
+        ld.parked = ld.declare_async = ld.load_async
+        honoured = ld.offered_blocks * tpb if honoured_tokens is None else int(honoured_tokens)
+        self.stats.honoured_less += honoured < ld.offered_blocks * tpb
         if honoured <= 0:
             ld.h_blocks = ld.d_blocks
             return
