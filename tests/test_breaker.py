@@ -558,6 +558,31 @@ def test_a_store_that_answers_nothing_opens_the_breaker_after_stall_s():
             t.join(5)
 
 
+def test_a_list_that_answers_then_meets_a_missing_page_leaves_the_stall_rule_armed():
+    """A LIST whose later page is an answer-error (NotFound) settles a second ticket as an answer;
+    it must carry the LIST's own admission time, or the breaker would believe the store answered
+    every call ever made, and no hung wave after it would open the breaker."""
+
+    class Vanishing(_Hung):
+        def list(self, prefix):
+            yield from super().list(prefix)
+            raise NotFound("page gone", key=prefix)
+
+    inner, clock = Vanishing(), FakeClock()
+    inner.put("a", b"1")
+    breaker = CircuitBreakerStore(inner, BreakerPolicy(stall_s=2.0), clock=clock)
+    with pytest.raises(NotFound):
+        list(breaker.list(""))
+    clock.advance(1)
+    try:
+        wave = _hang_a_wave(breaker)
+        clock.advance(2.1)
+        assert breaker.state is OPEN and breaker.stalls == 1
+    finally:
+        inner.release.set()
+        wave.join(5)
+
+
 def test_a_wave_late_while_the_store_answers_is_no_stall():
     inner, clock = _Hung(), FakeClock()
     breaker = CircuitBreakerStore(inner, BreakerPolicy(stall_s=2.0), clock=clock)

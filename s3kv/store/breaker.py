@@ -443,8 +443,9 @@ class CircuitBreakerStore(StoreWrapper):
                 self._settle(ticket, True)  # the store answered; later pages settle nothing more
                 yield info
         except StoreError as exc:
-            if ticket.done:  # failed after answering: still a failed call
-                ticket = _Probe(False)
+            if ticket.done:  # failed after answering: still a failed call, asked when the LIST was
+                # (a ticket admitted "never" would, settled as an answer, disarm the stall rule for good)
+                ticket = _Probe(False, ticket.epoch, ticket.admitted)
             self._settle(ticket, not is_store_failure(exc), _describe(exc))
             raise
         except GeneratorExit:
