@@ -70,7 +70,7 @@ class Lookups:
         #: The wave this lookup's budget ran out on (still running), if any.
         self._late_wave: Future | None = None
         #: This lookup's budget (seconds, inf = none), the tokens its best hit would save, and
-        #: what it decided (see ``DECISIONS``); read by ``record``.
+        #: what it decided (see ``LookupRecord.decision``); read by ``record``.
         self.budget_s = math.inf
         self.saveable_tokens = 0
         self.decision = ""

@@ -10,11 +10,6 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-#: How a lookup ended: hit; miss (nothing servable found); ran_out (its time budget: a miss,
-#: finished in the background); busy (earlier waves still hang: a miss, nothing sent); error (a
-#: store error: a miss); skipped (store unavailable, or a device match ending mid-block).
-DECISIONS = ("hit", "miss", "ran_out", "busy", "error", "skipped")
-
 
 class LookupRecord(NamedTuple):
     """One lookup as the scheduler paid for it."""
@@ -27,6 +22,9 @@ class LookupRecord(NamedTuple):
     #: Prompt tokens its best possible hit would have saved (past the device match).
     saveable_tokens: int
     hit_tokens: int
+    #: How it ended: hit; miss (nothing servable found); ran_out (its time budget: a miss, finished
+    #: in the background); busy (earlier waves still hang: a miss, nothing sent); error (a store
+    #: error: a miss); skipped (store unavailable, or a device match ending mid-block).
     decision: str
 
 
@@ -45,9 +43,8 @@ class LeaderStats:
     lookup_cpu_s: float = 0.0
     lookup_hash_cpu_s: float = 0.0
     lookup_asks: int = 0
-    #: Per lookup (``LookupRecord``): summed stall and saveable tokens, decisions by name, and the
+    #: Per lookup (``LookupRecord``): summed saveable tokens, decisions by name, and the
     #: latest records (bounded) for the metrics' histograms and the benchmarks.
-    lookup_stall_s: float = 0.0
     lookup_saveable_tokens: int = 0
     lookup_decisions: dict[str, int] = field(default_factory=dict)
     recent_lookups: deque[LookupRecord] = field(default_factory=lambda: deque(maxlen=4096))
@@ -112,7 +109,6 @@ class LeaderStats:
 
     def record_lookup(self, stall_s: float, budget_s: float, saveable_tokens: int, hit_tokens: int,
                       decision: str) -> None:
-        self.lookup_stall_s += stall_s
         self.lookup_saveable_tokens += saveable_tokens
         self.lookup_decisions[decision] = self.lookup_decisions.get(decision, 0) + 1
         seq = self.recent_lookups[-1].seq + 1 if self.recent_lookups else 0

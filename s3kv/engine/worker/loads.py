@@ -580,11 +580,14 @@ class LoadJobs:
             return now - job.reading_since > limit
         # Waiting for a connection: until one of the reads holding them ends, the wait is as long
         # as the longest of them may healthily take -- a small load queued behind full-object
-        # reads is not cut by its own small limit while they stream.
-        limit = max([limit, *(self._stall_limit(j) for j in list(self.jobs)
-                              if j.place and j.reading_since != float("inf"))])
+        # reads is not cut by its own small limit while they stream. That limit is never below the
+        # job's own, so a wait within it needs no look at the others (this runs every pass).
         last_end = self.downloader.last_read_end if self.downloader is not None else job.submitted_at
-        return now - max(job.submitted_at, last_end) > limit
+        waited = now - max(job.submitted_at, last_end)
+        if waited <= limit:
+            return False
+        return waited > max([limit, *(self._stall_limit(j) for j in list(self.jobs)
+                                      if j.place and j.reading_since != float("inf"))])
 
     def _stall_limit(self, job: LoadJob) -> float:
         """``load_stall_s`` per 32 MiB the job fetches (at least ``load_stall_s``)."""
