@@ -198,9 +198,10 @@ def find_hit(
     if not geometry.groups[spine].is_sliding:
         spec: set[Ask] = set()
         for h in candidates(hmax_blocks):
-            spec |= needed(h)
-        spec -= wave1
-        if len(spec) <= _SPECULATIVE_VERIFY:
+            spec |= needed(h) - wave1
+            if len(spec) > _SPECULATIVE_VERIFY:  # only grows: a long prompt stops building it here
+                break
+        else:
             wave1 |= spec
     run(wave1)
 
