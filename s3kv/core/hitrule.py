@@ -27,9 +27,15 @@ from typing import NamedTuple
 from .layout import CacheGeometry, GroupGeometry
 
 
+def window_cut(tokens: int, window: int, tokens_per_block: int) -> int:
+    """The page rule on a history of ``tokens``: ordinals below it have left a sliding window
+    (negative while none has)."""
+    return (tokens + 1 - window) // tokens_per_block
+
+
 def sliding_lo(window: int, tokens_per_block: int, h_blocks: int) -> int:
     """First ordinal the engine gives a real page to, for history ``h_blocks`` blocks."""
-    return max(0, (h_blocks * tokens_per_block + 1 - window) // tokens_per_block)
+    return max(0, window_cut(h_blocks * tokens_per_block, window, tokens_per_block))
 
 
 def required_range(group: GroupGeometry, tokens_per_block: int, d_blocks: int, h_blocks: int, margin: int = 0):

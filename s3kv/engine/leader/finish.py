@@ -15,6 +15,7 @@ import dataclasses
 import logging
 from collections.abc import Iterable, Sequence
 
+from ...core.hitrule import window_cut
 from ...core.plan import FinishPlan
 from ..index import KeyIndex
 from .context import LeaderContext
@@ -109,7 +110,7 @@ class FinishPlanner:
             st.lists_epoch,
             tuple(len(x) for x in st.slots),
             tuple(
-                (st.kv_tokens + self.inflight + 1 - grp.window) // tpb
+                window_cut(st.kv_tokens + self.inflight, grp.window, tpb)
                 for grp in g.groups if grp.window is not None
             ),
             tuple((gid, b.bid, b.count, b.sealed) for gid, b in sv.open.items()),
@@ -118,12 +119,11 @@ class FinishPlanner:
         )
         if st.finish_memo is not None and st.finish_memo[0] == key:
             return st.finish_memo[1]
-        plan = self._make(ctx, st, self.inflight)
+        plan = self._make(ctx, st)
         st.finish_memo = (key, plan)
         return plan
 
-    @staticmethod
-    def _make(ctx: LeaderContext, st: RequestState, inflight: int = 0) -> FinishPlan:
+    def _make(self, ctx: LeaderContext, st: RequestState) -> FinishPlan:
         """What the workers must do if ``st`` finishes right after this iteration's pass.
 
         A dry run on a copy of the request's save state: close every open object and,
@@ -167,7 +167,7 @@ class FinishPlanner:
             # Pages the engine still holds when the plan runs: the page rule's cut at the history
             # (plus the overlap loop's in-flight token). (An engine that retains more keeps them
             # for nothing: the plan cannot know.)
-            cut = max(0, (st.kv_tokens + inflight + 1 - grp.window) // tpb)
+            cut = max(0, window_cut(st.kv_tokens + self.inflight, grp.window, tpb))
             live = st.slots[gid] if gid < len(st.slots) else []
             first_live = next((o for o in range(max(start, cut), hi) if o < len(live) and live[o] >= 0), hi)
             ev = sim.evicted.pop(gid, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...core.hitrule import window_cut
 from ...core.plan import BufferId, SealOp, StageOp
 from .context import LeaderContext
 from .requests import Buffer, RequestState, group_lists
@@ -183,8 +184,8 @@ class SavePlanner:
             assert grp.window is not None
             # Highest ordinal freed after this pass (overlap loop: after the next, which may be
             # the finish: the forward ran one token past the report and the engine frees by it).
-            leaving = (upto + self.inflight + 1 - grp.window) // tpb - 1
-            before = (st.kv_tokens + self.inflight + 1 - grp.window) // tpb - 1
+            leaving = window_cut(upto + self.inflight, grp.window, tpb) - 1
+            before = window_cut(st.kv_tokens + self.inflight, grp.window, tpb) - 1
             if leaving <= before or leaving < sv.save_from:
                 continue
             slot = st.slots[gid][leaving] if leaving < len(st.slots[gid]) else -1
