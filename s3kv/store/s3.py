@@ -465,18 +465,21 @@ class S3Store(ObjectStore):
         return list(self._pool.map(fn, items))
 
     # -- HEAD --------------------------------------------------------------------------
+    def _head_raw(self, key: str) -> dict[str, Any] | None:
+        """One HEAD's response, None for a 404."""
+        try:
+            return dict(self._client.head_object(Bucket=self.bucket, Key=key))
+        except bexc.ClientError as exc:
+            # A HEAD error has no body, so the code is the bare status. A 404 is an answer; note
+            # that a missing bucket also reads as 404 here (check_access tells them apart at start-up).
+            if _error_code(exc)[1] != 404:
+                raise
+            return None
+
     def _head_one(self, key: str) -> ObjectInfo | None | StoreError:
         def attempt() -> ObjectInfo | None:
             asked = time.monotonic()
-            try:
-                r = self._client.head_object(Bucket=self.bucket, Key=key)
-            except bexc.ClientError as exc:
-                # A HEAD error has no body, so the code is the bare status. A 404 is an
-                # answer; note that a missing bucket also reads as 404 here (check_access
-                # tells them apart at start-up).
-                if _error_code(exc)[1] != 404:
-                    raise
-                r = None
+            r = self._head_raw(key)
             self._answers.note(asked)
             if r is None:
                 return None
@@ -748,16 +751,7 @@ class S3Store(ObjectStore):
         The copy is conditional on the HEAD's ETag: between the two, gc may delete the object
         and another writer store it again, and that object is young anyway. Its encryption is
         the object's (from the HEAD), not this engine's sse settings: a copy re-encrypts."""
-
-        def head() -> dict[str, Any] | None:
-            try:
-                return dict(self._client.head_object(Bucket=self.bucket, Key=key))
-            except bexc.ClientError as exc:
-                if _error_code(exc)[1] != 404:
-                    raise
-                return None
-
-        r = self._call("head", key, head)
+        r = self._call("head", key, lambda: self._head_raw(key))
         if r is None:
             return TOUCH_GONE
         lm = r.get("LastModified")
