@@ -188,6 +188,16 @@ class Settings:
     branch_tails: bool = True
     #: Model identity in the namespace; default is llm_args.model.
     model_id: str = ""
+    #: Where the model weights' digests are kept between runs, per file and keyed by the file's
+    #: identity (path, size, mtime, ctime, inode), so a restart does not read the checkpoint again:
+    #: "" = $XDG_CACHE_HOME/s3kv (~/.cache/s3kv); "off" = none (every start hashes every file).
+    identity_cache_dir: str = ""
+    #: A LoRA adapter whose files (or a link on its path) changed less than this many seconds
+    #: before this engine first saw a request for its task id is neither served nor saved under
+    #: that id: the request may have arrived, and the engine loaded the adapter, before the change.
+    #: It is the longest queue wait (arrival to first scheduling) this covers; 0 = off (only
+    #: changes after s3kv first saw the adapter refuse it).
+    lora_settle_s: float = 60.0
     #: Host staging pool for saves and loads.
     staging_mib: int = 1024
     pinned: bool = True
@@ -411,6 +421,9 @@ def validate(s: Settings) -> None:
     need(s.lookup_max_pending >= 0, "lookup_max_pending", "must be >= 0", s.lookup_max_pending)
     need(s.lookup_summary_s >= 0, "lookup_summary_s", "must be >= 0 (0 = off)", s.lookup_summary_s)
     need(s.lookup_summary_trust_s >= 0, "lookup_summary_trust_s", "must be >= 0 (0 = verify)", s.lookup_summary_trust_s)
+    need(s.identity_cache_dir in ("", "off") or os.path.isabs(os.path.expanduser(s.identity_cache_dir)),
+         "identity_cache_dir", "must be an absolute path, '' (the user cache directory) or 'off'",
+         s.identity_cache_dir)
     need(s.lookup_head_processes >= -1, "lookup_head_processes", "must be >= 0, or -1 (auto)", s.lookup_head_processes)
     for name in ("lookup_head_concurrency", "lookup_summary_max_objects"):
         need(getattr(s, name) > 0, name, "must be > 0", getattr(s, name))
@@ -432,6 +445,7 @@ def validate(s: Settings) -> None:
         "load_stall_s",
         "lookup_max_stall_ms",
         "warm_up_s",
+        "lora_settle_s",
     ):
         need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))
     need(s.lookup_timeout_s >= 0 or s.lookup_timeout_s == -1, "lookup_timeout_s",

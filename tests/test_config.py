@@ -245,6 +245,8 @@ INVALID = {
     "integrity_key_file": ["/nonexistent/s3kv-integrity-key"],
     "integrity_previous_keys": ["0123456789abcdef0123456789abcdef01234567,short"],
     "integrity_previous_keys_file": ["/nonexistent/s3kv-previous-keys"],
+    "identity_cache_dir": ["relative/cache"],
+    "lora_settle_s": ["-1", "soon"],
 }
 #: Never echoed in an error message (they would land in logs).
 SECRETS = {"integrity_key", "integrity_previous_keys"}

@@ -75,7 +75,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
         weak = weak_identity_warning(identity)
         if weak:
             warn_once(weak)
-        self.adapters = AdapterIdentities(llm_args)
+        self.adapters = AdapterIdentities(llm_args, self.settings.lora_settle_s)
         # The namespace summary's first LIST should not race the first lookups: start its
         # refresher (background thread) once the worker has registered the layout.
         self._runtime.on_geometry(self._start_summary)
