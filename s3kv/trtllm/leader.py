@@ -71,10 +71,12 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
                 "for full S3 hits"
             )
         warn_if_unsigned(self.settings)
-        identity = model_identity(llm_args, self.settings.model_id)
+        identity = model_identity(llm_args, self.settings.model_id, self.settings.identity_cache_dir)
         weak = weak_identity_warning(identity)
         if weak:
             warn_once(weak)
+        #: Why no request is served or saved ("" unless the model's identity is weak).
+        self.unshared = "model identity is weak (S3KV_MODEL_ID unset)" if weak else ""
         self.adapters = AdapterIdentities(llm_args, self.settings.lora_settle_s)
         # The namespace summary's first LIST should not race the first lookups: start its
         # refresher (background thread) once the worker has registered the layout.
@@ -111,7 +113,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
                 salt = getattr(request, "cache_salt_id", None)
             tokens = list(request.get_tokens(0))
             prompt_len = int(getattr(request, "prompt_len", len(tokens)))
-            lora, unidentified = self.adapters.resolve(request)
+            lora, unidentified = (None, "") if self.unshared else self.adapters.resolve(request)
             if unidentified and unidentified != PENDING:  # pending clears by itself: not counted
                 self.core.stats.lora_unidentified += 1
             n, is_async = self.core.get_num_new_matched_tokens(
@@ -123,7 +125,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
                 lora=lora,
                 multimodal_hashes=mm,
                 has_multimodal=has_mm,
-                not_cacheable=unidentified,
+                not_cacheable=self.unshared or unidentified,
                 owned=True,  # our own list() above
                 first_chunk_tokens=first_chunk(request),
             )
