@@ -15,7 +15,7 @@ that touches one expert of a fused MoE tensor or a band of rows of one projectio
 truncated under a map kills the process).
 
 **Cost, and the cache.** Reading a checkpoint is bound by the disk or the page cache, and BLAKE3
-hashes on every core (``s3kv/trtllm/weights.py``'s numbers: docs/security.md). So each file's
+hashes on every core (tens of seconds for 54 GB from NVMe: docs/security.md, 37.4). So each file's
 result is kept under ``S3KV_IDENTITY_CACHE_DIR`` (default ``~/.cache/s3kv``), keyed by its real
 path, size, mtime, ctime, inode and device: a restart on the same node reads no weights, and
 any write to a file (an in-place rewrite with its mtime restored changes the ctime) makes it
@@ -280,3 +280,4 @@ def _locked(cache: Path | None, real: str, st: Stat) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # releases the lock
+
