@@ -125,6 +125,9 @@ def weights_digest(directory: Path, cache_dir: str = "", loaded_after: float | N
         return WeightsDigest("", f"it changed while s3kv read it ({e})")
     except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
         return WeightsDigest("", f"cannot read its weights ({e})")
+    except Exception as e:  # noqa: BLE001 - an odd checkpoint leaves a weak identity, never a failed start
+        log.exception("s3kv: digesting the weights in %s failed", directory)
+        return WeightsDigest("", f"cannot read its weights ({e!r})")
     for i, (_, real, st) in enumerate(todo):
         with _memo_lock:
             _memo[(real, st)] = results[i]
