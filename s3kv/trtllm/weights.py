@@ -25,7 +25,10 @@ built, before the engine's first request, so no request is ever keyed by a provi
 
 **The bytes the engine loaded.** The engine read its weights after its process started, so a
 weights file -- or a link on its path -- with a ctime after the process start may hold other
-bytes than the engine's: then there is no digest (weak), never one of the new bytes.
+bytes than the engine's: then there is no digest (weak), never one of the new bytes. (TensorRT-LLM's
+model loader downloads a hub id and sets ``llm_args.model`` to the local snapshot directory: a
+worker process started after the download is not affected; one that downloaded it itself is weak
+on that start only.)
 """
 
 from __future__ import annotations
@@ -102,8 +105,9 @@ def weights_digest(directory: Path, cache_dir: str = "", loaded_after: float | N
         except (OSError, ValueError) as e:
             return WeightsDigest("", f"cannot read {name} ({e})")
         if max(r.newest_link_ctime, now.st_ctime_ns) > bound:
-            return WeightsDigest("", f"{name} changed on disk after this engine started, so the weights it "
-                                     "loaded may not be the file's bytes now")
+            return WeightsDigest("", f"{name} changed on disk after this engine started (rewritten, or "
+                                     "downloaded by this process), so the weights it loaded may not be the "
+                                     "file's bytes now; a later start is not affected by a download")
         todo.append((name, r.real, file_stat(now)))
     cache = _cache_root(cache_dir)
     results: dict[int, dict[str, Any]] = {}
