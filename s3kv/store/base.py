@@ -200,6 +200,11 @@ class ObjectStore(abc.ABC):
         its budget while the call itself still runs). Wrappers that judge the store's health
         (the circuit breaker) count it as a failure; plain stores ignore it."""
 
+    def note_verified(self, key: str) -> None:  # noqa: B027 - optional hook
+        """A load of ``key`` passed its checks (header, span, every page it read: checksum and
+        tag): what refresh on hit (``store/refresh.py``) waits for before keeping the object
+        alive. Called by the loader, never for bytes that failed; plain stores ignore it."""
+
     def answered_since(self, t: float) -> bool | None:
         """Whether the store has answered (found or missing) a HEAD that was asked at or after
         ``t`` (``time.monotonic``); None where this store does not keep track. The breaker asks
@@ -289,6 +294,9 @@ class StoreWrapper(ObjectStore):
 
     def note_timeout(self, op: str, key: str | None = None) -> None:
         self.inner.note_timeout(op, key)
+
+    def note_verified(self, key: str) -> None:
+        self.inner.note_verified(key)
 
     def answered_since(self, t: float) -> bool | None:
         return self.inner.answered_since(t)
