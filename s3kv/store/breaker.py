@@ -62,6 +62,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..config import redact
 from .base import (
     BucketNotFound,
     Buffer,
@@ -169,7 +170,8 @@ class CircuitBreakerStore(StoreWrapper):
         self.policy = policy or BreakerPolicy()
         self._clock = clock
         self._on_transition = on_transition
-        self.name = name or inner.url
+        # Shown in every transition's log line and refusal: never a URL's secret (issue 37).
+        self.name = redact(name or inner.url)
         self._lock = threading.RLock()
         self._state = BreakerState.CLOSED
         self._consecutive = 0

@@ -40,6 +40,7 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ..config import query_start, redact, redact_url
 from .base import (
     TOUCH_GONE,
     TOUCH_REFRESHED,
@@ -108,8 +109,12 @@ class FsspecStore(ObjectStore):
         else:
             root = fs._strip_protocol(url)
         self.fs = fs
-        self.url = url
+        # Shown in every message: without a query string or fragment, which may hold a secret
+        # (``?token=…``) that fsspec keeps as part of the root path (issue 37).
+        self.url = redact_url(url)
         self._root = str(root).rstrip("/") or "/"
+        cut = query_start(self._root)
+        self._hidden = self._root[cut:] if cut >= 0 else ""
         self._local = isinstance(fs, LocalFileSystem)
         # fsync before publishing: after a crash a visible file must be a whole file.
         self._fsync = fsync
@@ -124,14 +129,33 @@ class FsspecStore(ObjectStore):
             or TMP_MARK in key
             or any(p in ("", ".", "..") for p in key.split("/"))
         ):
-            raise ValueError(f"invalid object key {key!r} for {self.url}")
+            raise ValueError(self._shown(f"invalid object key {key!r} for {self.url}"))
         return f"{self._root.rstrip('/')}/{key}"
 
     def _key_of(self, path: str) -> str:
         return path[len(self._root.rstrip("/")) + 1 :]
 
+    def _shown(self, text: str) -> str:
+        """``text`` as it may be shown: no part of the URL's query or fragment, whether it comes
+        as a URL or inside a path (an OSError names the file)."""
+        if self._hidden:
+            text = text.replace(self._hidden, self._hidden[0] + "***")
+        return redact(text)
+
+    def _scrub(self, exc: BaseException) -> BaseException:
+        """``exc`` with the secret part of the root removed from what it prints (chained as the
+        cause of the store's error, it reaches tracebacks in the engine's own log handlers)."""
+        if self._hidden:
+            if isinstance(exc, OSError):
+                for attr in ("filename", "filename2"):
+                    if isinstance(getattr(exc, attr, None), str):
+                        setattr(exc, attr, self._shown(getattr(exc, attr)))
+            exc.args = tuple(self._shown(a) if isinstance(a, str) else a for a in exc.args)
+        return exc
+
     def _translate(self, exc: OSError, op: str, key: str | None) -> StoreError:
-        text = f"{op} on {self.url}: {type(exc).__name__}: {exc}"
+        self._scrub(exc)
+        text = self._shown(f"{op} on {self.url}: {type(exc).__name__}: {exc}")
         if isinstance(exc, FileNotFoundError):
             return NotFound(text, key=key)
         if isinstance(exc, PermissionError):
@@ -368,19 +392,19 @@ class FsspecStore(ObjectStore):
                 os.makedirs(self._root, exist_ok=True)  # a cache directory may be created on first use
             except FileExistsError as exc:
                 raise StoreConfigError(
-                    f"S3KV_URL={self.url}: {self._root} exists and is not a directory"
-                ) from exc
+                    self._shown(f"S3KV_URL={self.url}: {self._root} exists and is not a directory")
+                ) from self._scrub(exc)
             except PermissionError as exc:
                 raise PermissionDenied(
-                    f"S3KV_URL={self.url}: cannot create the directory {self._root}: {exc}"
-                ) from exc
+                    self._shown(f"S3KV_URL={self.url}: cannot create the directory {self._root}: {exc}")
+                ) from self._scrub(exc)
             if not os.access(self._root, os.W_OK | os.X_OK):
                 raise PermissionDenied(
-                    f"S3KV_URL={self.url}: directory {self._root} is not writable by this process"
+                    self._shown(f"S3KV_URL={self.url}: directory {self._root} is not writable by this process")
                 )
         outcome = self._head_one(self._probe_key())
         if isinstance(outcome, StoreError):
-            raise type(outcome)(f"S3KV_URL={self.url}: store check failed: {outcome}") from outcome
+            raise type(outcome)(self._shown(f"S3KV_URL={self.url}: store check failed: {outcome}")) from outcome
 
     def close(self) -> None:
         if self._pool is not None:

@@ -34,7 +34,7 @@ from typing import Any
 import click
 import xxhash
 
-from ..config import ConfigError, load_settings
+from ..config import ConfigError, load_settings, redact_url
 from ..core.cost import expiry_age_s
 from ..core.keys import DIGEST_SIZE, ParsedKey, parse_key
 from ..core.objects import (
@@ -103,7 +103,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
         )
     if settings.url.startswith("memory://"):
         click.echo(
-            f"s3kv: warning: {settings.url} lives inside one process; this command starts with it empty "
+            f"s3kv: warning: {redact_url(settings.url)} lives inside one process; this command starts with it empty "
             "(use file:///dir or s3:// to share a cache between processes)",
             err=True,
         )
@@ -112,7 +112,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     except StoreError as exc:
         raise click.ClickException(describe(exc, settings.url)) from exc
     root = f"{prefix}/" if prefix else ""
-    return _Ctx(settings.url, store, root, as_json, settings=settings)
+    return _Ctx(redact_url(settings.url), store, root, as_json, settings=settings)  # ctx.url: as shown
 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
