@@ -206,11 +206,20 @@ class ObjectStore(abc.ABC):
         alive. Called by the loader, never for bytes that failed; plain stores ignore it."""
 
     def answered_since(self, t: float) -> bool | None:
-        """Whether the store has answered (found or missing) a HEAD that was asked at or after
-        ``t`` (``time.monotonic``); None where this store does not keep track. The breaker asks
-        it of a HEAD wave its caller gave up on: the store answered HEADs asked later, so it is
-        alive, and the wave is late on this side (a HEAD helper stopped) or for a few keys."""
+        """Whether the store has answered a request that was asked at or after ``t``
+        (``time.monotonic``): a HEAD (found or missing), or a read whose response head arrived
+        (its body may still stream); None where this store does not keep track. The breaker asks
+        it of a HEAD wave its caller gave up on -- the store answered HEADs asked later, so it is
+        alive, and the wave is late on this side (a HEAD helper stopped) or for a few keys -- and
+        of a read before its stall rule calls the store hung."""
         return None
+
+    def hung_since(self, t: float) -> bool:
+        """Whether the store was found hung (it answered nothing for the circuit breaker's stall
+        limit) after ``t`` (``time.monotonic``) and has not recovered since: a read sent before
+        then will most likely never end, so the loader fails it at once. Only the breaker
+        judges; other stores say False."""
+        return False
 
     def get(self, key: str) -> bytes:
         info = self.head(key)
@@ -301,6 +310,9 @@ class StoreWrapper(ObjectStore):
     def answered_since(self, t: float) -> bool | None:
         return self.inner.answered_since(t)
 
+    def hung_since(self, t: float) -> bool:
+        return self.inner.hung_since(t)
+
     def check_access(self) -> None:
         self.inner.check_access()
 
@@ -309,8 +321,9 @@ class StoreWrapper(ObjectStore):
 
 
 class AnswerClock:
-    """When the latest HEAD that the store answered (found or missing) was asked: what a store
-    tells :meth:`ObjectStore.answered_since` from. Errors are no answer: a store that only fails
+    """When the latest request that the store answered was asked -- a HEAD (found or missing), or
+    a read whose response head (a file: its open) arrived: what a store tells
+    :meth:`ObjectStore.answered_since` from. Errors are no answer: a store that only fails
     is not shown alive.
 
     No lock: the compare and the store race between threads, and a lost update only leaves the

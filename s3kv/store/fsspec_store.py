@@ -46,6 +46,7 @@ from .base import (
     TOUCH_REFRESHED,
     TOUCH_UNSUPPORTED,
     TOUCH_YOUNG,
+    AnswerClock,
     Buffer,
     ByteRange,
     HeadBatch,
@@ -120,6 +121,7 @@ class FsspecStore(ObjectStore):
         self._fsync = fsync
         self._max_concurrency = max_concurrency
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._answers = AnswerClock()  # files opened and read (``answered_since``)
 
     # -- helpers -----------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -215,7 +217,14 @@ class FsspecStore(ObjectStore):
 
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
         unique = list(dict.fromkeys(keys))
-        return HeadBatch.from_outcomes(unique, self._map(self._head_one, unique))
+        asked = time.monotonic()
+        batch = HeadBatch.from_outcomes(unique, self._map(self._head_one, unique))
+        if batch.found or batch.missing:
+            self._answers.note(asked)
+        return batch
+
+    def answered_since(self, t: float) -> bool:
+        return self._answers.since(t)
 
     # -- PUT ---------------------------------------------------------------------------
     def put(
@@ -291,12 +300,14 @@ class FsspecStore(ObjectStore):
         path = self._path(key)
 
         def read_all() -> list[bytes]:
+            asked = time.monotonic()
             out: list[bytes] = []
             if self._local:
                 fd = _open_regular(path, key)
                 if fd is None:
                     raise NotFound("not a regular file", key=key)
                 try:
+                    self._answers.note(asked)
                     # pread: no shared file position, so concurrent readers never interfere.
                     out = [
                         os.pread(fd, r.length, ENVELOPE_SIZE + r.offset) if r.length else b"" for r in ranges
@@ -305,6 +316,7 @@ class FsspecStore(ObjectStore):
                     os.close(fd)
             else:
                 with self.fs.open(path, "rb") as f:
+                    self._answers.note(asked)
                     for r in ranges:
                         f.seek(ENVELOPE_SIZE + r.offset)
                         out.append(f.read(r.length) if r.length else b"")

@@ -594,7 +594,9 @@ class ObstoreS3Store(ObjectStore):
         def attempt() -> str:
             if abandon.is_set():
                 raise _Abandoned("another part of this read failed", key=key)
+            asked = time.monotonic()
             r = obs.get(self._store, key, options={"range": (offset, offset + length)})
+            self._answers.note(asked)  # the response head arrived: alive, however long the body
             data = r.bytes()
             got = len(data)
             if got != length:

@@ -374,7 +374,7 @@ class S3Store(ObjectStore):
         self._conditional = opts.conditional_put != "never"
         self._closed = False
         self._lock = threading.Lock()
-        self._answers = AnswerClock()  # HEADs answered (``answered_since``)
+        self._answers = AnswerClock()  # HEADs and reads answered (``answered_since``)
 
     # -- set-up ------------------------------------------------------------------------
     def _make_client(self, addressing_style: str) -> Any:
@@ -686,10 +686,12 @@ class S3Store(ObjectStore):
     # -- GET ---------------------------------------------------------------------------
     def _get_one(self, key: str, offset: int, length: int) -> tuple[bytes, str]:
         def attempt() -> tuple[bytes, str]:
+            asked = time.monotonic()
             try:
                 r = self._client.get_object(
                     Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}"
                 )
+                self._answers.note(asked)  # the response head arrived: alive, however long the body
             except bexc.ClientError as exc:
                 if _error_code(exc)[0] == "InvalidRange":
                     raise IntegrityError(
