@@ -221,6 +221,14 @@ class ObjectStore(abc.ABC):
         judges; other stores say False."""
         return False
 
+    def store_time(self) -> float:
+        """The store's own clock now (POSIX seconds): the time it would stamp an object written
+        now with (``LastModified``). Ages of objects are differences of the store's own stamps,
+        so ``s3kv gc`` reads them against this rather than against its host's clock, which may be
+        off by more than gc's safety margin (issue 37). Costs one request; raises StoreError
+        where it cannot be read."""
+        raise StoreError(f"{type(self).__name__} cannot tell its clock")
+
     def get(self, key: str) -> bytes:
         info = self.head(key)
         if info is None:
@@ -312,6 +320,9 @@ class StoreWrapper(ObjectStore):
 
     def hung_since(self, t: float) -> bool:
         return self.inner.hung_since(t)
+
+    def store_time(self) -> float:
+        return self.inner.store_time()
 
     def check_access(self) -> None:
         self.inner.check_access()

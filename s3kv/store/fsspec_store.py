@@ -347,6 +347,31 @@ class FsspecStore(ObjectStore):
 
         return self._guard("touch", key, utime)
 
+    def store_time(self) -> float:
+        """The file system's clock: the modification time it gives a file written now (a temp
+        file under the root, removed at once; ``list`` never shows it). On a local disk that is
+        this host's clock, on a network file system the server's."""
+        path = f"{self._root.rstrip('/')}/.s3kv-clock{TMP_MARK}{uuid.uuid4().hex}"
+
+        def stamp() -> float | None:
+            if self._local:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+                try:
+                    return os.fstat(fd).st_mtime
+                finally:
+                    os.close(fd)
+                    os.unlink(path)
+            self.fs.pipe_file(path, b"")
+            try:
+                return _mtime(self.fs.info(path))
+            finally:
+                self.fs.rm(path)
+
+        t = self._guard("clock", None, stamp)
+        if t is None:
+            raise StoreError(self._shown(f"{self.url}: the file system gives no modification times"))
+        return t
+
     def delete_many(self, keys: Sequence[str]) -> None:
         for key in dict.fromkeys(keys):
             path = self._path(key)

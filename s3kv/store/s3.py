@@ -294,6 +294,16 @@ def _body(views: Sequence[memoryview]) -> bytes | _BufferReader:
     return _BufferReader(views)
 
 
+def http_date(value: str, where: str) -> float:
+    """An HTTP ``Date`` header (whole seconds) as POSIX seconds, the middle of its second."""
+    from email.utils import parsedate_to_datetime
+
+    try:
+        return parsedate_to_datetime(value).timestamp() + 0.5
+    except (TypeError, ValueError, IndexError) as exc:
+        raise StoreError(f"{where}: the store's answer carries no usable Date header ({value!r})") from exc
+
+
 def _is_aws_host(url: str) -> bool:
     host = urlsplit(url).hostname or ""
     return host.endswith(".amazonaws.com") or host.endswith(".amazonaws.com.cn")
@@ -793,6 +803,26 @@ class S3Store(ObjectStore):
             return TOUCH_REFRESHED if self._call("copy", key, copy) else TOUCH_GONE
         except NotFound:
             return TOUCH_GONE
+
+    # -- CLOCK -------------------------------------------------------------------------
+    def store_time(self) -> float:
+        """The ``Date`` header of a HEAD of the probe key (a 404 carries one too). HTTP dates
+        count whole seconds: the middle of that second, so the error is at most half a second
+        plus half the round trip."""
+        probe = self._probe_key()
+
+        def date_of(r: Mapping[str, Any]) -> str:
+            return str(dict(r.get("ResponseMetadata") or {}).get("HTTPHeaders", {}).get("date", ""))
+
+        def attempt() -> str:
+            try:
+                return date_of(self._client.head_object(Bucket=self.bucket, Key=probe))
+            except bexc.ClientError as exc:  # an answer all the same: its head has the store's date
+                if not date_of(exc.response):
+                    raise
+                return date_of(exc.response)
+
+        return http_date(self._call("clock", probe, attempt), self.url)
 
     # -- DELETE / LIST -----------------------------------------------------------------
     def delete_many(self, keys: Sequence[str]) -> None:
