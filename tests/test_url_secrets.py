@@ -204,3 +204,13 @@ def test_the_demos_progress_lines_never_print_a_urls_query(capsys):
 
     _progress(f"demo: cluster A (cold), then cluster B (warm), on {QUERIED[1]}/demo-1 (your store)")
     assert TOKEN not in capsys.readouterr().err
+
+
+def test_a_benchmarks_store_line_never_prints_a_urls_query(tmp_path):
+    """``s3kv bench … --url`` prints where it ran (JSON ``store.where`` and the table)."""
+    from s3kv.tools.bench.common import bench_store
+
+    (tmp_path / f"c?token={TOKEN}").mkdir()
+    with bench_store(f"file://{tmp_path}/c?token={TOKEN}", name="secrets") as bs:
+        shown = json.dumps(bs.info())
+    assert TOKEN not in shown and "c?***" in shown, shown
