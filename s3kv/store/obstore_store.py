@@ -594,7 +594,9 @@ class ObstoreS3Store(ObjectStore):
         def attempt() -> str:
             if abandon.is_set():
                 raise _Abandoned("another part of this read failed", key=key)
+            asked = time.monotonic()
             r = obs.get(self._store, key, options={"range": (offset, offset + length)})
+            self._answers.note(asked)  # the response head arrived: alive, however long the body
             data = r.bytes()
             got = len(data)
             if got != length:
@@ -643,6 +645,9 @@ class ObstoreS3Store(ObjectStore):
         bufs = [bytearray(r.length) for r in ranges]
         self.get_ranges_into(key, ranges, [memoryview(b) for b in bufs])
         return [bytes(b) for b in bufs]
+
+    def store_time(self) -> float:
+        return self._boto.store_time()  # object_store shows no response headers
 
     def touch(self, key: str, min_age_s: float = 0.0) -> str:
         # object_store's copy sends no metadata directive, which S3 refuses for a self-copy.

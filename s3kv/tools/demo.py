@@ -424,7 +424,7 @@ def _delete_under(url: str) -> str:
 def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode: str | None, keep: bool,
                  s3_latency_ms: float) -> None:
     """Cold cluster A, then warm cluster B, sharing only the bucket."""
-    from ..config import ConfigError, explicit_settings, load_settings, unknown_env_names
+    from ..config import ConfigError, explicit_settings, load_settings, redact, redact_url, unknown_env_names
     from .cli import debug_enabled, export_lines, url_option, wait_for_interrupt
 
     shape = DemoShape(tp_size=tp)
@@ -500,8 +500,8 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
             if proxy is not None:
                 where += f"; {s3_latency_ms:g} ms added to every request (fault proxy, stopped too)"
         chosen = {k: v for k, v in explicit_settings().items() if k in demo_defaults(shape) and k not in forced}
-        res = {"cold": cold, "warm": warm, "store": where, "store_url": run_url, "shape": asdict(shape),
-               "user_settings": chosen, "cleanup": cleanup}
+        res = {"cold": cold, "warm": warm, "store": where, "store_url": redact_url(run_url), "shape": asdict(shape),
+               "user_settings": chosen, "cleanup": redact(cleanup) if cleanup else cleanup}
         if as_json:
             click.echo(json.dumps(res, indent=2))
         else:
@@ -535,7 +535,9 @@ def _latency_proxy(endpoint_url: str, latency_ms: float, what: str) -> Any:
 
 
 def _progress(message: str) -> None:
-    click.echo(message, err=True)
+    from ..config import redact
+
+    click.echo(redact(message), err=True)
 
 
 def _main(argv: Sequence[str]) -> None:

@@ -34,8 +34,8 @@ from typing import Any
 import click
 import xxhash
 
-from ..config import ConfigError, load_settings
-from ..core.cost import expiry_age_s
+from ..config import ConfigError, load_settings, redact_url
+from ..core.cost import EXPIRY_MARGIN_S, expiry_age_s
 from ..core.keys import DIGEST_SIZE, ParsedKey, parse_key
 from ..core.objects import (
     ChecksumMismatch,
@@ -103,7 +103,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
         )
     if settings.url.startswith("memory://"):
         click.echo(
-            f"s3kv: warning: {settings.url} lives inside one process; this command starts with it empty "
+            f"s3kv: warning: {redact_url(settings.url)} lives inside one process; this command starts with it empty "
             "(use file:///dir or s3:// to share a cache between processes)",
             err=True,
         )
@@ -112,7 +112,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     except StoreError as exc:
         raise click.ClickException(describe(exc, settings.url)) from exc
     root = f"{prefix}/" if prefix else ""
-    return _Ctx(settings.url, store, root, as_json, settings=settings)
+    return _Ctx(redact_url(settings.url), store, root, as_json, settings=settings)  # ctx.url: as shown
 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -868,8 +868,17 @@ class Duration(click.ParamType):
     help="Run again every EVERY (e.g. 10m) until stopped, deleting without asking: s3kv's own expiry, "
     "finer than S3 lifecycle rules (whole days). One JSON line / summary per pass.",
 )
-@click.option("--now", "now", type=float, default=None, hidden=True, help="Clock for tests (POSIX seconds).")
+@click.option("--now", "now", type=float, default=None, hidden=True,
+              help="The store's clock for tests (POSIX seconds): replaces reading it, no skew check.")
 @click.option("--namespace", "-n", default=None, help="Delete only this namespace (the full 32 hex digits).")
+@click.option(
+    "--include-sub-prefixes",
+    "sub_prefixes",
+    is_flag=True,
+    help="Also delete under sub-prefixes of the URL that hold namespaces of their own (another "
+    "deployment's URL such as s3://b/kv/teamB below s3://b/kv, the demo's runs). Without it gc stays in "
+    "this URL's own namespaces and says what it left.",
+)
 @click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Delete without asking, however many objects match.")
 @click.option(
@@ -887,6 +896,7 @@ def gc_command(
     watch: float | None,
     now: float | None,
     namespace: str | None,
+    sub_prefixes: bool,
     dry_run: bool,
     yes: bool,
     confirm_above: int,
@@ -894,9 +904,12 @@ def gc_command(
 ) -> None:
     """Delete s3kv objects by age and/or namespace (at least one filter is required).
 
-    Only keys in the s3kv layout are considered; anything else under the prefix is left alone.
-    Ages are seconds since LastModified, which a loading engine bumps (refresh on hit), so
-    ``--expired`` keeps hot prefixes and drops what nobody read within the retention.
+    Only keys in the s3kv layout are considered; anything else under the prefix is left alone,
+    and so are namespaces under a sub-prefix (another deployment's URL) unless
+    ``--include-sub-prefixes``. Ages are seconds since LastModified by the store's own clock (the
+    Date of a request gc makes), which a loading engine bumps (refresh on hit), so ``--expired``
+    keeps hot prefixes and drops what nobody read within the retention. gc refuses to run by age
+    when this host's clock is off the store's by more than its safety margin (60 s).
     """
     if expired:
         if older_than is not None:
@@ -908,21 +921,44 @@ def gc_command(
         if watch <= 0:
             raise click.BadParameter("must be > 0", param_hint="--watch")
         while True:
-            ctx.now = time.time() if now is None else now
             try:
-                _gc_pass(ctx, older_than, namespace, dry_run, True, confirm_above, verbose)
-            except (StoreError, SystemExit) as exc:  # the next pass tries again
+                _gc_clock(ctx, now, older_than)
+                _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, True, confirm_above, verbose)
+            except (StoreError, SystemExit, click.ClickException) as exc:  # the next pass tries again
                 click.echo(f"s3kv gc: pass failed: {exc}", err=True)
             time.sleep(watch)
-    if now is not None:
-        ctx.now = now
-    _gc_pass(ctx, older_than, namespace, dry_run, yes, confirm_above, verbose)
+    _gc_clock(ctx, now, older_than)
+    _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, yes, confirm_above, verbose)
+
+
+def _gc_clock(ctx: _Ctx, now: float | None, older_than: float | None) -> None:
+    """``ctx.now`` for gc's ages: the store's own clock, read from a request's answer.
+
+    Why not this host's: LastModified is the store's stamp, so an age against the host's clock is
+    off by their skew -- at +4,400 s a fresh object read as over an hour old and ``--older-than 1h``
+    deleted it (issue 37). The margin gc keeps for skew (``EXPIRY_MARGIN_S``, in ``--expired``) is
+    also what it tolerates here: past it, the host's clock is wrong enough to be fixed first (the
+    engines on it judge their own ages by it too), so gc refuses by age, in one line."""
+    if now is not None or not older_than:  # a test's clock; or no ages (by namespace alone, any age)
+        ctx.now = time.time() if now is None else now
+        return
+    before = time.time()
+    store_now = ctx.store.store_time()  # a store error: the one line every command words alike
+    skew = (before + time.time()) / 2 - store_now
+    if abs(skew) > EXPIRY_MARGIN_S:
+        raise click.ClickException(
+            f"not collecting by age: this host's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} "
+            f"the store's ({ctx.url}), more than gc's {EXPIRY_MARGIN_S:g} s safety margin; set this host's time "
+            "(NTP) and run again"
+        )
+    ctx.now = store_now
 
 
 def _gc_pass(
     ctx: _Ctx,
     older_than: float | None,
     namespace: str | None,
+    sub_prefixes: bool,
     dry_run: bool,
     yes: bool,
     confirm_above: int,
@@ -932,6 +968,9 @@ def _gc_pass(
     cutoff = older_than if older_than else None  # --older-than 0: everything
 
     victims: list[Entry] = []
+    # Matching objects under a sub-prefix: another deployment's (``s3://b/kv/teamB`` seen from
+    # ``s3://b/kv`` -- its own gc, its own retention), never this one's to delete unless told.
+    left: dict[str, _Agg] = {}
     for e in _walk(ctx, ns):
         if not isinstance(e, Entry):
             continue
@@ -939,6 +978,11 @@ def _gc_pass(
             age = _age(ctx, e.info)
             if age is None or age < cutoff:
                 continue
+        if e.sub and not sub_prefixes:
+            a = left.setdefault(e.sub, _Agg())
+            a.objects += 1
+            a.bytes += e.info.size
+            continue
         victims.append(e)
     by_ns: dict[str, _Agg] = {}
     for e in victims:
@@ -973,6 +1017,8 @@ def _gc_pass(
         "deleted": {"objects": deleted.objects, "bytes": deleted.bytes},
         "by_namespace": {n: {"objects": a.objects, "bytes": a.bytes} for n, a in sorted(by_ns.items())},
     }
+    if left:
+        doc["left_in_sub_prefixes"] = {s: {"objects": a.objects, "bytes": a.bytes} for s, a in sorted(left.items())}
     if failure is not None:
         doc["error"] = f"{type(failure).__name__}: {failure}"
     if verbose:
@@ -990,6 +1036,10 @@ def _gc_pass(
         verb = "would delete" if dry_run else "deleted"
         shown = matched if dry_run else deleted
         yield f"{verb} {shown.objects} objects, {fmt_bytes(shown.bytes)}" + (" (dry run)" if dry_run else "")
+        if left:
+            n = sum(a.objects for a in left.values())
+            yield (f"left {n} matching objects under {len(left)} sub-prefix(es) holding namespaces of their own "
+                   f"({', '.join(sorted(left))}): another deployment's; gc its own URL, or pass --include-sub-prefixes")
         if failure is not None:
             yield f"stopped after an error: {type(failure).__name__}: {failure}"
 

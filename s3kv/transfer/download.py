@@ -10,7 +10,8 @@ geometry, header checksum) and must name exactly the span (first ordinal, page
 count) and chain digest the plan promised for this shard. The wanted pages are
 in host staging and **every page's checksum is verified there, before
 any byte is copied to the device** — the bytes verified are the bytes copied.
-Only then are the host->device copies enqueued (``Copier.load``).
+Only then are the host->device copies enqueued (``Copier.load``), and the store is told the
+object passed (``ObjectStore.note_verified``: refresh on hit keeps only verified objects alive).
 
 An audit job (``place=False``) reads and verifies the same way and places nothing.
 
@@ -343,6 +344,7 @@ class Downloader:
         for k, i in enumerate(idx):
             verify_page(header, i, buf.memoryview(base + k * pb, pb), job.key)
             where[i] = base + k * pb
+        self._verified(job.key)
         with job.lock:
             if job.state != PENDING or not job.place:  # cancelled while we downloaded; an audit
                 job.buffer = None
@@ -365,6 +367,15 @@ class Downloader:
         self.counters.add("pages_loaded", len(copies))
         self.counters.add("bytes_loaded", len(copies) * pb)
         self.counters.add("objects_loaded")
+
+
+    def _verified(self, key: str) -> None:
+        """Tell the store a load of ``key`` passed its checks (refresh on hit waits for this);
+        best effort: a failing hook never fails the load."""
+        try:
+            self.store.note_verified(key)
+        except Exception:  # noqa: BLE001 - the load is good whatever a refresh does
+            log.debug("s3kv: note_verified(%s) failed", key, exc_info=True)
 
 
 def build_jobs(

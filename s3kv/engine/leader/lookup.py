@@ -22,6 +22,7 @@ import math
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -40,6 +41,9 @@ from .requests import RequestState
 from .stats import LeaderStats
 
 log = logging.getLogger("s3kv.leader")
+
+#: How many recent waves ``Lookups._hopeless`` judges by, and how many it needs first.
+_RECENT_WAVES, _RECENT_MIN = 8, 3
 
 
 class _LookupTimeout(Exception):
@@ -76,6 +80,10 @@ class Lookups:
         self.decision = ""
         #: Recent HEAD waves' wall time (moving average, each at most the cap): see ``_head_wave``.
         self._wave_s = 0.0
+        #: The last few waves' wall times, uncapped: a wave slower than all of them is not sent
+        #: on the scheduler's time (``_head_wave``). ``_slow``: that rule is holding waves back.
+        self._recent_waves: deque[float] = deque(maxlen=_RECENT_WAVES)
+        self._slow = False
         #: This answer re-checks a promise (``recheck``): the longest budget, always tried.
         self._promise = False
         #: What the engine's honours say of its KV memory (``pressure.py``); ``loads.py`` feeds it.
@@ -408,8 +416,10 @@ class Lookups:
             self.decision = "ran_out"
             self.stats.lookup_timeouts += 1
             # A warning when it waited as long as any lookup may (a slow store); a short budget
-            # running out is the rule at work (a small hit was not worth a longer wait).
-            log.log(logging.WARNING if self.budget_s >= self._max_budget_s() else logging.DEBUG,
+            # running out is the rule at work (a small hit was not worth a longer wait), and a
+            # wave held back because the store is slow lately waited for nothing (``_hopeless``).
+            waited = not e.args
+            log.log(logging.WARNING if waited and self.budget_s >= self._max_budget_s() else logging.DEBUG,
                     "s3kv: lookup of request %s ran out of its %.3f s budget (%d tokens to save); a miss",
                     st.request_id, self.budget_s, self.saveable_tokens, extra={"request_id": st.request_id})
 
@@ -476,6 +486,15 @@ class Lookups:
         if remaining <= 0 or self._timed_out or (remaining < self._wave_s / 2 and not self._promise):
             self._last_probe_used_network = False  # nothing sent: not a round trip
             raise _LookupTimeout
+        if not self._promise and self._hopeless(remaining):
+            # Slower lately than what is left, every one of the last waves: a store that answers
+            # slowly but never fails cost every lookup its whole budget, forever (500 ms at the
+            # cap; its uploads kept succeeding, so the breaker never opened -- issue 37). The wave
+            # goes to the background instead (when the backlog has room): it warms the index for
+            # the next lookup of the prefix, and its time tells when the store is fast again.
+            self._last_probe_used_network = False
+            self._background_wave(keys, expect, dict(todo))
+            raise _LookupTimeout("slow")
         with self._pending_lock:
             # Bounded backlog: waves that outlived their lookup still hold the pool. A store that
             # hangs must cost each lookup nothing more, not queue waves without end.
@@ -518,10 +537,52 @@ class Lookups:
     def _note_wave(self, seconds: float) -> None:
         """A wave's wall time into the moving average. At most the cap: after a hang the average
         must not make every later lookup give up before sending (the background waves, which
-        still run, bring it back down)."""
-        seconds = min(seconds, self._max_budget_s())
+        still run, bring it back down). Uncapped into the recent waves (``_hopeless``)."""
         with self._pending_lock:
+            self._recent_waves.append(seconds)
+            seconds = min(seconds, self._max_budget_s())
             self._wave_s = seconds if self._wave_s == 0.0 else 0.8 * self._wave_s + 0.2 * seconds
+
+    def _hopeless(self, remaining: float) -> bool:
+        """Whether even the fastest of the last waves (at least ``_RECENT_MIN`` of them) took longer
+        than ``remaining``: such a wave would almost surely run out. Noted once per episode."""
+        with self._pending_lock:
+            recent = list(self._recent_waves)
+        slow = len(recent) >= _RECENT_MIN and min(recent) > remaining
+        if slow and not self._slow:
+            log.warning("s3kv: HEAD waves took %.2f-%.2f s lately, longer than a lookup's %.3f s: lookups "
+                        "wave in the background (a miss now, the index warmed for the next) until the store "
+                        "answers faster", min(recent), max(recent), remaining)
+        self._slow = slow
+        return slow
+
+    def _background_wave(self, keys: list[str], expect: dict[str, SpanExpect], asks: dict[str, Ask]) -> None:
+        """Send a wave nobody waits for (when the backlog has room); its answers feed the index."""
+        with self._pending_lock:
+            if self.pending_waves >= max(1, self.settings.lookup_max_pending):
+                return
+            self.pending_waves += 1
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=max(1, self.settings.lookup_max_pending), thread_name_prefix="s3kv-lookup"
+            )
+        sent = time.monotonic()
+
+        def done(f: Future) -> None:
+            self._note_wave(time.monotonic() - sent)
+            with self._pending_lock:
+                self.pending_waves -= 1
+            if not f.cancelled() and f.exception() is None:
+                self._absorb(asks, f.result(), count=False)
+
+        try:
+            fut = self._pool.submit(self.store.head_many_checked, keys, expect)
+        except RuntimeError:  # the pool was shut down (closing)
+            with self._pending_lock:
+                self.pending_waves -= 1
+            return
+        self._late_wave = fut
+        fut.add_done_callback(done)
 
     def _finish_late(self, st: RequestState, full_blocks: int, hmax: int) -> None:
         """Run a probe lookup that ran out of its budget to its end in the background: every

@@ -572,8 +572,17 @@ class LoadJobs:
         parked for over a minute. A stalled read is a failed load -- it takes its failure rung
         (docs/failures.md) -- not a wait; a read that is merely slower than the rule allows is
         cut too, so slow links raise ``S3KV_LOAD_STALL_S``.
+
+        Sooner, whatever its size: a read sent (or queued) before the circuit breaker found the
+        store answering nothing (``ObjectStore.hung_since``, ``S3KV_BREAKER_STALL_S``) -- behind
+        a warm index the loads are all a hung store holds, and waiting out each one's own limit
+        kept requests parked and the breaker closed for 25 s (issue 37).
         """
-        if self.stall_s <= 0 or job.finished:
+        if job.finished:
+            return False
+        if self._hung(job):
+            return True
+        if self.stall_s <= 0:
             return False
         limit = self._stall_limit(job)
         if job.reading_since != float("inf"):
@@ -589,6 +598,12 @@ class LoadJobs:
         return waited > max([limit, *(self._stall_limit(j) for j in list(self.jobs)
                                       if j.place and j.reading_since != float("inf"))])
 
+    def _hung(self, job: LoadJob) -> bool:
+        """Whether ``job``'s read was sent (or queued) before the store was found hung."""
+        store = self.downloader.store if self.downloader is not None else None
+        since = job.reading_since if job.reading_since != float("inf") else job.submitted_at
+        return store is not None and since != float("inf") and store.hung_since(since)
+
     def _stall_limit(self, job: LoadJob) -> float:
         """``load_stall_s`` per 32 MiB the job fetches (at least ``load_stall_s``)."""
         pages = len({o for o, _ in job.targets}) or 1
@@ -596,8 +611,13 @@ class LoadJobs:
 
     def _cancel(self, job: LoadJob, stalled: bool = False) -> bool:
         """Give up on a job past its deadline or stalled; False if it is already placing pages."""
-        why = (f"its read stalled (load_stall_s={self.stall_s:g} per 32 MiB)" if stalled
-               else f"not loaded within load_timeout_s={self.settings.load_timeout_s}")
+        if not stalled:
+            why = f"not loaded within load_timeout_s={self.settings.load_timeout_s}"
+        elif self._hung(job):
+            why = (f"the store answered nothing for breaker_stall_s={self.settings.breaker_stall_s:g} "
+                   "while its read was out (circuit breaker open)")
+        else:
+            why = f"its read stalled (load_stall_s={self.stall_s:g} per 32 MiB)"
         stopped, now = job.try_cancel(LoadTimeout(why))
         if now:
             log.error("s3kv: load of %s given up: %s", job.key, why)

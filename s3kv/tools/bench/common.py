@@ -303,6 +303,7 @@ def bench_store(
             kind: str = emb.kind
             where = f"embedded {emb.kind} at {emb.endpoint_url}"
         else:
+            from ...config import redact_url
             from ...store.factory import open_store, parse_store_url
 
             scheme, bucket, url_prefix = parse_store_url(url)
@@ -322,7 +323,7 @@ def bench_store(
                     raw = make_s3_store(bucket, options=S3Options(max_concurrency=concurrency, region=region),
                                         endpoint_url=endpoint, url=url)
                 raw_client = _boto3_raw(bucket, endpoint or None, latency_s, {})
-                kind, where, cleanup = "s3", url, True
+                kind, where, cleanup = "s3", redact_url(url), True  # shown: no secret of the URL's
             else:
                 if s3_latency_ms is not None:
                     raise click.ClickException(
@@ -330,7 +331,7 @@ def bench_store(
                     )
                 raw = open_store(url)
                 raw_client = _store_raw(raw, latency_s)
-                kind, where = scheme, url
+                kind, where = scheme, redact_url(url)
                 cleanup = scheme != "memory"
         shaped = RegionLatency(raw, latency_s, concurrency) if latency_s else None
         store = InstrumentedStore(shaped if shaped is not None else raw)
