@@ -30,7 +30,7 @@ Metric names (all prefixed ``s3kv_``)::
     lookup_cpu_seconds_total, lookup_hash_cpu_seconds_total, prompt_tokens_total, rank_info{rank,tp_size}
     lookup_stall_seconds{decision} (histogram: what each lookup held the scheduler),
     lookup_budget_seconds (histogram), lookup_saveable_tokens_total{decision},
-    lookup_decisions_total{decision}  (hit, miss, ran_out, busy, error, skipped), warm_up_seconds
+    lookup_decisions_total{decision}  (hit, miss, ran_out, busy, error, skipped, not_worth), warm_up_seconds
     store_requests_total{op}, store_bytes_total{op,direction}, store_request_seconds{op},
     store_retries_total{op}, store_errors_total{op,type}
     breaker_state (0 closed, 1 half-open, 2 open), breaker_transitions_total{from_state,to_state}
@@ -197,7 +197,7 @@ class Metrics:
             registry=r,
         )
         self.lookup_decisions = Counter(
-            f"{p}_lookup_decisions", "Lookups by how they ended (hit, miss, ran_out, busy, error, skipped).",
+            f"{p}_lookup_decisions", "Lookups by how they ended (hit, miss, ran_out, busy, error, skipped, not_worth).",
             ["decision"], registry=r,
         )
         self._lookup_seq: dict[str, int] = {}

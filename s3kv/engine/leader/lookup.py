@@ -32,12 +32,13 @@ from ...core.hitrule import Span, required_range, servable
 from ...core.lookup import Ask, LookupResult, find_hit, stall_budget_s
 from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
-from ..index import MISSING, KeyIndex
+from ..index import MISSING, KeyIndex, host_first
 from ..summary import NamespaceSummary, SummaryGroup
 from .context import LeaderContext
 from .pressure import PressureGauge, fallback_blocks
 from .requests import RequestState
 from .stats import LeaderStats
+from .worth import worth_loading
 
 log = logging.getLogger("s3kv.leader")
 
@@ -80,6 +81,13 @@ class Lookups:
         self._promise = False
         #: What the engine's honours say of its KV memory (``pressure.py``); ``loads.py`` feeds it.
         self.pressure = PressureGauge()
+        #: Rank 0's host tier and the workers' load speeds per tier (getters: both exist once the
+        #: worker registered the layout). The tier answers before the index (``host_first``); the
+        #: speeds decide how much of a hit is worth loading (``worth.py``).
+        self.host: Callable[[], Any] = lambda: None
+        self.speeds: Callable[[], Any] = lambda: None
+        #: This answer's asks the host tier answered.
+        self._host_asks: set[Ask] = set()
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -127,6 +135,15 @@ class Lookups:
         if on_lookup:
             on_lookup(st.request_id, result)
         gain = result.h_blocks - ld.d_blocks
+        speeds = self.speeds()
+        if gain >= self.settings.min_hit_blocks and speeds is not None:
+            w = worth_loading(g, result.coverage, self._host_asks, ld.d_blocks, result.h_blocks,
+                              self.settings.window_margin_blocks, speeds, self.settings.prefill_tokens_per_s)
+            if w.h_blocks < result.h_blocks:
+                self.stats.offers_not_worth += 1
+                self.decision = "not_worth" if w.h_blocks == ld.d_blocks else ""
+                result.h_blocks = w.h_blocks
+                gain = result.h_blocks - ld.d_blocks
         if gain < self.settings.min_hit_blocks:
             self.stats.misses += 1
             self.decision = self.decision or "miss"
@@ -189,6 +206,11 @@ class Lookups:
         result.h_blocks = inside.h_blocks
         return result
 
+    def in_host(self, group: int, digest: bytes) -> bool:
+        """Rank 0's host tier holds the object of ``group`` ending at ``digest`` (``LoadOp.host``)."""
+        tier = self.host()
+        return tier is not None and self.ctx is not None and tier.holds(self.ctx.prefixes[(group, 0)] + digest.hex())
+
     def record(self, stall_s: float, hit_tokens: int) -> None:
         """The lookup just offered held the scheduler ``stall_s``: note it beside its budget, what
         its best hit could have saved, and how it ended."""
@@ -235,6 +257,7 @@ class Lookups:
         self._timed_out = False
         self._late_wave = None
         self.decision = ""
+        self._host_asks = set()
 
     def _find(self, st: RequestState, full_blocks: int, hmax: int) -> LookupResult:
         """The largest servable history: from the namespace summary when one is ready (a miss
@@ -325,7 +348,12 @@ class Lookups:
         assert st.chain is not None and self.ctx is not None
         prefixes, digests = self.ctx.prefixes, st.chain.digests
         keys = {a: prefixes[(a[0], a[1])] + digests[a[2] - 1].hex() for a in asks}
-        for (a, key), v in zip(keys.items(), self.index.get_many(keys.values()), strict=True):
+        known = self.index.get_many(keys.values())
+        tier = self.host()
+        if tier is not None:
+            known = host_first(tier, keys, known, lambda a: prefixes[(a[0], 0)] + digests[a[2] - 1].hex(),
+                               self._host_asks)
+        for (a, key), v in zip(keys.items(), known, strict=True):
             yield a, key, v
 
     def _probe_local(
@@ -422,7 +450,7 @@ class Lookups:
         for a, key, v in self._indexed(st, asks):
             if v is MISSING:
                 out[a] = None
-            elif v is not None and trust_index:
+            elif v is not None and (trust_index or a in self._host_asks):  # host memory needs no store
                 out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
             else:
                 todo[key] = a
