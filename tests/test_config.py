@@ -245,6 +245,8 @@ INVALID = {
     "integrity_key_file": ["/nonexistent/s3kv-integrity-key"],
     "integrity_previous_keys": ["0123456789abcdef0123456789abcdef01234567,short"],
     "integrity_previous_keys_file": ["/nonexistent/s3kv-previous-keys"],
+    "host_cache_gb": ["-2", "-0.5", "inf", "nan", "lots"],
+    "host_cache_verify": ["sometimes"],
 }
 #: Never echoed in an error message (they would land in logs).
 SECRETS = {"integrity_key", "integrity_previous_keys"}

@@ -9,13 +9,19 @@ tier's copy bandwidth once, at registration. :func:`capacity_bytes` turns
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .hosttier import HostTier
+from ..store.base import ObjectStore
+from .counters import Counters
+from .hosttier import HostTier, Weigher
 from .staging import ALIGN
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,3 +119,29 @@ def capacity_bytes(host_cache_gb: float, device: Any) -> int:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
     return int(min(AUTO_MAX_BYTES, AUTO_FRACTION * _mem_available() / max(1, gpus))) // ALIGN * ALIGN
+
+
+def open_host_tier(
+    store: ObjectStore,
+    host_cache_gb: float,
+    device: Any,
+    *,
+    pinned: bool,
+    weigh: Weigher | None,
+    counters: Counters,
+    on_written: Callable[[str, Any], None] | None,
+    speed: TierSpeed,
+    name: str,
+) -> HostTier | None:
+    """A rank's host tier in front of ``store`` (None when the size is 0), its copy bandwidth to
+    ``device`` measured into ``speed``; how long it took to allocate (and pin) is logged."""
+    nbytes = capacity_bytes(host_cache_gb, device)
+    if nbytes <= 0:
+        return None
+    tier = HostTier(store, nbytes, pinned=pinned, weigh=weigh, on_written=on_written, counters=counters, name=name)
+    bw = calibrate(tier, device)
+    if bw > 0:
+        speed.set_bandwidth(bw)
+    log.info("s3kv %s: host tier %.2f GiB (%s) allocated in %.2f s; %.1f GB/s to %s", name, nbytes / (1 << 30),
+             "pinned" if tier.pinned else "pageable", tier.register_s, bw / 1e9, device)
+    return tier

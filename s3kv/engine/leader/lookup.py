@@ -54,7 +54,10 @@ class _LookupBusy(Exception):
 class Lookups:
     """Answers a request's lookup; holds the HEAD pool, the time budget and the namespace summary."""
 
-    def __init__(self, settings: Settings, store: ObjectStore, index: KeyIndex, stats: LeaderStats):
+    def __init__(self, settings: Settings, store: ObjectStore, index: KeyIndex, stats: LeaderStats,
+                 tiers: Any = None):
+        """``tiers``: where rank 0's host tier (``host_tier``) and the workers' load speeds per
+        tier (``speeds``) appear once the worker registered the layout (the engine runtime)."""
         self.settings = settings
         self.store = store
         self.index = index
@@ -81,11 +84,9 @@ class Lookups:
         self._promise = False
         #: What the engine's honours say of its KV memory (``pressure.py``); ``loads.py`` feeds it.
         self.pressure = PressureGauge()
-        #: Rank 0's host tier and the workers' load speeds per tier (getters: both exist once the
-        #: worker registered the layout). The tier answers before the index (``host_first``); the
-        #: speeds decide how much of a hit is worth loading (``worth.py``).
-        self.host: Callable[[], Any] = lambda: None
-        self.speeds: Callable[[], Any] = lambda: None
+        #: The host tier answers before the index (``host_first``); the speeds decide how much of
+        #: a hit is worth loading (``worth.py``).
+        self.tiers = tiers
         #: This answer's asks the host tier answered.
         self._host_asks: set[Ask] = set()
 
@@ -135,7 +136,7 @@ class Lookups:
         if on_lookup:
             on_lookup(st.request_id, result)
         gain = result.h_blocks - ld.d_blocks
-        speeds = self.speeds()
+        speeds = getattr(self.tiers, "speeds", None)
         if gain >= self.settings.min_hit_blocks and speeds is not None:
             w = worth_loading(g, result.coverage, self._host_asks, ld.d_blocks, result.h_blocks,
                               self.settings.window_margin_blocks, speeds, self.settings.prefill_tokens_per_s)
@@ -208,7 +209,7 @@ class Lookups:
 
     def in_host(self, group: int, digest: bytes) -> bool:
         """Rank 0's host tier holds the object of ``group`` ending at ``digest`` (``LoadOp.host``)."""
-        tier = self.host()
+        tier = getattr(self.tiers, "host_tier", None)
         return tier is not None and self.ctx is not None and tier.holds(self.ctx.prefixes[(group, 0)] + digest.hex())
 
     def record(self, stall_s: float, hit_tokens: int) -> None:
@@ -349,7 +350,7 @@ class Lookups:
         prefixes, digests = self.ctx.prefixes, st.chain.digests
         keys = {a: prefixes[(a[0], a[1])] + digests[a[2] - 1].hex() for a in asks}
         known = self.index.get_many(keys.values())
-        tier = self.host()
+        tier = getattr(self.tiers, "host_tier", None)
         if tier is not None:
             known = host_first(tier, keys, known, lambda a: prefixes[(a[0], 0)] + digests[a[2] - 1].hex(),
                                self._host_asks)

@@ -24,6 +24,10 @@ copies completed.
 was passed in, exactly once; a saving id as soon as every stage copy of that request issued so far
 has completed (at once when nothing is pending; at once on CPU), a loading id once all its pages
 are in place.
+
+Why this is one module: it is the facade -- the lock, the per-iteration state and the order of
+the hooks, which every part (loads, saves, the host tier, the stats) shares; the work itself
+lives in the modules named above.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ from ...transfer.counters import Counters, MetricsHook
 from ...transfer.download import Downloader, LoadJob
 from ...transfer.hosttier import HostTier, Weigher
 from ...transfer.staging import StagingPool
-from ...transfer.tiers import TierSpeed, calibrate, capacity_bytes
+from ...transfer.tiers import TierSpeed, open_host_tier
 from ...transfer.upload import Uploader
 from ..index import AllShards, KeyIndex
 from ..verdicts import ToLeader
@@ -195,30 +199,16 @@ class WorkerCore:
             return geometry
 
     def _make_tier(self, device: Any, pinned: bool) -> HostTier | None:
-        """This rank's host tier, as ``S3KV_HOST_CACHE_GB`` asks (none when 0, or auto off here)."""
+        """This rank's host tier, as ``S3KV_HOST_CACHE_GB`` asks (none when 0, or auto off here);
+        an evicted ``evict`` object the store then holds goes into the key index (every shard)."""
         gb = self.settings.host_cache_gb
-        if gb < 0 and not self._auto_host_cache:
-            return None
-        nbytes = capacity_bytes(gb, device)
-        if nbytes <= 0:
-            return None
-        index = self.index
-        tier = HostTier(
-            self.store, nbytes, pinned=pinned, weigh=self._host_weigh, counters=self._counters,
-            # An evicted "evict" object the store now holds: lookups find it there (all shards).
-            on_written=(AllShards(index) if self.tp_size > 1 else index).put_present if index is not None else None,
-            name=f"s3kv-host-r{self.tp_rank}",
+        index = AllShards(self.index) if self.index is not None and self.tp_size > 1 else self.index
+        self.host_tier = open_host_tier(
+            self.store, 0 if gb < 0 and not self._auto_host_cache else gb, device, pinned=pinned,
+            weigh=self._host_weigh, counters=self._counters, on_written=index.put_present if index else None,
+            speed=self.speeds["host"], name=f"s3kv-host-r{self.tp_rank}",
         )
-        bw = calibrate(tier, device)
-        if bw > 0:
-            self.speeds["host"].set_bandwidth(bw)
-        self.host_tier = tier
-        log.info(
-            "s3kv worker rank %d: host tier %.2f GiB (%s) in %.2f s, %.1f GB/s to %s",
-            self.tp_rank, nbytes / (1 << 30), "pinned" if tier.pinned else "pageable", tier.register_s, bw / 1e9,
-            device,
-        )
-        return tier
+        return self.host_tier
 
     def _layout(self) -> RankLayout:
         if self._rank is None:
