@@ -224,23 +224,28 @@ class AllShards:
 
 
 def host_first(
-    tier: Any, keys: Mapping[Any, str], known: list[Any], shard0_key: Callable[[Any], str], answered: set[Any]
+    tier: Any, index: KeyIndex, keys: Mapping[Any, str], known: list[Any], shard0_key: Callable[[Any], str],
+    answered: set[Any],
 ) -> list[Any]:
     """``known`` (the index's answers for ``keys``, ask -> key, in order) with what the host tier
     holds answered first, the asks it answered added to ``answered``.
 
     The leader sees rank 0's tier only, which holds shard 0 of each object; every other rank's
-    tier holds its own shard of the same objects (the plan keeps them in step), so an ask for
-    shard ``s`` is answered from shard 0's entry -- unless the index has this shard's own HEAD
-    answer, whose span (a shard may have another writer) wins. A tier answer needs no request:
-    no stall, no bill, whether or not the store is reachable.
+    tier holds its own shard of the same object (the plan keeps them in step), so an ask for
+    shard ``s`` is answered with shard 0's span. One exception: the index knows this shard's span
+    from the store and rank 0's tier holds the store's version too -- shards may have different
+    writers there, and a rank that read its shard from the store holds that writer's version. (A
+    tier may hold another version than the store under a key: its own seal, where the store kept
+    an earlier writer's; both are right, loads check the span they get.) A tier answer needs no
+    request: no stall, no bill, whether or not the store is reachable.
     """
     out = []
     for (a, key), v in zip(keys.items(), known, strict=True):
-        span = tier.span_of(key if a[1] == 0 else shard0_key(a))
+        k0 = key if a[1] == 0 else shard0_key(a)
+        span = tier.span_of(k0)
         if span is not None:
             answered.add(a)
-            if a[1] == 0 or not isinstance(v, ObjectSpan):
+            if a[1] == 0 or not isinstance(v, ObjectSpan) or index.get(k0) != span:
                 v = span
         out.append(v)
     return out

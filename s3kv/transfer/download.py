@@ -17,8 +17,8 @@ An audit job (``place=False``) reads and verifies the same way and places nothin
 The host tier (:mod:`.hosttier`): a job whose object the rank's tier holds (``job.host``,
 acquired in plan order by the worker) reads nothing -- its header is checked where it lies in the
 tier's (pinned) arena, its pages too when ``verify_host`` is set, and the host->device copies go
-straight from there; a tier entry that fails a check is dropped from the tier and the job reads the
-store instead. A job that reads a whole object from the store may carry a tier reservation
+straight from there; a tier entry that fails a check is never served again (a ghost) and the job
+reads the store instead, as it does when the entry is another version of the object than the plan's. A job that reads a whole object from the store may carry a tier reservation
 (``job.promote``): the object lands there instead of in staging, is verified whole, and enters the
 tier once verified -- the copies then go from the tier as well.
 
@@ -450,10 +450,16 @@ class Downloader:
         try:
             where = self._check(job, e, buf, idx, self.verify_host)
         except (ObjectFormatError, LoadPlanError) as exc:
-            log.error("s3kv: host tier copy of %s failed its check (%s); reading the store", job.key, exc)
-            self.counters.add("host_bad")
-            if self.tier is not None:
-                self.tier.discard(job.key)
+            if isinstance(exc, SpanMismatch):
+                # Another version of the object (the same blocks' KV from another first block: a
+                # seal of this rank, where the store kept an earlier writer's): both are right, the
+                # plan names the store's. Kept, and read from the store this time.
+                self.counters.add("host_divergence")
+            else:
+                log.error("s3kv: host tier copy of %s failed its check (%s); reading the store", job.key, exc)
+                self.counters.add("host_bad")
+                if self.tier is not None:
+                    self.tier.fail(e)  # a ghost: never served again, still accounted as on every rank
             with job.lock:
                 job.host = None
                 job.buffer = None

@@ -327,7 +327,8 @@ class HostTier(StoreWrapper):
         return e is not None and e.ready and e.stored
 
     def fail(self, e: TierEntry) -> None:
-        """The entry's bytes will not come (a failed save or read): keep it as a ghost."""
+        """The entry's bytes will not come (a failed save or read), or failed a check: it stays
+        as a ghost (accounted like the other ranks' copies, never served)."""
         with self._lock:
             self._n["failed"] += e.buf is not None and not e.evicted
             buf, e.buf, e.ready = e.buf, None, False

@@ -352,7 +352,7 @@ class Lookups:
         known = self.index.get_many(keys.values())
         tier = getattr(self.tiers, "host_tier", None)
         if tier is not None:
-            known = host_first(tier, keys, known, lambda a: prefixes[(a[0], 0)] + digests[a[2] - 1].hex(),
+            known = host_first(tier, self.index, keys, known, lambda a: prefixes[(a[0], 0)] + digests[a[2] - 1].hex(),
                                self._host_asks)
         for (a, key), v in zip(keys.items(), known, strict=True):
             yield a, key, v
