@@ -426,3 +426,20 @@ def test_a_rank_whose_tier_lost_a_host_only_object_takes_the_failed_load_path():
     assert warm.kv_mismatches == 0  # recomputed by the engine, never served unverified
     assert st1.host_divergence > 0 and st1.rung_engine_recompute > 0
     assert any(r.recomputed_failed_load for r in warm.requests)
+
+
+def test_metrics_say_which_tier_served_each_load():
+    store = MemoryStore()
+    with engine(store) as e:
+        e.run(SPECS)
+        flushed(e)
+        e.run(repeat_workload(SPECS, 10_000))
+        for w in e.workers:
+            w.observe_metrics()
+        m = e.workers[0].metrics
+        st = e.workers[0].core.stats()
+    assert m.value("s3kv_tier_loads_total", tier="host") == st.host_hits > 0
+    assert m.value("s3kv_tier_loads_total", tier="s3") == st.objects_loaded - st.host_hits
+    assert m.value("s3kv_host_tier_bytes") == st.host_used > 0
+    assert m.value("s3kv_host_tier_capacity_bytes") == st.host_capacity
+    assert m.value("s3kv_host_tier_events_total", event="inserted") == st.host_inserted > 0

@@ -466,7 +466,8 @@ class Downloader:
             buf.release()
             return False
         self._place(job, buf, where, job.identity.page_bytes)
-        self.speeds["host"].observe(len(idx) * job.identity.page_bytes, time.monotonic() - t0)
+        if job.event is None:  # a copy complete on return (CPU); a GPU's is measured at registration
+            self.speeds["host"].observe(len(idx) * job.identity.page_bytes, time.monotonic() - t0)
         self.counters.add("host_hits")
         self.counters.add("host_hit_bytes", len(idx) * job.identity.page_bytes)
         return True
