@@ -438,8 +438,8 @@ def test_metrics_say_which_tier_served_each_load():
             w.observe_metrics()
         m = e.workers[0].metrics
         st = e.workers[0].core.stats()
-    assert m.value("s3kv_tier_loads_total", tier="host") == st.host_hits > 0
-    assert m.value("s3kv_tier_loads_total", tier="s3") == st.objects_loaded - st.host_hits
-    assert m.value("s3kv_host_tier_bytes") == st.host_used > 0
-    assert m.value("s3kv_host_tier_capacity_bytes") == st.host_capacity
-    assert m.value("s3kv_host_tier_events_total", event="inserted") == st.host_inserted > 0
+        assert m.value("s3kv_tier_loads_total", tier="host") == st.host_hits > 0
+        assert m.value("s3kv_tier_loads_total", tier="s3") == st.objects_loaded - st.host_hits
+        assert m.value("s3kv_host_tier_bytes") == st.host_used > 0
+        assert m.value("s3kv_host_tier_capacity_bytes") == st.host_capacity
+        assert m.value("s3kv_host_tier_events_total", event="inserted") == st.host_inserted > 0
