@@ -443,3 +443,52 @@ def test_metrics_say_which_tier_served_each_load():
         assert m.value("s3kv_host_tier_bytes") == st.host_used > 0
         assert m.value("s3kv_host_tier_capacity_bytes") == st.host_capacity
         assert m.value("s3kv_host_tier_events_total", event="inserted") == st.host_inserted > 0
+
+
+# --------------------------------------------------------------------------- never slower than recompute
+
+
+def test_a_hit_is_weighed_against_recomputing_it():
+    from s3kv.core.hitrule import Span
+    from s3kv.core.layout import CacheGeometry, GroupGeometry
+    from s3kv.engine.leader.worth import worth_loading
+    from s3kv.transfer.tiers import TierSpeed
+
+    g = CacheGeometry(16, (GroupGeometry(0, None, (0,), (1000,)), GroupGeometry(1, 64, (1,), (1000,))), 1, "bf16", "m")
+    cov = {(0, 0): {8: Span(0, 8), 16: Span(8, 16)}, (1, 0): {8: Span(4, 8), 16: Span(11, 16)}}
+    host = {(0, 0, 8), (1, 0, 8)}  # the first half in host memory, the rest in S3
+    fast, slow = TierSpeed(1e-4, 1e10), TierSpeed(5.0, 1e6)
+    # 1000 tokens/s: 16 blocks of 16 tokens take 0.256 s to recompute.
+    assert worth_loading(g, cov, host, 0, 16, 0, {"host": fast, "s3": fast}, 1000.0).h_blocks == 16
+    assert worth_loading(g, cov, host, 0, 16, 0, {"host": fast, "s3": slow}, 1000.0).h_blocks == 0
+    cut = worth_loading(g, cov, host, 0, 16, 0, {"host": fast, "s3": slow}, 1000.0, host_h=8)
+    assert cut.h_blocks == 8 and cut.store_bytes == 0 and cut.host_bytes == (8 + 4) * 1000
+    assert worth_loading(g, cov, host, 0, 16, 0, {"host": slow, "s3": slow}, 1000.0, host_h=8).h_blocks == 0
+
+
+def test_an_engine_loads_only_what_beats_recomputing_it():
+    """S3 measured far slower than recomputing: a fresh engine takes no hit from it (counted
+    not_worth), and where its host tier holds the first turn, a second turn loads that part only."""
+    store = InstrumentedStore(MemoryStore())
+    turns = multi_turn_workload(n_conversations=2, turns=2, system_len=160, first_len=96, turn_len=64,
+                                max_new_tokens=24)
+    first = [s for s in turns if s.request_id % 2 == 0]
+    second = [dataclasses.replace(s, after=()) for s in turns if s.request_id % 2 == 1]  # prompts are fixed
+    others = multi_turn_workload(n_conversations=2, turns=1, system_len=160, first_len=96, seed=5, first_id=100)
+    with engine(store) as a:
+        a.run(turns + others)
+        flushed(a)
+    with engine(store) as b:
+        speeds = b.workers[0].core.speeds
+        b.run(repeat_workload(first, 10_000))  # read from S3 (fast so far): kept in B's tier
+        flushed(b)
+        speeds["s3"].latency_s, speeds["s3"].bytes_per_s = 30.0, 1e3
+        gets = store.snapshot().get
+        cut = b.run(repeat_workload(second, 20_000))
+        none = b.run(repeat_workload(others, 30_000))  # stored, in S3 only
+        leader = b.leader.core.stats
+    assert cut.kv_mismatches == 0 and none.kv_mismatches == 0
+    assert store.snapshot().get == gets
+    assert 0 < cut.matched_tokens < sum(len(s.prompt) for s in second) - 2 * 64  # the first turn's part
+    assert none.matched_tokens == 0
+    assert leader.offers_not_worth == 4 and leader.lookup_decisions.get("not_worth", 0) == 2

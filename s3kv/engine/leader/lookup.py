@@ -38,7 +38,7 @@ from .context import LeaderContext
 from .pressure import PressureGauge, fallback_blocks
 from .requests import RequestState
 from .stats import LeaderStats
-from .worth import worth_loading
+from .worth import weigh, worth_loading
 
 log = logging.getLogger("s3kv.leader")
 
@@ -136,15 +136,8 @@ class Lookups:
         if on_lookup:
             on_lookup(st.request_id, result)
         gain = result.h_blocks - ld.d_blocks
-        speeds = getattr(self.tiers, "speeds", None)
-        if gain >= self.settings.min_hit_blocks and speeds is not None:
-            w = worth_loading(g, result.coverage, self._host_asks, ld.d_blocks, result.h_blocks,
-                              self.settings.window_margin_blocks, speeds, self.settings.prefill_tokens_per_s)
-            if w.h_blocks < result.h_blocks:
-                self.stats.offers_not_worth += 1
-                self.decision = "not_worth" if w.h_blocks == ld.d_blocks else ""
-                result.h_blocks = w.h_blocks
-                gain = result.h_blocks - ld.d_blocks
+        if gain >= self.settings.min_hit_blocks and getattr(self.tiers, "speeds", None) is not None:
+            gain = self._worth(st, result) - ld.d_blocks
         if gain < self.settings.min_hit_blocks:
             self.stats.misses += 1
             self.decision = self.decision or "miss"
@@ -206,6 +199,45 @@ class Lookups:
         ld.needs_grow = False
         result.h_blocks = inside.h_blocks
         return result
+
+    def _worth(self, st: RequestState, result: LookupResult) -> int:
+        """Cut ``result`` to what beats recomputing it at the tiers' measured speeds (``worth.py``):
+        the whole hit, the longest point the host tier alone serves, or nothing. Its history."""
+        ctx, s, d = self.ctx, self.settings, st.load.d_blocks
+        assert ctx is not None
+        g, speeds, tps = ctx.geometry, self.tiers.speeds, s.prefill_tokens_per_s
+        full = weigh(g, result.coverage, self._host_asks, d, result.h_blocks, s.window_margin_blocks, speeds, tps)
+        # The tier's part is sought where the store's part may not pay, or the tier holds some of it.
+        asked = full.store_bytes and getattr(self.tiers, "host_tier", None) is not None
+        host_h = self._host_hit(st, result) if asked and (full.saves_s <= 0 or self._host_asks) else None
+        w = worth_loading(g, result.coverage, self._host_asks, d, result.h_blocks, s.window_margin_blocks, speeds,
+                          tps, host_h)
+        if w.h_blocks < result.h_blocks:
+            self.stats.offers_not_worth += 1
+            self.decision = "not_worth" if w.h_blocks == d else ""
+            result.h_blocks = w.h_blocks
+        return result.h_blocks
+
+    def _host_hit(self, st: RequestState, result: LookupResult) -> int:
+        """The longest point up to ``result``'s hit that the host tier alone serves, its objects
+        added to ``result.coverage``: every block end asked of the tier only (no request), once
+        per group on shard 0 (the other ranks hold their shards of the same objects)."""
+        ctx, d, h = self.ctx, st.load.d_blocks, result.h_blocks
+        assert ctx is not None
+        g = ctx.geometry
+        asks = {(grp.group_id, 0, e) for grp in g.groups for e in range(d + 1, h + 1)}
+        local: dict[tuple[int, int], dict[int, Span]] = {}
+        for (gid, _, e), _key, v in self._indexed(st, asks):
+            if (gid, 0, e) in self._host_asks:
+                for shard in range(g.tp_size):
+                    local.setdefault((gid, shard), {})[e] = Span(v.first, v.end)
+                    self._host_asks.add((gid, shard, e))
+        for e in sorted(local.get((g.spine_group, 0), {}), reverse=True):
+            if servable(g, local, d, e, self.settings.window_margin_blocks):
+                for key, spans in local.items():
+                    result.coverage.setdefault(key, {}).update(spans)
+                return e
+        return d
 
     def in_host(self, group: int, digest: bytes) -> bool:
         """Rank 0's host tier holds the object of ``group`` ending at ``digest`` (``LoadOp.host``)."""

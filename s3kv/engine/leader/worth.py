@@ -9,7 +9,8 @@ as the workers measured them; a tier not measured yet is taken as instant -- no 
 on a guess).
 
 Two loads are weighed: the whole hit ``h``, and the longest point ``h' <= h`` that the host tier
-alone serves (a prefix in host memory, the rest only in the store). The one that saves the most
+alone serves (a prefix in host memory, the rest only in the store; the lookup finds it with the
+tier's answers only, no request). The one that saves the most
 time wins; when neither beats recomputing, the lookup is a miss (users of every peer report
 remote hits slower than the prefill they replace: LMCache #1938, SGLang #26305). Linear prefill
 time is the conservative side: attention makes a long prefix cost more per token than this.
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Set
 from dataclasses import dataclass
 
-from ...core.hitrule import Coverage, Span, required_range, servable
+from ...core.hitrule import Coverage, required_range
 from ...core.layout import CacheGeometry
 from ...core.lookup import Ask
 
@@ -73,22 +74,15 @@ def weigh(g: CacheGeometry, coverage: Coverage, host: Set[Ask], d: int, h: int, 
 
 
 def worth_loading(g: CacheGeometry, coverage: Coverage, host: Set[Ask], d: int, h: int, margin: int,
-                  speeds: Mapping, prefill_tokens_per_s: float) -> Weighed:
+                  speeds: Mapping, prefill_tokens_per_s: float, host_h: int | None = None) -> Weighed:
     """The candidate to load (``h_blocks == d``: none beats recomputing): the whole hit ``h`` or
-    the longest host-only point below it, whichever saves the most time."""
+    ``host_h``, the longest point the host tier alone serves (its objects in ``coverage``),
+    whichever saves the most time."""
     best = weigh(g, coverage, host, d, h, margin, speeds, prefill_tokens_per_s)
-    if best.store_bytes:
-        local: dict[tuple[int, int], dict[int, Span]] = {
-            (gid, s): {e: sp for e, sp in spans.items() if (gid, 0, e) in host} for (gid, s), spans in coverage.items()
-        }
-        spine = g.spine_group
-        ends = sorted((e for e in local.get((spine, 0), {}) if d < e <= h), reverse=True)
-        for e in ends:
-            if servable(g, local, d, e, margin):
-                cand = weigh(g, coverage, host, d, e, margin, speeds, prefill_tokens_per_s)
-                if cand.saves_s > best.saves_s:
-                    best = cand
-                break
+    if host_h is not None and d < host_h < h:
+        cand = weigh(g, coverage, host, d, host_h, margin, speeds, prefill_tokens_per_s)
+        if cand.saves_s > best.saves_s:
+            best = cand
     if best.saves_s <= 0:
         return Weighed(d, 0, 0, 0.0, 0.0)
     return best

@@ -200,9 +200,10 @@ class LoadJobs:
 
     def _from_tier(self, tier: HostTier, jobs: Sequence[LoadJob]) -> None:
         """Here, in plan order (the tier's state follows the plan on every rank): each job whose
-        object this rank's tier holds loads from it; a job that reads a whole object from the
-        store reads it into a tier reservation (it is then held here for the next hit). Hits
-        first: a reservation must not evict an object this same plan loads."""
+        object this rank's tier holds loads from it; a job that reads at least half of an object
+        from the store reads all of it into a tier reservation, so it is held here for the next hit
+        (a hit usually ends a block or two before the object it reads from: the prompt's last
+        token is computed). Hits first: a reservation must not evict an object this plan loads."""
         for job in jobs:
             got = tier.acquire(job.key)
             if got is not None:
@@ -212,7 +213,7 @@ class LoadJobs:
                 # the store serves it, or the load fails (docs/failures.md) -- never a wrong byte.
                 self.counters.add("host_divergence")
         for job in jobs:
-            if job.host is not None or {o for o, _ in job.targets} != set(range(job.first, job.first + job.count)):
+            if job.host is not None or 2 * len({o for o, _ in job.targets}) < job.count:
                 continue
             e = tier.reserve(job.key, job.identity, job.first, job.count)
             if e is not None and e.buf is not None:
