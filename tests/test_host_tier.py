@@ -492,3 +492,35 @@ def test_an_engine_loads_only_what_beats_recomputing_it():
     assert 0 < cut.matched_tokens < sum(len(s.prompt) for s in second) - 2 * 64  # the first turn's part
     assert none.matched_tokens == 0
     assert leader.offers_not_worth == 4 and leader.lookup_decisions.get("not_worth", 0) == 2
+
+
+def test_stats_shows_each_tier_of_a_running_engine(tmp_path):
+    """``s3kv stats --engine URL``: the bucket, and beside it what a rank's host tier served and holds
+    (from its metrics endpoint); an endpoint that does not answer is one line, not a failure."""
+    import json
+
+    from click.testing import CliRunner
+
+    from s3kv.cli import main
+    from s3kv.engine.metrics import start_http_server
+
+    with engine(MemoryStore()) as e:
+        e.run(SPECS)
+        flushed(e)
+        e.run(repeat_workload(SPECS, 10_000))
+        e.workers[0].observe_metrics()
+        st = e.workers[0].core.stats()
+        server = start_http_server(e.workers[0].metrics, 0)
+        try:
+            url = f"http://127.0.0.1:{server.server_port}/metrics"
+            args = ["stats", "--url", f"file://{tmp_path}", "--engine", url, "--engine", "http://127.0.0.1:9/metrics"]
+            out = CliRunner().invoke(main, [*args, "--json"], catch_exceptions=False)
+            text = CliRunner().invoke(main, args, catch_exceptions=False)
+        finally:
+            server.shutdown()
+    doc = json.loads(out.stdout)
+    live, dead = doc["tiers"]
+    assert live["loads"] == {"host": st.host_hits, "s3": st.objects_loaded - st.host_hits} and st.host_hits > 0
+    assert live["host_tier"]["bytes"] == st.host_used and live["host_tier"]["capacity_bytes"] == st.host_capacity
+    assert "error" in dead
+    assert f"loads from the host tier {st.host_hits}" in text.stdout and "no metrics" in text.stdout
