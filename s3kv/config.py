@@ -216,8 +216,9 @@ class Settings:
     lookup_probe_budget: int = 128
     #: Budget for one lookup's HEAD waves (it runs in the engine's scheduling path, where every
     #: millisecond stalls the whole batch); past it the lookup is a miss and its HEADs finish in
-    #: the background, warming the index. -1 = follow the value: the stall-fraction rule below;
-    #: 0 = none; > 0 = this many seconds for every lookup.
+    #: the background, warming the index. -1 = follow the value: the stall-fraction rule below,
+    #: and a hit is loaded only where that beats recomputing it at the tiers' measured speeds;
+    #: 0 = none; > 0 = this many seconds for every lookup (and every hit is loaded).
     lookup_timeout_s: float = -1.0
     #: A lookup may stall the scheduler for at most this fraction of the prefill time its best
     #: possible hit would save (prompt tokens past the device match / prefill_tokens_per_s) ...

@@ -60,7 +60,8 @@ def fill(tier: HostTier, key: str, identity: ObjectIdentity, first: int, count: 
 
 def charged(count, identity=None):
     """What the tier charges an object of ``count`` pages (its buffer, rounded to the arena's unit)."""
-    return HostTier(MemoryStore(), 1 << 20).charge("k", HostTier.layout(identity or ident(), count)[1])
+    base, nbytes = HostTier.layout(identity or ident(), count)
+    return HostTier(MemoryStore(), 1 << 20).charge("k", nbytes, nbytes - base + header_len(count))
 
 
 @pytest.mark.parametrize("weigh", [None, "x3"])
@@ -312,8 +313,8 @@ class PolicyLeader(S3KvConnectorLeader):
 
 
 def engine(store, *, tp=1, loop="non-overlap", load_mode="async", leader=S3KvConnectorLeader, gb=0.05, **kw):
-    s = Settings(url="memory://unused", staging_mib=64, check_access=False, lookup_timeout_s=5.0,
-                 host_cache_gb=gb, load_mode=load_mode, **kw)
+    s = Settings(url="memory://unused", staging_mib=64, check_access=False, host_cache_gb=gb, load_mode=load_mode,
+                 **{"lookup_timeout_s": 5.0, **kw})
     return SimEngine(gemma3_like(64, kv_heads=2), SimCacheConfig(tokens_per_block=TPB, max_seq_len=2048),
                      leader, S3KvConnectorWorker, tp_size=tp, chunk_size=48, failed_load_hook=load_mode == "sync",
                      connector_kwargs=dict(settings=s, store=store, engine_key=f"host-{next(_keys)}"),
@@ -478,7 +479,7 @@ def test_an_engine_loads_only_what_beats_recomputing_it():
     with engine(store) as a:
         a.run(turns + others)
         flushed(a)
-    with engine(store) as b:
+    with engine(store, lookup_timeout_s=-1) as b:  # lookups (and loads) follow the value: the default
         speeds = b.workers[0].core.speeds
         b.run(repeat_workload(first, 10_000))  # read from S3 (fast so far): kept in B's tier
         flushed(b)
@@ -524,3 +525,21 @@ def test_stats_shows_each_tier_of_a_running_engine(tmp_path):
     assert live["host_tier"]["bytes"] == st.host_used and live["host_tier"]["capacity_bytes"] == st.host_capacity
     assert "error" in dead
     assert f"loads from the host tier {st.host_hits}" in text.stdout and "no metrics" in text.stdout
+
+
+def test_a_weigher_charges_objects_by_their_stored_size():
+    """Contract 2: ``weigh(key, nbytes)`` sees each object's size as the store holds it, and the
+    capacity bounds what it charges (a replay charges a real model's pages for tiny ones)."""
+    from s3kv.core.objects import object_len
+
+    seen = []
+
+    def weigh(key, nbytes):
+        seen.append((key, nbytes))
+        return 1000 * nbytes
+
+    tier = HostTier(MemoryStore(), 10_000 * 1000 + 1, weigh=weigh)
+    fill(tier, "a", ident(), 0, 5)
+    fill(tier, "b", ident(), 0, 5)
+    assert seen == [("a", object_len(5, 1000, False)), ("b", object_len(5, 1000, False))]
+    assert tier.keys() == ["b"] and tier.stats().used == 1000 * object_len(5, 1000, False)

@@ -9,9 +9,10 @@ sit at a 4 KiB boundary of their buffer with the header just before them, so a l
 host->device straight from the arena (no staging, no second host copy).
 
 Bound and value. ``capacity`` bounds the bytes charged, never exceeded: an object is charged
-its buffer (or what ``weigh(key, nbytes)`` says: the trace replay charges a real model's sizes
-while the simulator moves tiny pages; a tier with a weigher keeps each object in a buffer of
-its own instead of an arena). Room is made by evicting the object of least value,
+its buffer (or what ``weigh(key, nbytes)`` says of an object of ``nbytes`` -- its size as the
+store holds it, ``88 + count x (page_bytes + 8)`` plus any integrity trailer: the trace replay
+charges a real model's sizes while the simulator moves tiny pages; a tier with a weigher keeps
+each object in a buffer of its own instead of an arena, so it is for simulation). Room is made by evicting the object of least value,
 Greedy-Dual-Size-Frequency: ``priority = L + hits x tokens / charged bytes`` (what a hit is
 worth per byte it holds, times how often it was read), where ``L`` is the priority of the last
 object evicted -- an object not read for a while falls behind everything admitted or read
@@ -203,9 +204,11 @@ class HostTier(StoreWrapper):
         tl = trailer_len(count) if identity.integrity is not None else 0
         return base, base + count * identity.page_bytes + tl
 
-    def charge(self, key: str, buffer_bytes: int) -> int:
+    def charge(self, key: str, buffer_bytes: int, object_bytes: int) -> int:
+        """What an object is charged: its buffer (rounded as the arena rounds it), or what the
+        weigher says of the object (``object_bytes``: its size as the store holds it)."""
         if self.weigh is not None:
-            return max(0, int(self.weigh(key, buffer_bytes)))
+            return max(0, int(self.weigh(key, object_bytes)))
         return _round_up(max(buffer_bytes, 1), ALIGN)
 
     # -- the plan-ordered calls (worker thread) ---------------------------------------------
@@ -219,7 +222,7 @@ class HostTier(StoreWrapper):
         if to_s3 not in WRITE_POLICIES:
             raise ValueError(f"to_s3 must be one of {WRITE_POLICIES}, got {to_s3!r}")
         base, nbytes = self.layout(identity, count)
-        charged = self.charge(key, nbytes)
+        charged = self.charge(key, nbytes, nbytes - base + header_len(count))
         tokens = count * identity.tokens_per_block
         with self._lock:
             if self._closed or key in self._entries:

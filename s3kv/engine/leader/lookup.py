@@ -136,7 +136,8 @@ class Lookups:
         if on_lookup:
             on_lookup(st.request_id, result)
         gain = result.h_blocks - ld.d_blocks
-        if gain >= self.settings.min_hit_blocks and getattr(self.tiers, "speeds", None) is not None:
+        if (gain >= self.settings.min_hit_blocks and self.settings.lookup_timeout_s == -1
+                and getattr(self.tiers, "speeds", None) is not None):  # -1: lookups follow the value
             gain = self._worth(st, result) - ld.d_blocks
         if gain < self.settings.min_hit_blocks:
             self.stats.misses += 1

@@ -14,6 +14,9 @@ tier's answers only, no request). The one that saves the most
 time wins; when neither beats recomputing, the lookup is a miss (users of every peer report
 remote hits slower than the prefill they replace: LMCache #1938, SGLang #26305). Linear prefill
 time is the conservative side: attention makes a long prefix cost more per token than this.
+
+Only where lookups follow the value (``S3KV_LOOKUP_TIMEOUT_S`` -1, the default: their time budget
+is a share of the prefill the hit saves); a fixed budget, or none, weighs no hit either.
 """
 
 from __future__ import annotations
