@@ -13,8 +13,8 @@ its buffer (or what ``weigh(key, nbytes)`` says of an object of ``nbytes`` -- it
 store holds it, ``88 + count x (page_bytes + 8)`` plus any integrity trailer: the trace replay
 charges a real model's sizes while the simulator moves tiny pages; a tier with a weigher keeps
 each object in a buffer of its own instead of an arena, so it is for simulation). Room is made by evicting the object of least value,
-Greedy-Dual-Size-Frequency: ``priority = L + hits x tokens / charged bytes`` (what a hit is
-worth per byte it holds, times how often it was read), where ``L`` is the priority of the last
+Greedy-Dual-Size-Frequency: ``priority = L + (1 + hits) x tokens / charged bytes`` (what a hit
+is worth per byte it holds, times how often it was read), where ``L`` is the priority of the last
 object evicted -- an object not read for a while falls behind everything admitted or read
 since (recency) without any clock.
 
@@ -208,7 +208,10 @@ class HostTier(StoreWrapper):
         """What an object is charged: its buffer (rounded as the arena rounds it), or what the
         weigher says of the object (``object_bytes``: its size as the store holds it)."""
         if self.weigh is not None:
-            return max(0, int(self.weigh(key, object_bytes)))
+            try:
+                return max(0, int(self.weigh(key, object_bytes)))
+            except Exception:  # noqa: BLE001 - a caller's weigher must not fail a save or a load
+                log.exception("s3kv: the host tier's weigher failed on %s; charging the object's bytes", key)
         return _round_up(max(buffer_bytes, 1), ALIGN)
 
     # -- the plan-ordered calls (worker thread) ---------------------------------------------
@@ -272,11 +275,6 @@ class HostTier(StoreWrapper):
                 self._drop(e)
 
     # -- filling (any thread) ---------------------------------------------------------------
-    def page_views(self, e: TierEntry) -> Any:
-        """The entry's page bytes as one 1-D uint8 host tensor (``count * page_bytes``)."""
-        assert e.buf is not None
-        return e.buf.view(e.base, e.count * e.identity.page_bytes)
-
     def fill_pages(self, e: TierEntry, pages: Any) -> StagingBuffer | None:
         """Copy the object's pages (a 1-D uint8 host tensor, pages back to back) into the entry.
         Returns the entry's buffer, retained for the caller (to hash the pages where they landed
