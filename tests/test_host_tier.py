@@ -543,3 +543,27 @@ def test_a_weigher_charges_objects_by_their_stored_size():
     fill(tier, "b", ident(), 0, 5)
     assert seen == [("a", object_len(5, 1000, False)), ("b", object_len(5, 1000, False))]
     assert tier.keys() == ["b"] and tier.stats().used == 1000 * object_len(5, 1000, False)
+
+
+def test_signed_objects_are_checked_in_the_tier_too():
+    """With integrity keys the tier holds the object's trailer of keyed tags where the store does,
+    and a hit checks it: a header re-signed by no key is refused and read from the store."""
+    store = MemoryStore()
+    key_text = "0123456789abcdef0123456789abcdef-tier"
+    a, la = make_core(store, integrity_key=key_text)
+    d = digest("signed")
+    step(a, seal_md(1, 1, [3, 4], d))
+    assert a.flush(10)
+    key = a.object_key(1, d)
+    decode_object(store.get(key), a.identity(1), key)  # the store's copy verifies
+    assert bytes(a.host_tier.get(key)) == store.get(key)  # the tier's bytes are the store's
+    step(a, load_md(9, 1, d, 2, [20, 21]))
+    assert [page_bytes(la, 1, s) for s in (20, 21)] == [page_bytes(la, 1, s) for s in (3, 4)]
+    assert a.stats().host_hits == 1
+    e = a.host_tier.entries()[key]
+    e.buf.tensor[e.base + 2 * a.identity(1).page_bytes + 20] ^= 1  # a bit of the trailer
+    step(a, load_md(10, 1, d, 2, [22, 23]))
+    assert [page_bytes(la, 1, s) for s in (22, 23)] == [page_bytes(la, 1, s) for s in (3, 4)]
+    st = a.stats()
+    assert st.host_bad == 1 and st.host_hits == 1 and st.objects_loaded == 2
+    a.close()

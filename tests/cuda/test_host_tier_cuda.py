@@ -116,3 +116,20 @@ def test_bench_host_tier_smoke():
     assert r["pinned"] is True and r["bit_exact"] is True and r["register_s"] > 0
     assert r["host_tier_ratio_vs_memcpy"] > 0 and r["results"][0]["tier_pinned"] is True
     print(r)
+
+
+def test_a_tier_of_any_size_pins_exactly_that_size():
+    """PyTorch's pinned allocator rounds up to a power of two; the arena of a size that is not one
+    is registered with CUDA instead: pinned, exactly its size, and copies from it are exact."""
+    from s3kv.transfer.staging import StagingPool
+
+    n = 3 * (1 << 20) + 4096
+    pool = StagingPool(n, pinned=True, load_reserve_fraction=0.0)
+    assert pool.pinned and pool._arena.is_pinned() and pool._arena.numel() == pool.capacity
+    buf = pool.try_acquire(1 << 20)
+    buf.tensor.copy_(torch.arange(1 << 20, dtype=torch.int64).to(torch.uint8))
+    dev = torch.empty(1 << 20, dtype=torch.uint8, device=DEV)
+    dev.copy_(buf.tensor, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(dev.cpu(), buf.tensor)
+    buf.release()
