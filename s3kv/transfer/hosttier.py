@@ -57,6 +57,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.cost import put_requests
 from ..core.objects import ObjectIdentity, ObjectSpan, header_len, object_metadata, trailer_len
 from ..store.base import Buffer, ByteRange, HeadBatch, IntegrityError, ObjectInfo, ObjectStore, StoreWrapper
 from .counters import Counters
@@ -331,8 +332,11 @@ class HostTier(StoreWrapper):
         """The entry's bytes will not come (a failed save or read), or failed a check: it stays
         as a ghost (accounted like the other ranks' copies, never served)."""
         with self._lock:
-            self._n["failed"] += e.buf is not None and not e.evicted
-            buf, e.buf, e.ready = e.buf, None, False
+            e.ready = False
+            if e.evicted:  # its bytes are gone, or the write-back's, which now skips them
+                return
+            self._n["failed"] += e.buf is not None
+            buf, e.buf = e.buf, None
         if buf is not None:
             buf.release()
 
@@ -401,6 +405,9 @@ class HostTier(StoreWrapper):
             if e is None:
                 return
             try:
+                if not e.ready:  # failed a check after it was evicted: nothing to write
+                    continue
+                self.counters.add("put_requests", put_requests(e.size))
                 created = self.inner.put(e.key, [e.object_view()], e.metadata())
                 with self._lock:
                     self._n["write_backs"] += 1
