@@ -216,6 +216,16 @@ class Settings:
     #: Host staging pool for saves and loads.
     staging_mib: int = 1024
     pinned: bool = True
+    #: Host tier (DRAM, per TP rank): GiB of s3kv objects kept in host memory in front of the store,
+    #: so repeats on this engine load at PCIe speed with no S3 request. -1 = auto: on a GPU engine
+    #: 20% of the host's available memory shared by its GPUs, at most 64 GB a rank (pinned once,
+    #: at start-up); 0 in the simulator and wherever the KV cache is not on a GPU. 0 = off
+    #: (docs/sizing.md: how big).
+    host_cache_gb: float = -1.0
+    #: Re-check every page's checksum on every host-tier hit. Off: pages are checked when they
+    #: enter the tier (hashed where they land, or verified from the store) and each hit checks the
+    #: header only -- hashing every hit costs more host time than the copy (s3kv bench staging).
+    host_cache_verify: bool = False
     #: Hand each save's/load's page copies to cudaMemcpyBatchAsync in a few calls (CUDA >= 12.8,
     #: pinned staging, compute capability < 10); off, or where unavailable, one copy per page.
     batch_copies: bool = True
@@ -231,8 +241,9 @@ class Settings:
     lookup_probe_budget: int = 128
     #: Budget for one lookup's HEAD waves (it runs in the engine's scheduling path, where every
     #: millisecond stalls the whole batch); past it the lookup is a miss and its HEADs finish in
-    #: the background, warming the index. -1 = follow the value: the stall-fraction rule below;
-    #: 0 = none; > 0 = this many seconds for every lookup.
+    #: the background, warming the index. -1 = follow the value: the stall-fraction rule below,
+    #: and a hit is loaded only where that beats recomputing it at the tiers' measured speeds;
+    #: 0 = none; > 0 = this many seconds for every lookup (and every hit is loaded).
     lookup_timeout_s: float = -1.0
     #: A lookup may stall the scheduler for at most this fraction of the prefill time its best
     #: possible hit would save (prompt tokens past the device match / prefill_tokens_per_s) ...
@@ -433,6 +444,8 @@ def validate(s: Settings) -> None:
     need(s.window_margin_blocks >= 0, "window_margin_blocks", "must be >= 0", s.window_margin_blocks)
     need(s.min_hit_blocks >= 1, "min_hit_blocks", "must be >= 1", s.min_hit_blocks)
     need(s.staging_mib > 0, "staging_mib", "must be > 0", s.staging_mib)
+    need(0 <= s.host_cache_gb < float("inf") or s.host_cache_gb == -1, "host_cache_gb",
+         "must be >= 0 (0 = off), or -1 (auto)", s.host_cache_gb)
     need(s.lookup_max_pending >= 0, "lookup_max_pending", "must be >= 0", s.lookup_max_pending)
     need(s.lookup_summary_s >= 0, "lookup_summary_s", "must be >= 0 (0 = off)", s.lookup_summary_s)
     need(s.lookup_summary_trust_s >= 0, "lookup_summary_trust_s", "must be >= 0 (0 = verify)", s.lookup_summary_trust_s)

@@ -247,6 +247,8 @@ INVALID = {
     "integrity_previous_keys_file": ["/nonexistent/s3kv-previous-keys"],
     "identity_cache_dir": ["relative/cache"],
     "lora_settle_s": ["-1", "soon"],
+    "host_cache_gb": ["-2", "-0.5", "inf", "nan", "lots"],
+    "host_cache_verify": ["sometimes"],
 }
 #: Never echoed in an error message (they would land in logs).
 SECRETS = {"integrity_key", "integrity_previous_keys"}

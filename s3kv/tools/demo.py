@@ -59,6 +59,8 @@ class DemoShape:
     checkpoint_tokens: int = 512
     #: Host staging per cluster (the demo's model is small).
     staging_mib: int = 256
+    #: Host tier per cluster (GiB): cluster B's last turn, sent again, is served from it.
+    host_cache_gb: float = 0.25
 
 
 def _workload(shape: DemoShape, role: str) -> list[list[Any]]:
@@ -108,6 +110,7 @@ def demo_defaults(shape: DemoShape) -> dict[str, Any]:
         "load_mode": shape.load_mode,
         "staging_mib": shape.staging_mib,
         "checkpoint_tokens": shape.checkpoint_tokens,
+        "host_cache_gb": shape.host_cache_gb,
     }
 
 
@@ -172,13 +175,15 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
             # Users think between turns; by then the previous turn's uploads are done.
             for w in engine.workers:
                 w.flush(120)
+        io_phases = store.snapshot()
+        repeat = _repeat_inside(engine, store, shape, role) if not (crashes or hangs) else None
         contained = sum(engine.leader.errors.values()) + sum(sum(w.errors.values()) for w in engine.workers)
         wall = time.perf_counter() - t0
         geometry = engine.workers[0].core.geometry
         wstats = [w.core.stats() for w in engine.workers]
         lstats = engine.leader.core.stats
         ns_prefix = engine.leader.core.scheme.namespace_prefix
-    io = store.snapshot()
+    io = io_phases
     windows = {g.fingerprint: (g.group_id, g.window) for g in geometry.groups}
     by_group: dict[str, dict[str, int]] = {}
     for info in raw.list(ns_prefix):
@@ -223,6 +228,13 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
         "s3_requests": io.requests,
         "s3": {"head": io.head, "put": io.put, "get": io.get, "bytes_up": io.bytes_up, "bytes_down": io.bytes_down},
         "lookup_waves": lstats.lookup_waves,
+        "host_tier": {
+            "capacity_bytes": sum(s.host_capacity for s in wstats), "bytes": sum(s.host_used for s in wstats),
+            "objects": sum(s.host_objects for s in wstats), "loads": sum(s.host_hits for s in wstats),
+            "bytes_loaded": sum(s.host_hit_bytes for s in wstats),
+            "kept_from_s3": sum(s.host_promoted for s in wstats), "evicted": sum(s.host_evicted for s in wstats),
+        },
+        "repeat": repeat,
         "time_s": round(wall, 3),
         "stored_bytes_by_group": by_group,
         "per_request": [
@@ -335,7 +347,7 @@ def _table(res: dict[str, Any]) -> str:
         r = res[phase]
         lines.append(
             f"{phase} cluster {r['role']}: {r['requests']} requests; {r['matched_tokens']} of {r['prompt_tokens']} "
-            f"prompt tokens served from S3 ({r['hit_rate']:.0%}), {r['computed_tokens']} computed; "
+            f"prompt tokens served from S3 or host memory ({r['hit_rate']:.0%}), {r['computed_tokens']} computed; "
             f"kv_mismatches: {r['kv_mismatches']} ({r['pages_checked']} pages checked against recomputation)"
         )
         lines.append(f"  served/prompt tokens per request: {_hits(r)}")
@@ -346,6 +358,7 @@ def _table(res: dict[str, Any]) -> str:
             f"loaded {r['bytes_loaded'] / 2**20:.1f} MiB, {r['time_s']:.1f}s"
         )
         lines.append(f"  {_engine_line(r)}")
+        lines.extend(_host_lines(r))
     lines.append("stored: " + ", ".join(
         f"{v['bytes'] / 2**20:.1f} MiB in {v['objects']} objects for {_layers(k)}"
         for k, v in sorted(res["warm"]["stored_bytes_by_group"].items())
@@ -356,6 +369,40 @@ def _table(res: dict[str, Any]) -> str:
     if res.get("cleanup"):
         lines.append(res["cleanup"])
     return "\n".join(lines)
+
+
+def _repeat_inside(engine: Any, store: Any, shape: DemoShape, role: str) -> dict[str, Any] | None:
+    """Cluster B's last turn, sent again inside B: served from B's host tier (what B saved, what
+    it read from S3), with no S3 request for it. Reported on its own; the phases' figures stay."""
+    from ..sim import repeat_workload
+
+    if role != "B":
+        return None
+    specs = repeat_workload(_workload(shape, role)[-2], 20_000)  # the last turn (new users come after it)
+    before = store.snapshot()
+    rep = engine.run(specs)
+    io = store.snapshot()
+    return {
+        "requests": len(rep.requests), "prompt_tokens": rep.prompt_tokens, "matched_tokens": rep.matched_tokens,
+        "kv_mismatches": rep.kv_mismatches,
+        "s3": {"head": io.head - before.head, "get": io.get - before.get, "put": io.put - before.put},
+    }
+
+
+def _host_lines(r: dict[str, Any]) -> list[str]:
+    """The host tier's line (and, for cluster B, its repeat's) for the table."""
+    h = r.get("host_tier")
+    if not h or not h["capacity_bytes"]:
+        return []
+    out = [f"  host tier: {h['loads']} object loads from host memory ({h['bytes_loaded'] / 2**20:.1f} MiB, no S3 "
+           f"request), {h['kept_from_s3']} objects kept from S3 reads; holds {h['objects']} objects, "
+           f"{h['bytes'] / 2**20:.1f} of {h['capacity_bytes'] / 2**20:.0f} MiB"]
+    rp = r.get("repeat")
+    if rp:
+        out.append(f"  repeat inside this cluster: its last turn sent again, {rp['matched_tokens']} of "
+                   f"{rp['prompt_tokens']} prompt tokens served from host memory with S3 GET {rp['s3']['get']}, "
+                   f"HEAD {rp['s3']['head']}; kv_mismatches: {rp['kv_mismatches']}")
+    return out
 
 
 def _check_settings(url: str, forced: dict[str, Any], shape: DemoShape) -> Any:

@@ -382,6 +382,10 @@ def ls_command(ctx: _Ctx, namespace: str | None) -> None:
                 yield f"(a name with a '/' sits below {ctx.url}: pass --url {ctx.url.rstrip('/')}/<that path> to see it alone)"
         if other.objects:
             yield f"unrecognised keys (not s3kv layout, ignored): {other.objects}, {fmt_bytes(other.bytes)}"
+        if "tiers" in doc:
+            from .tierstats import lines
+
+            yield from lines(doc["tiers"], fmt_bytes)
 
     _emit(ctx, doc, text)
 
@@ -426,11 +430,15 @@ def _head_all(store: ObjectStore, keys: Sequence[str]) -> dict[str, ObjectInfo]:
 @_common
 @click.option("--namespace", "-n", default=None, help="Only this namespace (full or unique prefix).")
 @click.option("--deep", is_flag=True, help="HEAD every object and count pages from its metadata.")
-def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
+@click.option("--engine", "engines", multiple=True, metavar="URL",
+              help="Also an engine rank's metrics endpoint (http://host:port/metrics): what its host tier "
+              "and S3 served, what the host tier holds. Repeat for each rank.")
+def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[str, ...] = ()) -> None:
     """Objects, bytes, pages and ages per namespace and per group/shard.
 
     Pages come from object sizes and each group's page size (one HEAD per group), or with
-    --deep from every object's metadata (s3kv-count).
+    --deep from every object's metadata (s3kv-count). With --engine, per tier: the host tier of
+    each engine rank named (from its metrics), beside the bucket.
     """
     ns = _resolve_ns(ctx, namespace)
     groups: dict[tuple[str, str], list[Entry]] = {}
@@ -545,6 +553,10 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
     }
     if deep:
         doc["inconsistent"] = inconsistent
+    if engines:
+        from .tierstats import engine_tiers
+
+        doc["tiers"] = engine_tiers(engines)
 
     def text() -> Iterator[str]:
         if not namespaces:
@@ -576,6 +588,10 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
             yield f"objects whose metadata and size disagree (run verify): {inconsistent}"
         if other.objects:
             yield f"unrecognised keys (not s3kv layout, ignored): {other.objects}, {fmt_bytes(other.bytes)}"
+        if "tiers" in doc:
+            from .tierstats import lines
+
+            yield from lines(doc["tiers"], fmt_bytes)
 
     _emit(ctx, doc, text)
 

@@ -93,6 +93,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             failed_load_hook=False,  # sync loads: see above
             # TensorRT-LLM's default loop is the overlap one; only an explicit True turns it off.
             overlap=getattr(llm_args, "disable_overlap_scheduler", False) is not True,
+            tiers=self._runtime,  # rank 0's host tier and load speeds appear there at registration
         )
 
     def _start_summary(self) -> None:

@@ -33,12 +33,13 @@ from ...core.hitrule import Span, required_range, servable
 from ...core.lookup import Ask, LookupResult, find_hit, stall_budget_s
 from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
-from ..index import MISSING, KeyIndex
+from ..index import MISSING, KeyIndex, host_first
 from ..summary import NamespaceSummary, SummaryGroup
 from .context import LeaderContext
 from .pressure import PressureGauge, fallback_blocks
 from .requests import RequestState
 from .stats import LeaderStats
+from .worth import weigh, worth_loading
 
 log = logging.getLogger("s3kv.leader")
 
@@ -57,7 +58,10 @@ class _LookupBusy(Exception):
 class Lookups:
     """Answers a request's lookup; holds the HEAD pool, the time budget and the namespace summary."""
 
-    def __init__(self, settings: Settings, store: ObjectStore, index: KeyIndex, stats: LeaderStats):
+    def __init__(self, settings: Settings, store: ObjectStore, index: KeyIndex, stats: LeaderStats,
+                 tiers: Any = None):
+        """``tiers``: where rank 0's host tier (``host_tier``) and the workers' load speeds per
+        tier (``speeds``) appear once the worker registered the layout (the engine runtime)."""
         self.settings = settings
         self.store = store
         self.index = index
@@ -88,6 +92,11 @@ class Lookups:
         self._promise = False
         #: What the engine's honours say of its KV memory (``pressure.py``); ``loads.py`` feeds it.
         self.pressure = PressureGauge()
+        #: The host tier answers before the index (``host_first``); the speeds decide how much of
+        #: a hit is worth loading (``worth.py``).
+        self.tiers = tiers
+        #: This answer's asks the host tier answered.
+        self._host_asks: set[Ask] = set()
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -135,6 +144,9 @@ class Lookups:
         if on_lookup:
             on_lookup(st.request_id, result)
         gain = result.h_blocks - ld.d_blocks
+        if (gain >= self.settings.min_hit_blocks and self.settings.lookup_timeout_s == -1
+                and getattr(self.tiers, "speeds", None) is not None):  # -1: lookups follow the value
+            gain = self._worth(st, result) - ld.d_blocks
         if gain < self.settings.min_hit_blocks:
             self.stats.misses += 1
             self.decision = self.decision or "miss"
@@ -197,6 +209,50 @@ class Lookups:
         result.h_blocks = inside.h_blocks
         return result
 
+    def _worth(self, st: RequestState, result: LookupResult) -> int:
+        """Cut ``result`` to what beats recomputing it at the tiers' measured speeds (``worth.py``):
+        the whole hit, the longest point the host tier alone serves, or nothing. Its history."""
+        ctx, s, d = self.ctx, self.settings, st.load.d_blocks
+        assert ctx is not None
+        g, speeds, tps = ctx.geometry, self.tiers.speeds, s.prefill_tokens_per_s
+        full = weigh(g, result.coverage, self._host_asks, d, result.h_blocks, s.window_margin_blocks, speeds, tps)
+        # The tier's part is sought where the store's part may not pay, or the tier holds some of it.
+        asked = full.store_bytes and getattr(self.tiers, "host_tier", None) is not None
+        host_h = self._host_hit(st, result) if asked and (full.saves_s <= 0 or self._host_asks) else None
+        w = worth_loading(g, result.coverage, self._host_asks, d, result.h_blocks, s.window_margin_blocks, speeds,
+                          tps, host_h)
+        if w.h_blocks < result.h_blocks:
+            self.stats.offers_not_worth += 1
+            self.decision = "not_worth" if w.h_blocks == d else ""
+            result.h_blocks = w.h_blocks
+        return result.h_blocks
+
+    def _host_hit(self, st: RequestState, result: LookupResult) -> int:
+        """The longest point up to ``result``'s hit that the host tier alone serves, its objects
+        added to ``result.coverage``: every block end asked of the tier only (no request), once
+        per group on shard 0 (the other ranks hold their shards of the same objects)."""
+        ctx, d, h = self.ctx, st.load.d_blocks, result.h_blocks
+        assert ctx is not None
+        g = ctx.geometry
+        asks = {(grp.group_id, 0, e) for grp in g.groups for e in range(d + 1, h + 1)}
+        local: dict[tuple[int, int], dict[int, Span]] = {}
+        for (gid, _, e), _key, v in self._indexed(st, asks):
+            if (gid, 0, e) in self._host_asks:
+                for shard in range(g.tp_size):
+                    local.setdefault((gid, shard), {})[e] = Span(v.first, v.end)
+                    self._host_asks.add((gid, shard, e))
+        for e in sorted(local.get((g.spine_group, 0), {}), reverse=True):
+            if servable(g, local, d, e, self.settings.window_margin_blocks):
+                for key, spans in local.items():
+                    result.coverage.setdefault(key, {}).update(spans)
+                return e
+        return d
+
+    def in_host(self, group: int, digest: bytes) -> bool:
+        """Rank 0's host tier holds the object of ``group`` ending at ``digest`` (``LoadOp.host``)."""
+        tier = getattr(self.tiers, "host_tier", None)
+        return tier is not None and self.ctx is not None and tier.holds(self.ctx.prefixes[(group, 0)] + digest.hex())
+
     def record(self, stall_s: float, hit_tokens: int) -> None:
         """The lookup just offered held the scheduler ``stall_s``: note it beside its budget, what
         its best hit could have saved, and how it ended."""
@@ -243,6 +299,7 @@ class Lookups:
         self._timed_out = False
         self._late_wave = None
         self.decision = ""
+        self._host_asks = set()
 
     def _find(self, st: RequestState, full_blocks: int, hmax: int) -> LookupResult:
         """The largest servable history: from the namespace summary when one is ready (a miss
@@ -333,7 +390,12 @@ class Lookups:
         assert st.chain is not None and self.ctx is not None
         prefixes, digests = self.ctx.prefixes, st.chain.digests
         keys = {a: prefixes[(a[0], a[1])] + digests[a[2] - 1].hex() for a in asks}
-        for (a, key), v in zip(keys.items(), self.index.get_many(keys.values()), strict=True):
+        known = self.index.get_many(keys.values())
+        tier = getattr(self.tiers, "host_tier", None)
+        if tier is not None:
+            known = host_first(tier, self.index, keys, known, lambda a: prefixes[(a[0], 0)] + digests[a[2] - 1].hex(),
+                               self._host_asks)
+        for (a, key), v in zip(keys.items(), known, strict=True):
             yield a, key, v
 
     def _probe_local(
@@ -432,7 +494,7 @@ class Lookups:
         for a, key, v in self._indexed(st, asks):
             if v is MISSING:
                 out[a] = None
-            elif v is not None and trust_index:
+            elif v is not None and (trust_index or a in self._host_asks):  # host memory needs no store
                 out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
             else:
                 todo[key] = a

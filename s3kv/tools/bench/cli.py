@@ -55,6 +55,9 @@ LEGENDS: dict[str, tuple[str, ...]] = {
         "speed; the 'all' row shows the worst of the headline page sizes)",
         "GPU-time ratio: the same ratio timed on the GPU alone (without host launch overhead)",
         "per-page copies: the ratio when each page is its own copy call (the fallback without batching)",
+        "host tier: a sync load through the worker from the host tier (header checked, pages copied from the "
+        "pinned arena), with every page re-hashed (S3KV_HOST_CACHE_VERIFY), and from a store through staging, "
+        "each / one contiguous pinned memcpy of the same bytes (target >= 0.9 for the tier)",
     ),
     "e2e": (
         "hit = prompt tokens served from S3 / prompt tokens; ms/req and TTFT: mean per request in the "
@@ -346,7 +349,8 @@ def staging_command(
 
     sizes = _floats(page_mib) or ((1.0,) if quick else staging.DEFAULT_PAGE_MIB)
     n = pages or (8 if quick else 64)
-    res = staging.run_staging(sizes, n, device)
+    res = (staging.run_staging(sizes, n, device, host_objects=2, host_pages=4, host_gib=0.25) if quick
+           else staging.run_staging(sizes, n, device))
     if res.get("skipped"):
         progress(f"staging: skipped -- {res['reason']}")
     finish(

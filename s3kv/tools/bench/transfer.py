@@ -420,8 +420,20 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
         "speedup_vs_seed_ge_5x": res["speedup_vs_seed_path"] >= TARGET_SPEEDUP_VS_SEED,
         "bit_exact": exact_all,
     }
+    res["worth"] = _worth(bs, cfg, agg["s3kv_load"] * MiB)
     res["seconds"] = rnd(time.perf_counter() - t_start, 1)
     return res
+
+
+def _worth(bs: BenchStore, cfg: TransferConfig, load_bytes_per_s: float) -> dict[str, Any]:
+    """Where a hit of Gemma-3-27B beats recomputing it, per tier, at the speeds measured here
+    (``crossover.py``)."""
+    from ...transfer.tiers import TierSpeed
+    from .common import GEMMA3_27B
+    from .crossover import crossover, host_speed, store_round_trip_s
+
+    s3 = TierSpeed(latency_s=store_round_trip_s(bs.store), bytes_per_s=load_bytes_per_s)
+    return crossover(GEMMA3_27B, 32, Settings().prefill_tokens_per_s, {"host": host_speed(cfg.device), "s3": s3})
 
 
 def _measure(
@@ -583,5 +595,9 @@ def table(res: dict[str, Any]) -> str:
         f"save {res['save_ratio_vs_fastest_raw_paired']:.2f}, load {res['load_ratio_vs_fastest_raw_paired']:.2f}"
     )
     lines.append(f"loaded bytes identical to saved: {res['bit_exact']}")
+    if res.get("worth"):
+        from .crossover import table as worth_table
+
+        lines += ["", *worth_table(res["worth"])]
     lines.append(targets_line(res))
     return "\n".join(lines)
