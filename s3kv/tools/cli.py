@@ -8,59 +8,13 @@ goes through :func:`s3kv.config.redact`, so credentials in a URL are never print
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
 from typing import Any
 
 import click
 
 from .. import __version__
-
-_TRUE = {"1", "true", "yes", "on"}
-
-
-def debug_enabled(ctx: click.Context | None = None) -> bool:
-    """``--debug`` on the command line (``ctx.meta``), else ``S3KV_DEBUG`` in the environment."""
-    if ctx is not None:
-        root = ctx.find_root()
-        if "s3kv.debug" in root.meta:
-            return bool(root.meta["s3kv.debug"])
-    return os.environ.get("S3KV_DEBUG", "").strip().lower() in _TRUE
-
-
-def one_line(exc: BaseException) -> str:
-    """What a user sees for ``exc``: its message, first line only, credentials removed.
-
-    s3kv's own errors (bad settings, store errors) carry messages written for users; anything
-    else is shown with its type, which is what makes it searchable.
-    """
-    from ..config import ConfigError, redact
-    from ..core.errors import S3KvError
-    from ..store.base import StoreError
-
-    if isinstance(exc, StoreError):
-        from .storeerrors import describe
-
-        return redact(describe(exc))
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else ""
-    if isinstance(exc, (ConfigError, S3KvError)):
-        return redact(first or type(exc).__name__)
-    return redact(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
-
-
-def url_option(url: str | None) -> str | None:
-    """A command's ``--url`` value, checked here so that its errors name ``--url`` (the settings'
-    own check would name S3KV_URL, which the user did not set)."""
-    if url is None:
-        return None
-    from ..config import ConfigError, check_url
-
-    try:
-        return check_url(url, "--url")
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc).removeprefix("--url: "), param_hint="--url") from None
+from .options import debug_enabled, export_lines, one_line, wait_for_interrupt
 
 
 class _Main(click.Group):
@@ -238,28 +192,6 @@ def size_command(model_name: str, model_config: str | None, tp: int, tokens_per_
         click.echo(json.dumps(asdict(result), indent=2))
     else:
         click.echo(table(result, f"{tp} x {gpu.peak_tflops:g} TFLOP/s at MFU {gpu.mfu:g}, ${gpu.usd_per_hour:g}/GPU-h"))
-
-
-def export_lines(env: dict[str, str]) -> list[str]:
-    import shlex
-
-    return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-
-
-def wait_for_interrupt() -> None:
-    """Block until SIGINT (Ctrl-C) or SIGTERM."""
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.wait(0.5):
-            pass
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def _register() -> None:

@@ -425,7 +425,7 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
                  s3_latency_ms: float) -> None:
     """Cold cluster A, then warm cluster B, sharing only the bucket."""
     from ..config import ConfigError, explicit_settings, load_settings, unknown_env_names
-    from .cli import debug_enabled, export_lines, url_option, wait_for_interrupt
+    from .options import debug_enabled, export_lines, url_option, wait_for_interrupt
 
     shape = DemoShape(tp_size=tp)
     forced = {"load_mode": load_mode} if load_mode else {}
@@ -541,8 +541,8 @@ def _progress(message: str) -> None:
 def _main(argv: Sequence[str]) -> None:
     """A demo cluster process: writes its result (or its one-line error) as JSON to ``out``."""
     role, out, shape_json, forced_json = argv
-    from .cli import debug_enabled, one_line
     from .logs import configure_logging
+    from .options import debug_enabled, one_line
 
     configure_logging(os.environ.get("S3KV_LOG_LEVEL", "WARNING"), fmt="text")
     try:

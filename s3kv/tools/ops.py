@@ -85,7 +85,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     ``S3KV_CONFIG_FILE`` and the env's timeouts, retries and SSE apply as in an engine."""
     from ..engine.runtime import open_runtime_store
     from ..store.factory import parse_store_url
-    from .cli import url_option
+    from .options import url_option
 
     url = url_option(url)
     try:

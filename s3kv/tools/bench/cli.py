@@ -87,12 +87,9 @@ def _check_plot(plot_path: str | None, url: str | None = None) -> None:
 
         require_matplotlib()
     if url:
-        from ...config import ConfigError, check_url
+        from ..options import url_option
 
-        try:
-            check_url(url, "--url")
-        except ConfigError as exc:
-            raise click.BadParameter(str(exc).removeprefix("--url: "), param_hint="--url") from None
+        url_option(url)
 
 
 @click.group("bench", context_settings={"help_option_names": ["-h", "--help"]})
