@@ -104,22 +104,30 @@ def test_getting_started_commands(tmp_path):
 
 
 def test_configuration_commands_and_file(tmp_path):
+    import yaml
+
     page = DOCS / "configuration.md"
-    toml = next(b for b in blocks(page) if b.lang == "toml")
+    settings_file = next(b for b in blocks(page) if b.lang == "yaml")
+    shown = next(b for b in blocks(page) if b.lang == "text" and b.text.startswith("SETTING"))
     box = _sandbox(tmp_path)
     cache = f"file://{tmp_path}/cache"
     (tmp_path / "cache").mkdir()  # an existing, empty cache (ls refuses a directory that is not there)
-    (box / "s3kv.toml").write_text(toml.text.replace("s3://my-bucket/kv", cache))
+    (box / "s3kv.yaml").write_text(settings_file.text.replace("s3://my-bucket/kv", cache))
     # The file the page shows loads as it says (with its bucket swapped for a directory).
-    if sys.version_info >= (3, 11):
-        from s3kv.config import load_settings
+    from s3kv.config import load_settings
 
-        s = load_settings({"S3KV_CONFIG_FILE": str(box / "s3kv.toml")})
-        assert (s.url, s.staging_mib, s.checkpoint_tokens, s.metrics_port) == (cache, 2048, 8192, 9400)
+    s = load_settings({"S3KV_CONFIG_FILE": str(box / "s3kv.yaml")})
+    assert (s.url, s.staging_mib, s.checkpoint_tokens, s.metrics_port) == (cache, 2048, 8192, 9400)
+    assert yaml.safe_load(settings_file.text)["s3kv"]["url"] == "s3://my-bucket/kv"
     shell = DocShell(box, _env(tmp_path))
     [b] = shell_blocks(page)
-    out = shell.run(b)
-    assert out.stdout.strip() == f"no s3kv objects under {cache}"
+    out = shell.run(b).stdout.splitlines()
+    assert out[-1] == f"no s3kv objects under {cache}"
+    # What the page says `s3kv config` prints, column widths aside (the bucket is a directory here).
+    table = [ln.split() for ln in out[out.index(next(ln for ln in out if ln.startswith("SETTING"))):-2]]
+    assert table == [ln.replace("s3://my-bucket/kv", cache).split() for ln in shown.text.splitlines()], out
+    assert out[0] == f"settings file: {box / 's3kv.yaml'} (S3KV_CONFIG_FILE)"
+    assert out[1].startswith("precedence: command-line flag (--url) > environment (S3KV_<NAME>) > settings file")
 
 
 def test_configuration_documents_every_setting_and_no_other():

@@ -200,6 +200,9 @@ def _register() -> None:
     main.add_command(demo_command, "demo")
     main.add_command(server_command, "server")
     main.add_command(size_command, "size")
+    from .configcmd import config_command
+
+    main.add_command(config_command, "config")
     try:
         from .bench.cli import bench_group
     except ImportError:  # pragma: no cover - while the bench package is being built
