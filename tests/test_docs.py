@@ -26,11 +26,14 @@ DOCS = REPO / "docs"
 #: arrive in another branch.
 ELSEWHERE = {"failures.md", "security.md", "trace-replay.md"}
 #: Pages whose shell blocks another test runs, and which test.
-RUN_ELSEWHERE = {"s3-compatible.md": "tests/test_terraform.py::test_walkthrough_on_seaweedfs_with_auth"}
+RUN_ELSEWHERE = {
+    "s3-compatible.md": "tests/test_terraform.py::test_walkthrough_on_seaweedfs_with_auth",
+    "install.md": "tests/test_package.py::test_the_documented_wheel_installs_in_a_fresh_venv_and_imports_s3kv_trtllm",
+}
 MINE = [
     "README.md", "getting-started.md", "configuration.md", "operations.md", "sizing.md",
     "metrics.md", "kubernetes.md", "s3-compatible.md", "architecture.md", "benchmarks.md",
-    "trtllm-serve.md", "cli.md",
+    "trtllm-serve.md", "cli.md", "install.md",
 ]
 
 
