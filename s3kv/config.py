@@ -568,10 +568,31 @@ def unknown_env_vars(env: Mapping[str, str] | None = None) -> list[str]:
     ]
 
 
-@functools.lru_cache(maxsize=64)
+#: Every message :func:`warn_once` has said (or been told was said) in this process, in order.
+_SAID: list[str] = []
+
+
+@functools.lru_cache(maxsize=256)
 def warn_once(message: str) -> None:
     # Leader and workers of one process load settings separately; say it once.
+    _SAID.append(message)
     log.warning("%s", message)
+
+
+def warnings_said() -> list[str]:
+    """What :func:`warn_once` said in this process: a tool that runs one job in several processes
+    (the demo's clusters) hands it to the next, so the user reads each warning once."""
+    return list(_SAID)
+
+
+def mark_said(messages: list[str]) -> None:
+    """Count ``messages`` as said here already: :func:`warn_once` stays quiet about them."""
+    was, log.disabled = log.disabled, True
+    try:
+        for m in messages:
+            warn_once(m)
+    finally:
+        log.disabled = was
 
 
 def explicit_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:

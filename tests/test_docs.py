@@ -33,7 +33,7 @@ RUN_ELSEWHERE = {
 MINE = [
     "README.md", "getting-started.md", "configuration.md", "operations.md", "sizing.md",
     "metrics.md", "kubernetes.md", "s3-compatible.md", "architecture.md", "benchmarks.md",
-    "trtllm-serve.md", "cli.md", "install.md",
+    "trtllm-serve.md", "cli.md", "install.md", "glossary.md",
 ]
 
 
@@ -99,7 +99,7 @@ def test_getting_started_commands(tmp_path):
     demo, look = outputs
     assert "kv_mismatches: 0" in demo.stdout and "warm cluster B:" in demo.stdout
     assert "kept; look with: s3kv ls --url s3://s3kv/kv/demo-" in look.stdout
-    assert re.search(r"^demo-\d+/[0-9a-f]{32}\s", look.stdout, re.M), look.stdout  # ls at the parent
+    assert re.search(r"^demo-\d+-[0-9a-f]{6}/[0-9a-f]{32}\s", look.stdout, re.M), look.stdout  # ls at the parent
     assert re.search(r"checked \d+ objects: \d+ ok, 0 bad", look.stdout), look.stdout
 
 
@@ -156,7 +156,7 @@ def test_operations_commands(tmp_path):
                    capture_output=True, timeout=600)
     shell = DocShell(box, env)
     look, check, clean = (shell.run(b) for b in shell_blocks(DOCS / "operations.md"))
-    assert re.search(r"^demo-\d+/[0-9a-f]{32}\s", look.stdout, re.M) and "PAGES" in look.stdout
+    assert re.search(r"^demo-\d+-[0-9a-f]{6}/[0-9a-f]{32}\s", look.stdout, re.M) and "PAGES" in look.stdout
     assert "0 bad" in check.stdout and "deleted 0 bad objects" in check.stdout
     assert "would delete 0 objects" in clean.stdout and "deleted 0 objects" in clean.stdout
 

@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from .. import __version__
-from .options import debug_enabled, export_lines, one_line, wait_for_interrupt
+from .options import debug_enabled, export_lines, one_line, token_counts, wait_for_interrupt, writable_file
 
 
 class _Main(click.Group):
@@ -28,7 +28,10 @@ class _Main(click.Group):
         except click.ClickException as exc:
             exc.message = redact(exc.message)  # type: ignore[misc]
             raise
-        except (click.exceptions.Exit, click.Abort, KeyboardInterrupt, SystemExit):
+        except KeyboardInterrupt:
+            click.echo(f"\ns3kv {ctx.invoked_subcommand or ''}: interrupted".replace(" :", ":"), err=True)
+            raise SystemExit(130) from None
+        except (click.exceptions.Exit, click.Abort, SystemExit):
             raise
         except Exception as exc:  # noqa: BLE001 - the one place that decides how errors look
             if debug_enabled(ctx):
@@ -65,7 +68,9 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     ctx.exit()
 
 
-@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="What the words in the output mean (pages, wave, rung, mism, pp, MFU ...): s3kv glossary "
+             "(docs/glossary.md). Where each setting came from: s3kv config.")
 @click.option("--version", "-V", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Show the version and which TensorRT-LLM connector line s3kv detects here, and exit.")
 @click.option("--log-level", default=os.environ.get("S3KV_LOG_LEVEL", "WARNING"), show_default=True,
@@ -95,7 +100,7 @@ def main(ctx: click.Context, log_level: str, debug: bool | None) -> None:
 @click.option("--prefix", default="kv", show_default=True, help="Key prefix for the S3KV_URL printed.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Keep SeaweedFS data here (default: a temp dir deleted on exit).")
-@click.option("--env-file", type=click.Path(dir_okay=False), default=None,
+@click.option("--env-file", type=click.Path(dir_okay=False), callback=writable_file, default=None,
               help="Also write the `export ...` lines to this file (for `source FILE`).")
 def server_command(kind: str, bucket: str, prefix: str, data_dir: str | None, env_file: str | None) -> None:
     """Run a local S3 server on 127.0.0.1 until Ctrl-C, printing the environment to reach it.
@@ -133,7 +138,8 @@ def server_command(kind: str, bucket: str, prefix: str, data_dir: str | None, en
               help="A Hugging Face config.json to take the geometry from (instead of --model).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--tokens-per-block", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--prompt-tokens", default="8192,32768", show_default=True, help="Prompt lengths to price.")
+@click.option("--prompt-tokens", default="8192,32768", show_default=True,
+              help="Prompt lengths to price, e.g. 16k or 8192,32768 (k = 1024).")
 @click.option("--new-tokens-per-day", type=float, default=0.0,
               help="Prompt tokens the fleet saves for the first time per day (for the monthly cost).")
 @click.option("--hit-tokens-per-day", type=float, default=0.0,
@@ -179,10 +185,10 @@ def size_command(model_name: str, model_config: str | None, tp: int, tokens_per_
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    try:
-        lengths = tuple(int(x) for x in prompt_tokens.split(","))
-    except ValueError:
-        raise click.BadParameter(f"{prompt_tokens!r} is not a list of integers", param_hint="--prompt-tokens") from None
+    lengths = token_counts(prompt_tokens, "--prompt-tokens")
+    if model.kv_heads % tp:
+        raise click.BadParameter(f"{model.name}'s {model.kv_heads} KV heads do not split over {tp} shards; "
+                                 f"use a TP size that divides {model.kv_heads}", param_hint="--tp")
     result = size(
         model, tp=tp, tokens_per_block=tokens_per_block, prompt_tokens=lengths, settings=settings, gpu=gpu,
         traffic=Traffic(new_tokens_per_day, hit_tokens_per_day, settings.retention_h if retention_h is None else retention_h),
@@ -201,8 +207,10 @@ def _register() -> None:
     main.add_command(server_command, "server")
     main.add_command(size_command, "size")
     from .configcmd import config_command
+    from .glossary import glossary_command
 
     main.add_command(config_command, "config")
+    main.add_command(glossary_command, "glossary")
     try:
         from .bench.cli import bench_group
     except ImportError:  # pragma: no cover - while the bench package is being built

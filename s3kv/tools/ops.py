@@ -3,7 +3,7 @@
 They walk the key layout of :mod:`s3kv.core.keys` (``{prefix}/{namespace}/{group}.{shard}of{tp}/{digest}``)
 through the store interface only (``list``, ``head_many``, ``get_ranges``, ``delete_many``), so they
 work the same on ``s3://``, ``file://`` and ``memory://``. A namespace may sit deeper than the prefix
-(``s3://b/kv`` also finds ``kv/demo-1/{namespace}/...``, what ``s3kv demo --url s3://b/kv`` writes);
+(``s3://b/kv`` also finds ``kv/demo-1-ab12cd/{namespace}/...``, what ``s3kv demo --url s3://b/kv`` writes);
 such rows are shown with their sub-prefix (``demo-1/``). Keys under the prefix that do not fit the
 layout are counted as *unrecognised* and never touched.
 
@@ -69,6 +69,12 @@ _NS_HEX = 2 * DIGEST_SIZE
 
 
 # -- plumbing ----------------------------------------------------------------------------
+def _said(exc: BaseException) -> str:
+    from .options import one_line
+
+    return one_line(exc)
+
+
 @dataclass
 class _Ctx:
     url: str
@@ -974,7 +980,7 @@ def _gc_pass(
         "by_namespace": {n: {"objects": a.objects, "bytes": a.bytes} for n, a in sorted(by_ns.items())},
     }
     if failure is not None:
-        doc["error"] = f"{type(failure).__name__}: {failure}"
+        doc["error"] = _said(failure)
     if verbose:
         doc["keys"] = [e.info.key for e in victims]
 
@@ -991,7 +997,7 @@ def _gc_pass(
         shown = matched if dry_run else deleted
         yield f"{verb} {shown.objects} objects, {fmt_bytes(shown.bytes)}" + (" (dry run)" if dry_run else "")
         if failure is not None:
-            yield f"stopped after an error: {type(failure).__name__}: {failure}"
+            yield f"stopped after an error: {_said(failure)}"
 
     _emit(ctx, doc, text)
     if failure is not None:

@@ -27,35 +27,42 @@ def debug_enabled(ctx: click.Context | None = None) -> bool:
 def one_line(exc: BaseException) -> str:
     """What a user sees for ``exc``: its message, first line only, credentials removed.
 
-    s3kv's own errors (bad settings, store errors) carry messages written for users; anything
-    else is shown with its type, which is what makes it searchable.
+    Never the exception's class name: s3kv's own errors (bad settings, store errors) carry messages
+    written for users; a file the system refused reads ``<file>: <reason>``; anything else is its
+    message (``s3kv --debug`` shows the traceback, with the type).
     """
-    from ..config import ConfigError, redact
-    from ..core.errors import S3KvError
+    from ..config import redact
     from ..store.base import StoreError
 
     if isinstance(exc, StoreError):
         from .storeerrors import describe
 
         return redact(describe(exc))
+    if isinstance(exc, OSError) and exc.strerror:
+        return redact(f"{exc.filename}: {exc.strerror}" if exc.filename else exc.strerror)
     text = str(exc).strip()
     first = text.splitlines()[0] if text else ""
-    if isinstance(exc, (ConfigError, S3KvError)):
-        return redact(first or type(exc).__name__)
-    return redact(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
+    return redact(first or "an unexpected error that says nothing more")
 
 
 def url_option(url: str | None) -> str | None:
     """A command's ``--url`` value, checked here so that its errors name ``--url`` (the settings'
-    own check would name S3KV_URL, which the user did not set)."""
+    own check, and the store factory's, would name S3KV_URL, which the user did not set)."""
     if url is None:
         return None
-    from ..config import ConfigError, check_url
+    from ..config import ConfigError, check_url, redact_url
+    from ..store.base import StoreConfigError
+    from ..store.factory import SETTING, parse_store_url
 
     try:
-        return check_url(url, "--url")
+        url = check_url(url, "--url")
+        parse_store_url(url)  # what the store would refuse when opened: a bucket name, a query ...
     except ConfigError as exc:
         raise click.BadParameter(str(exc).removeprefix("--url: "), param_hint="--url") from None
+    except StoreConfigError as exc:
+        why = str(exc).removeprefix(f"{SETTING}={redact_url(url)!r}: ").partition(". Accepted: ")[0]
+        raise click.BadParameter(f"{why}, got {redact_url(url)!r}", param_hint="--url") from None
+    return url
 
 
 def export_lines(env: dict[str, str]) -> list[str]:
@@ -78,3 +85,42 @@ def wait_for_interrupt() -> None:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def writable_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A click callback for an option naming a file the command writes (``--plot``, ``--env-file``):
+    checked when the command line is read, before any work, by opening it for append (which
+    creates nothing that was not there: a file this check created is removed again)."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    path = Path(value)
+    existed = path.exists()
+    try:
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise click.BadParameter(f"cannot write {value}: {exc.strerror or exc}", ctx=ctx, param=param) from None
+    if not existed:
+        path.unlink(missing_ok=True)
+    return value
+
+
+def token_counts(text: str, param_hint: str) -> tuple[int, ...]:
+    """``"1k,4k,16384"`` -> ``(1024, 4096, 16384)``: token counts as every command takes them (``k`` is
+    1024, as in block-aligned prompt sizes); anything else is a BadParameter naming the option."""
+    out = []
+    for part in text.split(","):
+        word = part.strip().lower()
+        mult = 1024 if word.endswith("k") else 1
+        try:
+            n = float(word[:-1] if mult > 1 else word) * mult
+        except ValueError:
+            n = -1
+        if n <= 0 or n != int(n):
+            raise click.BadParameter(
+                f"{part.strip()!r} is not a token count; expected positive whole numbers, comma-separated, "
+                "with k for 1024 (e.g. 1k,4k,16384)", param_hint=param_hint)
+        out.append(int(n))
+    return tuple(out)
