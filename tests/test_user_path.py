@@ -202,8 +202,15 @@ def _warnings(stderr: str) -> list[str]:
     return [ln for ln in stderr.splitlines() if "warning" in ln.lower()]
 
 
-def test_a_setting_both_demo_clusters_override_is_said_once(tmp_path):
-    r = s3kv("demo", "--url", f"file://{tmp_path}/kv", env=_env(S3KV_LOAD_MODE="sync"))
+@pytest.fixture(scope="module")
+def file_demo(tmp_path_factory) -> subprocess.CompletedProcess[str]:
+    """``s3kv demo`` on a file:// store, with a setting both clusters override (S3KV_LOAD_MODE=sync)."""
+    url = f"file://{tmp_path_factory.mktemp('demo')}/kv"
+    return s3kv("demo", "--url", url, env=_env(S3KV_LOAD_MODE="sync"))
+
+
+def test_a_setting_both_demo_clusters_override_is_said_once(file_demo):
+    r = file_demo
     assert r.returncode == 0, r.stderr
     warned = _warnings(r.stderr)
     assert len([w for w in warned if "S3KV_LOAD_MODE=sync" in w]) == 1, warned
@@ -215,7 +222,7 @@ def test_a_setting_both_demo_clusters_override_is_said_once(tmp_path):
 def test_benches_do_not_warn_about_their_own_made_up_model_store_or_staging():
     for cmd in (["bench", "e2e", "--quick", "--url", "memory://e2e-warn"],
                 ["bench", "trace", str(SLICE), "--limit", "6"],
-                ["bench", "transfer", "--quick"]):
+                ["bench", "transfer", "--quick", "--url", "memory://transfer-warn"]):
         r = s3kv(*cmd)
         assert r.returncode == 0, (cmd, r.stderr)
         for text in ("integrity tags are off", "identity is weak", "S3KV_STAGING_MIB"):
@@ -271,7 +278,7 @@ def test_bench_faults_help_is_in_the_same_style_as_the_others():
                            "reset, stall, truncate, truncate_head")
 
 
-def test_a_glossary_linked_from_the_demo_and_help_explains_the_jargon(tmp_path):
+def test_a_glossary_linked_from_the_demo_and_help_explains_the_jargon(file_demo):
     from s3kv.tools.glossary import TERMS, markdown
 
     assert (REPO / "docs" / "glossary.md").read_text() == markdown()
@@ -280,11 +287,11 @@ def test_a_glossary_linked_from_the_demo_and_help_explains_the_jargon(tmp_path):
     assert "s3kv glossary (docs/glossary.md)" in " ".join(s3kv("--help").stdout.split())
     r = s3kv("glossary", "rung")
     assert r.returncode == 0 and r.stdout.startswith("failed load, rung: ")
-    demo = s3kv("demo", "--url", f"file://{tmp_path}/kv")
+    demo = file_demo
     assert demo.returncode == 0, demo.stderr
     assert demo.stdout.splitlines()[-1].endswith("s3kv glossary (docs/glossary.md)")
     # "served from S3" only where the store is S3.
-    assert "served from the store" in demo.stdout and "from S3" not in demo.stdout
+    assert "served from the store" in demo.stdout and "served from S3" not in demo.stdout
 
 
 # --------------------------------------------------------------------------- 8: the docs agree
