@@ -456,7 +456,7 @@ def _delete_under(url: str) -> str:
 def demo_command(as_json: bool, url: str | None, server: str, tp: int, keep: bool, s3_latency_ms: float) -> None:
     """Cold cluster A, then warm cluster B, sharing only the bucket.
 
-    Terms in its output (pages, verify wave, ...): s3kv glossary.
+    Terms in its output (pages, kv_mismatches ...): s3kv glossary.
     """
     import signal
     import threading
