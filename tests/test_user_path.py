@@ -325,3 +325,23 @@ def test_the_readme_says_up_front_that_tensorrt_llm_needs_a_gpu():
     section = readme.split("## Use it with TensorRT-LLM", 1)[1].lstrip()
     assert section.startswith("This needs an NVIDIA GPU and TensorRT-LLM"), section[:80]
     assert len(readme.splitlines()) <= 103
+
+
+def test_the_readme_python_line_gives_the_llm_what_the_options_file_gives_trtllm_serve(monkeypatch):
+    """The README's block, run against a stand-in for TensorRT-LLM's LLM that records its keyword
+    arguments: the connector classes and the kv_cache_config flags of the options file, plus its own."""
+    import types
+
+    import yaml
+
+    seen: dict = {}
+    fake = types.ModuleType("tensorrt_llm")
+    fake.LLM = lambda **kw: seen.update(kw)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", fake)
+    readme = (REPO / "README.md").read_text()
+    [block] = re.findall(r"```python\n(.*?)```", readme, re.S)
+    exec(compile(block, "README.md", "exec"), {})
+    options = yaml.safe_load((REPO / "examples" / "extra-llm-api-options.yaml").read_text())
+    assert seen["model"] == "google/gemma-3-27b-it"
+    assert seen["kv_connector_config"] == options["kv_connector_config"]
+    assert seen["kv_cache_config"] == {**options["kv_cache_config"], "max_attention_window": [1024] * 5 + [32768]}
