@@ -3,7 +3,7 @@
 They walk the key layout of :mod:`s3kv.core.keys` (``{prefix}/{namespace}/{group}.{shard}of{tp}/{digest}``)
 through the store interface only (``list``, ``head_many``, ``get_ranges``, ``delete_many``), so they
 work the same on ``s3://``, ``file://`` and ``memory://``. A namespace may sit deeper than the prefix
-(``s3://b/kv`` also finds ``kv/demo-1/{namespace}/...``, what ``s3kv demo --url s3://b/kv`` writes);
+(``s3://b/kv`` also finds ``kv/demo-1-ab12cd/{namespace}/...``, what ``s3kv demo --url s3://b/kv`` writes);
 such rows are shown with their sub-prefix (``demo-1/``). Keys under the prefix that do not fit the
 layout are counted as *unrecognised* and never touched.
 
@@ -69,6 +69,12 @@ _NS_HEX = 2 * DIGEST_SIZE
 
 
 # -- plumbing ----------------------------------------------------------------------------
+def _said(exc: BaseException) -> str:
+    from .options import one_line
+
+    return one_line(exc)
+
+
 @dataclass
 class _Ctx:
     url: str
@@ -85,7 +91,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     ``S3KV_CONFIG_FILE`` and the env's timeouts, retries and SSE apply as in an engine."""
     from ..engine.runtime import open_runtime_store
     from ..store.factory import parse_store_url
-    from .cli import url_option
+    from .options import url_option
 
     url = url_option(url)
     try:
@@ -1036,7 +1042,7 @@ def _gc_pass(
     if left:
         doc["left_in_sub_prefixes"] = {s: {"objects": a.objects, "bytes": a.bytes} for s, a in sorted(left.items())}
     if failure is not None:
-        doc["error"] = f"{type(failure).__name__}: {failure}"
+        doc["error"] = _said(failure)
     if verbose:
         doc["keys"] = [e.info.key for e in victims]
 
@@ -1057,7 +1063,7 @@ def _gc_pass(
             yield (f"left {n} matching objects under {len(left)} sub-prefix(es) holding namespaces of their own "
                    f"({', '.join(sorted(left))}): another deployment's; gc its own URL, or pass --include-sub-prefixes")
         if failure is not None:
-            yield f"stopped after an error: {type(failure).__name__}: {failure}"
+            yield f"stopped after an error: {_said(failure)}"
 
     _emit(ctx, doc, text)
     if failure is not None:

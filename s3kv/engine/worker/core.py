@@ -39,7 +39,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ...config import Settings
+from ...config import Settings, warn_once
 from ...core.keys import KeyScheme
 from ...core.layout import CacheGeometry
 from ...core.objects import ObjectIdentity
@@ -185,7 +185,7 @@ class WorkerCore:
             self._uploader.tier = tier
             self._rank = rank
             for text in staging_warnings(geometry, self.settings, pool.capacity):
-                log.warning("s3kv: %s", text)
+                warn_once(f"s3kv: {text}")  # every rank and engine of a process says the same
             log.info(
                 "s3kv worker rank %d/%d: %d layer group(s), namespace %s, staging %d MiB (%s) on %s",
                 self.tp_rank,

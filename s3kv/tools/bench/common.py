@@ -434,15 +434,21 @@ def finish(
     plot_path: str | None,
     plot: Callable[[dict[str, Any], str], None],
 ) -> None:
+    failed = ""
     if plot_path:
-        plot(result, plot_path)
-        result["plot"] = plot_path
+        try:
+            plot(result, plot_path)
+            result["plot"] = plot_path
+        except Exception as exc:  # noqa: BLE001 - the results are printed whatever the chart does
+            failed = f"--plot {plot_path}: no chart written ({getattr(exc, 'strerror', None) or exc}); the results are above"
     if as_json:
         click.echo(json.dumps(result, indent=2, default=_json_default))
     else:
         click.echo(table(result))
-        if plot_path:
+        if plot_path and not failed:
             click.echo(f"plot: {plot_path}")
+    if failed:
+        raise click.ClickException(failed)
 
 
 def _json_default(o: Any) -> Any:
@@ -460,7 +466,11 @@ def rnd(x: float, nd: int = 3) -> float:
 # --------------------------------------------------------------------------- click options
 
 
-def common_options(default_latency_ms: float) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def common_options(default_latency_ms: float, plot: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options every store benchmark takes; ``plot=False`` for one that draws no chart (it is
+    then not offered)."""
+    from ..options import writable_file
+
     def deco(f: Callable[..., Any]) -> Callable[..., Any]:
         opts = [
             click.option(
@@ -469,13 +479,14 @@ def common_options(default_latency_ms: float) -> Callable[[Callable[..., Any]], 
                 is_flag=True,
                 help="Print ONE JSON object on stdout (progress on stderr).",
             ),
-            click.option(
+            *([click.option(
                 "--plot",
                 "plot_path",
-                type=click.Path(dir_okay=False, writable=True),
+                type=click.Path(dir_okay=False),
+                callback=writable_file,
                 default=None,
-                help="Write a PNG chart here.",
-            ),
+                help="Write a PNG chart here (checked before the benchmark starts).",
+            )] if plot else []),
             click.option(
                 "--url",
                 default=None,

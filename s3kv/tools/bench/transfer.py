@@ -131,6 +131,9 @@ class _Size:
         ]
         self.seed_bodies = [bytes(v) for v in self.page_views]
         self.settings = Settings(
+            # The objects this bench writes, so the worker's staging check sizes those (not the
+            # default 64 MiB target) against the staging it is given.
+            blocks_per_object=self.bpo,
             staging_mib=math.ceil(self.payload * 1.5 / MiB) + 64,
             upload_threads=cfg.upload_threads,
             download_threads=cfg.download_threads,
