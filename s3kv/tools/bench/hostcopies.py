@@ -13,8 +13,12 @@ timed from ``start_load_kv`` until the copies are on the device (host synchroniz
 * ``store_path_ratio_vs_memcpy`` -- the same objects from an in-memory store through staging
   (the path without a tier: a host copy into staging, then the device copy).
 
-``register_s`` / ``register_gib_per_s``: allocating (and pinning) a tier of ``capacity_gib``.
-Runs on ``device='cpu'`` too (smoke runs; plain memory).
+Registering a tier of ``capacity_gib`` (a pinned one is allocated and pinned in the background):
+``register_return_s`` -- until ``HostTier(...)`` returns (what the engine's layout registration
+waits for); ``register_s`` / ``register_gib_per_s`` -- until the tier is ready (allocated and
+pinned; it holds nothing before); ``register_max_stall_s`` -- the longest a small host->device copy
+plus synchronize took on the calling thread meanwhile (does pinning in the background hold up the
+engine's own CUDA calls?). Runs on ``device='cpu'`` too (smoke runs; plain memory: nothing to pin).
 """
 
 from __future__ import annotations
@@ -62,6 +66,8 @@ def _worker_load_s(
                         staging_mib=max(64, 2 * n * pb >> 20), download_threads=8, load_timeout_s=120.0)
     core = WorkerCore(settings, MemoryStore(), "bench", 0, 1, "bench-model", "bf16", failed_load_hook=True)
     core.register_layout(layout)
+    if core.host_tier is not None and not core.host_tier.wait_ready(120):
+        raise RuntimeError("the host tier was not ready within 120 s")
     fwd = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
     try:
         stages, seals, loads = [], [], []
@@ -108,6 +114,27 @@ def _memcpy_s(dev: torch.device, nbytes: int, repeats: int) -> float:
     return best
 
 
+def _register(dev: torch.device, capacity_gib: float) -> tuple[float, float, float, bool]:
+    """(seconds until ``HostTier`` returned, until it was ready, the longest small copy meanwhile,
+    pinned)."""
+    probe_src = torch.zeros(4096, dtype=torch.uint8)
+    probe_dst = torch.empty(4096, dtype=torch.uint8, device=dev)
+    _sync(dev)
+    t0 = time.perf_counter()
+    tier = HostTier(MemoryStore(), int(capacity_gib * (1 << 30)), pinned=dev.type == "cuda")
+    returned = time.perf_counter() - t0
+    stall = 0.0
+    while not tier.wait_ready(0.001):
+        t = time.perf_counter()
+        probe_dst.copy_(probe_src)
+        _sync(dev)
+        stall = max(stall, time.perf_counter() - t)
+    ready, pinned = time.perf_counter() - t0, tier.pinned
+    tier.close()
+    del tier
+    return returned, ready, stall, pinned
+
+
 def bench_host_tier(
     page_sizes_mib: Sequence[float] = (1.0, 4.0, 16.0),
     pages: int = 16,
@@ -120,10 +147,7 @@ def bench_host_tier(
 ) -> dict[str, Any]:
     dev = torch.device(device)
     t0 = time.perf_counter()
-    tier = HostTier(MemoryStore(), int(capacity_gib * (1 << 30)), pinned=dev.type == "cuda")
-    register_s, pinned = tier.register_s, tier.pinned
-    tier.close()
-    del tier
+    register_return_s, register_s, stall, pinned = _register(dev, capacity_gib)
     rows: list[dict[str, Any]] = []
     exact = True
     for mib in page_sizes_mib:
@@ -150,8 +174,10 @@ def bench_host_tier(
         "pages_per_object": pages,
         "capacity_gib": capacity_gib,
         "pinned": pinned,
+        "register_return_s": register_return_s,
         "register_s": register_s,
         "register_gib_per_s": capacity_gib / register_s if register_s > 0 else None,
+        "register_max_stall_s": stall,
         "bit_exact": exact,
         "results": rows,
         "host_tier_ratio_vs_memcpy": min(r["host_tier_ratio_vs_memcpy"] for r in head),
