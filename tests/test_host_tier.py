@@ -371,6 +371,18 @@ def test_a_worker_whose_tier_is_not_ready_yet_saves_to_s3_and_drops_host_only_sa
     a.close()
 
 
+def test_a_tier_measures_its_copy_bandwidth_once_ready(gated):
+    """The "worth loading" rule needs the tier's bandwidth: measured on the arena's own memory once
+    it is allocated (in the background), before the tier takes objects."""
+    a, _ = make_core(MemoryStore(), host_cache_gb=40_000 / 2**30)
+    assert a.speeds["host"].bytes_per_s == float("inf")  # not measured: no hit is refused on a guess
+    gated.open.set()
+    assert a.host_tier.wait_ready(10)
+    assert 0 < a.speeds["host"].bytes_per_s < float("inf")
+    assert a.host_tier.stats().used == 0 and a.host_tier.pool.stats().in_use == 0  # its buffer is back
+    a.close()
+
+
 @pytest.mark.parametrize("where", ["header", "trailer"])
 def test_a_hit_never_serves_a_tier_copy_whose_framing_changed_since_it_was_admitted(where):
     """A hit is placed on the calling thread without decoding the header again: the header (and

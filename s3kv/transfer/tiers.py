@@ -9,7 +9,6 @@ tier's copy bandwidth once, at registration. :func:`capacity_bytes` turns
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -83,7 +82,8 @@ def calibrate(tier: HostTier, device: Any, nbytes: int = 16 << 20) -> float:
     try:
         cuda = getattr(device, "type", str(device)) == "cuda"
         stream = torch.cuda.Stream(device=device) if cuda else None
-        with torch.cuda.device(device), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+
+        def best_of_three() -> float:
             dst = torch.empty(n, dtype=torch.uint8, device=device)
             best = float("inf")
             for _ in range(3):
@@ -92,7 +92,13 @@ def calibrate(tier: HostTier, device: Any, nbytes: int = 16 << 20) -> float:
                 if stream is not None:
                     stream.synchronize()
                 best = min(best, time.perf_counter() - t0)
-            del dst
+            return best
+
+        if stream is not None:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                best = best_of_three()
+        else:
+            best = best_of_three()
         return n / best if best > 0 else 0.0
     except Exception as e:  # noqa: BLE001 - a measurement, never a reason to refuse the engine
         log.info("s3kv: host tier bandwidth not measured (%s); loads will measure it", e)

@@ -188,17 +188,18 @@ class LoadJobs:
                 self.parked[rid].error = err
             else:
                 sync_errors[rid] = err
-        # Host tier hits are placed here and now (their copies are asynchronous on the load stream
-        # all the same); the rest, and hits whose entry failed its check, read the store.
-        reads = self.downloader.serve_hits(jobs) if self.tier is not None else jobs
-        reading = {id(j) for j in reads}
         for job in jobs:
             self.jobs.append(job)
-            if id(job) in reading:
+            if job.host is None:  # store reads go out first: theirs is the longer wait
                 self.downloader.submit(job)
             if job.is_async:
                 for rid in job.request_ids:
                     self.parked[rid].jobs.append(job)
+        if self.tier is not None:
+            # Host tier hits are placed here and now (their copies are asynchronous on the load
+            # stream all the same); one whose entry failed its check reads the store after all.
+            for job in self.downloader.serve_hits([j for j in jobs if j.host is not None]):
+                self.downloader.submit(job)
         sync_jobs = [j for j in jobs if not j.is_async]
         if not sync_jobs and not sync_errors:
             return None
