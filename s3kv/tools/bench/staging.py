@@ -128,7 +128,7 @@ def table(res: dict[str, Any]) -> str:
         lines += [
             "",
             f"host tier: {h['capacity_gib']:g} GiB; registering it returned in {h['register_return_s'] * 1e3:.1f} ms, "
-            f"allocated{' and pinned' if h['pinned'] else ''} (in the background) in {h['register_s']:.2f} s, "
+            f"allocated{' and pinned (in the background)' if h['pinned'] else ''} in {h['register_s']:.2f} s, "
             f"a small copy meanwhile took at most {h['register_max_stall_s'] * 1e3:.1f} ms;",
             f"loads of {h['objects']} objects x {h['pages_per_object']} pages through the "
             "worker, from the tier / re-hashing every page / from a store through staging, vs one memcpy:",
