@@ -173,6 +173,73 @@ def test_a_ghost_is_accounted_but_never_served():
     assert tier.stats().used == e.charged and tier.stats().ghosts == 1
 
 
+class _GatedArena:
+    """Stands in for the arena's allocator: allocating (and pinning, on a GPU) waits for ``open``,
+    so a test sees a tier whose arena is not ready yet, for as long as it likes."""
+
+    def __init__(self):
+        import threading
+
+        from s3kv.transfer.staging import StagingPool
+
+        self.open = threading.Event()
+        gate = self.open
+
+        class Pool(StagingPool):
+            def __init__(self, *a, **kw):
+                assert gate.wait(30), "the test never opened the gate"
+                super().__init__(*a, **kw)
+
+        self.pool = Pool
+
+
+@pytest.fixture
+def gated(monkeypatch):
+    """Tiers made from now on register in the background, each waiting for ``gated.open``."""
+    import functools
+
+    import s3kv.transfer.hosttier as hosttier_mod
+    import s3kv.transfer.tiers as tiers_mod
+
+    g = _GatedArena()
+    monkeypatch.setattr(hosttier_mod, "StagingPool", g.pool)
+    monkeypatch.setattr(tiers_mod, "HostTier", functools.partial(HostTier, background=True))
+    yield g
+    g.open.set()
+
+
+def test_a_tier_not_ready_yet_holds_nothing_but_accounts_like_the_others(gated):
+    """While its arena is being allocated (pinned) in the background, the tier answers nothing and
+    reserves ghosts -- accounted and evicted like every rank's copy, never served -- counted; once
+    ready it takes objects as usual."""
+    ready = []
+    tier = HostTier(MemoryStore(), 1 << 20, background=True, on_ready=lambda t: ready.append(t.pool is not None))
+    assert not tier.ready and tier.pool is None and ready == []
+    assert fill(tier, "early", ident(), 0, 4) is not None
+    e = tier.entries()["early"]
+    assert e.buf is None and not e.ready and tier.stats().used == e.charged
+    assert tier.acquire("early") is None and tier.span_of("early") is None and tier.head("early") is None
+    st = tier.stats()
+    assert st.not_ready == 1 and st.no_room == 0 and st.ghosts == 1 and not st.arena_ready and st.register_s == 0
+    gated.open.set()
+    assert tier.wait_ready(10) and ready == [True]
+    pages = fill(tier, "late", ident(), 0, 4)
+    got = tier.acquire("late")
+    assert got is not None and bytes(got[1].memoryview(got[0].base, 4000)) == pages
+    got[1].release()
+    st = tier.stats()
+    assert st.arena_ready and st.register_s > 0 and st.not_ready == 1 and st.ghosts == 1
+    assert "early" in tier.keys()  # still accounted: ranks stay in step
+    tier.close()
+
+
+def test_closing_a_tier_before_its_arena_is_ready_leaves_nothing_behind(gated):
+    tier = HostTier(MemoryStore(), 1 << 20, background=True)
+    tier.close()
+    gated.open.set()
+    assert not tier.wait_ready(0.5) and tier.pool is None
+
+
 # --------------------------------------------------------------------------- the worker's policies
 
 
@@ -270,6 +337,104 @@ def test_a_corrupt_tier_copy_is_dropped_and_the_store_serves_the_load():
     st = a.stats()
     assert st.host_bad == 1 and st.host_hits == 0 and st.objects_loaded == 1
     assert not a.host_tier.holds(key)
+    a.close()
+
+
+def test_a_worker_whose_tier_is_not_ready_yet_saves_to_s3_and_drops_host_only_saves(gated):
+    """Registration does not wait for the arena (pinned in the background): until it is ready a
+    seal still goes to the store as its policy says, a host-only one is dropped and counted, and a
+    load of what was saved then reads the store. Once ready, saves land in the tier again."""
+    store = InstrumentedStore(MemoryStore())
+    a, la = make_core(store, host_cache_gb=40_000 / 2**30)
+    assert a.host_tier is not None and not a.host_tier.ready and not a.stats().host_ready
+    d_now, d_never = digest("now"), digest("never")
+    step(a, seal_md(1, 0, [3, 4], d_now, NOW))
+    step(a, seal_md(2, 0, [5, 6], d_never, NEVER))
+    assert a.flush(10)
+    assert store.inner.keys() == [a.object_key(0, d_now)]  # not the host-only one
+    st = a.stats()
+    assert st.seals_dropped_no_tier == 1 and st.host_only_saves == 0 and st.host_inserted == 0
+    assert st.staging_in_use == 0
+    gets = store.snapshot().get
+    step(a, load_md(9, 0, d_now, 2, [20, 21]))
+    assert [page_bytes(la, 0, s) for s in (20, 21)] == [page_bytes(la, 0, s) for s in (3, 4)]
+    assert store.snapshot().get > gets and a.stats().host_hits == 0
+    gated.open.set()
+    assert a.host_tier.wait_ready(10) and a.stats().host_ready
+    d = digest("after")
+    step(a, seal_md(3, 0, [7, 8], d, NEVER))
+    assert a.flush(10)
+    gets = store.snapshot().get
+    step(a, load_md(10, 0, d, 2, [22, 23]))
+    assert [page_bytes(la, 0, s) for s in (22, 23)] == [page_bytes(la, 0, s) for s in (7, 8)]
+    assert store.snapshot().get == gets and a.stats().host_hits == 1
+    a.close()
+
+
+def test_a_tier_measures_its_copy_bandwidth_once_ready(gated):
+    """The "worth loading" rule needs the tier's bandwidth: measured on the arena's own memory once
+    it is allocated (in the background), before the tier takes objects."""
+    a, _ = make_core(MemoryStore(), host_cache_gb=40_000 / 2**30)
+    assert a.speeds["host"].bytes_per_s == float("inf")  # not measured: no hit is refused on a guess
+    gated.open.set()
+    assert a.host_tier.wait_ready(10)
+    assert 0 < a.speeds["host"].bytes_per_s < float("inf")
+    assert a.host_tier.stats().used == 0 and a.host_tier.pool.stats().in_use == 0  # its buffer is back
+    a.close()
+
+
+@pytest.mark.parametrize("where", ["header", "trailer"])
+def test_a_hit_never_serves_a_tier_copy_whose_framing_changed_since_it_was_admitted(where):
+    """A hit is placed on the calling thread without decoding the header again: the header (and
+    the trailer of keyed tags) in the arena must still be the bytes checked when they were admitted.
+    A changed byte there -- even with page checking off -- drops the copy; the store serves the load."""
+    store = InstrumentedStore(MemoryStore())
+    key_text = "0123456789abcdef0123456789abcdef-tier"
+    a, la = make_core(store, integrity_key=key_text)
+    d = digest("framing", where)
+    step(a, seal_md(1, 1, [3, 4], d))
+    assert a.flush(10)
+    key = a.object_key(1, d)
+    e = a.host_tier.entries()[key]
+    at = e.start + 60 if where == "header" else e.base + 2 * a.identity(1).page_bytes + 3
+    e.buf.tensor[at] ^= 1
+    gets = store.snapshot().get
+    step(a, load_md(9, 1, d, 2, [20, 21]))
+    assert [page_bytes(la, 1, s) for s in (20, 21)] == [page_bytes(la, 1, s) for s in (3, 4)]
+    st = a.stats()
+    assert st.host_bad == 1 and st.host_hits == 0 and st.objects_loaded == 1
+    assert store.snapshot().get > gets and not a.host_tier.holds(key)
+    a.close()
+
+
+def test_a_hit_whose_copy_fails_fails_its_request_and_releases_the_tier(monkeypatch):
+    """A tier hit's copies are enqueued on the calling thread: when that fails, the load fails --
+    the request takes the failed-load path, nothing is counted loaded -- and the tier's bytes are
+    not held by it any more. The next load is served again."""
+    import s3kv.transfer.copies as copies_mod
+
+    store = MemoryStore()
+    a, la = make_core(store)
+    d = digest("copy fails")
+    step(a, seal_md(1, 0, [3, 4], d))
+    assert a.flush(10)
+    key = a.object_key(0, d)
+    real = copies_mod.copy_to_device
+
+    def broken(copies, non_blocking=False):
+        raise RuntimeError("copy engine fault (test)")
+
+    monkeypatch.setattr(copies_mod, "copy_to_device", broken)
+    step(a, load_md(9, 0, d, 2, [20, 21]))
+    assert a.take_failed_load_request_ids() == {9}
+    st = a.stats()
+    assert st.host_hits == 0 and st.objects_loaded == 0 and st.loads_failed_objects == 1
+    e = a.host_tier.entries()[key]
+    assert e.ready and e.buf.refcount == 1  # only the tier's own reference
+    monkeypatch.setattr(copies_mod, "copy_to_device", real)
+    step(a, load_md(10, 0, d, 2, [22, 23]))
+    assert [page_bytes(la, 0, s) for s in (22, 23)] == [page_bytes(la, 0, s) for s in (3, 4)]
+    assert a.stats().host_hits == 1
     a.close()
 
 

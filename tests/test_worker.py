@@ -1052,3 +1052,26 @@ def test_a_sliding_tail_larger_than_the_staging_pool_is_named_at_registration(st
     with caplog.at_level("WARNING"):
         make_core(store, groups=groups, num_slots=8, staging_mib=8, target_object_mib=1, storage_policy="all")
     assert not any("largest object" in r.getMessage() for r in caplog.records)
+
+
+def test_a_plan_asking_one_slot_for_two_pages_is_never_loaded_into_it():
+    """Grouping the plan's load ops into jobs: a slot asked for two different ordinals -- within
+    one op or across two ops of one object -- fails that request (a leader bug, never half-served);
+    the same page asked twice for a slot, and other requests' ops, load as planned."""
+    from s3kv.transfer.download import build_jobs
+
+    a, _ = make_core(MemoryStore())
+    d = digest("dup", 3)
+
+    def jobs(*ops):
+        return build_jobs(ops, tp_rank=0, is_async=lambda rid: False, resolve=a._rank.resolve, deadline=1.0)
+
+    ref = ObjectRef(0, d, ((0, 3),))
+    (job,), errors = jobs(LoadOp(1, ref, (0, 1, 0), (20, 21, 20)))  # the same page twice: fine
+    assert errors == {} and job.targets == [(0, 20), (1, 21)]
+    out, errors = jobs(LoadOp(1, ref, (0, 1), (20, 20)))
+    assert out == [] and set(errors) == {1} and "slot 20 asked for ordinals 0 and 1" in errors[1][1]
+    (job,), errors = jobs(LoadOp(1, ref, (0, 1), (20, 21)), LoadOp(2, ref, (2,), (21,)), LoadOp(3, ref, (2,), (22,)))
+    assert set(errors) == {2} and job.targets == [(0, 20), (1, 21), (2, 22)] and job.request_ids == {1, 3}
+    assert job.owners == {20: 1, 21: 1, 22: 3}
+    a.close()

@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -275,8 +275,10 @@ class Copier:
             return "cpu"
         return "memcpy_batch" if self._batch is not None else "per_page"
 
-    def _enqueue(self, copies: Sequence[PageCopy], to_host: bool, stream: Any) -> None:
-        """Enqueue the copies on ``stream`` (the current stream): one batch, else per page."""
+    def _enqueue(self, copies: Sequence[PageCopy], to_host: bool, stream: Any, step: int = _FIRST_BATCH) -> int:
+        """Enqueue the copies on ``stream`` (the current stream): one batch, else per page.
+        ``step``: pages in the first batch; returns the size the next batch would have (a caller
+        enqueueing several lists back to back passes it on: only the very first batch is small)."""
         batch = self._batch
         if batch is not None and self._pinned(copies):
             try:
@@ -284,14 +286,14 @@ class Copier:
                 # (on an idle GPU the host's set-up is otherwise on the critical path); doubling
                 # keeps each batch's set-up (~2.5 us a page) shorter than the previous batch's
                 # copies (~19 us a 1 MiB page on an H200), so the engine does not wait between them.
-                lo, step = 0, _FIRST_BATCH
+                lo = 0
                 while lo < len(copies):
                     seg = segments(copies[lo : lo + step], self._rows)
                     dst, src = (seg.host, seg.device) if to_host else (seg.device, seg.host)
                     batch.copy(dst, src, seg.sizes, stream.cuda_stream)
                     lo, step = lo + step, min(2 * step, _MAX_BATCH)
                 self._refusals = 0
-                return
+                return step
             except Unbatchable as e:
                 log.warning("s3kv: %s; these pages go per page", e)
             except MemcpyBatchError as e:
@@ -306,6 +308,7 @@ class Copier:
             copy_to_host(copies, non_blocking=True)
         else:
             copy_to_device(copies, non_blocking=True)
+        return step
 
     def _forward(self, stream: Any) -> Any:
         return stream if stream is not None else torch.cuda.current_stream(self.device)
@@ -346,14 +349,29 @@ class Copier:
 
     def load(self, copies: Sequence[PageCopy]) -> Any:
         """Host->device copies (thread-safe); returns their completion event (None on CPU)."""
-        if not copies:
-            return None
+        return self.load_each((copies,)) if copies else None
+
+    def load_each(self, parts: Iterable[Sequence[PageCopy]]) -> Any:
+        """Host->device copies of every list of pages ``parts`` yields, as one call: one lock,
+        one completion event (None on CPU). Each list is enqueued as soon as it is yielded, so the
+        copy engine works on the first while the caller prepares (checks) the next; the batches
+        keep doubling across lists. When it raises (a list's copies refused, or ``parts`` itself),
+        nothing it enqueued is still in flight: a caller failing the loads may free their pages."""
         if not self.is_cuda:
-            copy_to_device(copies)
+            for copies in parts:
+                copy_to_device(copies)
             return None
         with self._lock, torch.cuda.device(self.device), torch.cuda.stream(self._load_stream):
-            self._enqueue(copies, False, self._load_stream)
             done = torch.cuda.Event()
+            try:
+                step = _FIRST_BATCH
+                for copies in parts:
+                    if copies:
+                        step = self._enqueue(copies, False, self._load_stream, step)
+            except BaseException:
+                done.record(self._load_stream)
+                done.synchronize()  # rare path: nothing of the failed call stays in flight
+                raise
             done.record(self._load_stream)
         return done
 

@@ -16,12 +16,15 @@ object passed (``ObjectStore.note_verified``: refresh on hit keeps only verified
 An audit job (``place=False``) reads and verifies the same way and places nothing.
 
 The host tier (:mod:`.hosttier`): a job whose object the rank's tier holds (``job.host``,
-acquired in plan order by the worker) reads nothing -- its header is checked where it lies in the
-tier's (pinned) arena, its pages too when ``verify_host`` is set, and the host->device copies go
-straight from there; a tier entry that fails a check is never served again (a ghost) and the job
-reads the store instead, as it does when the entry is another version of the object than the plan's. A job that reads a whole object from the store may carry a tier reservation
-(``job.promote``): the object lands there instead of in staging, is verified whole, and enters the
-tier once verified -- the copies then go from the tier as well.
+acquired in plan order by the worker) reads nothing and takes no download thread
+(:meth:`Downloader.serve_hits`, on the caller's thread): the header and trailer in the tier's
+(pinned) arena must still be the bytes the tier checked when it admitted them, that header must
+name the plan's identity, span and digest, the pages are re-hashed when ``verify_host`` is set,
+and the host->device copies go straight from the arena. A tier entry that fails a check is never
+served again (a ghost) and the job reads the store instead, as it does when the entry is another
+version of the object than the plan's. A job that reads a whole object from the store may carry a
+tier reservation (``job.promote``): the object lands there instead of in staging, is verified
+whole, and enters the tier once verified -- the copies then go from the tier as well.
 
 A job ends ``DONE`` (copies issued; ``event`` tells when they completed) or
 ``FAILED`` (``error`` says why; nothing was copied to the device). A job that
@@ -47,7 +50,10 @@ from typing import Any
 
 from ..core.cost import get_requests
 from ..core.objects import (
+    ForeignObject,
+    HeaderCorrupt,
     ObjectFormatError,
+    ObjectHeader,
     ObjectIdentity,
     SpanMismatch,
     decode_header,
@@ -316,9 +322,8 @@ class Downloader:
                 f"ordinals {idx[0] + job.first}..{idx[-1] + job.first} outside the object's "
                 f"span {job.first}+{job.count} for shard {job.identity.shard}"
             )
-        if job.host is not None:
-            if self._load_host(job, idx):
-                return
+        if job.host is not None:  # never: ``serve_hits`` placed it or handed it back without its entry
+            self._unhost(job)
         if job.promote is not None:
             self._load_whole(job, idx)
             return
@@ -375,16 +380,7 @@ class Downloader:
         header = decode_header(
             buf.memoryview(base - hl, hl), job.identity, job.key, None if trailer is None else memoryview(trailer)
         )
-        if header.first_ordinal != job.first or header.page_count != job.count:
-            # The plan's span ends at the block the key names (checked on HEAD): a header
-            # claiming other blocks is span poisoning, never loaded.
-            raise SpanMismatch(
-                f"object holds ordinals {header.first_ordinal}+{header.page_count}, "
-                f"the plan expected {job.first}+{job.count}",
-                job.key,
-            )
-        if header.last_digest != job.last_digest:
-            raise LoadPlanError(f"object {job.key!r} names another chain digest than its key")
+        _same_object(job, header)
 
         # Verify every page in staging before anything reaches the device.
         where: dict[int, int] = {}
@@ -417,40 +413,114 @@ class Downloader:
         self.counters.add("bytes_loaded", len(copies) * pb)
         self.counters.add("objects_loaded")
 
-    def _check(
-        self, job: LoadJob, e: TierEntry, buf: StagingBuffer, idx: Sequence[int], pages: bool
-    ) -> dict[int, int]:
-        """Verify the tier entry's header (and with ``pages`` the pages ``idx``) in ``buf`` (its
-        buffer) against the plan; page index -> offset of the page in ``buf``."""
+    def _check(self, job: LoadJob, e: TierEntry, buf: StagingBuffer) -> tuple[dict[int, int], ObjectHeader]:
+        """Verify the whole object read into the tier entry's buffer ``buf`` against the plan:
+        header, trailer, every page; (page index -> offset of the page in ``buf``, the header)."""
         pb = job.identity.page_bytes
         trailer = None
         if job.identity.integrity is not None:
             trailer = buf.memoryview(e.base + e.count * pb, e.size - e.header_len - e.count * pb)
         header = decode_header(buf.memoryview(e.start, e.header_len), job.identity, job.key, trailer)
-        if header.first_ordinal != job.first or header.page_count != job.count:
-            raise SpanMismatch(
-                f"object holds ordinals {header.first_ordinal}+{header.page_count}, "
-                f"the plan expected {job.first}+{job.count}",
-                job.key,
-            )
-        if header.last_digest != job.last_digest:
-            raise LoadPlanError(f"object {job.key!r} names another chain digest than its key")
-        where = {i: e.base + i * pb for i in idx}
-        if pages:
-            for i in idx:
-                verify_page(header, i, buf.memoryview(where[i], pb), job.key)
-        return where
+        _same_object(job, header)
+        where = {i: e.base + i * pb for i in range(e.count)}
+        for i, off in where.items():
+            verify_page(header, i, buf.memoryview(off, pb), job.key)
+        return where, header
 
-    def _load_host(self, job: LoadJob, idx: Sequence[int]) -> bool:
-        """Serve the job from its tier entry; False (the entry dropped) when it fails a check."""
+    def serve_hits(self, jobs: Sequence[LoadJob]) -> list[LoadJob]:
+        """Place the jobs whose object this rank's host tier holds (``job.host``, acquired in plan
+        order) here, on the calling thread; the others are returned untouched, with those whose
+        entry failed its check (read from the store instead).
+
+        Why not on a download thread: the bytes are in (pinned) memory already and the copies are
+        asynchronous on the load stream, so a thread hides nothing -- and its hand-off, the GIL
+        passed back and forth and one copy call per object cost more than the copies of a 1 MiB
+        page object (issue 39's bar is 0.9x a pinned memcpy). Each object is checked (``_hit``)
+        before any of its pages is enqueued; all the hits' copies go in one ``Copier.load_each``
+        (one completion event), object after object, so the copy engine starts on the first while
+        the next is checked."""
+        rest = [j for j in jobs if j.host is None]
+        hits = [j for j in jobs if j.host is not None]
+        if not hits:
+            return rest
+        t0 = time.monotonic()
+        placed: list[LoadJob] = []
+
+        def pages() -> Any:
+            for job in hits:
+                copies = self._hit(job)
+                if copies is None:
+                    rest.append(job)
+                else:
+                    placed.append(job)
+                    yield copies
+
+        try:
+            event = self.copier.load_each(pages())
+        except Exception as exc:  # noqa: BLE001 - a failed copy fails its loads, never the caller
+            # Nothing it enqueued is in flight any more (``load_each``); what it never reached
+            # reads the store.
+            log.error("s3kv: copying %d host tier hit(s) to the device failed: %s", len(placed), exc)
+            for job in placed:
+                with job.lock:
+                    job.state, job.error = FAILED, exc
+                    buf, job.buffer = job.buffer, None
+                if buf is not None:
+                    buf.release()
+            self.counters.add("loads_failed_objects", len(placed))
+            done = {id(j) for j in placed} | {id(j) for j in rest}
+            for job in hits:
+                if id(job) not in done:
+                    self._unhost(job)
+                    rest.append(job)
+            return rest
+        pages_n = hit_bytes = 0
+        for job in placed:
+            with job.lock:
+                job.event = event
+                if event is None:  # CPU: the copies are complete; the buffer may go
+                    buf, job.buffer = job.buffer, None
+                    assert buf is not None
+                    buf.release()
+                job.state = DONE
+            pb = job.identity.page_bytes
+            pages_n += len(job.targets)
+            hit_bytes += len({o for o, _ in job.targets}) * pb
+        if placed:
+            if event is None:  # complete on return (CPU); a GPU's bandwidth is measured at registration
+                self.speeds["host"].observe(hit_bytes, time.monotonic() - t0)
+            c = self.counters
+            c.add("pages_loaded", pages_n)
+            c.add("bytes_loaded", sum(len(j.targets) * j.identity.page_bytes for j in placed))
+            c.add("objects_loaded", len(placed))
+            c.add("host_hits", len(placed))
+            c.add("host_hit_bytes", hit_bytes)
+        return rest
+
+    def _hit(self, job: LoadJob) -> list[PageCopy] | None:
+        """The page copies of a host tier hit, its entry checked against the plan (``job.buffer``
+        then holds the entry's bytes for the job, state ``PLACING``); None when the entry failed
+        (the job is left to read the store, without it)."""
         e = job.host
         with job.lock:
             buf, job.host_buf = job.host_buf, None  # retained for this job by ``HostTier.acquire``
             job.buffer = buf
         assert e is not None and buf is not None
-        t0 = time.monotonic()
+        pb = job.identity.page_bytes
         try:
-            where = self._check(job, e, buf, idx, self.verify_host)
+            if not job.targets:
+                raise LoadPlanError(f"no pages to load from {job.key}")
+            h = e.header
+            if h is None or e.framing(buf) != e.admitted:
+                # The header and trailer were checked when the bytes were admitted (``HostTier.
+                # mark_ready``); bytes that differ from them now are not those bytes.
+                raise HeaderCorrupt("the host tier's copy changed since it was admitted", job.key)
+            if h.identity != job.identity:
+                raise ForeignObject("the host tier's copy has another identity than the plan's", job.key)
+            _same_object(job, h)
+            if self.verify_host:
+                for i in sorted({o - job.first for o, _ in job.targets}):
+                    verify_page(h, i, buf.memoryview(e.base + i * pb, pb), job.key)
         except (ObjectFormatError, LoadPlanError) as exc:
             if isinstance(exc, SpanMismatch):
                 # Another version of the object (the same blocks' KV from another first block: a
@@ -462,17 +532,22 @@ class Downloader:
                 self.counters.add("host_bad")
                 if self.tier is not None:
                     self.tier.fail(e)  # a ghost: never served again, still accounted as on every rank
-            with job.lock:
-                job.host = None
-                job.buffer = None
-            buf.release()
-            return False
-        self._place(job, buf, where, job.identity.page_bytes)
-        if job.event is None:  # a copy complete on return (CPU); a GPU's is measured at registration
-            self.speeds["host"].observe(len(idx) * job.identity.page_bytes, time.monotonic() - t0)
-        self.counters.add("host_hits")
-        self.counters.add("host_hit_bytes", len(idx) * job.identity.page_bytes)
-        return True
+            self._unhost(job)
+            return None
+        with job.lock:
+            job.state = PLACING
+        base = e.base - job.first * pb
+        return [PageCopy(job.regions, slot, buf.tensor, base + o * pb) for o, slot in job.targets]
+
+    def _unhost(self, job: LoadJob) -> None:
+        """The job will not load from its tier entry: what it holds of it is released."""
+        with job.lock:
+            job.host = None
+            buf, job.buffer = job.buffer, None
+            held, job.host_buf = job.host_buf, None
+        for b in (buf, held):
+            if b is not None:
+                b.release()
 
     def _load_whole(self, job: LoadJob, idx: Sequence[int]) -> None:
         """Read the whole object from the store into its tier reservation, verify it whole, admit
@@ -502,9 +577,9 @@ class Downloader:
             seconds = time.monotonic() - t0
             self.counters.add("download_seconds", seconds)
         self.speeds["s3"].observe(e.size, seconds)
-        where = self._check(job, e, buf, range(e.count), True)  # the tier keeps only verified bytes
+        where, header = self._check(job, e, buf)  # the tier keeps only verified bytes
         job.promote = None
-        if tier.mark_ready(e, stored=True):
+        if tier.mark_ready(e, header, stored=True):
             self.counters.add("host_promoted")
         self._place(job, buf, {i: where[i] for i in idx}, job.identity.page_bytes)
 
@@ -517,6 +592,20 @@ class Downloader:
             self.store.note_verified(key)
         except Exception:  # noqa: BLE001 - the load is good whatever a refresh does
             log.debug("s3kv: note_verified(%s) failed", key, exc_info=True)
+
+
+def _same_object(job: LoadJob, header: ObjectHeader) -> None:
+    """The object is the one the plan names: its span for this shard and its chain digest."""
+    if header.first_ordinal != job.first or header.page_count != job.count:
+        # The plan's span ends at the block the key names (checked on HEAD): a header
+        # claiming other blocks is span poisoning, never loaded.
+        raise SpanMismatch(
+            f"object holds ordinals {header.first_ordinal}+{header.page_count}, "
+            f"the plan expected {job.first}+{job.count}",
+            job.key,
+        )
+    if header.last_digest != job.last_digest:
+        raise LoadPlanError(f"object {job.key!r} names another chain digest than its key")
 
 
 def build_jobs(
@@ -536,6 +625,8 @@ def build_jobs(
     request must be failed by the caller.
     """
     jobs: dict[tuple[str, bool], LoadJob] = {}
+    #: per job: slot -> the ordinal it gets.
+    taken: dict[tuple[str, bool], dict[int, int]] = {}
     errors: dict[int, tuple[str | None, str]] = {}
     for op in loads:
         key: str | None = None
@@ -550,22 +641,25 @@ def build_jobs(
                 # One key (the digest of the last block) per object: every shard's span ends there.
                 raise LoadPlanError(f"the object's spans {op.obj.spans} do not end at one block")
             num_slots = min(int(r.num_slots) for r in regions)
-            pairs = []
-            for o, s in zip(op.ordinals, op.slots, strict=True):
-                o, s = int(o), int(s)
-                if not 0 <= s < num_slots:
-                    raise LoadPlanError(f"slot {s} outside [0, {num_slots})")
-                if not first <= o < first + count:
-                    raise LoadPlanError(f"ordinal {o} outside the object's span {first}+{count}")
-                pairs.append((o, s))
+            ords = list(map(int, op.ordinals))
+            slots = list(map(int, op.slots))
+            if slots and not (0 <= min(slots) and max(slots) < num_slots):
+                bad = next(s for s in slots if not 0 <= s < num_slots)
+                raise LoadPlanError(f"slot {bad} outside [0, {num_slots})")
+            if ords and not (first <= min(ords) and max(ords) < first + count):
+                bad = next(o for o in ords if not first <= o < first + count)
+                raise LoadPlanError(f"ordinal {bad} outside the object's span {first}+{count}")
             a = bool(is_async(op.request_id))
             job = jobs.get((key, a))
             if job is not None and (job.first, job.count) != (first, count):
                 raise LoadPlanError("the object is named with two different spans in one plan")
-            have = {s: o for o, s in job.targets} if job is not None else {}
-            for o, s in pairs:
-                if have.get(s, o) != o:
-                    raise LoadPlanError(f"slot {s} asked for ordinals {have[s]} and {o}")
+            have = taken.get((key, a), {})
+            asked = dict(zip(slots, ords, strict=True))  # in order of first appearance
+            if len(asked) != len(slots) or have:
+                seen = dict(have)
+                for o, s in zip(ords, slots, strict=True):
+                    if seen.setdefault(s, o) != o:
+                        raise LoadPlanError(f"slot {s} asked for ordinals {seen[s]} and {o}")
         except LoadPlanError as e:
             errors.setdefault(op.request_id, (key, str(e)))
             continue
@@ -584,11 +678,11 @@ def build_jobs(
                 deadline=deadline,
             )
             jobs[(key, a)] = job
+            taken[(key, a)] = have
         job.request_ids.add(op.request_id)
         job.plan_host = job.plan_host or bool(getattr(op, "host", False))
-        for o, s in pairs:
-            if s not in have:
-                have[s] = o
-                job.targets.append((o, s))
-                job.owners[s] = op.request_id
+        new = {s: o for s, o in asked.items() if s not in have} if have else asked
+        job.targets += zip(new.values(), new, strict=True)  # (ordinal, slot)
+        job.owners.update(dict.fromkeys(new, op.request_id))
+        have.update(new)
     return list(jobs.values()), errors

@@ -6,7 +6,12 @@ A :class:`HostTier` holds whole s3kv objects -- the same keys and the same bytes
 (pinned when the cache is on a GPU: :class:`~s3kv.transfer.staging.StagingPool`'s allocator,
 ``load_reserve_fraction=0``), carved per object. Nothing is allocated on the hot path. Pages
 sit at a 4 KiB boundary of their buffer with the header just before them, so a load copies
-host->device straight from the arena (no staging, no second host copy).
+host->device straight from the arena (no staging, no second host copy). Pinning takes seconds per
+10 GiB, so a pinned arena is allocated on a thread of its own: the engine's start-up does not wait,
+and until the arena is ready the tier holds nothing (every reservation is a ghost, see below).
+Bytes enter the tier checked (:meth:`commit` decodes what the encoder wrote; a promoted object is
+verified whole) and the entry keeps that header and the bytes around its pages; a hit compares
+the arena's bytes to those instead of decoding the header again.
 
 Bound and value. ``capacity`` bounds the bytes charged, never exceeded: an object is charged
 its buffer (or what ``weigh(key, nbytes)`` says of an object of ``nbytes`` -- its size as the
@@ -57,8 +62,19 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..core.cost import put_requests
-from ..core.objects import ObjectIdentity, ObjectSpan, header_len, object_metadata, trailer_len
+from ..core.objects import (
+    ObjectFormatError,
+    ObjectHeader,
+    ObjectIdentity,
+    ObjectSpan,
+    decode_header,
+    header_len,
+    object_metadata,
+    trailer_len,
+)
 from ..store.base import Buffer, ByteRange, HeadBatch, IntegrityError, ObjectInfo, ObjectStore, StoreWrapper
 from .counters import Counters
 from .staging import ALIGN, SAVE, StagingBuffer, StagingPool
@@ -101,6 +117,10 @@ class TierEntry:
     stored: bool = False
     evicted: bool = False
     version: int = 0
+    #: The header as checked when the bytes were admitted (decoded from them), and those bytes
+    #: (header, then trailer): a hit compares the arena's to these instead of decoding again.
+    header: ObjectHeader | None = None
+    admitted: bytes = b""
 
     @property
     def header_len(self) -> int:
@@ -125,6 +145,13 @@ class TierEntry:
         assert self.buf is not None
         return self.buf.memoryview(self.start, self.size)
 
+    def framing(self, buf: StagingBuffer) -> bytes:
+        """The bytes around the pages in ``buf`` (this entry's buffer): header, then trailer."""
+        hl, pages = header_len(self.count), self.count * self.identity.page_bytes
+        tl = trailer_len(self.count) if self.identity.integrity is not None else 0
+        v = buf.memoryview(self.base - hl, hl + pages + tl)
+        return bytes(v[:hl]) + bytes(v[hl + pages :]) if tl else bytes(v[:hl])
+
     def metadata(self) -> dict[str, str]:
         return object_metadata(self.identity, self.first, self.count, self.key)
 
@@ -139,7 +166,7 @@ class HostTierStats:
     ready: int
     ghosts: int
     pinned: bool
-    #: Seconds it took to allocate (and pin) the arena.
+    #: Seconds it took to allocate (and pin) the arena (0 until it is ready).
     register_s: float
     inserted: int
     evicted: int
@@ -149,6 +176,10 @@ class HostTierStats:
     write_backs_pending: int
     #: Reservations that got no buffer (the arena too fragmented): ghosts made.
     no_room: int
+    #: ... and those made before the arena was ready (still being allocated and pinned).
+    not_ready: int
+    #: The arena is allocated (and pinned): until then the tier holds nothing.
+    arena_ready: bool
     too_big: int
     #: Entries whose save or read failed after they were reserved: ghosts made.
     failed: int
@@ -167,7 +198,13 @@ class HostTier(StoreWrapper):
         on_written: Callable[[str, ObjectSpan], None] | None = None,
         counters: Counters | None = None,
         name: str = "s3kv-host",
+        background: bool | None = None,
+        on_ready: Callable[[HostTier], None] | None = None,
     ):
+        """``background``: allocate (and pin) the arena on a thread of its own, the tier holding
+        nothing until it is ready (default: when it is pinned -- what takes seconds; plain memory
+        costs nothing until touched). ``on_ready(tier)`` runs once the arena is allocated, on that
+        thread, just before the tier takes objects (its bandwidth is measured there)."""
         super().__init__(inner)
         if capacity_bytes <= 0:
             raise ValueError(f"host tier capacity must be positive, got {capacity_bytes}")
@@ -176,12 +213,13 @@ class HostTier(StoreWrapper):
         self.on_written = on_written
         self.counters = counters or Counters()
         self._name = name
-        t0 = time.perf_counter()
-        # With a weigher the charged size is not the physical one (a replay charges a real model's
-        # pages for tiny simulated ones): no arena of ``capacity`` bytes, a buffer per object.
-        self.pool = None if weigh is not None else StagingPool(capacity_bytes, pinned=pinned, load_reserve_fraction=0.0)
-        self.register_s = time.perf_counter() - t0
-        self.pinned = self.pool is not None and self.pool.pinned
+        #: The arena, once allocated (None until then, and always with a weigher).
+        self.pool: StagingPool | None = None
+        self.pinned = False
+        #: Seconds it took to allocate (and pin) the arena; 0 until it is ready.
+        self.register_s = 0.0
+        self._ready = threading.Event()
+        self._on_ready = on_ready
         self._lock = threading.Lock()
         self._entries: dict[str, TierEntry] = {}
         self._heap: list[tuple[float, str, int]] = []
@@ -189,12 +227,62 @@ class HostTier(StoreWrapper):
         self._used = 0
         self._high_water = 0
         self._n = {"inserted": 0, "evicted": 0, "hits": 0, "write_backs": 0, "write_back_failed": 0,
-                   "no_room": 0, "too_big": 0, "failed": 0}
+                   "no_room": 0, "not_ready": 0, "too_big": 0, "failed": 0}
         self._wb_queue: queue.SimpleQueue[TierEntry | None] = queue.SimpleQueue()
         self._wb_thread: threading.Thread | None = None
         self._wb_pending = 0
         self._wb_cond = threading.Condition()
         self._closed = False
+        if weigh is not None:
+            # The charged size is not the physical one (a replay charges a real model's pages for
+            # tiny simulated ones): no arena of ``capacity`` bytes, a buffer per object.
+            self._became_ready()
+        elif background if background is not None else pinned:
+            # Pinned where the caller's CUDA device is current, as a call made here would be.
+            device = torch.cuda.current_device() if pinned and torch.cuda.is_available() else None
+            threading.Thread(target=self._open_arena, args=(pinned, device), name=f"{name}-register",
+                             daemon=True).start()
+        else:
+            self._open_arena(pinned)
+
+    # -- the arena ----------------------------------------------------------------------------
+    def _open_arena(self, pinned: bool, device: int | None = None) -> None:
+        """Allocate (and pin) the arena; until it is ready every reservation is a ghost and every
+        load a miss. Pinning takes seconds per 10 GiB: a pinned tier does it in the background, so
+        the engine's start-up does not wait for it (``background``)."""
+        t0 = time.perf_counter()
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            pool = StagingPool(self.capacity, pinned=pinned, load_reserve_fraction=0.0)
+        except Exception as e:  # noqa: BLE001 - no memory for it: the tier holds nothing, the engine runs
+            log.error("s3kv %s: cannot allocate the host tier's %d bytes (S3KV_HOST_CACHE_GB): %s; it holds "
+                      "nothing", self._name, self.capacity, e)
+            return
+        with self._lock:
+            if not self._closed:
+                self.pool, self.pinned = pool, pool.pinned
+                self.register_s = time.perf_counter() - t0
+        if self.pool is None:  # closed meanwhile
+            pool.close()
+            return
+        self._became_ready()
+
+    def _became_ready(self) -> None:
+        if self._on_ready is not None:  # before any reservation can take the arena's room
+            try:
+                self._on_ready(self)
+            except Exception:  # noqa: BLE001 - a measurement or a log line, never the tier's failure
+                log.exception("s3kv %s: the host tier's on_ready hook failed", self._name)
+        self._ready.set()
+
+    @property
+    def ready(self) -> bool:
+        """The arena is allocated (and pinned): reservations get bytes, hits can be served."""
+        return self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout)
 
     # -- sizes ------------------------------------------------------------------------------
     @staticmethod
@@ -241,9 +329,10 @@ class HostTier(StoreWrapper):
             if not ghost:
                 buf = self._alloc(nbytes)
                 if buf is None:
-                    # The arena is too fragmented (or its bytes still held by loads in flight):
-                    # a ghost, so the accounting stays the plan's on every rank.
-                    self._n["no_room"] += 1
+                    # The arena is not ready yet (being pinned), or too fragmented (or its bytes
+                    # still held by loads in flight): a ghost, so the accounting stays the plan's
+                    # on every rank.
+                    self._n["no_room" if self._ready.is_set() else "not_ready"] += 1
             e = TierEntry(key, identity, int(first), int(count), to_s3, charged, tokens, buf, base)
             e.priority = self._inflation + tokens / max(charged, 1)
             self._entries[key] = e
@@ -292,29 +381,43 @@ class HostTier(StoreWrapper):
         return buf
 
     def commit(self, e: TierEntry, encoded: Sequence[Buffer]) -> bool:
-        """Write the header (and trailer) ``encode_object`` made over the entry's pages, and make
-        the entry visible. ``encoded``: header, the pages (already in place), [trailer]."""
+        """Write the header (and trailer) ``encode_object`` made over the entry's pages, check
+        them as a load would, and make the entry visible. ``encoded``: header, the pages (already
+        in place), [trailer]. False: evicted meanwhile, or the bytes failed the check (a ghost)."""
         with self._lock:
             if e.buf is None or e.evicted:
                 return False
-            e.buf.retain()
+            buf = e.buf.retain()
         try:
             header = memoryview(encoded[0]).cast("B")
-            e.buf.memoryview(e.start, header.nbytes)[:] = header
+            buf.memoryview(e.start, header.nbytes)[:] = header
             if e.identity.integrity is not None:
                 trailer = memoryview(encoded[-1]).cast("B")
                 end = e.base + e.count * e.identity.page_bytes
-                e.buf.memoryview(end, trailer.nbytes)[:] = trailer
+                buf.memoryview(end, trailer.nbytes)[:] = trailer
+            tl = e.size - e.header_len - e.count * e.identity.page_bytes
+            try:
+                checked = decode_header(buf.memoryview(e.start, e.header_len), e.identity, e.key,
+                                        buf.memoryview(e.start + e.size - tl, tl) if tl else None)
+            except ObjectFormatError as exc:  # cannot happen unless the encoder and decoder disagree
+                log.error("s3kv: the host tier's copy of %s fails its own check (%s); not kept", e.key, exc)
+                checked = None
         finally:
-            e.buf.release()
-        return self.mark_ready(e)
+            buf.release()
+        if checked is None:
+            self.fail(e)
+            return False
+        return self.mark_ready(e, checked)
 
-    def mark_ready(self, e: TierEntry, *, stored: bool = False) -> bool:
-        """The entry's bytes are in place and checked: lookups and loads may use it now.
+    def mark_ready(self, e: TierEntry, header: ObjectHeader, *, stored: bool = False) -> bool:
+        """The entry's bytes are in place and ``header`` is what checking them decoded: lookups
+        and loads may use it now; a hit checks the arena against what it holds now (``framing``).
         ``stored``: they came from the store (it holds the object)."""
         with self._lock:
             if e.buf is None or e.evicted:
                 return False
+            e.header = header
+            e.admitted = e.framing(e.buf)
             e.ready = True
             e.stored = e.stored or stored
             return True
@@ -386,7 +489,9 @@ class HostTier(StoreWrapper):
         buf.release()
 
     def _alloc(self, nbytes: int) -> StagingBuffer | None:
-        if self.pool is None:
+        if not self._ready.is_set():
+            return None
+        if self.pool is None:  # a weigher's tier
             return StagingBuffer.standalone(nbytes, SAVE)
         return self.pool.try_acquire(nbytes, SAVE)
 
@@ -517,7 +622,8 @@ class HostTier(StoreWrapper):
                 ready=ready, ghosts=ghosts, pinned=self.pinned, register_s=self.register_s,
                 inserted=self._n["inserted"], evicted=self._n["evicted"], hits=self._n["hits"],
                 write_backs=self._n["write_backs"], write_back_failed=self._n["write_back_failed"],
-                write_backs_pending=self._wb_pending, no_room=self._n["no_room"], too_big=self._n["too_big"],
+                write_backs_pending=self._wb_pending, no_room=self._n["no_room"], not_ready=self._n["not_ready"],
+                arena_ready=self._ready.is_set(), too_big=self._n["too_big"],
                 failed=self._n["failed"],
             )
 
@@ -540,5 +646,7 @@ class HostTier(StoreWrapper):
                 self._drop(e)
             self._entries.clear()
             self._heap.clear()
-        if self.pool is not None:
-            self.pool.close()
+        with self._lock:
+            pool = self.pool  # None: still being allocated; that thread closes it when done
+        if pool is not None:
+            pool.close()

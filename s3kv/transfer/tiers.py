@@ -19,7 +19,7 @@ from typing import Any
 from ..store.base import ObjectStore
 from .counters import Counters
 from .hosttier import HostTier, Weigher
-from .staging import ALIGN
+from .staging import ALIGN, StagingBuffer
 
 log = logging.getLogger(__name__)
 
@@ -68,23 +68,37 @@ class TierSpeed:
 def calibrate(tier: HostTier, device: Any, nbytes: int = 16 << 20) -> float:
     """Bytes per second of one copy from the tier's memory to ``device`` (best of three): the
     tier's bandwidth for the "worth loading" rule (``engine/leader/worth.py``). 0 when it cannot
-    be measured (no room, no device memory to spare: the engine's KV cache has taken it)."""
+    be measured (no room, no device memory to spare: the engine's KV cache has taken it).
+
+    On a stream of its own, waiting for that stream only: it runs once the arena is ready, in the
+    background, while the engine may already be running its forward passes."""
     import torch
 
     n = min(nbytes, tier.capacity // 2) // ALIGN * ALIGN
-    buf = tier._alloc(n) if n > 0 else None
+    pool = tier.pool  # the arena (none with a weigher): the memory the tier's loads copy from
+    buf = None if n <= 0 else pool.try_acquire(n) if pool is not None else StagingBuffer.standalone(n)
     if buf is None:
         return 0.0
     try:
-        dst = torch.empty(n, dtype=torch.uint8, device=device)
         cuda = getattr(device, "type", str(device)) == "cuda"
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            dst.copy_(buf.tensor, non_blocking=cuda)
-            if cuda:
-                torch.cuda.synchronize(device)
-            best = min(best, time.perf_counter() - t0)
+        stream = torch.cuda.Stream(device=device) if cuda else None
+
+        def best_of_three() -> float:
+            dst = torch.empty(n, dtype=torch.uint8, device=device)
+            best = float("inf")
+            for _ in range(3):
+                t0 = time.perf_counter()
+                dst.copy_(buf.tensor, non_blocking=cuda)
+                if stream is not None:
+                    stream.synchronize()
+                best = min(best, time.perf_counter() - t0)
+            return best
+
+        if stream is not None:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                best = best_of_three()
+        else:
+            best = best_of_three()
         return n / best if best > 0 else 0.0
     except Exception as e:  # noqa: BLE001 - a measurement, never a reason to refuse the engine
         log.info("s3kv: host tier bandwidth not measured (%s); loads will measure it", e)
@@ -137,15 +151,22 @@ def open_host_tier(
     speed: TierSpeed,
     name: str,
 ) -> HostTier | None:
-    """A rank's host tier in front of ``store`` (None when the size is 0), its copy bandwidth to
-    ``device`` measured into ``speed``; how long it took to allocate (and pin) is logged."""
+    """A rank's host tier in front of ``store`` (None when the size is 0). A pinned arena is
+    allocated and pinned in the background (seconds per 10 GiB: the engine's start-up does not
+    wait; the tier holds nothing until then); once it is ready, its copy bandwidth to ``device``
+    is measured into ``speed`` and how long it took is logged."""
     nbytes = capacity_bytes(host_cache_gb, device)
     if nbytes <= 0:
         return None
-    tier = HostTier(store, nbytes, pinned=pinned, weigh=weigh, on_written=on_written, counters=counters, name=name)
-    bw = calibrate(tier, device)
-    if bw > 0:
-        speed.set_bandwidth(bw)
-    log.info("s3kv %s: host tier %.2f GiB (%s) allocated in %.2f s; %.1f GB/s to %s", name, nbytes / (1 << 30),
-             "pinned" if tier.pinned else "pageable", tier.register_s, bw / 1e9, device)
-    return tier
+    t0 = time.perf_counter()
+
+    def ready(tier: HostTier) -> None:
+        bw = calibrate(tier, device)
+        if bw > 0:
+            speed.set_bandwidth(bw)
+        log.info("s3kv %s: host tier %.2f GiB (%s) ready %.2f s after registration (allocated in %.2f s); "
+                 "%.1f GB/s to %s", name, nbytes / (1 << 30), "pinned" if tier.pinned else "pageable",
+                 time.perf_counter() - t0, tier.register_s, bw / 1e9, device)
+
+    return HostTier(store, nbytes, pinned=pinned, weigh=weigh, on_written=on_written, counters=counters, name=name,
+                    on_ready=ready)

@@ -1,7 +1,8 @@
 """Load jobs on one rank, and the failure rungs of a promised load that cannot complete.
 
 ``start_load_kv`` groups the plan's ``LoadOp``s by object and reads each on a download thread
-(header + wanted pages, verified in staging before any host->device copy). Sync requests are
+(header + wanted pages, verified in staging before any host->device copy); an object this rank's
+host tier holds is checked and its copies enqueued right there instead. Sync requests are
 waited for inside ``start_load_kv`` (downloads and verification); on CUDA their host->device
 copies overlap the first layers and the forward stream waits for a group's copies in
 ``wait_for_layer_load`` of that group's layers. Async requests (``metadata.async_load_ids``)
@@ -189,10 +190,16 @@ class LoadJobs:
                 sync_errors[rid] = err
         for job in jobs:
             self.jobs.append(job)
-            self.downloader.submit(job)
+            if job.host is None:  # store reads go out first: theirs is the longer wait
+                self.downloader.submit(job)
             if job.is_async:
                 for rid in job.request_ids:
                     self.parked[rid].jobs.append(job)
+        if self.tier is not None:
+            # Host tier hits are placed here and now (their copies are asynchronous on the load
+            # stream all the same); one whose entry failed its check reads the store after all.
+            for job in self.downloader.serve_hits([j for j in jobs if j.host is not None]):
+                self.downloader.submit(job)
         sync_jobs = [j for j in jobs if not j.is_async]
         if not sync_jobs and not sync_errors:
             return None
@@ -221,6 +228,8 @@ class LoadJobs:
 
     def wait_jobs(self, jobs: list[LoadJob], deadline: float) -> None:
         for job in jobs:
+            if job.finished:  # a host tier hit placed in ``start``, or done already
+                continue
             fut = job.future
             assert fut is not None
             while not job.finished:

@@ -32,6 +32,9 @@ class RankLayout:
     layer_group: Mapping[int, int]
     #: Where the pages live (the staging pool and the copier follow it).
     device: Any
+    #: Each group's key prefix on this rank (by position in ``geometry.groups``), made once: the
+    #: group fingerprint is a hash, and every load op and seal names a key.
+    key_prefix: tuple[str, ...]
 
     @classmethod
     def from_layout(
@@ -66,12 +69,13 @@ class RankLayout:
             for g in geometry.groups
         }
         layer_group = {lid: g.group_id for g in geometry.groups for lid in g.layer_ids}
-        return cls(geometry, namespace, KeyScheme(prefix, namespace, tp_size), tp_rank, regions, identity,
-                   layer_group, device)
+        keys = KeyScheme(prefix, namespace, tp_size)
+        key_prefix = tuple(keys.group_prefix(g.fingerprint, tp_rank) for g in geometry.groups)
+        return cls(geometry, namespace, keys, tp_rank, regions, identity, layer_group, device, key_prefix)
 
     def object_key(self, group: int, last_digest: bytes) -> str:
         """This rank's key of the object of ``group`` ending at ``last_digest``."""
-        return self.keys.object_key(self.geometry.groups[group].fingerprint, self.tp_rank, last_digest)
+        return self.key_prefix[group] + last_digest.hex()
 
     def resolve(self, op: LoadOp) -> tuple[str, tuple[Any, ...], ObjectIdentity]:
         """A load op's object key, target regions and expected identity on this rank."""

@@ -14,8 +14,9 @@ With a host tier each seal first reserves the object's place there, here, in pla
 every rank's tier evicts the same objects: ``s3kv.transfer.hosttier``); the upload thread
 fills it. ``SealOp.to_s3`` says whether the object also goes to the store now. A seal whose
 buffer was dropped still reserves its place, as a ghost, so this rank's tier stays in step with
-the others'. A seal meant for the host tier only (``evict``/``never``) on a rank without one
-is dropped and counted (``seals_dropped_no_tier``).
+the others'. A seal meant for the host tier only (``evict``/``never``) on a rank without one,
+or whose tier has no bytes for it (its arena not ready yet -- being pinned at start-up -- or too
+fragmented: a ghost), is dropped and counted (``seals_dropped_no_tier``).
 
 Finishing requests: the standing finish plans (``metadata.finish_plans``) are run when the id
 reaches ``get_finished``; the id is handed back once every stage copy of that request issued
@@ -274,6 +275,11 @@ class SaveJobs:
                 # The tier holds this object already (and, for "now", knows the store does too):
                 # the same chain digest names the same KV, nothing to write.
                 self.counters.add("host_already_held")
+                return
+            if host is not None and host.buf is None and seal.to_s3 != NOW:
+                # Accounted as the other ranks account it (a ghost), but this rank's tier has no
+                # bytes for it: a host-only save has nowhere to go.
+                self.counters.add("seals_dropped_no_tier")
                 return
             job = UploadJob(
                 key=key,

@@ -77,7 +77,9 @@ class WorkerStats:
     host_objects: int = 0
     host_ghosts: int = 0
     host_pinned: bool = False
-    #: ... seconds to allocate (and pin) it at registration, ...
+    #: ... whether its arena is ready (a pinned one is pinned in the background after registration:
+    #: until then it holds nothing), the seconds that took, ...
+    host_ready: bool = False
     host_register_s: float = 0.0
     #: ... loads it served (objects, page bytes) with no store request, objects read whole from
     #: the store into it, seals filled into it, evictions, ...
@@ -92,8 +94,8 @@ class WorkerStats:
     host_write_backs: int = 0
     host_write_back_failed: int = 0
     #: ... loads rank 0's tier served whose object this rank's tier lacked (read from the store
-    #: instead), tier copies that failed a check (dropped), and seals meant for a host tier on a
-    #: rank without one (dropped).
+    #: instead), tier copies that failed a check (dropped), and seals meant for a host tier only on a
+    #: rank without one, or whose tier had no bytes for them (not ready yet, too fragmented): dropped.
     host_divergence: int = 0
     host_bad: int = 0
     seals_dropped_no_tier: int = 0
@@ -153,6 +155,7 @@ def worker_stats(
         host_objects=host.objects if host else 0,
         host_ghosts=host.ghosts if host else 0,
         host_pinned=host.pinned if host else False,
+        host_ready=host.arena_ready if host else False,
         host_register_s=host.register_s if host else 0.0,
         host_hits=n("host_hits"),
         host_hit_bytes=n("host_hit_bytes"),

@@ -8,13 +8,19 @@ timed from ``start_load_kv`` until the copies are on the device (host synchroniz
 
 * ``host_tier_ratio_vs_memcpy`` -- the load as the engine runs it from the tier (header checked
   in the arena, pages copied host->device straight from it); the issue's bar is >= 0.9;
+  ``host_tier_host_us``: the host time of that iteration's connector calls alone (on a GPU the
+  copies run on after they return: what the connector's Python costs per load);
 * ``host_tier_verify_ratio_vs_memcpy`` -- the same with ``S3KV_HOST_CACHE_VERIFY`` (every page's
   checksum on every hit): the cost of re-hashing;
 * ``store_path_ratio_vs_memcpy`` -- the same objects from an in-memory store through staging
   (the path without a tier: a host copy into staging, then the device copy).
 
-``register_s`` / ``register_gib_per_s``: allocating (and pinning) a tier of ``capacity_gib``.
-Runs on ``device='cpu'`` too (smoke runs; plain memory).
+Registering a tier of ``capacity_gib`` (a pinned one is allocated and pinned in the background):
+``register_return_s`` -- until ``HostTier(...)`` returns (what the engine's layout registration
+waits for); ``register_s`` / ``register_gib_per_s`` -- until the tier is ready (allocated and
+pinned; it holds nothing before); ``register_max_stall_s`` -- the longest a small host->device copy
+plus synchronize took on the calling thread meanwhile (does pinning in the background hold up the
+engine's own CUDA calls?). Runs on ``device='cpu'`` too (smoke runs; plain memory: nothing to pin).
 """
 
 from __future__ import annotations
@@ -50,8 +56,10 @@ def _step(core: WorkerCore, md: ConnectorMetadata | None, fwd: Any) -> None:
 
 def _worker_load_s(
     dev: torch.device, pb: int, objects: int, pages: int, *, tier_gib: float, verify: bool, repeats: int, seed: int
-) -> tuple[float, bool, bool]:
-    """Best seconds to load ``objects`` x ``pages`` pages through a worker; (seconds, bit exact, pinned tier)."""
+) -> tuple[float, float, bool, bool]:
+    """Best seconds to load ``objects`` x ``pages`` pages through a worker, best seconds the host
+    spent in the connector's calls of that iteration (the copies may still run on a GPU); bit
+    exact, pinned tier."""
     n = objects * pages
     layout = make_layout([GroupSpec((0,), None, (pb,))], num_slots=4 * n, device=dev, fill_seed=seed)
     rows = layout.group(0).regions[0].as_tensor()
@@ -62,6 +70,8 @@ def _worker_load_s(
                         staging_mib=max(64, 2 * n * pb >> 20), download_threads=8, load_timeout_s=120.0)
     core = WorkerCore(settings, MemoryStore(), "bench", 0, 1, "bench-model", "bf16", failed_load_hook=True)
     core.register_layout(layout)
+    if core.host_tier is not None and not core.host_tier.wait_ready(120):
+        raise RuntimeError("the host tier was not ready within 120 s")
     fwd = torch.cuda.current_stream(dev) if dev.type == "cuda" else None
     try:
         stages, seals, loads = [], [], []
@@ -78,16 +88,17 @@ def _worker_load_s(
         _step(core, md, fwd)  # warm-up, and the bit-exactness check
         _sync(dev)
         exact = bool(torch.equal(rows[dst], rows[src]))
-        best = float("inf")
+        best = host = float("inf")
         for _ in range(max(1, repeats)):
             rows[dst] = 0
             _sync(dev)
             t0 = time.perf_counter()
             _step(core, md, fwd)
+            t1 = time.perf_counter()
             _sync(dev)
-            best = min(best, time.perf_counter() - t0)
+            best, host = min(best, time.perf_counter() - t0), min(host, t1 - t0)
         pinned = core.host_tier is not None and core.host_tier.pinned
-        return best, exact, pinned
+        return best, host, exact, pinned
     finally:
         core.close()
 
@@ -108,6 +119,27 @@ def _memcpy_s(dev: torch.device, nbytes: int, repeats: int) -> float:
     return best
 
 
+def _register(dev: torch.device, capacity_gib: float) -> tuple[float, float, float, bool]:
+    """(seconds until ``HostTier`` returned, until it was ready, the longest small copy meanwhile,
+    pinned)."""
+    probe_src = torch.zeros(4096, dtype=torch.uint8)
+    probe_dst = torch.empty(4096, dtype=torch.uint8, device=dev)
+    _sync(dev)
+    t0 = time.perf_counter()
+    tier = HostTier(MemoryStore(), int(capacity_gib * (1 << 30)), pinned=dev.type == "cuda")
+    returned = time.perf_counter() - t0
+    stall = 0.0
+    while not tier.wait_ready(0.001):
+        t = time.perf_counter()
+        probe_dst.copy_(probe_src)
+        _sync(dev)
+        stall = max(stall, time.perf_counter() - t)
+    ready, pinned = time.perf_counter() - t0, tier.pinned
+    tier.close()
+    del tier
+    return returned, ready, stall, pinned
+
+
 def bench_host_tier(
     page_sizes_mib: Sequence[float] = (1.0, 4.0, 16.0),
     pages: int = 16,
@@ -120,25 +152,24 @@ def bench_host_tier(
 ) -> dict[str, Any]:
     dev = torch.device(device)
     t0 = time.perf_counter()
-    tier = HostTier(MemoryStore(), int(capacity_gib * (1 << 30)), pinned=dev.type == "cuda")
-    register_s, pinned = tier.register_s, tier.pinned
-    tier.close()
-    del tier
+    register_return_s, register_s, stall, pinned = _register(dev, capacity_gib)
     rows: list[dict[str, Any]] = []
     exact = True
     for mib in page_sizes_mib:
         pb = int(mib * (1 << 20))
         nbytes = objects * pages * pb
         gib = 2 * nbytes / (1 << 30) + 0.01
-        host, ok1, tier_pinned = _worker_load_s(dev, pb, objects, pages, tier_gib=gib, verify=False, repeats=repeats,
-                                                seed=seed)
-        verify, ok2, _ = _worker_load_s(dev, pb, objects, pages, tier_gib=gib, verify=True, repeats=repeats, seed=seed)
-        store, ok3, _ = _worker_load_s(dev, pb, objects, pages, tier_gib=0, verify=False, repeats=repeats, seed=seed)
+        host, host_cpu, ok1, tier_pinned = _worker_load_s(dev, pb, objects, pages, tier_gib=gib, verify=False,
+                                                          repeats=repeats, seed=seed)
+        verify, _, ok2, _ = _worker_load_s(dev, pb, objects, pages, tier_gib=gib, verify=True, repeats=repeats,
+                                           seed=seed)
+        store, _, ok3, _ = _worker_load_s(dev, pb, objects, pages, tier_gib=0, verify=False, repeats=repeats,
+                                          seed=seed)
         memcpy = _memcpy_s(dev, nbytes, repeats)
         exact &= ok1 and ok2 and ok3
         rows.append({
             "page_mib": mib, "bytes": nbytes, "tier_pinned": tier_pinned,
-            "host_tier_gbps": nbytes / host / 1e9, "host_tier_verify_gbps": nbytes / verify / 1e9,
+            "host_tier_gbps": nbytes / host / 1e9, "host_tier_host_us": host_cpu * 1e6, "host_tier_verify_gbps": nbytes / verify / 1e9,
             "store_path_gbps": nbytes / store / 1e9, "memcpy_gbps": nbytes / memcpy / 1e9,
             "host_tier_ratio_vs_memcpy": memcpy / host, "host_tier_verify_ratio_vs_memcpy": memcpy / verify,
             "store_path_ratio_vs_memcpy": memcpy / store,
@@ -150,8 +181,10 @@ def bench_host_tier(
         "pages_per_object": pages,
         "capacity_gib": capacity_gib,
         "pinned": pinned,
+        "register_return_s": register_return_s,
         "register_s": register_s,
         "register_gib_per_s": capacity_gib / register_s if register_s > 0 else None,
+        "register_max_stall_s": stall,
         "bit_exact": exact,
         "results": rows,
         "host_tier_ratio_vs_memcpy": min(r["host_tier_ratio_vs_memcpy"] for r in head),

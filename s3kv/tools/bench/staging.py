@@ -127,8 +127,10 @@ def table(res: dict[str, Any]) -> str:
     if h:
         lines += [
             "",
-            f"host tier: {h['capacity_gib']:g} GiB allocated{' and pinned' if h['pinned'] else ''} in "
-            f"{h['register_s']:.2f} s; loads of {h['objects']} objects x {h['pages_per_object']} pages through the "
+            f"host tier: {h['capacity_gib']:g} GiB; registering it returned in {h['register_return_s'] * 1e3:.1f} ms, "
+            f"allocated{' and pinned (in the background)' if h['pinned'] else ''} in {h['register_s']:.2f} s, "
+            f"a small copy meanwhile took at most {h['register_max_stall_s'] * 1e3:.1f} ms;",
+            f"loads of {h['objects']} objects x {h['pages_per_object']} pages through the "
             "worker, from the tier / re-hashing every page / from a store through staging, vs one memcpy:",
             f"{'page':>9} | {'tier GB/s':>9} {'ratio':>6} | {'verify GB/s':>11} {'ratio':>6} | "
             f"{'store GB/s':>10} {'ratio':>6} | {'memcpy':>7}",
