@@ -320,7 +320,12 @@ def test_demo_url_prints_the_real_prefix_and_ls_finds_it(tmp_path):
     assert f"{ns['path']}{ns['namespace']}" in text
     stats = json.loads(s3kv("stats", "--url", url, "--json").stdout)
     assert stats["total"]["objects"] == ns["objects"] and stats["unrecognised"]["objects"] == 0
+    # gc at the parent URL leaves a sub-prefix (another deployment may live there) unless told.
     dry = json.loads(s3kv("gc", "--url", url, "--older-than", "0", "--dry-run", "--json").stdout)
+    assert dry["matched"]["objects"] == 0
+    assert sum(v["objects"] for v in dry["left_in_sub_prefixes"].values()) == ns["objects"]
+    dry = json.loads(s3kv("gc", "--url", url, "--older-than", "0", "--dry-run", "--include-sub-prefixes",
+                          "--json").stdout)
     assert dry["matched"]["objects"] == ns["objects"]
 
     # Without --keep the run cleans up after itself and says so.

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from s3kv.config import Settings
+from s3kv.config import Settings, warn_once
 from s3kv.sim import (
     SimCacheConfig,
     SimEngine,
@@ -239,6 +239,7 @@ def test_a_corrupt_object_ends_its_request_and_the_next_one_misses(tp, outcome):
 
 def test_sync_is_never_honoured_even_with_the_path(caplog):
     store = _stored(1)
+    warn_once.cache_clear()  # said once per process: an earlier test may have said it
     with caplog.at_level(logging.WARNING, logger="s3kv"), _engine(store, load_mode="sync") as eng:
         rep = eng.run([SimRequestSpec(300, PROMPT, max_new_tokens=2)])
     assert rep.kv_mismatches == 0 and rep.requests[0].loaded_async and rep.requests[0].matched_tokens
