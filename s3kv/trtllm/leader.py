@@ -76,8 +76,9 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
         if weak:
             warn_once(weak)
         self.adapters = AdapterIdentities(llm_args)
-        # The namespace summary's first LIST should not race the first lookups: start its
-        # refresher (background thread) once the worker has registered the layout.
+        # The fleet index's first fetch and the namespace summary's first LIST should not race the
+        # first lookups: start their refreshers (background threads) once the worker has
+        # registered the layout.
         self._runtime.on_geometry(self._start_summary)
         self.core = LeaderCore(
             self.settings,
@@ -95,6 +96,9 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
 
     def _start_summary(self) -> None:
         try:
+            fleet = self.core.fleet_index()
+            if fleet is not None:
+                fleet.start()  # its first fetch now, before the first request
             summary = self.core.lookup_summary()
             if summary is not None:
                 summary.start()

@@ -1,16 +1,21 @@
 """The leader's lookups: the largest servable history, in few round trips, within a budget.
 
 ``s3kv.core.lookup.find_hit`` plans which objects to ask about; this module answers its asks:
-from the local index, from the namespace summary (a cold miss then costs no request, a hit one
-verify wave), else with parallel HEAD waves. A wave has what is left of the lookup's time budget
-(``s3kv.core.lookup.stall_budget_s``: a share of the prefill its best possible hit would save,
-within a hard cap); past it the wave keeps running on its thread and feeds the index when it ends, the rest of
-the lookup is then finished in the background (so the next lookup of that prefix is local), and
-at most ``lookup_max_pending`` such waves may run at once. A store error, a timeout or a full
-backlog is a miss, never an exception. HEAD answers are checked against the object identity the
-key promises before they reach the index or a plan.
+from the local index (own uploads, HEAD answers), from a listing of the namespace -- the fleet
+index, else this engine's LIST summary (``s3kv.engine.summary``: a cold miss then costs no
+request, a hit one verify wave, or none where the listing is trusted) -- else with parallel HEAD
+waves. A wave has what is left of the lookup's time budget (``lookup_budget_s``: a share of the
+prefill its best possible hit would save, within a hard cap, and with requests running beside
+it no more than what the overlap loop hides plus ``lookup_max_added_latency_ms``, ``pace.py``);
+past it the wave keeps running on its thread and feeds the index when it ends, the rest of the
+lookup is then finished in the background (so the next lookup of that prefix is local), and at
+most ``lookup_max_pending`` such waves may run at once. Objects written since the listing are
+found the same way, in the background, where what they may save is worth the HEADs
+(``_probe_past``). A store error, a timeout or a full backlog is a miss, never an exception.
+HEAD answers are checked against the object identity the key promises before they reach the
+index or a plan.
 
-Why this is one module: the index, the summary, the HEAD waves and what happens past the budget
+Why this is one module: the index, the listings, the HEAD waves and what happens past the budget
 all answer one lookup's asks and share its state (deadline, backlog, the wave that ran out);
 split apart, each piece would reach into the others.
 """
@@ -21,7 +26,6 @@ import logging
 import math
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -32,9 +36,12 @@ from ...core.hitrule import Span, required_range, servable
 from ...core.lookup import Ask, LookupResult, find_hit, stall_budget_s
 from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
+from ..fleetindex import IndexRefresher
 from ..index import MISSING, KeyIndex
-from ..summary import NamespaceSummary, SummaryGroup
+from ..summary import Listing, NamespaceSummary
 from .context import LeaderContext
+from .listings import Listings
+from .pace import Pace
 from .pressure import PressureGauge, fallback_blocks
 from .requests import RequestState
 from .stats import LeaderStats
@@ -48,6 +55,13 @@ class _LookupTimeout(Exception):
 
 class _LookupBusy(Exception):
     """Too many timed-out HEAD waves still run in the background: skip the network (a miss)."""
+
+
+#: What an engine assumes, before it has seen any, of probes past a listing finding more: a listing
+#: is seconds old, and a prompt's objects written in those seconds by another engine are rare.
+PAST_YIELD_PRIOR = 0.05
+#: A listed candidate: its object key and when it was written (None: unknown).
+_Pick = tuple[str, "float | None"]
 
 
 class Lookups:
@@ -65,7 +79,6 @@ class Lookups:
         #: HEAD waves submitted to the lookup pool and not finished.
         self.pending_waves = 0
         self._pending_lock = threading.Lock()
-        self._summary: NamespaceSummary | None = None
         self._last_probe_used_network = False
         #: The wave this lookup's budget ran out on (still running), if any.
         self._late_wave: Future | None = None
@@ -80,9 +93,24 @@ class Lookups:
         self._promise = False
         #: What the engine's honours say of its KV memory (``pressure.py``); ``loads.py`` feeds it.
         self.pressure = PressureGauge()
+        #: The namespace's listings: the fleet index, the LIST summary, and what they may vouch for.
+        self.listings = Listings(settings, store, index, stats)
+        #: Share of background probes past a listing that found more than it listed (moving average).
+        self._past_yield = PAST_YIELD_PRIOR
+        #: The engine's passes (batch, forward time): what a stall costs the requests beside it.
+        self.pace = Pace()
+        self._hidden_s = 0.0
+        self._corunning = 0
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
+        self.listings.bind(ctx)
+
+    def summary(self) -> NamespaceSummary | None:
+        return self.listings.summary()
+
+    def fleet_index(self) -> IndexRefresher | None:
+        return self.listings.fleet_index()
 
     # ------------------------------------------------------------------ one request's lookup
     def offer(
@@ -192,7 +220,8 @@ class Lookups:
     def record(self, stall_s: float, hit_tokens: int) -> None:
         """The lookup just offered held the scheduler ``stall_s``: note it beside its budget, what
         its best hit could have saved, and how it ended."""
-        self.stats.record_lookup(stall_s, self.budget_s, self.saveable_tokens, hit_tokens, self.decision)
+        self.stats.record_lookup(stall_s, self.budget_s, self.saveable_tokens, hit_tokens, self.decision,
+                                 self._hidden_s, self._corunning)
 
     def recheck(self, st: RequestState, h: int) -> LookupResult:
         """Verify a smaller history ``h`` than offered (the index answers most of it)."""
@@ -208,15 +237,27 @@ class Lookups:
         return find_hit(g, ctx.params, st.load.d_blocks, st.prompt_len // g.tokens_per_block, h,
                         lambda asks: self._probe(st, asks))
 
-    def lookup_budget_s(self, saveable_tokens: int) -> float:
-        """The time budget of a lookup whose best possible hit saves ``saveable_tokens`` (inf: none)."""
+    def lookup_budget_s(self, saveable_tokens: int, corunning: int = 0, hidden_s: float = 0.0) -> float:
+        """The time budget of a lookup whose best possible hit saves ``saveable_tokens`` (inf: none),
+        with ``corunning`` requests in the engine's batch and ``hidden_s`` of stall the overlap loop
+        hides behind the forward (``pace.py``).
+
+        Two prices, the smaller wins: the value rule (a share of the prefill the hit saves, within
+        the cap) prices the stall in the GPU time of the request looked up; every request beside
+        it waits too, each getting its next token later by the stall beyond what the overlap
+        hides, and that latency is what ``lookup_max_added_latency_ms`` bounds -- an SLO, not a
+        price, since the prefill a miss costs is spread over many passes' chunks while the stall
+        lands on one token of every stream at once."""
         s = self.settings
         if s.lookup_timeout_s > 0:
             return s.lookup_timeout_s
         if s.lookup_timeout_s == 0:
             return math.inf
-        return stall_budget_s(saveable_tokens, s.prefill_tokens_per_s, s.lookup_stall_fraction,
-                              s.lookup_max_stall_ms / 1000.0)
+        budget = stall_budget_s(saveable_tokens, s.prefill_tokens_per_s, s.lookup_stall_fraction,
+                                s.lookup_max_stall_ms / 1000.0)
+        if corunning > 0:
+            budget = min(budget, hidden_s + s.lookup_max_added_latency_ms / 1000.0)
+        return budget
 
     def _max_budget_s(self) -> float:
         """The longest budget any lookup gets: the fixed one, else the cap."""
@@ -227,51 +268,67 @@ class Lookups:
         """One scheduler-path answer (a lookup, a re-check) starts: its time budget from now."""
         self.saveable_tokens = max(0, saveable_tokens)
         self._promise = promise
+        self.pace.stalled()
+        self._hidden_s, self._corunning = self.pace.hidden_s(), self.pace.corunning()
         if promise:
             self.budget_s = budget = math.inf if self.settings.lookup_timeout_s == 0 else self._max_budget_s()
         else:
-            self.budget_s = budget = self.lookup_budget_s(self.saveable_tokens)
+            self.budget_s = budget = self.lookup_budget_s(self.saveable_tokens, self._corunning, self._hidden_s)
         self._deadline = time.monotonic() + budget
         self._timed_out = False
         self._late_wave = None
         self.decision = ""
 
     def _find(self, st: RequestState, full_blocks: int, hmax: int) -> LookupResult:
-        """The largest servable history: from the namespace summary when one is ready (a miss
-        costs no request, a hit one verify wave), else by probing with HEAD waves."""
+        """The largest servable history: from a listing of the namespace when one is fresh (a miss
+        costs no request, a hit one verify wave or none), else by probing with HEAD waves."""
         ctx = self.ctx
         assert ctx is not None
         g = ctx.geometry
-        summary = self._summary_snapshot()
+        d = st.load.d_blocks
+        self.listings.note_failed_loads()
+        listing = self.listings.current()
         waves = asks = 0
-        if summary is not None:
-            picked: dict[Ask, str] = {}
-            cand = find_hit(
-                g, ctx.params, st.load.d_blocks, full_blocks, hmax,
-                lambda a: self._probe_local(st, a, summary, picked),
-                count_wave=lambda a: False,
-            )
-            if cand.h_blocks - st.load.d_blocks < self.settings.min_hit_blocks:
+        if listing is not None:
+            if listing.source == "index":
+                self.stats.lookup_index_lookups += 1
+            else:
+                self.stats.lookup_list_lookups += 1
+            picked: dict[Ask, _Pick] = {}
+            cand = find_hit(g, ctx.params, d, full_blocks, hmax,
+                            lambda a: self._probe_local(st, a, listing, picked), count_wave=lambda a: False)
+            if cand.h_blocks - d < self.settings.min_hit_blocks:
                 self.stats.lookup_summary_misses += 1
+                self._probe_past(st, d, full_blocks, hmax)
                 return cand
-            trust = self.settings.lookup_summary_trust_s
-            if trust > 0 and self._summary is not None and self._summary.age_s() <= trust:
-                # A listing this fresh is the store's own answer, as a HEAD's is for the index.
+            todo = self._loaded_picks(st, cand, picked)
+            if self.listings.trusted(listing, [picked[a][1] for a in todo.values()]):
+                # Vouched for by a listing trusted like a HEAD answer: no request.
                 self.stats.lookup_summary_hits += 1
+                self.stats.lookup_trusted_hits += 1
+                self.listings.vouch(todo, listing)
+                self._probe_past(st, cand.h_blocks, full_blocks, hmax)
                 return cand
-            verified = self._verify(st, cand, picked)
+            verified, outcome = self._verify(st, cand, todo, picked)
+            if outcome != "skipped":
+                self.listings.trust.verified(listing.source, listing.generation, outcome == "ok")
+            elif self._timed_out:
+                # No time for the verify wave (or it ran out): finish the lookup in the background,
+                # so the next lookup of this prefix is answered from the key index.
+                self._finish_late(st, full_blocks, hmax)
             if verified is not None:  # confirmed, or a miss because the wave failed / timed out
-                if verified.h_blocks > st.load.d_blocks:
+                if verified.h_blocks > d:
                     self.stats.lookup_summary_hits += 1
+                    self._probe_past(st, verified.h_blocks, full_blocks, hmax)
                 return verified
-            # A refuted candidate: the summary is stale here. The verify wave's answers are in
-            # the index now; probe what is left of the budget.
+            # A refuted candidate: the listing is stale here. The verify wave's answers are in
+            # the key index now; probe what is left of the budget.
             self.stats.lookup_summary_stale += 1
-            waves, asks = 1, len(picked)
+            waves, asks = 1, len(todo)
         result = find_hit(
             g,
             ctx.params,
-            st.load.d_blocks,
+            d,
             full_blocks,
             hmax,
             lambda a: self._probe(st, a),
@@ -283,39 +340,37 @@ class Lookups:
         result.asks += asks
         return result
 
-    # ------------------------------------------------------------------ the namespace summary
-    def _summary_snapshot(self) -> Any:
-        """The namespace summary's current snapshot, or None (off, not ready, or store in doubt)."""
-        summary = self.summary()
-        if summary is None or not self.store.available:
-            return None
-        return summary.start().snapshot()
+    def _probe_past(self, st: RequestState, found: int, full_blocks: int, hmax: int) -> None:
+        """Objects written since the listing are not in it: a lookup it answered found ``found``
+        blocks where the prompt had ``hmax``. Probe the rest in the background (no budget, every
+        HEAD wave, answers into the key index, as ``_finish_late``), so the next lookup of the
+        prefix -- the next turn, another request sharing it -- finds them locally.
 
-    def summary(self) -> NamespaceSummary | None:
-        """The namespace summary (made on first use; its refresher starts with the first lookup),
-        or None when ``lookup_summary_s`` is 0 or the geometry is not bound yet."""
-        ctx = self.ctx
-        if self.settings.lookup_summary_s <= 0 or ctx is None:
-            return None
-        if self._summary is None:
-            tagged = self.settings.integrity is not None
-            groups = {x.fingerprint: SummaryGroup(x.group_id, x.page_bytes, tagged) for x in ctx.geometry.groups}
-            self._summary = NamespaceSummary(
-                self.store,
-                ctx.scheme,
-                groups,
-                interval_s=self.settings.lookup_summary_s,
-                max_objects=self.settings.lookup_summary_max_objects,
-            )
-            # The refresher holds no reference to the lookups (nor the leader holding them); it
-            # stops when they go.
-            weakref.finalize(self, self._summary.stop)
-        return self._summary
+        Only where it pays: the prefill the rest would save, times the share of such probes that
+        lately found anything (learned, so an engine whose listings are complete stops asking),
+        against a first wave's HEADs at the store's price. Never on the scheduler's time."""
+        s, ctx = self.settings, self.ctx
+        assert ctx is not None
+        tpb = ctx.geometry.tokens_per_block
+        gain = (hmax - found) * tpb
+        if hmax - found < s.min_hit_blocks:
+            return
+        worth = self._past_yield * gain / s.prefill_tokens_per_s * s.gpu_usd_per_hour / 3600.0
+        if worth <= s.lookup_probe_budget * s.cost_get_per_1k_usd / 1000.0:
+            return
+
+        def done(result: LookupResult) -> None:
+            more = result.h_blocks > found
+            with self._pending_lock:
+                self.stats.lookup_probes_past_found += more
+                self._past_yield = 0.9 * self._past_yield + 0.1 * more
+
+        if self._finish_late(st, full_blocks, hmax, on_done=done):
+            self.stats.lookup_probes_past += 1
 
     def close(self) -> None:
         """Stop the background work (summary refresher, pool). Idempotent."""
-        if self._summary is not None:
-            self._summary.stop()
+        self.listings.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -329,13 +384,13 @@ class Lookups:
             yield a, key, v
 
     def _probe_local(
-        self, st: RequestState, asks: set[Ask], summary: Any, picked: dict[Ask, str]
+        self, st: RequestState, asks: set[Ask], listing: Listing, picked: dict[Ask, _Pick]
     ) -> dict[Ask, Span | None]:
-        """Answer asks from the index, else the summary (noting which came from the summary)."""
+        """Answer asks from the key index, else the listing (noting which came from the listing)."""
         assert st.chain is not None and self.ctx is not None
         out: dict[Ask, Span | None] = {}
         digests = st.chain.digests
-        listed = {gs: summary.get(gs, {}) for gs in self.ctx.prefixes}
+        find = listing.find
         for a, key, v in self._indexed(st, asks):
             grp, shard, end = a
             if v is MISSING:
@@ -343,17 +398,16 @@ class Lookups:
             elif v is not None:
                 out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
             else:
-                count = listed[(grp, shard)].get(digests[end - 1])
-                if count is None or count > end:
+                got = find(grp, shard, digests[end - 1], end)
+                if got is None:
                     out[a] = None
                 else:
-                    out[a] = Span(end - count, end)
-                    picked[a] = key
+                    out[a] = Span(end - got[0], end)
+                    picked[a] = (key, got[1])
         return out
 
-    def _verify(self, st: RequestState, cand: LookupResult, picked: dict[Ask, str]) -> LookupResult | None:
-        """HEAD (one wave) every summary-derived object the candidate hit would load; the hit
-        with only confirmed objects in its coverage, or None if the store refuted any."""
+    def _loaded_picks(self, st: RequestState, cand: LookupResult, picked: dict[Ask, _Pick]) -> dict[str, Ask]:
+        """key -> ask of every listed object the candidate hit would load."""
         assert self.ctx is not None
         g = self.ctx.geometry
         h, d, tpb = cand.h_blocks, st.load.d_blocks, g.tokens_per_block
@@ -366,11 +420,22 @@ class Lookups:
                 for end, span in cand.coverage.get((grp.group_id, shard), {}).items():
                     a = (grp.group_id, shard, end)
                     if a in picked and span.first < hi and span.end > lo:
-                        todo[picked[a]] = a
+                        todo[picked[a][0]] = a
+        return todo
+
+    def _verify(
+        self, st: RequestState, cand: LookupResult, todo: dict[str, Ask], picked: dict[Ask, _Pick]
+    ) -> tuple[LookupResult | None, str]:
+        """HEAD (one wave) every listed object the candidate hit would load (``todo``): the hit
+        with only confirmed objects in its coverage, or None if the store refuted any; and how
+        the wave went: "ok", "refuted", or "skipped" (no wave: out of time, busy, failed)."""
+        assert self.ctx is not None
+        g = self.ctx.geometry
+        h, d = cand.h_blocks, st.load.d_blocks
         result = LookupResult(
             h, coverage={k: dict(v) for k, v in cand.coverage.items()}, asks=len(todo), spine_blocks=cand.spine_blocks
         )
-        # Only confirmed spans may reach a plan: drop every summary answer, re-add what the HEADs say.
+        # Only confirmed spans may reach a plan: drop every listed answer, re-add what the HEADs say.
         for a in picked:
             result.coverage.get((a[0], a[1]), {}).pop(a[2], None)
         if todo:
@@ -378,24 +443,24 @@ class Lookups:
                 batch = self._head_wave(todo)
             except (_LookupTimeout, _LookupBusy) as e:
                 self._note_skipped(st, e)
-                return LookupResult(d, waves=1 if isinstance(e, _LookupTimeout) else 0, asks=len(todo))
+                return LookupResult(d, waves=1 if isinstance(e, _LookupTimeout) else 0, asks=len(todo)), "skipped"
             except StoreError as e:
                 self.stats.lookup_errors += 1
                 self.decision = "error"
                 log.warning("s3kv: lookup verify wave failed (%s); treating as miss", e,
                             extra={"request_id": st.request_id})
-                return LookupResult(d, waves=1, asks=len(todo))
+                return LookupResult(d, waves=1, asks=len(todo)), "skipped"
             result.waves = 1
             spans = self._absorb(todo, batch)
             for a in todo.values():
                 got = spans.get(a)
                 want = cand.coverage[(a[0], a[1])][a[2]]
                 if got is None or got != want:
-                    return None
+                    return None, "refuted"
                 result.coverage.setdefault((a[0], a[1]), {})[a[2]] = got
         if not servable(g, result.coverage, d, h, self.settings.window_margin_blocks):
-            return None
-        return result
+            return None, "refuted"
+        return result, "ok"
 
     def _note_skipped(self, st: RequestState, e: BaseException) -> None:
         if isinstance(e, _LookupBusy):
@@ -483,10 +548,7 @@ class Lookups:
                 self._last_probe_used_network = False
                 raise _LookupBusy
             self.pending_waves += 1
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=max(1, self.settings.lookup_max_pending), thread_name_prefix="s3kv-lookup"
-            )
+        pool = self._lookup_pool()
         asks = dict(todo)
         timed_out = [False]
         sent = time.monotonic()
@@ -499,7 +561,7 @@ class Lookups:
                 # A late answer still warms the index: the next lookup of this prefix is local.
                 self._absorb(asks, f.result(), count=False)
 
-        fut = self._pool.submit(self.store.head_many_checked, keys, expect)
+        fut = pool.submit(self.store.head_many_checked, keys, expect)
         try:
             return fut.result(timeout=remaining)
         except FutureTimeout:
@@ -515,6 +577,13 @@ class Lookups:
         finally:
             fut.add_done_callback(done)
 
+    def _lookup_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=max(1, self.settings.lookup_max_pending), thread_name_prefix="s3kv-lookup"
+            )
+        return self._pool
+
     def _note_wave(self, seconds: float) -> None:
         """A wave's wall time into the moving average. At most the cap: after a hang the average
         must not make every later lookup give up before sending (the background waves, which
@@ -523,7 +592,9 @@ class Lookups:
         with self._pending_lock:
             self._wave_s = seconds if self._wave_s == 0.0 else 0.8 * self._wave_s + 0.2 * seconds
 
-    def _finish_late(self, st: RequestState, full_blocks: int, hmax: int) -> None:
+    def _finish_late(
+        self, st: RequestState, full_blocks: int, hmax: int, on_done: Callable[[LookupResult], None] | None = None
+    ) -> bool:
         """Run a probe lookup that ran out of its budget to its end in the background: every
         wave, no budget, answers into the index only (nothing is offered from it).
 
@@ -534,14 +605,17 @@ class Lookups:
         once the wave that ran out has ended and been absorbed (no HEAD asked twice; a store
         that hangs or fails gets no more work) and counts in ``lookup_max_pending``.
         """
-        ctx, pool, late = self.ctx, self._pool, self._late_wave
-        if ctx is None or pool is None:
-            return
+        ctx, pool, late = self.ctx, self._lookup_pool(), self._late_wave
+        if ctx is None:
+            return False
         d = st.load.d_blocks
 
         def run() -> None:
             try:
-                find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax, lambda a: self._probe_late(st, a))
+                found = find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax, lambda a: self._probe_late(st, a))
+                if on_done is not None:
+                    on_done(found)
+                    return
                 with self._pending_lock:
                     self.stats.lookups_finished_late += 1
             except Exception:  # noqa: BLE001 - background warming must never fail anything
@@ -569,6 +643,7 @@ class Lookups:
             start()
         else:
             late.add_done_callback(start)  # after the wave's own callback has absorbed it
+        return True
 
     def _probe_late(self, st: RequestState, asks: set[Ask]) -> dict[Ask, Span | None]:
         """``_probe`` for :meth:`_finish_late`: no budget, no foreground state, nothing counted."""

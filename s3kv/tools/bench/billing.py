@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...core.cost import DAYS_PER_MONTH, GiB, get_requests, put_requests
-from ...store.base import Buffer, ByteRange, HeadBatch, NotFound, StoreWrapper
+from ...store.base import Buffer, ByteRange, Fetched, HeadBatch, NotFound, StoreWrapper
 
 SPLITS_MIB = (8, 16, 32, 64, 1024)
 KINDS = ("full", "checkpoint", "prompt-end", "history-end", "branch")
@@ -111,6 +111,10 @@ class BilledStore(StoreWrapper):
         for k in keys:
             self._expire(k)
         return self.inner.head_many(keys)
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        self.real_get += 1  # the fleet index's poll: one GET, a 304 or the (small) object
+        return self.inner.get_if_changed(key, etag)
 
     def _kind(self, fp: str, md: Mapping[str, str]) -> str:
         if self.names.get(fp) == "full":
