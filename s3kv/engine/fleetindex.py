@@ -329,6 +329,8 @@ class IndexRefresher:
         return self
 
     def _run(self) -> None:
+        if self.fetches:
+            self._stop.wait(self.interval_s)  # refreshed by hand just now: not again at once
         while not self._stop.is_set():
             try:
                 self.refresh()

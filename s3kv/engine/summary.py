@@ -126,13 +126,16 @@ class TrustGate:
     def trusted(self, source: str) -> bool:
         return source not in self._lost
 
-    def lose(self, source: str, generation: int) -> None:
-        if source not in self._lost:
+    def lose(self, source: str, generation: int) -> bool:
+        """A load ``source`` vouched for failed; True if that took its trust (it had it)."""
+        had = source not in self._lost
+        if had:
             self.losses += 1
             log.warning("s3kv: a load of an object the %s listed failed; its hits are verified by HEAD "
                         "until it proves right again", "fleet index" if source == "index" else "namespace LIST")
         self._lost[source] = generation
         self._confirmed[source] = 0
+        return had
 
     def verified(self, source: str, generation: int, ok: bool) -> None:
         """A verify wave over candidates of ``source``'s listing ``generation`` ended: all

@@ -146,8 +146,7 @@ class Listings:
         self._quarantines_seen = seen
         for key in keys:
             got = self._vouched.pop(key, None)
-            if got is not None:
-                self.trust.lose(*got)
+            if got is not None and self.trust.lose(*got):
                 self.stats.listing_trust_lost += 1
 
     def close(self) -> None:
