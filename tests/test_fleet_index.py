@@ -11,6 +11,7 @@ noticed by its index's age. Plus the trust-mode row of issue 37 (a planted LIST)
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
 
@@ -517,3 +518,31 @@ def test_settings_of_the_fleet_index_are_validated():
                       ("lookup_max_added_latency_ms", -5.0)):
         with pytest.raises(ConfigError, match=name):
             validate(dataclasses.replace(Settings(url="memory://x"), **{name: bad}))
+
+
+def test_gc_publishes_the_index_that_engines_then_read(tmp_path):
+    """``s3kv gc ... --index EVERY``: the deployment's one publisher. After a pass the index holds
+    what gc kept, signed with gc's key, and an engine reads it (what it deleted is not in it)."""
+    from click.testing import CliRunner
+
+    from s3kv.store.factory import open_store
+    from s3kv.tools.ops import gc_command
+
+    url = f"file://{tmp_path}/cache"
+    store = open_store(url)
+    writer = _leader(store, fleet_index_s=0, integrity_key=SECRET)
+    writer.scheme = dataclasses.replace(writer.scheme, prefix="")  # file:// URLs carry no key prefix
+    keep, drop = tokens_of(40 * TPB + 9, seed=40), tokens_of(40 * TPB + 9, seed=41)
+    _write(writer, store, keep, 40)
+    t = time.time() - 3 * 86400
+    for k in _write(writer, store, drop, 40):
+        os.utime(tmp_path / "cache" / k, (t, t))
+    env = {"S3KV_INTEGRITY_KEY": SECRET}
+    r = CliRunner().invoke(gc_command, ["--url", url, "--older-than", "2", "--index", "10s", "--json"], env=env)
+    assert r.exit_code == 0, r.output
+    key = index_key(writer.scheme.namespace_prefix)
+    idx = decode(store.get_if_changed(key).data, object_key=key, namespace=writer.namespace, keys=KEYS,
+                 max_objects=1000)
+    assert idx.verified and idx.objects == 20 and idx.every_s >= 10
+    r = CliRunner().invoke(gc_command, ["--url", url, "--older-than", "2", "--index", "0", "--json"], env=env)
+    assert r.exit_code != 0 and "--index" in r.output

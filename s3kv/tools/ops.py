@@ -868,6 +868,15 @@ class Duration(click.ParamType):
     help="Run again every EVERY (e.g. 10m) until stopped, deleting without asking: s3kv's own expiry, "
     "finer than S3 lifecycle rules (whole days). One JSON line / summary per pass.",
 )
+@click.option(
+    "--index",
+    "index_every",
+    type=Duration(),
+    default=None,
+    metavar="EVERY",
+    help="Also publish each namespace's fleet index, the one object engines poll instead of listing "
+    "(docs/operations.md#the-fleet-index): every EVERY (e.g. 10s) with --watch, once after the pass without.",
+)
 @click.option("--now", "now", type=float, default=None, hidden=True, help="Clock for tests (POSIX seconds).")
 @click.option("--namespace", "-n", default=None, help="Delete only this namespace (the full 32 hex digits).")
 @click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
@@ -885,6 +894,7 @@ def gc_command(
     older_than: float | None,
     expired: bool,
     watch: float | None,
+    index_every: float | None,
     now: float | None,
     namespace: str | None,
     dry_run: bool,
@@ -904,6 +914,7 @@ def gc_command(
         older_than = expiry_age_s(ctx.settings)
     if older_than is None and namespace is None:
         raise click.UsageError("gc needs a filter: --expired, --older-than AGE and/or --namespace NS")
+    publish = _index_hook(ctx, index_every, namespace, now)
     if watch is not None:
         if watch <= 0:
             raise click.BadParameter("must be > 0", param_hint="--watch")
@@ -913,10 +924,12 @@ def gc_command(
                 _gc_pass(ctx, older_than, namespace, dry_run, True, confirm_above, verbose)
             except (StoreError, SystemExit) as exc:  # the next pass tries again
                 click.echo(f"s3kv gc: pass failed: {exc}", err=True)
-            time.sleep(watch)
+            _wait_publishing(watch, index_every, publish)
     if now is not None:
         ctx.now = now
     _gc_pass(ctx, older_than, namespace, dry_run, yes, confirm_above, verbose)
+    if publish is not None:
+        publish()
 
 
 def _gc_pass(
@@ -996,6 +1009,45 @@ def _gc_pass(
     _emit(ctx, doc, text)
     if failure is not None:
         raise SystemExit(1)
+
+
+def _index_hook(ctx: _Ctx, every: float | None, namespace: str | None, now: float | None) -> Callable[[], None] | None:
+    """What ``--index`` runs: one fleet index publishing pass (``s3kv.engine.fleetindex``), signed
+    with the integrity key of gc's settings; a failure is one line on stderr, retried next time."""
+    if every is None:
+        return None
+    if every <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--index")
+    from ..engine.fleetindex import Publisher
+
+    ns = _resolve_ns(ctx, namespace, exact=True)
+    pub = Publisher(ctx.store, ctx.root, integrity=ctx.settings.integrity if ctx.settings else None, every_s=every)
+
+    def publish() -> None:
+        try:
+            rep = pub.publish(now, ns)
+        except StoreError as exc:
+            click.echo(f"s3kv gc: fleet index not published: {exc}", err=True)
+            return
+        for where, why in rep.errors.items():
+            click.echo(f"s3kv gc: fleet index of {where} not published: {why}", err=True)
+
+    return publish
+
+
+def _wait_publishing(seconds: float, every: float | None, publish: Callable[[], None] | None) -> None:
+    """Sleep ``seconds``, publishing the fleet index every ``every`` meanwhile."""
+    if publish is None or every is None:
+        time.sleep(seconds)
+        return
+    until = time.monotonic() + seconds
+    while True:
+        t0 = time.monotonic()
+        publish()
+        left = until - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, max(0.0, every - (time.monotonic() - t0))))
 
 
 def _confirm_delete(ctx: _Ctx, matched: _Agg) -> None:
