@@ -108,10 +108,15 @@ class Publisher:
         integrity: IntegrityKeys | None = None,
         every_s: float = 10.0,
         max_heads: int = 100_000,
+        namespaces: Iterable[str] = (),
         clock: Callable[[], float] = time.time,
     ):
+        """``namespaces``: prefixes (``{root}{namespace}/``) published even while they hold nothing
+        yet -- an empty index answers every lookup of a new namespace "miss" for free, where without
+        one engines probe until its first objects are listed."""
         self.store = store
         self.root = root
+        self.namespaces = list(namespaces)
         self.integrity = integrity
         self.every_s = every_s
         self.max_heads = max_heads
@@ -126,7 +131,9 @@ class Publisher:
         t0 = time.perf_counter()
         listed_at = self._clock() if now is None else now
         rep = PublishReport()
-        by_ns: dict[str, list[tuple[ObjectInfo, ParsedKey]]] = {}
+        by_ns: dict[str, list[tuple[ObjectInfo, ParsedKey]]] = {
+            nsp: [] for nsp in self.namespaces if not namespace or namespace in nsp
+        }
         for info in self.store.list(self.root):
             parsed = parse_key(info.key[len(self.root):])
             if parsed is None or parsed.tp_size < 1 or not 0 <= parsed.shard < parsed.tp_size:

@@ -1021,7 +1021,8 @@ def _index_hook(ctx: _Ctx, every: float | None, namespace: str | None, now: floa
     from ..engine.fleetindex import Publisher
 
     ns = _resolve_ns(ctx, namespace, exact=True)
-    pub = Publisher(ctx.store, ctx.root, integrity=ctx.settings.integrity if ctx.settings else None, every_s=every)
+    pub = Publisher(ctx.store, ctx.root, integrity=ctx.settings.integrity if ctx.settings else None, every_s=every,
+                    namespaces=[f"{ctx.root}{ns}/"] if ns else ())  # named: an index even while it is empty
 
     def publish() -> None:
         try:

@@ -97,6 +97,7 @@ class Lookups:
         self.listings = Listings(settings, store, index, stats)
         #: Share of background probes past a listing that found more than it listed (moving average).
         self._past_yield = PAST_YIELD_PRIOR
+        self._past_running = False
         #: The engine's passes (batch, forward time): what a stall costs the requests beside it.
         self.pace = Pace()
         self._hidden_s = 0.0
@@ -359,14 +360,22 @@ class Lookups:
         if worth <= s.lookup_probe_budget * s.cost_get_per_1k_usd / 1000.0:
             return
 
-        def done(result: LookupResult) -> None:
-            more = result.h_blocks > found
+        def done(result: LookupResult | None) -> None:
             with self._pending_lock:
-                self.stats.lookup_probes_past_found += more
-                self._past_yield = 0.9 * self._past_yield + 0.1 * more
+                self._past_running = False
+                if result is not None:
+                    more = result.h_blocks > found
+                    self.stats.lookup_probes_past_found += more
+                    self._past_yield = 0.9 * self._past_yield + 0.1 * more
 
+        with self._pending_lock:
+            if self.pending_waves or self._past_running:
+                return  # background work is the foreground's spare capacity: never its backlog
+            self._past_running = True
         if self._finish_late(st, full_blocks, hmax, on_done=done):
             self.stats.lookup_probes_past += 1
+        else:
+            self._past_running = False
 
     def close(self) -> None:
         """Stop the background work (summary refresher, pool). Idempotent."""
@@ -593,7 +602,8 @@ class Lookups:
             self._wave_s = seconds if self._wave_s == 0.0 else 0.8 * self._wave_s + 0.2 * seconds
 
     def _finish_late(
-        self, st: RequestState, full_blocks: int, hmax: int, on_done: Callable[[LookupResult], None] | None = None
+        self, st: RequestState, full_blocks: int, hmax: int,
+        on_done: Callable[[LookupResult | None], None] | None = None,
     ) -> bool:
         """Run a probe lookup that ran out of its budget to its end in the background: every
         wave, no budget, answers into the index only (nothing is offered from it).
@@ -603,7 +613,8 @@ class Lookups:
         turn, another request sharing it) would then pay the remaining waves on the scheduler's
         path and could run out again; finished here, it is answered from the index. It starts
         once the wave that ran out has ended and been absorbed (no HEAD asked twice; a store
-        that hangs or fails gets no more work) and counts in ``lookup_max_pending``.
+        that hangs or fails gets no more work) and counts in ``lookup_max_pending``. ``on_done``
+        gets what it found (None: it did not run), instead of counting it as a finished lookup.
         """
         ctx, pool, late = self.ctx, self._lookup_pool(), self._late_wave
         if ctx is None:
@@ -611,33 +622,43 @@ class Lookups:
         d = st.load.d_blocks
 
         def run() -> None:
+            found = None
             try:
-                found = find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax, lambda a: self._probe_late(st, a))
-                if on_done is not None:
-                    on_done(found)
-                    return
-                with self._pending_lock:
-                    self.stats.lookups_finished_late += 1
+                # A probe past a listing asks about objects this request is about to write itself: a
+                # "missing" from it, landing after the upload's confirmation, would hide that upload.
+                negatives = on_done is None
+                found = find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax,
+                                 lambda a: self._probe_late(st, a, negatives))
+                if on_done is None:
+                    with self._pending_lock:
+                        self.stats.lookups_finished_late += 1
             except Exception:  # noqa: BLE001 - background warming must never fail anything
                 log.debug("s3kv: finishing request %s's lookup in the background failed", st.request_id,
                           exc_info=True)
             finally:
                 with self._pending_lock:
                     self.pending_waves -= 1
+                if on_done is not None:
+                    on_done(found)
 
         def start(f: Future | None = None) -> None:
-            if f is not None and (f.cancelled() or f.exception() is not None):
-                return  # the store failed that wave: nothing to warm now
-            with self._pending_lock:
-                if self.pending_waves >= max(1, self.settings.lookup_max_pending):
-                    self.stats.lookups_not_finished += 1
-                    return  # the backlog bound holds for this too
-                self.pending_waves += 1
-            try:
-                pool.submit(run)
-            except RuntimeError:  # the pool was shut down (closing)
+            ran = False
+            if f is None or not (f.cancelled() or f.exception() is not None):  # else the store failed that wave
                 with self._pending_lock:
-                    self.pending_waves -= 1
+                    if self.pending_waves >= max(1, self.settings.lookup_max_pending):
+                        self.stats.lookups_not_finished += on_done is None
+                    else:  # the backlog bound holds for this too
+                        self.pending_waves += 1
+                        ran = True
+            if ran:
+                try:
+                    pool.submit(run)
+                    return
+                except RuntimeError:  # the pool was shut down (closing)
+                    with self._pending_lock:
+                        self.pending_waves -= 1
+            if on_done is not None:
+                on_done(None)
 
         if late is None:  # the budget ran out between two waves: nothing in flight
             start()
@@ -645,7 +666,7 @@ class Lookups:
             late.add_done_callback(start)  # after the wave's own callback has absorbed it
         return True
 
-    def _probe_late(self, st: RequestState, asks: set[Ask]) -> dict[Ask, Span | None]:
+    def _probe_late(self, st: RequestState, asks: set[Ask], negatives: bool = True) -> dict[Ask, Span | None]:
         """``_probe`` for :meth:`_finish_late`: no budget, no foreground state, nothing counted."""
         out, todo = self._split(st, asks, trust_index=True)
         if todo:
@@ -657,11 +678,14 @@ class Lookups:
                 self._note_wave(time.monotonic() - sent)
             except StoreError:
                 return {**out, **{a: None for a in todo.values()}}
-            out.update(self._absorb(todo, batch, count=False))
+            out.update(self._absorb(todo, batch, count=False, negatives=negatives))
         return out
 
-    def _absorb(self, todo: dict[str, Ask], batch: HeadBatch, *, count: bool = True) -> dict[Ask, Span | None]:
-        """HEAD answers -> spans (foreign objects rejected) and the index."""
+    def _absorb(
+        self, todo: dict[str, Ask], batch: HeadBatch, *, count: bool = True, negatives: bool = True
+    ) -> dict[Ask, Span | None]:
+        """HEAD answers -> spans (foreign objects rejected) and the index (its "missing" answers
+        too, unless ``negatives`` is False)."""
         assert self.ctx is not None
         out: dict[Ask, Span | None] = {}
         present: list[tuple[str, ObjectSpan]] = []
@@ -691,5 +715,5 @@ class Lookups:
             else:
                 missing.append(key)
                 out[a] = None
-        self.index.put_many(present, missing)
+        self.index.put_many(present, missing if negatives else ())
         return out

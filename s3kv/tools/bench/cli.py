@@ -513,6 +513,10 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
     help="Replay on S3 (the embedded server, or --url s3://) behind s3kv's fault proxy, this much added to "
     "every request, lookups under the engine's default time budget; prints the scheduler stall per lookup.",
 )
+@click.option(
+    "--index-every", type=click.FloatRange(min=0), default=10.0, show_default=True,
+    help="Publish the fleet index (s3kv gc --index) every this many seconds of the trace's clock; 0: no publisher.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write a PNG chart here."
@@ -541,6 +545,7 @@ def trace_command(
     jobs: int | None,
     url: str | None,
     s3_latency_ms: float | None,
+    index_every: float,
     as_json: bool,
     plot_path: str | None,
 ) -> None:
@@ -604,6 +609,7 @@ def trace_command(
         jobs=max(1, jobs if jobs is not None else min(2, os.cpu_count() or 1)),
         url=url,
         s3_latency_ms=s3_latency_ms,
+        index_every_s=index_every,
     )
     cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s, settings=_settings_overrides(overrides))
     with bench_store(url or (None if s3_latency_ms is not None else trace.DEFAULT_URL), name="trace",

@@ -129,6 +129,9 @@ class TraceConfig:
     #: Replay on the embedded S3 server (or ``url``) behind the fault proxy, this many ms added to
     #: every request, lookups under the engine's default time budget (None: in-process, no budget).
     s3_latency_ms: float | None = None
+    #: The fleet index's publisher (``s3kv gc --index``) every this many seconds of the trace's clock,
+    #: the engine picking each index up at once (``s3kv.engine.fleetindex``); 0: no publisher.
+    index_every_s: float = 10.0
 
     def replace(self, **kw: Any) -> TraceConfig:
         return dataclasses.replace(self, **kw)
@@ -335,6 +338,7 @@ def replay(
         ),
     )
     stalls: list[Any] = []  # LookupRecord of every lookup
+    publish = _index_publisher(cfg, counter, bs.key(f"trace-{run}") + "/", engine.leader.core)
     with engine:
         counter.bind(engine.workers[0].core.geometry, sizing)
         counter.checkpoint_blocks = engine.leader.core.policy.checkpoint_blocks
@@ -349,6 +353,7 @@ def replay(
                 prompt = synth.prompt(r)
             n_out = _answer_tokens(cfg, r, r.index in continued)
             counter.now = (r.timestamp_ms - t_first) / 1000
+            publish()
             counter.prompt_blocks = len(prompt) // tpb
             rep = engine.run([_spec_class()(r.index, tuple(prompt), max_new_tokens=n_out)])
             for w in engine.workers:
@@ -419,6 +424,30 @@ def replay(
         "lookup_stall": stall_summary(stalls, sum(served)),
         "wall_s": rnd(wall, 1),
     }
+
+
+def _index_publisher(cfg: TraceConfig, counter: BilledStore, root: str, leader: Any) -> Any:
+    """What runs before each request: the fleet index published on the trace's clock every
+    ``cfg.index_every_s``, and the engine's copy refreshed at once, on that clock too."""
+    from ...engine.fleetindex import Publisher
+
+    fleet = leader.fleet_index() if cfg.index_every_s > 0 else None
+    if fleet is None:
+        return lambda: None
+    fleet.clock = lambda: counter.now
+    # On the store behind the bill: the index is no KV object (a PUT per pass, a LIST per 1,000 objects
+    # and a HEAD per new object: not billed here).
+    pub = Publisher(counter.inner, root, integrity=leader.settings.integrity, every_s=cfg.index_every_s,
+                    namespaces=[leader.scheme.namespace_prefix], clock=lambda: counter.now)
+    last = [float("-inf")]
+
+    def publish() -> None:
+        if counter.now - last[0] >= cfg.index_every_s:
+            last[0] = counter.now
+            pub.publish(counter.now)
+            fleet.refresh()
+
+    return publish
 
 
 def stall_summary(records: Sequence[Any], served_tokens: int) -> dict[str, Any]:
