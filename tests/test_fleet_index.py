@@ -546,3 +546,40 @@ def test_gc_publishes_the_index_that_engines_then_read(tmp_path):
     assert idx.verified and idx.objects == 20 and idx.every_s >= 10
     r = CliRunner().invoke(gc_command, ["--url", url, "--older-than", "2", "--index", "0", "--json"], env=env)
     assert r.exit_code != 0 and "--index" in r.output
+
+
+def test_stats_counts_what_the_engines_lookups_cost_the_requests_beside_them(tmp_path):
+    """``s3kv stats --engine URL``: scheduler stall beyond the overlap loop (GPU time lost) and the
+    latency added to co-running requests, read from the engines' metrics and summed."""
+    import json
+
+    from click.testing import CliRunner
+
+    from s3kv.engine.leader.stats import LeaderStats
+    from s3kv.engine.metrics import Metrics, start_http_server
+    from s3kv.tools.ops import stats_command
+
+    servers = []
+    for stalls in ((0.040, 0.010), (0.100,)):
+        st = LeaderStats()
+        for s in stalls:
+            st.lookups += 1
+            st.record_lookup(s, 0.5, 1000, 0, "miss", hidden_s=0.010, corunning=4)
+        st.lookup_index_lookups = len(stalls)
+        m = Metrics()
+        m.observe_leader(st)
+        servers.append(start_http_server(m, 0))
+    try:
+        (tmp_path / "cache").mkdir()
+        urls = [f"http://127.0.0.1:{srv.server_port}/metrics" for srv in servers]
+        args = ["--url", f"file://{tmp_path}/cache", "--json"] + [a for u in urls for a in ("--engine", u)]
+        r = CliRunner().invoke(stats_command, [*args, "--engine", "http://127.0.0.1:1/metrics"])
+        assert r.exit_code == 0, r.output
+        lk = json.loads(r.stdout)["lookups"]
+        # Beyond the 10 ms the overlap hid: 30 + 0 + 90 ms, each added to 4 requests.
+        assert lk["engines"] == 2 and lk["lookups"] == 3 and lk["from_index_pct"] == 100.0
+        assert lk["unhidden_stall_s"] == pytest.approx(0.120) and lk["added_latency_s"] == pytest.approx(0.480)
+        assert lk["stall_s"] == pytest.approx(0.150) and list(lk["unreachable"]) == ["http://127.0.0.1:1/metrics"]
+    finally:
+        for srv in servers:
+            srv.shutdown()

@@ -759,6 +759,13 @@ def figures(samples: Mapping[str, float]) -> dict[str, float]:
         "objects_loaded": total(f"{PREFIX}_objects_loaded_total"),
         "saves_dropped": total(f"{PREFIX}_saves_dropped_total"),
         "load_failures": total(f"{PREFIX}_load_failures_total"),
+        # Stall priced as latency: GPU time lost to lookups, latency added to the requests beside them.
+        "lookups": total(f"{PREFIX}_lookups_total"),
+        "lookup_stall_s": total(f"{PREFIX}_lookup_stall_seconds_sum"),
+        "lookup_unhidden_stall_s": total(f"{PREFIX}_lookup_unhidden_stall_seconds_total"),
+        "lookup_added_latency_s": total(f"{PREFIX}_lookup_added_latency_seconds_total"),
+        "lookups_from_index": sum(v for k, v in samples.items()
+                                  if k.startswith(f"{PREFIX}_lookup_listed_total{{") and 'source="index"' in k),
     }
     for op in STORE_OPS:
         out[f"{op}_requests"] = by_op(f"{PREFIX}_store_requests_total", op)

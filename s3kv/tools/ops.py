@@ -382,8 +382,44 @@ def ls_command(ctx: _Ctx, namespace: str | None) -> None:
                 yield f"(a name with a '/' sits below {ctx.url}: pass --url {ctx.url.rstrip('/')}/<that path> to see it alone)"
         if other.objects:
             yield f"unrecognised keys (not s3kv layout, ignored): {other.objects}, {fmt_bytes(other.bytes)}"
+        lk = doc.get("lookups")
+        if lk:
+            yield (f"lookups ({lk['engines']} engines): {lk['lookups']:.0f}, {lk['from_index_pct']:.0f}% from the fleet "
+                   f"index; scheduler stall {lk['stall_s']:.1f} s, of it {lk['unhidden_stall_s']:.1f} s beyond the "
+                   f"overlap loop (GPU time lost, ${lk['gpu_usd_lost']:.4f}); inter-token latency added to "
+                   f"co-running requests {lk['added_latency_s']:.1f} request-s")
+            for url, why in lk["unreachable"].items():
+                yield f"  not read: {url}: {why}"
 
     _emit(ctx, doc, text)
+
+
+def _lookup_costs(urls: Sequence[str], gpu: Any) -> dict[str, Any]:
+    """What the engines' lookups cost, summed over their metrics endpoints (``--engine``)."""
+    from ..engine.metrics import figures, read_endpoint
+
+    keys = ("lookups", "lookup_stall_s", "lookup_unhidden_stall_s", "lookup_added_latency_s", "lookups_from_index")
+    sums = dict.fromkeys(keys, 0.0)
+    unreachable: dict[str, str] = {}
+    for url in urls:
+        try:
+            f = figures(read_endpoint(url))
+        except (OSError, ValueError) as exc:
+            unreachable[url] = f"{type(exc).__name__}: {exc}"
+            continue
+        for k in keys:
+            sums[k] += f.get(k, 0.0)
+    n = sums["lookups"]
+    return {
+        "engines": len(urls) - len(unreachable),
+        "lookups": n,
+        "from_index_pct": 100.0 * sums["lookups_from_index"] / n if n else 0.0,
+        "stall_s": sums["lookup_stall_s"],
+        "unhidden_stall_s": sums["lookup_unhidden_stall_s"],
+        "gpu_usd_lost": sums["lookup_unhidden_stall_s"] / 3600.0 * gpu.usd_per_hour,
+        "added_latency_s": sums["lookup_added_latency_s"],
+        "unreachable": unreachable,
+    }
 
 
 def _sub_of(row: str) -> str:
@@ -426,7 +462,12 @@ def _head_all(store: ObjectStore, keys: Sequence[str]) -> dict[str, ObjectInfo]:
 @_common
 @click.option("--namespace", "-n", default=None, help="Only this namespace (full or unique prefix).")
 @click.option("--deep", is_flag=True, help="HEAD every object and count pages from its metadata.")
-def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
+@click.option(
+    "--engine", "engines", multiple=True, metavar="URL",
+    help="An engine's metrics endpoint (http://host:port/metrics; repeat for every engine's rank 0): adds "
+    "what its lookups cost -- scheduler stall beyond the overlap loop, latency added to co-running requests.",
+)
+def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[str, ...] = ()) -> None:
     """Objects, bytes, pages and ages per namespace and per group/shard.
 
     Pages come from object sizes and each group's page size (one HEAD per group), or with
@@ -545,6 +586,8 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool) -> None:
     }
     if deep:
         doc["inconsistent"] = inconsistent
+    if engines:
+        doc["lookups"] = _lookup_costs(engines, gpu)
 
     def text() -> Iterator[str]:
         if not namespaces:
