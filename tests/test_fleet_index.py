@@ -511,15 +511,6 @@ def test_an_object_deleted_behind_a_signed_index_costs_one_failed_load_never_a_w
     assert core.stats.listing_trust_lost == 1 and core.stats.lookup_trusted_hits == 1
 
 
-def test_settings_of_the_fleet_index_are_validated():
-    from s3kv.config import ConfigError, validate
-
-    for name, bad in (("fleet_index_s", -1.0), ("fleet_index_trust_s", -1.0), ("fleet_index_max_objects", 0),
-                      ("lookup_max_added_latency_ms", -5.0)):
-        with pytest.raises(ConfigError, match=name):
-            validate(dataclasses.replace(Settings(url="memory://x"), **{name: bad}))
-
-
 def test_gc_publishes_the_index_that_engines_then_read(tmp_path):
     """``s3kv gc ... --index EVERY``: the deployment's one publisher. After a pass the index holds
     what gc kept, signed with gc's key, and an engine reads it (what it deleted is not in it)."""

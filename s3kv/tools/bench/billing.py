@@ -127,9 +127,13 @@ class BilledStore(StoreWrapper):
         return "history-end" if end > self.prompt_blocks else "branch"
 
     def put(self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None) -> bool:
+        from ...core.keys import parse_key
         from ...core.objects import header_len
         from ...store.base import as_buffers, total_size
 
+        if parse_key(key) is None:  # not KV (the fleet index): one PUT, no object to keep
+            self.real_put += 1
+            return self.inner.put(key, data, metadata)
         self._expire(key)
         md = {k.lower(): v for k, v in (metadata or {}).items()}
         fp, n = md.get("s3kv-group", ""), int(md.get("s3kv-count", "0") or 0)

@@ -428,16 +428,17 @@ def replay(
 
 def _index_publisher(cfg: TraceConfig, counter: BilledStore, root: str, leader: Any) -> Any:
     """What runs before each request: the fleet index published on the trace's clock every
-    ``cfg.index_every_s``, and the engine's copy refreshed at once, on that clock too."""
+    ``cfg.index_every_s``, and the engine's copy refreshed at once, on that clock too. (The
+    publisher's HEADs expire what the trace's clock has expired, as gc would have deleted it.)"""
     from ...engine.fleetindex import Publisher
 
     fleet = leader.fleet_index() if cfg.index_every_s > 0 else None
     if fleet is None:
         return lambda: None
     fleet.clock = lambda: counter.now
-    # On the store behind the bill: the index is no KV object (a PUT per pass, a LIST per 1,000 objects
-    # and a HEAD per new object: not billed here).
-    pub = Publisher(counter.inner, root, integrity=leader.settings.integrity, every_s=cfg.index_every_s,
+    # Billed as a deployment's would be: a HEAD per new object and a PUT per pass (and its LIST
+    # per 1,000 objects, not billed here).
+    pub = Publisher(counter, root, integrity=leader.settings.integrity, every_s=cfg.index_every_s,
                     namespaces=[leader.scheme.namespace_prefix], clock=lambda: counter.now)
     last = [float("-inf")]
 
