@@ -574,3 +574,40 @@ def test_stats_counts_what_the_engines_lookups_cost_the_requests_beside_them(tmp
     finally:
         for srv in servers:
             srv.shutdown()
+
+
+def test_a_replay_publishes_on_its_own_clock_and_engines_judge_the_index_by_it():
+    """``ReplayIndex``, a fleet replay's ``on_clock`` hook: the index published every ``every_s`` of
+    the trace's clock, from a billed store that lists on that clock (expired objects gone), picked
+    up by every engine at once."""
+    from types import SimpleNamespace
+
+    from s3kv.tools.bench.billing import BilledStore
+    from s3kv.tools.bench.indexhook import ReplayIndex
+
+    mem = MemoryStore()
+    billed = BilledStore(mem, 1 << 30, 128 << 20, retention_s=100.0, expire_after_s=100.0)
+    engine = _leader(billed, fleet_index_s=3600)
+    billed.bind(engine.geometry, [g.page_bytes for g in engine.geometry.groups])
+    fleet = SimpleNamespace(store=billed, engines=[SimpleNamespace(leader=SimpleNamespace(core=engine))])
+    hook = ReplayIndex(every_s=10)
+    old, new = tokens_of(40 * TPB + 9, seed=50), tokens_of(40 * TPB + 9, seed=51)
+    try:
+        hook(0.0, fleet)  # before anything is stored: an empty index, misses free from the start
+        assert hook.passes == 1 and engine.fleet_index().current().objects == 0
+        _write(engine, billed, old, 40, sign=False)
+        billed.now = 150.0
+        _write(engine, billed, new, 40, sign=False)
+        hook(5.0, fleet)
+        assert hook.passes == 1  # not due
+        billed.now = 180.0
+        hook(180.0, fleet)  # the old prompt's objects expired at 100 s on the trace's clock
+        idx = engine.fleet_index().current()
+        assert hook.passes == 2 and idx.objects == 20 and idx.listed_at == 180.0
+        assert not any(k.endswith(chain_digests(chain_root(engine.namespace), old, TPB)[3].hex()) for k in mem.keys())
+        hook(230.0, fleet)
+        assert engine.fleet_index().current() is not None  # fresh on the trace's clock, whatever wall time says
+        assert engine.get_num_new_matched_tokens(1, new, len(new), 0)[0] == 40 * TPB
+        assert engine.get_num_new_matched_tokens(2, old, len(old), 0)[0] == 0
+    finally:
+        engine.close_lookup()

@@ -25,11 +25,12 @@ Why a module of its own: the replay (trace.py) drives the engine; this prices wh
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ...core.cost import DAYS_PER_MONTH, GiB, get_requests, put_requests
-from ...store.base import Buffer, ByteRange, Fetched, HeadBatch, NotFound, StoreWrapper
+from ...store.base import Buffer, ByteRange, Fetched, HeadBatch, NotFound, ObjectInfo, StoreWrapper
 
 SPLITS_MIB = (8, 16, 32, 64, 1024)
 KINDS = ("full", "checkpoint", "prompt-end", "history-end", "branch")
@@ -202,3 +203,15 @@ class BilledStore(StoreWrapper):
             kind = max(self.read_now)[1] if self.read_now else "full"
             self.kinds[kind]["served_tokens"] += served_tokens
         self.read_now = []
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """On the trace's clock: what has expired is gone (deleted, as gc would have), and the rest
+        shows its last write or refresh as ``last_modified`` (what the fleet index's publisher lists)."""
+        for info in self.inner.list(prefix):
+            o = self._objects.get(info.key)
+            if o is None:
+                yield info
+            elif self.now - o[1] > self.expire_after_s:
+                self._expire(info.key)
+            else:
+                yield dataclasses.replace(info, last_modified=o[1])

@@ -338,7 +338,7 @@ def replay(
         ),
     )
     stalls: list[Any] = []  # LookupRecord of every lookup
-    publish = _index_publisher(cfg, counter, bs.key(f"trace-{run}") + "/", engine.leader.core)
+    publish = _index_publisher(cfg, counter, engine)
     with engine:
         counter.bind(engine.workers[0].core.geometry, sizing)
         counter.checkpoint_blocks = engine.leader.core.policy.checkpoint_blocks
@@ -426,29 +426,17 @@ def replay(
     }
 
 
-def _index_publisher(cfg: TraceConfig, counter: BilledStore, root: str, leader: Any) -> Any:
-    """What runs before each request: the fleet index published on the trace's clock every
-    ``cfg.index_every_s``, and the engine's copy refreshed at once, on that clock too. (The
-    publisher's HEADs expire what the trace's clock has expired, as gc would have deleted it.)"""
-    from ...engine.fleetindex import Publisher
+def _index_publisher(cfg: TraceConfig, counter: BilledStore, engine: Any) -> Any:
+    """What runs before each request: the fleet index's publisher on the trace's clock
+    (``indexhook.ReplayIndex``, as a fleet replay's ``on_clock`` hook would call it)."""
+    from types import SimpleNamespace
 
-    fleet = leader.fleet_index() if cfg.index_every_s > 0 else None
-    if fleet is None:
+    from .indexhook import ReplayIndex
+
+    if cfg.index_every_s <= 0:
         return lambda: None
-    fleet.clock = lambda: counter.now
-    # Billed as a deployment's would be: a HEAD per new object and a PUT per pass (and its LIST
-    # per 1,000 objects, not billed here).
-    pub = Publisher(counter, root, integrity=leader.settings.integrity, every_s=cfg.index_every_s,
-                    namespaces=[leader.scheme.namespace_prefix], clock=lambda: counter.now)
-    last = [float("-inf")]
-
-    def publish() -> None:
-        if counter.now - last[0] >= cfg.index_every_s:
-            last[0] = counter.now
-            pub.publish(counter.now)
-            fleet.refresh()
-
-    return publish
+    hook, fleet = ReplayIndex(cfg.index_every_s), SimpleNamespace(store=counter, engines=[engine])
+    return lambda: hook(counter.now, fleet)
 
 
 def stall_summary(records: Sequence[Any], served_tokens: int) -> dict[str, Any]:
