@@ -261,6 +261,7 @@ class IndexRefresher:
         self.missing = 0
         self.refused: dict[str, int] = {}
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._started = False
         self._said_missing = False
 
@@ -285,7 +286,11 @@ class IndexRefresher:
     # -- refreshing -----------------------------------------------------------------------
     def refresh(self) -> bool:
         """One conditional GET; True if a new index replaced the one held. Never raises a store
-        error (counted, logged once per streak)."""
+        error (counted, logged once per streak). Its thread and a caller (a replay) may both call it."""
+        with self._lock:
+            return self._refresh()
+
+    def _refresh(self) -> bool:
         self.fetches += 1
         try:
             got = self.store.get_if_changed(self.key, self._etag)

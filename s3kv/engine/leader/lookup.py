@@ -137,6 +137,9 @@ class Lookups:
         ld.h_blocks = ld.d_blocks
         self.stats.lookups += 1
         self.decision, self.saveable_tokens, self.budget_s = "skipped", 0, 0.0
+        # What the engine's batch pays for this lookup (hashing the prompt included): ``pace.py``.
+        self.pace.stalled()
+        self._hidden_s, self._corunning = self.pace.hidden_s(), self.pace.corunning()
         if num_computed_tokens % tpb or not store_available:
             # A device match that ends mid-block (partial reuse) leaves nothing whole to
             # append to: an S3 load must start on a block boundary.
@@ -269,8 +272,6 @@ class Lookups:
         """One scheduler-path answer (a lookup, a re-check) starts: its time budget from now."""
         self.saveable_tokens = max(0, saveable_tokens)
         self._promise = promise
-        self.pace.stalled()
-        self._hidden_s, self._corunning = self.pace.hidden_s(), self.pace.corunning()
         if promise:
             self.budget_s = budget = math.inf if self.settings.lookup_timeout_s == 0 else self._max_budget_s()
         else:
@@ -311,7 +312,7 @@ class Lookups:
                 self._probe_past(st, cand.h_blocks, full_blocks, hmax)
                 return cand
             verified, outcome = self._verify(st, cand, todo, picked)
-            if outcome != "skipped":
+            if outcome in ("ok", "refuted"):
                 self.listings.trust.verified(listing.source, listing.generation, outcome == "ok")
             elif self._timed_out:
                 # No time for the verify wave (or it ran out): finish the lookup in the background,
@@ -437,7 +438,8 @@ class Lookups:
     ) -> tuple[LookupResult | None, str]:
         """HEAD (one wave) every listed object the candidate hit would load (``todo``): the hit
         with only confirmed objects in its coverage, or None if the store refuted any; and how
-        the wave went: "ok", "refuted", or "skipped" (no wave: out of time, busy, failed)."""
+        the wave went: "ok", "refuted", "skipped" (no wave: out of time, busy, failed), or "local"
+        (nothing listed to load: the key index answered it all)."""
         assert self.ctx is not None
         g = self.ctx.geometry
         h, d = cand.h_blocks, st.load.d_blocks
@@ -469,7 +471,7 @@ class Lookups:
                 result.coverage.setdefault((a[0], a[1]), {})[a[2]] = got
         if not servable(g, result.coverage, d, h, self.settings.window_margin_blocks):
             return None, "refuted"
-        return result, "ok"
+        return result, "ok" if todo else "local"
 
     def _note_skipped(self, st: RequestState, e: BaseException) -> None:
         if isinstance(e, _LookupBusy):
