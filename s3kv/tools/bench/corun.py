@@ -204,10 +204,11 @@ def run_corun(bs: BenchStore, cfg: CorunConfig) -> dict[str, Any]:
             writer.run([SimRequestSpec(10_000 + i, p, max_new_tokens=1) for i, p in enumerate(stored)])
             for w in writer.workers:
                 w.flush(120)
-            ns = writer.leader.core.namespace.hex()
+            core = writer.leader.core
         # The publisher of that deployment: with the key (it refuses unsigned objects), or without.
         integrity = IntegrityKeys.from_secrets(_BENCH_SECRET) if signed else None
-        Publisher(bs.store, prefix + "/", integrity=integrity, every_s=3600).publish(namespace=ns)
+        Publisher(bs.store, prefix + "/", integrity=integrity, every_s=3600,
+                  namespaces=[core.scheme.namespace_prefix]).publish(namespace=core.namespace.hex())
 
     out: dict[str, Any] = {}
     for mode in cfg.modes:
@@ -220,7 +221,10 @@ def run_corun(bs: BenchStore, cfg: CorunConfig) -> dict[str, Any]:
         eng = _timed_engine(cfg, lc, wc, kw, max_len)
         if mode in ("index", "signed"):
             fleet = eng.leader.core.fleet_index()
-            assert fleet is not None and fleet.refresh(), "the published index was not picked up"
+            if fleet is not None:
+                fleet.refresh()  # (its own thread may have taken it at layout registration already)
+            if fleet is None or fleet.current() is None:
+                raise RuntimeError(f"corun: {mode}: the published fleet index was not picked up")
         specs = [SimRequestSpec(i, p, max_new_tokens=iterations) for i, p in enumerate(streams)]
         specs += [SimRequestSpec(ARRIVAL_IDS + i, p, max_new_tokens=2) for i, p in enumerate(arrivals)]
         progress(f"corun: {mode}: {cfg.streams} decode streams, {len(arrivals)} arrivals")
