@@ -3,7 +3,7 @@
     S3KV_URL=s3://my-bucket/kv python examples/trtllm_vswa.py --model <path-to-gemma-3> \\
         --max-attention-window 1024 1024 1024 1024 1024 32768
 
-Needs a GPU and TensorRT-LLM (``pip install 's3kv-trtllm[tensorrt-llm]'``). The second
+Needs a GPU and TensorRT-LLM, with s3kv installed beside it (docs/install.md). The second
 instance is a fresh engine: whatever it does not recompute came from the bucket
 through s3kv. After each instance the script prints s3kv's own figures, read from
 its Prometheus endpoint (``S3KV_METRICS_PORT``; a free port is picked when unset):
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from typing import Any
 
 INSTALL_HINT = (
-    "this example needs TensorRT-LLM and an NVIDIA GPU: pip install 's3kv-trtllm[tensorrt-llm]' "
-    "(or follow TensorRT-LLM's install guide). Without a GPU, try `s3kv demo` or "
+    "this example needs TensorRT-LLM and an NVIDIA GPU: install TensorRT-LLM (its install guide), then "
+    "s3kv into the same environment (pip install /path/to/s3kv, docs/install.md). Without a GPU, try `s3kv demo` or "
     "`python examples/simulated_cluster.py`, which run the same connector on a simulated engine."
 )
 
@@ -37,24 +37,19 @@ def require_tensorrt_llm() -> None:
 
 def build_llm(model: str, windows: list[int], max_seq_len: int | None, tp: int) -> Any:
     from tensorrt_llm import LLM
-    from tensorrt_llm.llmapi.llm_args import KvCacheConfig, KvCacheConnectorConfig
+
+    from s3kv.trtllm import llm_api_options
 
     return LLM(
         model=model,
         backend="pytorch",
         tensor_parallel_size=tp,
         max_seq_len=max_seq_len,
-        kv_cache_config=KvCacheConfig(
-            enable_partial_reuse=False,  # a device match ending inside a block would get no S3 hit
+        # s3kv's connector classes and the kv_cache_config flags it needs (block reuse on, KV cache
+        # manager V2 where the installed line has the layout API, partial reuse off), plus ours:
+        **llm_api_options(
             free_gpu_memory_fraction=0.5,
             max_attention_window=windows,  # one window per layer, repeated: one layer group per window
-            use_kv_cache_manager_v2=True,  # the layout-describing path VSWA needs
-            enable_block_reuse=True,  # required with a connector
-        ),
-        kv_connector_config=KvCacheConnectorConfig(
-            connector_module="s3kv.trtllm",
-            connector_scheduler_class="S3KvConnectorLeader",
-            connector_worker_class="S3KvConnectorWorker",
         ),
     )
 

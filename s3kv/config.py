@@ -1,9 +1,12 @@
 """Settings: one URL plus optional knobs, from env vars or a config file.
 
 Every setting has an env var ``S3KV_<NAME>`` and a key ``<name>`` in the optional
-config file named by ``S3KV_CONFIG_FILE`` (JSON, or TOML on Python >= 3.11). Env
-wins over the file; explicit keyword overrides win over both. Invalid values fail
-at start-up with a ``ConfigError`` that names the setting and what it accepts.
+config file named by ``S3KV_CONFIG_FILE`` (JSON, TOML on Python >= 3.11, or YAML).
+Precedence, highest first: explicit keyword overrides (a command's flags), the
+environment, the file, the default (:func:`setting_sources` says which one each value
+came from; docs/configuration.md says why this order). Invalid values fail at start-up
+with a ``ConfigError`` that names where the value came from -- the variable, or the file
+and its key -- and what it accepts.
 AWS credentials, region and endpoints come from boto3's own chain
 (``AWS_ACCESS_KEY_ID``, ``AWS_ENDPOINT_URL_S3``, profiles, instance roles …).
 
@@ -36,7 +39,16 @@ log = logging.getLogger("s3kv.config")
 
 
 class ConfigError(ValueError):
-    """A setting is missing or invalid; the message names it."""
+    """A setting is missing or invalid; the message names it.
+
+    ``setting`` and ``detail`` (what is wrong, without the name) let :func:`load_settings` name
+    the place a bad value came from: the variable, or the settings file and its key.
+    """
+
+    def __init__(self, message: str, setting: str = "", detail: str = ""):
+        super().__init__(message)
+        self.setting = setting
+        self.detail = detail
 
 
 #: URL schemes S3KV_URL may use. An allow-list, not "anything fsspec knows": fsspec also speaks
@@ -85,17 +97,32 @@ def _userinfo_end(url: str) -> int:
 
 
 def redact_url(url: str) -> str:
-    """``url`` (or a value meant to be one) as it may be shown: see :func:`_userinfo_end`."""
+    """``url`` (or a value meant to be one) as it may be shown: no ``user[:password]`` part (see
+    :func:`_userinfo_end`), and no query string or fragment (see :func:`query_start`)."""
     at = _userinfo_end(url)
-    if at < 0:
-        return url
-    head = _SCHEME_HEAD.match(url)
-    return f"{head.group(0) if head else ''}***{url[at:]}"
+    if at >= 0:
+        head = _SCHEME_HEAD.match(url)
+        url = f"{head.group(0) if head else ''}***{url[at:]}"
+    cut = query_start(url)
+    return url if cut < 0 else f"{url[: cut + 1]}***"
+
+
+def query_start(url: str) -> int:
+    """Index of the ``?`` or ``#`` that starts ``url``'s query string or fragment, else -1.
+
+    Why hidden whole: signed and tokenised URLs carry their secret there (``gs://b/p?token=…``,
+    an Azure SAS ``?sv=…&sig=…``, ``#access_token=…``), and an fsspec store takes such a query
+    as part of its path, so it came back in every error that names a file (issue 37). s3kv's
+    own URLs never need either (an s3:// URL with one is refused), so nothing useful is lost.
+    """
+    marks = [i for i in (url.find("?"), url.find("#")) if i >= 0]
+    return min(marks) if marks else -1
 
 
 def redact(text: str) -> str:
-    """``text`` with whatever may be a ``user[:password]`` part of every URL in it (all from the
-    scheme's slashes to the URL's last ``@``) replaced by ``***`` (see :func:`_userinfo_end`)."""
+    """``text`` with every URL in it shown by :func:`redact_url`: whatever may be a
+    ``user[:password]`` part (all from the scheme's slashes to the URL's last ``@``) and its
+    query string and fragment replaced by ``***``."""
     return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
 
 
@@ -188,9 +215,29 @@ class Settings:
     branch_tails: bool = True
     #: Model identity in the namespace; default is llm_args.model.
     model_id: str = ""
+    #: Where the model weights' digests are kept between runs, per file and keyed by the file's
+    #: identity (path, size, mtime, ctime, inode), so a restart does not read the checkpoint again:
+    #: "" = $XDG_CACHE_HOME/s3kv (~/.cache/s3kv); "off" = none (every start hashes every file).
+    identity_cache_dir: str = ""
+    #: A LoRA adapter whose files (or a link on its path) changed less than this many seconds
+    #: before this engine first saw a request for its task id is neither served nor saved under
+    #: that id: the request may have arrived, and the engine loaded the adapter, before the change.
+    #: It is the longest queue wait (arrival to first scheduling) this covers; 0 = off (only
+    #: changes after s3kv first saw the adapter refuse it).
+    lora_settle_s: float = 60.0
     #: Host staging pool for saves and loads.
     staging_mib: int = 1024
     pinned: bool = True
+    #: Host tier (DRAM, per TP rank): GiB of s3kv objects kept in host memory in front of the store,
+    #: so repeats on this engine load at PCIe speed with no S3 request. -1 = auto: on a GPU engine
+    #: 20% of the host's available memory shared by its GPUs, at most 64 GB a rank (pinned once,
+    #: at start-up); 0 in the simulator and wherever the KV cache is not on a GPU. 0 = off
+    #: (docs/sizing.md: how big).
+    host_cache_gb: float = -1.0
+    #: Re-check every page's checksum on every host-tier hit. Off: pages are checked when they
+    #: enter the tier (hashed where they land, or verified from the store) and each hit checks the
+    #: header only -- hashing every hit costs more host time than the copy (s3kv bench staging).
+    host_cache_verify: bool = False
     #: Hand each save's/load's page copies to cudaMemcpyBatchAsync in a few calls (CUDA >= 12.8,
     #: pinned staging, compute capability < 10); off, or where unavailable, one copy per page.
     batch_copies: bool = True
@@ -206,8 +253,9 @@ class Settings:
     lookup_probe_budget: int = 128
     #: Budget for one lookup's HEAD waves (it runs in the engine's scheduling path, where every
     #: millisecond stalls the whole batch); past it the lookup is a miss and its HEADs finish in
-    #: the background, warming the index. -1 = follow the value: the stall-fraction rule below;
-    #: 0 = none; > 0 = this many seconds for every lookup.
+    #: the background, warming the index. -1 = follow the value: the stall-fraction rule below,
+    #: and a hit is loaded only where that beats recomputing it at the tiers' measured speeds;
+    #: 0 = none; > 0 = this many seconds for every lookup (and every hit is loaded).
     lookup_timeout_s: float = -1.0
     #: A lookup may stall the scheduler for at most this fraction of the prefill time its best
     #: possible hit would save (prompt tokens past the device match / prefill_tokens_per_s) ...
@@ -379,9 +427,12 @@ _BOOL_TRUE = {"1", "true", "yes", "on"}
 _BOOL_FALSE = {"0", "false", "no", "off", ""}
 
 
+def _bad(name: str, detail: str) -> ConfigError:
+    return ConfigError(f"{_env_name(name)} / {name}: {detail}", setting=name, detail=detail)
+
+
 def _convert(name: str, raw: Any, target: type | str) -> Any:
     t = target if isinstance(target, str) else target.__name__
-    where = f"{_env_name(name)} / {name}"
     if t == "bool":
         if isinstance(raw, bool):
             return raw
@@ -390,17 +441,19 @@ def _convert(name: str, raw: Any, target: type | str) -> Any:
             return True
         if s in _BOOL_FALSE:
             return False
-        raise ConfigError(f"{where}: expected a boolean (true/false/1/0), got {raw!r}")
+        raise _bad(name, f"expected a boolean (true/false/1/0), got {raw!r}")
     if t == "int":
         try:
             return int(str(raw).strip())
         except ValueError:
-            raise ConfigError(f"{where}: expected an integer, got {raw!r}") from None
+            raise _bad(name, f"expected an integer, got {raw!r}") from None
     if t == "float":
         try:
             return float(str(raw).strip())
         except ValueError:
-            raise ConfigError(f"{where}: expected a number, got {raw!r}") from None
+            raise _bad(name, f"expected a number, got {raw!r}") from None
+    if isinstance(raw, bool) and name in CHOICES and "off" in CHOICES[name]:
+        raw = "off" if raw is False else "on"  # YAML reads a bare `off` as false
     if name in CHOICES:
         word = str(raw).strip()
         return next((c for c in CHOICES[name] if c.lower() == word.lower()), word)
@@ -410,10 +463,13 @@ def _convert(name: str, raw: Any, target: type | str) -> Any:
 def validate(s: Settings) -> None:
     def need(cond: bool, name: str, accepted: str, value: Any) -> None:
         if not cond:
-            raise ConfigError(f"{_env_name(name)} / {name}: {accepted}, got {value!r}")
+            raise _bad(name, f"{accepted}, got {value!r}")
 
     if s.url:
-        check_url(s.url)
+        try:
+            check_url(s.url)
+        except ConfigError as e:
+            raise ConfigError(str(e), setting="url", detail=str(e).partition(": ")[2]) from None
     need(s.blocks_per_object >= 0, "blocks_per_object", "must be >= 0 (0 = automatic)", s.blocks_per_object)
     need(s.target_object_mib > 0, "target_object_mib", "must be > 0", s.target_object_mib)
     need(s.max_blocks_per_object > 0, "max_blocks_per_object", "must be > 0", s.max_blocks_per_object)
@@ -424,6 +480,8 @@ def validate(s: Settings) -> None:
     need(s.window_margin_blocks >= 0, "window_margin_blocks", "must be >= 0", s.window_margin_blocks)
     need(s.min_hit_blocks >= 1, "min_hit_blocks", "must be >= 1", s.min_hit_blocks)
     need(s.staging_mib > 0, "staging_mib", "must be > 0", s.staging_mib)
+    need(0 <= s.host_cache_gb < float("inf") or s.host_cache_gb == -1, "host_cache_gb",
+         "must be >= 0 (0 = off), or -1 (auto)", s.host_cache_gb)
     need(s.lookup_max_pending >= 0, "lookup_max_pending", "must be >= 0", s.lookup_max_pending)
     need(s.lookup_summary_s >= 0, "lookup_summary_s", "must be >= 0 (0 = off)", s.lookup_summary_s)
     need(s.lookup_summary_trust_s >= 0, "lookup_summary_trust_s", "must be >= 0 (0 = verify)", s.lookup_summary_trust_s)
@@ -432,6 +490,9 @@ def validate(s: Settings) -> None:
     need(s.fleet_index_max_objects > 0, "fleet_index_max_objects", "must be > 0", s.fleet_index_max_objects)
     need(s.lookup_max_added_latency_ms >= 0, "lookup_max_added_latency_ms", "must be >= 0",
          s.lookup_max_added_latency_ms)
+    need(s.identity_cache_dir in ("", "off") or os.path.isabs(os.path.expanduser(s.identity_cache_dir)),
+         "identity_cache_dir", "must be an absolute path, '' (the user cache directory) or 'off'",
+         s.identity_cache_dir)
     need(s.lookup_head_processes >= -1, "lookup_head_processes", "must be >= 0, or -1 (auto)", s.lookup_head_processes)
     for name in ("lookup_head_concurrency", "lookup_summary_max_objects"):
         need(getattr(s, name) > 0, name, "must be > 0", getattr(s, name))
@@ -453,6 +514,7 @@ def validate(s: Settings) -> None:
         "load_stall_s",
         "lookup_max_stall_ms",
         "warm_up_s",
+        "lora_settle_s",
     ):
         need(getattr(s, name) >= 0, name, "must be >= 0", getattr(s, name))
     need(s.lookup_timeout_s >= 0 or s.lookup_timeout_s == -1, "lookup_timeout_s",
@@ -488,7 +550,8 @@ def _is_bind_address(text: str) -> bool:
 
 
 #: What S3KV_CONFIG_FILE may hold, for the messages that reject a file.
-FILE_FORMATS = "JSON (any name), or TOML (a name ending in .toml, Python >= 3.11)"
+FILE_FORMATS = ("JSON (any name), TOML (a name ending in .toml, Python >= 3.11) or YAML (a name ending in "
+                ".yaml or .yml, read with PyYAML)")
 
 
 def _read_file(path: str) -> Mapping[str, Any]:
@@ -513,16 +576,28 @@ def _read_file(path: str) -> Mapping[str, Any]:
         raise ConfigError(f"{where}: cannot read it: {e.strerror or e}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"{where}: not a text file (not UTF-8); expected {FILE_FORMATS}") from None
-    fmt = "TOML" if p.suffix.lower() == ".toml" else "JSON"
+    suffix = p.suffix.lower()
+    fmt = "TOML" if suffix == ".toml" else "YAML" if suffix in (".yaml", ".yml") else "JSON"
     try:
         if fmt == "TOML":
             import tomllib  # Python >= 3.11
-        data = tomllib.loads(text) if fmt == "TOML" else json.loads(text)
+            data = tomllib.loads(text)
+        elif fmt == "YAML":
+            import yaml  # PyYAML: TensorRT-LLM depends on it; s3kv only where a .yaml file is named
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
     except ImportError:
-        raise ConfigError(f"{where}: TOML needs Python >= 3.11; write the settings as JSON") from None
-    except ValueError as e:  # json's and tomllib's decode errors
-        hint = " (YAML is not read: write the settings as JSON or TOML)" if p.suffix.lower() in (".yaml", ".yml") else ""
-        raise ConfigError(f"{where}: cannot parse it as {fmt}: {e}{hint}; expected {FILE_FORMATS}") from None
+        need = "Python >= 3.11" if fmt == "TOML" else "PyYAML (pip install pyyaml)"
+        raise ConfigError(f"{where}: reading {fmt} needs {need}; or write the settings as JSON") from None
+    except Exception as e:  # noqa: BLE001 - json's, tomllib's and yaml's parse errors
+        if not isinstance(e, ValueError) and type(e).__module__.split(".")[0] != "yaml":
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "not valid"
+        mark = getattr(e, "problem_mark", None)
+        if getattr(e, "problem", None) and mark is not None:  # yaml's: where, without its dump of the text
+            first = f"{e.problem} (line {mark.line + 1}, column {mark.column + 1})"  # type: ignore[attr-defined]
+        raise ConfigError(f"{where}: cannot parse it as {fmt}: {first}; expected {FILE_FORMATS}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: must hold a table/object of settings ({FILE_FORMATS})")
     data = data.get("s3kv", data)
@@ -556,10 +631,31 @@ def unknown_env_vars(env: Mapping[str, str] | None = None) -> list[str]:
     ]
 
 
-@functools.lru_cache(maxsize=64)
+#: Every message :func:`warn_once` has said (or been told was said) in this process, in order.
+_SAID: list[str] = []
+
+
+@functools.lru_cache(maxsize=256)
 def warn_once(message: str) -> None:
     # Leader and workers of one process load settings separately; say it once.
+    _SAID.append(message)
     log.warning("%s", message)
+
+
+def warnings_said() -> list[str]:
+    """What :func:`warn_once` said in this process: a tool that runs one job in several processes
+    (the demo's clusters) hands it to the next, so the user reads each warning once."""
+    return list(_SAID)
+
+
+def mark_said(messages: list[str]) -> None:
+    """Count ``messages`` as said here already: :func:`warn_once` stays quiet about them."""
+    was, log.disabled = log.disabled, True
+    try:
+        for m in messages:
+            warn_once(m)
+    finally:
+        log.disabled = was
 
 
 def explicit_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -579,14 +675,16 @@ def explicit_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-def load_settings(
-    env: Mapping[str, str] | None = None, *, require_url: bool = True, **overrides: Any
-) -> Settings:
-    """Settings from (file < env < overrides). Unknown keys in the file are errors; unknown
-    ``S3KV_*`` env vars are logged once as warnings (with the closest setting's name)."""
-    env = os.environ if env is None else env
-    known = {f.name: f for f in fields(Settings)}
+#: Where a setting's value came from, lowest precedence first (:func:`setting_sources`).
+SOURCES = ("default", "file", "env", "flag")
+
+
+def _gather(env: Mapping[str, str], overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(raw values, where each came from) for the settings set anywhere: file < env < overrides.
+    Unknown keys in the file and unknown overrides are errors."""
+    known = {f.name for f in fields(Settings)}
     values: dict[str, Any] = {}
+    source: dict[str, str] = {}
     cfg_path = env.get("S3KV_CONFIG_FILE")
     if cfg_path:
         for k, v in _read_file(cfg_path).items():
@@ -594,25 +692,68 @@ def load_settings(
                 raise ConfigError(
                     f"S3KV_CONFIG_FILE: unknown setting {k!r} in {cfg_path!r}{_did_you_mean(k, sorted(known))}"
                 )
-            values[k] = v
+            values[k], source[k] = v, "file"
     for name in known:
         ev = env.get(_env_name(name))
         if ev is not None:
-            values[name] = ev
-    for message in unknown_env_vars(env):
-        warn_once(message)
-    values.update({k: v for k, v in overrides.items() if v is not None})
-    for k in list(values):
+            values[name], source[name] = ev, "env"
+    for k, v in overrides.items():
+        if v is None:
+            continue
         if k not in known:
             raise ConfigError(f"unknown setting {k!r}")
-        values[k] = _convert(k, values[k], known[k].type if not isinstance(known[k].type, str) else known[k].type)
-    settings = Settings(**values)
+        values[k], source[k] = v, "flag"
+    return values, source
+
+
+def _from_file(e: ConfigError, source: Mapping[str, str], env: Mapping[str, str]) -> ConfigError:
+    """``e`` naming the settings file and its key when the bad value came from the file (its
+    message names the variable, which the user did not set)."""
+    if e.setting and source.get(e.setting) == "file":
+        path = env.get("S3KV_CONFIG_FILE", "")
+        return ConfigError(f"S3KV_CONFIG_FILE={path!r}, key {e.setting!r}: {e.detail}", e.setting, e.detail)
+    return e
+
+
+def load_settings(
+    env: Mapping[str, str] | None = None, *, require_url: bool = True, **overrides: Any
+) -> Settings:
+    """Settings from (file < env < overrides). Unknown keys in the file are errors; unknown
+    ``S3KV_*`` env vars are logged once as warnings (with the closest setting's name)."""
+    env = os.environ if env is None else env
+    known = {f.name: f for f in fields(Settings)}
+    values, source = _gather(env, overrides)
+    for message in unknown_env_vars(env):
+        warn_once(message)
+    try:
+        for k in list(values):
+            values[k] = _convert(k, values[k], known[k].type)
+        settings = Settings(**values)
+    except ConfigError as e:
+        raise _from_file(e, source, env) from None
     if require_url and not settings.url:
         raise ConfigError(
             "S3KV_URL / url: not set. Point it at the cache, e.g. S3KV_URL=s3://my-bucket/kv "
             f"(allowed schemes: {', '.join(s + '://' for s in URL_SCHEMES)})"
         )
     return settings
+
+
+def file_values(env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The raw key/values of the file ``S3KV_CONFIG_FILE`` names ({} when none is named)."""
+    env = os.environ if env is None else env
+    path = env.get("S3KV_CONFIG_FILE")
+    return dict(_read_file(path)) if path else {}
+
+
+def setting_sources(env: Mapping[str, str] | None = None, **overrides: Any) -> tuple[Settings, dict[str, str]]:
+    """The settings :func:`load_settings` would build (no URL required), and where each value came
+    from: ``"default"``, ``"file"`` (``S3KV_CONFIG_FILE``), ``"env"`` (``S3KV_<NAME>``) or ``"flag"``
+    (an override, i.e. a command-line option). For ``s3kv config``."""
+    env = os.environ if env is None else env
+    settings = load_settings(env, require_url=False, **overrides)
+    _, source = _gather(env, overrides)
+    return settings, {f.name: source.get(f.name, "default") for f in fields(Settings)}
 
 
 def auto_blocks_per_object(page_bytes: int, settings: Settings) -> int:

@@ -607,3 +607,86 @@ def test_a_wave_late_while_the_store_answers_is_no_stall():
     finally:
         inner.release.set()
         wave.join(5)
+
+
+class _HungReads(_Hung):
+    """GETs block until released; ``head_arrived``: the response head came back (the body still
+    streams), which the S3 stores note for ``answered_since``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_arrived = False
+
+    def get_ranges(self, key, ranges):
+        self.release.wait(10)
+        return super().get_ranges(key, ranges)
+
+    def answered_since(self, t: float) -> bool:
+        return self.alive or self.head_arrived
+
+
+def _hang_a_read(breaker, key="k", promised=False) -> threading.Thread:
+    store = breaker.promised_reads() if promised else breaker
+    t = threading.Thread(target=lambda: store.get_ranges(key, [ByteRange(0, 1)]), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not any(r.key == key for r in breaker._reads_in_flight) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return t
+
+
+@pytest.mark.parametrize("promised", [False, True], ids=["read", "promised-read"])
+def test_a_read_the_store_never_answers_opens_the_breaker_after_stall_s(promised):
+    """Issue 37: behind a warm index no HEAD is sent, and the promised loads' GETs were the only
+    calls a hung store held -- each failed only after its own load_stall_s, one failure at a time
+    (the breaker opened 25 s in). A read unanswered for ``stall_s``, nothing answered since,
+    opens it; ``hung_since`` then names the reads sent before."""
+    inner, clock = _HungReads(), FakeClock()
+    inner.put("k", b"1")
+    breaker = CircuitBreakerStore(inner, BreakerPolicy(failures=5, reset_s=10, stall_s=2.0), clock=clock)
+    sent = time.monotonic()
+    try:
+        read = _hang_a_read(breaker, promised=promised)
+        clock.advance(1.9)
+        assert breaker.state is CLOSED and not breaker.hung_since(sent)
+        clock.advance(0.2)
+        assert breaker.hung_since(sent) and breaker.state is OPEN and breaker.stalls == 1
+        assert not breaker.hung_since(time.monotonic())  # a read sent from now on gets its own chance
+        assert breaker.promised_reads().hung_since(sent)  # what the loader asks, through the wrapper
+    finally:
+        inner.release.set()
+        read.join(5)
+    clock.advance(10)
+    breaker.head_many(["p"])  # the half-open probe is answered: closed, the store is well again
+    assert breaker.state is CLOSED and not breaker.hung_since(sent)
+
+
+def test_a_read_whose_answer_streams_for_long_is_no_stall():
+    """A large object streams for seconds on a healthy store: its response head arrived, so the
+    store answered -- the body's progress is the loader's stall rule, not the breaker's."""
+    inner, clock = _HungReads(), FakeClock()
+    inner.put("k", b"1")
+    breaker = CircuitBreakerStore(inner, BreakerPolicy(stall_s=2.0), clock=clock)
+    try:
+        read = _hang_a_read(breaker)
+        inner.head_arrived = True
+        clock.advance(30)
+        assert breaker.state is CLOSED and breaker.stalls == 0
+    finally:
+        inner.release.set()
+        read.join(5)
+    assert breaker.consecutive_failures == 0
+
+
+def test_a_read_given_up_by_the_loader_settles_nothing_when_it_ends_late():
+    """``note_timeout("get", key)`` counts that read once; its success seconds later must not reset
+    the count (a hung store answering a few reads late would otherwise never trip the breaker)."""
+    inner, clock = _HungReads(), FakeClock()
+    inner.put("k", b"1")
+    breaker = CircuitBreakerStore(inner, BreakerPolicy(failures=5, stall_s=0), clock=clock)
+    read = _hang_a_read(breaker)
+    breaker.note_timeout("get", "k")
+    assert breaker.consecutive_failures == 1
+    inner.release.set()
+    read.join(5)
+    assert breaker.consecutive_failures == 1 and not breaker._reads_in_flight

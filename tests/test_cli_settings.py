@@ -16,7 +16,8 @@ from click.testing import CliRunner
 from s3kv.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
-ACCEPTED = "expected JSON (any name), or TOML (a name ending in .toml, Python >= 3.11)"
+ACCEPTED = ("expected JSON (any name), TOML (a name ending in .toml, Python >= 3.11) or YAML (a name ending in "
+            ".yaml or .yml, read with PyYAML)")
 
 
 def invoke(*args: str, **env: str):
@@ -39,16 +40,16 @@ def test_config_file_errors_name_the_variable_and_the_file(tmp_path):
     binary = tmp_path / "s3kv.json"
     binary.write_bytes(b"\x89PNG\r\n\x1a\n\xff\xfe\x00")
     yaml_file = tmp_path / "s3kv.yaml"
-    yaml_file.write_text("url: s3://bucket/kv\nstaging_mib: 64\n")
+    yaml_file.write_text("url: s3://bucket/kv\nstaging_mib: [64\n")
     fifo = tmp_path / "s3kv.fifo"
     os.mkfifo(fifo)
     cases = {
         tmp_path / "missing.json": "no such file",
         binary: f"not a text file (not UTF-8); {ACCEPTED}",
-        tmp_path: "is a directory; name the settings file itself (JSON (any name), or TOML",
-        fifo: "is not a regular file; name a settings file (JSON (any name), or TOML",
-        yaml_file: "cannot parse it as JSON: Expecting value: line 1 column 1 (char 0) (YAML is not read: "
-        f"write the settings as JSON or TOML); {ACCEPTED}",
+        tmp_path: "is a directory; name the settings file itself (JSON (any name), TOML",
+        fifo: "is not a regular file; name a settings file (JSON (any name), TOML",
+        yaml_file: "cannot parse it as YAML: expected ',' or ']', but got '<stream end>' (line 3, column 1); "
+        f"{ACCEPTED}",
     }
     for path, what in cases.items():
         for cmd in (["ls"], ["demo"]):
@@ -56,6 +57,22 @@ def test_config_file_errors_name_the_variable_and_the_file(tmp_path):
             assert line == f"Error: S3KV_CONFIG_FILE='{path}': {what}" or (
                 line.startswith(f"Error: S3KV_CONFIG_FILE='{path}': ") and what in line
             ), (cmd, line)
+
+
+def test_a_yaml_settings_file_works_and_a_bad_value_names_the_file_and_key(tmp_path):
+    """Issue 40: YAML as LMCache users write it; a bad value is reported by file and key, not by
+    an environment variable the user never set."""
+    (tmp_path / "c").mkdir()
+    path = tmp_path / "s3kv.yaml"
+    path.write_text(f"s3kv:\n  url: file://{tmp_path}/c\n  staging_mib: 64\n  offer_guard: off\n")
+    r = invoke("ls", S3KV_CONFIG_FILE=str(path))
+    assert r.exit_code == 0 and r.output.strip() == f"no s3kv objects under file://{tmp_path}/c", r.output
+    path.write_text(f"url: file://{tmp_path}/c\nstaging_mib: lots\n")
+    for cmd in (["ls"], ["demo"], ["config"]):
+        line = error_line(invoke(*cmd, S3KV_CONFIG_FILE=str(path)))
+        assert line == f"Error: S3KV_CONFIG_FILE='{path}', key 'staging_mib': expected an integer, got 'lots'", (
+            cmd, line)
+        assert "S3KV_STAGING_MIB" not in line
 
 
 def test_unreadable_config_file_is_one_line(tmp_path, monkeypatch):
@@ -133,3 +150,44 @@ def test_enum_settings_accept_any_case(tmp_path, name, value, stored):
 def test_a_wrong_enum_value_lists_the_accepted_ones():
     line = error_line(invoke("ls", "--url", "file:///tmp", S3KV_LOAD_MODE="Syn"))
     assert line == "Error: S3KV_LOAD_MODE / load_mode: accepted values: async, sync (any case), got 'Syn'"
+
+
+# --------------------------------------------------------------------------- 40: s3kv config
+
+
+def test_config_says_where_every_value_came_from_flag_over_env_over_file_over_default(tmp_path):
+    import json
+
+    path = tmp_path / "s3kv.yaml"
+    path.write_text("url: s3://from-file/kv\nstaging_mib: 2048\ncheckpoint_tokens: 8192\n"
+                    "integrity_key: " + "k" * 40 + "\n")
+    env = {"S3KV_CONFIG_FILE": str(path), "S3KV_STAGING_MIB": "4096", "S3KV_UPLOAD_THREADS": "3"}
+    r = invoke("config", "--url", "file:///tmp/flag", "--json", **env)
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output)
+    got = {k: (v["value"], v["from"]) for k, v in doc["settings"].items() if v["from"] != "default"}
+    assert got == {
+        "url": ("file:///tmp/flag", "flag"),  # flag over the file's
+        "staging_mib": (4096, "env"),  # environment over the file's 2048
+        "checkpoint_tokens": (8192, "file"),
+        "upload_threads": (3, "env"),
+        "integrity_key": ("***", "file"),  # a secret is never printed
+    }
+    assert doc["settings"]["load_mode"] == {"value": "async", "from": "default"} and doc["file"] == str(path)
+    table = invoke("config", **env)
+    assert table.exit_code == 0 and "k" * 40 not in table.output
+    lines = table.output.splitlines()
+    assert lines[0] == f"settings file: {path} (S3KV_CONFIG_FILE)"
+    assert lines[1] == ("precedence: command-line flag (--url) > environment (S3KV_<NAME>) > settings file "
+                        "(S3KV_CONFIG_FILE) > default")
+    rows = {ln.split()[0]: ln.split(None, 2)[2] for ln in lines[4:-1]}
+    assert rows == {"url": "file", "checkpoint_tokens": "file", "staging_mib":
+                    "env S3KV_STAGING_MIB (over the file's 2048)", "upload_threads": "env S3KV_UPLOAD_THREADS",
+                    "integrity_key": "file"}, lines
+    assert lines[-1].endswith("other settings at their defaults (s3kv config --all lists them)")
+    # The engine, the demo and the operator commands load the same values (same precedence).
+    from s3kv.config import load_settings
+
+    s = load_settings({**env, "S3KV_URL": "s3://from-env/kv"}, url="file:///tmp/flag")
+    assert (s.url, s.staging_mib, s.checkpoint_tokens) == ("file:///tmp/flag", 4096, 8192)
+    assert load_settings({**env, "S3KV_URL": "s3://from-env/kv"}).url == "s3://from-env/kv"

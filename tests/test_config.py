@@ -114,15 +114,21 @@ def test_toml_file(tmp_path):
     assert (s.max_attempts, s.save_decode) == (3, False)
 
 
-def test_invalid_value_in_file_names_setting(tmp_path):
+def test_invalid_value_in_file_names_the_file_and_its_key(tmp_path):
+    """Issue 40.6: the user wrote the value in the file, so the message names the file and the key,
+    not an environment variable they never set."""
     path = write_json(tmp_path, {"url": URL, "download_threads": "many"})
-    with pytest.raises(ConfigError, match="S3KV_DOWNLOAD_THREADS"):
+    with pytest.raises(ConfigError) as e:
         load_settings({"S3KV_CONFIG_FILE": path})
+    assert str(e.value) == f"S3KV_CONFIG_FILE={path!r}, key 'download_threads': expected an integer, got 'many'"
+    # The same value from the environment names the variable.
+    with pytest.raises(ConfigError, match=r"^S3KV_DOWNLOAD_THREADS / download_threads: expected an integer"):
+        load_settings({"S3KV_URL": URL, "S3KV_DOWNLOAD_THREADS": "many"})
 
 
 def test_env_fixes_invalid_file_value(tmp_path):
     path = write_json(tmp_path, {"url": URL, "staging_mib": -5})
-    with pytest.raises(ConfigError, match="S3KV_STAGING_MIB"):
+    with pytest.raises(ConfigError, match=r"^S3KV_CONFIG_FILE='.*', key 'staging_mib': must be > 0, got -5$"):
         load_settings({"S3KV_CONFIG_FILE": path})
     assert load_settings({"S3KV_CONFIG_FILE": path, "S3KV_STAGING_MIB": "8"}).staging_mib == 8
 
@@ -249,6 +255,10 @@ INVALID = {
     "integrity_key_file": ["/nonexistent/s3kv-integrity-key"],
     "integrity_previous_keys": ["0123456789abcdef0123456789abcdef01234567,short"],
     "integrity_previous_keys_file": ["/nonexistent/s3kv-previous-keys"],
+    "identity_cache_dir": ["relative/cache"],
+    "lora_settle_s": ["-1", "soon"],
+    "host_cache_gb": ["-2", "-0.5", "inf", "nan", "lots"],
+    "host_cache_verify": ["sometimes"],
 }
 #: Never echoed in an error message (they would land in logs).
 SECRETS = {"integrity_key", "integrity_previous_keys"}

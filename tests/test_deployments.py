@@ -49,8 +49,13 @@ def _quickstart() -> tuple[dict, dict[str, str]]:
     [options] = [yaml.safe_load(b.text) for b in page if b.lang == "yaml"]
     env = dict(re.findall(r"^export (S3KV_\w+)=(\S+)", "".join(b.text for b in page), re.M))
     serve = next(b.text for b in page if "trtllm-serve " in b.text)
-    assert "--extra_llm_api_options extra-llm-api-options.yaml" in serve
+    assert "--extra_llm_api_options examples/extra-llm-api-options.yaml" in serve
+    assert options == _example_options()  # the page shows the file it runs
     return options, env
+
+
+def _example_options() -> dict:
+    return yaml.safe_load((REPO / "examples" / "extra-llm-api-options.yaml").read_text())
 
 
 PAGES = {"kubernetes.md": _kubernetes, "trtllm-serve.md": _quickstart}
@@ -146,3 +151,34 @@ def test_the_test_extra_installs_what_the_tests_import():
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
     test_extra = re.search(r"^test = \[(.*?)^\]", text, re.S | re.M)  # (tomllib: Python 3.11+)
     assert test_extra and '"pyyaml' in test_extra.group(1)
+
+
+def test_the_options_file_the_kubernetes_configmap_and_the_python_line_agree():
+    """Issue 40: one ready options file for trtllm-serve, the same in the Kubernetes ConfigMap, and
+    its one-line Python equivalent; TensorRT-LLM's own key names (KvCacheConnectorConfig,
+    KvCacheConfig fields)."""
+    from s3kv.trtllm import llm_api_options
+
+    example = _example_options()
+    assert example == llm_api_options() == _kubernetes()[0]
+    assert example["kv_connector_config"] == {"connector_module": "s3kv.trtllm",
+                                              "connector_scheduler_class": "S3KvConnectorLeader",
+                                              "connector_worker_class": "S3KvConnectorWorker"}
+    assert set(example["kv_cache_config"]) <= KV_CACHE_FIELDS
+    # Further kv_cache_config fields ride along; one that contradicts what s3kv needs is refused.
+    extra = llm_api_options(free_gpu_memory_fraction=0.8, max_attention_window=[1024, 32768])
+    assert extra["kv_cache_config"] == {**example["kv_cache_config"], "free_gpu_memory_fraction": 0.8,
+                                        "max_attention_window": [1024, 32768]}
+    with pytest.raises(ValueError, match=r"^kv_cache_config.enable_block_reuse=False: s3kv needs True \("):
+        llm_api_options(enable_block_reuse=False)
+
+
+def test_the_python_line_leaves_v2_off_on_the_flat_api_line(monkeypatch):
+    """On the flat-API line (no kv_cache_layout module) connectors run on KV cache manager V1 only."""
+    from s3kv.trtllm import api, llm_api_options
+
+    monkeypatch.setattr(api, "HAVE_TRTLLM", True)
+    monkeypatch.setattr(api, "HAVE_TRTLLM_LAYOUT", False)
+    assert llm_api_options()["kv_cache_config"] == {"enable_block_reuse": True, "enable_partial_reuse": False}
+    monkeypatch.setattr(api, "HAVE_TRTLLM_LAYOUT", True)
+    assert llm_api_options()["kv_cache_config"]["use_kv_cache_manager_v2"] is True

@@ -26,11 +26,14 @@ DOCS = REPO / "docs"
 #: arrive in another branch.
 ELSEWHERE = {"failures.md", "security.md", "trace-replay.md"}
 #: Pages whose shell blocks another test runs, and which test.
-RUN_ELSEWHERE = {"s3-compatible.md": "tests/test_terraform.py::test_walkthrough_on_seaweedfs_with_auth"}
+RUN_ELSEWHERE = {
+    "s3-compatible.md": "tests/test_terraform.py::test_walkthrough_on_seaweedfs_with_auth",
+    "install.md": "tests/test_package.py::test_the_documented_wheel_installs_in_a_fresh_venv_and_imports_s3kv_trtllm",
+}
 MINE = [
     "README.md", "getting-started.md", "configuration.md", "operations.md", "sizing.md",
     "metrics.md", "kubernetes.md", "s3-compatible.md", "architecture.md", "benchmarks.md",
-    "trtllm-serve.md", "cli.md",
+    "trtllm-serve.md", "cli.md", "install.md", "glossary.md",
 ]
 
 
@@ -96,7 +99,7 @@ def test_getting_started_commands(tmp_path):
     demo, look = outputs
     assert "kv_mismatches: 0" in demo.stdout and "warm cluster B:" in demo.stdout
     assert "kept; look with: s3kv ls --url s3://s3kv/kv/demo-" in look.stdout
-    assert re.search(r"^demo-\d+/[0-9a-f]{32}\s", look.stdout, re.M), look.stdout  # ls at the parent
+    assert re.search(r"^demo-\d+-[0-9a-f]{6}/[0-9a-f]{32}\s", look.stdout, re.M), look.stdout  # ls at the parent
     assert re.search(r"checked \d+ objects: \d+ ok, 0 bad", look.stdout), look.stdout
 
 
@@ -104,22 +107,30 @@ def test_getting_started_commands(tmp_path):
 
 
 def test_configuration_commands_and_file(tmp_path):
+    import yaml
+
     page = DOCS / "configuration.md"
-    toml = next(b for b in blocks(page) if b.lang == "toml")
+    settings_file = next(b for b in blocks(page) if b.lang == "yaml")
+    shown = next(b for b in blocks(page) if b.lang == "text" and b.text.startswith("SETTING"))
     box = _sandbox(tmp_path)
     cache = f"file://{tmp_path}/cache"
     (tmp_path / "cache").mkdir()  # an existing, empty cache (ls refuses a directory that is not there)
-    (box / "s3kv.toml").write_text(toml.text.replace("s3://my-bucket/kv", cache))
+    (box / "s3kv.yaml").write_text(settings_file.text.replace("s3://my-bucket/kv", cache))
     # The file the page shows loads as it says (with its bucket swapped for a directory).
-    if sys.version_info >= (3, 11):
-        from s3kv.config import load_settings
+    from s3kv.config import load_settings
 
-        s = load_settings({"S3KV_CONFIG_FILE": str(box / "s3kv.toml")})
-        assert (s.url, s.staging_mib, s.checkpoint_tokens, s.metrics_port) == (cache, 2048, 8192, 9400)
+    s = load_settings({"S3KV_CONFIG_FILE": str(box / "s3kv.yaml")})
+    assert (s.url, s.staging_mib, s.checkpoint_tokens, s.metrics_port) == (cache, 2048, 8192, 9400)
+    assert yaml.safe_load(settings_file.text)["s3kv"]["url"] == "s3://my-bucket/kv"
     shell = DocShell(box, _env(tmp_path))
     [b] = shell_blocks(page)
-    out = shell.run(b)
-    assert out.stdout.strip() == f"no s3kv objects under {cache}"
+    out = shell.run(b).stdout.splitlines()
+    assert out[-1] == f"no s3kv objects under {cache}"
+    # What the page says `s3kv config` prints, column widths aside (the bucket is a directory here).
+    table = [ln.split() for ln in out[out.index(next(ln for ln in out if ln.startswith("SETTING"))):-2]]
+    assert table == [ln.replace("s3://my-bucket/kv", cache).split() for ln in shown.text.splitlines()], out
+    assert out[0] == f"settings file: {box / 's3kv.yaml'} (S3KV_CONFIG_FILE)"
+    assert out[1].startswith("precedence: command-line flag (--url) > environment (S3KV_<NAME>) > settings file")
 
 
 def test_configuration_documents_every_setting_and_no_other():
@@ -145,7 +156,7 @@ def test_operations_commands(tmp_path):
                    capture_output=True, timeout=600)
     shell = DocShell(box, env)
     look, check, clean = (shell.run(b) for b in shell_blocks(DOCS / "operations.md"))
-    assert re.search(r"^demo-\d+/[0-9a-f]{32}\s", look.stdout, re.M) and "PAGES" in look.stdout
+    assert re.search(r"^demo-\d+-[0-9a-f]{6}/[0-9a-f]{32}\s", look.stdout, re.M) and "PAGES" in look.stdout
     assert "0 bad" in check.stdout and "deleted 0 bad objects" in check.stdout
     assert "would delete 0 objects" in clean.stdout and "deleted 0 objects" in clean.stdout
 

@@ -9,6 +9,7 @@ import dataclasses
 import enum
 import json
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from s3kv.core.keys import namespace_digest
 from s3kv.core.layout import CacheGeometry, GroupGeometry
 from s3kv.sim.config import SimCacheConfig, SimModel
 from s3kv.sim.llm_args import SimKvCacheConfig, SimLlmArgs, make_llm_args
+from s3kv.trtllm import weights
 from s3kv.trtllm.identity import model_identity, normalize_dtype
 
 
@@ -51,6 +53,14 @@ class Args:
     revision: str | None = None
     quant_config: Any = None
     kv_cache_config: KvCfg = field(default_factory=KvCfg)
+
+
+@pytest.fixture(autouse=True)
+def _weights_env(tmp_path, monkeypatch):
+    """Weights digests cached under the test's own directory, and files written by a test older
+    than the "engine" that loads them (the digest trusts no file changed after the process started)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    monkeypatch.setattr(weights, "process_start", lambda: time.time() + 3600)
 
 
 def geometry(model_id: str, kv_dtype: str) -> CacheGeometry:
@@ -199,15 +209,16 @@ def test_model_id_is_canonical_json_without_kv_dtype():
     assert doc == {k: v for k, v in dataclasses.asdict(ident).items() if k not in skip}
 
 
-# ------------------------------------------------------------------ weights (issue #29.1)
+# ------------------------------------------------------------------ weights (issues #29.1, #37.4)
 
 
-def safetensors(path, tensors: dict[str, bytes], metadata: dict | None = None) -> None:
+def safetensors(path, tensors: dict[str, bytes], metadata: dict | None = None, shapes: dict | None = None) -> None:
     """A safetensors file: 8-byte header length, JSON header, then the tensors' bytes."""
     header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
     data, off = b"", 0
     for name, raw in tensors.items():
-        header[name] = {"dtype": "BF16", "shape": [len(raw) // 2], "data_offsets": [off, off + len(raw)]}
+        shape = (shapes or {}).get(name, [len(raw) // 2])
+        header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [off, off + len(raw)]}
         data, off = data + raw, off + len(raw)
     h = json.dumps(header).encode()
     path.write_bytes(len(h).to_bytes(8, "little") + h + data)
@@ -229,14 +240,58 @@ def test_a_fine_tune_under_the_bases_path_never_shares_its_namespace(tmp_path):
     assert ia.config_digest == ib.config_digest  # the config cannot tell them apart ...
     assert ia.weights_digest and ia.weights_digest != ib.weights_digest  # ... the weights can
     assert ns(Args(model=str(a))) != ns(Args(model=str(b)))  # a path is not an identity
-    assert "sample" in ia.weak  # but a sample is no proof: warned, S3KV_MODEL_ID is the fix
+    assert not ia.weak and not ib.weak  # every byte read: proof, not a sample
+
+
+def _between_old_samples(length: int, span: int) -> int:
+    """An offset where ``span`` bytes of a ``length``-byte tensor met none of the 64 windows of
+    4 KiB the weights digest of #29.1 sampled (evenly spread, first and last included)."""
+    step = (length - 4096) / 63
+    starts = [int(i * step) for i in range(64)]
+    for lo, hi in zip(starts, starts[1:], strict=False):
+        if hi - (lo + 4096) >= span + 2048 and lo > length // 3:
+            return lo + 4096 + 1024
+    raise AssertionError("no gap that wide")
+
+
+@pytest.mark.parametrize("evasion", ["moe_expert", "q_proj_band", "bin_only"])
+def test_a_fine_tune_that_evaded_the_sample_gets_its_own_namespace(tmp_path, evasion):
+    """Issue #37.4: three fine-tunes that shared their base's namespace under the sampled digest
+    (64 windows of 4 KiB per tensor, embeddings whole; no digest at all without safetensors):
+    one expert of a fused MoE tensor, a 24-row band of q_proj, a checkpoint of .bin files only."""
+    rng = random.Random(evasion)
+    if evasion == "moe_expert":  # [experts, 2 * intermediate, hidden] bf16, one expert retrained in part
+        name, shape = "model.layers.0.mlp.experts.gate_up_proj", [8, 256, 512]
+        base = rng.randbytes(8 * 256 * 512 * 2)
+        off = _between_old_samples(len(base), 1024)
+        expert = 256 * 512 * 2
+        assert off // expert == (off + 1023) // expert  # inside one expert's block
+        tuned = base[:off] + rng.randbytes(1024) + base[off + 1024 :]
+    elif evasion == "q_proj_band":  # [4096 out, 2048 in] bf16: 24 rows of 4 KiB retrained
+        name, shape = "model.layers.0.self_attn.q_proj.weight", [4096, 2048]
+        row = 2048 * 2
+        base = rng.randbytes(4096 * row)
+        off = -(-_between_old_samples(len(base), 25 * row) // row) * row
+        tuned = base[:off] + rng.randbytes(24 * row) + base[off + 24 * row :]
+    d = hf_dir(tmp_path, "llama")  # one path, as /models/llama on two clusters
+    idents, namespaces = [], []
+    for label in ("base", "tuned"):
+        for f in d.glob("*.safetensors"):
+            f.unlink()
+        if evasion == "bin_only":
+            (d / "pytorch_model.bin").write_bytes(b"PK\x03\x04" + rng.randbytes(4096))
+        else:
+            safetensors(d / "model.safetensors", {name: base if label == "base" else tuned}, shapes={name: shape})
+        idents.append(model_identity(Args(model=str(d))))
+        namespaces.append(ns(Args(model=str(d))))
+    assert namespaces[0] != namespaces[1]
+    assert all(i.weights_digest and not i.weak for i in idents)
 
 
 @pytest.mark.parametrize("table", ["model.embed_tokens.weight", "lm_head.weight", "vocab-shaped"])
 def test_a_fine_tune_of_a_few_token_rows_never_shares_its_bases_namespace(tmp_path, table):
-    """Training only reserved special tokens changes rows far past any tensor's first KiBs; the
-    tensors with one row per token are read whole."""
-    vocab, row = 8192, 64  # 512 KiB: sampled, were it not read whole
+    """Training only reserved special tokens changes rows far past any tensor's first KiBs."""
+    vocab, row = 8192, 64
     tok = vocab - 100  # a reserved token between two sample windows
     base = os.urandom(vocab * row)
     tuned = base[: tok * row] + bytes(row) + base[(tok + 1) * row :]
@@ -251,46 +306,140 @@ def test_a_fine_tune_of_a_few_token_rows_never_shares_its_bases_namespace(tmp_pa
     assert digests[0] and digests[0] != digests[1]
 
 
-def test_every_tensor_is_sampled_past_its_first_bytes(tmp_path):
-    d = hf_dir(tmp_path, "m")
-    big = bytearray(os.urandom(1 << 20))
-    safetensors(d / "model.safetensors", {"w": bytes(big)})
-    first = model_identity(Args(model=str(d))).weights_digest
-    big[-100:] = bytes(100)  # the last window
-    safetensors(d / "model.safetensors", {"w": bytes(big)})
-    assert model_identity(Args(model=str(d))).weights_digest != first
+def test_the_same_tensors_sharded_otherwise_keep_the_digest_and_any_byte_changes_it(tmp_path):
+    one, two = hf_dir(tmp_path, "one"), hf_dir(tmp_path, "two")
+    t = {"a": os.urandom(4096), "b": os.urandom(1 << 20)}
+    safetensors(one / "model.safetensors", t)
+    safetensors(two / "model-00001-of-00002.safetensors", {"b": t["b"]})
+    safetensors(two / "model-00002-of-00002.safetensors", {"a": t["a"]})
+    first = model_identity(Args(model=str(one))).weights_digest
+    assert first == model_identity(Args(model=str(two))).weights_digest
+    for pos in (0, 12345, (1 << 20) - 1):  # the first, a middle and the last byte of b
+        b = bytearray(t["b"])
+        b[pos] ^= 1
+        safetensors(one / "model.safetensors", {"a": t["a"], "b": bytes(b)})
+        assert model_identity(Args(model=str(one))).weights_digest != first
+    safetensors(one / "model.safetensors", t, metadata={"step": "2"})  # metadata counts too
+    assert model_identity(Args(model=str(one))).weights_digest != first
 
 
-def test_a_same_size_rewrite_with_its_mtime_restored_is_fingerprinted_again(tmp_path):
+def test_a_bin_checkpoint_is_hashed_whole_and_never_unpickled(tmp_path):
+    """A .bin checkpoint is a pickle: loading one runs whatever it says. Its bytes are hashed."""
+    import pickle
+
+    marker = tmp_path / "unpickled"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
     d = hf_dir(tmp_path, "m")
-    safetensors(d / "model.safetensors", {"w": b"\x01" * 64})
-    first = model_identity(Args(model=str(d))).weights_digest
-    st = os.stat(d / "model.safetensors")
+    (d / "pytorch_model-00001-of-00002.bin").write_bytes(pickle.dumps(Payload()))
+    (d / "pytorch_model-00002-of-00002.bin").write_bytes(os.urandom(1 << 16))
+    first = model_identity(Args(model=str(d)))
+    assert first.weights_digest and not first.weak and not marker.exists()
+    with open(d / "pytorch_model-00002-of-00002.bin", "r+b") as f:
+        f.seek(777)
+        f.write(b"\x00\x01")
+    assert model_identity(Args(model=str(d))).weights_digest != first.weights_digest
+    st = hf_dir(tmp_path, "st")
+    for where in (d, st):  # the loaders prefer safetensors where there are any: so does the digest
+        safetensors(where / "model.safetensors", {"w": b"\x01" * 16})
+    assert model_identity(Args(model=str(d))).weights_digest == model_identity(Args(model=str(st))).weights_digest
+
+
+def test_the_digest_cache_is_reused_on_restart_and_invalidated_on_change(tmp_path, monkeypatch):
+    d = hf_dir(tmp_path, "m")
+    safetensors(d / "model-00001-of-00002.safetensors", {"w": os.urandom(1 << 20)})
+    safetensors(d / "model-00002-of-00002.safetensors", {"v": os.urandom(1 << 16)})
+    cache = tmp_path / "cache"
+    hashed: list[str] = []
+    real = weights._hash
+    monkeypatch.setattr(weights, "_hash", lambda name, path, st: (hashed.append(name), real(name, path, st))[1])
+
+    def restart() -> str:
+        weights._memo.clear()  # a new process: only the cache directory survives
+        return model_identity(Args(model=str(d)), cache_dir=str(cache)).weights_digest
+
+    first = restart()
+    assert len(hashed) == 2 and list((cache / "weights-v1").glob("*.json"))
+    assert restart() == first and len(hashed) == 2  # a restart reads no weights
+    w = d / "model-00002-of-00002.safetensors"
+    st = os.stat(w)
     time.sleep(0.01)
-    with open(d / "model.safetensors", "r+b") as f:  # rsync --inplace -t
-        f.seek(-64, os.SEEK_END)
-        f.write(b"\x02" * 64)
-    os.utime(d / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns))
-    assert model_identity(Args(model=str(d))).weights_digest != first
+    with open(w, "r+b") as f:  # rsync --inplace -t: same size, mtime restored; the ctime moves
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    second = restart()
+    assert second != first and hashed[2:] == ["model-00002-of-00002.safetensors"]
+    for entry in (cache / "weights-v1").glob("*.json"):
+        entry.write_text("{not json")  # a damaged cache is read again, never trusted
+    assert restart() == second and len(hashed) == 5
+    hashed.clear()
+    assert model_identity(Args(model=str(d)), cache_dir="off").weights_digest == second  # from memory
+    weights._memo.clear()
+    assert model_identity(Args(model=str(d)), cache_dir="off").weights_digest == second and len(hashed) == 2
 
 
-def test_the_weights_fingerprint_is_stable_and_covers_headers_and_files(tmp_path):
-    d = tmp_path / "m"
-    hf_dir(tmp_path, "m")
-    t = {"w": b"\x02" * 64}
-    safetensors(d / "model-00001-of-00002.safetensors", t)
-    safetensors(d / "model-00002-of-00002.safetensors", {"v": b"\x03" * 64})
-    first = model_identity(Args(model=str(d))).weights_digest
-    assert first == model_identity(Args(model=str(d))).weights_digest
-    safetensors(d / "model-00002-of-00002.safetensors", {"v": b"\x03" * 64}, metadata={"step": "2"})
-    assert model_identity(Args(model=str(d))).weights_digest != first
+def test_ranks_that_start_together_hash_each_file_once(tmp_path, monkeypatch):
+    """TP ranks are processes: one hashes a file under its lock, the others wait and read its entry."""
+    import threading
+
+    d = hf_dir(tmp_path, "m")
+    safetensors(d / "model.safetensors", {"w": os.urandom(1 << 20)})
+    hashed: list[str] = []
+    real = weights._hash
+
+    def slow(name, path, st):
+        hashed.append(name)
+        time.sleep(0.2)
+        return real(name, path, st)
+
+    monkeypatch.setattr(weights, "_hash", slow)
+    monkeypatch.setattr(weights, "_memo", {})  # as if each rank were a process of its own
+    got: list[str] = []
+
+    def rank():
+        got.append(weights.weights_digest(d, str(tmp_path / "cache")).digest)
+
+    ranks = [threading.Thread(target=rank) for _ in range(4)]
+    for t in ranks:
+        t.start()
+    for t in ranks:
+        t.join(30)
+    assert len(set(got)) == 1 and got[0] and len(got) == 4
+    assert hashed == ["model.safetensors"]
 
 
-def test_an_unreadable_weights_file_leaves_a_weak_identity_never_an_error(tmp_path):
+def test_weights_changed_after_the_engine_started_are_never_trusted(tmp_path, monkeypatch):
+    """The engine read its weights after its process started: a weights file (or a link on its
+    path) changed since may hold other bytes than the engine's, so there is no digest of it."""
+    before = hf_dir(tmp_path, "before")
+    safetensors(before / "model.safetensors", {"w": b"\x01" * 64})
+    time.sleep(0.02)
+    started = time.time()
+    monkeypatch.setattr(weights, "process_start", lambda: started)
+    time.sleep(0.02)
+    assert model_identity(Args(model=str(before))).weights_digest  # written before the engine started
+    after = hf_dir(tmp_path, "after")
+    safetensors(after / "model.safetensors", {"w": b"\x02" * 64})
+    ident = model_identity(Args(model=str(after)))
+    assert ident.weights_digest == "" and "after this engine started" in ident.weak
+    link = tmp_path / "current"
+    os.symlink(before, link)  # old files behind a link made after the start: the same
+    assert "after this engine started" in model_identity(Args(model=str(link))).weak
+    os.symlink(before / "model.safetensors", after / "model.safetensors.link")  # not a weights name: ignored
+    assert weights.weight_files(after) == [("model.safetensors", str(after / "model.safetensors"))]
+
+
+def test_unreadable_weights_leave_a_weak_identity_never_an_error(tmp_path):
     d = hf_dir(tmp_path, "m")
     (d / "model.safetensors").write_bytes(b"\xff" * 32)  # a header longer than the file
     ident = model_identity(Args(model=str(d)))
-    assert ident.weights_digest == "" and "no *.safetensors" in ident.weak
+    assert ident.weights_digest == "" and "cannot read" in ident.weak
 
 
 @pytest.mark.parametrize(
@@ -299,8 +448,9 @@ def test_an_unreadable_weights_file_leaves_a_weak_identity_never_an_error(tmp_pa
         ("hub id, no revision", True),
         ("hub id, branch revision", True),
         ("hub id, commit revision", False),
-        ("local, no safetensors", True),
-        ("local, safetensors", True),  # a sampled fingerprint: warned
+        ("local, no weights", True),
+        ("local, safetensors", False),
+        ("local, .bin", False),
         ("S3KV_MODEL_ID", False),
     ],
 )
@@ -314,6 +464,8 @@ def test_a_weak_identity_is_flagged(tmp_path, case, weak):
         d = hf_dir(tmp_path, "m")
         if case == "local, safetensors":
             safetensors(d / "model.safetensors", {"w": b"\x01" * 16})
+        if case == "local, .bin":
+            (d / "pytorch_model.bin").write_bytes(b"\x01" * 16)
         args = Args(model=str(d))
     elif case == "S3KV_MODEL_ID":
         override = "llama-3-8b@sha256:ab12"
@@ -321,21 +473,35 @@ def test_a_weak_identity_is_flagged(tmp_path, case, weak):
 
 
 @pytest.mark.parametrize("pinned", [False, True])
-def test_a_weak_identity_warns_at_start_up(tmp_path, pinned, caplog):
+def test_a_weak_identity_is_never_shared(tmp_path, pinned, caplog, monkeypatch):
+    """A weak identity (here a hub id without a commit revision) could name other weights on
+    another engine: without S3KV_MODEL_ID the engine neither serves nor saves, and says why once."""
     import logging
 
-    from s3kv.config import Settings, warn_once
-    from s3kv.sim import SimCacheConfig, gemma3_like
-    from s3kv.store.memory import MemoryStore
-    from s3kv.trtllm import S3KvConnectorLeader
+    from test_connector_sim import make_engine, run
 
+    import s3kv.sim.engine as sim_engine
+    from s3kv.config import warn_once
+    from s3kv.sim import SimRequestSpec, gemma3_like, random_tokens
+    from s3kv.store.memory import MemoryStore
+
+    unpinned = sim_engine.make_llm_args
+    monkeypatch.setattr(sim_engine, "make_llm_args",
+                        lambda *a, **k: dataclasses.replace(unpinned(*a, **k), revision=""))
     warn_once.cache_clear()
-    args = make_llm_args(gemma3_like(64), SimCacheConfig(tokens_per_block=16, max_seq_len=2048), 1, 0)
-    settings = Settings(url="memory://weak", check_access=False, model_id="gemma-3@abc" if pinned else "")
+    override = {"model_id": "gemma-3@sha256:ab12"} if pinned else {}
+    store = MemoryStore()
+    rng = random.Random(3)
+    prompts = [tuple(random_tokens(rng, 160, 32000)) for _ in range(2)]
     with caplog.at_level(logging.WARNING):
-        S3KvConnectorLeader(args, settings=settings, store=MemoryStore(), engine_key="weak",
-                            engine_features=()).shutdown()
+        cold = make_engine(store, gemma3_like(64), **override)
+        run(cold, [SimRequestSpec(i, p) for i, p in enumerate(prompts)])
+        warm = run(make_engine(store, gemma3_like(64), **override), [SimRequestSpec(10 + i, p) for i, p in enumerate(prompts)])
     said = [r.getMessage() for r in caplog.records if "identity is weak" in r.getMessage()]
-    assert len(said) == (0 if pinned else 1)
-    if said:
-        assert "S3KV_MODEL_ID" in said[0]
+    assert warm.kv_mismatches == 0
+    if pinned:
+        assert not said and warm.matched_tokens > 0
+    else:
+        assert len(said) == 1 and "S3KV_MODEL_ID" in said[0] and "neither serves nor saves" in said[0]
+        assert warm.matched_tokens == 0 and store.keys() == []
+        assert cold.leader.core.stats.not_cacheable == 2

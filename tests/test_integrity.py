@@ -528,6 +528,7 @@ def test_metadata_names_in_any_case_are_read_as_s3_sends_them() -> None:
         ("s3://acme-kv/p", "k" * 32, False),
         ("memory://one-process", "", False),
         ("file:///var/cache/s3kv", "", False),
+        ("", "", False),  # a store handed in without a URL (the benchmarks' own): none to name (issue 40.5)
     ],
 )
 def test_a_shared_store_without_a_key_warns_once_at_start_up(url, key, warns, caplog):

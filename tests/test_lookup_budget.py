@@ -468,3 +468,43 @@ def test_lookup_counts_its_cpu_and_keeps_a_handed_over_token_list():
         assert 0 < st.lookup_hash_cpu_s <= st.lookup_cpu_s
     finally:
         core.close_lookup()
+
+
+def test_a_store_slower_than_the_budget_costs_the_scheduler_nothing_after_a_few_lookups():
+    """Issue 37 (attacked): a store that answers every HEAD slower than the cap and never fails
+    (its uploads succeed, so the breaker never opens) cost every lookup its whole budget, forever:
+    500 ms at the defaults. Once the last few waves were all slower than a lookup's budget, its
+    wave goes to the background (a miss now, the prefix warmed in the index for its next lookup),
+    and when the store is fast again the background waves show it and lookups wave again."""
+    g = geo()
+    mem = MemoryStore()
+    slow = SlowHeads(mem, 0.3)
+    # 64 blocks at 2,000 tokens/s: a ~0.5 s budget, capped at 150 ms -- half a wave.
+    core = _leader(slow, g, prefill_tokens_per_s=2_000.0, lookup_max_stall_ms=150.0, lookup_max_pending=4)
+    prompts = [tokens_of(64 * TPB + 3, seed=s) for s in range(1, 13)]
+    for p in prompts:
+        put_prefix(mem, g, p, 64, 4)
+    try:
+        stalls = []
+        for i, p in enumerate(prompts[:8]):
+            t0 = time.monotonic()
+            assert core.get_num_new_matched_tokens(i, p, len(p), 0) == (0, False)
+            stalls.append(time.monotonic() - t0)
+            time.sleep(0.35)  # requests keep arriving; the background waves end meanwhile
+        assert all(s >= 0.14 for s in stalls[:3]), stalls  # learning: the first waves wait their budget
+        assert max(stalls[4:]) < 0.05, stalls  # then nothing on the scheduler's time (was 150 ms each)
+        assert all(r.decision == "ran_out" for r in list(core.stats.recent_lookups)[-4:])
+        # A prefix looked up while the store was slow was warmed in the background: its next lookup hits.
+        deadline = time.monotonic() + 5
+        while core._pending_waves and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.get_num_new_matched_tokens(100, prompts[7], len(prompts[7]), 0)[0] == 64 * TPB
+        # The store is fast again: the next lookups' background waves show it, then lookups hit.
+        slow.delay_s = 0.005
+        hits = 0
+        for i, p in enumerate(prompts[8:]):
+            hits += core.get_num_new_matched_tokens(200 + i, p, len(p), 0)[0] > 0
+            time.sleep(0.35)
+        assert hits >= 2, hits
+    finally:
+        core.close_lookup()

@@ -20,7 +20,7 @@ from test_connector_sim import make_engine, run
 
 from s3kv.sim import SimRequestSpec, gemma3_like, random_tokens
 from s3kv.store.memory import MemoryStore
-from s3kv.trtllm.lora import CHANGED, ID_CONFLICT, NO_PATH, PENDING, UNREADABLE, AdapterIdentities
+from s3kv.trtllm.lora import CHANGED, ID_CONFLICT, NO_PATH, PENDING, RECENT, UNREADABLE, AdapterIdentities
 
 PROMPT_LEN = 160
 
@@ -32,6 +32,11 @@ def adapter(d, weights: bytes, config: str = '{"r": 8, "lora_alpha": 16}') -> st
     with open(os.path.join(d, "adapter_model.safetensors"), "wb") as f:
         f.write(weights)
     return str(d)
+
+
+def engine(store, **kw):
+    """A simulated engine; ``lora_settle_s=0`` unless said: these adapters are written just before."""
+    return make_engine(store, gemma3_like(64), **{"lora_settle_s": 0, **kw})
 
 
 def hashed(eng, path: str | None, task: int = 7):
@@ -67,12 +72,12 @@ def test_one_lora_id_on_two_clusters_never_shares_kv(tmp_path, tp):
     c = str(tmp_path / "c" / "another-name")
     shutil.copytree(a, c)  # A's adapter, copied to cluster C under another path
 
-    cold = run(hashed(make_engine(store, gemma3_like(64), tp=tp), a), specs(1, a))
+    cold = run(hashed(engine(store, tp=tp), a), specs(1, a))
     assert cold.kv_mismatches == 0 and cold.matched_tokens == 0
-    other = run(hashed(make_engine(store, gemma3_like(64), tp=tp), b), specs(11, b))
+    other = run(hashed(engine(store, tp=tp), b), specs(11, b))
     assert other.kv_mismatches == 0
     assert other.matched_tokens == 0 and other.pages_checked == 0
-    same = run(hashed(make_engine(store, gemma3_like(64), tp=tp), c, task=3), specs(21, c, task=3))
+    same = run(hashed(engine(store, tp=tp), c, task=3), specs(21, c, task=3))
     assert same.kv_mismatches == 0
     assert same.matched_tokens == 2 * (PROMPT_LEN - 16)  # every full block but the last token's
 
@@ -80,10 +85,10 @@ def test_one_lora_id_on_two_clusters_never_shares_kv(tmp_path, tp):
 def test_lora_and_base_requests_never_share_kv(tmp_path):
     store = MemoryStore()
     a = adapter(tmp_path / "a", b"weights")
-    run(make_engine(store, gemma3_like(64)), specs(1, None, task=None))
-    rep = run(hashed(make_engine(store, gemma3_like(64)), a), specs(11, a))
+    run(engine(store), specs(1, None, task=None))
+    rep = run(hashed(engine(store), a), specs(11, a))
     assert rep.matched_tokens == 0 and rep.kv_mismatches == 0
-    rep = run(make_engine(store, gemma3_like(64)), specs(21, None, task=None))
+    rep = run(engine(store), specs(21, None, task=None))
     assert rep.matched_tokens > 0 and rep.kv_mismatches == 0
 
 
@@ -91,7 +96,7 @@ def test_an_unreadable_adapter_is_neither_served_nor_saved(tmp_path, caplog):
     store = MemoryStore()
     a = adapter(tmp_path / "a", b"weights")
     os.remove(os.path.join(a, "adapter_config.json"))  # the simulated engine still applies the weights
-    eng = make_engine(store, gemma3_like(64))
+    eng = engine(store)
     with caplog.at_level(logging.WARNING, logger="s3kv.lora"):
         rep = run(eng, specs(1, a, n=3))
     assert rep.kv_mismatches == 0
@@ -117,7 +122,7 @@ def resolved(ids, task, path):
 
 
 def test_identity_is_the_adapters_content_not_its_path_or_id(tmp_path):
-    ids = AdapterIdentities()
+    ids = AdapterIdentities(settle_s=0)
     a = adapter(tmp_path / "a", b"w1")
     a2 = str(tmp_path / "a2")
     shutil.copytree(a, a2)
@@ -135,21 +140,21 @@ def test_how_the_engine_applies_adapters_is_part_of_the_identity(tmp_path):
     a = adapter(tmp_path / "a", b"w1")
     qv = SimpleNamespace(lora_config=SimpleNamespace(lora_target_modules=["attn_q", "attn_v"]))
     all_ = SimpleNamespace(lora_config=SimpleNamespace(lora_target_modules=["attn_q", "attn_v", "attn_k"]))
-    assert resolved(AdapterIdentities(qv), 1, a) != resolved(AdapterIdentities(all_), 1, a)
+    assert resolved(AdapterIdentities(qv, settle_s=0), 1, a) != resolved(AdapterIdentities(all_, settle_s=0), 1, a)
 
 
 def test_a_nemo_archive_is_identified_by_its_bytes(tmp_path):
     f1, f2 = tmp_path / "x.nemo", tmp_path / "y.nemo"
     f1.write_bytes(b"archive one")
     f2.write_bytes(b"archive two")
-    ids = AdapterIdentities()
+    ids = AdapterIdentities(settle_s=0)
     one, two = resolved(ids, 1, str(f1))[0], resolved(ids, 2, str(f2))[0]
     assert one and two and one != two
 
 
 @pytest.mark.parametrize("case", ["no_path", "missing", "no_weights", "no_config"])
 def test_unidentifiable_adapters_are_refused_and_counted(tmp_path, case, caplog):
-    ids = AdapterIdentities()
+    ids = AdapterIdentities(settle_s=0)
     d = adapter(tmp_path / "a", b"w")
     if case == "no_weights":
         os.remove(os.path.join(d, "adapter_model.safetensors"))
@@ -165,7 +170,7 @@ def test_unidentifiable_adapters_are_refused_and_counted(tmp_path, case, caplog)
 
 
 def test_an_adapter_changed_on_disk_is_refused_from_then_on(tmp_path):
-    ids = AdapterIdentities()
+    ids = AdapterIdentities(settle_s=0)
     d = adapter(tmp_path / "a", b"w1")
     first, _ = resolved(ids, 7, d)
     assert first is not None
@@ -182,7 +187,7 @@ def test_an_adapter_changed_on_disk_is_refused_from_then_on(tmp_path):
 def test_one_task_id_for_two_adapters_refuses_that_id(tmp_path):
     """The engine caches adapters by task id: after a second adapter under one id, which weights it
     applies is unknowable, so neither adapter is served or saved under that id again."""
-    ids = AdapterIdentities()
+    ids = AdapterIdentities(settle_s=0)
     a, b = adapter(tmp_path / "a", b"w1"), adapter(tmp_path / "b", b"w2")
     assert resolved(ids, 7, a)[0] is not None
     assert resolved(ids, 7, b)[0] is None
@@ -200,7 +205,7 @@ def test_an_adapter_rewritten_while_hashed_stays_refused(tmp_path, monkeypatch):
     (the engine still applies the old weights)."""
     d = adapter(tmp_path / "a", b"v1" * 1000)
     w = os.path.join(d, "adapter_model.safetensors")
-    ids = AdapterIdentities()
+    ids = AdapterIdentities(settle_s=0)
     real = ids._digest
 
     def racing(files, sizes):
@@ -222,7 +227,7 @@ def test_an_adapter_rewritten_while_hashed_stays_refused(tmp_path, monkeypatch):
 def test_an_adapter_missing_when_first_seen_stays_refused(tmp_path):
     """Unreadable at first sight, readable later: what the engine loaded then is unknowable."""
     d = str(tmp_path / "a")
-    assert ids_resolve_all(ids := AdapterIdentities(), d)[0] is None
+    assert ids_resolve_all(ids := AdapterIdentities(settle_s=0), d)[0] is None
     adapter(tmp_path / "a", b"w1")
     assert ids_resolve_all(ids, d)[0] is None
     assert ids.refused == {UNREADABLE: 1, CHANGED: 1}
@@ -238,7 +243,7 @@ def test_a_same_size_rewrite_with_its_mtime_restored_is_seen(tmp_path):
     """``rsync --inplace -t``: same size, same inode, mtime restored; only the ctime tells."""
     d = adapter(tmp_path / "a", b"A" * 4096)
     w = os.path.join(d, "adapter_model.safetensors")
-    ids = AdapterIdentities()
+    ids = AdapterIdentities(settle_s=0)
     assert resolved(ids, 7, d)[0] is not None
     st = os.stat(w)
     time.sleep(0.01)  # a ctime tick apart
@@ -279,7 +284,7 @@ def test_a_file_truncated_during_the_hash_refuses_the_adapter_without_a_crash(tm
             return self.h.hexdigest(length=length)
 
     monkeypatch.setattr(blake3, "blake3", Truncating)
-    ids = AdapterIdentities()
+    ids = AdapterIdentities(settle_s=0)
     assert ids.resolve(req(7, d)) == (None, PENDING)
     assert ids.wait(30)
     assert ids.resolve(req(7, d))[0] is None
@@ -290,7 +295,7 @@ def test_the_first_request_never_waits_for_the_hash(tmp_path, monkeypatch):
     """The hash runs off the scheduler thread: the first requests are pending (not served, not
     saved, not counted as unidentified, not warned), then the identity serves."""
     d = adapter(tmp_path / "a", b"w1")
-    ids = AdapterIdentities()
+    ids = AdapterIdentities(settle_s=0)
     gate = threading.Event()
     real = ids._digest
 
@@ -310,7 +315,7 @@ def test_the_first_request_never_waits_for_the_hash(tmp_path, monkeypatch):
 def test_pending_requests_are_neither_served_nor_saved_nor_counted_unidentified(tmp_path):
     store = MemoryStore()
     a = adapter(tmp_path / "a", b"weights")
-    eng = make_engine(store, gemma3_like(64))
+    eng = engine(store)
     gate = threading.Event()
     ids = eng.leader.adapters
     real = ids._digest
@@ -320,3 +325,95 @@ def test_pending_requests_are_neither_served_nor_saved_nor_counted_unidentified(
     assert rep.kv_mismatches == 0 and rep.matched_tokens == 0
     assert eng.leader.core.stats.lora_unidentified == 0 and ids.pending == 2
     assert store.keys() == []
+
+
+# ------------------------------------------------------------------ replaced between enqueue and lookup (#37.1)
+
+
+@pytest.mark.parametrize("swap", ["none", "symlink", "in_place"])
+def test_an_adapter_replaced_between_enqueue_and_lookup_serves_no_wrong_page(tmp_path, swap):
+    """The attack (issue #37.1, 52/52 wrong pages): TensorRT-LLM loads an adapter as its first
+    request is enqueued; the operator's republish lands before s3kv first sees the request. s3kv
+    then hashed the new files and saved KV the engine computed with the old ones under the new
+    adapter's identity, which every cluster serving the new adapter loaded. Now the change is
+    younger than ``S3KV_LORA_SETTLE_S`` at first sight: refused. ``none``: the same run without a
+    swap shares, so the two clusters below do measure what is served across them."""
+    settle = 1.0
+    v1 = adapter(tmp_path / "v1", b"v1 weights " * 100)
+    v2 = adapter(tmp_path / "v2", b"v2 weights " * 100)  # same size: an in-place rewrite keeps it
+    path = str(tmp_path / "current")
+    if swap == "symlink":
+        os.symlink(v1, path)
+    else:
+        shutil.copytree(v1, path)
+
+    def republish():
+        if swap == "symlink":  # ln -sfn v2 current: a new link renamed over the old one
+            os.symlink(v2, path + ".new")
+            os.replace(path + ".new", path)
+        elif swap == "in_place":  # rsync --inplace -t: same inode, same size, mtime restored
+            w = os.path.join(path, "adapter_model.safetensors")
+            st = os.stat(w)
+            with open(w, "r+b") as f:
+                f.write(open(os.path.join(v2, "adapter_model.safetensors"), "rb").read())
+            os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    store = MemoryStore()
+    a = engine(store, tp=2, lora_settle_s=settle)
+    lookup = a.leader.get_num_new_matched_tokens
+
+    def republish_then_lookup(request, computed):  # the engine loaded the files at enqueue
+        republish()
+        a.leader.get_num_new_matched_tokens = lookup
+        return lookup(request, computed)
+
+    time.sleep(settle + 0.2)  # every file published well before the first request
+    a.leader.get_num_new_matched_tokens = republish_then_lookup
+    with a:
+        a.run(specs(1, path))  # first sight: hashed (or refused), neither served nor saved
+        assert a.leader.adapters.wait(30)
+        a.run(specs(11, path))  # the engine still applies the weights it loaded first
+        for w in a.workers:
+            assert w.flush(30)
+    saved_by_a = store.keys()
+    time.sleep(settle + 0.2)  # cluster B starts after the republish settled: it loads v2
+    b = engine(store, tp=2, lora_settle_s=settle)
+    with b:
+        b.run(specs(21, path))
+        assert b.leader.adapters.wait(30)
+        rep = b.run(specs(31, path))
+    assert rep.kv_mismatches == 0
+    if swap == "none":
+        assert rep.matched_tokens > 0 and not a.leader.adapters.refused
+    else:
+        assert rep.matched_tokens == 0 and saved_by_a == []
+        assert set(a.leader.adapters.refused) == {RECENT}  # both batches of cluster A
+        assert not b.leader.adapters.refused
+
+
+def test_the_settle_time_counts_from_each_task_ids_first_request(tmp_path):
+    """A change just before a task id's first request refuses that id for good (the engine keeps
+    what it loaded for it); a new id first seen after the settle time starts afresh."""
+    d = adapter(tmp_path / "a", b"w1")
+    now = [time.time()]
+    ids = AdapterIdentities(settle_s=10, clock=lambda: now[0])
+    now[0] += 5
+    assert ids.resolve(req(7, d))[0] is None
+    now[0] += 6  # 11 s after the files were written
+    assert resolved(ids, 7, d)[0] is None  # still refused: id 7 was first seen 5 s after
+    assert resolved(ids, 8, d)[0] is not None  # id 8 arrived after the settle time
+    assert ids.refused == {RECENT: 3}
+
+
+def test_a_link_on_the_path_is_part_of_the_evidence(tmp_path):
+    """The identity is the content the path resolves to; the links it passes are evidence: a link
+    flipped after first sight refuses the path, even to a target with the same bytes' age."""
+    v1, v2 = adapter(tmp_path / "v1", b"w1"), adapter(tmp_path / "v2", b"w2")
+    link = str(tmp_path / "current")
+    os.symlink(v1, link)
+    ids = AdapterIdentities(settle_s=0)
+    assert resolved(ids, 7, link) == resolved(ids, 8, v1)  # content, not the path
+    os.symlink(v2, link + ".new")
+    os.replace(link + ".new", link)
+    assert ids.resolve(req(7, link))[0] is None
+    assert ids.refused == {CHANGED: 1}

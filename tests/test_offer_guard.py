@@ -284,12 +284,57 @@ def test_the_gauge_holds_pressure_for_its_hold_and_backs_off_when_it_comes_strai
     assert not g.on()
     g.honoured(needed_grow=True, less=True)
     assert g.hold_s == 240 and g.episodes == 3
+    g.honoured(needed_grow=True, less=False)  # the engine grew, but the pressure flaps: its hold ends it
+    assert g.on() and g.hold_s == 240
+    now[0] = 241 + 241
+    assert not g.on()
+    now[0] = 1000  # long after the expiry: a new episode, at the base hold
+    g.honoured(needed_grow=True, less=True)
+    assert g.on() and g.hold_s == 60 and g.episodes == 4
     g.honoured(needed_grow=True, less=False)  # the engine grew: over, and the hold is back to base
     assert not g.on() and g.hold_s == 60
-    now[0] = 1000
+    now[0] = 1030  # back within a hold of that end: flapping, the hold doubles and a grow no longer ends it
     g.honoured(needed_grow=True, less=True)
-    now[0] = 1061
+    assert g.on() and g.hold_s == 120 and g.episodes == 5
+    g.honoured(needed_grow=True, less=False)
+    assert g.on()
+    now[0] = 1030 + 121
     assert not g.on()
-    now[0] = 1061 + 600  # long after the expiry: a new episode, at the base hold
+    now[0] = 1151 + 600  # long after the expiry: a new episode, at the base hold
     g.honoured(needed_grow=True, less=True)
-    assert g.on() and g.hold_s == 60 and g.episodes == 5
+    assert g.on() and g.hold_s == 60 and g.episodes == 6
+
+
+def test_pressure_that_flaps_breaks_one_promise_per_doubling_not_one_per_flap():
+    """Issue 37 (attacked): a client can make the engine short of pages (a burst of long prompts
+    that are misses, so nothing it sends is an offer) and let go again. The first exposed offer
+    of the episode -- another client's -- breaks (parks on the merged line); the guard turns on;
+    then one grow-needing offer honoured in full (the burst is over: a safe offer of the
+    attacker's own, a stored prefix whose fallback is stored) turned it off again, at once. Every
+    burst then broke one more victim's promise: one per flap, as fast as the attacker can flap.
+    Pressure back within a hold of the last episode's end -- by a grow or by its hold -- is
+    flapping: the hold doubles, and that episode ends only with its hold, so a flapping engine
+    breaks one promise per doubling, as sustained pressure does."""
+    store = _stored()
+    victim, safe = 12, 9  # first chunks of 12 blocks (fallback 11: no tail) and 9 (fallback 8: stored)
+    cycles = 4
+    chunks = {100 * i + k: k * TPB for i in range(1, cycles + 1) for k in (victim, safe)}
+    parked, served, probes = [], [], []
+    with _engine(store, guard="pressure", chunks=chunks, grow_fails=lambda rid: rid % 100 == victim) as eng:
+        for i in range(1, cycles + 1):
+            rid = 100 * i + victim  # the burst holds the pages: this victim's grow fails
+            rep = eng.run([SimRequestSpec(rid, PROMPT, max_new_tokens=2, cancel_after_iterations=40),
+                           _busy(10_000 + rid)])
+            assert rep.kv_mismatches == 0
+            (parked if rep.by_id(rid).cancelled else served).append(rep.by_id(rid).matched_tokens // TPB)
+            rid = 100 * i + safe  # the burst is over: the attacker's safe offer, honoured in full
+            rep = eng.run([SimRequestSpec(rid, PROMPT, max_new_tokens=2)])
+            assert rep.kv_mismatches == 0
+            probes.append(rep.by_id(rid).matched_tokens // TPB)
+        stats = eng.leader.core.stats
+        gauge = eng.leader.core._lookups.pressure
+    print(f"flapping pressure, {cycles} bursts: {len(parked)} victims parked, {len(served)} cut and served "
+          f"({served} blocks), probes {probes}, broken {stats.promises_broken}, cut {stats.offers_cut}")
+    assert len(parked) == 2 and stats.promises_broken == 2  # the first episode, and the first flap
+    assert served == [8] * (cycles - 2)  # cut inside the first chunk: the stored 8 blocks
+    assert gauge.on() and gauge.hold_s > gauge.base_hold_s

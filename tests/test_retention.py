@@ -12,7 +12,6 @@ from click.testing import CliRunner
 from test_ops_cli import NS_A, _put, cli
 
 from s3kv.core.keys import KeyScheme
-from s3kv.store.base import ByteRange
 from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.memory import MemoryStore
 from s3kv.store.refresh import RefreshOnHit
@@ -37,7 +36,7 @@ def test_gc_drops_what_expired_and_keeps_a_prefix_refreshed_on_hit(server):
     body = store.get(hot.key)
     time.sleep(1.2)  # LastModified counts whole seconds
     engine_side = RefreshOnHit(store, interval_s=0.0, background=False)
-    engine_side.get_ranges(hot.key, [ByteRange(0, 16)])  # a hit: the engine loads it
+    engine_side.note_verified(hot.key)  # a hit: the engine loaded it and its checks passed
     assert engine_side.refreshed == 1
     after = store.head(hot.key)
     lm_cold = store.head(cold.key).last_modified
@@ -67,14 +66,40 @@ def test_refresh_is_rate_limited_per_object():
     s = RefreshOnHit(inner, interval_s=1800, clock=lambda: t[0], background=False)
     s.put("own", b"x" * 8)
     inner.put("theirs", b"y" * 8)  # written by another cluster
-    s.get_ranges("own", [ByteRange(0, 1)])  # this engine wrote it a moment ago: young enough
-    s.get_ranges("theirs", [ByteRange(0, 1)])  # age unknown here: refreshed once...
-    s.get_ranges("theirs", [ByteRange(0, 1)])  # ...not on every hit
+    s.note_verified("own")  # this engine wrote it a moment ago: young enough
+    s.note_verified("theirs")  # age unknown here: refreshed once...
+    s.note_verified("theirs")  # ...not on every hit
     assert touched == ["theirs"]
     t[0] = 1801.0
-    s.get_ranges("own", [ByteRange(0, 1)])
-    s.get_ranges("theirs", [ByteRange(0, 1)])
+    s.note_verified("own")
+    s.note_verified("theirs")
     assert touched == ["theirs", "own", "theirs"]
+
+
+def test_a_load_refreshes_only_an_object_that_passed_its_checks():
+    """Issue 37: refresh on hit ran after the GET and before the bytes were verified, so a
+    garbage object that a load read (and refused) had its life extended by a copy. Now only a
+    load whose header and pages passed refreshes; a failed one touches nothing."""
+    from test_worker import _saved, load_md, make_core, step
+
+    mem = MemoryStore()
+    touched: list[str] = []
+    real_touch = mem.touch
+    mem.touch = lambda key, age=0.0: touched.append(key) or real_touch(key, age)  # type: ignore[method-assign]
+    good, d_good, _ = _saved(mem, seed=1)
+    bad, d_bad, _ = _saved(mem, n=4, seed=3)
+    mem.corrupt(bad, len(mem.get(bad)) - 5)  # a flipped bit in its last page: a checksum mismatch
+    engine_side = RefreshOnHit(mem, interval_s=0.0, background=False)
+    b, _ = make_core(engine_side, seed=2)
+    try:
+        step(b, load_md(7, 0, d_bad, ((0, 4),), range(4), [10, 11, 12, 13]))
+        assert b.take_failed_load_request_ids() == {7}
+        assert touched == [] and engine_side.refreshed == 0  # garbage read, refused, not refreshed
+        step(b, load_md(8, 0, d_good, ((0, 3),), range(3), [20, 21, 22]))
+        assert b.take_failed_load_request_ids() == set()
+        assert touched == [good] and engine_side.refreshed == 1
+    finally:
+        b.close()
 
 
 def test_a_refresh_that_fails_is_dropped_never_raised():
@@ -87,7 +112,7 @@ def test_a_refresh_that_fails_is_dropped_never_raised():
     inner = Broken()
     inner.put("k", b"abc")
     s = RefreshOnHit(inner, interval_s=0.0, background=False)
-    assert s.get_ranges("k", [ByteRange(0, 3)]) == [b"abc"]
+    s.note_verified("k")
     assert s.dropped == 1 and s.refreshed == 0
 
 
@@ -206,7 +231,7 @@ def test_a_write_that_found_another_writers_object_does_not_count_as_fresh():
     inner.touch = lambda key, age=0.0: touched.append(key) or real_touch(key, age)  # type: ignore[method-assign]
     s = RefreshOnHit(inner, interval_s=1800, clock=lambda: t[0], background=False)
     assert s.put("k", b"x" * 8) is False
-    s.get_ranges("k", [ByteRange(0, 1)])
+    s.note_verified("k")
     assert touched == ["k"]
 
 
@@ -224,15 +249,15 @@ def test_outcomes_are_counted_and_a_refused_copy_warns_once(caplog):
         inner.put(k, b"abc")
     s = RefreshOnHit(inner, interval_s=0.0, background=False, on_outcome=m.on_refresh)
     with caplog.at_level("WARNING", logger="s3kv.store.refresh"):
-        s.get_ranges("a", [ByteRange(0, 3)])
-        s.get_ranges("b", [ByteRange(0, 3)])
+        s.note_verified("a")
+        s.note_verified("b")
     warnings = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "enforce_write_once" in warnings[0].getMessage()
     assert m.registry.get_sample_value("s3kv_refresh_total", {"outcome": "denied"}) == 2
 
     ok = RefreshOnHit(MemoryStore(), interval_s=0.0, background=False, on_outcome=m.on_refresh)
     ok.inner.put("c", b"abc")
-    ok.get_ranges("c", [ByteRange(0, 3)])
+    ok.note_verified("c")
     assert m.registry.get_sample_value("s3kv_refresh_total", {"outcome": "refreshed"}) == 1
 
 

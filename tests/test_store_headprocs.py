@@ -27,7 +27,7 @@ from test_faultproxy import OPTS, STALL_OPTS
 from s3kv.config import ConfigError, Settings, validate
 from s3kv.engine.runtime import s3_options
 from s3kv.store import headprocs
-from s3kv.store.base import DeadlineExceeded, LocalFailure, StoreError
+from s3kv.store.base import ByteRange, DeadlineExceeded, LocalFailure, StoreError
 from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.faultproxy import FaultProxy, WireFaultPlan
 from s3kv.store.headprocs import (
@@ -801,6 +801,9 @@ def test_stores_say_when_they_last_answered_a_head(server: EmbeddedS3, prefix: s
             assert store.head(stored[0]) is not None
             assert store.answered_since(t) is True
             assert store.answered_since(time.monotonic()) is False
+            t = time.monotonic()  # a read's response head is an answer too (the breaker's stall rule)
+            assert store.get_ranges(stored[0], [ByteRange(0, 8)])[0]
+            assert store.answered_since(t) is True
     dead = dataclasses.replace(OPTS, retry=dataclasses.replace(OPTS.retry, max_attempts=1, deadline_s=1.0))
     with _store(server, dead, endpoint="http://127.0.0.1:9") as unreachable:
         t = time.monotonic()

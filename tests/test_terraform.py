@@ -481,7 +481,7 @@ def test_walkthrough_on_seaweedfs_with_auth(tmp_path: Path, weed_auth: Any) -> N
     assert re.search(r"InvalidAccessKeyId|403|AccessDenied", denied.stdout + denied.stderr)
 
     used = shell.run(use)
-    assert "kv_mismatches: 0" in used.stdout and re.search(r"^demo-\d+/[0-9a-f]{32}\s", used.stdout, re.M)
+    assert "kv_mismatches: 0" in used.stdout and re.search(r"^demo-\d+-[0-9a-f]{6}/[0-9a-f]{32}\s", used.stdout, re.M)
     assert re.search(r"deleted [1-9]\d* objects", used.stdout), used.stdout
 
     # What SeaweedFS supports beyond the MinIO flags: default encryption and the bucket policy.

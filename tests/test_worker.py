@@ -268,6 +268,9 @@ def test_buffer_freed_only_after_last_close(store):
 
 
 def test_staging_bound_under_a_burst(store, caplog):
+    from s3kv.config import warn_once
+
+    warn_once.cache_clear()  # the start-up warning below is said once per process
     observed = []
     slow = SlowStore(store, put_delay=0.02)
     groups = [GroupSpec((0,), None, (64 * 1024,))]

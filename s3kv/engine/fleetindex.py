@@ -109,14 +109,18 @@ class Publisher:
         every_s: float = 10.0,
         max_heads: int = 100_000,
         namespaces: Iterable[str] = (),
+        sub_prefixes: bool = False,
         clock: Callable[[], float] = time.time,
     ):
         """``namespaces``: prefixes (``{root}{namespace}/``) published even while they hold nothing
         yet -- an empty index answers every lookup of a new namespace "miss" for free, where without
-        one engines probe until its first objects are listed."""
+        one engines probe until its first objects are listed. ``sub_prefixes``: also namespaces
+        below sub-prefixes of ``root`` (another deployment's URL, as ``s3kv gc`` keeps out of them
+        unless told to); by default only ``{root}{namespace}/``."""
         self.store = store
         self.root = root
         self.namespaces = list(namespaces)
+        self.sub_prefixes = sub_prefixes
         self.integrity = integrity
         self.every_s = every_s
         self.max_heads = max_heads
@@ -135,9 +139,12 @@ class Publisher:
             nsp: [] for nsp in self.namespaces if not namespace or namespace in nsp
         }
         for info in self.store.list(self.root):
-            parsed = parse_key(info.key[len(self.root):])
+            rel = info.key[len(self.root):]
+            parsed = parse_key(rel)
             if parsed is None or parsed.tp_size < 1 or not 0 <= parsed.shard < parsed.tp_size:
                 continue
+            if not self.sub_prefixes and rel.count("/") != 2:
+                continue  # under a sub-prefix: another deployment's
             if namespace and parsed.namespace != namespace:
                 continue
             tail = f"{parsed.group_fingerprint}.{parsed.shard}of{parsed.tp_size}/{parsed.digest}"

@@ -1,6 +1,7 @@
 """A bounded, expiring local index of object keys known to exist (or not).
 
-Warm lookups are answered from here without a network call. Entries come from
+Warm lookups are answered from here without a network call (and, first, from the host tier:
+``host_first``). Entries come from
 our own confirmed uploads and from HEAD results. Positives expire after
 ``ttl_s`` because objects can vanish (lifecycle expiry, ``s3kv gc``, another
 operator); negatives expire after ``negative_ttl_s`` because another cluster
@@ -13,7 +14,8 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from ..core.keys import parse_key
 from ..core.objects import ObjectSpan
@@ -233,3 +235,31 @@ class AllShards:
             f"{head}/{parsed.group_fingerprint}.{r}of{parsed.tp_size}/{parsed.digest}"
             for r in range(parsed.tp_size) if r != parsed.shard
         )
+
+
+def host_first(
+    tier: Any, index: KeyIndex, keys: Mapping[Any, str], known: list[Any], shard0_key: Callable[[Any], str],
+    answered: set[Any],
+) -> list[Any]:
+    """``known`` (the index's answers for ``keys``, ask -> key, in order) with what the host tier
+    holds answered first, the asks it answered added to ``answered``.
+
+    The leader sees rank 0's tier only, which holds shard 0 of each object; every other rank's
+    tier holds its own shard of the same object (the plan keeps them in step), so an ask for
+    shard ``s`` is answered with shard 0's span. One exception: the index knows this shard's span
+    from the store and rank 0's tier holds the store's version too -- shards may have different
+    writers there, and a rank that read its shard from the store holds that writer's version. (A
+    tier may hold another version than the store under a key: its own seal, where the store kept
+    an earlier writer's; both are right, loads check the span they get.) A tier answer needs no
+    request: no stall, no bill, whether or not the store is reachable.
+    """
+    out = []
+    for (a, key), v in zip(keys.items(), known, strict=True):
+        k0 = key if a[1] == 0 else shard0_key(a)
+        span = tier.span_of(k0)
+        if span is not None:
+            answered.add(a)
+            if a[1] == 0 or not isinstance(v, ObjectSpan) or index.get(k0) != span:
+                v = span
+        out.append(v)
+    return out

@@ -30,7 +30,7 @@ Metric names (all prefixed ``s3kv_``)::
     lookup_cpu_seconds_total, lookup_hash_cpu_seconds_total, prompt_tokens_total, rank_info{rank,tp_size}
     lookup_stall_seconds{decision} (histogram: what each lookup held the scheduler),
     lookup_budget_seconds (histogram), lookup_saveable_tokens_total{decision},
-    lookup_decisions_total{decision}  (hit, miss, ran_out, busy, error, skipped), warm_up_seconds
+    lookup_decisions_total{decision}  (hit, miss, ran_out, busy, error, skipped, not_worth), warm_up_seconds
     lookup_unhidden_stall_seconds_total, lookup_added_latency_seconds_total,
     lookup_added_itl_seconds (histogram: the inter-token latency one lookup added to each co-running request),
     lookup_listed_total{source} (index, list), lookup_trusted_hits_total, listing_trust_lost_total
@@ -42,6 +42,10 @@ Metric names (all prefixed ``s3kv_``)::
     pages_staged_total, objects_saved_total, saved_bytes_total, objects_already_present_total,
     objects_loaded_total, pages_loaded_total, loaded_bytes_total, load_failures_total,
     objects_rejected_total{reason}  (foreign, corrupt)
+    tier_loads_total{tier}, tier_loaded_bytes_total{tier}  (host, s3: where each object load came from)
+    host_tier_bytes, host_tier_capacity_bytes, host_tier_objects, host_tier_register_seconds,
+    host_tier_events_total{event}  (inserted, kept_from_s3, evicted, write_back, write_back_failed,
+    divergence, bad, host_only_save)
 
 Why this is one module: every metric name is defined once here; the exporter, the store wrapper that
 feeds it and the reader that parses an endpoint must agree on each name.
@@ -201,7 +205,7 @@ class Metrics:
             registry=r,
         )
         self.lookup_decisions = Counter(
-            f"{p}_lookup_decisions", "Lookups by how they ended (hit, miss, ran_out, busy, error, skipped).",
+            f"{p}_lookup_decisions", "Lookups by how they ended (hit, miss, ran_out, busy, error, skipped, not_worth).",
             ["decision"], registry=r,
         )
         self._lookup_seq: dict[str, int] = {}
@@ -441,6 +445,22 @@ class Metrics:
             registry=r,
         )
 
+        # -- host tier (s3kv/transfer/hosttier.py) -----------------------------------------
+        self.tier_loads = Counter(f"{p}_tier_loads", "Object loads by the tier that served them.", ["tier"],
+                                  registry=r)
+        self.tier_loaded_bytes = Counter(f"{p}_tier_loaded_bytes", "Page bytes loaded, by the tier that served them.",
+                                         ["tier"], registry=r)
+        self.host_tier_bytes = Gauge(f"{p}_host_tier_bytes", "Bytes the host tier holds (charged).", registry=r)
+        self.host_tier_capacity = Gauge(f"{p}_host_tier_capacity_bytes", "Host tier size.", registry=r)
+        self.host_tier_objects = Gauge(f"{p}_host_tier_objects", "Objects the host tier holds.", registry=r)
+        self.host_tier_register = Gauge(f"{p}_host_tier_register_seconds",
+                                        "Seconds allocating (and pinning) the host tier took.", registry=r)
+        self.host_tier_events = Counter(
+            f"{p}_host_tier_events", "Host tier events: inserted (a save), kept_from_s3 (a whole-object read), "
+            "evicted, write_back (an evicted 'evict' object written to the store), write_back_failed, divergence "
+            "(rank 0's tier held an object this rank's did not), bad (a copy that failed a check), "
+            "host_only_save (a seal kept out of the store).", ["event"], registry=r)
+
         # Labelled series that should read 0 before anything happens.
         for op in STORE_OPS:
             self.store_requests.labels(op)
@@ -649,6 +669,27 @@ class Metrics:
                 v = _number(_field(staging, _STAGING_FIELDS[gauge]))
             values[gauge] = v
         self.set_staging(values["staging_in_use"], values["staging_capacity"], values["staging_high_water"])
+        self._observe_host_tier(stats, source)
+
+    def _observe_host_tier(self, stats: Any, source: str) -> None:
+        host, loaded = _number(_field(stats, "host_hits")), _number(_field(stats, "objects_loaded"))
+        host_b, loaded_b = _number(_field(stats, "host_hit_bytes")), _number(_field(stats, "bytes_loaded"))
+        self._feed(self.tier_loads.labels("host"), source, "tier[host]", host)
+        self._feed(self.tier_loaded_bytes.labels("host"), source, "tier_bytes[host]", host_b)
+        if loaded is not None:
+            self._feed(self.tier_loads.labels("s3"), source, "tier[s3]", loaded - (host or 0))
+        if loaded_b is not None:
+            self._feed(self.tier_loaded_bytes.labels("s3"), source, "tier_bytes[s3]", loaded_b - (host_b or 0))
+        for event, name in (("inserted", "host_inserted"), ("kept_from_s3", "host_promoted"),
+                            ("evicted", "host_evicted"), ("write_back", "host_write_backs"),
+                            ("write_back_failed", "host_write_back_failed"), ("divergence", "host_divergence"),
+                            ("bad", "host_bad"), ("host_only_save", "host_only_saves")):
+            self._feed(self.host_tier_events.labels(event), source, f"host[{event}]", _number(_field(stats, name)))
+        for gauge, name in ((self.host_tier_bytes, "host_used"), (self.host_tier_capacity, "host_capacity"),
+                            (self.host_tier_objects, "host_objects"), (self.host_tier_register, "host_register_s")):
+            v = _number(_field(stats, name))
+            if v is not None:
+                gauge.set(v)
 
     # -- reading -----------------------------------------------------------------------
     def value(self, name: str, **labels: str) -> float:
@@ -740,13 +781,17 @@ def parse_exposition(text: str) -> dict[str, float]:
 
 def figures(samples: Mapping[str, float]) -> dict[str, float]:
     """The numbers a person asks first, from a snapshot or a scrape: tokens served from the store
-    (and their share of prompt tokens), bytes each way, store requests by operation."""
+    (and their share of prompt tokens), bytes each way, store requests by operation, and what the
+    host tier served and holds."""
 
     def total(name: str) -> float:
         return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
 
+    def by_label(name: str, label: str) -> float:
+        return sum(v for k, v in samples.items() if k.startswith(name + "{") and label in k)
+
     def by_op(name: str, op: str) -> float:
-        return sum(v for k, v in samples.items() if k.startswith(name + "{") and f'op="{op}"' in k)
+        return by_label(name, f'op="{op}"')
 
     hit, prompt = total(f"{PREFIX}_hit_tokens_total"), total(f"{PREFIX}_prompt_tokens_total")
     out = {
@@ -766,6 +811,9 @@ def figures(samples: Mapping[str, float]) -> dict[str, float]:
         "lookup_added_latency_s": total(f"{PREFIX}_lookup_added_latency_seconds_total"),
         "lookups_from_index": sum(v for k, v in samples.items()
                                   if k.startswith(f"{PREFIX}_lookup_listed_total{{") and 'source="index"' in k),
+        "host_tier_loads": by_label(f"{PREFIX}_tier_loads_total", 'tier="host"'),
+        "host_tier_loaded_bytes": by_label(f"{PREFIX}_tier_loaded_bytes_total", 'tier="host"'),
+        "host_tier_bytes": total(f"{PREFIX}_host_tier_bytes"),
     }
     for op in STORE_OPS:
         out[f"{op}_requests"] = by_op(f"{PREFIX}_store_requests_total", op)

@@ -51,6 +51,11 @@ class EngineRuntime:
     _geometry_callbacks: list[Any] = field(default_factory=list)
     #: Seconds the warm-up at layout registration took (None: not run).
     warm_up_s: float | None = None
+    #: Rank 0's host tier (``s3kv.transfer.hosttier``) and its workers' measured load speeds per
+    #: tier, published when its worker registers the layout: what the leader's lookups answer
+    #: from first and weigh a hit by.
+    host_tier: Any = None
+    speeds: Any = None
 
     def observe(self, leader_stats: Any = None, worker_stats: Any = None, source: str = "worker") -> None:
         """Copy cumulative connector stats into the Prometheus metrics."""

@@ -362,6 +362,11 @@ class SimEngine:
 
         self._hook_seconds: dict[str, float] = {}
         kwargs = dict(connector_kwargs or {})
+        settings = kwargs.get("settings")
+        if settings is not None and getattr(settings, "host_cache_gb", 0) < 0:
+            # The host tier's automatic size is an engine's (the machine's memory): a simulated
+            # engine has one only when asked for (S3KV_HOST_CACHE_GB >= 0).
+            kwargs["settings"] = settings.replace(host_cache_gb=0)
         if failed_load_hook:
             kwargs["engine_features"] = frozenset(kwargs.get("engine_features", ())) | {"failed_load_hook"}
         self.llm_args: tuple[SimLlmArgs, ...] = tuple(

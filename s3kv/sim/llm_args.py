@@ -7,6 +7,7 @@ where that field differs. One instance per rank: only the rank differs.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 from .config import SimCacheConfig, SimModel
@@ -53,6 +54,9 @@ class SimLlmArgs:
     enable_attention_dp: bool = False
     pipeline_parallel_size: int = 1
     backend: str = "pytorch"
+    #: A hub id's pinned commit: the simulated model's "weights" (its KV function) never change
+    #: for a name, so its identity is strong without S3KV_MODEL_ID (s3kv/trtllm/identity.py).
+    revision: str = ""
     #: False when the simulator runs the overlap executor loop (TensorRT-LLM's default).
     disable_overlap_scheduler: bool = True
 
@@ -79,4 +83,5 @@ def make_llm_args(
         parallel_config=SimParallelConfig(tp_size=tp_size, rank=rank),
         disable_overlap_scheduler=not overlap,
         enable_attention_dp=dp,
+        revision=hashlib.sha1(f"s3kv-sim/{model.name}".encode()).hexdigest(),
     )

@@ -219,12 +219,34 @@ class ObjectStore(abc.ABC):
         its budget while the call itself still runs). Wrappers that judge the store's health
         (the circuit breaker) count it as a failure; plain stores ignore it."""
 
+    def note_verified(self, key: str) -> None:  # noqa: B027 - optional hook
+        """A load of ``key`` passed its checks (header, span, every page it read: checksum and
+        tag): what refresh on hit (``store/refresh.py``) waits for before keeping the object
+        alive. Called by the loader, never for bytes that failed; plain stores ignore it."""
+
     def answered_since(self, t: float) -> bool | None:
-        """Whether the store has answered (found or missing) a HEAD that was asked at or after
-        ``t`` (``time.monotonic``); None where this store does not keep track. The breaker asks
-        it of a HEAD wave its caller gave up on: the store answered HEADs asked later, so it is
-        alive, and the wave is late on this side (a HEAD helper stopped) or for a few keys."""
+        """Whether the store has answered a request that was asked at or after ``t``
+        (``time.monotonic``): a HEAD (found or missing), or a read whose response head arrived
+        (its body may still stream); None where this store does not keep track. The breaker asks
+        it of a HEAD wave its caller gave up on -- the store answered HEADs asked later, so it is
+        alive, and the wave is late on this side (a HEAD helper stopped) or for a few keys -- and
+        of a read before its stall rule calls the store hung."""
         return None
+
+    def hung_since(self, t: float) -> bool:
+        """Whether the store was found hung (it answered nothing for the circuit breaker's stall
+        limit) after ``t`` (``time.monotonic``) and has not recovered since: a read sent before
+        then will most likely never end, so the loader fails it at once. Only the breaker
+        judges; other stores say False."""
+        return False
+
+    def store_time(self) -> float:
+        """The store's own clock now (POSIX seconds): the time it would stamp an object written
+        now with (``LastModified``). Ages of objects are differences of the store's own stamps,
+        so ``s3kv gc`` reads them against this rather than against its host's clock, which may be
+        off by more than gc's safety margin (issue 37). Costs one request; raises StoreError
+        where it cannot be read."""
+        raise StoreError(f"{type(self).__name__} cannot tell its clock")
 
     def get(self, key: str) -> bytes:
         info = self.head(key)
@@ -312,8 +334,17 @@ class StoreWrapper(ObjectStore):
     def note_timeout(self, op: str, key: str | None = None) -> None:
         self.inner.note_timeout(op, key)
 
+    def note_verified(self, key: str) -> None:
+        self.inner.note_verified(key)
+
     def answered_since(self, t: float) -> bool | None:
         return self.inner.answered_since(t)
+
+    def hung_since(self, t: float) -> bool:
+        return self.inner.hung_since(t)
+
+    def store_time(self) -> float:
+        return self.inner.store_time()
 
     def check_access(self) -> None:
         self.inner.check_access()
@@ -323,8 +354,9 @@ class StoreWrapper(ObjectStore):
 
 
 class AnswerClock:
-    """When the latest HEAD that the store answered (found or missing) was asked: what a store
-    tells :meth:`ObjectStore.answered_since` from. Errors are no answer: a store that only fails
+    """When the latest request that the store answered was asked -- a HEAD (found or missing), or
+    a read whose response head (a file: its open) arrived: what a store tells
+    :meth:`ObjectStore.answered_since` from. Errors are no answer: a store that only fails
     is not shown alive.
 
     No lock: the compare and the store race between threads, and a lost update only leaves the

@@ -31,6 +31,18 @@ call of the store answered since -- not by this breaker's calls, not by the stor
 late on this side) -- opens the breaker. It is checked whenever the state is read or a call is
 admitted (lookups read ``available`` before they trust the index), as the reset timer is.
 
+Reads count the same way (issue 37): behind a warm index no lookup sends a HEAD, so the only
+calls a hung store holds are the promised loads' GETs, each failing only after its own
+``load_stall_s`` (5 s) and one failure at a time -- the breaker opened 25 s in, and parked
+requests waited on. So a GET still unanswered ``policy.stall_s`` after it was sent, with nothing
+answered since, opens it too. "Answered" is the store's first byte, not the last: the S3 stores
+note a read's answer when its response head arrives (``answered_since``), so a large object that
+streams for seconds is no stall; a body that stops mid-stream is the loader's own stall rule's
+(``engine/worker/loads.py``). While the breaker stays open after its stall rule fired,
+:meth:`hung_since` tells the loader which reads were sent before: it fails them at once (their
+failure rung) instead of waiting out their own limit. PUTs and LISTs do not count: a PUT's
+answer comes only after its whole body, which may take seconds on a healthy store.
+
 While OPEN nothing reaches the inner store: ``head_many`` returns every key in ``failed``
 with a :class:`StoreUnavailable`, every other call raises it. Callers above already treat a
 failed lookup as a miss and a failed save as a dropped save, so a dead store costs them
@@ -62,6 +74,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from ..config import redact
 from .base import (
     BucketNotFound,
     Buffer,
@@ -142,14 +155,15 @@ Transition = Callable[[BreakerState, BreakerState], None]
 class _Probe:
     """Admission ticket of one call; settles exactly once (success, failure or neutral)."""
 
-    __slots__ = ("probe", "epoch", "done", "timed_out", "asked_at", "admitted")
+    __slots__ = ("probe", "epoch", "done", "timed_out", "asked_at", "admitted", "key")
 
-    def __init__(self, probe: bool, epoch: int = -1, admitted: float = float("inf")):
+    def __init__(self, probe: bool, epoch: int = -1, admitted: float = float("inf"), key: str | None = None):
         self.probe = probe
+        self.key = key  # a read's object (``note_timeout("get", key)`` finds its ticket by it)
         self.epoch = epoch  # the state period (a half-open period for a probe) it was admitted in
         self.admitted = admitted  # the breaker's clock
         self.done = False
-        #: When a HEAD batch went to the inner store (``time.monotonic``, the stores' clock).
+        #: When a HEAD batch or a read went to the inner store (``time.monotonic``, the stores' clock).
         self.asked_at = float("inf")
         #: A caller gave up on this call (``note_timeout``): already counted as a failure, so its
         #: late outcome settles nothing more (a slow success must not reset the count).
@@ -170,7 +184,8 @@ class CircuitBreakerStore(StoreWrapper):
         self.policy = policy or BreakerPolicy()
         self._clock = clock
         self._on_transition = on_transition
-        self.name = name or inner.url
+        # Shown in every transition's log line and refusal: never a URL's secret (issue 37).
+        self.name = redact(name or inner.url)
         self._lock = threading.RLock()
         self._state = BreakerState.CLOSED
         self._consecutive = 0
@@ -186,6 +201,10 @@ class CircuitBreakerStore(StoreWrapper):
         self.timeouts_excused = 0
         #: HEAD batches admitted and not settled, oldest first (``note_timeout``, the stall rule).
         self._heads_in_flight: list[_Probe] = []
+        #: Reads (GETs, promised or not) admitted and not settled, oldest first (the stall rule).
+        self._reads_in_flight: list[_Probe] = []
+        #: When the stall rule last opened the breaker (``time.monotonic``), until it closes again.
+        self._hung_at: float | None = None
         #: The latest admission time (breaker clock) of a call the store answered.
         self._answered_admitted = float("-inf")
         #: Times the stall rule opened the breaker.
@@ -221,6 +240,7 @@ class CircuitBreakerStore(StoreWrapper):
         elif new is BreakerState.CLOSED:
             self._consecutive = 0
             self._probes_in_flight = 0
+            self._hung_at = None
         level = logging.WARNING if new is BreakerState.OPEN else logging.INFO
         log.log(
             level,
@@ -246,9 +266,11 @@ class CircuitBreakerStore(StoreWrapper):
         stall = self.policy.stall_s
         if stall <= 0 or self._state is BreakerState.OPEN:
             return
-        # Only waves of this period: after a reset, waves hung before it must not reopen the
+        # Only calls of this period: after a reset, calls hung before it must not reopen the
         # breaker before its probe is even sent (it would never recover).
-        oldest = next((t for t in self._heads_in_flight if t.epoch == self._epoch), None)
+        heads = [t for t in self._heads_in_flight if t.epoch == self._epoch]
+        reads = [t for t in self._reads_in_flight if t.epoch == self._epoch]
+        oldest = min(heads[:1] + reads[:1], key=lambda t: t.admitted, default=None)
         if oldest is None:
             return
         waited = self._clock() - oldest.admitted
@@ -256,18 +278,28 @@ class CircuitBreakerStore(StoreWrapper):
             return
         if self.inner.answered_since(oldest.asked_at):
             return
-        waiting = sum(1 for t in self._heads_in_flight if t.epoch == self._epoch)
         self.stalls += 1
         self._transition(
-            BreakerState.OPEN, f"no answer from the store for {waited:.1f}s with {waiting} HEAD wave(s) waiting"
+            BreakerState.OPEN,
+            f"no answer from the store for {waited:.1f}s with {len(heads)} HEAD wave(s) and {len(reads)} read(s) waiting",
         )
+        self._hung_at = time.monotonic()
+
+    def hung_since(self, t: float) -> bool:
+        """Whether the stall rule found the store answering nothing after ``t``
+        (``time.monotonic``) and the breaker has not closed since: a read sent before then
+        is held by a hung store (module docstring)."""
+        with self._lock:
+            self._maybe_half_open()
+            self._check_stall()
+            return self._hung_at is not None and self._hung_at >= t
 
     def _admit(self, op: str, key: str | None, promised: bool = False) -> _Probe:
         with self._lock:
             self._maybe_half_open()
             self._check_stall()
             if self._state is BreakerState.CLOSED:
-                return _Probe(False, self._epoch, self._clock())
+                return _Probe(False, self._epoch, self._clock(), key)
             if (
                 self._state is BreakerState.HALF_OPEN
                 and self._probes_in_flight >= self.policy.half_open_probes
@@ -283,10 +315,10 @@ class CircuitBreakerStore(StoreWrapper):
             ):
                 self._probes_in_flight += 1
                 self._probe_at = self._clock()
-                return _Probe(True, self._epoch, self._probe_at)
+                return _Probe(True, self._epoch, self._probe_at, key)
             if promised:
                 # Attempted as a plain call: its outcome counts, it moves no state by itself.
-                return _Probe(False, self._epoch, self._clock())
+                return _Probe(False, self._epoch, self._clock(), key)
             self.rejected += 1
         raise self._unavailable(op, key)
 
@@ -305,6 +337,8 @@ class CircuitBreakerStore(StoreWrapper):
         with self._lock:
             if ticket in self._heads_in_flight:
                 self._heads_in_flight.remove(ticket)
+            elif ticket in self._reads_in_flight:
+                self._reads_in_flight.remove(ticket)
             if ok:  # answered, even late: the store was alive when it was asked
                 self._answered_admitted = max(self._answered_admitted, ticket.admitted)
             if ticket.timed_out:
@@ -327,7 +361,17 @@ class CircuitBreakerStore(StoreWrapper):
                 self._transition(BreakerState.OPEN, f"{self._consecutive} consecutive failures; last: {why}")
 
     def _guard(self, op: str, key: str | None, fn: Callable[[], T], promised: bool = False) -> T:
-        ticket = self._admit(op, key, promised)
+        return self._run(self._admit(op, key, promised), fn)
+
+    def _read(self, key: str, fn: Callable[[], T], promised: bool = False) -> T:
+        """A GET: guarded, and in flight for the stall rule until it settles."""
+        ticket = self._admit("get", key, promised)
+        with self._lock:
+            self._reads_in_flight.append(ticket)
+        ticket.asked_at = time.monotonic()
+        return self._run(ticket, fn)
+
+    def _run(self, ticket: _Probe, fn: Callable[[], T]) -> T:
         try:
             out = fn()
         except LocalFailure:
@@ -386,10 +430,10 @@ class CircuitBreakerStore(StoreWrapper):
         return self._guard("put", key, lambda: self.inner.put(key, data, metadata))
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
-        return self._guard("get", key, lambda: self.inner.get_ranges(key, ranges))
+        return self._read(key, lambda: self.inner.get_ranges(key, ranges))
 
     def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
-        self._guard("get", key, lambda: self.inner.get_ranges_into(key, ranges, out))
+        self._read(key, lambda: self.inner.get_ranges_into(key, ranges, out))
 
     def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
         # Refused while open (a dead store gets no polls), but its outcome is neither way: a
@@ -427,11 +471,14 @@ class CircuitBreakerStore(StoreWrapper):
         time, before the helper's ping could find it out.
         """
         with self._lock:
-            late = next((t for t in self._heads_in_flight if not t.timed_out), None) if op == "head" else None
+            if op == "head":
+                late = next((t for t in self._heads_in_flight if not t.timed_out), None)
+            else:  # a read the loader gave up on (its stall limit): the ticket of that object's read
+                late = next((t for t in self._reads_in_flight if t.key == key and not t.timed_out), None)
             if late is not None:
                 late.timed_out = True
             probe = late is not None and late.probe
-        if late is not None and self.inner.answered_since(late.asked_at):
+        if late is not None and op == "head" and self.inner.answered_since(late.asked_at):
             self.timeouts_excused += 1
             # Settled now, neither way (a probe's slot freed once): its late outcome settles nothing.
             self._settle(late, None)
@@ -503,8 +550,8 @@ class _PromisedReads(StoreWrapper):
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
         inner = self._breaker.inner
-        return self._breaker._guard("get", key, lambda: inner.get_ranges(key, ranges), promised=True)
+        return self._breaker._read(key, lambda: inner.get_ranges(key, ranges), promised=True)
 
     def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
         inner = self._breaker.inner
-        self._breaker._guard("get", key, lambda: inner.get_ranges_into(key, ranges, out), promised=True)
+        self._breaker._read(key, lambda: inner.get_ranges_into(key, ranges, out), promised=True)

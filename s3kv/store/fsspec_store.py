@@ -40,11 +40,13 @@ from typing import Any, TypeVar
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from ..config import query_start, redact, redact_url
 from .base import (
     TOUCH_GONE,
     TOUCH_REFRESHED,
     TOUCH_UNSUPPORTED,
     TOUCH_YOUNG,
+    AnswerClock,
     Buffer,
     ByteRange,
     Fetched,
@@ -109,13 +111,18 @@ class FsspecStore(ObjectStore):
         else:
             root = fs._strip_protocol(url)
         self.fs = fs
-        self.url = url
+        # Shown in every message: without a query string or fragment, which may hold a secret
+        # (``?token=…``) that fsspec keeps as part of the root path (issue 37).
+        self.url = redact_url(url)
         self._root = str(root).rstrip("/") or "/"
+        cut = query_start(self._root)
+        self._hidden = self._root[cut:] if cut >= 0 else ""
         self._local = isinstance(fs, LocalFileSystem)
         # fsync before publishing: after a crash a visible file must be a whole file.
         self._fsync = fsync
         self._max_concurrency = max_concurrency
         self._pool: cf.ThreadPoolExecutor | None = None
+        self._answers = AnswerClock()  # files opened and read (``answered_since``)
 
     # -- helpers -----------------------------------------------------------------------
     def _path(self, key: str) -> str:
@@ -125,14 +132,33 @@ class FsspecStore(ObjectStore):
             or TMP_MARK in key
             or any(p in ("", ".", "..") for p in key.split("/"))
         ):
-            raise ValueError(f"invalid object key {key!r} for {self.url}")
+            raise ValueError(self._shown(f"invalid object key {key!r} for {self.url}"))
         return f"{self._root.rstrip('/')}/{key}"
 
     def _key_of(self, path: str) -> str:
         return path[len(self._root.rstrip("/")) + 1 :]
 
+    def _shown(self, text: str) -> str:
+        """``text`` as it may be shown: no part of the URL's query or fragment, whether it comes
+        as a URL or inside a path (an OSError names the file)."""
+        if self._hidden:
+            text = text.replace(self._hidden, self._hidden[0] + "***")
+        return redact(text)
+
+    def _scrub(self, exc: BaseException) -> BaseException:
+        """``exc`` with the secret part of the root removed from what it prints (chained as the
+        cause of the store's error, it reaches tracebacks in the engine's own log handlers)."""
+        if self._hidden:
+            if isinstance(exc, OSError):
+                for attr in ("filename", "filename2"):
+                    if isinstance(getattr(exc, attr, None), str):
+                        setattr(exc, attr, self._shown(getattr(exc, attr)))
+            exc.args = tuple(self._shown(a) if isinstance(a, str) else a for a in exc.args)
+        return exc
+
     def _translate(self, exc: OSError, op: str, key: str | None) -> StoreError:
-        text = f"{op} on {self.url}: {type(exc).__name__}: {exc}"
+        self._scrub(exc)
+        text = self._shown(f"{op} on {self.url}: {type(exc).__name__}: {exc}")
         if isinstance(exc, FileNotFoundError):
             return NotFound(text, key=key)
         if isinstance(exc, PermissionError):
@@ -192,7 +218,14 @@ class FsspecStore(ObjectStore):
 
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
         unique = list(dict.fromkeys(keys))
-        return HeadBatch.from_outcomes(unique, self._map(self._head_one, unique))
+        asked = time.monotonic()
+        batch = HeadBatch.from_outcomes(unique, self._map(self._head_one, unique))
+        if batch.found or batch.missing:
+            self._answers.note(asked)
+        return batch
+
+    def answered_since(self, t: float) -> bool:
+        return self._answers.since(t)
 
     # -- PUT ---------------------------------------------------------------------------
     def put(
@@ -268,12 +301,14 @@ class FsspecStore(ObjectStore):
         path = self._path(key)
 
         def read_all() -> list[bytes]:
+            asked = time.monotonic()
             out: list[bytes] = []
             if self._local:
                 fd = _open_regular(path, key)
                 if fd is None:
                     raise NotFound("not a regular file", key=key)
                 try:
+                    self._answers.note(asked)
                     # pread: no shared file position, so concurrent readers never interfere.
                     out = [
                         os.pread(fd, r.length, ENVELOPE_SIZE + r.offset) if r.length else b"" for r in ranges
@@ -282,6 +317,7 @@ class FsspecStore(ObjectStore):
                     os.close(fd)
             else:
                 with self.fs.open(path, "rb") as f:
+                    self._answers.note(asked)
                     for r in ranges:
                         f.seek(ENVELOPE_SIZE + r.offset)
                         out.append(f.read(r.length) if r.length else b"")
@@ -342,6 +378,31 @@ class FsspecStore(ObjectStore):
 
         return self._guard("touch", key, utime)
 
+    def store_time(self) -> float:
+        """The file system's clock: the modification time it gives a file written now (a temp
+        file under the root, removed at once; ``list`` never shows it). On a local disk that is
+        this host's clock, on a network file system the server's."""
+        path = f"{self._root.rstrip('/')}/.s3kv-clock{TMP_MARK}{uuid.uuid4().hex}"
+
+        def stamp() -> float | None:
+            if self._local:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+                try:
+                    return os.fstat(fd).st_mtime
+                finally:
+                    os.close(fd)
+                    os.unlink(path)
+            self.fs.pipe_file(path, b"")
+            try:
+                return _mtime(self.fs.info(path))
+            finally:
+                self.fs.rm(path)
+
+        t = self._guard("clock", None, stamp)
+        if t is None:
+            raise StoreError(self._shown(f"{self.url}: the file system gives no modification times"))
+        return t
+
     def delete_many(self, keys: Sequence[str]) -> None:
         for key in dict.fromkeys(keys):
             path = self._path(key)
@@ -399,19 +460,19 @@ class FsspecStore(ObjectStore):
                 os.makedirs(self._root, exist_ok=True)  # a cache directory may be created on first use
             except FileExistsError as exc:
                 raise StoreConfigError(
-                    f"S3KV_URL={self.url}: {self._root} exists and is not a directory"
-                ) from exc
+                    self._shown(f"S3KV_URL={self.url}: {self._root} exists and is not a directory")
+                ) from self._scrub(exc)
             except PermissionError as exc:
                 raise PermissionDenied(
-                    f"S3KV_URL={self.url}: cannot create the directory {self._root}: {exc}"
-                ) from exc
+                    self._shown(f"S3KV_URL={self.url}: cannot create the directory {self._root}: {exc}")
+                ) from self._scrub(exc)
             if not os.access(self._root, os.W_OK | os.X_OK):
                 raise PermissionDenied(
-                    f"S3KV_URL={self.url}: directory {self._root} is not writable by this process"
+                    self._shown(f"S3KV_URL={self.url}: directory {self._root} is not writable by this process")
                 )
         outcome = self._head_one(self._probe_key())
         if isinstance(outcome, StoreError):
-            raise type(outcome)(f"S3KV_URL={self.url}: store check failed: {outcome}") from outcome
+            raise type(outcome)(self._shown(f"S3KV_URL={self.url}: store check failed: {outcome}")) from outcome
 
     def close(self) -> None:
         if self._pool is not None:

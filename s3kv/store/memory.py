@@ -88,6 +88,9 @@ class MemoryStore(ObjectStore):
             self._objects[key] = (obj[0], obj[1], now)
             return TOUCH_REFRESHED
 
+    def store_time(self) -> float:
+        return time.time()  # what put() and touch() stamp objects with
+
     def delete_many(self, keys: Sequence[str]) -> None:
         with self._lock:
             for key in keys:

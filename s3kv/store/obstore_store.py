@@ -595,7 +595,9 @@ class ObstoreS3Store(ObjectStore):
         def attempt() -> str:
             if abandon.is_set():
                 raise _Abandoned("another part of this read failed", key=key)
+            asked = time.monotonic()
             r = obs.get(self._store, key, options={"range": (offset, offset + length)})
+            self._answers.note(asked)  # the response head arrived: alive, however long the body
             data = r.bytes()
             got = len(data)
             if got != length:
@@ -649,6 +651,9 @@ class ObstoreS3Store(ObjectStore):
         # One small request every few seconds, off the lookup path: boto3's client does it (a
         # 304 is an answer there, where object_store raises it as an error of its own).
         return self._boto.get_if_changed(key, etag)
+
+    def store_time(self) -> float:
+        return self._boto.store_time()  # object_store shows no response headers
 
     def touch(self, key: str, min_age_s: float = 0.0) -> str:
         # object_store's copy sends no metadata directive, which S3 refuses for a self-copy.

@@ -3,7 +3,9 @@
 S3 has no access time, and s3kv's retention (``s3kv gc --expired``, docs/operations.md) deletes
 by ``LastModified``. So an engine that loads an object bumps its ``LastModified`` with a
 server-side copy of the object onto itself (:meth:`ObjectStore.touch`: same bytes, same
-metadata -- content stays write-once; one PUT-class request, no bytes through the engine).
+metadata -- content stays write-once; one PUT-class request, no bytes through the engine) --
+once the load passed its checks (:meth:`ObjectStore.note_verified`, from
+``transfer/download.py``), never on the GET alone: a garbage object's life is not extended.
 
 Rate limit, per object and engine: no refresh of an object this engine wrote or refreshed less
 than ``interval_s`` (half the retention) ago -- an object read by many requests costs one copy
@@ -152,14 +154,15 @@ class RefreshOnHit(StoreWrapper):
             time.sleep(0.01)
         return False
 
-    def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
-        out = self.inner.get_ranges(key, ranges)
-        self._hit(key)
-        return out
-
     def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
-        self.inner.get_ranges_into(key, ranges, out)
+        self.inner.get_ranges_into(key, ranges, out)  # forwarded: the loader's path to the store
+
+    def note_verified(self, key: str) -> None:
+        """A load of ``key`` passed its checks: a hit. Not on the GET itself: bytes that fail
+        their checksums or tags (a planted or corrupt object) must not have their life extended
+        (issue 37) -- the copy would keep garbage alive for another retention."""
         self._hit(key)
+        self.inner.note_verified(key)
 
     def close(self) -> None:
         if self._queue is not None:

@@ -295,6 +295,16 @@ def _body(views: Sequence[memoryview]) -> bytes | _BufferReader:
     return _BufferReader(views)
 
 
+def http_date(value: str, where: str) -> float:
+    """An HTTP ``Date`` header (whole seconds) as POSIX seconds, the middle of its second."""
+    from email.utils import parsedate_to_datetime
+
+    try:
+        return parsedate_to_datetime(value).timestamp() + 0.5
+    except (TypeError, ValueError, IndexError) as exc:
+        raise StoreError(f"{where}: the store's answer carries no usable Date header ({value!r})") from exc
+
+
 def _is_aws_host(url: str) -> bool:
     host = urlsplit(url).hostname or ""
     return host.endswith(".amazonaws.com") or host.endswith(".amazonaws.com.cn")
@@ -375,7 +385,7 @@ class S3Store(ObjectStore):
         self._conditional = opts.conditional_put != "never"
         self._closed = False
         self._lock = threading.Lock()
-        self._answers = AnswerClock()  # HEADs answered (``answered_since``)
+        self._answers = AnswerClock()  # HEADs and reads answered (``answered_since``)
 
     # -- set-up ------------------------------------------------------------------------
     def _make_client(self, addressing_style: str) -> Any:
@@ -687,10 +697,12 @@ class S3Store(ObjectStore):
     # -- GET ---------------------------------------------------------------------------
     def _get_one(self, key: str, offset: int, length: int) -> tuple[bytes, str]:
         def attempt() -> tuple[bytes, str]:
+            asked = time.monotonic()
             try:
                 r = self._client.get_object(
                     Bucket=self.bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}"
                 )
+                self._answers.note(asked)  # the response head arrived: alive, however long the body
             except bexc.ClientError as exc:
                 if _error_code(exc)[0] == "InvalidRange":
                     raise IntegrityError(
@@ -812,6 +824,26 @@ class S3Store(ObjectStore):
             return TOUCH_REFRESHED if self._call("copy", key, copy) else TOUCH_GONE
         except NotFound:
             return TOUCH_GONE
+
+    # -- CLOCK -------------------------------------------------------------------------
+    def store_time(self) -> float:
+        """The ``Date`` header of a HEAD of the probe key (a 404 carries one too). HTTP dates
+        count whole seconds: the middle of that second, so the error is at most half a second
+        plus half the round trip."""
+        probe = self._probe_key()
+
+        def date_of(r: Mapping[str, Any]) -> str:
+            return str(dict(r.get("ResponseMetadata") or {}).get("HTTPHeaders", {}).get("date", ""))
+
+        def attempt() -> str:
+            try:
+                return date_of(self._client.head_object(Bucket=self.bucket, Key=probe))
+            except bexc.ClientError as exc:  # an answer all the same: its head has the store's date
+                if not date_of(exc.response):
+                    raise
+                return date_of(exc.response)
+
+        return http_date(self._call("clock", probe, attempt), self.url)
 
     # -- DELETE / LIST -----------------------------------------------------------------
     def delete_many(self, keys: Sequence[str]) -> None:

@@ -6,6 +6,9 @@
 * ``ops`` -- ``s3kv ls | stats | verify | gc`` over a bucket;
 * ``sizing`` -- ``s3kv size``: bytes, requests and dollars per prompt from the connector's own rules;
 * ``faultmatrix`` -- ``s3kv bench faults``: the fault matrix of docs/reliability.md;
+* ``options`` -- what the commands share (error wording, ``--url``'s check, Ctrl-C), so none imports another;
+* ``configcmd`` -- ``s3kv config``: every effective setting and where it came from;
+* ``glossary`` -- ``s3kv glossary``: the words the output uses (docs/glossary.md);
 * ``storeerrors`` -- the one wording every command uses for a store error;
 * ``logs`` -- log formatting for these processes (library code only logs; it never configures logging);
 * ``bench/`` -- ``s3kv bench ...``: measured numbers against the baselines they beat.

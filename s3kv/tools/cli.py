@@ -8,59 +8,13 @@ goes through :func:`s3kv.config.redact`, so credentials in a URL are never print
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
 from typing import Any
 
 import click
 
 from .. import __version__
-
-_TRUE = {"1", "true", "yes", "on"}
-
-
-def debug_enabled(ctx: click.Context | None = None) -> bool:
-    """``--debug`` on the command line (``ctx.meta``), else ``S3KV_DEBUG`` in the environment."""
-    if ctx is not None:
-        root = ctx.find_root()
-        if "s3kv.debug" in root.meta:
-            return bool(root.meta["s3kv.debug"])
-    return os.environ.get("S3KV_DEBUG", "").strip().lower() in _TRUE
-
-
-def one_line(exc: BaseException) -> str:
-    """What a user sees for ``exc``: its message, first line only, credentials removed.
-
-    s3kv's own errors (bad settings, store errors) carry messages written for users; anything
-    else is shown with its type, which is what makes it searchable.
-    """
-    from ..config import ConfigError, redact
-    from ..core.errors import S3KvError
-    from ..store.base import StoreError
-
-    if isinstance(exc, StoreError):
-        from .storeerrors import describe
-
-        return redact(describe(exc))
-    text = str(exc).strip()
-    first = text.splitlines()[0] if text else ""
-    if isinstance(exc, (ConfigError, S3KvError)):
-        return redact(first or type(exc).__name__)
-    return redact(f"{type(exc).__name__}: {first}" if first else type(exc).__name__)
-
-
-def url_option(url: str | None) -> str | None:
-    """A command's ``--url`` value, checked here so that its errors name ``--url`` (the settings'
-    own check would name S3KV_URL, which the user did not set)."""
-    if url is None:
-        return None
-    from ..config import ConfigError, check_url
-
-    try:
-        return check_url(url, "--url")
-    except ConfigError as exc:
-        raise click.BadParameter(str(exc).removeprefix("--url: "), param_hint="--url") from None
+from .options import debug_enabled, export_lines, one_line, token_counts, wait_for_interrupt, writable_file
 
 
 class _Main(click.Group):
@@ -74,7 +28,10 @@ class _Main(click.Group):
         except click.ClickException as exc:
             exc.message = redact(exc.message)  # type: ignore[misc]
             raise
-        except (click.exceptions.Exit, click.Abort, KeyboardInterrupt, SystemExit):
+        except KeyboardInterrupt:
+            click.echo(f"\ns3kv {ctx.invoked_subcommand or ''}: interrupted".replace(" :", ":"), err=True)
+            raise SystemExit(130) from None
+        except (click.exceptions.Exit, click.Abort, SystemExit):
             raise
         except Exception as exc:  # noqa: BLE001 - the one place that decides how errors look
             if debug_enabled(ctx):
@@ -111,7 +68,9 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     ctx.exit()
 
 
-@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"]},
+             epilog="What the words in the output mean (pages, wave, rung, mism, pp, MFU ...): s3kv glossary "
+             "(docs/glossary.md). Where each setting came from: s3kv config.")
 @click.option("--version", "-V", is_flag=True, expose_value=False, is_eager=True, callback=_print_version,
               help="Show the version and which TensorRT-LLM connector line s3kv detects here, and exit.")
 @click.option("--log-level", default=os.environ.get("S3KV_LOG_LEVEL", "WARNING"), show_default=True,
@@ -141,7 +100,7 @@ def main(ctx: click.Context, log_level: str, debug: bool | None) -> None:
 @click.option("--prefix", default="kv", show_default=True, help="Key prefix for the S3KV_URL printed.")
 @click.option("--data-dir", type=click.Path(file_okay=False), default=None,
               help="Keep SeaweedFS data here (default: a temp dir deleted on exit).")
-@click.option("--env-file", type=click.Path(dir_okay=False), default=None,
+@click.option("--env-file", type=click.Path(dir_okay=False), callback=writable_file, default=None,
               help="Also write the `export ...` lines to this file (for `source FILE`).")
 def server_command(kind: str, bucket: str, prefix: str, data_dir: str | None, env_file: str | None) -> None:
     """Run a local S3 server on 127.0.0.1 until Ctrl-C, printing the environment to reach it.
@@ -179,7 +138,8 @@ def server_command(kind: str, bucket: str, prefix: str, data_dir: str | None, en
               help="A Hugging Face config.json to take the geometry from (instead of --model).")
 @click.option("--tp", type=click.IntRange(min=1), default=1, show_default=True, help="Tensor-parallel size.")
 @click.option("--tokens-per-block", type=click.IntRange(min=1), default=32, show_default=True)
-@click.option("--prompt-tokens", default="8192,32768", show_default=True, help="Prompt lengths to price.")
+@click.option("--prompt-tokens", default="8192,32768", show_default=True,
+              help="Prompt lengths to price, e.g. 16k or 8192,32768 (k = 1024).")
 @click.option("--new-tokens-per-day", type=float, default=0.0,
               help="Prompt tokens the fleet saves for the first time per day (for the monthly cost).")
 @click.option("--hit-tokens-per-day", type=float, default=0.0,
@@ -225,10 +185,10 @@ def size_command(model_name: str, model_config: str | None, tp: int, tokens_per_
         )
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-    try:
-        lengths = tuple(int(x) for x in prompt_tokens.split(","))
-    except ValueError:
-        raise click.BadParameter(f"{prompt_tokens!r} is not a list of integers", param_hint="--prompt-tokens") from None
+    lengths = token_counts(prompt_tokens, "--prompt-tokens")
+    if model.kv_heads % tp:
+        raise click.BadParameter(f"{model.name}'s {model.kv_heads} KV heads do not split over {tp} shards; "
+                                 f"use a TP size that divides {model.kv_heads}", param_hint="--tp")
     result = size(
         model, tp=tp, tokens_per_block=tokens_per_block, prompt_tokens=lengths, settings=settings, gpu=gpu,
         traffic=Traffic(new_tokens_per_day, hit_tokens_per_day, settings.retention_h if retention_h is None else retention_h),
@@ -240,34 +200,17 @@ def size_command(model_name: str, model_config: str | None, tp: int, tokens_per_
         click.echo(table(result, f"{tp} x {gpu.peak_tflops:g} TFLOP/s at MFU {gpu.mfu:g}, ${gpu.usd_per_hour:g}/GPU-h"))
 
 
-def export_lines(env: dict[str, str]) -> list[str]:
-    import shlex
-
-    return [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
-
-
-def wait_for_interrupt() -> None:
-    """Block until SIGINT (Ctrl-C) or SIGTERM."""
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: object) -> None:
-        stop.set()
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while not stop.wait(0.5):
-            pass
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
 def _register() -> None:
     from .demo import demo_command
 
     main.add_command(demo_command, "demo")
     main.add_command(server_command, "server")
     main.add_command(size_command, "size")
+    from .configcmd import config_command
+    from .glossary import glossary_command
+
+    main.add_command(config_command, "config")
+    main.add_command(glossary_command, "glossary")
     try:
         from .bench.cli import bench_group
     except ImportError:  # pragma: no cover - while the bench package is being built

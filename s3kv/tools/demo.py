@@ -59,6 +59,8 @@ class DemoShape:
     checkpoint_tokens: int = 512
     #: Host staging per cluster (the demo's model is small).
     staging_mib: int = 256
+    #: Host tier per cluster (GiB): cluster B's last turn, sent again, is served from it.
+    host_cache_gb: float = 0.25
 
 
 def _workload(shape: DemoShape, role: str) -> list[list[Any]]:
@@ -108,6 +110,7 @@ def demo_defaults(shape: DemoShape) -> dict[str, Any]:
         "load_mode": shape.load_mode,
         "staging_mib": shape.staging_mib,
         "checkpoint_tokens": shape.checkpoint_tokens,
+        "host_cache_gb": shape.host_cache_gb,
     }
 
 
@@ -172,13 +175,15 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
             # Users think between turns; by then the previous turn's uploads are done.
             for w in engine.workers:
                 w.flush(120)
+        io_phases = store.snapshot()
+        repeat = _repeat_inside(engine, store, shape, role) if not (crashes or hangs) else None
         contained = sum(engine.leader.errors.values()) + sum(sum(w.errors.values()) for w in engine.workers)
         wall = time.perf_counter() - t0
         geometry = engine.workers[0].core.geometry
         wstats = [w.core.stats() for w in engine.workers]
         lstats = engine.leader.core.stats
         ns_prefix = engine.leader.core.scheme.namespace_prefix
-    io = store.snapshot()
+    io = io_phases
     windows = {g.fingerprint: (g.group_id, g.window) for g in geometry.groups}
     by_group: dict[str, dict[str, int]] = {}
     for info in raw.list(ns_prefix):
@@ -223,6 +228,13 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
         "s3_requests": io.requests,
         "s3": {"head": io.head, "put": io.put, "get": io.get, "bytes_up": io.bytes_up, "bytes_down": io.bytes_down},
         "lookup_waves": lstats.lookup_waves,
+        "host_tier": {
+            "capacity_bytes": sum(s.host_capacity for s in wstats), "bytes": sum(s.host_used for s in wstats),
+            "objects": sum(s.host_objects for s in wstats), "loads": sum(s.host_hits for s in wstats),
+            "bytes_loaded": sum(s.host_hit_bytes for s in wstats),
+            "kept_from_s3": sum(s.host_promoted for s in wstats), "evicted": sum(s.host_evicted for s in wstats),
+        },
+        "repeat": repeat,
         "time_s": round(wall, 3),
         "stored_bytes_by_group": by_group,
         "per_request": [
@@ -233,15 +245,26 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
     }
 
 
-def _spawn(role: str, shape: DemoShape, forced: dict[str, Any], env: dict[str, str]) -> dict[str, Any]:
+def _spawn(role: str, shape: DemoShape, forced: dict[str, Any], env: dict[str, str],
+           said: Sequence[str] = ()) -> dict[str, Any]:
     """Run one cluster in a fresh process; its log lines reach our stderr as they happen, its
-    failure comes back as one line (the child prints the traceback itself under --debug)."""
+    failure comes back as one line (the child prints the traceback itself under --debug).
+
+    ``said``: warnings already printed in this run; the cluster does not repeat them, and its own
+    come back in the result's ``warned``. The cluster runs in a session of its own, so a Ctrl-C
+    reaches only this process, which stops the cluster (and its helper processes) quietly."""
     with tempfile.NamedTemporaryFile("r", suffix=".json", delete=False) as f:
         out = f.name
     try:
-        cmd = [*_python_here(), role, out, json.dumps(asdict(shape)), json.dumps(forced)]
+        cmd = [*_python_here(), role, out, json.dumps(asdict(shape)), json.dumps(forced), json.dumps(list(said))]
         # stdout stays ours (--json prints one object there); the child's stderr is the user's.
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=_stderr_target(), timeout=900)
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=_stderr_target(),
+                              start_new_session=True) as proc:
+            try:
+                proc.wait(timeout=900)
+            except BaseException:  # a Ctrl-C (or the timeout): the cluster goes with us, silently
+                _stop_group(proc)
+                raise
         try:
             with open(out) as fh:
                 doc = json.load(fh)
@@ -257,6 +280,22 @@ def _spawn(role: str, shape: DemoShape, forced: dict[str, Any], env: dict[str, s
         return doc
     finally:
         os.unlink(out)
+
+
+def _stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """End a cluster process and everything it started (its session): SIGTERM, then SIGKILL."""
+    import signal
+
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 #: A cluster process imports exactly the s3kv this process runs: ``-I`` keeps the working
@@ -328,24 +367,31 @@ def _layers(name: str) -> str:
     return "the full-attention layers"
 
 
+def _store_word(url: str) -> str:
+    """What the output calls the store: "S3" only for an S3 (or S3-compatible) bucket."""
+    return "S3" if url.lower().startswith("s3://") else "the store"
+
+
 def _table(res: dict[str, Any]) -> str:
     shape = DemoShape(**res["shape"]) if "shape" in res else DemoShape()
+    store = _store_word(res.get("store_url", "s3://"))
     lines = []
     for phase in ("cold", "warm"):
         r = res[phase]
         lines.append(
             f"{phase} cluster {r['role']}: {r['requests']} requests; {r['matched_tokens']} of {r['prompt_tokens']} "
-            f"prompt tokens served from S3 ({r['hit_rate']:.0%}), {r['computed_tokens']} computed; "
+            f"prompt tokens served from {store} or host memory ({r['hit_rate']:.0%}), {r['computed_tokens']} computed; "
             f"kv_mismatches: {r['kv_mismatches']} ({r['pages_checked']} pages checked against recomputation)"
         )
         lines.append(f"  served/prompt tokens per request: {_hits(r)}")
         lines.append(f"  why: {_why(phase, shape)}")
         lines.append(
-            f"  S3: {r['s3_requests']} requests (HEAD {r['s3']['head']}, PUT {r['s3']['put']}, "
+            f"  {'S3' if store == 'S3' else 'store'}: {r['s3_requests']} requests (HEAD {r['s3']['head']}, PUT {r['s3']['put']}, "
             f"GET {r['s3']['get']}), saved {r['bytes_saved'] / 2**20:.1f} MiB, "
             f"loaded {r['bytes_loaded'] / 2**20:.1f} MiB, {r['time_s']:.1f}s"
         )
         lines.append(f"  {_engine_line(r)}")
+        lines.extend(_host_lines(r))
     lines.append("stored: " + ", ".join(
         f"{v['bytes'] / 2**20:.1f} MiB in {v['objects']} objects for {_layers(k)}"
         for k, v in sorted(res["warm"]["stored_bytes_by_group"].items())
@@ -355,7 +401,42 @@ def _table(res: dict[str, Any]) -> str:
     lines.append(f"store: {res['store_url']} ({res['store']})")
     if res.get("cleanup"):
         lines.append(res["cleanup"])
+    lines.append("what the words mean (pages, hit rate, kv_mismatches ...): s3kv glossary (docs/glossary.md)")
     return "\n".join(lines)
+
+
+def _repeat_inside(engine: Any, store: Any, shape: DemoShape, role: str) -> dict[str, Any] | None:
+    """Cluster B's last turn, sent again inside B: served from B's host tier (what B saved, what
+    it read from S3), with no S3 request for it. Reported on its own; the phases' figures stay."""
+    from ..sim import repeat_workload
+
+    if role != "B":
+        return None
+    specs = repeat_workload(_workload(shape, role)[-2], 20_000)  # the last turn (new users come after it)
+    before = store.snapshot()
+    rep = engine.run(specs)
+    io = store.snapshot()
+    return {
+        "requests": len(rep.requests), "prompt_tokens": rep.prompt_tokens, "matched_tokens": rep.matched_tokens,
+        "kv_mismatches": rep.kv_mismatches,
+        "s3": {"head": io.head - before.head, "get": io.get - before.get, "put": io.put - before.put},
+    }
+
+
+def _host_lines(r: dict[str, Any]) -> list[str]:
+    """The host tier's line (and, for cluster B, its repeat's) for the table."""
+    h = r.get("host_tier")
+    if not h or not h["capacity_bytes"]:
+        return []
+    out = [f"  host tier: {h['loads']} object loads from host memory ({h['bytes_loaded'] / 2**20:.1f} MiB, no S3 "
+           f"request), {h['kept_from_s3']} objects kept from S3 reads; holds {h['objects']} objects, "
+           f"{h['bytes'] / 2**20:.1f} of {h['capacity_bytes'] / 2**20:.0f} MiB"]
+    rp = r.get("repeat")
+    if rp:
+        out.append(f"  repeat inside this cluster: its last turn sent again, {rp['matched_tokens']} of "
+                   f"{rp['prompt_tokens']} prompt tokens served from host memory with S3 GET {rp['s3']['get']}, "
+                   f"HEAD {rp['s3']['head']}; kv_mismatches: {rp['kv_mismatches']}")
+    return out
 
 
 def _check_settings(url: str, forced: dict[str, Any], shape: DemoShape) -> Any:
@@ -407,28 +488,78 @@ def _delete_under(url: str) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--url", default=None,
               help="Use this store (s3://bucket/prefix, file:///dir) instead of an embedded S3 server "
-              "(default: the S3KV_URL setting). Each run writes under a fresh sub-prefix demo-<time>, "
+              "(default: the S3KV_URL setting). Each run writes under a sub-prefix of its own, demo-<time>-<random>, "
               "printed at the end, so cluster A starts cold; it is deleted afterwards unless --keep.")
 @click.option("--server", type=click.Choice(["auto", "moto", "seaweedfs"]), default="auto", show_default=True,
               help="Embedded S3 server when no --url / S3KV_URL is given.")
 @click.option("--tp", type=click.IntRange(min=1, max=8), default=1, show_default=True,
               help="Tensor-parallel shards per cluster.")
-@click.option("--load-mode", type=click.Choice(["async", "sync"]), default=None,
-              help="Overrides S3KV_LOAD_MODE (default: that setting, else async).")
 @click.option("--keep", is_flag=True,
               help="Keep what the demo wrote: the embedded server keeps running until Ctrl-C (its "
               "environment is printed), or the objects under --url are not deleted.")
 @click.option("--s3-latency-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Delay every S3 request by this much (s3kv's fault proxy in front of the embedded "
               "server, or of an http:// AWS_ENDPOINT_URL_S3), as a store in your region would.")
-def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode: str | None, keep: bool,
-                 s3_latency_ms: float) -> None:
-    """Cold cluster A, then warm cluster B, sharing only the bucket."""
-    from ..config import ConfigError, explicit_settings, load_settings, unknown_env_names
-    from .cli import debug_enabled, export_lines, url_option, wait_for_interrupt
+def demo_command(as_json: bool, url: str | None, server: str, tp: int, keep: bool, s3_latency_ms: float) -> None:
+    """Cold cluster A, then warm cluster B, sharing only the bucket.
+
+    Terms in its output (pages, kv_mismatches ...): s3kv glossary.
+    """
+    import signal
+    import threading
+
+    run = _Interrupted(keep=keep)
+    main = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGINT, run.on_signal) if main else None
+    try:
+        _demo(run, as_json, url, server, tp, keep, s3_latency_ms)
+    except KeyboardInterrupt:
+        click.echo(run.line(), err=True)
+        raise SystemExit(130) from None
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, old)
+
+
+@dataclass
+class _Interrupted:
+    """What a Ctrl-C leaves behind, said in one line: the clusters and servers are stopped by the
+    code it unwinds through, and a second Ctrl-C cannot cut that short (it is ignored)."""
+
+    keep: bool
+    #: The run's own prefix on the user's store, once objects may be there.
+    run_url: str = ""
+
+    def on_signal(self, signum: int, frame: object) -> None:
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    def line(self) -> str:
+        if not self.run_url:
+            return "s3kv demo: interrupted"
+        if self.keep:
+            return f"s3kv demo: interrupted; what it wrote is kept under {self.run_url}"
+        return (f"s3kv demo: interrupted; what it wrote stays under {self.run_url}; remove it with: "
+                f"s3kv gc --url {self.run_url} --older-than 0 --yes")
+
+
+def _demo(run: _Interrupted, as_json: bool, url: str | None, server: str, tp: int, keep: bool,
+          s3_latency_ms: float) -> None:
+    from ..config import (
+        ConfigError,
+        explicit_settings,
+        load_settings,
+        redact,
+        redact_url,
+        unknown_env_names,
+        warnings_said,
+    )
+    from .options import debug_enabled, export_lines, url_option, wait_for_interrupt
 
     shape = DemoShape(tp_size=tp)
-    forced = {"load_mode": load_mode} if load_mode else {}
+    forced: dict[str, Any] = {}
     url = url_option(url)
     try:
         url = url or load_settings(require_url=False).url or None
@@ -455,7 +586,9 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
         env["S3KV_INTEGRITY_KEY"] = secrets.token_hex(32)
     emb = proxy = None
     if url:
-        run_url = url.strip().rstrip("/") + f"/demo-{int(time.time())}"
+        # The second plus a random part: two demos started in the same second on one bucket must
+        # not read each other's objects (cluster A would no longer start cold).
+        run_url = url.strip().rstrip("/") + f"/demo-{int(time.time())}-{secrets.token_hex(3)}"
         try:
             _check_settings(run_url, forced, shape)
         except ConfigError as exc:
@@ -485,9 +618,14 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
         where += f", {s3_latency_ms:g} ms added to every request (fault proxy at {proxy.endpoint_url})"
     try:
         _progress(f"demo: cluster A (cold), then cluster B (warm), on {run_url} ({where})")
-        cold = _spawn("A", shape, forced, env)
+        if url:
+            run.run_url = run_url
+        said = warnings_said()
+        cold = _spawn("A", shape, forced, env, said)
+        said += cold.pop("warned", [])
         _progress("demo: cluster A done; starting cluster B")
-        warm = _spawn("B", shape, forced, env)
+        warm = _spawn("B", shape, forced, env, said)
+        warm.pop("warned", None)
         cleanup = None
         if url and not keep:
             cleanup = _delete_under(run_url)
@@ -500,8 +638,8 @@ def demo_command(as_json: bool, url: str | None, server: str, tp: int, load_mode
             if proxy is not None:
                 where += f"; {s3_latency_ms:g} ms added to every request (fault proxy, stopped too)"
         chosen = {k: v for k, v in explicit_settings().items() if k in demo_defaults(shape) and k not in forced}
-        res = {"cold": cold, "warm": warm, "store": where, "store_url": run_url, "shape": asdict(shape),
-               "user_settings": chosen, "cleanup": cleanup}
+        res = {"cold": cold, "warm": warm, "store": where, "store_url": redact_url(run_url), "shape": asdict(shape),
+               "user_settings": chosen, "cleanup": redact(cleanup) if cleanup else cleanup}
         if as_json:
             click.echo(json.dumps(res, indent=2))
         else:
@@ -535,18 +673,23 @@ def _latency_proxy(endpoint_url: str, latency_ms: float, what: str) -> Any:
 
 
 def _progress(message: str) -> None:
-    click.echo(message, err=True)
+    from ..config import redact
+
+    click.echo(redact(message), err=True)
 
 
 def _main(argv: Sequence[str]) -> None:
     """A demo cluster process: writes its result (or its one-line error) as JSON to ``out``."""
-    role, out, shape_json, forced_json = argv
-    from .cli import debug_enabled, one_line
+    role, out, shape_json, forced_json, *said_json = argv  # said: warnings the run printed already
+    from ..config import mark_said, warnings_said
     from .logs import configure_logging
+    from .options import debug_enabled, one_line
 
     configure_logging(os.environ.get("S3KV_LOG_LEVEL", "WARNING"), fmt="text")
+    mark_said(json.loads(said_json[0]) if said_json else [])
     try:
         result = run_cluster(role, DemoShape(**json.loads(shape_json)), json.loads(forced_json))
+        result["warned"] = warnings_said()
     except Exception as exc:  # noqa: BLE001 - reported to the parent as one line
         if debug_enabled():
             traceback.print_exc()

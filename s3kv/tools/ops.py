@@ -3,7 +3,7 @@
 They walk the key layout of :mod:`s3kv.core.keys` (``{prefix}/{namespace}/{group}.{shard}of{tp}/{digest}``)
 through the store interface only (``list``, ``head_many``, ``get_ranges``, ``delete_many``), so they
 work the same on ``s3://``, ``file://`` and ``memory://``. A namespace may sit deeper than the prefix
-(``s3://b/kv`` also finds ``kv/demo-1/{namespace}/...``, what ``s3kv demo --url s3://b/kv`` writes);
+(``s3://b/kv`` also finds ``kv/demo-1-ab12cd/{namespace}/...``, what ``s3kv demo --url s3://b/kv`` writes);
 such rows are shown with their sub-prefix (``demo-1/``). Keys under the prefix that do not fit the
 layout are counted as *unrecognised* and never touched.
 
@@ -34,8 +34,8 @@ from typing import Any
 import click
 import xxhash
 
-from ..config import ConfigError, load_settings
-from ..core.cost import expiry_age_s
+from ..config import ConfigError, load_settings, redact_url
+from ..core.cost import EXPIRY_MARGIN_S, expiry_age_s
 from ..core.keys import DIGEST_SIZE, ParsedKey, parse_key
 from ..core.objects import (
     ChecksumMismatch,
@@ -69,6 +69,12 @@ _NS_HEX = 2 * DIGEST_SIZE
 
 
 # -- plumbing ----------------------------------------------------------------------------
+def _said(exc: BaseException) -> str:
+    from .options import one_line
+
+    return one_line(exc)
+
+
 @dataclass
 class _Ctx:
     url: str
@@ -85,7 +91,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     ``S3KV_CONFIG_FILE`` and the env's timeouts, retries and SSE apply as in an engine."""
     from ..engine.runtime import open_runtime_store
     from ..store.factory import parse_store_url
-    from .cli import url_option
+    from .options import url_option
 
     url = url_option(url)
     try:
@@ -103,7 +109,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
         )
     if settings.url.startswith("memory://"):
         click.echo(
-            f"s3kv: warning: {settings.url} lives inside one process; this command starts with it empty "
+            f"s3kv: warning: {redact_url(settings.url)} lives inside one process; this command starts with it empty "
             "(use file:///dir or s3:// to share a cache between processes)",
             err=True,
         )
@@ -112,7 +118,7 @@ def _open(url: str | None, as_json: bool) -> _Ctx:
     except StoreError as exc:
         raise click.ClickException(describe(exc, settings.url)) from exc
     root = f"{prefix}/" if prefix else ""
-    return _Ctx(settings.url, store, root, as_json, settings=settings)
+    return _Ctx(redact_url(settings.url), store, root, as_json, settings=settings)  # ctx.url: as shown
 
 
 def _common(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -382,14 +388,10 @@ def ls_command(ctx: _Ctx, namespace: str | None) -> None:
                 yield f"(a name with a '/' sits below {ctx.url}: pass --url {ctx.url.rstrip('/')}/<that path> to see it alone)"
         if other.objects:
             yield f"unrecognised keys (not s3kv layout, ignored): {other.objects}, {fmt_bytes(other.bytes)}"
-        lk = doc.get("lookups")
-        if lk:
-            yield (f"lookups ({lk['engines']} engines): {lk['lookups']:.0f}, {lk['from_index_pct']:.0f}% from the fleet "
-                   f"index; scheduler stall {lk['stall_s']:.1f} s, of it {lk['unhidden_stall_s']:.1f} s beyond the "
-                   f"overlap loop (GPU time lost, ${lk['gpu_usd_lost']:.4f}); inter-token latency added to "
-                   f"co-running requests {lk['added_latency_s']:.1f} request-s")
-            for url, why in lk["unreachable"].items():
-                yield f"  not read: {url}: {why}"
+        if "tiers" in doc:
+            from .tierstats import lines
+
+            yield from lines(doc["tiers"], fmt_bytes)
 
     _emit(ctx, doc, text)
 
@@ -462,16 +464,16 @@ def _head_all(store: ObjectStore, keys: Sequence[str]) -> dict[str, ObjectInfo]:
 @_common
 @click.option("--namespace", "-n", default=None, help="Only this namespace (full or unique prefix).")
 @click.option("--deep", is_flag=True, help="HEAD every object and count pages from its metadata.")
-@click.option(
-    "--engine", "engines", multiple=True, metavar="URL",
-    help="An engine's metrics endpoint (http://host:port/metrics; repeat for every engine's rank 0): adds "
-    "what its lookups cost -- scheduler stall beyond the overlap loop, latency added to co-running requests.",
-)
+@click.option("--engine", "engines", multiple=True, metavar="URL",
+              help="Also an engine rank's metrics endpoint (http://host:port/metrics): what its host tier "
+              "and S3 served, what the host tier holds, what its lookups cost (scheduler stall beyond the "
+              "overlap loop, latency added to co-running requests). Repeat for each rank.")
 def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[str, ...] = ()) -> None:
     """Objects, bytes, pages and ages per namespace and per group/shard.
 
     Pages come from object sizes and each group's page size (one HEAD per group), or with
-    --deep from every object's metadata (s3kv-count).
+    --deep from every object's metadata (s3kv-count). With --engine, per tier: the host tier of
+    each engine rank named (from its metrics), beside the bucket.
     """
     ns = _resolve_ns(ctx, namespace)
     groups: dict[tuple[str, str], list[Entry]] = {}
@@ -587,6 +589,9 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
     if deep:
         doc["inconsistent"] = inconsistent
     if engines:
+        from .tierstats import engine_tiers
+
+        doc["tiers"] = engine_tiers(engines)
         doc["lookups"] = _lookup_costs(engines, gpu)
 
     def text() -> Iterator[str]:
@@ -619,6 +624,18 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
             yield f"objects whose metadata and size disagree (run verify): {inconsistent}"
         if other.objects:
             yield f"unrecognised keys (not s3kv layout, ignored): {other.objects}, {fmt_bytes(other.bytes)}"
+        if "tiers" in doc:
+            from .tierstats import lines
+
+            yield from lines(doc["tiers"], fmt_bytes)
+        lk = doc.get("lookups")
+        if lk:
+            yield (f"lookups ({lk['engines']} engines): {lk['lookups']:.0f}, {lk['from_index_pct']:.0f}% from the fleet "
+                   f"index; scheduler stall {lk['stall_s']:.1f} s, of it {lk['unhidden_stall_s']:.1f} s beyond the "
+                   f"overlap loop (GPU time lost, ${lk['gpu_usd_lost']:.4f}); inter-token latency added to "
+                   f"co-running requests {lk['added_latency_s']:.1f} request-s")
+            for url, why in lk["unreachable"].items():
+                yield f"  not read: {url}: {why}"
 
     _emit(ctx, doc, text)
 
@@ -920,8 +937,17 @@ class Duration(click.ParamType):
     help="Also publish each namespace's fleet index, the one object engines poll instead of listing "
     "(docs/operations.md#the-fleet-index): every EVERY (e.g. 10s) with --watch, once after the pass without.",
 )
-@click.option("--now", "now", type=float, default=None, hidden=True, help="Clock for tests (POSIX seconds).")
+@click.option("--now", "now", type=float, default=None, hidden=True,
+              help="The store's clock for tests (POSIX seconds): replaces reading it, no skew check.")
 @click.option("--namespace", "-n", default=None, help="Delete only this namespace (the full 32 hex digits).")
+@click.option(
+    "--include-sub-prefixes",
+    "sub_prefixes",
+    is_flag=True,
+    help="Also delete under sub-prefixes of the URL that hold namespaces of their own (another "
+    "deployment's URL such as s3://b/kv/teamB below s3://b/kv, the demo's runs). Without it gc stays in "
+    "this URL's own namespaces and says what it left.",
+)
 @click.option("--dry-run", is_flag=True, help="Show what would be deleted; delete nothing.")
 @click.option("--yes", "-y", is_flag=True, help="Delete without asking, however many objects match.")
 @click.option(
@@ -940,6 +966,7 @@ def gc_command(
     index_every: float | None,
     now: float | None,
     namespace: str | None,
+    sub_prefixes: bool,
     dry_run: bool,
     yes: bool,
     confirm_above: int,
@@ -947,9 +974,12 @@ def gc_command(
 ) -> None:
     """Delete s3kv objects by age and/or namespace (at least one filter is required).
 
-    Only keys in the s3kv layout are considered; anything else under the prefix is left alone.
-    Ages are seconds since LastModified, which a loading engine bumps (refresh on hit), so
-    ``--expired`` keeps hot prefixes and drops what nobody read within the retention.
+    Only keys in the s3kv layout are considered; anything else under the prefix is left alone,
+    and so are namespaces under a sub-prefix (another deployment's URL) unless
+    ``--include-sub-prefixes``. Ages are seconds since LastModified by the store's own clock (the
+    Date of a request gc makes), which a loading engine bumps (refresh on hit), so ``--expired``
+    keeps hot prefixes and drops what nobody read within the retention. gc refuses to run by age
+    when this host's clock is off the store's by more than its safety margin (60 s).
     """
     if expired:
         if older_than is not None:
@@ -957,28 +987,51 @@ def gc_command(
         older_than = expiry_age_s(ctx.settings)
     if older_than is None and namespace is None:
         raise click.UsageError("gc needs a filter: --expired, --older-than AGE and/or --namespace NS")
-    publish = _index_hook(ctx, index_every, namespace, now)
+    publish = _index_hook(ctx, index_every, namespace, now, sub_prefixes)
     if watch is not None:
         if watch <= 0:
             raise click.BadParameter("must be > 0", param_hint="--watch")
         while True:
-            ctx.now = time.time() if now is None else now
             try:
-                _gc_pass(ctx, older_than, namespace, dry_run, True, confirm_above, verbose)
-            except (StoreError, SystemExit) as exc:  # the next pass tries again
+                _gc_clock(ctx, now, older_than)
+                _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, True, confirm_above, verbose)
+            except (StoreError, SystemExit, click.ClickException) as exc:  # the next pass tries again
                 click.echo(f"s3kv gc: pass failed: {exc}", err=True)
             _wait_publishing(watch, index_every, publish)
-    if now is not None:
-        ctx.now = now
-    _gc_pass(ctx, older_than, namespace, dry_run, yes, confirm_above, verbose)
+    _gc_clock(ctx, now, older_than)
+    _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, yes, confirm_above, verbose)
     if publish is not None:
         publish()
+
+
+def _gc_clock(ctx: _Ctx, now: float | None, older_than: float | None) -> None:
+    """``ctx.now`` for gc's ages: the store's own clock, read from a request's answer.
+
+    Why not this host's: LastModified is the store's stamp, so an age against the host's clock is
+    off by their skew -- at +4,400 s a fresh object read as over an hour old and ``--older-than 1h``
+    deleted it (issue 37). The margin gc keeps for skew (``EXPIRY_MARGIN_S``, in ``--expired``) is
+    also what it tolerates here: past it, the host's clock is wrong enough to be fixed first (the
+    engines on it judge their own ages by it too), so gc refuses by age, in one line."""
+    if now is not None or not older_than:  # a test's clock; or no ages (by namespace alone, any age)
+        ctx.now = time.time() if now is None else now
+        return
+    before = time.time()
+    store_now = ctx.store.store_time()  # a store error: the one line every command words alike
+    skew = (before + time.time()) / 2 - store_now
+    if abs(skew) > EXPIRY_MARGIN_S:
+        raise click.ClickException(
+            f"not collecting by age: this host's clock is {abs(skew):.0f} s {'ahead of' if skew > 0 else 'behind'} "
+            f"the store's ({ctx.url}), more than gc's {EXPIRY_MARGIN_S:g} s safety margin; set this host's time "
+            "(NTP) and run again"
+        )
+    ctx.now = store_now
 
 
 def _gc_pass(
     ctx: _Ctx,
     older_than: float | None,
     namespace: str | None,
+    sub_prefixes: bool,
     dry_run: bool,
     yes: bool,
     confirm_above: int,
@@ -988,6 +1041,9 @@ def _gc_pass(
     cutoff = older_than if older_than else None  # --older-than 0: everything
 
     victims: list[Entry] = []
+    # Matching objects under a sub-prefix: another deployment's (``s3://b/kv/teamB`` seen from
+    # ``s3://b/kv`` -- its own gc, its own retention), never this one's to delete unless told.
+    left: dict[str, _Agg] = {}
     for e in _walk(ctx, ns):
         if not isinstance(e, Entry):
             continue
@@ -995,6 +1051,11 @@ def _gc_pass(
             age = _age(ctx, e.info)
             if age is None or age < cutoff:
                 continue
+        if e.sub and not sub_prefixes:
+            a = left.setdefault(e.sub, _Agg())
+            a.objects += 1
+            a.bytes += e.info.size
+            continue
         victims.append(e)
     by_ns: dict[str, _Agg] = {}
     for e in victims:
@@ -1029,8 +1090,10 @@ def _gc_pass(
         "deleted": {"objects": deleted.objects, "bytes": deleted.bytes},
         "by_namespace": {n: {"objects": a.objects, "bytes": a.bytes} for n, a in sorted(by_ns.items())},
     }
+    if left:
+        doc["left_in_sub_prefixes"] = {s: {"objects": a.objects, "bytes": a.bytes} for s, a in sorted(left.items())}
     if failure is not None:
-        doc["error"] = f"{type(failure).__name__}: {failure}"
+        doc["error"] = _said(failure)
     if verbose:
         doc["keys"] = [e.info.key for e in victims]
 
@@ -1046,17 +1109,24 @@ def _gc_pass(
         verb = "would delete" if dry_run else "deleted"
         shown = matched if dry_run else deleted
         yield f"{verb} {shown.objects} objects, {fmt_bytes(shown.bytes)}" + (" (dry run)" if dry_run else "")
+        if left:
+            n = sum(a.objects for a in left.values())
+            yield (f"left {n} matching objects under {len(left)} sub-prefix(es) holding namespaces of their own "
+                   f"({', '.join(sorted(left))}): another deployment's; gc its own URL, or pass --include-sub-prefixes")
         if failure is not None:
-            yield f"stopped after an error: {type(failure).__name__}: {failure}"
+            yield f"stopped after an error: {_said(failure)}"
 
     _emit(ctx, doc, text)
     if failure is not None:
         raise SystemExit(1)
 
 
-def _index_hook(ctx: _Ctx, every: float | None, namespace: str | None, now: float | None) -> Callable[[], None] | None:
+def _index_hook(
+    ctx: _Ctx, every: float | None, namespace: str | None, now: float | None, sub_prefixes: bool
+) -> Callable[[], None] | None:
     """What ``--index`` runs: one fleet index publishing pass (``s3kv.engine.fleetindex``), signed
-    with the integrity key of gc's settings; a failure is one line on stderr, retried next time."""
+    with the integrity key of gc's settings, over the namespaces gc keeps to (its URL's own unless
+    ``--include-sub-prefixes``); a failure is one line on stderr, retried next time."""
     if every is None:
         return None
     if every <= 0:
@@ -1065,7 +1135,8 @@ def _index_hook(ctx: _Ctx, every: float | None, namespace: str | None, now: floa
 
     ns = _resolve_ns(ctx, namespace, exact=True)
     pub = Publisher(ctx.store, ctx.root, integrity=ctx.settings.integrity if ctx.settings else None, every_s=every,
-                    namespaces=[f"{ctx.root}{ns}/"] if ns else ())  # named: an index even while it is empty
+                    namespaces=[f"{ctx.root}{ns}/"] if ns else (),  # named: an index even while it is empty
+                    sub_prefixes=sub_prefixes)
 
     def publish() -> None:
         try:

@@ -10,9 +10,18 @@ geometry, header checksum) and must name exactly the span (first ordinal, page
 count) and chain digest the plan promised for this shard. The wanted pages are
 in host staging and **every page's checksum is verified there, before
 any byte is copied to the device** — the bytes verified are the bytes copied.
-Only then are the host->device copies enqueued (``Copier.load``).
+Only then are the host->device copies enqueued (``Copier.load``), and the store is told the
+object passed (``ObjectStore.note_verified``: refresh on hit keeps only verified objects alive).
 
 An audit job (``place=False``) reads and verifies the same way and places nothing.
+
+The host tier (:mod:`.hosttier`): a job whose object the rank's tier holds (``job.host``,
+acquired in plan order by the worker) reads nothing -- its header is checked where it lies in the
+tier's (pinned) arena, its pages too when ``verify_host`` is set, and the host->device copies go
+straight from there; a tier entry that fails a check is never served again (a ghost) and the job
+reads the store instead, as it does when the entry is another version of the object than the plan's. A job that reads a whole object from the store may carry a tier reservation
+(``job.promote``): the object lands there instead of in staging, is verified whole, and enters the
+tier once verified -- the copies then go from the tier as well.
 
 A job ends ``DONE`` (copies issued; ``event`` tells when they completed) or
 ``FAILED`` (``error`` says why; nothing was copied to the device). A job that
@@ -49,7 +58,9 @@ from ..core.objects import (
 from ..store.base import ByteRange, ObjectStore, StoreError
 from .copies import Copier, PageCopy
 from .counters import Counters
+from .hosttier import HostTier, TierEntry
 from .staging import LOAD, StagingBuffer, StagingPool
+from .tiers import TierSpeed
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +102,14 @@ class LoadJob:
     #: (inf: none in flight -- not sent yet, or ended).
     submitted_at: float = float("inf")
     reading_since: float = float("inf")
+    #: The leader found the object in rank 0's host tier (``LoadOp.host``).
+    plan_host: bool = False
+    #: This rank's tier entry to load from, or None; ``host_buf``: its buffer, retained for the
+    #: job (``HostTier.acquire``) until it becomes the job's ``buffer``.
+    host: TierEntry | None = None
+    host_buf: StagingBuffer | None = None
+    #: A tier reservation the whole object is read into from the store, or None.
+    promote: TierEntry | None = None
 
     @property
     def finished(self) -> bool:
@@ -168,11 +187,19 @@ class Downloader:
         threads: int = 8,
         counters: Counters | None = None,
         name: str = "s3kv-download",
+        tier: HostTier | None = None,
+        verify_host: bool = False,
+        speeds: dict[str, TierSpeed] | None = None,
     ):
         self.store = store
         self.pool = pool
         self.copier = copier
         self.counters = counters or Counters()
+        self.tier = tier
+        #: Re-check every page's checksum on a host-tier hit (``S3KV_HOST_CACHE_VERIFY``).
+        self.verify_host = verify_host
+        #: Load speed per tier ("host", "s3"), measured here: what a hit is worth loading.
+        self.speeds = speeds if speeds is not None else {"host": TierSpeed(), "s3": TierSpeed()}
         # ``threads`` objects being read at once, and as many threads again so that verifying
         # and placing one object's pages overlaps the next objects' GETs instead of idling a
         # connection (measured on the 16-core GPU host: a 15-25% bubble at 3-4 GB/s without it).
@@ -259,13 +286,26 @@ class Downloader:
                 if job.buffer is not None:
                     job.buffer.release()
                     job.buffer = None
+            self._drop_tier_refs(job)
             if not cancelled and job.place:  # an audit's failure is counted by its caller
                 self.counters.add("loads_failed_objects")
             if not isinstance(e, (StoreError, ObjectFormatError, LoadPlanError)):
                 log.exception("s3kv: unexpected error loading %s", job.key)
 
+    def _drop_tier_refs(self, job: LoadJob) -> None:
+        """What the job holds of the host tier and will not use: released (a reservation it was to
+        fill becomes a ghost)."""
+        with job.lock:
+            held, job.host_buf = job.host_buf, None
+            promote, job.promote = job.promote, None
+        if held is not None:
+            held.release()
+        if promote is not None and self.tier is not None:
+            self.tier.fail(promote)
+
     def _load(self, job: LoadJob) -> None:
         if job.state != PENDING:
+            self._drop_tier_refs(job)
             return
         pb = job.identity.page_bytes
         idx, ranges = job.page_ranges()
@@ -276,6 +316,12 @@ class Downloader:
                 f"ordinals {idx[0] + job.first}..{idx[-1] + job.first} outside the object's "
                 f"span {job.first}+{job.count} for shard {job.identity.shard}"
             )
+        if job.host is not None:
+            if self._load_host(job, idx):
+                return
+        if job.promote is not None:
+            self._load_whole(job, idx)
+            return
         hl = header_len(job.count)
         nbytes = len(idx) * pb
         # Bytes land in staging straight from the store (one host copy): the header just in
@@ -324,6 +370,8 @@ class Downloader:
                 if job.place:
                     self.last_read_end = time.monotonic()
             self.counters.add("download_seconds", time.monotonic() - t0)
+        if job.place:
+            self.speeds["s3"].observe(sum(r.length for r in want), time.monotonic() - t0)
         header = decode_header(
             buf.memoryview(base - hl, hl), job.identity, job.key, None if trailer is None else memoryview(trailer)
         )
@@ -343,28 +391,132 @@ class Downloader:
         for k, i in enumerate(idx):
             verify_page(header, i, buf.memoryview(base + k * pb, pb), job.key)
             where[i] = base + k * pb
+        self._verified(job.key)
+        self._place(job, buf, where, pb)
+
+    # -- the host tier -------------------------------------------------------------------------
+    def _place(self, job: LoadJob, buf: StagingBuffer, page_at: dict[int, int], pb: int) -> None:
+        """Copy the verified pages (page index -> offset in ``buf``) into the job's slots."""
         with job.lock:
-            if job.state != PENDING or not job.place:  # cancelled while we downloaded; an audit
+            if job.state != PENDING or not job.place:  # cancelled meanwhile; an audit
                 job.buffer = None
                 buf.release()
                 if job.state == PENDING:
                     job.state = DONE
                 return
             job.state = PLACING
-            # Targets are read under the lock: a failed request's slots may have been dropped meanwhile.
-            copies = [
-                PageCopy(job.regions, slot, buf.tensor, where[o - job.first]) for o, slot in job.targets
-            ]
+            copies = [PageCopy(job.regions, slot, buf.tensor, page_at[o - job.first]) for o, slot in job.targets]
         event = self.copier.load(copies)
         with job.lock:
             job.event = event
-            if event is None:  # CPU: the copy is complete; the staging is free again
+            if event is None:  # CPU: the copy is complete; the buffer may go
                 job.buffer = None
                 buf.release()
             job.state = DONE
         self.counters.add("pages_loaded", len(copies))
         self.counters.add("bytes_loaded", len(copies) * pb)
         self.counters.add("objects_loaded")
+
+    def _check(
+        self, job: LoadJob, e: TierEntry, buf: StagingBuffer, idx: Sequence[int], pages: bool
+    ) -> dict[int, int]:
+        """Verify the tier entry's header (and with ``pages`` the pages ``idx``) in ``buf`` (its
+        buffer) against the plan; page index -> offset of the page in ``buf``."""
+        pb = job.identity.page_bytes
+        trailer = None
+        if job.identity.integrity is not None:
+            trailer = buf.memoryview(e.base + e.count * pb, e.size - e.header_len - e.count * pb)
+        header = decode_header(buf.memoryview(e.start, e.header_len), job.identity, job.key, trailer)
+        if header.first_ordinal != job.first or header.page_count != job.count:
+            raise SpanMismatch(
+                f"object holds ordinals {header.first_ordinal}+{header.page_count}, "
+                f"the plan expected {job.first}+{job.count}",
+                job.key,
+            )
+        if header.last_digest != job.last_digest:
+            raise LoadPlanError(f"object {job.key!r} names another chain digest than its key")
+        where = {i: e.base + i * pb for i in idx}
+        if pages:
+            for i in idx:
+                verify_page(header, i, buf.memoryview(where[i], pb), job.key)
+        return where
+
+    def _load_host(self, job: LoadJob, idx: Sequence[int]) -> bool:
+        """Serve the job from its tier entry; False (the entry dropped) when it fails a check."""
+        e = job.host
+        with job.lock:
+            buf, job.host_buf = job.host_buf, None  # retained for this job by ``HostTier.acquire``
+            job.buffer = buf
+        assert e is not None and buf is not None
+        t0 = time.monotonic()
+        try:
+            where = self._check(job, e, buf, idx, self.verify_host)
+        except (ObjectFormatError, LoadPlanError) as exc:
+            if isinstance(exc, SpanMismatch):
+                # Another version of the object (the same blocks' KV from another first block: a
+                # seal of this rank, where the store kept an earlier writer's): both are right, the
+                # plan names the store's. Kept, and read from the store this time.
+                self.counters.add("host_divergence")
+            else:
+                log.error("s3kv: host tier copy of %s failed its check (%s); reading the store", job.key, exc)
+                self.counters.add("host_bad")
+                if self.tier is not None:
+                    self.tier.fail(e)  # a ghost: never served again, still accounted as on every rank
+            with job.lock:
+                job.host = None
+                job.buffer = None
+            buf.release()
+            return False
+        self._place(job, buf, where, job.identity.page_bytes)
+        if job.event is None:  # a copy complete on return (CPU); a GPU's is measured at registration
+            self.speeds["host"].observe(len(idx) * job.identity.page_bytes, time.monotonic() - t0)
+        self.counters.add("host_hits")
+        self.counters.add("host_hit_bytes", len(idx) * job.identity.page_bytes)
+        return True
+
+    def _load_whole(self, job: LoadJob, idx: Sequence[int]) -> None:
+        """Read the whole object from the store into its tier reservation, verify it whole, admit
+        it to the tier, then place the job's pages from there."""
+        e = job.promote
+        tier = self.tier
+        assert e is not None and tier is not None
+        with job.lock:  # the job's own reference: an eviction meanwhile keeps the bytes
+            buf, job.host_buf = job.host_buf, None
+            job.buffer = buf
+        assert buf is not None
+        with self._gets:
+            if job.state != PENDING:  # cancelled while it waited for a connection slot
+                with job.lock:
+                    job.buffer = None
+                    job.promote = None
+                buf.release()
+                tier.fail(e)
+                return
+            t0 = job.reading_since = time.monotonic()
+            self.counters.add("get_requests", get_requests(e.size))
+            try:
+                self.store.get_ranges_into(job.key, [ByteRange(0, e.size)], [buf.memoryview(e.start, e.size)])
+            finally:
+                job.reading_since = float("inf")
+                self.last_read_end = time.monotonic()
+            seconds = time.monotonic() - t0
+            self.counters.add("download_seconds", seconds)
+        self.speeds["s3"].observe(e.size, seconds)
+        where = self._check(job, e, buf, range(e.count), True)  # the tier keeps only verified bytes
+        job.promote = None
+        if tier.mark_ready(e, stored=True):
+            self.counters.add("host_promoted")
+        self._place(job, buf, {i: where[i] for i in idx}, job.identity.page_bytes)
+
+
+
+    def _verified(self, key: str) -> None:
+        """Tell the store a load of ``key`` passed its checks (refresh on hit waits for this);
+        best effort: a failing hook never fails the load."""
+        try:
+            self.store.note_verified(key)
+        except Exception:  # noqa: BLE001 - the load is good whatever a refresh does
+            log.debug("s3kv: note_verified(%s) failed", key, exc_info=True)
 
 
 def build_jobs(
@@ -433,6 +585,7 @@ def build_jobs(
             )
             jobs[(key, a)] = job
         job.request_ids.add(op.request_id)
+        job.plan_host = job.plan_host or bool(getattr(op, "host", False))
         for o, s in pairs:
             if s not in have:
                 have[s] = o

@@ -29,7 +29,9 @@ import bisect
 import ctypes
 import logging
 import threading
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -55,6 +57,41 @@ def host_memoryview(t: torch.Tensor) -> memoryview:
     arr = (ctypes.c_uint8 * n).from_address(t.data_ptr())
     arr._s3kv_owner = t  # type: ignore[attr-defined]  # the view -> arr -> t keeps the memory alive
     return memoryview(arr).cast("B")
+
+
+def pinned_arena(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of page-locked host memory, exactly.
+
+    PyTorch's pinned allocator rounds every allocation up to a power of two (a 40 GiB host tier
+    would pin 64 GiB), so any other size is plain host memory registered with CUDA instead
+    (``cudaHostRegister``), unregistered when the arena is collected; where registering fails or
+    does not read back as pinned, the rounded allocation it is.
+    """
+    if nbytes & (nbytes - 1) == 0:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    cudart = torch.cuda.cudart()
+    arena = torch.empty(nbytes, dtype=torch.uint8)
+    ptr = arena.data_ptr()
+    try:
+        err = cudart.cudaHostRegister(ptr, nbytes, 0)
+        ok = int(getattr(err, "value", err)) == 0
+    except Exception as e:  # noqa: BLE001 - a runtime without it: the rounded allocation
+        log.info("s3kv: cannot register %d bytes with CUDA (%s); pinning a power of two", nbytes, e)
+        ok = False
+    if ok and arena.is_pinned():
+        # The storage stays alive until the memory is unregistered (the finalizer holds it).
+        weakref.finalize(arena, _unregister, cudart, ptr, arena.untyped_storage())
+        return arena
+    if ok:
+        _unregister(cudart, ptr, None)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _unregister(cudart: Any, ptr: int, _storage: Any) -> None:
+    try:
+        cudart.cudaHostUnregister(ptr)
+    except Exception:  # noqa: BLE001 - at interpreter exit the runtime may be gone
+        pass
 
 
 def _round_up(n: int) -> int:
@@ -182,7 +219,7 @@ class StagingPool:
         arena: torch.Tensor | None = None
         if pinned:
             try:
-                arena = torch.empty(self.capacity, dtype=torch.uint8, pin_memory=True)
+                arena = pinned_arena(self.capacity)
                 self.pinned = True
             except Exception as e:  # noqa: BLE001 - no driver, out of pinnable memory, ...
                 log.warning(

@@ -8,6 +8,13 @@ pages. An upload thread waits on that event (never the forward stream), packs
 memoryviews (no join copy), and calls ``store.put`` (write-once: ``False`` means
 another writer already stored it, which is success).
 
+With a host tier (:mod:`.hosttier`) the job carries the tier entry its seal reserved: the
+pages are copied from staging into the tier first and hashed *there* (the checksums cover the
+bytes the tier serves), the header lands in front of them, the entry becomes visible, and the
+store gets the tier's bytes -- when the seal's ``to_s3`` is ``now``; ``evict`` and ``never``
+stay in the tier (it writes ``evict`` objects back itself). The staging reference is released
+as soon as the pages are in the tier.
+
 A failed put (any :class:`StoreError`, after the store's own retries) is a
 dropped save: a log line and a counter, never an error to the engine. Confirmed
 creations are reported to the engine's key index (:class:`KnownKeys`). Either way the job's
@@ -32,6 +39,7 @@ from ..core.cost import MULTIPART_THRESHOLD, PART_SIZE, put_requests
 from ..core.objects import ObjectIdentity, ObjectSpan, encode_object, object_metadata
 from ..store.base import ObjectStore, StoreError
 from .counters import Counters
+from .hosttier import NOW, HostTier, TierEntry
 from .staging import StagingBuffer
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,10 @@ class UploadJob:
     #: Completion event of the copies that filled pages [0, count) (None: already complete).
     ready: Any = None
     request_id: int = -1
+    #: The host tier's entry for this object (reserved at the seal, in plan order), or None.
+    host: TierEntry | None = None
+    #: ``SealOp.to_s3``: write to the store now, or leave it to the host tier.
+    to_s3: str = NOW
 
     def pages(self) -> list[memoryview]:
         pb = self.identity.page_bytes
@@ -80,6 +92,8 @@ class Uploader:
         name: str = "s3kv-upload",
     ):
         self.store = store
+        #: Set once the worker knows its layout (``register_layout``): where seals land first.
+        self.tier: HostTier | None = None
         self.index = index
         self.counters = counters or Counters()
         #: S3 puts bodies this large as multipart uploads of ``part_size`` parts (S3KV_MULTIPART_*):
@@ -163,6 +177,8 @@ class Uploader:
             if job is _STOP:
                 continue
             job.buffer.release()
+            if job.host is not None and self.tier is not None:
+                self.tier.fail(job.host)
             self.counters.add("uploads_cancelled")
             self._done()
 
@@ -177,20 +193,50 @@ class Uploader:
             job = self._queue.get()
             if job is _STOP:
                 return
+            held = None
             try:
-                self._upload(job)
+                held = self._upload(job)
             except Exception:  # noqa: BLE001 - a thread must survive anything a job does
                 log.exception("s3kv: upload of %s failed unexpectedly; save dropped", job.key)
                 self.counters.add("saves_dropped_error")
+                if job.host is not None and self.tier is not None and not job.host.ready:
+                    self.tier.fail(job.host)
             finally:
                 job.buffer.release()
+                if held is not None:
+                    held.release()
                 self._done()
 
-    def _upload(self, job: UploadJob) -> None:
+    def _upload(self, job: UploadJob) -> StagingBuffer | None:
+        """Tier first (if any), then the store (``now``). Returns a tier buffer reference to release."""
         self._wait_event(job.ready)
-        pages = job.pages()
+        pages: list[Any] = job.pages()
+        held = self._to_tier(job)
+        if held is not None:
+            assert job.host is not None
+            pb = job.identity.page_bytes
+            pages = [held.memoryview(job.host.base + i * pb, pb) for i in range(job.count)]
         # With integrity keys in the identity, both are signed for this key.
         body = encode_object(job.identity, job.first, job.last_digest, pages, job.key)
+        if held is not None and self.tier is not None and job.host is not None:
+            if self.tier.commit(job.host, body):
+                self.counters.add("host_inserted")
+        if job.to_s3 != NOW:
+            self.counters.add("host_only_saves")
+            return held
+        if self._put(job, body) and self.tier is not None and job.host is not None:
+            self.tier.mark_stored(job.host)
+        return held
+
+    def _to_tier(self, job: UploadJob) -> StagingBuffer | None:
+        """Copy the pages into the job's tier entry; the entry's buffer, retained, or None (no
+        entry, a ghost, or evicted meanwhile)."""
+        if self.tier is None or job.host is None:
+            return None
+        return self.tier.fill_pages(job.host, job.buffer.view(0, job.count * job.identity.page_bytes))
+
+    def _put(self, job: UploadJob, body: list[Any]) -> bool:
+        """Write-once PUT of ``body``; True when the store holds the object afterwards."""
         nbytes = sum(memoryview(b).nbytes for b in body)
         meta = object_metadata(job.identity, job.first, job.count, job.key)
         self.counters.add("put_requests", put_requests(nbytes, self.multipart_threshold, self.part_size))
@@ -200,7 +246,7 @@ class Uploader:
         except StoreError as e:
             log.warning("s3kv: save of %s dropped after store error: %s", job.key, e)
             self.counters.add("saves_dropped_store_error")
-            return
+            return False
         self.counters.add("upload_seconds", time.monotonic() - t0)
         if created:
             self.counters.add("objects_uploaded")
@@ -209,3 +255,4 @@ class Uploader:
                 self.index.put_present(job.key, ObjectSpan(job.first, job.count))
         else:
             self.counters.add("objects_already_present")
+        return True

@@ -1,14 +1,8 @@
 """The TensorRT-LLM adapter: a thin translation from engine objects to s3kv's cores.
 
-Wire it with::
-
-    KvCacheConnectorConfig(
-        connector_module="s3kv.trtllm",
-        connector_scheduler_class="S3KvConnectorLeader",
-        connector_worker_class="S3KvConnectorWorker",
-    )
-
-and ``S3KV_URL=s3://bucket/prefix`` in the environment. Both classes are built
+Wire it with ``LLM(model=..., **s3kv.trtllm.llm_api_options())`` (``llmapi``: the connector
+classes and the ``kv_cache_config`` flags s3kv needs; ``examples/extra-llm-api-options.yaml`` for
+``trtllm-serve``) and ``S3KV_URL=s3://bucket/prefix`` in the environment. Both classes are built
 as ``cls(llm_args)``; the optional keyword arguments exist for the simulator and
 tests (an explicit store, settings, engine key or engine features), never needed
 in production.
@@ -35,6 +29,8 @@ from ..core.errors import LoadFailed
 from .api import HAVE_TRTLLM
 from .boundary import UnsupportedEngine
 from .leader import S3KvConnectorLeader
+from .llmapi import llm_api_options
 from .worker import S3KvConnectorWorker
 
-__all__ = ["S3KvConnectorLeader", "S3KvConnectorWorker", "HAVE_TRTLLM", "LoadFailed", "UnsupportedEngine"]
+__all__ = ["S3KvConnectorLeader", "S3KvConnectorWorker", "HAVE_TRTLLM", "LoadFailed", "UnsupportedEngine",
+           "llm_api_options"]

@@ -118,6 +118,7 @@ class ConnectorSide:
     _runtime: EngineRuntime
     _contain: Contain
     _llm_args: Any
+    _host_weigh: Any
     _observed_at: float
 
     def __init__(
@@ -129,12 +130,15 @@ class ConnectorSide:
         key_prefix: str | None = None,
         engine_key: str | None = None,
         engine_features: Any = None,
+        host_weigh: Any = None,
     ):
         """Refuse an engine s3kv cannot serve, read the settings and the engine's features, join
-        the engine's runtime (store, index, geometry), then the side's own set-up."""
+        the engine's runtime (store, index, geometry), then the side's own set-up. ``host_weigh(key,
+        nbytes) -> bytes``: what the host tier charges an object (a replay's real model sizes)."""
         super().__init__(llm_args)  # type: ignore[call-arg]  # TensorRT-LLM's connector base class
         check_engine(llm_args)
         self._llm_args = llm_args
+        self._host_weigh = host_weigh
         self._observed_at = 0.0
         self._contain = Contain(self.role)
         self.settings = settings if settings is not None else load_settings()

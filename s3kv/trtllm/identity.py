@@ -19,20 +19,16 @@ checkpoint's config.
 
 Config files say which *architecture*, not which *weights*: a fine-tune keeps its base's
 ``config.json`` bar fields dropped here as re-save noise. So a local checkpoint's weights are
-fingerprinted too (``weights_digest``): every ``*.safetensors`` file's header (names, dtypes,
-shapes, offsets), the embedding and LM-head tensors whole (one row per token: training a few
-reserved special tokens changes nothing else), and 64 windows of 4 KiB spread over every other
-tensor (a fine-tune, merged LoRA included, changes those densely; two trainings of one recipe
-share headers, not data). Reading a 140 GB checkpoint again at start-up is not cheap; this is a
-few GB. A sample is not proof, so such an identity is still ``weak`` (warned) unless
-``S3KV_MODEL_ID`` is set.
+digested too (``weights.py``: every byte of every weights file, safetensors per tensor, ``.bin``
+whole, cached between runs by file identity).
 
 ``S3KV_MODEL_ID`` replaces the *name, revision, config and weights digests* -- the
 operator vouches that the weights are the same wherever they are loaded from
 (e.g. one checkpoint under two paths). The dtypes and quantization are runtime
-choices and always count. Without it, an identity that cannot prove the weights (a hub id
-with no pinned commit, a directory with no safetensors, a sampled fingerprint) is ``weak``: the
-connector warns.
+choices and always count. Without it, an identity that cannot prove the weights is ``weak``: a
+hub id with no pinned commit (the weights behind a name or branch change), a local directory
+whose weights s3kv cannot read or that changed after the engine started. A weak identity is
+never shared: the connector neither serves nor saves (``weak_identity_warning`` says so, once).
 """
 
 from __future__ import annotations
@@ -42,15 +38,13 @@ import enum
 import hashlib
 import json
 import logging
-import os
 import re
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import blake3
+from .weights import weights_digest
 
 log = logging.getLogger("s3kv.identity")
 
@@ -93,7 +87,7 @@ class ModelIdentity:
     quantization: str
     #: Digest of the checkpoint's config files ("" when ``model`` is not a local directory).
     config_digest: str
-    #: Fingerprint of the checkpoint's safetensors weights ("" when there are none to read).
+    #: Digest of the checkpoint's weights files ("" when there are none it can trust).
     weights_digest: str = ""
     #: Why this identity may not tell two checkpoints' weights apart ("" when it can).
     weak: str = field(default="", compare=False)
@@ -109,8 +103,11 @@ class ModelIdentity:
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
-def model_identity(llm_args: Any, model_id_override: str = "") -> ModelIdentity:
-    """The identity of the model ``llm_args`` loads. Never raises on odd input: unknowns stay unknown."""
+def model_identity(
+    llm_args: Any, model_id_override: str = "", cache_dir: str = "", loaded_after: float | None = None
+) -> ModelIdentity:
+    """The identity of the model ``llm_args`` loads. Never raises on odd input: unknowns stay unknown.
+    ``cache_dir``: ``S3KV_IDENTITY_CACHE_DIR``; ``loaded_after``: see ``weights.weights_digest``."""
     model = getattr(llm_args, "model", None)
     directory = _local_dir(model)
     configs = _read_configs(directory) if directory is not None else {}
@@ -141,14 +138,19 @@ def model_identity(llm_args: Any, model_id_override: str = "") -> ModelIdentity:
         name = str(model) if model not in (None, "") else "unknown-model"
         revision = str(getattr(llm_args, "revision", None) or "")
         config_digest = _digest_configs(configs)
-        weights = weights_digest(directory, _vocab_size(hf_config)) if directory is not None else ""
-        if directory is None and not _COMMIT.fullmatch(revision):
+        weights = ""
+        if directory is not None:
+            w = weights_digest(directory, cache_dir, loaded_after)
+            weights = w.digest
+            if w.weak:
+                weak = f"model directory {name!r}: {w.weak}"
+            elif w.read_bytes:
+                log.info("s3kv: weights digest of %s: %d files, %.1f GB read in %.1f s (%.2f GB/s), the rest "
+                         "from the cache", name, w.files, w.read_bytes / 1e9, w.seconds,
+                         w.read_bytes / 1e9 / max(w.seconds, 1e-9))
+        elif not _COMMIT.fullmatch(revision):
             weak = (f"model {name!r} is not a local directory and its revision "
                     f"{revision or '(none)'!r} is not a commit hash, so the weights behind it can change")
-        elif directory is not None and not weights:
-            weak = f"model directory {name!r} holds no *.safetensors weights s3kv can fingerprint"
-        elif directory is not None:
-            weak = f"model directory {name!r}: {SAMPLED}"
     return ModelIdentity(
         name=name,
         revision=revision,
@@ -162,114 +164,16 @@ def model_identity(llm_args: Any, model_id_override: str = "") -> ModelIdentity:
 
 
 def weak_identity_warning(identity: ModelIdentity) -> str:
-    """The start-up warning for a weak identity ("" for a strong one)."""
+    """The start-up warning for a weak identity ("" for a strong one): one line."""
     if not identity.weak:
         return ""
-    return (f"s3kv: the model's identity is weak: {identity.weak}. Engines whose weights differ could "
-            "share this cache namespace and serve each other wrong KV. Set S3KV_MODEL_ID to a name "
-            "that changes whenever the weights do (e.g. a content hash from your model registry), "
-            "or load a hub id at revision=<commit hash> (docs/security.md)")
+    return (f"s3kv: the model's identity is weak: {identity.weak}. Engines with other weights could share "
+            "its cache namespace and serve each other wrong KV, so this engine neither serves nor saves KV: "
+            "set S3KV_MODEL_ID to a name that changes whenever the weights do (e.g. a content hash from "
+            "your model registry), or load a hub id at revision=<commit hash> (docs/security.md)")
 
-
-# ------------------------------------------------------------------ weights fingerprint
 
 _COMMIT = re.compile(r"[0-9a-f]{40}")
-#: Every other tensor: this many windows of ``_WINDOW`` bytes, evenly spread over its data.
-_WINDOWS, _WINDOW = 64, 4096
-#: Tensors read whole: one row per token (embeddings, LM head), where a fine-tune may change just
-#: a few rows (e.g. training reserved special tokens) that no sample would meet.
-_TOKEN_TABLE = re.compile(r"(^|\.)(embed[^.]*|wte|lm_head|output)(\.|$)")
-_CHUNK = 16 << 20
-#: Largest safetensors header read (the format's own limit is 100 MB).
-_MAX_HEADER_BYTES = 100 << 20
-#: (directory, vocab size, files' signature) -> digest. The signature has ctime, inode and device
-#: too: a same-size rewrite in place can restore the mtime.
-_weights_cache: dict[tuple[str, int, tuple[tuple[str, int, int, int, int, int], ...]], str] = {}
-#: Said in the weak-identity warning of every checkpoint fingerprinted here.
-SAMPLED = ("its weights digest reads embedding and LM-head tensors whole but only a sample of every "
-           "other tensor, so a fine-tune that changes few values elsewhere can collide with its base")
-
-
-def weights_digest(directory: Path, vocab_size: int = 0) -> str:
-    """Fingerprint of the ``*.safetensors`` files in ``directory`` ("" when there are none, or one
-    cannot be read). Cached per process while the files' stats stay the same: the leader and every
-    worker of a process ask. ``vocab_size``: tensors with a dimension of it are read whole."""
-    try:
-        files = sorted(p for p in directory.iterdir() if p.name.endswith(".safetensors") and p.is_file())
-        signature = tuple(
-            (p.name, (st := p.stat()).st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
-            for p in files
-        )
-    except OSError as e:
-        log.warning("s3kv: cannot list %s for the weights fingerprint: %s", directory, e)
-        return ""
-    if not files:
-        return ""
-    key = (str(directory.resolve()), vocab_size, signature)
-    if key not in _weights_cache:
-        h = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        h.update(b"s3kv-weights-v2\0")
-        try:
-            for p in files:
-                h.update(p.name.encode() + b"\0")
-                _fingerprint_file(p, h, vocab_size)
-        except (OSError, ValueError, KeyError, TypeError, IndexError) as e:
-            log.warning("s3kv: cannot fingerprint %s (%s); the model's identity rests on its config", directory, e)
-            return ""
-        _weights_cache[key] = h.hexdigest(length=16)
-    return _weights_cache[key]
-
-
-def _fingerprint_file(path: Path, h: Any, vocab_size: int) -> None:
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        raw = os.pread(f.fileno(), 8, 0)
-        if len(raw) != 8:
-            raise ValueError(f"{path.name}: not a safetensors file")
-        (n,) = struct.unpack("<Q", raw)
-        if n > min(_MAX_HEADER_BYTES, size - 8):
-            raise ValueError(f"{path.name}: safetensors header of {n} bytes")
-        header = _pread(f.fileno(), n, 8)
-        h.update(len(header).to_bytes(8, "little") + header)
-        tensors = json.loads(header)
-        if not isinstance(tensors, dict):
-            raise ValueError(f"{path.name}: safetensors header is not an object")
-        spans = sorted(
-            (int(t["data_offsets"][0]), int(t["data_offsets"][1]), _whole(k, t, vocab_size))
-            for k, t in tensors.items() if k != "__metadata__" and isinstance(t, dict)
-        )
-        buf = memoryview(bytearray(_CHUNK))
-        for begin, end, whole in spans:
-            length = max(0, end - begin)
-            if whole or length <= _WINDOWS * _WINDOW:
-                windows = [(0, length)]
-            else:  # evenly spread, first and last window included
-                step = (length - _WINDOW) / (_WINDOWS - 1)
-                windows = [(int(i * step), _WINDOW) for i in range(_WINDOWS)]
-            for off, count in windows:
-                _hash_range(f, h, buf, 8 + n + begin + off, count, path.name)
-
-
-def _whole(name: str, tensor: Mapping[str, Any], vocab_size: int) -> bool:
-    shape = tensor.get("shape") or []
-    return bool(_TOKEN_TABLE.search(name)) or (vocab_size > 0 and vocab_size in shape)
-
-
-def _hash_range(f: Any, h: Any, buf: memoryview, offset: int, count: int, name: str) -> None:
-    f.seek(offset)
-    while count:
-        got = f.readinto(buf[: min(count, _CHUNK)])
-        if not got:
-            raise ValueError(f"{name}: shorter than its header says")
-        h.update(buf[:got])
-        count -= got
-
-
-def _pread(fd: int, n: int, offset: int) -> bytes:
-    raw = os.pread(fd, n, offset)
-    if len(raw) != n:
-        raise ValueError("short read")
-    return raw
 
 
 # ------------------------------------------------------------------ helpers
@@ -324,13 +228,6 @@ def _digest_configs(configs: Mapping[str, Any]) -> str:
         body = c if isinstance(c, bytes) else json.dumps(_canonical(c), sort_keys=True, default=str).encode()
         h.update(name.encode() + b"\0" + len(body).to_bytes(8, "little") + body)
     return h.hexdigest()
-
-
-def _vocab_size(cfg: Mapping[str, Any]) -> int:
-    for c in (cfg, cfg.get("text_config")):
-        if isinstance(c, Mapping) and isinstance(c.get("vocab_size"), int):
-            return int(c["vocab_size"])
-    return 0
 
 
 def _config_dtype(cfg: Mapping[str, Any]) -> str:

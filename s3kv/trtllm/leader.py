@@ -13,21 +13,23 @@ from ..config import Settings, redact, warn_once
 from ..engine.leader import LeaderCore
 from ..engine.runtime import release_runtime
 from .api import KvCacheConnectorScheduler
-from .boundary import ConnectorSide, kv_shard, log
+from .boundary import ConnectorSide, kv_shard
 from .identity import model_identity, weak_identity_warning
 from .lora import PENDING, AdapterIdentities
 
 __all__ = ["S3KvConnectorLeader"]
 
 
-#: Stores only this host can write: local disk (its permissions decide) and one process's memory.
-_LOCAL_SCHEMES = ("file", "memory")
+#: Stores that other hosts' writers may reach (object stores). Not file:// (local disk: its
+#: permissions decide), memory:// (one process), nor a store handed in without a URL (the
+#: simulator's and the benchmarks' own).
+_SHARED_SCHEMES = ("s3", "gs", "gcs", "az", "abfs", "abfss")
 
 
 def warn_if_unsigned(settings: Settings) -> None:
     """Say, once, that a shared store without an integrity key trusts every writer of the bucket."""
-    scheme = settings.url.split("://", 1)[0].lower()
-    if settings.integrity is not None or scheme in _LOCAL_SCHEMES:
+    scheme = settings.url.split("://", 1)[0].lower() if "://" in settings.url else ""
+    if settings.integrity is not None or scheme not in _SHARED_SCHEMES:
         return
     warn_once(
         f"s3kv: integrity tags are off for the shared store {redact(settings.url)}: this engine serves "
@@ -58,24 +60,26 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             # A sync load that fails has no safe outcome: the forward would run on unverified
             # pages. The manager's failed-load path covers async loads only (it drops failed ids
             # of requests it does not track as async loads), and no line has another.
-            log.warning(
+            warn_once(
                 "s3kv: S3KV_LOAD_MODE=sync needs an engine that can fail a request whose sync load "
                 "failed; no TensorRT-LLM line can (its failed-load path, where it exists, covers "
                 "async loads only), so loads are async (see docs/failures.md)"
             )
         kv = getattr(llm_args, "kv_cache_config", None)
         if getattr(kv, "enable_partial_reuse", False):
-            log.warning(
+            warn_once(
                 "s3kv: partial block reuse is on: a device match that ends inside a block gets no S3 "
                 "hit (counted as partial_block_misses); set kv_cache_config.enable_partial_reuse=False "
                 "for full S3 hits"
             )
         warn_if_unsigned(self.settings)
-        identity = model_identity(llm_args, self.settings.model_id)
+        identity = model_identity(llm_args, self.settings.model_id, self.settings.identity_cache_dir)
         weak = weak_identity_warning(identity)
         if weak:
             warn_once(weak)
-        self.adapters = AdapterIdentities(llm_args)
+        #: Why no request is served or saved ("" unless the model's identity is weak).
+        self.unshared = "model identity is weak (S3KV_MODEL_ID unset)" if weak else ""
+        self.adapters = AdapterIdentities(llm_args, self.settings.lora_settle_s)
         # The fleet index's first fetch and the namespace summary's first LIST should not race the
         # first lookups: start their refreshers (background threads) once the worker has
         # registered the layout.
@@ -92,6 +96,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             failed_load_hook=False,  # sync loads: see above
             # TensorRT-LLM's default loop is the overlap one; only an explicit True turns it off.
             overlap=getattr(llm_args, "disable_overlap_scheduler", False) is not True,
+            tiers=self._runtime,  # rank 0's host tier and load speeds appear there at registration
         )
 
     def _start_summary(self) -> None:
@@ -115,7 +120,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
                 salt = getattr(request, "cache_salt_id", None)
             tokens = list(request.get_tokens(0))
             prompt_len = int(getattr(request, "prompt_len", len(tokens)))
-            lora, unidentified = self.adapters.resolve(request)
+            lora, unidentified = (None, "") if self.unshared else self.adapters.resolve(request)
             if unidentified and unidentified != PENDING:  # pending clears by itself: not counted
                 self.core.stats.lora_unidentified += 1
             n, is_async = self.core.get_num_new_matched_tokens(
@@ -127,7 +132,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
                 lora=lora,
                 multimodal_hashes=mm,
                 has_multimodal=has_mm,
-                not_cacheable=unidentified,
+                not_cacheable=self.unshared or unidentified,
                 owned=True,  # our own list() above
                 first_chunk_tokens=first_chunk(request),
             )

@@ -45,6 +45,8 @@ class S3KvConnectorWorker(ConnectorSide, KvCacheConnectorWorker):
             kv_dtype=identity.kv_dtype,
             index=self._runtime.index,
             failed_load_hook=FAILED_LOAD_HOOK in self.features,
+            host_weigh=self._host_weigh,
+            auto_host_cache=True,  # an engine: S3KV_HOST_CACHE_GB=-1 sizes the tier from the machine
         )
         # TensorRT-LLM never calls a connector shutdown(): drain uploads at process exit.
         self.core.install_exit_drain(self.settings.exit_drain_s)
@@ -56,6 +58,10 @@ class S3KvConnectorWorker(ConnectorSide, KvCacheConnectorWorker):
         geometry: CacheGeometry = self.core.geometry
         self._runtime.publish_geometry(geometry)
         if self.tp_rank == 0:
+            # The leader sees this rank's host tier (every rank's holds its own shard of the same
+            # objects: the plan keeps them in step) and the load speeds measured here.
+            self._runtime.host_tier = self.core.host_tier
+            self._runtime.speeds = self.core.speeds
             self._runtime.geometry_ready()
         kv = getattr(self._llm_args, "kv_cache_config", None)
         max_seq_len = getattr(self._llm_args, "max_seq_len", None)

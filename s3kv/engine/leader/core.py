@@ -60,10 +60,10 @@ class LeaderCore:
         on_lookup: Callable[[int, LookupResult], None] | None = None,
         sizing_page_bytes: Sequence[int] | None = None,
         failed_load_hook: bool = False,
-        overlap: bool = False,
+        overlap: bool = False, tiers: Any = None,
     ):
-        """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing blocks per
-        object (benchmarks of a real model's object structure); ``overlap``: the overlap loop."""
+        """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing blocks per object
+        (benchmarks of a real model's object structure); ``overlap``: the overlap loop; ``tiers``: see Lookups."""
         self.settings = settings
         # A sync load that fails has no safe outcome unless the engine can be told to recompute
         # the request (a failed-load hook); without one every load is async, so a failure can
@@ -86,7 +86,7 @@ class LeaderCore:
         self._on_lookup = on_lookup
         self._sizing_page_bytes = list(sizing_page_bytes) if sizing_page_bytes else None
         self.stats = LeaderStats()
-        self._lookups = Lookups(settings, store, self.index, self.stats)
+        self._lookups = Lookups(settings, store, self.index, self.stats, tiers)
         self._lookups.pace.overlap = overlap  # what a lookup's stall costs the batch (pace.py)
         self._loads = LoadPlanner(settings, self.stats, self._lookups)
         inflight = 1 if overlap else 0  # the overlap loop's forward runs a token past its report

@@ -142,7 +142,8 @@ class LoadPlanner:
                     for s in range(g.tp_size)
                 )
                 ref = ObjectRef(gid, st.chain.digests[end - 1], spans)
-                ops.append(LoadOp(st.request_id, ref, tuple(o for o, _ in pairs), tuple(s for _, s in pairs)))
+                ops.append(LoadOp(st.request_id, ref, tuple(o for o, _ in pairs), tuple(s for _, s in pairs),
+                                  host=self.lookups.in_host(gid, ref.last_digest)))
                 self.stats.planned_pages_loaded += len(pairs)
             needed = sum(1 for o in range(ld.d_blocks, ld.h_blocks) if o < len(slots) and slots[o] >= 0)
             self.stats.hit_blocks_by_group[gid] = self.stats.hit_blocks_by_group.get(gid, 0) + needed

@@ -26,6 +26,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -37,7 +38,7 @@ from ...core.lookup import Ask, LookupResult, find_hit, stall_budget_s
 from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
 from ..fleetindex import IndexRefresher
-from ..index import MISSING, KeyIndex
+from ..index import MISSING, KeyIndex, host_first
 from ..summary import Listing, NamespaceSummary
 from .context import LeaderContext
 from .listings import Listings
@@ -45,8 +46,12 @@ from .pace import Pace
 from .pressure import PressureGauge, fallback_blocks
 from .requests import RequestState
 from .stats import LeaderStats
+from .worth import weigh, worth_loading
 
 log = logging.getLogger("s3kv.leader")
+
+#: How many recent waves ``Lookups._hopeless`` judges by, and how many it needs first.
+_RECENT_WAVES, _RECENT_MIN = 8, 3
 
 
 class _LookupTimeout(Exception):
@@ -67,7 +72,10 @@ _Pick = tuple[str, "float | None"]
 class Lookups:
     """Answers a request's lookup; holds the HEAD pool, the time budget and the namespace summary."""
 
-    def __init__(self, settings: Settings, store: ObjectStore, index: KeyIndex, stats: LeaderStats):
+    def __init__(self, settings: Settings, store: ObjectStore, index: KeyIndex, stats: LeaderStats,
+                 tiers: Any = None):
+        """``tiers``: where rank 0's host tier (``host_tier``) and the workers' load speeds per
+        tier (``speeds``) appear once the worker registered the layout (the engine runtime)."""
         self.settings = settings
         self.store = store
         self.index = index
@@ -89,6 +97,10 @@ class Lookups:
         self.decision = ""
         #: Recent HEAD waves' wall time (moving average, each at most the cap): see ``_head_wave``.
         self._wave_s = 0.0
+        #: The last few waves' wall times, uncapped: a wave slower than all of them is not sent
+        #: on the scheduler's time (``_head_wave``). ``_slow``: that rule is holding waves back.
+        self._recent_waves: deque[float] = deque(maxlen=_RECENT_WAVES)
+        self._slow = False
         #: This answer re-checks a promise (``recheck``): the longest budget, always tried.
         self._promise = False
         #: What the engine's honours say of its KV memory (``pressure.py``); ``loads.py`` feeds it.
@@ -102,6 +114,11 @@ class Lookups:
         self.pace = Pace()
         self._hidden_s = 0.0
         self._corunning = 0
+        #: The host tier answers before the index (``host_first``); the speeds decide how much of
+        #: a hit is worth loading (``worth.py``).
+        self.tiers = tiers
+        #: This answer's asks the host tier answered.
+        self._host_asks: set[Ask] = set()
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -159,6 +176,9 @@ class Lookups:
         if on_lookup:
             on_lookup(st.request_id, result)
         gain = result.h_blocks - ld.d_blocks
+        if (gain >= self.settings.min_hit_blocks and self.settings.lookup_timeout_s == -1
+                and getattr(self.tiers, "speeds", None) is not None):  # -1: lookups follow the value
+            gain = self._worth(st, result) - ld.d_blocks
         if gain < self.settings.min_hit_blocks:
             self.stats.misses += 1
             self.decision = self.decision or "miss"
@@ -221,6 +241,50 @@ class Lookups:
         result.h_blocks = inside.h_blocks
         return result
 
+    def _worth(self, st: RequestState, result: LookupResult) -> int:
+        """Cut ``result`` to what beats recomputing it at the tiers' measured speeds (``worth.py``):
+        the whole hit, the longest point the host tier alone serves, or nothing. Its history."""
+        ctx, s, d = self.ctx, self.settings, st.load.d_blocks
+        assert ctx is not None
+        g, speeds, tps = ctx.geometry, self.tiers.speeds, s.prefill_tokens_per_s
+        full = weigh(g, result.coverage, self._host_asks, d, result.h_blocks, s.window_margin_blocks, speeds, tps)
+        # The tier's part is sought where the store's part may not pay, or the tier holds some of it.
+        asked = full.store_bytes and getattr(self.tiers, "host_tier", None) is not None
+        host_h = self._host_hit(st, result) if asked and (full.saves_s <= 0 or self._host_asks) else None
+        w = worth_loading(g, result.coverage, self._host_asks, d, result.h_blocks, s.window_margin_blocks, speeds,
+                          tps, host_h)
+        if w.h_blocks < result.h_blocks:
+            self.stats.offers_not_worth += 1
+            self.decision = "not_worth" if w.h_blocks == d else ""
+            result.h_blocks = w.h_blocks
+        return result.h_blocks
+
+    def _host_hit(self, st: RequestState, result: LookupResult) -> int:
+        """The longest point up to ``result``'s hit that the host tier alone serves, its objects
+        added to ``result.coverage``: every block end asked of the tier only (no request), once
+        per group on shard 0 (the other ranks hold their shards of the same objects)."""
+        ctx, d, h = self.ctx, st.load.d_blocks, result.h_blocks
+        assert ctx is not None
+        g = ctx.geometry
+        asks = {(grp.group_id, 0, e) for grp in g.groups for e in range(d + 1, h + 1)}
+        local: dict[tuple[int, int], dict[int, Span]] = {}
+        for (gid, _, e), _key, v in self._indexed(st, asks):
+            if (gid, 0, e) in self._host_asks:
+                for shard in range(g.tp_size):
+                    local.setdefault((gid, shard), {})[e] = Span(v.first, v.end)
+                    self._host_asks.add((gid, shard, e))
+        for e in sorted(local.get((g.spine_group, 0), {}), reverse=True):
+            if servable(g, local, d, e, self.settings.window_margin_blocks):
+                for key, spans in local.items():
+                    result.coverage.setdefault(key, {}).update(spans)
+                return e
+        return d
+
+    def in_host(self, group: int, digest: bytes) -> bool:
+        """Rank 0's host tier holds the object of ``group`` ending at ``digest`` (``LoadOp.host``)."""
+        tier = getattr(self.tiers, "host_tier", None)
+        return tier is not None and self.ctx is not None and tier.holds(self.ctx.prefixes[(group, 0)] + digest.hex())
+
     def record(self, stall_s: float, hit_tokens: int) -> None:
         """The lookup just offered held the scheduler ``stall_s``: note it beside its budget, what
         its best hit could have saved, and how it ended."""
@@ -280,6 +344,7 @@ class Lookups:
         self._timed_out = False
         self._late_wave = None
         self.decision = ""
+        self._host_asks = set()
 
     def _find(self, st: RequestState, full_blocks: int, hmax: int) -> LookupResult:
         """The largest servable history: from a listing of the namespace when one is fresh (a miss
@@ -390,7 +455,12 @@ class Lookups:
         assert st.chain is not None and self.ctx is not None
         prefixes, digests = self.ctx.prefixes, st.chain.digests
         keys = {a: prefixes[(a[0], a[1])] + digests[a[2] - 1].hex() for a in asks}
-        for (a, key), v in zip(keys.items(), self.index.get_many(keys.values()), strict=True):
+        known = self.index.get_many(keys.values())
+        tier = getattr(self.tiers, "host_tier", None)
+        if tier is not None:
+            known = host_first(tier, self.index, keys, known, lambda a: prefixes[(a[0], 0)] + digests[a[2] - 1].hex(),
+                               self._host_asks)
+        for (a, key), v in zip(keys.items(), known, strict=True):
             yield a, key, v
 
     def _probe_local(
@@ -484,8 +554,10 @@ class Lookups:
             self.decision = "ran_out"
             self.stats.lookup_timeouts += 1
             # A warning when it waited as long as any lookup may (a slow store); a short budget
-            # running out is the rule at work (a small hit was not worth a longer wait).
-            log.log(logging.WARNING if self.budget_s >= self._max_budget_s() else logging.DEBUG,
+            # running out is the rule at work (a small hit was not worth a longer wait), and a
+            # wave held back because the store is slow lately waited for nothing (``_hopeless``).
+            waited = not e.args
+            log.log(logging.WARNING if waited and self.budget_s >= self._max_budget_s() else logging.DEBUG,
                     "s3kv: lookup of request %s ran out of its %.3f s budget (%d tokens to save); a miss",
                     st.request_id, self.budget_s, self.saveable_tokens, extra={"request_id": st.request_id})
 
@@ -498,7 +570,7 @@ class Lookups:
         for a, key, v in self._indexed(st, asks):
             if v is MISSING:
                 out[a] = None
-            elif v is not None and trust_index:
+            elif v is not None and (trust_index or a in self._host_asks):  # host memory needs no store
                 out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
             else:
                 todo[key] = a
@@ -552,6 +624,15 @@ class Lookups:
         if remaining <= 0 or self._timed_out or (remaining < self._wave_s / 2 and not self._promise):
             self._last_probe_used_network = False  # nothing sent: not a round trip
             raise _LookupTimeout
+        if not self._promise and self._hopeless(remaining):
+            # Slower lately than what is left, every one of the last waves: a store that answers
+            # slowly but never fails cost every lookup its whole budget, forever (500 ms at the
+            # cap; its uploads kept succeeding, so the breaker never opened -- issue 37). The wave
+            # goes to the background instead (when the backlog has room): it warms the index for
+            # the next lookup of the prefix, and its time tells when the store is fast again.
+            self._last_probe_used_network = False
+            self._background_wave(keys, expect, dict(todo))
+            raise _LookupTimeout("slow")
         with self._pending_lock:
             # Bounded backlog: waves that outlived their lookup still hold the pool. A store that
             # hangs must cost each lookup nothing more, not queue waves without end.
@@ -598,10 +679,49 @@ class Lookups:
     def _note_wave(self, seconds: float) -> None:
         """A wave's wall time into the moving average. At most the cap: after a hang the average
         must not make every later lookup give up before sending (the background waves, which
-        still run, bring it back down)."""
-        seconds = min(seconds, self._max_budget_s())
+        still run, bring it back down). Uncapped into the recent waves (``_hopeless``)."""
         with self._pending_lock:
+            self._recent_waves.append(seconds)
+            seconds = min(seconds, self._max_budget_s())
             self._wave_s = seconds if self._wave_s == 0.0 else 0.8 * self._wave_s + 0.2 * seconds
+
+    def _hopeless(self, remaining: float) -> bool:
+        """Whether even the fastest of the last waves (at least ``_RECENT_MIN`` of them) took longer
+        than ``remaining``: such a wave would almost surely run out. Noted once per episode."""
+        with self._pending_lock:
+            recent = list(self._recent_waves)
+        slow = len(recent) >= _RECENT_MIN and min(recent) > remaining
+        if slow and not self._slow:
+            log.warning("s3kv: HEAD waves took %.2f-%.2f s lately, longer than a lookup's %.3f s: lookups "
+                        "wave in the background (a miss now, the index warmed for the next) until the store "
+                        "answers faster", min(recent), max(recent), remaining)
+        self._slow = slow
+        return slow
+
+    def _background_wave(self, keys: list[str], expect: dict[str, SpanExpect], asks: dict[str, Ask]) -> None:
+        """Send a wave nobody waits for (when the backlog has room); its answers feed the index."""
+        with self._pending_lock:
+            if self.pending_waves >= max(1, self.settings.lookup_max_pending):
+                return
+            self.pending_waves += 1
+        pool = self._lookup_pool()
+        sent = time.monotonic()
+
+        def done(f: Future) -> None:
+            self._note_wave(time.monotonic() - sent)
+            with self._pending_lock:
+                self.pending_waves -= 1
+            if not f.cancelled() and f.exception() is None:
+                self._absorb(asks, f.result(), count=False)
+
+        try:
+            fut = pool.submit(self.store.head_many_checked, keys, expect)
+        except RuntimeError:  # the pool was shut down (closing)
+            with self._pending_lock:
+                self.pending_waves -= 1
+            return
+        self._late_wave = fut
+        fut.add_done_callback(done)
 
     def _finish_late(
         self, st: RequestState, full_blocks: int, hmax: int,

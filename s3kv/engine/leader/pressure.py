@@ -25,6 +25,18 @@ come (with the Gemma-3-27B geometry checkpoints fall every 4608 tokens, so a fir
 is exposed), the hold is what ends an episode; pressure seen again within a hold of its expiry
 doubles the hold (up to ``PRESSURE_HOLD_MAX_S``), so sustained pressure risks one broken promise
 per doubling, not one a minute. A grow seen to succeed resets it.
+
+Flapping (issue 37, attacked). A client can make the engine short of pages and let go again at
+will: a burst of long prompts that miss (so nothing it sends is an offer) breaks the first
+exposed offer of the episode -- another client's -- and one safe grow-needing offer honoured in
+full once the burst is over (a stored prefix of its own) ended the episode at once. Each burst
+then broke one more promise (4 bursts: 4 victims parked; a burst every 30 s: 120 an hour). So an
+episode a grow ends counts as ending when its hold would have run out, and pressure back within a
+hold of the last episode's end is flapping: the hold doubles as above, and that episode ends only
+when its hold runs out -- a grow no longer ends it early. A flapping engine then risks one broken
+promise per doubling, as sustained pressure does (4 bursts: 2; a burst every 30 s or 2 min: 0.5
+an hour, with exposed offers cut meanwhile); an episode after a quiet spell is a new one, ended
+by the first grow as before.
 """
 
 from __future__ import annotations
@@ -59,8 +71,10 @@ class PressureGauge:
         self.max_hold_s = max(hold_s, max_hold_s)
         self.clock = clock
         self._since: float | None = None
-        #: When the last episode ran out its hold (None: it ended by a grow, or none did).
+        #: When the last episode ended (its hold ran out, or a grow ended it); None: none did.
         self._expired_at: float | None = None
+        #: This episode came back within a hold of the last one's end: only its hold ends it.
+        self._flapping = False
         #: Times pressure was seen to begin (a smaller honour while none was held).
         self.episodes = 0
 
@@ -88,7 +102,12 @@ class PressureGauge:
                 self.episodes += 1
                 back_soon = self._expired_at is not None and now - self._expired_at <= self.hold_s
                 self.hold_s = min(2 * self.hold_s, self.max_hold_s) if back_soon else self.base_hold_s
+                self._flapping = back_soon
             self._since = now
-        elif needed_grow:
-            self._since = self._expired_at = None
+        elif needed_grow and self.on() and not self._flapping:
+            # The engine grew: over -- unless it is flapping (module docstring), then the hold ends
+            # it. Pressure back within a hold of when this hold would have run out is flapping.
+            assert self._since is not None
+            self._expired_at = self._since + self.hold_s
+            self._since = None
             self.hold_s = self.base_hold_s

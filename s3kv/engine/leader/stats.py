@@ -24,7 +24,8 @@ class LookupRecord(NamedTuple):
     hit_tokens: int
     #: How it ended: hit; miss (nothing servable found); ran_out (its time budget: a miss, finished
     #: in the background); busy (earlier waves still hang: a miss, nothing sent); error (a store
-    #: error: a miss); skipped (store unavailable, or a device match ending mid-block).
+    #: error: a miss); skipped (store unavailable, or a device match ending mid-block); not_worth
+    #: (found, but loading it would take longer than recomputing it: ``worth.py``).
     decision: str
     #: What the overlap loop hid of it (``pace.Pace.hidden_s``) and the requests it held back
     #: (the latest batch): ``added_s`` is the inter-token latency it added to each of them.
@@ -113,6 +114,9 @@ class LeaderStats:
     offers_exposed: int = 0
     offers_cut: int = 0
     tokens_cut: int = 0
+    #: Hits cut (to the part the host tier holds, or to nothing) because loading the rest would
+    #: take longer than recomputing it at the measured tier speeds (``worth.py``).
+    offers_not_worth: int = 0
     #: Promised loads the leader could not plan (failure rung taken).
     promises_broken: int = 0
     planned_pages_saved: int = 0

@@ -24,6 +24,10 @@ copies completed.
 was passed in, exactly once; a saving id as soon as every stage copy of that request issued so far
 has completed (at once when nothing is pending; at once on CPU), a loading id once all its pages
 are in place.
+
+Why this is one module: it is the facade -- the lock, the per-iteration state and the order of
+the hooks, which every part (loads, saves, the host tier, the stats) shares; the work itself
+lives in the modules named above.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ...config import Settings
+from ...config import Settings, warn_once
 from ...core.keys import KeyScheme
 from ...core.layout import CacheGeometry
 from ...core.objects import ObjectIdentity
@@ -45,7 +49,9 @@ from ...store.base import ObjectStore
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters, MetricsHook
 from ...transfer.download import Downloader, LoadJob
+from ...transfer.hosttier import HostTier, Weigher
 from ...transfer.staging import StagingPool
+from ...transfer.tiers import TierSpeed, open_host_tier
 from ...transfer.upload import Uploader
 from ..index import AllShards, KeyIndex
 from ..verdicts import ToLeader
@@ -78,11 +84,16 @@ class WorkerCore:
         load_reserve_fraction: float = 0.25,
         upload_queue_size: int = 1024,
         failed_load_hook: bool = False,
+        host_weigh: Weigher | None = None,
+        auto_host_cache: bool = False,
     ):
         """``rank`` is the tensor-parallel rank (``tp_rank`` is accepted as an alias, as is
         ``prefix`` for ``key_prefix``); ``metrics(name, delta)`` is called on every counter change.
         ``failed_load_hook``: the engine polls ``take_failed_load_request_ids`` and recomputes
-        the requests it names (rung 1); without it a failed parked load stays parked and retries."""
+        the requests it names (rung 1); without it a failed parked load stays parked and retries.
+        ``host_weigh(key, nbytes) -> bytes``: what the host tier charges an object (default: its
+        bytes). ``auto_host_cache``: ``host_cache_gb = -1`` sizes the tier from the machine (the
+        TensorRT-LLM adapter); otherwise -1 means no tier (tests and tools that build a core)."""
         if tp_rank is not None:
             rank = tp_rank
         if prefix is not None:
@@ -99,6 +110,11 @@ class WorkerCore:
         self.index = index
         self.failed_load_hook = failed_load_hook
         self._load_reserve_fraction = load_reserve_fraction
+        self._host_weigh = host_weigh
+        self._auto_host_cache = auto_host_cache
+        #: The host tier (set by register_layout when one is configured) and each tier's load speed.
+        self.host_tier: HostTier | None = None
+        self.speeds = {"host": TierSpeed(), "s3": TierSpeed()}
         self._counters = Counters(metrics)
         self._lock = threading.RLock()
         self._uploader = Uploader(
@@ -150,6 +166,7 @@ class WorkerCore:
                 pinned=self.settings.pinned,
                 load_reserve_fraction=self._load_reserve_fraction,
             )
+            tier = self._make_tier(device, self.settings.pinned and device.type == "cuda")
             promised = getattr(self.store, "promised_reads", None)  # loads of hits already promised
             downloader = Downloader(
                 promised() if promised is not None else self.store,
@@ -158,13 +175,17 @@ class WorkerCore:
                 threads=self.settings.download_threads,
                 counters=self._counters,
                 name=f"s3kv-down-r{self.tp_rank}",
+                tier=tier,
+                verify_host=self.settings.host_cache_verify,
+                speeds=self.speeds,
             )
             self._copier, self._pool, self._downloader = copier, pool, downloader
-            self._loads.attach(rank, copier, downloader)
-            self._saves.attach(rank, copier, pool)
+            self._loads.attach(rank, copier, downloader, tier)
+            self._saves.attach(rank, copier, pool, tier)
+            self._uploader.tier = tier
             self._rank = rank
             for text in staging_warnings(geometry, self.settings, pool.capacity):
-                log.warning("s3kv: %s", text)
+                warn_once(f"s3kv: {text}")  # every rank and engine of a process says the same
             log.info(
                 "s3kv worker rank %d/%d: %d layer group(s), namespace %s, staging %d MiB (%s) on %s",
                 self.tp_rank,
@@ -176,6 +197,18 @@ class WorkerCore:
                 device,
             )
             return geometry
+
+    def _make_tier(self, device: Any, pinned: bool) -> HostTier | None:
+        """This rank's host tier, as ``S3KV_HOST_CACHE_GB`` asks (none when 0, or auto off here);
+        an evicted ``evict`` object the store then holds goes into the key index (every shard)."""
+        gb = self.settings.host_cache_gb
+        index = AllShards(self.index) if self.index is not None and self.tp_size > 1 else self.index
+        self.host_tier = open_host_tier(
+            self.store, 0 if gb < 0 and not self._auto_host_cache else gb, device, pinned=pinned,
+            weigh=self._host_weigh, counters=self._counters, on_written=index.put_present if index is not None else None,
+            speed=self.speeds["host"], name=f"s3kv-host-r{self.tp_rank}",
+        )
+        return self.host_tier
 
     def _layout(self) -> RankLayout:
         if self._rank is None:
@@ -371,6 +404,8 @@ class WorkerCore:
                 self._copier.drain()
             if self._pool is not None:
                 self._pool.close()
+        if self.host_tier is not None:
+            self.host_tier.close(timeout)
         return drained
 
     def __enter__(self) -> WorkerCore:
@@ -385,6 +420,7 @@ class WorkerCore:
             self._pool.stats() if self._pool is not None else None,
             uploads_pending=self._uploader.pending,
             parked_now=self._loads.parked_now(),
+            host=self.host_tier.stats() if self.host_tier is not None else None,
         )
 
 

@@ -39,6 +39,7 @@ from ...core.plan import ConnectorMetadata
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters
 from ...transfer.download import DONE, FAILED, PENDING, PLACING, Downloader, LoadJob, build_jobs
+from ...transfer.hosttier import HostTier
 from ..verdicts import Verdicts
 from .rank import RankLayout
 
@@ -131,6 +132,7 @@ class LoadJobs:
         self.rank: RankLayout | None = None
         self.copier: Copier | None = None
         self.downloader: Downloader | None = None
+        self.tier: HostTier | None = None
         # The containers below are never replaced, only changed in place (the worker shows them).
         self.jobs: list[LoadJob] = []  # every job whose staging may still be held
         self.group_events: dict[int, list[Any]] = {}  # sync copies the forward has not waited on
@@ -144,8 +146,8 @@ class LoadJobs:
         self._suspects: dict[str, bool] = {}
         self._audit_lock = threading.Lock()
 
-    def attach(self, rank: RankLayout, copier: Copier, downloader: Downloader) -> None:
-        self.rank, self.copier, self.downloader = rank, copier, downloader
+    def attach(self, rank: RankLayout, copier: Copier, downloader: Downloader, tier: HostTier | None = None) -> None:
+        self.rank, self.copier, self.downloader, self.tier = rank, copier, downloader, tier
 
     # -- start_load_kv ----------------------------------------------------
     def start(self, md: ConnectorMetadata, stream: Any, now: float) -> tuple[list[LoadJob], Failures] | None:
@@ -173,6 +175,8 @@ class LoadJobs:
             resolve=self.rank.resolve,
             deadline=now + self.timeout,
         )
+        if self.tier is not None:
+            self._from_tier(self.tier, jobs)
         for rid, err in errors.items():
             log.error("s3kv: request %d: load plan does not fit: %s (object %s)", rid, err[1], err[0],
                       extra={"request_id": rid})
@@ -193,6 +197,27 @@ class LoadJobs:
         if not sync_jobs and not sync_errors:
             return None
         return sync_jobs, sync_errors
+
+    def _from_tier(self, tier: HostTier, jobs: Sequence[LoadJob]) -> None:
+        """Here, in plan order (the tier's state follows the plan on every rank): each job whose
+        object this rank's tier holds loads from it; a job that reads at least half of an object
+        from the store reads all of it into a tier reservation, so it is held here for the next hit
+        (a hit usually ends a block or two before the object it reads from: the prompt's last
+        token is computed). Hits first: a reservation must not evict an object this plan loads."""
+        for job in jobs:
+            got = tier.acquire(job.key)
+            if got is not None:
+                job.host, job.host_buf = got
+            elif job.plan_host:
+                # Rank 0's tier holds it, this rank's does not (a save or read that failed here):
+                # the store serves it, or the load fails (docs/failures.md) -- never a wrong byte.
+                self.counters.add("host_divergence")
+        for job in jobs:
+            if job.host is not None or 2 * len({o for o, _ in job.targets}) < job.count:
+                continue
+            e = tier.reserve(job.key, job.identity, job.first, job.count)
+            if e is not None and e.buf is not None:
+                job.promote, job.host_buf = e, e.buf.retain()
 
     def wait_jobs(self, jobs: list[LoadJob], deadline: float) -> None:
         for job in jobs:
@@ -435,7 +460,7 @@ class LoadJobs:
             job = dataclasses.replace(
                 old, targets=targets, request_ids={rid}, owners={s: rid for _, s in targets},
                 state=PENDING, error=None, event=None, buffer=None, future=None, lock=threading.Lock(),
-                deadline=now + self.timeout, reading_since=float("inf"),
+                deadline=now + self.timeout, reading_since=float("inf"), host=None, host_buf=None, promote=None,
             )
             self.jobs.append(job)
             self.downloader.submit(job)
@@ -572,8 +597,17 @@ class LoadJobs:
         parked for over a minute. A stalled read is a failed load -- it takes its failure rung
         (docs/failures.md) -- not a wait; a read that is merely slower than the rule allows is
         cut too, so slow links raise ``S3KV_LOAD_STALL_S``.
+
+        Sooner, whatever its size: a read sent (or queued) before the circuit breaker found the
+        store answering nothing (``ObjectStore.hung_since``, ``S3KV_BREAKER_STALL_S``) -- behind
+        a warm index the loads are all a hung store holds, and waiting out each one's own limit
+        kept requests parked and the breaker closed for 25 s (issue 37).
         """
-        if self.stall_s <= 0 or job.finished:
+        if job.finished:
+            return False
+        if self._hung(job):
+            return True
+        if self.stall_s <= 0:
             return False
         limit = self._stall_limit(job)
         if job.reading_since != float("inf"):
@@ -589,6 +623,12 @@ class LoadJobs:
         return waited > max([limit, *(self._stall_limit(j) for j in list(self.jobs)
                                       if j.place and j.reading_since != float("inf"))])
 
+    def _hung(self, job: LoadJob) -> bool:
+        """Whether ``job``'s read was sent (or queued) before the store was found hung."""
+        store = self.downloader.store if self.downloader is not None else None
+        since = job.reading_since if job.reading_since != float("inf") else job.submitted_at
+        return store is not None and since != float("inf") and store.hung_since(since)
+
     def _stall_limit(self, job: LoadJob) -> float:
         """``load_stall_s`` per 32 MiB the job fetches (at least ``load_stall_s``)."""
         pages = len({o for o, _ in job.targets}) or 1
@@ -596,8 +636,13 @@ class LoadJobs:
 
     def _cancel(self, job: LoadJob, stalled: bool = False) -> bool:
         """Give up on a job past its deadline or stalled; False if it is already placing pages."""
-        why = (f"its read stalled (load_stall_s={self.stall_s:g} per 32 MiB)" if stalled
-               else f"not loaded within load_timeout_s={self.settings.load_timeout_s}")
+        if not stalled:
+            why = f"not loaded within load_timeout_s={self.settings.load_timeout_s}"
+        elif self._hung(job):
+            why = (f"the store answered nothing for breaker_stall_s={self.settings.breaker_stall_s:g} "
+                   "while its read was out (circuit breaker open)")
+        else:
+            why = f"its read stalled (load_stall_s={self.stall_s:g} per 32 MiB)"
         stopped, now = job.try_cancel(LoadTimeout(why))
         if now:
             log.error("s3kv: load of %s given up: %s", job.key, why)

@@ -10,6 +10,13 @@ that reads them. A seal with ``close=False`` (a snapshot) pins pages ``[0, count
 stages of the same buffer go to higher pages, and a re-stage of a pinned page is ignored (the
 chain digest names the same KV; the in-flight upload keeps the bytes it hashed).
 
+With a host tier each seal first reserves the object's place there, here, in plan order (so
+every rank's tier evicts the same objects: ``s3kv.transfer.hosttier``); the upload thread
+fills it. ``SealOp.to_s3`` says whether the object also goes to the store now. A seal whose
+buffer was dropped still reserves its place, as a ghost, so this rank's tier stays in step with
+the others'. A seal meant for the host tier only (``evict``/``never``) on a rank without one
+is dropped and counted (``seals_dropped_no_tier``).
+
 Finishing requests: the standing finish plans (``metadata.finish_plans``) are run when the id
 reaches ``get_finished``; the id is handed back once every stage copy of that request issued
 so far has completed (at once on CPU).
@@ -27,6 +34,7 @@ from ...config import Settings
 from ...core.plan import BufferId, ConnectorMetadata, FinishPlan, SealOp, StageOp
 from ...transfer.copies import Copier, PageCopy
 from ...transfer.counters import Counters
+from ...transfer.hosttier import NOW, HostTier
 from ...transfer.staging import SAVE, StagingBuffer, StagingPool
 from ...transfer.upload import Uploader, UploadJob
 from .rank import RankLayout
@@ -57,6 +65,7 @@ class SaveJobs:
         self.rank: RankLayout | None = None
         self.copier: Copier | None = None
         self.pool: StagingPool | None = None
+        self.tier: HostTier | None = None
         self.buffers: dict[BufferId, OpenBuffer] = {}
         self.dropped: set[BufferId] = set()
         self.copy_events: dict[int, Any] = {}  # request id -> latest stage copy event
@@ -67,8 +76,8 @@ class SaveJobs:
         self._last_drop_warn = 0.0
         self._dropped_since_warn = 0
 
-    def attach(self, rank: RankLayout, copier: Copier, pool: StagingPool) -> None:
-        self.rank, self.copier, self.pool = rank, copier, pool
+    def attach(self, rank: RankLayout, copier: Copier, pool: StagingPool, tier: HostTier | None = None) -> None:
+        self.rank, self.copier, self.pool, self.tier = rank, copier, pool, tier
 
     # -- per iteration ----------------------------------------------------
     def bind(self, md: ConnectorMetadata) -> None:
@@ -228,9 +237,23 @@ class SaveJobs:
         assert self.rank is not None
         bid = seal.buffer
         ob = self.buffers.get(bid)
+        tier = self.tier
+        if tier is None and seal.to_s3 != NOW:
+            # The leader never plans this without a tier; a rank that has none cannot keep it.
+            self.counters.add("seals_dropped_no_tier")
+            if seal.close:
+                self._close_buffer(bid)
+                self.dropped.discard(bid)
+            return
+        known = bid.group in self.rank.identity
+        key = self.rank.object_key(bid.group, seal.last_digest) if known else ""
         if ob is None:
             if bid in self.dropped:
                 self.counters.add("seals_dropped")
+                if tier is not None and known and 0 < seal.count <= bid.capacity:
+                    # The other ranks hold theirs: account for it as they do (never served here).
+                    tier.reserve(key, self.rank.identity[bid.group], bid.first, seal.count, to_s3=seal.to_s3,
+                                 ghost=True)
                 if seal.close:
                     self.dropped.discard(bid)
             else:
@@ -245,21 +268,32 @@ class SaveJobs:
                 )
                 self.counters.add("saves_dropped_other")
                 return
+            identity = self.rank.identity[bid.group]
+            host = tier.reserve(key, identity, bid.first, seal.count, to_s3=seal.to_s3) if tier is not None else None
+            if host is None and tier is not None and (seal.to_s3 != NOW or tier.stored(key)):
+                # The tier holds this object already (and, for "now", knows the store does too):
+                # the same chain digest names the same KV, nothing to write.
+                self.counters.add("host_already_held")
+                return
             job = UploadJob(
-                key=self.rank.object_key(bid.group, seal.last_digest),
-                identity=self.rank.identity[bid.group],
+                key=key,
+                identity=identity,
                 buffer=ob.buf.retain(),
                 first=bid.first,
                 count=seal.count,
                 last_digest=seal.last_digest,
                 ready=ob.ready,
                 request_id=bid.request_id,
+                host=host,
+                to_s3=seal.to_s3,
             )
             if self.uploader.submit(job):
                 ob.pinned = max(ob.pinned, seal.count)
                 self.counters.add("seals_submitted")
             else:
                 job.buffer.release()
+                if host is not None and tier is not None:
+                    tier.fail(host)
                 log.warning("s3kv: upload queue full or closed; save of %s dropped", job.key)
                 self.counters.add("saves_dropped_other")
         finally:

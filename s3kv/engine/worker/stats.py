@@ -69,10 +69,41 @@ class WorkerStats:
     #: the lookups' (the store's request counters). For $ per token: ``cost.usage_from_stats``.
     put_requests: int = 0
     get_requests: int = 0
+    #: The host tier (``s3kv.transfer.hosttier``; all 0 without one): its size and what it holds
+    #: (bytes charged, objects; ghosts: accounted but never served here), ...
+    host_capacity: int = 0
+    host_used: int = 0
+    host_high_water: int = 0
+    host_objects: int = 0
+    host_ghosts: int = 0
+    host_pinned: bool = False
+    #: ... seconds to allocate (and pin) it at registration, ...
+    host_register_s: float = 0.0
+    #: ... loads it served (objects, page bytes) with no store request, objects read whole from
+    #: the store into it, seals filled into it, evictions, ...
+    host_hits: int = 0
+    host_hit_bytes: int = 0
+    host_promoted: int = 0
+    host_inserted: int = 0
+    host_evicted: int = 0
+    #: ... seals kept in the tier only (``to_s3`` evict/never), evicted ``evict`` objects written
+    #: to the store (and the failures), ...
+    host_only_saves: int = 0
+    host_write_backs: int = 0
+    host_write_back_failed: int = 0
+    #: ... loads rank 0's tier served whose object this rank's tier lacked (read from the store
+    #: instead), tier copies that failed a check (dropped), and seals meant for a host tier on a
+    #: rank without one (dropped).
+    host_divergence: int = 0
+    host_bad: int = 0
+    seals_dropped_no_tier: int = 0
 
 
-def worker_stats(c: Mapping[str, float], s: Any, *, uploads_pending: int, parked_now: int) -> WorkerStats:
-    """The snapshot from the counters ``c`` and the staging pool's stats ``s`` (None: no pool yet)."""
+def worker_stats(
+    c: Mapping[str, float], s: Any, *, uploads_pending: int, parked_now: int, host: Any = None
+) -> WorkerStats:
+    """The snapshot from the counters ``c``, the staging pool's stats ``s`` (None: no pool yet)
+    and the host tier's (``HostTierStats``, None: no tier)."""
 
     def n(name: str) -> int:
         return int(c.get(name, 0))
@@ -116,4 +147,22 @@ def worker_stats(c: Mapping[str, float], s: Any, *, uploads_pending: int, parked
         uploads_dropped_at_exit=n("uploads_dropped_at_exit"),
         put_requests=n("put_requests"),
         get_requests=n("get_requests"),
+        host_capacity=host.capacity if host else 0,
+        host_used=host.used if host else 0,
+        host_high_water=host.high_water if host else 0,
+        host_objects=host.objects if host else 0,
+        host_ghosts=host.ghosts if host else 0,
+        host_pinned=host.pinned if host else False,
+        host_register_s=host.register_s if host else 0.0,
+        host_hits=n("host_hits"),
+        host_hit_bytes=n("host_hit_bytes"),
+        host_promoted=n("host_promoted"),
+        host_inserted=n("host_inserted"),
+        host_evicted=host.evicted if host else 0,
+        host_only_saves=n("host_only_saves"),
+        host_write_backs=n("host_write_backs"),
+        host_write_back_failed=n("host_write_back_failed"),
+        host_divergence=n("host_divergence"),
+        host_bad=n("host_bad"),
+        seals_dropped_no_tier=n("seals_dropped_no_tier"),
     )

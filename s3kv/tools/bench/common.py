@@ -303,6 +303,7 @@ def bench_store(
             kind: str = emb.kind
             where = f"embedded {emb.kind} at {emb.endpoint_url}"
         else:
+            from ...config import redact_url
             from ...store.factory import open_store, parse_store_url
 
             scheme, bucket, url_prefix = parse_store_url(url)
@@ -322,7 +323,7 @@ def bench_store(
                     raw = make_s3_store(bucket, options=S3Options(max_concurrency=concurrency, region=region),
                                         endpoint_url=endpoint, url=url)
                 raw_client = _boto3_raw(bucket, endpoint or None, latency_s, {})
-                kind, where, cleanup = "s3", url, True
+                kind, where, cleanup = "s3", redact_url(url), True  # shown: no secret of the URL's
             else:
                 if s3_latency_ms is not None:
                     raise click.ClickException(
@@ -330,7 +331,7 @@ def bench_store(
                     )
                 raw = open_store(url)
                 raw_client = _store_raw(raw, latency_s)
-                kind, where = scheme, url
+                kind, where = scheme, redact_url(url)
                 cleanup = scheme != "memory"
         shaped = RegionLatency(raw, latency_s, concurrency) if latency_s else None
         store = InstrumentedStore(shaped if shaped is not None else raw)
@@ -433,15 +434,21 @@ def finish(
     plot_path: str | None,
     plot: Callable[[dict[str, Any], str], None],
 ) -> None:
+    failed = ""
     if plot_path:
-        plot(result, plot_path)
-        result["plot"] = plot_path
+        try:
+            plot(result, plot_path)
+            result["plot"] = plot_path
+        except Exception as exc:  # noqa: BLE001 - the results are printed whatever the chart does
+            failed = f"--plot {plot_path}: no chart written ({getattr(exc, 'strerror', None) or exc}); the results are above"
     if as_json:
         click.echo(json.dumps(result, indent=2, default=_json_default))
     else:
         click.echo(table(result))
-        if plot_path:
+        if plot_path and not failed:
             click.echo(f"plot: {plot_path}")
+    if failed:
+        raise click.ClickException(failed)
 
 
 def _json_default(o: Any) -> Any:
@@ -459,7 +466,11 @@ def rnd(x: float, nd: int = 3) -> float:
 # --------------------------------------------------------------------------- click options
 
 
-def common_options(default_latency_ms: float) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def common_options(default_latency_ms: float, plot: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options every store benchmark takes; ``plot=False`` for one that draws no chart (it is
+    then not offered)."""
+    from ..options import writable_file
+
     def deco(f: Callable[..., Any]) -> Callable[..., Any]:
         opts = [
             click.option(
@@ -468,13 +479,14 @@ def common_options(default_latency_ms: float) -> Callable[[Callable[..., Any]], 
                 is_flag=True,
                 help="Print ONE JSON object on stdout (progress on stderr).",
             ),
-            click.option(
+            *([click.option(
                 "--plot",
                 "plot_path",
-                type=click.Path(dir_okay=False, writable=True),
+                type=click.Path(dir_okay=False),
+                callback=writable_file,
                 default=None,
-                help="Write a PNG chart here.",
-            ),
+                help="Write a PNG chart here (checked before the benchmark starts).",
+            )] if plot else []),
             click.option(
                 "--url",
                 default=None,

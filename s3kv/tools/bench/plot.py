@@ -18,7 +18,7 @@ RAW = "#7f7f7f"
 BASELINE = "#d62728"
 
 
-PLOT_HINT = "--plot needs matplotlib: pip install 's3kv-trtllm[plot]' (the demo extra has it too)"
+PLOT_HINT = "--plot needs matplotlib: pip install matplotlib (the plot and demo extras have it)"
 
 
 def require_matplotlib() -> None:

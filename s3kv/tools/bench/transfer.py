@@ -131,6 +131,9 @@ class _Size:
         ]
         self.seed_bodies = [bytes(v) for v in self.page_views]
         self.settings = Settings(
+            # The objects this bench writes, so the worker's staging check sizes those (not the
+            # default 64 MiB target) against the staging it is given.
+            blocks_per_object=self.bpo,
             staging_mib=math.ceil(self.payload * 1.5 / MiB) + 64,
             upload_threads=cfg.upload_threads,
             download_threads=cfg.download_threads,
@@ -420,8 +423,20 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
         "speedup_vs_seed_ge_5x": res["speedup_vs_seed_path"] >= TARGET_SPEEDUP_VS_SEED,
         "bit_exact": exact_all,
     }
+    res["worth"] = _worth(bs, cfg, agg["s3kv_load"] * MiB)
     res["seconds"] = rnd(time.perf_counter() - t_start, 1)
     return res
+
+
+def _worth(bs: BenchStore, cfg: TransferConfig, load_bytes_per_s: float) -> dict[str, Any]:
+    """Where a hit of Gemma-3-27B beats recomputing it, per tier, at the speeds measured here
+    (``crossover.py``)."""
+    from ...transfer.tiers import TierSpeed
+    from .common import GEMMA3_27B
+    from .crossover import crossover, host_speed, store_round_trip_s
+
+    s3 = TierSpeed(latency_s=store_round_trip_s(bs.store), bytes_per_s=load_bytes_per_s)
+    return crossover(GEMMA3_27B, 32, Settings().prefill_tokens_per_s, {"host": host_speed(cfg.device), "s3": s3})
 
 
 def _measure(
@@ -583,5 +598,9 @@ def table(res: dict[str, Any]) -> str:
         f"save {res['save_ratio_vs_fastest_raw_paired']:.2f}, load {res['load_ratio_vs_fastest_raw_paired']:.2f}"
     )
     lines.append(f"loaded bytes identical to saved: {res['bit_exact']}")
+    if res.get("worth"):
+        from .crossover import table as worth_table
+
+        lines += ["", *worth_table(res["worth"])]
     lines.append(targets_line(res))
     return "\n".join(lines)

@@ -1,0 +1,571 @@
+"""The host tier (issue 39): its bound, its eviction by value, the write policies, and the engine
+served from host memory -- bit-exact, with no store request, on every executor loop, TP 1 and 2,
+sync and async loads; a rank whose tier diverged falls back to the store or the failed-load path."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import itertools
+import random
+
+import pytest
+import torch
+
+from s3kv.config import Settings
+from s3kv.core.objects import ObjectIdentity, decode_object, encode_object, header_len
+from s3kv.core.plan import BufferId, ConnectorMetadata, LoadOp, ObjectRef, SealOp, StageOp
+from s3kv.engine.index import KeyIndex
+from s3kv.engine.worker import WorkerCore
+from s3kv.sim import (
+    EXECUTOR_LOOPS,
+    SimCacheConfig,
+    SimEngine,
+    gemma3_like,
+    multi_turn_workload,
+    repeat_workload,
+)
+from s3kv.sim.layouts import GroupSpec, make_layout, page_bytes
+from s3kv.store.instrument import InstrumentedStore
+from s3kv.store.memory import MemoryStore
+from s3kv.transfer.hosttier import EVICT, NEVER, NOW, HostTier
+from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+
+TPB = 16
+GROUPS = [GroupSpec((0, 2), None, (192,), pad=64), GroupSpec((1, 3), 64, (128, 32))]
+
+
+def ident(page_bytes=1000, tpb=TPB, shard=0) -> ObjectIdentity:
+    return ObjectIdentity(b"n" * 16, "ab" * 8, shard, 1, tpb, page_bytes)
+
+
+def fill(tier: HostTier, key: str, identity: ObjectIdentity, first: int, count: int, *, to_s3=NOW, seed=0):
+    """Reserve, fill and commit an object the way the upload path does; its pages (bytes)."""
+    e = tier.reserve(key, identity, first, count, to_s3=to_s3)
+    if e is None:
+        return None
+    rng = random.Random(seed)
+    pages = torch.tensor([rng.randrange(256) for _ in range(count * identity.page_bytes)], dtype=torch.uint8)
+    buf = tier.fill_pages(e, pages)
+    if buf is not None:
+        pb = identity.page_bytes
+        views = [buf.memoryview(e.base + i * pb, pb) for i in range(count)]
+        tier.commit(e, encode_object(identity, first, b"d" * 16, views, key))
+        buf.release()
+    return bytes(pages.numpy().tobytes())
+
+
+# --------------------------------------------------------------------------- the tier alone
+
+
+def charged(count, identity=None):
+    """What the tier charges an object of ``count`` pages (its buffer, rounded to the arena's unit)."""
+    base, nbytes = HostTier.layout(identity or ident(), count)
+    return HostTier(MemoryStore(), 1 << 20).charge("k", nbytes, nbytes - base + header_len(count))
+
+
+@pytest.mark.parametrize("weigh", [None, "x3"])
+def test_the_tier_never_holds_more_than_its_size(weigh):
+    """Random objects, reads and drops: the bytes charged never pass the capacity, and what it
+    accounts for is exactly what it charged."""
+    rng = random.Random(7)
+    w = (lambda key, n: 3 * n + 11) if weigh else None
+    tier = HostTier(MemoryStore(), 200_000, weigh=w)
+    high = 0
+    for i in range(400):
+        op = rng.random()
+        if op < 0.6:
+            fill(tier, f"k{i}", ident(rng.choice([500, 1000, 4000])), 0, rng.randint(1, 12), seed=i)
+        elif op < 0.9 and tier.keys():
+            got = tier.acquire(rng.choice(tier.keys()))
+            if got is not None:
+                got[1].release()
+        elif tier.keys():
+            tier.discard(rng.choice(tier.keys()))
+        st = tier.stats()
+        assert st.used <= tier.capacity
+        assert st.used == sum(e.charged for e in tier.entries().values())
+        high = max(high, st.used)
+    st = tier.stats()
+    assert st.evicted > 0 and st.high_water == high <= tier.capacity
+    assert st.ghosts == 0 or weigh is None  # a buffer per object with a weigher: never out of room
+
+
+def test_an_object_larger_than_the_tier_is_refused_and_nothing_evicted():
+    tier = HostTier(MemoryStore(), 50_000)
+    fill(tier, "small", ident(), 0, 4)
+    assert tier.reserve("huge", ident(), 0, 60) is None
+    assert tier.keys() == ["small"] and tier.stats().too_big == 1
+
+
+def test_eviction_keeps_what_is_read_and_worth_most_per_byte():
+    """GDSF: a read object outlives unread ones of the same worth; of unread ones, the one that
+    covers fewer tokens per byte goes first; ties go by key (every rank evicts alike)."""
+    tier = HostTier(MemoryStore(), 3 * charged(4) + 100)
+    for k in ("a", "b", "c"):
+        fill(tier, k, ident(), 0, 4)
+    tier.acquire("a")[1].release()
+    fill(tier, "d", ident(), 0, 4)  # room for three: b (unread, lowest key) goes
+    assert tier.keys() == ["a", "c", "d"]
+    # Same bytes, more tokens per block: worth more per byte, kept over c and d.
+    fill(tier, "e", ident(tpb=64), 0, 4)
+    assert "e" in tier.keys() and "c" not in tier.keys()
+
+
+def test_an_object_read_long_ago_falls_behind_newer_ones():
+    """Recency without a clock: each eviction raises the floor new objects start from, so an
+    object read a few times long ago is evicted once enough newer objects came and went."""
+    tier = HostTier(MemoryStore(), 3 * charged(4) + 100)
+    fill(tier, "old", ident(), 0, 4)
+    for _ in range(3):
+        tier.acquire("old")[1].release()
+    for i in range(20):
+        fill(tier, f"new{i:02d}", ident(), 0, 4)
+    assert "old" not in tier.keys()
+
+
+def test_a_held_object_is_answered_like_the_store_would():
+    """As an ObjectStore: HEAD and ranged reads of a held object come from memory, byte for byte
+    the object the store would hold; anything else is the inner store's."""
+    inner = InstrumentedStore(MemoryStore())
+    tier = HostTier(inner, 1 << 20)
+    idn = ident()
+    pages = fill(tier, "k", idn, 3, 5)
+    info = tier.head("k")
+    assert info is not None and info.metadata["s3kv-first"] == "3" and info.metadata["s3kv-count"] == "5"
+    whole = tier.get("k")
+    header, got = decode_object(whole, idn, "k")
+    assert (header.first_ordinal, header.page_count) == (3, 5) and b"".join(bytes(p) for p in got) == pages
+    out = bytearray(10)
+    tier.get_ranges_into("k", [_range(header_len(5) + 2, 10)], [memoryview(out)])
+    assert bytes(out) == pages[2:12]
+    assert inner.snapshot().requests == 0
+    assert tier.head("other") is None and inner.snapshot().head == 1
+
+
+def _range(offset, length):
+    from s3kv.store.base import ByteRange
+
+    return ByteRange(offset, length)
+
+
+def test_evict_policy_writes_on_eviction_only_what_a_load_read():
+    inner = MemoryStore()
+    written = []
+    tier = HostTier(inner, 3 * charged(4) + 100, on_written=lambda k, span: written.append((k, span.first, span.count)))
+    fill(tier, "read", ident(), 8, 4, to_s3=EVICT)
+    fill(tier, "unread", ident(), 0, 4, to_s3=EVICT)
+    fill(tier, "local", ident(), 0, 4, to_s3=NEVER)
+    tier.acquire("read")[1].release()
+    tier.acquire("local")[1].release()
+    for i in range(4):
+        fill(tier, f"x{i}", ident(), 0, 4, to_s3=NEVER)
+    assert tier.flush_write_backs(10)
+    assert inner.keys() == ["read"] and written == [("read", 8, 4)]
+    decode_object(inner.get("read"), ident(), "read")  # the bytes the store got verify
+
+
+def test_a_ghost_is_accounted_but_never_served():
+    tier = HostTier(MemoryStore(), 1 << 20)
+    e = tier.reserve("g", ident(), 0, 4, ghost=True)
+    assert e is not None and e.buf is None
+    assert tier.acquire("g") is None and tier.span_of("g") is None and tier.head("g") is None
+    assert tier.stats().used == e.charged and tier.stats().ghosts == 1
+
+
+# --------------------------------------------------------------------------- the worker's policies
+
+
+def digest(*parts: object) -> bytes:
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def make_core(store, *, seed=0, tp_rank=0, tp_size=1, index=None, **kw):
+    base = dict(staging_mib=4, upload_threads=2, download_threads=4, load_timeout_s=5.0, host_cache_gb=0.001)
+    base.update(kw)
+    layout = make_layout(GROUPS, num_slots=32, tokens_per_block=TPB, fill_seed=seed)
+    core = WorkerCore(Settings(**base), store, "kv", tp_rank, tp_size, model_id="m", kv_dtype="bf16", index=index,
+                      failed_load_hook=True)
+    core.register_layout(layout)
+    return core, layout
+
+
+def step(core, md, finished_gen=(), started_loading=()):
+    core.bind(md)
+    core.start_load_kv(None)
+    for layer in range(4):
+        core.wait_for_layer_load(layer, None)
+    core.wait_for_save(None)
+    return core.get_finished(list(finished_gen), list(started_loading))
+
+
+def seal_md(rid, group, slots, d, to_s3=NOW):
+    bid = BufferId(rid, group, 0, len(slots))
+    return ConnectorMetadata(stages=tuple(StageOp(bid, i, s) for i, s in enumerate(slots)),
+                             seals=(SealOp(bid, len(slots), d, to_s3=to_s3),))
+
+
+def load_md(rid, group, d, count, slots):
+    return ConnectorMetadata(loads=(LoadOp(rid, ObjectRef(group, d, ((0, count),)), tuple(range(count)), tuple(slots)),))
+
+
+@pytest.mark.parametrize("to_s3", [NOW, EVICT, NEVER])
+def test_a_seal_lands_in_the_tier_and_in_the_store_as_its_policy_says(to_s3):
+    inner = InstrumentedStore(MemoryStore())
+    index = KeyIndex()
+    a, la = make_core(inner, index=index, host_cache_gb=40_000 / 2**30)  # room for a few objects
+    d = digest(to_s3)
+    step(a, seal_md(1, 0, [3, 4, 5], d, to_s3))
+    assert a.flush(10)
+    key = a.object_key(0, d)
+    assert a.host_tier.holds(key)
+    assert (key in inner.inner.keys()) == (to_s3 == NOW)
+    assert (index.get(key) is not None) == (to_s3 == NOW)  # the index only knows what the store holds
+    before = inner.snapshot()
+    step(a, load_md(9, 0, d, 3, [20, 21, 22]))
+    assert [page_bytes(la, 0, s) for s in (20, 21, 22)] == [page_bytes(la, 0, s) for s in (3, 4, 5)]
+    assert inner.snapshot().get == before.get  # served from host memory
+    st = a.stats()
+    assert st.host_hits == 1 and st.host_only_saves == (to_s3 != NOW)
+    # Evicted: an "evict" object a load read is written to the store then; a "never" one is gone.
+    for i in range(40):
+        step(a, seal_md(100 + i, 0, [6, 7, 8, 9], digest("fill", i), NEVER))
+        assert a.flush(10)
+    assert not a.host_tier.holds(key)
+    assert a.host_tier.flush_write_backs(10)
+    assert (key in inner.inner.keys()) == (to_s3 in (NOW, EVICT))
+    assert (index.get(key) is not None) == (to_s3 in (NOW, EVICT))
+    a.close()
+
+
+@pytest.mark.parametrize("to_s3", [EVICT, NEVER])
+def test_a_host_only_seal_without_a_tier_is_dropped_and_counted(to_s3):
+    store = MemoryStore()
+    a, _ = make_core(store, host_cache_gb=0)
+    step(a, seal_md(1, 0, [3, 4], digest("x"), to_s3))
+    assert a.flush(10)
+    assert store.keys() == [] and a.stats().seals_dropped_no_tier == 1 and a.stats().staging_in_use == 0
+    a.close()
+
+
+def test_no_tier_unless_asked_outside_an_engine():
+    """-1 (auto) sizes a tier from the machine only for an engine's GPU cache: a core built by a
+    tool or test, or a CPU cache, has none."""
+    a, _ = make_core(MemoryStore(), host_cache_gb=-1)
+    assert a.host_tier is None
+    a.close()
+
+
+def test_a_corrupt_tier_copy_is_dropped_and_the_store_serves_the_load():
+    store = MemoryStore()
+    a, la = make_core(store, host_cache_verify=True)
+    d = digest("bad")
+    step(a, seal_md(1, 0, [3, 4], d))
+    assert a.flush(10)
+    key = a.object_key(0, d)
+    e = a.host_tier.entries()[key]
+    e.buf.tensor[e.base + 5] ^= 1  # a flipped bit in host memory
+    step(a, load_md(9, 0, d, 2, [20, 21]))
+    assert [page_bytes(la, 0, s) for s in (20, 21)] == [page_bytes(la, 0, s) for s in (3, 4)]
+    st = a.stats()
+    assert st.host_bad == 1 and st.host_hits == 0 and st.objects_loaded == 1
+    assert not a.host_tier.holds(key)
+    a.close()
+
+
+def test_a_whole_object_read_from_the_store_is_kept_for_the_next_load():
+    store = InstrumentedStore(MemoryStore())
+    a, la = make_core(store)
+    d = digest("promote")
+    step(a, seal_md(1, 1, [3, 4], d))
+    assert a.flush(10)
+    b, lb = make_core(store, seed=5)
+    step(b, load_md(9, 1, d, 2, [20, 21]))
+    gets = store.snapshot().get
+    step(b, load_md(10, 1, d, 2, [22, 23]))
+    assert store.snapshot().get == gets
+    want = [page_bytes(la, 1, s) for s in (3, 4)]
+    assert [page_bytes(lb, 1, s) for s in (20, 21)] == want == [page_bytes(lb, 1, s) for s in (22, 23)]
+    st = b.stats()
+    assert st.host_promoted == 1 and st.host_hits == 1
+    a.close()
+    b.close()
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+_keys = itertools.count()
+
+
+class PolicyLeader(S3KvConnectorLeader):
+    """The leader with every seal's ``to_s3`` set to ``TO_S3`` (the value policy's choice)."""
+
+    TO_S3 = NOW
+
+    def build_connector_meta(self, scheduler_output):
+        md = super().build_connector_meta(scheduler_output)
+        seal = lambda s: dataclasses.replace(s, to_s3=self.TO_S3)  # noqa: E731
+        return dataclasses.replace(
+            md, seals=tuple(map(seal, md.seals)),
+            finish_plans=tuple(dataclasses.replace(p, seals=tuple(map(seal, p.seals))) for p in md.finish_plans),
+        )
+
+
+def engine(store, *, tp=1, loop="non-overlap", load_mode="async", leader=S3KvConnectorLeader, gb=0.05, **kw):
+    s = Settings(url="memory://unused", staging_mib=64, check_access=False, host_cache_gb=gb, load_mode=load_mode,
+                 **{"lookup_timeout_s": 5.0, **kw})
+    return SimEngine(gemma3_like(64, kv_heads=2), SimCacheConfig(tokens_per_block=TPB, max_seq_len=2048),
+                     leader, S3KvConnectorWorker, tp_size=tp, chunk_size=48, failed_load_hook=load_mode == "sync",
+                     connector_kwargs=dict(settings=s, store=store, engine_key=f"host-{next(_keys)}"),
+                     **EXECUTOR_LOOPS[loop])
+
+
+SPECS = multi_turn_workload(n_conversations=2, turns=2, system_len=160, first_len=96, turn_len=64, max_new_tokens=24)
+
+
+def flushed(e):
+    for w in e.workers:
+        assert w.flush(30)
+
+
+@pytest.mark.parametrize("loop", list(EXECUTOR_LOOPS))
+@pytest.mark.parametrize("load_mode", ["async", "sync"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_repeat_on_one_engine_is_served_from_host_memory_with_no_store_request(tp, load_mode, loop):
+    store = InstrumentedStore(MemoryStore())
+    with engine(store, tp=tp, loop=loop, load_mode=load_mode) as e:
+        cold = e.run(SPECS)
+        flushed(e)
+        before = store.snapshot()
+        warm = e.run(repeat_workload(SPECS, 10_000))
+        flushed(e)
+        after = store.snapshot()
+        stats = [w.core.stats() for w in e.workers]
+    assert cold.kv_mismatches == 0 and warm.kv_mismatches == 0 and warm.guard_violations == 0
+    assert warm.hit_rate >= 0.9, warm.summary()
+    assert (after.get, after.head, after.put) == (before.get, before.head, before.put)
+    for st in stats:
+        assert st.host_hits > 0 and st.host_divergence == 0 and st.objects_loaded == st.host_hits
+        assert st.host_high_water <= st.host_capacity
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_fresh_engine_keeps_what_it_read_from_the_store(tp):
+    """Engine B reads A's objects from the store once; its own repeat is then served from B's tier."""
+    store = InstrumentedStore(MemoryStore())
+    with engine(store, tp=tp) as a:
+        a.run(SPECS)
+        flushed(a)
+    with engine(store, tp=tp) as b:
+        first = b.run(repeat_workload(SPECS, 10_000))
+        flushed(b)
+        gets = store.snapshot().get
+        again = b.run(repeat_workload(SPECS, 20_000))
+        assert store.snapshot().get == gets
+        promoted = [w.core.stats().host_promoted for w in b.workers]
+    assert first.kv_mismatches == 0 and again.kv_mismatches == 0
+    assert again.hit_rate >= 0.9 and all(p > 0 for p in promoted)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_host_only_object_is_never_promised_once_evicted(tp):
+    """``never``: nothing reaches the store. A repeat is served from the tier; once the tier has
+    evicted the first conversations (others filled it), their repeat is a miss -- never a failed
+    or wrong load."""
+    store = InstrumentedStore(MemoryStore())
+    PolicyLeader.TO_S3 = NEVER
+    with engine(store, tp=tp, leader=PolicyLeader, gb=0.0006) as e:  # SPECS need ~0.4 MB
+        first = e.run(SPECS)
+        flushed(e)
+        warm = e.run(repeat_workload(SPECS, 10_000))
+        flushed(e)
+        assert warm.hit_rate >= 0.9, warm.summary()
+        others = multi_turn_workload(n_conversations=8, turns=2, system_len=160, first_len=96, turn_len=64,
+                                     max_new_tokens=24, seed=99, first_id=50_000)
+        e.run(others)
+        flushed(e)
+        late = e.run(repeat_workload(SPECS, 30_000))
+        stats = [w.core.stats() for w in e.workers]
+        leader = e.leader.core.stats
+    assert store.snapshot().put == 0 and store.snapshot().get == 0
+    assert first.kv_mismatches == 0 and warm.kv_mismatches == 0 and late.kv_mismatches == 0
+    assert late.hit_rate < warm.hit_rate
+    assert leader.promises_broken == 0
+    for st in stats:
+        assert st.host_evicted > 0 and st.loads_failed_objects == 0 and st.requests_failed == 0
+        assert st.host_high_water <= st.host_capacity
+
+
+def test_a_rank_whose_tier_lost_an_object_reads_it_from_the_store():
+    store = InstrumentedStore(MemoryStore())
+    with engine(store, tp=2) as e:
+        e.run(SPECS)
+        flushed(e)
+        tier1 = e.workers[1].core.host_tier
+        for k in tier1.keys():
+            tier1.discard(k)
+        gets = store.snapshot().get
+        warm = e.run(repeat_workload(SPECS, 10_000))
+        st0, st1 = (w.core.stats() for w in e.workers)
+    assert warm.kv_mismatches == 0 and warm.hit_rate >= 0.9
+    assert st1.host_divergence > 0 and st0.host_divergence == 0
+    assert store.snapshot().get > gets
+
+
+def test_a_rank_whose_tier_lost_a_host_only_object_takes_the_failed_load_path():
+    store = InstrumentedStore(MemoryStore())
+    PolicyLeader.TO_S3 = NEVER
+    with engine(store, tp=2, leader=PolicyLeader, load_mode="sync") as e:
+        e.run(SPECS)
+        flushed(e)
+        tier1 = e.workers[1].core.host_tier
+        for k in tier1.keys():
+            tier1.discard(k)
+        warm = e.run(repeat_workload(SPECS, 10_000))
+        st1 = e.workers[1].core.stats()
+    assert warm.kv_mismatches == 0  # recomputed by the engine, never served unverified
+    assert st1.host_divergence > 0 and st1.rung_engine_recompute > 0
+    assert any(r.recomputed_failed_load for r in warm.requests)
+
+
+def test_metrics_say_which_tier_served_each_load():
+    store = MemoryStore()
+    with engine(store) as e:
+        e.run(SPECS)
+        flushed(e)
+        e.run(repeat_workload(SPECS, 10_000))
+        for w in e.workers:
+            w.observe_metrics()
+        m = e.workers[0].metrics
+        st = e.workers[0].core.stats()
+        assert m.value("s3kv_tier_loads_total", tier="host") == st.host_hits > 0
+        assert m.value("s3kv_tier_loads_total", tier="s3") == st.objects_loaded - st.host_hits
+        assert m.value("s3kv_host_tier_bytes") == st.host_used > 0
+        assert m.value("s3kv_host_tier_capacity_bytes") == st.host_capacity
+        assert m.value("s3kv_host_tier_events_total", event="inserted") == st.host_inserted > 0
+
+
+# --------------------------------------------------------------------------- never slower than recompute
+
+
+def test_a_hit_is_weighed_against_recomputing_it():
+    from s3kv.core.hitrule import Span
+    from s3kv.core.layout import CacheGeometry, GroupGeometry
+    from s3kv.engine.leader.worth import worth_loading
+    from s3kv.transfer.tiers import TierSpeed
+
+    g = CacheGeometry(16, (GroupGeometry(0, None, (0,), (1000,)), GroupGeometry(1, 64, (1,), (1000,))), 1, "bf16", "m")
+    cov = {(0, 0): {8: Span(0, 8), 16: Span(8, 16)}, (1, 0): {8: Span(4, 8), 16: Span(11, 16)}}
+    host = {(0, 0, 8), (1, 0, 8)}  # the first half in host memory, the rest in S3
+    fast, slow = TierSpeed(1e-4, 1e10), TierSpeed(5.0, 1e6)
+    # 1000 tokens/s: 16 blocks of 16 tokens take 0.256 s to recompute.
+    assert worth_loading(g, cov, host, 0, 16, 0, {"host": fast, "s3": fast}, 1000.0).h_blocks == 16
+    assert worth_loading(g, cov, host, 0, 16, 0, {"host": fast, "s3": slow}, 1000.0).h_blocks == 0
+    cut = worth_loading(g, cov, host, 0, 16, 0, {"host": fast, "s3": slow}, 1000.0, host_h=8)
+    assert cut.h_blocks == 8 and cut.store_bytes == 0 and cut.host_bytes == (8 + 4) * 1000
+    assert worth_loading(g, cov, host, 0, 16, 0, {"host": slow, "s3": slow}, 1000.0, host_h=8).h_blocks == 0
+
+
+def test_an_engine_loads_only_what_beats_recomputing_it():
+    """S3 measured far slower than recomputing: a fresh engine takes no hit from it (counted
+    not_worth), and where its host tier holds the first turn, a second turn loads that part only."""
+    store = InstrumentedStore(MemoryStore())
+    turns = multi_turn_workload(n_conversations=2, turns=2, system_len=160, first_len=96, turn_len=64,
+                                max_new_tokens=24)
+    first = [s for s in turns if s.request_id % 2 == 0]
+    second = [dataclasses.replace(s, after=()) for s in turns if s.request_id % 2 == 1]  # prompts are fixed
+    others = multi_turn_workload(n_conversations=2, turns=1, system_len=160, first_len=96, seed=5, first_id=100)
+    with engine(store) as a:
+        a.run(turns + others)
+        flushed(a)
+    with engine(store, lookup_timeout_s=-1) as b:  # lookups (and loads) follow the value: the default
+        speeds = b.workers[0].core.speeds
+        # Speeds are measured as loads run; a loaded machine must not make S3 look slow yet.
+        speeds["s3"].observe = lambda nbytes, seconds: None  # type: ignore[method-assign]
+        b.run(repeat_workload(first, 10_000))  # read from S3 (instant so far): kept in B's tier
+        flushed(b)
+        speeds["s3"].latency_s, speeds["s3"].bytes_per_s = 30.0, 1e3
+        gets = store.snapshot().get
+        cut = b.run(repeat_workload(second, 20_000))
+        none = b.run(repeat_workload(others, 30_000))  # stored, in S3 only
+        leader = b.leader.core.stats
+    assert cut.kv_mismatches == 0 and none.kv_mismatches == 0
+    assert store.snapshot().get == gets
+    assert 0 < cut.matched_tokens < sum(len(s.prompt) for s in second) - 2 * 64  # the first turn's part
+    assert none.matched_tokens == 0
+    assert leader.offers_not_worth == 4 and leader.lookup_decisions.get("not_worth", 0) == 2
+
+
+def test_stats_shows_each_tier_of_a_running_engine(tmp_path):
+    """``s3kv stats --engine URL``: the bucket, and beside it what a rank's host tier served and holds
+    (from its metrics endpoint); an endpoint that does not answer is one line, not a failure."""
+    import json
+
+    from click.testing import CliRunner
+
+    from s3kv.cli import main
+    from s3kv.engine.metrics import start_http_server
+
+    with engine(MemoryStore()) as e:
+        e.run(SPECS)
+        flushed(e)
+        e.run(repeat_workload(SPECS, 10_000))
+        e.workers[0].observe_metrics()
+        st = e.workers[0].core.stats()
+        server = start_http_server(e.workers[0].metrics, 0)
+        try:
+            url = f"http://127.0.0.1:{server.server_port}/metrics"
+            args = ["stats", "--url", f"file://{tmp_path}", "--engine", url, "--engine", "http://127.0.0.1:9/metrics"]
+            out = CliRunner().invoke(main, [*args, "--json"], catch_exceptions=False)
+            text = CliRunner().invoke(main, args, catch_exceptions=False)
+        finally:
+            server.shutdown()
+    doc = json.loads(out.stdout)
+    live, dead = doc["tiers"]
+    assert live["loads"] == {"host": st.host_hits, "s3": st.objects_loaded - st.host_hits} and st.host_hits > 0
+    assert live["host_tier"]["bytes"] == st.host_used and live["host_tier"]["capacity_bytes"] == st.host_capacity
+    assert "error" in dead
+    assert f"loads from the host tier {st.host_hits}" in text.stdout and "no metrics" in text.stdout
+
+
+def test_a_weigher_charges_objects_by_their_stored_size():
+    """Contract 2: ``weigh(key, nbytes)`` sees each object's size as the store holds it, and the
+    capacity bounds what it charges (a replay charges a real model's pages for tiny ones)."""
+    from s3kv.core.objects import object_len
+
+    seen = []
+
+    def weigh(key, nbytes):
+        seen.append((key, nbytes))
+        return 1000 * nbytes
+
+    tier = HostTier(MemoryStore(), 10_000 * 1000 + 1, weigh=weigh)
+    fill(tier, "a", ident(), 0, 5)
+    fill(tier, "b", ident(), 0, 5)
+    assert seen == [("a", object_len(5, 1000, False)), ("b", object_len(5, 1000, False))]
+    assert tier.keys() == ["b"] and tier.stats().used == 1000 * object_len(5, 1000, False)
+
+
+def test_signed_objects_are_checked_in_the_tier_too():
+    """With integrity keys the tier holds the object's trailer of keyed tags where the store does,
+    and a hit checks it: a header re-signed by no key is refused and read from the store."""
+    store = MemoryStore()
+    key_text = "0123456789abcdef0123456789abcdef-tier"
+    a, la = make_core(store, integrity_key=key_text)
+    d = digest("signed")
+    step(a, seal_md(1, 1, [3, 4], d))
+    assert a.flush(10)
+    key = a.object_key(1, d)
+    decode_object(store.get(key), a.identity(1), key)  # the store's copy verifies
+    assert bytes(a.host_tier.get(key)) == store.get(key)  # the tier's bytes are the store's
+    step(a, load_md(9, 1, d, 2, [20, 21]))
+    assert [page_bytes(la, 1, s) for s in (20, 21)] == [page_bytes(la, 1, s) for s in (3, 4)]
+    assert a.stats().host_hits == 1
+    e = a.host_tier.entries()[key]
+    e.buf.tensor[e.base + 2 * a.identity(1).page_bytes + 20] ^= 1  # a bit of the trailer
+    step(a, load_md(10, 1, d, 2, [22, 23]))
+    assert [page_bytes(la, 1, s) for s in (22, 23)] == [page_bytes(la, 1, s) for s in (3, 4)]
+    st = a.stats()
+    assert st.host_bad == 1 and st.host_hits == 1 and st.objects_loaded == 2
+    a.close()
