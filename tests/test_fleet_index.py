@@ -37,6 +37,7 @@ from s3kv.engine.leader import LeaderCore
 from s3kv.engine.leader.pace import Pace
 from s3kv.sim import gemma3_like
 from s3kv.sim.request import SimRequestSpec
+from s3kv.store.base import NotFound
 from s3kv.store.instrument import InstrumentedStore
 from s3kv.store.memory import MemoryStore
 
@@ -528,6 +529,10 @@ def test_gc_publishes_the_index_that_engines_then_read(tmp_path):
     t = time.time() - 3 * 86400
     for k in _write(writer, store, drop, 40):
         os.utime(tmp_path / "cache" / k, (t, t))
+    # Another deployment below this URL (s3://b/kv/teamB under s3://b/kv): gc keeps out of it.
+    writer.scheme = dataclasses.replace(writer.scheme, prefix="teamB")
+    _write(writer, store, tokens_of(8 * TPB + 9, seed=42), 8)
+    writer.scheme = dataclasses.replace(writer.scheme, prefix="")
     env = {"S3KV_INTEGRITY_KEY": SECRET}
     r = CliRunner().invoke(gc_command, ["--url", url, "--older-than", "2", "--index", "10s", "--json"], env=env)
     assert r.exit_code == 0, r.output
@@ -535,6 +540,8 @@ def test_gc_publishes_the_index_that_engines_then_read(tmp_path):
     idx = decode(store.get_if_changed(key).data, object_key=key, namespace=writer.namespace, keys=KEYS,
                  max_objects=1000)
     assert idx.verified and idx.objects == 20 and idx.every_s >= 10
+    with pytest.raises(NotFound):  # none written into the other deployment's namespace
+        store.get_if_changed(index_key(f"teamB/{writer.namespace.hex()}/"))
     r = CliRunner().invoke(gc_command, ["--url", url, "--older-than", "2", "--index", "0", "--json"], env=env)
     assert r.exit_code != 0 and "--index" in r.output
 
