@@ -279,10 +279,10 @@ class Settings:
     #: 128k-token verify wave), and with several cores its wall time drops too. -1 = half the
     #: usable cores, 1 to 8 (none on one core); 0 = waves run in the engine's process.
     lookup_head_processes: int = -1
-    #: Refresh a summary of the namespace's stored objects (one LIST pass) this often, so a cold
-    #: miss costs no request and a cold hit one verify wave; 0 = off (lookups probe with HEADs).
-    #: Off by default until engines start it at layout registration (first lookups would race
-    #: the first refresh); `s3kv bench lookup` measures both.
+    #: Refresh a summary of the namespace's stored objects (one LIST pass by this engine) this
+    #: often, so a cold miss costs no request and a cold hit one verify wave, where no fresh fleet
+    #: index exists (fleet_index_s); 0 = off (lookups probe with HEADs). Off by default: every
+    #: engine listing on its own is what the fleet index replaces.
     lookup_summary_s: float = 0.0
     #: The summary is dropped (lookups probe) when the namespace holds more objects than this.
     lookup_summary_max_objects: int = 500_000
@@ -291,6 +291,22 @@ class Settings:
     #: HEAD answers do (for index_ttl_s): a cold hit then costs no request either. Spans come
     #: from the key and the size; the load still verifies header and checksums before placing.
     lookup_summary_trust_s: float = 0.0
+    # -- the fleet index; the lookup's stall priced as latency (docs/operations.md#the-fleet-index)
+    #: Fetch the namespace's fleet index (one conditional GET, a 304 while it is unchanged) this
+    #: often, seconds; 0 = off. One publisher writes it (`s3kv gc --watch ... --index 10s`); with
+    #: a fresh one a cold miss costs no request and a cold hit one verify wave (or none, below).
+    #: Without one lookups fall back to the LIST summary (lookup_summary_s) or HEAD waves.
+    fleet_index_s: float = 5.0
+    #: A fleet index signed with the integrity key and younger than this (at most index_ttl_s)
+    #: vouches for the young objects it lists as a HEAD answer does: their hit costs no request.
+    #: 0 = every index hit is verified by one HEAD wave. Unsigned indexes are never trusted.
+    fleet_index_trust_s: float = 60.0
+    #: An index listing more objects than this is refused (lookups fall back); ~18 bytes each.
+    fleet_index_max_objects: int = 4_000_000
+    #: The inter-token latency one lookup may add to the requests running beside it -- its stall
+    #: beyond what the overlap loop hides behind the previous forward -- in ms: set it from your
+    #: per-token latency SLO (a lookup with no request beside it is bound by the value rule only).
+    lookup_max_added_latency_ms: float = 50.0
     #: At layout registration (before the first request), spend at most about this long paying
     #: what the first lookup would pay once: HEAD helper processes, event loop, connections. 0 = off.
     warm_up_s: float = 10.0
@@ -469,6 +485,11 @@ def validate(s: Settings) -> None:
     need(s.lookup_max_pending >= 0, "lookup_max_pending", "must be >= 0", s.lookup_max_pending)
     need(s.lookup_summary_s >= 0, "lookup_summary_s", "must be >= 0 (0 = off)", s.lookup_summary_s)
     need(s.lookup_summary_trust_s >= 0, "lookup_summary_trust_s", "must be >= 0 (0 = verify)", s.lookup_summary_trust_s)
+    need(s.fleet_index_s >= 0, "fleet_index_s", "must be >= 0 (0 = off)", s.fleet_index_s)
+    need(s.fleet_index_trust_s >= 0, "fleet_index_trust_s", "must be >= 0 (0 = verify)", s.fleet_index_trust_s)
+    need(s.fleet_index_max_objects > 0, "fleet_index_max_objects", "must be > 0", s.fleet_index_max_objects)
+    need(s.lookup_max_added_latency_ms >= 0, "lookup_max_added_latency_ms", "must be >= 0",
+         s.lookup_max_added_latency_ms)
     need(s.identity_cache_dir in ("", "off") or os.path.isabs(os.path.expanduser(s.identity_cache_dir)),
          "identity_cache_dir", "must be an absolute path, '' (the user cache directory) or 'off'",
          s.identity_cache_dir)

@@ -71,6 +71,29 @@ def test_put_is_write_once_and_accepts_buffer_lists(case: StoreCase) -> None:
     assert store.get(empty) == b""
 
 
+def test_get_if_changed_is_one_conditional_read_that_sees_a_replacement(case: StoreCase) -> None:
+    """The fleet index's poll (``get_if_changed``): the whole object and an ETag, then None while
+    that ETag still names it, the new bytes once the key was deleted and written again (how the
+    publisher replaces an index under write-once rules), NotFound while it is gone."""
+    store = InstrumentedStore(case.store)
+    k = case.key("fleet-index")
+    with pytest.raises(NotFound):
+        store.get_if_changed(k)
+    assert store.put(k, b"first version", {"a": "1"}) is True
+    got = store.get_if_changed(k)
+    assert got is not None and got.data == b"first version" and got.etag
+    assert store.get_if_changed(k, got.etag) is None  # unchanged: no body
+    assert store.get_if_changed(k, '"some-other-etag"').data == b"first version"
+    store.delete_many([k])
+    with pytest.raises(NotFound):
+        store.get_if_changed(k, got.etag)
+    assert store.put(k, b"second, longer version") is True
+    again = store.get_if_changed(k, got.etag)
+    assert again is not None and again.data == b"second, longer version" and again.etag != got.etag
+    snap = store.snapshot()
+    assert snap.fetch == 6 and snap.fetch_unchanged == 1 and snap.get == 0
+
+
 def test_write_once_race(case: StoreCase) -> None:
     """Two writers, same key, same instant: both return cleanly, exactly one wins, body whole."""
     store = case.store

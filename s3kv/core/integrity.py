@@ -6,7 +6,7 @@ recompute the checksums. With a secret configured (``S3KV_INTEGRITY_KEY`` or
 ``S3KV_INTEGRITY_KEY_FILE``) every object carries tags only a key holder can make,
 and a reader holding the key treats an object without a valid tag as a miss.
 
-Three tags, all keyed BLAKE3 (a MAC when keyed; ~5 GB/s a core here, 4-8x keyed
+Four tags, all keyed BLAKE3 (a MAC when keyed; ~5 GB/s a core here, 4-8x keyed
 BLAKE2b or HMAC-SHA256 -- see ``s3kv bench integrity``), each under its own key
 derived from the secret (``derive_key`` contexts), so one tag can never stand in
 for another:
@@ -17,7 +17,10 @@ for another:
   ordered page tags: binds every page to its position, object and key;
 * a **metadata tag** (16 bytes, in ``x-amz-meta-s3kv-tag``) over the object key
   and the mirrored metadata, so the lookup's HEAD rejects a planted object before
-  anything is promised -- a forged object is a miss, not a failed load.
+  anything is promised -- a forged object is a miss, not a failed load;
+* an **index tag** (32 bytes) over a published fleet index and its key
+  (``s3kv.core.fleetindex``): only a key holder can publish an index that makes a
+  hit free.
 
 Every tag names the key that made it by an 8-byte key id (a one-way digest of
 the secret). Writers sign with the current key; readers accept the current key
@@ -62,6 +65,7 @@ class TagKey:
     _page: bytes = field(repr=False)
     _object: bytes = field(repr=False)
     _meta: bytes = field(repr=False)
+    _index: bytes = field(repr=False)
 
     @classmethod
     def from_secret(cls, secret: str | bytes) -> TagKey:
@@ -71,6 +75,7 @@ class TagKey:
             _derive(raw, "page tag"),
             _derive(raw, "object tag"),
             _derive(raw, "metadata tag"),
+            _derive(raw, "fleet index tag"),
         )
 
     def __repr__(self) -> str:
@@ -99,6 +104,17 @@ class TagKey:
         text = object_key + "\n" + "".join(f"{k}={fields[k]}\n" for k in sorted(fields))
         h.update(text.encode())
         return h.digest(META_TAG_BYTES)
+
+    def index_tag(self, object_key: str, body: Any) -> bytes:
+        """The tag of a published fleet index (``s3kv.core.fleetindex``): over its key, so a
+        signed index copied to another namespace's key does not verify there, and its bytes."""
+        h = blake3.blake3(key=self._index)
+        k = object_key.encode()
+        h.update(len(k).to_bytes(8, "little"))
+        h.update(k)
+        h.update(self.key_id)
+        h.update(body)
+        return h.digest(OBJECT_TAG_BYTES)
 
 
 @dataclass(frozen=True)

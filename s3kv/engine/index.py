@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -65,6 +65,10 @@ class KeyIndex:
         # Objects that failed a load (gone, corrupt, foreign): missing for a long while. Its own map,
         # so each map stays in expiry order (one TTL per map).
         self._quarantined: OrderedDict[str, float] = OrderedDict()
+        #: Keys quarantined so far (a count) and the latest of them: the lookups read them to
+        #: learn that an object a listing vouched for failed its load (``summary.TrustGate``).
+        self.quarantines = 0
+        self.recent_quarantined: deque[str] = deque(maxlen=256)
 
     def _sweep(self, now: float, limit: int = _SWEEP) -> None:
         """Drop up to ``limit`` expired entries from the front of each map."""
@@ -140,8 +144,18 @@ class KeyIndex:
                 self._missing.pop(k, None)
                 self._quarantined.pop(k, None)
                 self._quarantined[k] = now + ttl
+                self.recent_quarantined.append(k)
+                self.quarantines += 1
             self._sweep(now)
             self._bound()
+
+    def quarantined_since(self, seen: int) -> tuple[int, list[str]]:
+        """(quarantines so far, the keys quarantined after the first ``seen`` of them -- the latest
+        256 at most)."""
+        with self._lock:
+            n, recent = self.quarantines, self.recent_quarantined
+            k = min(n - seen, len(recent))
+            return n, list(recent)[len(recent) - k :] if k > 0 else []
 
     def forget_missing(self, keys: Iterable[str]) -> None:
         """Drop what was remembered as missing (not quarantines, not known objects): ``keys`` may

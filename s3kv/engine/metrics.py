@@ -31,6 +31,9 @@ Metric names (all prefixed ``s3kv_``)::
     lookup_stall_seconds{decision} (histogram: what each lookup held the scheduler),
     lookup_budget_seconds (histogram), lookup_saveable_tokens_total{decision},
     lookup_decisions_total{decision}  (hit, miss, ran_out, busy, error, skipped, not_worth), warm_up_seconds
+    lookup_unhidden_stall_seconds_total, lookup_added_latency_seconds_total,
+    lookup_added_itl_seconds (histogram: the inter-token latency one lookup added to each co-running request),
+    lookup_listed_total{source} (index, list), lookup_trusted_hits_total, listing_trust_lost_total
     store_requests_total{op}, store_bytes_total{op,direction}, store_request_seconds{op},
     store_retries_total{op}, store_errors_total{op,type}
     breaker_state (0 closed, 1 half-open, 2 open), breaker_transitions_total{from_state,to_state}
@@ -63,6 +66,7 @@ from ..core.errors import PARK_CAUSES
 from ..store.base import (
     Buffer,
     ByteRange,
+    Fetched,
     HeadBatch,
     ObjectInfo,
     ObjectStore,
@@ -76,7 +80,7 @@ PREFIX = "s3kv"
 #: Where the metrics server binds unless told otherwise: metrics name buckets and key prefixes,
 #: so they are not for the whole network by default (``S3KV_METRICS_ADDR`` opens them up).
 DEFAULT_ADDR = "127.0.0.1"
-STORE_OPS = ("head", "put", "get", "delete", "list")
+STORE_OPS = ("head", "put", "get", "delete", "list", "fetch")
 DROP_REASONS = ("staging_full", "store_error", "breaker_open", "other")
 REJECT_REASONS = ("foreign", "corrupt")
 BREAKER_LEVELS = {"closed": 0, "half_open": 1, "open": 2}
@@ -205,6 +209,35 @@ class Metrics:
             ["decision"], registry=r,
         )
         self._lookup_seq: dict[str, int] = {}
+        # Stall priced as latency (engine/leader/pace.py).
+        self.lookup_unhidden_stall = Counter(
+            f"{p}_lookup_unhidden_stall_seconds",
+            "Lookup stall beyond what the overlap loop hides, while other requests ran: GPU time lost.",
+            registry=r,
+        )
+        self.lookup_added_latency = Counter(
+            f"{p}_lookup_added_latency_seconds",
+            "Inter-token latency lookups added to the requests running beside them, summed over them.",
+            registry=r,
+        )
+        self.lookup_added_latency_each = Histogram(
+            f"{p}_lookup_added_itl_seconds",
+            "Inter-token latency one lookup added to each request running beside it.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.lookup_listed = Counter(
+            f"{p}_lookup_listed", "Lookups answered from a listing of the namespace, by source (index, list).",
+            ["source"], registry=r,
+        )
+        self.lookup_trusted_hits = Counter(
+            f"{p}_lookup_trusted_hits", "Hits a trusted listing vouched for (no request).", registry=r
+        )
+        self.listing_trust_lost = Counter(
+            f"{p}_listing_trust_lost",
+            "Failed loads of objects a trusted listing vouched for (its hits are verified again).",
+            registry=r,
+        )
         self.warm_up_seconds = Gauge(
             f"{p}_warm_up_seconds",
             "Seconds the store client's warm-up took at layout registration (helpers, connections).",
@@ -537,6 +570,10 @@ class Metrics:
             (self.offers_cut, ("offers_cut",)),
             (self.tokens_cut, ("tokens_cut",)),
             (self.requests_freed_silently, ("requests_freed_silently",)),
+            (self.lookup_unhidden_stall, ("lookup_unhidden_stall_s",)),
+            (self.lookup_added_latency, ("lookup_added_latency_s",)),
+            (self.lookup_trusted_hits, ("lookup_trusted_hits",)),
+            (self.listing_trust_lost, ("listing_trust_lost",)),
         ):
             self._feed(metric, source, names[0], _first(stats, names))
         self._feed(
@@ -545,6 +582,9 @@ class Metrics:
             "foreign_objects",
             _first(stats, ("foreign_objects",)),
         )
+        for src in ("index", "list"):
+            self._feed(self.lookup_listed.labels(src), source, f"listed[{src}]",
+                       _first(stats, (f"lookup_{src}_lookups",)))
         by_group = _mapping(stats, ("hit_blocks_by_group",))
         for group, n in (by_group or {}).items():
             v = _number(n)
@@ -567,6 +607,8 @@ class Metrics:
                 self.lookup_budget.observe(x.budget_s)
             self.lookup_saveable.labels(x.decision).inc(x.saveable_tokens)
             self.lookup_decisions.labels(x.decision).inc()
+            if getattr(x, "corunning", 0):
+                self.lookup_added_latency_each.observe(x.added_s)
 
     def observe_head_helpers(self, stats: Mapping[str, float]) -> None:
         """Copy :meth:`s3kv.store.headprocs.HeadHelpers.stats`."""
@@ -762,6 +804,13 @@ def figures(samples: Mapping[str, float]) -> dict[str, float]:
         "objects_loaded": total(f"{PREFIX}_objects_loaded_total"),
         "saves_dropped": total(f"{PREFIX}_saves_dropped_total"),
         "load_failures": total(f"{PREFIX}_load_failures_total"),
+        # Stall priced as latency: GPU time lost to lookups, latency added to the requests beside them.
+        "lookups": total(f"{PREFIX}_lookups_total"),
+        "lookup_stall_s": total(f"{PREFIX}_lookup_stall_seconds_sum"),
+        "lookup_unhidden_stall_s": total(f"{PREFIX}_lookup_unhidden_stall_seconds_total"),
+        "lookup_added_latency_s": total(f"{PREFIX}_lookup_added_latency_seconds_total"),
+        "lookups_from_index": sum(v for k, v in samples.items()
+                                  if k.startswith(f"{PREFIX}_lookup_listed_total{{") and 'source="index"' in k),
         "host_tier_loads": by_label(f"{PREFIX}_tier_loads_total", 'tier="host"'),
         "host_tier_loaded_bytes": by_label(f"{PREFIX}_tier_loaded_bytes_total", 'tier="host"'),
         "host_tier_bytes": total(f"{PREFIX}_host_tier_bytes"),
@@ -848,6 +897,16 @@ class MetricsStore(StoreWrapper):
         self.metrics.record_request(
             "get", self._clock() - t0, requests=len(ranges), bytes_down=sum(r.length for r in ranges)
         )
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        t0 = self._clock()
+        try:
+            got = self.inner.get_if_changed(key, etag)
+        except StoreError as exc:
+            self.metrics.record_request("fetch", self._clock() - t0, errors={type(exc).__name__: 1})
+            raise
+        self.metrics.record_request("fetch", self._clock() - t0, bytes_down=len(got.data) if got else 0)
+        return got
 
     def delete_many(self, keys: Sequence[str]) -> None:
         t0 = self._clock()

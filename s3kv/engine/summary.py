@@ -1,32 +1,39 @@
-"""What one namespace holds, from a LIST pass refreshed in the background: cold misses for free.
+"""What one namespace holds, known without asking the store: cold misses for free.
 
 A lookup that knows nothing about a prompt (no index entry) otherwise probes with HEAD waves:
-two or three round trips before it can even say "miss", on the engine's scheduling path.
-With a summary of the namespace's objects - every ``(group, shard, chain digest)`` with its
-page count, read off the key and the object's size - the lookup answers its probes locally:
+two or three round trips before it can even say "miss", on the engine's scheduling path. With a
+**listing** of the namespace's objects -- every ``(group, shard, chain digest)`` with its page
+count -- the lookup answers its probes locally. Two sources, one interface (:class:`Listing`):
+
+* the **fleet index** (``s3kv.engine.fleetindex``, :class:`IndexListing`): one publisher lists
+  the namespace and HEADs each new object once; every engine fetches the result with a
+  conditional GET every few seconds. Exact spans (from the objects' metadata) and write times.
+* the **namespace summary** (:class:`NamespaceSummary`, :class:`SummaryListing`): this engine's
+  own LIST pass, every ``lookup_summary_s`` -- the fallback where no fresh index exists (off by
+  default: every engine listing on its own is what the index replaces). Spans from key and size.
+
+What a listed entry is worth:
 
 * a **miss** costs no request at all (the common case for new prompts);
-* a **hit** is a *candidate*: by default (``lookup_summary_trust_s`` = 0), before anything is
-  promised every object the hit would load that the index does not already know is HEADed in
-  one wave (its metadata checked like any HEAD). A summary can be stale both ways - an object
-  written after the listing is a miss until the next refresh (safe), an object deleted since
-  the listing fails that verify wave, which drops the candidate and falls back to probing. So
-  the summary never causes a promise that the store itself did not just confirm.
-* with ``lookup_summary_trust_s`` > 0, a listing younger than that is itself the store's
-  confirmation - the same kind of evidence as a HEAD answer, which the index trusts for
-  ``index_ttl_s`` (10 minutes by default) - and a cold hit costs no request either. The spans
-  then come from key and size (no metadata in a listing): an object planted under one of our
-  keys with a plausible size is caught by the load's header and checksum check (a failed load,
-  never a wrong byte), where the HEAD path would have rejected it before promising.
+* a **hit** is a *candidate*: before anything is promised every object the hit would load that
+  the key index does not already know is HEADed in one wave (its metadata checked like any
+  HEAD). A listing can be stale both ways - an object written after it is a miss until the next
+  one (safe), an object deleted since fails that verify wave, which drops the candidate and falls
+  back to probing. So the listing never causes a promise that the store did not just confirm;
+* unless the listing is **trusted**: a fleet index signed with the integrity key and younger than
+  ``fleet_index_trust_s``, or a LIST younger than ``lookup_summary_trust_s`` -- the same kind of
+  evidence as a HEAD answer, which the key index trusts for ``index_ttl_s`` -- and then a cold
+  hit costs no request either. An object deleted or planted behind a trusted listing is caught
+  by the load (header, checksums, tags: a failed load, never a wrong byte), and
+  :class:`TrustGate` then stops trusting that source until it proves right again.
 
-Why a LIST and not a digest filter engines publish: the listing is the store's own truth,
-costs one request per 1,000 objects per refresh (about a dollar a day per engine at 200k
-objects every 30 s), needs no writer cooperation and no format of its own. It is bounded:
-past ``max_objects`` the summary gives up (lookups probe with HEADs as before) rather than
-hold an unbounded map. Memory: about 100 bytes per object.
+Why the index and not only a LIST per engine: the listing is the store's own truth but costs one
+request per 1,000 objects per refresh per engine (about a dollar a day per engine at 200k objects
+every 30 s) and holds ~100 bytes per object in every engine; the index is one small request per
+engine per refresh, ~18 bytes per object, listed once for the fleet.
 
-The refresh runs on its own daemon thread; the owner (a ``LeaderCore``) stops it with
-:meth:`stop` or implicitly by being garbage-collected (``weakref.finalize``).
+The summary's refresh runs on its own daemon thread; the owner (a ``LeaderCore``) stops it with
+:meth:`NamespaceSummary.stop` or implicitly by being garbage-collected (``weakref.finalize``).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..core.fleetindex import FleetIndex, Section
 from ..core.keys import DIGEST_SIZE, KeyScheme
 from ..core.objects import MAX_PAGES_PER_OBJECT, object_len
 from ..store.base import ObjectStore, StoreError
@@ -46,6 +54,102 @@ log = logging.getLogger("s3kv.summary")
 
 #: (group id, shard) -> {chain digest at the object's last block: page count}
 Snapshot = Mapping[tuple[int, int], Mapping[bytes, int]]
+
+
+class Listing:
+    """One source's view of the namespace, as a lookup reads it."""
+
+    #: "index" or "list" (metrics, logs).
+    source = ""
+    #: Tells listings of one source apart: a newer one has a larger number.
+    generation = 0
+
+    def find(self, group_id: int, shard: int, digest: bytes, end: int) -> tuple[int, float | None] | None:
+        """(page count, when it was written if known) of the object the key ``digest`` names in
+        that group and shard, ending at block ``end``; None if not listed (or it cannot end there)."""
+        raise NotImplementedError
+
+
+class SummaryListing(Listing):
+    """A LIST pass's snapshot: counts from key and size, no write times."""
+
+    source = "list"
+
+    def __init__(self, snap: Snapshot, generation: int):
+        self.snap = snap
+        self.generation = generation
+
+    def find(self, group_id: int, shard: int, digest: bytes, end: int) -> tuple[int, float | None] | None:
+        count = self.snap.get((group_id, shard), {}).get(digest)
+        return None if count is None or count > end else (count, None)
+
+
+class IndexListing(Listing):
+    """A fleet index, read with this engine's group ids."""
+
+    source = "index"
+
+    def __init__(self, index: FleetIndex, groups: Mapping[str, int], tp_size: int, generation: int):
+        self.index = index
+        self.generation = generation
+        self._sections: dict[tuple[int, int], Section] = {
+            (groups[gfp], shard): sec for (gfp, shard, tp), sec in index.sections.items()
+            if tp == tp_size and gfp in groups
+        }
+
+    def find(self, group_id: int, shard: int, digest: bytes, end: int) -> tuple[int, float | None] | None:
+        sec = self._sections.get((group_id, shard))
+        got = sec.find(digest, end) if sec is not None else None
+        return None if got is None else (got[0], self.index.written_at(got[1]))
+
+
+class TrustGate:
+    """Whether a listing may stand in for a HEAD (a free hit), per source.
+
+    Trust is lost when a load of an object a listing vouched for fails (``lose``: it was deleted
+    behind the listing, or planted at a plausible size): from then on every candidate of that
+    source is verified by HEAD -- which refuses a planted object before anything is promised --
+    until the source is **re-verified**: a listing taken after the loss, whose candidates then
+    passed ``PROBATION`` verify waves in a row with nothing refuted. Without this, every later
+    request of a planted namespace was promised a load that failed (issue 37: on the layout line
+    each one parked for 4 retries, 9 s).
+    """
+
+    PROBATION = 3
+
+    def __init__(self) -> None:
+        #: source -> generation of its listing when trust was lost (absent: trusted).
+        self._lost: dict[str, int] = {}
+        self._confirmed: dict[str, int] = {}
+        self.losses = 0
+
+    def trusted(self, source: str) -> bool:
+        return source not in self._lost
+
+    def lose(self, source: str, generation: int) -> bool:
+        """A load ``source`` vouched for failed; True if that took its trust (it had it)."""
+        had = source not in self._lost
+        if had:
+            self.losses += 1
+            log.warning("s3kv: a load of an object the %s listed failed; its hits are verified by HEAD "
+                        "until it proves right again", "fleet index" if source == "index" else "namespace LIST")
+        self._lost[source] = generation
+        self._confirmed[source] = 0
+        return had
+
+    def verified(self, source: str, generation: int, ok: bool) -> None:
+        """A verify wave over candidates of ``source``'s listing ``generation`` ended: all
+        confirmed (``ok``) or something refuted."""
+        lost = self._lost.get(source)
+        if lost is None:
+            return
+        if not ok:
+            self._confirmed[source] = 0
+        elif generation > lost:
+            self._confirmed[source] = self._confirmed.get(source, 0) + 1
+            if self._confirmed[source] >= self.PROBATION:
+                del self._lost[source]
+                log.info("s3kv: the %s proved right again; its signed, young entries are trusted", source)
 
 
 @dataclass(frozen=True)
@@ -99,6 +203,7 @@ class NamespaceSummary:
         self.refreshes = 0
         self.failures = 0
         self.objects = 0
+        self._listing: SummaryListing | None = None
 
     # -- reading (lock-free: the snapshot is replaced whole) ------------------------------
     @property
@@ -119,6 +224,16 @@ class NamespaceSummary:
     @property
     def ready(self) -> bool:
         return self.snapshot() is not None
+
+    def listing(self) -> SummaryListing | None:
+        """The current snapshot as a :class:`Listing` (None: not ready or too old)."""
+        snap = self.snapshot()
+        if snap is None:
+            return None
+        cur = self._listing
+        if cur is None or cur.snap is not snap:
+            cur = self._listing = SummaryListing(snap, self.refreshes)
+        return cur
 
     # -- refreshing ---------------------------------------------------------------------
     def refresh(self) -> bool:

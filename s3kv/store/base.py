@@ -127,6 +127,15 @@ class HeadBatch:
 
 
 @dataclass(frozen=True)
+class Fetched:
+    """A whole object read by :meth:`ObjectStore.get_if_changed`: its bytes and the ETag that
+    names this version (what the next conditional read sends back)."""
+
+    data: bytes
+    etag: str
+
+
+@dataclass(frozen=True)
 class ByteRange:
     offset: int
     length: int
@@ -194,6 +203,16 @@ class ObjectStore(abc.ABC):
                     f"range {r.offset}+{r.length} returned {got} bytes into a {view.nbytes}-byte buffer", key=key
                 )
             view[:] = memoryview(data).cast("B")
+
+    @abc.abstractmethod
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        """The whole object with its ETag, or None when its ETag is still ``etag`` (one
+        conditional GET, ``If-None-Match``: a 304 sends no body). Raises NotFound when the
+        object does not exist. The fleet index's refresh (``s3kv.engine.fleetindex``): every
+        engine asks every few seconds, and an unchanged index costs one small request.
+
+        The ETag is opaque and only compared for equality: a store without one makes one up
+        that changes whenever the object is replaced (``file://``: inode, mtime and size)."""
 
     def note_timeout(self, op: str, key: str | None = None) -> None:  # noqa: B027 - optional hook
         """A caller gave up waiting on a call of this store (e.g. a lookup's HEAD wave ran past
@@ -298,6 +317,9 @@ class StoreWrapper(ObjectStore):
 
     def delete_many(self, keys: Sequence[str]) -> None:
         self.inner.delete_many(keys)
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        return self.inner.get_if_changed(key, etag)
 
     def touch(self, key: str, min_age_s: float = 0.0) -> str:
         return self.inner.touch(key, min_age_s)

@@ -80,6 +80,7 @@ from .base import (
     Buffer,
     ByteRange,
     DeadlineExceeded,
+    Fetched,
     HeadBatch,
     IntegrityError,
     LocalFailure,
@@ -433,6 +434,16 @@ class CircuitBreakerStore(StoreWrapper):
 
     def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
         self._read(key, lambda: self.inner.get_ranges_into(key, ranges, out))
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        # Refused while open (a dead store gets no polls), but its outcome is neither way: a
+        # background poll of one small object, every few seconds, says little about the store
+        # the lookups and loads judge, and an answer from it must not reset their count.
+        ticket = self._admit("get", key)
+        try:
+            return self.inner.get_if_changed(key, etag)
+        finally:
+            self._settle(ticket, None)
 
     def promised_reads(self) -> ObjectStore:
         """This store, but its reads are attempted whatever the breaker's state: for the loads of

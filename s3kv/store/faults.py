@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from .base import (
     Buffer,
     ByteRange,
+    Fetched,
     HeadBatch,
     ObjectInfo,
     ObjectStore,
@@ -43,7 +44,8 @@ from .base import (
     TransientError,
 )
 
-OPS = ("head", "put", "get", "delete", "list", "check")
+#: ``fetch``: the fleet index's conditional GET (``get_if_changed``).
+OPS = ("head", "put", "get", "delete", "list", "check", "fetch")
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class FaultInjectingStore(StoreWrapper):
     def _count(self, what: str) -> None:
         self._injected[what] = self._injected.get(what, 0) + 1
 
-    def _fault(self, op: str, key: str | None, latency: bool = True) -> StoreError | None:
+    def _fault(self, op: str, key: str | None, latency: bool = True, draw: bool = True) -> StoreError | None:
         """The error to raise for this call (None: let it through). Sleeps for latency/stalls."""
         rates = self.plan.rates(op)
         if latency and rates.latency_s:
@@ -132,6 +134,8 @@ class FaultInjectingStore(StoreWrapper):
             if queued:
                 self._count(f"{op}.fail_next")
                 return queued.pop(0)(key)
+            if not draw:
+                return None
             # One draw per kind, in a fixed order, so a seed replays exactly.
             draws = {name: self._rng.random() for name in ("permission", "transient", "stall")}
             if draws["permission"] < rates.permission:
@@ -190,6 +194,14 @@ class FaultInjectingStore(StoreWrapper):
         if out and out[-1] and self._roll("get", "truncate", self.plan.rates("get").truncate):
             out = [*out[:-1], out[-1][: len(out[-1]) // 2]]
         return out
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        # Random faults only where the plan names "fetch": the index refresher polls in the
+        # background, and draws of its own would shift what a seeded plan does to the data path.
+        err = self._fault("fetch", key, draw="fetch" in self.plan.per_op)
+        if err is not None:
+            raise err
+        return self.inner.get_if_changed(key, etag)
 
     def delete_many(self, keys: Sequence[str]) -> None:
         self._check("delete", keys[0] if len(keys) == 1 else None)

@@ -49,6 +49,7 @@ from .base import (
     AnswerClock,
     Buffer,
     ByteRange,
+    Fetched,
     HeadBatch,
     IntegrityError,
     NotFound,
@@ -329,6 +330,36 @@ class FsspecStore(ObjectStore):
             return out
 
         return self._guard("get", key, read_all)
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        """Files have no ETag: this one is made of what changes when a key is written anew (a new
+        inode by ``put``'s link, its mtime and size; remote: the file system's ETag if it has one)."""
+        path = self._path(key)
+
+        def read() -> Fetched | None:
+            if self._local:
+                fd = _open_regular(path, key)
+                if fd is None:
+                    raise NotFound("no such object", key=key)
+                try:
+                    st = os.fstat(fd)
+                    tag = f'"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}"'
+                    if etag is not None and etag == tag:
+                        return None
+                    raw = os.pread(fd, st.st_size, 0)
+                finally:
+                    os.close(fd)
+            else:
+                info = self.fs.info(path)
+                tag = str(info.get("ETag") or info.get("etag") or f'"{_mtime(info)}-{info.get("size")}"')
+                if etag is not None and etag == tag:
+                    return None
+                with self.fs.open(path, "rb") as f:
+                    raw = f.read()
+            decode_envelope(raw[:ENVELOPE_SIZE], key)
+            return Fetched(raw[ENVELOPE_SIZE:], tag)
+
+        return self._guard("get", key, read)
 
     # -- DELETE / LIST -----------------------------------------------------------------
     def touch(self, key: str, min_age_s: float = 0.0) -> str:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from .base import (
     Buffer,
     ByteRange,
+    Fetched,
     HeadBatch,
     ObjectInfo,
     ObjectStore,
@@ -39,10 +40,14 @@ class StoreStats:
     #: HEADs that answered "missing"; puts that found the key already there (returned False).
     head_missing: int = 0
     put_existing: int = 0
+    #: Conditional GETs (``get_if_changed``: the fleet index's refresh), and of those, the ones
+    #: answered "not modified" (no body). Apart from ``get`` (loads' ranges), which tests count.
+    fetch: int = 0
+    fetch_unchanged: int = 0
 
     @property
     def requests(self) -> int:
-        return self.head + self.put + self.get + self.delete + self.list
+        return self.head + self.put + self.get + self.delete + self.list + self.fetch
 
     def __sub__(self, other: StoreStats) -> StoreStats:
         """Counters accumulated between two snapshots."""
@@ -112,6 +117,15 @@ class InstrumentedStore(StoreWrapper):
             self._add(get=len(ranges), errors=1)
             raise
         self._add(get=len(ranges), bytes_down=sum(r.length for r in ranges))
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        try:
+            got = self.inner.get_if_changed(key, etag)
+        except StoreError:
+            self._add(fetch=1, errors=1)
+            raise
+        self._add(fetch=1, fetch_unchanged=int(got is None), bytes_down=len(got.data) if got else 0)
+        return got
 
     def delete_many(self, keys: Sequence[str]) -> None:
         try:

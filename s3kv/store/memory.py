@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import itertools
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -13,6 +14,7 @@ from .base import (
     TOUCH_YOUNG,
     Buffer,
     ByteRange,
+    Fetched,
     HeadBatch,
     NotFound,
     ObjectInfo,
@@ -27,6 +29,9 @@ class MemoryStore(ObjectStore):
         self.url = url
         self._lock = threading.Lock()
         self._objects: dict[str, tuple[bytes, dict[str, str], float]] = {}
+        #: key -> ETag: a fresh one per write (a key deleted and written again gets a new one).
+        self._etags: dict[str, str] = {}
+        self._versions = itertools.count(1)
 
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
         found: dict[str, ObjectInfo] = {}
@@ -49,6 +54,7 @@ class MemoryStore(ObjectStore):
             # S3 lowercases user-metadata names on the wire; match it so code tested here behaves the same.
             meta = {k.lower(): v for k, v in (metadata or {}).items()}
             self._objects[key] = (body, meta, time.time())
+            self._etags[key] = f'"{next(self._versions)}"'
             return True
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
@@ -63,6 +69,13 @@ class MemoryStore(ObjectStore):
                 raise StoreError(f"range {r.offset}+{r.length} beyond object size {len(body)}", key=key)
             out.append(body[r.offset : r.end])
         return out
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        with self._lock:
+            obj, tag = self._objects.get(key), self._etags.get(key, "")
+        if obj is None:
+            raise NotFound("no such object", key=key)
+        return None if etag is not None and etag == tag else Fetched(obj[0], tag)
 
     def touch(self, key: str, min_age_s: float = 0.0) -> str:
         with self._lock:
@@ -82,6 +95,7 @@ class MemoryStore(ObjectStore):
         with self._lock:
             for key in keys:
                 self._objects.pop(key, None)
+                self._etags.pop(key, None)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         with self._lock:
@@ -97,6 +111,7 @@ class MemoryStore(ObjectStore):
             b = bytearray(body)
             b[offset] ^= 0x01
             self._objects[key] = (bytes(b), meta, ts)
+            self._etags[key] = f'"{next(self._versions)}"'
 
     def keys(self) -> builtins.list[str]:
         with self._lock:

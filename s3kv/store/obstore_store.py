@@ -59,6 +59,7 @@ from .base import (
     Buffer,
     ByteRange,
     DeadlineExceeded,
+    Fetched,
     HeadBatch,
     IntegrityError,
     LocalFailure,
@@ -645,6 +646,11 @@ class ObstoreS3Store(ObjectStore):
         bufs = [bytearray(r.length) for r in ranges]
         self.get_ranges_into(key, ranges, [memoryview(b) for b in bufs])
         return [bytes(b) for b in bufs]
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        # One small request every few seconds, off the lookup path: boto3's client does it (a
+        # 304 is an answer there, where object_store raises it as an error of its own).
+        return self._boto.get_if_changed(key, etag)
 
     def store_time(self) -> float:
         return self._boto.store_time()  # object_store shows no response headers

@@ -27,6 +27,7 @@ from .base import (
     Buffer,
     ByteRange,
     DeadlineExceeded,
+    Fetched,
     HeadBatch,
     IntegrityError,
     ObjectInfo,
@@ -249,6 +250,9 @@ class RetryingStore(StoreWrapper):
             key=key,
             retry_on=(TransientError, _ShortRead),
         )
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        return self.policy.call(lambda: self.inner.get_if_changed(key, etag), op="get", key=key)
 
     def delete_many(self, keys: Sequence[str]) -> None:
         self.policy.call(

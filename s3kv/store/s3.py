@@ -56,6 +56,7 @@ from .base import (
     Buffer,
     ByteRange,
     DeadlineExceeded,
+    Fetched,
     HeadBatch,
     IntegrityError,
     NotFound,
@@ -723,6 +724,26 @@ class S3Store(ObjectStore):
                     key=key,
                 )
             return data, str(r.get("ETag", ""))
+
+        return self._call("get", key, attempt)
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        def attempt() -> Fetched | None:
+            args: dict[str, Any] = {"Bucket": self.bucket, "Key": key}
+            if etag:
+                args["IfNoneMatch"] = etag
+            try:
+                r = self._client.get_object(**args)
+            except bexc.ClientError as exc:
+                if _error_code(exc)[1] == 304:  # botocore raises a 304 as an error: not modified
+                    return None
+                raise
+            if "ETag" not in r or "ContentLength" not in r:
+                raise KeyError("ContentLength/ETag")  # truncated response head: retried by _call
+            data = r["Body"].read()
+            if len(data) != int(r["ContentLength"]):
+                raise IntegrityError(f"GET returned {len(data)} of {r['ContentLength']} bytes", key=key)
+            return Fetched(data, str(r["ETag"]))
 
         return self._call("get", key, attempt)
 

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
-from .base import Buffer, ByteRange, HeadBatch, ObjectInfo, ObjectStore, StoreWrapper, total_size
+from .base import Buffer, ByteRange, Fetched, HeadBatch, ObjectInfo, ObjectStore, StoreWrapper, total_size
 
 
 class _Link:
@@ -76,6 +76,13 @@ class ThrottledStore(StoreWrapper):
         self._rtt()
         self.inner.get_ranges_into(key, ranges, out)
         self._down.transfer(sum(r.length for r in ranges))
+
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        self._rtt()
+        got = self.inner.get_if_changed(key, etag)
+        if got is not None:
+            self._down.transfer(len(got.data))
+        return got
 
     def delete_many(self, keys: Sequence[str]) -> None:
         self._rtt()

@@ -396,6 +396,34 @@ def ls_command(ctx: _Ctx, namespace: str | None) -> None:
     _emit(ctx, doc, text)
 
 
+def _lookup_costs(urls: Sequence[str], gpu: Any) -> dict[str, Any]:
+    """What the engines' lookups cost, summed over their metrics endpoints (``--engine``)."""
+    from ..engine.metrics import figures, read_endpoint
+
+    keys = ("lookups", "lookup_stall_s", "lookup_unhidden_stall_s", "lookup_added_latency_s", "lookups_from_index")
+    sums = dict.fromkeys(keys, 0.0)
+    unreachable: dict[str, str] = {}
+    for url in urls:
+        try:
+            f = figures(read_endpoint(url))
+        except (OSError, ValueError) as exc:
+            unreachable[url] = f"{type(exc).__name__}: {exc}"
+            continue
+        for k in keys:
+            sums[k] += f.get(k, 0.0)
+    n = sums["lookups"]
+    return {
+        "engines": len(urls) - len(unreachable),
+        "lookups": n,
+        "from_index_pct": 100.0 * sums["lookups_from_index"] / n if n else 0.0,
+        "stall_s": sums["lookup_stall_s"],
+        "unhidden_stall_s": sums["lookup_unhidden_stall_s"],
+        "gpu_usd_lost": sums["lookup_unhidden_stall_s"] / 3600.0 * gpu.usd_per_hour,
+        "added_latency_s": sums["lookup_added_latency_s"],
+        "unreachable": unreachable,
+    }
+
+
 def _sub_of(row: str) -> str:
     """The sub-prefix part of a row name ("demo-1/abcd..." -> "demo-1/"; "abcd..." -> "")."""
     head, sep, _ = row.rpartition("/")
@@ -438,7 +466,8 @@ def _head_all(store: ObjectStore, keys: Sequence[str]) -> dict[str, ObjectInfo]:
 @click.option("--deep", is_flag=True, help="HEAD every object and count pages from its metadata.")
 @click.option("--engine", "engines", multiple=True, metavar="URL",
               help="Also an engine rank's metrics endpoint (http://host:port/metrics): what its host tier "
-              "and S3 served, what the host tier holds. Repeat for each rank.")
+              "and S3 served, what the host tier holds, what its lookups cost (scheduler stall beyond the "
+              "overlap loop, latency added to co-running requests). Repeat for each rank.")
 def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[str, ...] = ()) -> None:
     """Objects, bytes, pages and ages per namespace and per group/shard.
 
@@ -563,6 +592,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
         from .tierstats import engine_tiers
 
         doc["tiers"] = engine_tiers(engines)
+        doc["lookups"] = _lookup_costs(engines, gpu)
 
     def text() -> Iterator[str]:
         if not namespaces:
@@ -598,6 +628,14 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
             from .tierstats import lines
 
             yield from lines(doc["tiers"], fmt_bytes)
+        lk = doc.get("lookups")
+        if lk:
+            yield (f"lookups ({lk['engines']} engines): {lk['lookups']:.0f}, {lk['from_index_pct']:.0f}% from the fleet "
+                   f"index; scheduler stall {lk['stall_s']:.1f} s, of it {lk['unhidden_stall_s']:.1f} s beyond the "
+                   f"overlap loop (GPU time lost, ${lk['gpu_usd_lost']:.4f}); inter-token latency added to "
+                   f"co-running requests {lk['added_latency_s']:.1f} request-s")
+            for url, why in lk["unreachable"].items():
+                yield f"  not read: {url}: {why}"
 
     _emit(ctx, doc, text)
 
@@ -890,6 +928,15 @@ class Duration(click.ParamType):
     help="Run again every EVERY (e.g. 10m) until stopped, deleting without asking: s3kv's own expiry, "
     "finer than S3 lifecycle rules (whole days). One JSON line / summary per pass.",
 )
+@click.option(
+    "--index",
+    "index_every",
+    type=Duration(),
+    default=None,
+    metavar="EVERY",
+    help="Also publish each namespace's fleet index, the one object engines poll instead of listing "
+    "(docs/operations.md#the-fleet-index): every EVERY (e.g. 10s) with --watch, once after the pass without.",
+)
 @click.option("--now", "now", type=float, default=None, hidden=True,
               help="The store's clock for tests (POSIX seconds): replaces reading it, no skew check.")
 @click.option("--namespace", "-n", default=None, help="Delete only this namespace (the full 32 hex digits).")
@@ -916,6 +963,7 @@ def gc_command(
     older_than: float | None,
     expired: bool,
     watch: float | None,
+    index_every: float | None,
     now: float | None,
     namespace: str | None,
     sub_prefixes: bool,
@@ -939,6 +987,7 @@ def gc_command(
         older_than = expiry_age_s(ctx.settings)
     if older_than is None and namespace is None:
         raise click.UsageError("gc needs a filter: --expired, --older-than AGE and/or --namespace NS")
+    publish = _index_hook(ctx, index_every, namespace, now, sub_prefixes)
     if watch is not None:
         if watch <= 0:
             raise click.BadParameter("must be > 0", param_hint="--watch")
@@ -948,9 +997,11 @@ def gc_command(
                 _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, True, confirm_above, verbose)
             except (StoreError, SystemExit, click.ClickException) as exc:  # the next pass tries again
                 click.echo(f"s3kv gc: pass failed: {exc}", err=True)
-            time.sleep(watch)
+            _wait_publishing(watch, index_every, publish)
     _gc_clock(ctx, now, older_than)
     _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, yes, confirm_above, verbose)
+    if publish is not None:
+        publish()
 
 
 def _gc_clock(ctx: _Ctx, now: float | None, older_than: float | None) -> None:
@@ -1068,6 +1119,50 @@ def _gc_pass(
     _emit(ctx, doc, text)
     if failure is not None:
         raise SystemExit(1)
+
+
+def _index_hook(
+    ctx: _Ctx, every: float | None, namespace: str | None, now: float | None, sub_prefixes: bool
+) -> Callable[[], None] | None:
+    """What ``--index`` runs: one fleet index publishing pass (``s3kv.engine.fleetindex``), signed
+    with the integrity key of gc's settings, over the namespaces gc keeps to (its URL's own unless
+    ``--include-sub-prefixes``); a failure is one line on stderr, retried next time."""
+    if every is None:
+        return None
+    if every <= 0:
+        raise click.BadParameter("must be > 0", param_hint="--index")
+    from ..engine.fleetindex import Publisher
+
+    ns = _resolve_ns(ctx, namespace, exact=True)
+    pub = Publisher(ctx.store, ctx.root, integrity=ctx.settings.integrity if ctx.settings else None, every_s=every,
+                    namespaces=[f"{ctx.root}{ns}/"] if ns else (),  # named: an index even while it is empty
+                    sub_prefixes=sub_prefixes)
+
+    def publish() -> None:
+        try:
+            rep = pub.publish(now, ns)
+        except StoreError as exc:
+            click.echo(f"s3kv gc: fleet index not published: {exc}", err=True)
+            return
+        for where, why in rep.errors.items():
+            click.echo(f"s3kv gc: fleet index of {where} not published: {why}", err=True)
+
+    return publish
+
+
+def _wait_publishing(seconds: float, every: float | None, publish: Callable[[], None] | None) -> None:
+    """Sleep ``seconds``, publishing the fleet index every ``every`` meanwhile."""
+    if publish is None or every is None:
+        time.sleep(seconds)
+        return
+    until = time.monotonic() + seconds
+    while True:
+        t0 = time.monotonic()
+        publish()
+        left = until - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, max(0.0, every - (time.monotonic() - t0))))
 
 
 def _confirm_delete(ctx: _Ctx, matched: _Agg) -> None:

@@ -80,8 +80,9 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
         #: Why no request is served or saved ("" unless the model's identity is weak).
         self.unshared = "model identity is weak (S3KV_MODEL_ID unset)" if weak else ""
         self.adapters = AdapterIdentities(llm_args, self.settings.lora_settle_s)
-        # The namespace summary's first LIST should not race the first lookups: start its
-        # refresher (background thread) once the worker has registered the layout.
+        # The fleet index's first fetch and the namespace summary's first LIST should not race the
+        # first lookups: start their refreshers (background threads) once the worker has
+        # registered the layout.
         self._runtime.on_geometry(self._start_summary)
         self.core = LeaderCore(
             self.settings,
@@ -100,6 +101,9 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
 
     def _start_summary(self) -> None:
         try:
+            fleet = self.core.fleet_index()
+            if fleet is not None:
+                fleet.start()  # its first fetch now, before the first request
             summary = self.core.lookup_summary()
             if summary is not None:
                 summary.start()

@@ -7,9 +7,12 @@ I/O is the lookup's HEAD waves, through the store and the local index.
 
 This facade holds the requests and the lock and runs each hook; what a hook decides lives in
 the module named for it: ``requests`` (per-request state), ``context`` (what the geometry
-fixes), ``lookup`` (HEAD waves, the namespace summary), ``loads`` (load plans, broken
+fixes), ``lookup`` (HEAD waves, the namespace's listings), ``loads`` (load plans, broken
 promises), ``saves`` (save plans, evicted capture, branch tails) and ``finish`` (standing
 finish plans).
+
+Why this is one module: it is the facade -- every hook takes the one lock over the request table
+and hands the decision to the module named for it; the table and the lock cannot be split.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from ...core.layout import CacheGeometry
 from ...core.lookup import LookupResult
 from ...core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, SealOp, StageOp
 from ...store.base import ObjectStore
+from ..fleetindex import IndexRefresher
 from ..index import KeyIndex
 from ..summary import NamespaceSummary
 from ..verdicts import VerdictBoard
@@ -83,6 +87,7 @@ class LeaderCore:
         self._sizing_page_bytes = list(sizing_page_bytes) if sizing_page_bytes else None
         self.stats = LeaderStats()
         self._lookups = Lookups(settings, store, self.index, self.stats, tiers)
+        self._lookups.pace.overlap = overlap  # what a lookup's stall costs the batch (pace.py)
         self._loads = LoadPlanner(settings, self.stats, self._lookups)
         inflight = 1 if overlap else 0  # the overlap loop's forward runs a token past its report
         self._saves = SavePlanner(self.stats, inflight)
@@ -191,6 +196,7 @@ class LeaderCore:
                 st = RequestState(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
                 st.load.replayed = old is not None
                 self._requests[request_id] = st
+                self._lookups.pace.others = len(self._requests) - 1
                 offer = self._lookups.offer(st, num_computed_tokens, store_available=store_available,
                                             load_async=self.load_async, on_lookup=self._on_lookup,
                                             first_chunk_tokens=first_chunk_tokens)
@@ -207,6 +213,12 @@ class LeaderCore:
         if self.settings.lookup_summary_s <= 0 or g is None:
             return None
         return self._lookups.summary()
+
+    def fleet_index(self) -> IndexRefresher | None:
+        """The fleet index's refresher, or None when ``fleet_index_s`` is 0 or the layout is not
+        known yet. A replay on its own clock sets its ``clock`` and calls ``refresh()`` after it
+        publishes (``s3kv.engine.fleetindex``)."""
+        return self._lookups.fleet_index() if self.geometry is not None else None
 
     def close_lookup(self) -> None:
         """Stop the lookup's background work (summary refresher, pool). Idempotent."""
@@ -310,6 +322,7 @@ class LeaderCore:
         with self._lock:
             _ = self.geometry  # resolve a lazily supplied geometry (a report may precede any lookup)
             self._iteration += 1
+            self._lookups.pace.iteration(len(new_requests) + len(cached_requests))
             reported: list[RequestState] = []
             for rd in new_requests:
                 st = self._on_report(rd, first=True)

@@ -1,16 +1,21 @@
 """The leader's lookups: the largest servable history, in few round trips, within a budget.
 
 ``s3kv.core.lookup.find_hit`` plans which objects to ask about; this module answers its asks:
-from the local index, from the namespace summary (a cold miss then costs no request, a hit one
-verify wave), else with parallel HEAD waves. A wave has what is left of the lookup's time budget
-(``s3kv.core.lookup.stall_budget_s``: a share of the prefill its best possible hit would save,
-within a hard cap); past it the wave keeps running on its thread and feeds the index when it ends, the rest of
-the lookup is then finished in the background (so the next lookup of that prefix is local), and
-at most ``lookup_max_pending`` such waves may run at once. A store error, a timeout or a full
-backlog is a miss, never an exception. HEAD answers are checked against the object identity the
-key promises before they reach the index or a plan.
+from the local index (own uploads, HEAD answers), from a listing of the namespace -- the fleet
+index, else this engine's LIST summary (``s3kv.engine.summary``: a cold miss then costs no
+request, a hit one verify wave, or none where the listing is trusted) -- else with parallel HEAD
+waves. A wave has what is left of the lookup's time budget (``lookup_budget_s``: a share of the
+prefill its best possible hit would save, within a hard cap, and with requests running beside
+it no more than what the overlap loop hides plus ``lookup_max_added_latency_ms``, ``pace.py``);
+past it the wave keeps running on its thread and feeds the index when it ends, the rest of the
+lookup is then finished in the background (so the next lookup of that prefix is local), and at
+most ``lookup_max_pending`` such waves may run at once. Objects written since the listing are
+found the same way, in the background, where what they may save is worth the HEADs
+(``_probe_past``). A store error, a timeout or a full backlog is a miss, never an exception.
+HEAD answers are checked against the object identity the key promises before they reach the
+index or a plan.
 
-Why this is one module: the index, the summary, the HEAD waves and what happens past the budget
+Why this is one module: the index, the listings, the HEAD waves and what happens past the budget
 all answer one lookup's asks and share its state (deadline, backlog, the wave that ran out);
 split apart, each piece would reach into the others.
 """
@@ -21,7 +26,6 @@ import logging
 import math
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,9 +37,12 @@ from ...core.hitrule import Span, required_range, servable
 from ...core.lookup import Ask, LookupResult, find_hit, stall_budget_s
 from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
+from ..fleetindex import IndexRefresher
 from ..index import MISSING, KeyIndex, host_first
-from ..summary import NamespaceSummary, SummaryGroup
+from ..summary import Listing, NamespaceSummary
 from .context import LeaderContext
+from .listings import Listings
+from .pace import Pace
 from .pressure import PressureGauge, fallback_blocks
 from .requests import RequestState
 from .stats import LeaderStats
@@ -53,6 +60,13 @@ class _LookupTimeout(Exception):
 
 class _LookupBusy(Exception):
     """Too many timed-out HEAD waves still run in the background: skip the network (a miss)."""
+
+
+#: What an engine assumes, before it has seen any, of probes past a listing finding more: a listing
+#: is seconds old, and a prompt's objects written in those seconds by another engine are rare.
+PAST_YIELD_PRIOR = 0.05
+#: A listed candidate: its object key and when it was written (None: unknown).
+_Pick = tuple[str, "float | None"]
 
 
 class Lookups:
@@ -73,7 +87,6 @@ class Lookups:
         #: HEAD waves submitted to the lookup pool and not finished.
         self.pending_waves = 0
         self._pending_lock = threading.Lock()
-        self._summary: NamespaceSummary | None = None
         self._last_probe_used_network = False
         #: The wave this lookup's budget ran out on (still running), if any.
         self._late_wave: Future | None = None
@@ -92,6 +105,15 @@ class Lookups:
         self._promise = False
         #: What the engine's honours say of its KV memory (``pressure.py``); ``loads.py`` feeds it.
         self.pressure = PressureGauge()
+        #: The namespace's listings: the fleet index, the LIST summary, and what they may vouch for.
+        self.listings = Listings(settings, store, index, stats)
+        #: Share of background probes past a listing that found more than it listed (moving average).
+        self._past_yield = PAST_YIELD_PRIOR
+        self._past_running = False
+        #: The engine's passes (batch, forward time): what a stall costs the requests beside it.
+        self.pace = Pace()
+        self._hidden_s = 0.0
+        self._corunning = 0
         #: The host tier answers before the index (``host_first``); the speeds decide how much of
         #: a hit is worth loading (``worth.py``).
         self.tiers = tiers
@@ -100,6 +122,13 @@ class Lookups:
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
+        self.listings.bind(ctx)
+
+    def summary(self) -> NamespaceSummary | None:
+        return self.listings.summary()
+
+    def fleet_index(self) -> IndexRefresher | None:
+        return self.listings.fleet_index()
 
     # ------------------------------------------------------------------ one request's lookup
     def offer(
@@ -125,6 +154,9 @@ class Lookups:
         ld.h_blocks = ld.d_blocks
         self.stats.lookups += 1
         self.decision, self.saveable_tokens, self.budget_s = "skipped", 0, 0.0
+        # What the engine's batch pays for this lookup (hashing the prompt included): ``pace.py``.
+        self.pace.stalled()
+        self._hidden_s, self._corunning = self.pace.hidden_s(), self.pace.corunning()
         if num_computed_tokens % tpb or not store_available:
             # A device match that ends mid-block (partial reuse) leaves nothing whole to
             # append to: an S3 load must start on a block boundary.
@@ -256,7 +288,8 @@ class Lookups:
     def record(self, stall_s: float, hit_tokens: int) -> None:
         """The lookup just offered held the scheduler ``stall_s``: note it beside its budget, what
         its best hit could have saved, and how it ended."""
-        self.stats.record_lookup(stall_s, self.budget_s, self.saveable_tokens, hit_tokens, self.decision)
+        self.stats.record_lookup(stall_s, self.budget_s, self.saveable_tokens, hit_tokens, self.decision,
+                                 self._hidden_s, self._corunning)
 
     def recheck(self, st: RequestState, h: int) -> LookupResult:
         """Verify a smaller history ``h`` than offered (the index answers most of it)."""
@@ -272,15 +305,27 @@ class Lookups:
         return find_hit(g, ctx.params, st.load.d_blocks, st.prompt_len // g.tokens_per_block, h,
                         lambda asks: self._probe(st, asks))
 
-    def lookup_budget_s(self, saveable_tokens: int) -> float:
-        """The time budget of a lookup whose best possible hit saves ``saveable_tokens`` (inf: none)."""
+    def lookup_budget_s(self, saveable_tokens: int, corunning: int = 0, hidden_s: float = 0.0) -> float:
+        """The time budget of a lookup whose best possible hit saves ``saveable_tokens`` (inf: none),
+        with ``corunning`` requests in the engine's batch and ``hidden_s`` of stall the overlap loop
+        hides behind the forward (``pace.py``).
+
+        Two prices, the smaller wins: the value rule (a share of the prefill the hit saves, within
+        the cap) prices the stall in the GPU time of the request looked up; every request beside
+        it waits too, each getting its next token later by the stall beyond what the overlap
+        hides, and that latency is what ``lookup_max_added_latency_ms`` bounds -- an SLO, not a
+        price, since the prefill a miss costs is spread over many passes' chunks while the stall
+        lands on one token of every stream at once."""
         s = self.settings
         if s.lookup_timeout_s > 0:
             return s.lookup_timeout_s
         if s.lookup_timeout_s == 0:
             return math.inf
-        return stall_budget_s(saveable_tokens, s.prefill_tokens_per_s, s.lookup_stall_fraction,
-                              s.lookup_max_stall_ms / 1000.0)
+        budget = stall_budget_s(saveable_tokens, s.prefill_tokens_per_s, s.lookup_stall_fraction,
+                                s.lookup_max_stall_ms / 1000.0)
+        if corunning > 0:
+            budget = min(budget, hidden_s + s.lookup_max_added_latency_ms / 1000.0)
+        return budget
 
     def _max_budget_s(self) -> float:
         """The longest budget any lookup gets: the fixed one, else the cap."""
@@ -294,7 +339,7 @@ class Lookups:
         if promise:
             self.budget_s = budget = math.inf if self.settings.lookup_timeout_s == 0 else self._max_budget_s()
         else:
-            self.budget_s = budget = self.lookup_budget_s(self.saveable_tokens)
+            self.budget_s = budget = self.lookup_budget_s(self.saveable_tokens, self._corunning, self._hidden_s)
         self._deadline = time.monotonic() + budget
         self._timed_out = False
         self._late_wave = None
@@ -302,41 +347,55 @@ class Lookups:
         self._host_asks = set()
 
     def _find(self, st: RequestState, full_blocks: int, hmax: int) -> LookupResult:
-        """The largest servable history: from the namespace summary when one is ready (a miss
-        costs no request, a hit one verify wave), else by probing with HEAD waves."""
+        """The largest servable history: from a listing of the namespace when one is fresh (a miss
+        costs no request, a hit one verify wave or none), else by probing with HEAD waves."""
         ctx = self.ctx
         assert ctx is not None
         g = ctx.geometry
-        summary = self._summary_snapshot()
+        d = st.load.d_blocks
+        self.listings.note_failed_loads()
+        listing = self.listings.current()
         waves = asks = 0
-        if summary is not None:
-            picked: dict[Ask, str] = {}
-            cand = find_hit(
-                g, ctx.params, st.load.d_blocks, full_blocks, hmax,
-                lambda a: self._probe_local(st, a, summary, picked),
-                count_wave=lambda a: False,
-            )
-            if cand.h_blocks - st.load.d_blocks < self.settings.min_hit_blocks:
+        if listing is not None:
+            if listing.source == "index":
+                self.stats.lookup_index_lookups += 1
+            else:
+                self.stats.lookup_list_lookups += 1
+            picked: dict[Ask, _Pick] = {}
+            cand = find_hit(g, ctx.params, d, full_blocks, hmax,
+                            lambda a: self._probe_local(st, a, listing, picked), count_wave=lambda a: False)
+            if cand.h_blocks - d < self.settings.min_hit_blocks:
                 self.stats.lookup_summary_misses += 1
+                self._probe_past(st, d, full_blocks, hmax)
                 return cand
-            trust = self.settings.lookup_summary_trust_s
-            if trust > 0 and self._summary is not None and self._summary.age_s() <= trust:
-                # A listing this fresh is the store's own answer, as a HEAD's is for the index.
+            todo = self._loaded_picks(st, cand, picked)
+            if self.listings.trusted(listing, [picked[a][1] for a in todo.values()]):
+                # Vouched for by a listing trusted like a HEAD answer: no request.
                 self.stats.lookup_summary_hits += 1
+                self.stats.lookup_trusted_hits += 1
+                self.listings.vouch(todo, listing)
+                self._probe_past(st, cand.h_blocks, full_blocks, hmax)
                 return cand
-            verified = self._verify(st, cand, picked)
+            verified, outcome = self._verify(st, cand, todo, picked)
+            if outcome in ("ok", "refuted"):
+                self.listings.trust.verified(listing.source, listing.generation, outcome == "ok")
+            elif self._timed_out:
+                # No time for the verify wave (or it ran out): finish the lookup in the background,
+                # so the next lookup of this prefix is answered from the key index.
+                self._finish_late(st, full_blocks, hmax)
             if verified is not None:  # confirmed, or a miss because the wave failed / timed out
-                if verified.h_blocks > st.load.d_blocks:
+                if verified.h_blocks > d:
                     self.stats.lookup_summary_hits += 1
+                    self._probe_past(st, verified.h_blocks, full_blocks, hmax)
                 return verified
-            # A refuted candidate: the summary is stale here. The verify wave's answers are in
-            # the index now; probe what is left of the budget.
+            # A refuted candidate: the listing is stale here. The verify wave's answers are in
+            # the key index now; probe what is left of the budget.
             self.stats.lookup_summary_stale += 1
-            waves, asks = 1, len(picked)
+            waves, asks = 1, len(todo)
         result = find_hit(
             g,
             ctx.params,
-            st.load.d_blocks,
+            d,
             full_blocks,
             hmax,
             lambda a: self._probe(st, a),
@@ -348,39 +407,45 @@ class Lookups:
         result.asks += asks
         return result
 
-    # ------------------------------------------------------------------ the namespace summary
-    def _summary_snapshot(self) -> Any:
-        """The namespace summary's current snapshot, or None (off, not ready, or store in doubt)."""
-        summary = self.summary()
-        if summary is None or not self.store.available:
-            return None
-        return summary.start().snapshot()
+    def _probe_past(self, st: RequestState, found: int, full_blocks: int, hmax: int) -> None:
+        """Objects written since the listing are not in it: a lookup it answered found ``found``
+        blocks where the prompt had ``hmax``. Probe the rest in the background (no budget, every
+        HEAD wave, answers into the key index, as ``_finish_late``), so the next lookup of the
+        prefix -- the next turn, another request sharing it -- finds them locally.
 
-    def summary(self) -> NamespaceSummary | None:
-        """The namespace summary (made on first use; its refresher starts with the first lookup),
-        or None when ``lookup_summary_s`` is 0 or the geometry is not bound yet."""
-        ctx = self.ctx
-        if self.settings.lookup_summary_s <= 0 or ctx is None:
-            return None
-        if self._summary is None:
-            tagged = self.settings.integrity is not None
-            groups = {x.fingerprint: SummaryGroup(x.group_id, x.page_bytes, tagged) for x in ctx.geometry.groups}
-            self._summary = NamespaceSummary(
-                self.store,
-                ctx.scheme,
-                groups,
-                interval_s=self.settings.lookup_summary_s,
-                max_objects=self.settings.lookup_summary_max_objects,
-            )
-            # The refresher holds no reference to the lookups (nor the leader holding them); it
-            # stops when they go.
-            weakref.finalize(self, self._summary.stop)
-        return self._summary
+        Only where it pays: the prefill the rest would save, times the share of such probes that
+        lately found anything (learned, so an engine whose listings are complete stops asking),
+        against a first wave's HEADs at the store's price. Never on the scheduler's time."""
+        s, ctx = self.settings, self.ctx
+        assert ctx is not None
+        tpb = ctx.geometry.tokens_per_block
+        gain = (hmax - found) * tpb
+        if hmax - found < s.min_hit_blocks:
+            return
+        worth = self._past_yield * gain / s.prefill_tokens_per_s * s.gpu_usd_per_hour / 3600.0
+        if worth <= s.lookup_probe_budget * s.cost_get_per_1k_usd / 1000.0:
+            return
+
+        def done(result: LookupResult | None) -> None:
+            with self._pending_lock:
+                self._past_running = False
+                if result is not None:
+                    more = result.h_blocks > found
+                    self.stats.lookup_probes_past_found += more
+                    self._past_yield = 0.9 * self._past_yield + 0.1 * more
+
+        with self._pending_lock:
+            if self.pending_waves or self._past_running:
+                return  # background work is the foreground's spare capacity: never its backlog
+            self._past_running = True
+        if self._finish_late(st, full_blocks, hmax, on_done=done):
+            self.stats.lookup_probes_past += 1
+        else:
+            self._past_running = False
 
     def close(self) -> None:
         """Stop the background work (summary refresher, pool). Idempotent."""
-        if self._summary is not None:
-            self._summary.stop()
+        self.listings.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
@@ -399,13 +464,13 @@ class Lookups:
             yield a, key, v
 
     def _probe_local(
-        self, st: RequestState, asks: set[Ask], summary: Any, picked: dict[Ask, str]
+        self, st: RequestState, asks: set[Ask], listing: Listing, picked: dict[Ask, _Pick]
     ) -> dict[Ask, Span | None]:
-        """Answer asks from the index, else the summary (noting which came from the summary)."""
+        """Answer asks from the key index, else the listing (noting which came from the listing)."""
         assert st.chain is not None and self.ctx is not None
         out: dict[Ask, Span | None] = {}
         digests = st.chain.digests
-        listed = {gs: summary.get(gs, {}) for gs in self.ctx.prefixes}
+        find = listing.find
         for a, key, v in self._indexed(st, asks):
             grp, shard, end = a
             if v is MISSING:
@@ -413,17 +478,16 @@ class Lookups:
             elif v is not None:
                 out[a] = Span(v.first, v.end)  # type: ignore[union-attr]
             else:
-                count = listed[(grp, shard)].get(digests[end - 1])
-                if count is None or count > end:
+                got = find(grp, shard, digests[end - 1], end)
+                if got is None:
                     out[a] = None
                 else:
-                    out[a] = Span(end - count, end)
-                    picked[a] = key
+                    out[a] = Span(end - got[0], end)
+                    picked[a] = (key, got[1])
         return out
 
-    def _verify(self, st: RequestState, cand: LookupResult, picked: dict[Ask, str]) -> LookupResult | None:
-        """HEAD (one wave) every summary-derived object the candidate hit would load; the hit
-        with only confirmed objects in its coverage, or None if the store refuted any."""
+    def _loaded_picks(self, st: RequestState, cand: LookupResult, picked: dict[Ask, _Pick]) -> dict[str, Ask]:
+        """key -> ask of every listed object the candidate hit would load."""
         assert self.ctx is not None
         g = self.ctx.geometry
         h, d, tpb = cand.h_blocks, st.load.d_blocks, g.tokens_per_block
@@ -436,11 +500,23 @@ class Lookups:
                 for end, span in cand.coverage.get((grp.group_id, shard), {}).items():
                     a = (grp.group_id, shard, end)
                     if a in picked and span.first < hi and span.end > lo:
-                        todo[picked[a]] = a
+                        todo[picked[a][0]] = a
+        return todo
+
+    def _verify(
+        self, st: RequestState, cand: LookupResult, todo: dict[str, Ask], picked: dict[Ask, _Pick]
+    ) -> tuple[LookupResult | None, str]:
+        """HEAD (one wave) every listed object the candidate hit would load (``todo``): the hit
+        with only confirmed objects in its coverage, or None if the store refuted any; and how
+        the wave went: "ok", "refuted", "skipped" (no wave: out of time, busy, failed), or "local"
+        (nothing listed to load: the key index answered it all)."""
+        assert self.ctx is not None
+        g = self.ctx.geometry
+        h, d = cand.h_blocks, st.load.d_blocks
         result = LookupResult(
             h, coverage={k: dict(v) for k, v in cand.coverage.items()}, asks=len(todo), spine_blocks=cand.spine_blocks
         )
-        # Only confirmed spans may reach a plan: drop every summary answer, re-add what the HEADs say.
+        # Only confirmed spans may reach a plan: drop every listed answer, re-add what the HEADs say.
         for a in picked:
             result.coverage.get((a[0], a[1]), {}).pop(a[2], None)
         if todo:
@@ -448,24 +524,24 @@ class Lookups:
                 batch = self._head_wave(todo)
             except (_LookupTimeout, _LookupBusy) as e:
                 self._note_skipped(st, e)
-                return LookupResult(d, waves=1 if isinstance(e, _LookupTimeout) else 0, asks=len(todo))
+                return LookupResult(d, waves=1 if isinstance(e, _LookupTimeout) else 0, asks=len(todo)), "skipped"
             except StoreError as e:
                 self.stats.lookup_errors += 1
                 self.decision = "error"
                 log.warning("s3kv: lookup verify wave failed (%s); treating as miss", e,
                             extra={"request_id": st.request_id})
-                return LookupResult(d, waves=1, asks=len(todo))
+                return LookupResult(d, waves=1, asks=len(todo)), "skipped"
             result.waves = 1
             spans = self._absorb(todo, batch)
             for a in todo.values():
                 got = spans.get(a)
                 want = cand.coverage[(a[0], a[1])][a[2]]
                 if got is None or got != want:
-                    return None
+                    return None, "refuted"
                 result.coverage.setdefault((a[0], a[1]), {})[a[2]] = got
         if not servable(g, result.coverage, d, h, self.settings.window_margin_blocks):
-            return None
-        return result
+            return None, "refuted"
+        return result, "ok" if todo else "local"
 
     def _note_skipped(self, st: RequestState, e: BaseException) -> None:
         if isinstance(e, _LookupBusy):
@@ -564,10 +640,7 @@ class Lookups:
                 self._last_probe_used_network = False
                 raise _LookupBusy
             self.pending_waves += 1
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=max(1, self.settings.lookup_max_pending), thread_name_prefix="s3kv-lookup"
-            )
+        pool = self._lookup_pool()
         asks = dict(todo)
         timed_out = [False]
         sent = time.monotonic()
@@ -580,7 +653,7 @@ class Lookups:
                 # A late answer still warms the index: the next lookup of this prefix is local.
                 self._absorb(asks, f.result(), count=False)
 
-        fut = self._pool.submit(self.store.head_many_checked, keys, expect)
+        fut = pool.submit(self.store.head_many_checked, keys, expect)
         try:
             return fut.result(timeout=remaining)
         except FutureTimeout:
@@ -595,6 +668,13 @@ class Lookups:
             raise _LookupTimeout from None
         finally:
             fut.add_done_callback(done)
+
+    def _lookup_pool(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                max_workers=max(1, self.settings.lookup_max_pending), thread_name_prefix="s3kv-lookup"
+            )
+        return self._pool
 
     def _note_wave(self, seconds: float) -> None:
         """A wave's wall time into the moving average. At most the cap: after a hang the average
@@ -624,10 +704,7 @@ class Lookups:
             if self.pending_waves >= max(1, self.settings.lookup_max_pending):
                 return
             self.pending_waves += 1
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(
-                max_workers=max(1, self.settings.lookup_max_pending), thread_name_prefix="s3kv-lookup"
-            )
+        pool = self._lookup_pool()
         sent = time.monotonic()
 
         def done(f: Future) -> None:
@@ -638,7 +715,7 @@ class Lookups:
                 self._absorb(asks, f.result(), count=False)
 
         try:
-            fut = self._pool.submit(self.store.head_many_checked, keys, expect)
+            fut = pool.submit(self.store.head_many_checked, keys, expect)
         except RuntimeError:  # the pool was shut down (closing)
             with self._pending_lock:
                 self.pending_waves -= 1
@@ -646,7 +723,10 @@ class Lookups:
         self._late_wave = fut
         fut.add_done_callback(done)
 
-    def _finish_late(self, st: RequestState, full_blocks: int, hmax: int) -> None:
+    def _finish_late(
+        self, st: RequestState, full_blocks: int, hmax: int,
+        on_done: Callable[[LookupResult | None], None] | None = None,
+    ) -> bool:
         """Run a probe lookup that ran out of its budget to its end in the background: every
         wave, no budget, answers into the index only (nothing is offered from it).
 
@@ -655,45 +735,60 @@ class Lookups:
         turn, another request sharing it) would then pay the remaining waves on the scheduler's
         path and could run out again; finished here, it is answered from the index. It starts
         once the wave that ran out has ended and been absorbed (no HEAD asked twice; a store
-        that hangs or fails gets no more work) and counts in ``lookup_max_pending``.
+        that hangs or fails gets no more work) and counts in ``lookup_max_pending``. ``on_done``
+        gets what it found (None: it did not run), instead of counting it as a finished lookup.
         """
-        ctx, pool, late = self.ctx, self._pool, self._late_wave
-        if ctx is None or pool is None:
-            return
+        ctx, pool, late = self.ctx, self._lookup_pool(), self._late_wave
+        if ctx is None:
+            return False
         d = st.load.d_blocks
 
         def run() -> None:
+            found = None
             try:
-                find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax, lambda a: self._probe_late(st, a))
-                with self._pending_lock:
-                    self.stats.lookups_finished_late += 1
+                # A probe past a listing asks about objects this request is about to write itself: a
+                # "missing" from it, landing after the upload's confirmation, would hide that upload.
+                negatives = on_done is None
+                found = find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax,
+                                 lambda a: self._probe_late(st, a, negatives))
+                if on_done is None:
+                    with self._pending_lock:
+                        self.stats.lookups_finished_late += 1
             except Exception:  # noqa: BLE001 - background warming must never fail anything
                 log.debug("s3kv: finishing request %s's lookup in the background failed", st.request_id,
                           exc_info=True)
             finally:
                 with self._pending_lock:
                     self.pending_waves -= 1
+                if on_done is not None:
+                    on_done(found)
 
         def start(f: Future | None = None) -> None:
-            if f is not None and (f.cancelled() or f.exception() is not None):
-                return  # the store failed that wave: nothing to warm now
-            with self._pending_lock:
-                if self.pending_waves >= max(1, self.settings.lookup_max_pending):
-                    self.stats.lookups_not_finished += 1
-                    return  # the backlog bound holds for this too
-                self.pending_waves += 1
-            try:
-                pool.submit(run)
-            except RuntimeError:  # the pool was shut down (closing)
+            ran = False
+            if f is None or not (f.cancelled() or f.exception() is not None):  # else the store failed that wave
                 with self._pending_lock:
-                    self.pending_waves -= 1
+                    if self.pending_waves >= max(1, self.settings.lookup_max_pending):
+                        self.stats.lookups_not_finished += on_done is None
+                    else:  # the backlog bound holds for this too
+                        self.pending_waves += 1
+                        ran = True
+            if ran:
+                try:
+                    pool.submit(run)
+                    return
+                except RuntimeError:  # the pool was shut down (closing)
+                    with self._pending_lock:
+                        self.pending_waves -= 1
+            if on_done is not None:
+                on_done(None)
 
         if late is None:  # the budget ran out between two waves: nothing in flight
             start()
         else:
             late.add_done_callback(start)  # after the wave's own callback has absorbed it
+        return True
 
-    def _probe_late(self, st: RequestState, asks: set[Ask]) -> dict[Ask, Span | None]:
+    def _probe_late(self, st: RequestState, asks: set[Ask], negatives: bool = True) -> dict[Ask, Span | None]:
         """``_probe`` for :meth:`_finish_late`: no budget, no foreground state, nothing counted."""
         out, todo = self._split(st, asks, trust_index=True)
         if todo:
@@ -705,11 +800,14 @@ class Lookups:
                 self._note_wave(time.monotonic() - sent)
             except StoreError:
                 return {**out, **{a: None for a in todo.values()}}
-            out.update(self._absorb(todo, batch, count=False))
+            out.update(self._absorb(todo, batch, count=False, negatives=negatives))
         return out
 
-    def _absorb(self, todo: dict[str, Ask], batch: HeadBatch, *, count: bool = True) -> dict[Ask, Span | None]:
-        """HEAD answers -> spans (foreign objects rejected) and the index."""
+    def _absorb(
+        self, todo: dict[str, Ask], batch: HeadBatch, *, count: bool = True, negatives: bool = True
+    ) -> dict[Ask, Span | None]:
+        """HEAD answers -> spans (foreign objects rejected) and the index (its "missing" answers
+        too, unless ``negatives`` is False)."""
         assert self.ctx is not None
         out: dict[Ask, Span | None] = {}
         present: list[tuple[str, ObjectSpan]] = []
@@ -739,5 +837,5 @@ class Lookups:
             else:
                 missing.append(key)
                 out[a] = None
-        self.index.put_many(present, missing)
+        self.index.put_many(present, missing if negatives else ())
         return out

@@ -27,6 +27,14 @@ class LookupRecord(NamedTuple):
     #: error: a miss); skipped (store unavailable, or a device match ending mid-block); not_worth
     #: (found, but loading it would take longer than recomputing it: ``worth.py``).
     decision: str
+    #: What the overlap loop hid of it (``pace.Pace.hidden_s``) and the requests it held back
+    #: (the latest batch): ``added_s`` is the inter-token latency it added to each of them.
+    hidden_s: float = 0.0
+    corunning: int = 0
+
+    @property
+    def added_s(self) -> float:
+        return max(0.0, self.stall_s - self.hidden_s) if self.corunning else 0.0
 
 
 @dataclass
@@ -62,6 +70,22 @@ class LeaderStats:
     lookup_summary_hits: int = 0
     #: Summary candidates the verify wave refuted (stale summary: fell back to probing).
     lookup_summary_stale: int = 0
+    #: Lookups answered from the fleet index, and from this engine's LIST; hits that cost no
+    #: request (a signed, young index or a trusted LIST vouched for them); and times a failed
+    #: load of an object a listing vouched for took that listing's trust away.
+    lookup_index_lookups: int = 0
+    lookup_list_lookups: int = 0
+    lookup_trusted_hits: int = 0
+    listing_trust_lost: int = 0
+    #: Background probes past a listing's answer (objects written since it), and those that found
+    #: more than it listed (``lookup.Lookups._probe_past``).
+    lookup_probes_past: int = 0
+    lookup_probes_past_found: int = 0
+    #: Stall priced as latency (``pace.py``): seconds of lookup stall beyond what the overlap loop
+    #: hid while other requests were running (GPU time lost), and the inter-token latency it added
+    #: to them, summed over those requests (request-seconds).
+    lookup_unhidden_stall_s: float = 0.0
+    lookup_added_latency_s: float = 0.0
     foreign_objects: int = 0
     #: Objects refused on HEAD, by reason (foreign, untrusted, span, ...); their sum is foreign_objects.
     rejected: dict[str, int] = field(default_factory=dict)
@@ -112,8 +136,11 @@ class LeaderStats:
     branch_tails_abandoned: int = 0
 
     def record_lookup(self, stall_s: float, budget_s: float, saveable_tokens: int, hit_tokens: int,
-                      decision: str) -> None:
+                      decision: str, hidden_s: float = 0.0, corunning: int = 0) -> None:
         self.lookup_saveable_tokens += saveable_tokens
         self.lookup_decisions[decision] = self.lookup_decisions.get(decision, 0) + 1
         seq = self.recent_lookups[-1].seq + 1 if self.recent_lookups else 0
-        self.recent_lookups.append(LookupRecord(seq, stall_s, budget_s, saveable_tokens, hit_tokens, decision))
+        rec = LookupRecord(seq, stall_s, budget_s, saveable_tokens, hit_tokens, decision, hidden_s, corunning)
+        self.recent_lookups.append(rec)
+        self.lookup_unhidden_stall_s += rec.added_s
+        self.lookup_added_latency_s += rec.added_s * corunning

@@ -25,11 +25,12 @@ Why a module of its own: the replay (trace.py) drives the engine; this prices wh
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from ...core.cost import DAYS_PER_MONTH, GiB, get_requests, put_requests
-from ...store.base import Buffer, ByteRange, HeadBatch, NotFound, StoreWrapper
+from ...store.base import Buffer, ByteRange, Fetched, HeadBatch, NotFound, ObjectInfo, StoreWrapper
 
 SPLITS_MIB = (8, 16, 32, 64, 1024)
 KINDS = ("full", "checkpoint", "prompt-end", "history-end", "branch")
@@ -112,6 +113,10 @@ class BilledStore(StoreWrapper):
             self._expire(k)
         return self.inner.head_many(keys)
 
+    def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
+        self.real_get += 1  # the fleet index's poll: one GET, a 304 or the (small) object
+        return self.inner.get_if_changed(key, etag)
+
     def _kind(self, fp: str, md: Mapping[str, str]) -> str:
         if self.names.get(fp) == "full":
             return "full"
@@ -123,9 +128,13 @@ class BilledStore(StoreWrapper):
         return "history-end" if end > self.prompt_blocks else "branch"
 
     def put(self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None) -> bool:
+        from ...core.keys import parse_key
         from ...core.objects import header_len
         from ...store.base import as_buffers, total_size
 
+        if parse_key(key) is None:  # not KV (the fleet index): one PUT, no object to keep
+            self.real_put += 1
+            return self.inner.put(key, data, metadata)
         self._expire(key)
         md = {k.lower(): v for k, v in (metadata or {}).items()}
         fp, n = md.get("s3kv-group", ""), int(md.get("s3kv-count", "0") or 0)
@@ -194,3 +203,15 @@ class BilledStore(StoreWrapper):
             kind = max(self.read_now)[1] if self.read_now else "full"
             self.kinds[kind]["served_tokens"] += served_tokens
         self.read_now = []
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """On the trace's clock: what has expired is gone (deleted, as gc would have), and the rest
+        shows its last write or refresh as ``last_modified`` (what the fleet index's publisher lists)."""
+        for info in self.inner.list(prefix):
+            o = self._objects.get(info.key)
+            if o is None:
+                yield info
+            elif self.now - o[1] > self.expire_after_s:
+                self._expire(info.key)
+            else:
+                yield dataclasses.replace(info, last_modified=o[1])

@@ -505,6 +505,10 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
     help="Replay on S3 (the embedded server, or --url s3://) behind s3kv's fault proxy, this much added to "
     "every request, lookups under the engine's default time budget; prints the scheduler stall per lookup.",
 )
+@click.option(
+    "--index-every", type=click.FloatRange(min=0), default=10.0, show_default=True,
+    help="Publish the fleet index (s3kv gc --index) every this many seconds of the trace's clock; 0: no publisher.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False), callback=writable_file, default=None,
@@ -534,6 +538,7 @@ def trace_command(
     jobs: int | None,
     url: str | None,
     s3_latency_ms: float | None,
+    index_every: float,
     as_json: bool,
     plot_path: str | None,
 ) -> None:
@@ -598,6 +603,7 @@ def trace_command(
         jobs=max(1, jobs if jobs is not None else min(2, os.cpu_count() or 1)),
         url=url,
         s3_latency_ms=s3_latency_ms,
+        index_every_s=index_every,
     )
     # The replay's made-up model is named (as S3KV_MODEL_ID would), so no weak-identity warning.
     named = {"model_id": f"s3kv-trace/{spec.name}", **_settings_overrides(overrides)}
@@ -609,6 +615,43 @@ def trace_command(
         except TraceError as e:
             raise click.ClickException(str(e)) from None
     finish(res, as_json=as_json, table=trace.table, plot_path=plot_path, plot=trace.plot_trace)
+
+
+@bench_group.command("corun")
+@click.option("--streams", type=click.IntRange(min=1), default=16, show_default=True, help="Decode streams running.")
+@click.option("--arrivals", type=click.IntRange(min=1), default=48, show_default=True,
+              help="Requests arriving one after another beside them (each looked up).")
+@click.option("--prompt-tokens", type=click.IntRange(min=64), default=2048, show_default=True)
+@click.option("--decode-ms", type=click.FloatRange(min=0), default=25.0, show_default=True,
+              help="Modelled GPU time of a decode pass.")
+@click.option("--hit-share", type=click.FloatRange(0, 1), default=0.5, show_default=True,
+              help="Share of arrivals whose prompt a warm engine stored beforehand.")
+@click.option("--modes", default="without,probe,index,signed", show_default=True,
+              help="without (no s3kv), probe (s3kv, no fleet index), index (fleet index published), "
+              "signed (with an integrity key: the index signed).")
+@click.option("--url", default=None, help="Store (default: the embedded S3 server).")
+@click.option("--s3-latency-ms", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="Added to every S3 request by s3kv's fault proxy.")
+@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=writable_file, default=None,
+              help="Write a PNG chart here.")
+def corun_command(streams: int, arrivals: int, prompt_tokens: int, decode_ms: float, hit_share: float, modes: str,
+                  url: str | None, s3_latency_ms: float, as_json: bool, plot_path: str | None) -> None:
+    """Decode streams on the simulated engine while requests arrive and are looked up at
+    --s3-latency-ms per S3 request: the time between passes (each stream's inter-token latency),
+    p50/p99, with s3kv (with and without the fleet index) against without it (issue 41)."""
+    from . import corun
+    from .common import bench_store
+
+    wanted = tuple(m.strip() for m in modes.split(",") if m.strip())
+    bad = [m for m in wanted if m not in corun.MODES]
+    if bad or not wanted:
+        raise click.BadParameter(f"unknown mode(s) {bad}: use {', '.join(corun.MODES)}", param_hint="--modes")
+    cfg = corun.CorunConfig(streams=streams, arrivals=arrivals, prompt_tokens=prompt_tokens, decode_ms=decode_ms,
+                            hit_share=hit_share, modes=wanted)
+    with bench_store(url, name="corun", s3_latency_ms=s3_latency_ms) as bs:
+        res = corun.run_corun(bs, cfg)
+    finish(res, as_json=as_json, table=corun.table, plot_path=plot_path, plot=corun.plot_corun)
 
 
 def _register_faults() -> None:

@@ -129,6 +129,9 @@ class TraceConfig:
     #: Replay on the embedded S3 server (or ``url``) behind the fault proxy, this many ms added to
     #: every request, lookups under the engine's default time budget (None: in-process, no budget).
     s3_latency_ms: float | None = None
+    #: The fleet index's publisher (``s3kv gc --index``) every this many seconds of the trace's clock,
+    #: the engine picking each index up at once (``s3kv.engine.fleetindex``); 0: no publisher.
+    index_every_s: float = 10.0
 
     def replace(self, **kw: Any) -> TraceConfig:
         return dataclasses.replace(self, **kw)
@@ -335,6 +338,7 @@ def replay(
         ),
     )
     stalls: list[Any] = []  # LookupRecord of every lookup
+    publish = _index_publisher(cfg, counter, engine)
     with engine:
         counter.bind(engine.workers[0].core.geometry, sizing)
         counter.checkpoint_blocks = engine.leader.core.policy.checkpoint_blocks
@@ -349,6 +353,7 @@ def replay(
                 prompt = synth.prompt(r)
             n_out = _answer_tokens(cfg, r, r.index in continued)
             counter.now = (r.timestamp_ms - t_first) / 1000
+            publish()
             counter.prompt_blocks = len(prompt) // tpb
             rep = engine.run([_spec_class()(r.index, tuple(prompt), max_new_tokens=n_out)])
             for w in engine.workers:
@@ -419,6 +424,19 @@ def replay(
         "lookup_stall": stall_summary(stalls, sum(served)),
         "wall_s": rnd(wall, 1),
     }
+
+
+def _index_publisher(cfg: TraceConfig, counter: BilledStore, engine: Any) -> Any:
+    """What runs before each request: the fleet index's publisher on the trace's clock
+    (``indexhook.ReplayIndex``, as a fleet replay's ``on_clock`` hook would call it)."""
+    from types import SimpleNamespace
+
+    from .indexhook import ReplayIndex
+
+    if cfg.index_every_s <= 0:
+        return lambda: None
+    hook, fleet = ReplayIndex(cfg.index_every_s), SimpleNamespace(store=counter, engines=[engine])
+    return lambda: hook(counter.now, fleet)
 
 
 def stall_summary(records: Sequence[Any], served_tokens: int) -> dict[str, Any]:

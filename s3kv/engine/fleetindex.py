@@ -1,0 +1,380 @@
+"""The fleet index at run time: one publisher writes it, every engine keeps a fresh copy.
+
+The format is ``s3kv.core.fleetindex``'s; this module does the I/O.
+
+**Publishing** (:class:`Publisher`): list the namespaces under a root, HEAD each object not seen
+before (its metadata gives the exact span; with an integrity key its metadata tag must verify,
+so a planted object never enters a signed index), and write one index per namespace at
+``{namespace prefix}fleet-index``. Objects already known (same key, same size) are not asked
+again, so a steady pass costs the LIST and one HEAD per new object. The index is replaced by a
+delete then a write-once PUT (``If-None-Match``): the bucket policy that makes KV write-once
+(docs/operations.md) needs no exception, and an engine that polls in between sees a 404 and keeps
+the index it has.
+
+Who publishes: the ``s3kv gc --watch`` daemon (``--index EVERY``), not an elected engine. It is one
+process per deployment already, it already lists the namespace (with the operator's LIST and
+DELETE rights; publishing adds PutObject on the index keys only), and it holds no GPU: a LIST pass
+of a million objects (1,000 requests, tens of seconds) never runs on an engine, nor does an
+election over S3 (leases by conditional writes, failover when the leader dies). Where no publisher
+runs, engines see no index and fall back to what they did before (the LIST summary if
+``S3KV_LOOKUP_SUMMARY_S`` > 0, else HEAD waves).
+
+**Refreshing** (:class:`IndexRefresher`, one per leader): a conditional GET every
+``S3KV_FLEET_INDEX_S`` on a daemon thread (an unchanged index is a 304, no body); a changed one
+is parsed there, never on the scheduler's thread. What it refuses (counted by reason in
+``refused``):
+
+* an index that is not this namespace's, malformed, or larger than ``fleet_index_max_objects``;
+* with an integrity key: an unsigned index, one signed by a key it does not hold, or one whose
+  tag does not verify -- anyone with ``s3:PutObject`` on the prefix can write that key, and only
+  a key holder's index may answer for the fleet (a planted index could only hide objects, but it
+  could also vouch for planted ones);
+* an index listed before the one it holds while that one is still fresh (an old signed index
+  written back: its objects may be gone).
+
+An index is **fresh** while younger than three publish periods (its own ``every_s``, at least
+three refresh intervals): a publisher that stopped is noticed by its index's age, and lookups
+fall back. ``clock`` is POSIX time (the index carries the publisher's); a replay on a trace's
+clock passes its own to both sides, and :meth:`IndexRefresher.refresh` picks a new index up at once.
+"""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.fleetindex import (
+    INDEX_NAME,
+    FleetIndex,
+    IndexEntry,
+    IndexFormatError,
+    SectionId,
+    decode,
+    encode,
+    max_index_bytes,
+)
+from ..core.integrity import IntegrityKeys
+from ..core.keys import ParsedKey, parse_key
+from ..core.objects import ObjectFormatError, ObjectIdentity, span_from_metadata
+from ..store.base import NotFound, ObjectInfo, ObjectStore, StoreError
+
+log = logging.getLogger("s3kv.fleetindex")
+
+#: HEADs of one batch when the publisher asks about new objects.
+HEAD_BATCH = 256
+#: An index is fresh for this many publish periods.
+FRESH_PERIODS = 3
+#: A publisher's clock may run this far ahead of an engine's before its index is refused.
+MAX_SKEW_S = 60.0
+
+
+def index_key(namespace_prefix: str) -> str:
+    """Where a namespace's index lives (``namespace_prefix`` ends with ``/``)."""
+    return namespace_prefix + INDEX_NAME
+
+
+# ------------------------------------------------------------------------------ publishing
+@dataclass
+class PublishReport:
+    """One pass: per namespace prefix, objects indexed; and what the pass cost."""
+
+    indexed: dict[str, int] = field(default_factory=dict)
+    heads: int = 0
+    #: Objects left out: their HEAD refused them (foreign, unsigned, damaged), or it failed.
+    refused: int = 0
+    failed: int = 0
+    #: Objects not asked about yet (past ``max_heads``): in the next pass's index.
+    deferred: int = 0
+    bytes: int = 0
+    #: Namespaces whose index could not be written (the error), and those another writer held.
+    errors: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+class Publisher:
+    """Publishes the index of every namespace under ``root`` (or of one), keeping what its HEADs
+    learned between passes (``_known``: key -> (size, end, count), or (size, None) refused)."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        root: str,
+        *,
+        integrity: IntegrityKeys | None = None,
+        every_s: float = 10.0,
+        max_heads: int = 100_000,
+        namespaces: Iterable[str] = (),
+        sub_prefixes: bool = False,
+        clock: Callable[[], float] = time.time,
+    ):
+        """``namespaces``: prefixes (``{root}{namespace}/``) published even while they hold nothing
+        yet -- an empty index answers every lookup of a new namespace "miss" for free, where without
+        one engines probe until its first objects are listed. ``sub_prefixes``: also namespaces
+        below sub-prefixes of ``root`` (another deployment's URL, as ``s3kv gc`` keeps out of them
+        unless told to); by default only ``{root}{namespace}/``."""
+        self.store = store
+        self.root = root
+        self.namespaces = list(namespaces)
+        self.sub_prefixes = sub_prefixes
+        self.integrity = integrity
+        self.every_s = every_s
+        self.max_heads = max_heads
+        self._clock = clock
+        self._known: dict[str, tuple[int, int | None, int]] = {}
+        self._last_s = 0.0
+
+    def publish(self, now: float | None = None, namespace: str | None = None) -> PublishReport:
+        """One pass: list, HEAD what is new, write each namespace's index. ``now``: the listing's
+        time (default: the clock); ``namespace``: only that one (32 hex digits). Raises
+        StoreError when the listing fails (nothing written)."""
+        t0 = time.perf_counter()
+        listed_at = self._clock() if now is None else now
+        rep = PublishReport()
+        by_ns: dict[str, list[tuple[ObjectInfo, ParsedKey]]] = {
+            nsp: [] for nsp in self.namespaces if not namespace or namespace in nsp
+        }
+        for info in self.store.list(self.root):
+            rel = info.key[len(self.root):]
+            parsed = parse_key(rel)
+            if parsed is None or parsed.tp_size < 1 or not 0 <= parsed.shard < parsed.tp_size:
+                continue
+            if not self.sub_prefixes and rel.count("/") != 2:
+                continue  # under a sub-prefix: another deployment's
+            if namespace and parsed.namespace != namespace:
+                continue
+            tail = f"{parsed.group_fingerprint}.{parsed.shard}of{parsed.tp_size}/{parsed.digest}"
+            by_ns.setdefault(info.key[: len(info.key) - len(tail)], []).append((info, parsed))
+        known: dict[str, tuple[int, int | None, int]] = {}
+        budget = self.max_heads
+        for nsp, objs in by_ns.items():
+            fresh = [(i, p) for i, p in objs if self._known.get(i.key, (-1,))[0] != i.size]
+            asked, rep.deferred = fresh[:budget], rep.deferred + max(0, len(fresh) - budget)
+            budget -= len(asked)
+            learned = self._head(asked, rep)
+            sections: dict[SectionId, list[IndexEntry]] = {}
+            for info, p in objs:
+                got = learned.get(info.key) or self._known.get(info.key)
+                if got is None or got[0] != info.size:
+                    continue  # deferred, or its HEAD failed: next pass
+                known[info.key] = got
+                if got[1] is None:
+                    continue  # refused
+                written = info.last_modified if info.last_modified is not None else listed_at
+                sections.setdefault((p.group_fingerprint, p.shard, p.tp_size), []).append(
+                    IndexEntry(bytes.fromhex(p.digest), got[1], got[2], min(written, listed_at))
+                )
+            key = index_key(nsp)
+            tag = self.integrity.current if self.integrity is not None else None
+            # The period engines judge its age by: a pass longer than the period sets the pace.
+            every = max(self.every_s, self._last_s, time.perf_counter() - t0)
+            data = encode(bytes.fromhex(nsp[-33:-1]), sections, object_key=key, listed_at=listed_at,
+                          published_at=self._clock(), every_s=every, tag_key=tag)
+            try:
+                self.store.delete_many([key])
+                if not self.store.put(key, data):
+                    rep.errors[nsp] = "another writer created the index between this pass's delete and write"
+                    continue
+            except StoreError as e:
+                rep.errors[nsp] = f"{type(e).__name__}: {e}"
+                continue
+            rep.indexed[nsp] = sum(len(v) for v in sections.values())
+            rep.bytes += len(data)
+        self._known = known
+        rep.seconds = self._last_s = time.perf_counter() - t0
+        return rep
+
+    def _head(self, objs: list[tuple[ObjectInfo, ParsedKey]], rep: PublishReport) -> dict[str, tuple[int, int | None, int]]:
+        """What HEADs say of new objects: (size, end, count), or (size, None, 0) for one refused."""
+        out: dict[str, tuple[int, int | None, int]] = {}
+        for i in range(0, len(objs), HEAD_BATCH):
+            chunk = objs[i : i + HEAD_BATCH]
+            try:
+                batch = self.store.head_many([o.key for o, _ in chunk])
+            except StoreError:
+                rep.failed += len(chunk)
+                continue
+            rep.heads += len(chunk)
+            for info, p in chunk:
+                found = batch.found.get(info.key)
+                if found is None:
+                    rep.failed += info.key in batch.failed
+                    continue  # gone since the listing, or failed: not in this index
+                try:
+                    span = span_from_metadata(self._identity(p, found.metadata), found.metadata, found.size, info.key)
+                except (ObjectFormatError, ValueError):
+                    rep.refused += 1
+                    out[info.key] = (info.size, None, 0)
+                    continue
+                out[info.key] = (info.size, span.first + span.count, span.count)
+        return out
+
+    def _identity(self, p: ParsedKey, md: Mapping[str, str]) -> ObjectIdentity:
+        """The identity the key promises, sizes from the metadata (as ``s3kv verify`` does)."""
+        return ObjectIdentity(bytes.fromhex(p.namespace), p.group_fingerprint, p.shard, p.tp_size,
+                              int(md.get("s3kv-tpb", "")), int(md.get("s3kv-page-bytes", "")),
+                              integrity=self.integrity)
+
+
+def publish(
+    store: ObjectStore,
+    root: str,
+    *,
+    now: float | None = None,
+    integrity: IntegrityKeys | None = None,
+    every_s: float = 10.0,
+    publisher: Publisher | None = None,
+) -> PublishReport:
+    """One publishing pass (a replay on its own clock passes ``now`` and keeps ``publisher``
+    between calls, so objects are HEADed once)."""
+    pub = publisher or Publisher(store, root, integrity=integrity, every_s=every_s)
+    return pub.publish(now)
+
+
+# ------------------------------------------------------------------------------ refreshing
+class IndexRefresher:
+    """The engine's copy of its namespace's index (module docstring). Reading is lock-free: the
+    index is replaced whole."""
+
+    def __init__(
+        self,
+        store: ObjectStore,
+        key: str,
+        namespace: bytes,
+        *,
+        keys: IntegrityKeys | None,
+        interval_s: float,
+        max_objects: int,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.store = store
+        self.key = key
+        self.namespace = namespace
+        self.keys = keys
+        self.interval_s = interval_s
+        self.max_objects = max_objects
+        self.clock = clock
+        self._index: FleetIndex | None = None
+        self._etag: str | None = None
+        #: Counts up with every index taken (lookups tell snapshots apart by it).
+        self.generation = 0
+        self.fetches = 0
+        self.changes = 0
+        self.failures = 0
+        self.missing = 0
+        self.refused: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._started = False
+        self._said_missing = False
+
+    # -- reading --------------------------------------------------------------------------
+    def max_age_s(self, idx: FleetIndex | None = None) -> float:
+        idx = idx or self._index
+        every = idx.every_s if idx is not None else 0.0
+        return FRESH_PERIODS * max(every, self.interval_s)
+
+    def age_s(self) -> float:
+        """Seconds since the current index's listing began (inf without one)."""
+        idx = self._index
+        return self.clock() - idx.listed_at if idx is not None else float("inf")
+
+    def current(self) -> FleetIndex | None:
+        """The index, if fresh (module docstring); None otherwise."""
+        idx = self._index
+        if idx is None or self.clock() - idx.listed_at > self.max_age_s(idx):
+            return None
+        return idx
+
+    # -- refreshing -----------------------------------------------------------------------
+    def refresh(self) -> bool:
+        """One conditional GET; True if a new index replaced the one held. Never raises a store
+        error (counted, logged once per streak). Its thread and a caller (a replay) may both call it."""
+        with self._lock:
+            return self._refresh()
+
+    def _refresh(self) -> bool:
+        self.fetches += 1
+        try:
+            got = self.store.get_if_changed(self.key, self._etag)
+        except NotFound:
+            self.missing += 1
+            if not self._said_missing:
+                self._said_missing = True
+                log.info("s3kv: no fleet index at %s yet; lookups fall back until a publisher writes one "
+                         "(s3kv gc --watch ... --index 10s)", self.key)
+            return False
+        except StoreError as e:
+            self.failures += 1
+            log.log(logging.WARNING if self.failures == 1 else logging.DEBUG,
+                    "s3kv: fleet index refresh failed (%s); keeping the one held", e)
+            return False
+        self._said_missing = False
+        if got is None:
+            return False
+        self._etag = got.etag  # a refused version is not fetched again until it changes
+        if len(got.data) > max_index_bytes(self.max_objects):
+            return self._refuse("too_large", f"{len(got.data)} bytes")
+        try:
+            idx = decode(got.data, object_key=self.key, namespace=self.namespace, keys=self.keys,
+                         max_objects=self.max_objects)
+        except IndexFormatError as e:
+            return self._refuse(e.reason, str(e))
+        if self.keys is not None and not idx.verified:
+            return self._refuse("unsigned", "unsigned, while this engine holds an integrity key")
+        now = self.clock()
+        if idx.listed_at - now > MAX_SKEW_S:
+            return self._refuse("future", f"listed {idx.listed_at - now:.0f} s in this engine's future")
+        held = self.current()
+        if held is not None and idx.listed_at < held.listed_at:
+            return self._refuse("older", "listed before the index held")
+        self._index = idx
+        self.generation += 1
+        self.changes += 1
+        return True
+
+    def _refuse(self, reason: str, why: str) -> bool:
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        log.warning("s3kv: fleet index %s refused: %s", self.key, why)
+        return False
+
+    def start(self) -> IndexRefresher:
+        if not self._started:
+            self._started = True
+            # Not threading.Thread: its start() waits for the new thread (a GIL hand-off), and this
+            # may be called on the scheduling path.
+            _thread.start_new_thread(self._run, ())
+        return self
+
+    def _run(self) -> None:
+        if self.fetches:
+            self._stop.wait(self.interval_s)  # refreshed by hand just now: not again at once
+        while not self._stop.is_set():
+            try:
+                self.refresh()
+            except Exception:  # noqa: BLE001 - the refresher must outlive any one pass
+                log.exception("s3kv: fleet index refresh failed unexpectedly")
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def stats(self) -> dict[str, Any]:
+        idx = self._index
+        return {"fetches": self.fetches, "changes": self.changes, "failures": self.failures,
+                "missing": self.missing, "refused": dict(self.refused),
+                "objects": idx.objects if idx is not None else 0, "age_s": self.age_s()}
+
+
+def namespaces_of(keys: Iterable[str]) -> list[str]:
+    """The namespace prefixes ``keys`` (object keys) fall under, each once, in order."""
+    out: dict[str, None] = {}
+    for k in keys:
+        p = parse_key(k)
+        if p is not None:
+            out[k[: k.rindex(p.namespace) + len(p.namespace) + 1]] = None
+    return list(out)

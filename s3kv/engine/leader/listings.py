@@ -1,0 +1,156 @@
+"""The lookup's listings of the namespace: which one answers, and whether it may vouch for a hit.
+
+Two sources (``s3kv.engine.summary``): the fleet index, fetched by :class:`IndexRefresher` with a
+conditional GET every ``fleet_index_s``; else this engine's own LIST summary (``lookup_summary_s``,
+off by default). Neither is used while the store is in doubt (breaker not closed): nothing is
+promised from memory then.
+
+A listed candidate costs one HEAD wave unless the listing is **trusted** (:meth:`Listings.trusted`):
+
+* a fleet index only when signed with the integrity key (an unsigned one never makes a hit free,
+  and an engine holding a key refuses unsigned indexes altogether), no older than
+  ``fleet_index_trust_s`` nor than ``index_ttl_s`` (as old as a HEAD answer the key index still
+  trusts), and every object it vouches for younger than the retention when it was listed -- gc
+  keeps an object seen that young for ``index_ttl_s`` more (``core.cost.expiry_age_s``), so the
+  trust window never outlives the object;
+* a LIST summary younger than ``lookup_summary_trust_s``.
+
+A load of an object a trusted listing vouched for that fails (the worker quarantines it in the
+key index: gone, corrupt, planted) takes that source's trust away until it proves right again
+(``summary.TrustGate``): :meth:`Listings.note_failed_loads` reads the key index's quarantines at
+each lookup and matches them against the keys vouched for lately.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from ...config import Settings
+from ...core.lookup import Ask
+from ...store.base import ObjectStore
+from ..fleetindex import IndexRefresher, index_key
+from ..index import KeyIndex
+from ..summary import IndexListing, Listing, NamespaceSummary, SummaryGroup, TrustGate
+from .context import LeaderContext
+from .stats import LeaderStats
+
+#: Keys a trusted listing vouched for lately (a failed load of one takes the listing's trust).
+VOUCHED_MAX = 4096
+
+
+class Listings:
+    def __init__(self, settings: Settings, store: ObjectStore, index: KeyIndex, stats: LeaderStats):
+        self.settings = settings
+        self.store = store
+        self.index = index
+        self.stats = stats
+        self.ctx: LeaderContext | None = None
+        self._summary: NamespaceSummary | None = None
+        self._fleet: IndexRefresher | None = None
+        self._index_listing: IndexListing | None = None
+        #: Whether each source may vouch for a hit, the keys one vouched for lately, and how many
+        #: of the key index's quarantines were looked at.
+        self.trust = TrustGate()
+        self._vouched: OrderedDict[str, tuple[str, int]] = OrderedDict()
+        self._quarantines_seen = index.quarantines
+
+    def bind(self, ctx: LeaderContext) -> None:
+        self.ctx = ctx
+
+    def current(self) -> Listing | None:
+        """The freshest listing: the fleet index, else the LIST summary; None when neither is
+        fresh or the store is in doubt."""
+        if not self.store.available:
+            return None
+        fleet = self.fleet_index()
+        if fleet is not None:
+            idx = fleet.start().current()
+            if idx is not None:
+                cur = self._index_listing
+                if cur is None or cur.index is not idx:
+                    assert self.ctx is not None
+                    g = self.ctx.geometry
+                    cur = self._index_listing = IndexListing(
+                        idx, {x.fingerprint: x.group_id for x in g.groups}, g.tp_size, fleet.generation
+                    )
+                return cur
+        summary = self.summary()
+        return summary.start().listing() if summary is not None else None
+
+    def fleet_index(self) -> IndexRefresher | None:
+        """The fleet index's refresher (made on first use; its thread starts with the first lookup,
+        or at layout registration), or None when ``fleet_index_s`` is 0 or no geometry is bound."""
+        ctx = self.ctx
+        if self.settings.fleet_index_s <= 0 or ctx is None:
+            return None
+        if self._fleet is None:
+            self._fleet = IndexRefresher(
+                self.store, index_key(ctx.scheme.namespace_prefix), ctx.namespace,
+                keys=self.settings.integrity, interval_s=self.settings.fleet_index_s,
+                max_objects=self.settings.fleet_index_max_objects,
+            )
+            # The refresher holds no reference to the listings (nor the leader holding them); it
+            # stops when they go.
+            weakref.finalize(self, self._fleet.stop)
+        return self._fleet
+
+    def summary(self) -> NamespaceSummary | None:
+        """The namespace summary (made on first use; its refresher starts with the first lookup),
+        or None when ``lookup_summary_s`` is 0 or the geometry is not bound yet."""
+        ctx = self.ctx
+        if self.settings.lookup_summary_s <= 0 or ctx is None:
+            return None
+        if self._summary is None:
+            tagged = self.settings.integrity is not None
+            groups = {x.fingerprint: SummaryGroup(x.group_id, x.page_bytes, tagged) for x in ctx.geometry.groups}
+            self._summary = NamespaceSummary(
+                self.store,
+                ctx.scheme,
+                groups,
+                interval_s=self.settings.lookup_summary_s,
+                max_objects=self.settings.lookup_summary_max_objects,
+            )
+            weakref.finalize(self, self._summary.stop)
+        return self._summary
+
+    def trusted(self, listing: Listing, written: Sequence[float | None]) -> bool:
+        """Whether ``listing`` may stand in for the HEAD wave over objects written at ``written``
+        (module docstring)."""
+        s = self.settings
+        if not written or not self.trust.trusted(listing.source):
+            return False
+        if isinstance(listing, IndexListing):
+            idx, fleet = listing.index, self._fleet
+            if not idx.verified or fleet is None:
+                return False
+            if fleet.clock() - idx.listed_at > min(s.fleet_index_trust_s, s.index_ttl_s):
+                return False
+            keep = s.retention_h * 3600.0
+            return all(w is not None and idx.listed_at - w < keep for w in written)
+        trust = s.lookup_summary_trust_s
+        return trust > 0 and self._summary is not None and self._summary.age_s() <= trust
+
+    def vouch(self, todo: dict[str, Ask], listing: Listing) -> None:
+        """Remember which listing promised these objects (``note_failed_loads``)."""
+        for key in todo:
+            self._vouched[key] = (listing.source, listing.generation)
+            self._vouched.move_to_end(key)
+        while len(self._vouched) > VOUCHED_MAX:
+            self._vouched.popitem(last=False)
+
+    def note_failed_loads(self) -> None:
+        """Take a source's trust away where a load of an object it vouched for failed."""
+        seen, keys = self.index.quarantined_since(self._quarantines_seen)
+        self._quarantines_seen = seen
+        for key in keys:
+            got = self._vouched.pop(key, None)
+            if got is not None and self.trust.lose(*got):
+                self.stats.listing_trust_lost += 1
+
+    def close(self) -> None:
+        if self._summary is not None:
+            self._summary.stop()
+        if self._fleet is not None:
+            self._fleet.stop()

@@ -1,0 +1,59 @@
+"""The fleet index in a trace replay: its publisher on the trace's clock.
+
+A replay runs hours of traffic in minutes, so the publisher (``s3kv gc --index``) cannot run on
+wall time beside it: :class:`ReplayIndex` is a hook the replay calls before each request with
+the trace's time and its fleet -- the billed store every engine shares (``fleet.store``) and the
+simulated engines (``fleet.engines``). Every ``every_s`` of the trace's clock it publishes the
+engines' namespace from what that store holds (the publisher's HEADs billed as a deployment's
+would be, objects expired on the trace's clock gone, as gc would have deleted them) and has every
+engine pick the new index up at once; the engines judge its age on the same clock. Its first
+call publishes an index even before anything is stored (an empty namespace's misses are free).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ReplayIndex:
+    """``hook(now, fleet)`` (module docstring). Picklable: a replay may run in a process of its own."""
+
+    def __init__(self, every_s: float = 10.0):
+        if every_s <= 0:
+            raise ValueError(f"the fleet index's period must be > 0, got {every_s}")
+        self.every_s = every_s
+        self.now = 0.0
+        self._last = float("-inf")
+        self._publisher: Any = None
+        self.passes = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_publisher": None}
+
+    def _clock(self) -> float:
+        return self.now
+
+    def __call__(self, now: float, fleet: Any) -> None:
+        from ...engine.fleetindex import Publisher
+
+        self.now = now
+        cores = [e.leader.core for e in fleet.engines]
+        if self._publisher is None:
+            core = cores[0]
+            self._publisher = Publisher(
+                fleet.store, core.key_prefix.rstrip("/") + "/", integrity=core.settings.integrity,
+                every_s=self.every_s, namespaces=[core.scheme.namespace_prefix], clock=self._clock,
+            )
+            for c in cores:
+                fi = c.fleet_index()
+                if fi is not None:
+                    fi.clock = self._clock
+        if now - self._last < self.every_s:
+            return
+        self._last = now
+        self._publisher.publish(now)
+        self.passes += 1
+        for c in cores:
+            fi = c.fleet_index()
+            if fi is not None:
+                fi.refresh()
