@@ -55,6 +55,11 @@ class SealOp:
     count: int
     last_digest: bytes
     close: bool = True
+    #: Where the object goes: "now" = the store now (and the host tier, if there is one);
+    #: "evict" = the host tier now, the store when the tier evicts it, only if a load read it
+    #: while cached; "never" = the host tier only. A seal that needs a host tier where there is
+    #: none is dropped and counted.
+    to_s3: str = "now"
 
 
 @dataclass(frozen=True)

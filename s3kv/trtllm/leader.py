@@ -91,6 +91,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             failed_load_hook=False,  # sync loads: see above
             # TensorRT-LLM's default loop is the overlap one; only an explicit True turns it off.
             overlap=getattr(llm_args, "disable_overlap_scheduler", False) is not True,
+            model_ref=getattr(llm_args, "model", None),  # its config.json: the prefill FLOPs
         )
 
     def _start_summary(self) -> None:

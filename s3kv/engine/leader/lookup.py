@@ -80,6 +80,8 @@ class Lookups:
         self._promise = False
         #: What the engine's honours say of its KV memory (``pressure.py``); ``loads.py`` feeds it.
         self.pressure = PressureGauge()
+        #: The engine's prefill speed (``LeaderCore.set_prefill``: the one figure, its TP ranks together).
+        self.prefill_tokens_per_s = settings.prefill_tokens_per_s or 1.0
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -215,7 +217,7 @@ class Lookups:
             return s.lookup_timeout_s
         if s.lookup_timeout_s == 0:
             return math.inf
-        return stall_budget_s(saveable_tokens, s.prefill_tokens_per_s, s.lookup_stall_fraction,
+        return stall_budget_s(saveable_tokens, self.prefill_tokens_per_s, s.lookup_stall_fraction,
                               s.lookup_max_stall_ms / 1000.0)
 
     def _max_budget_s(self) -> float:
