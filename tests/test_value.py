@@ -194,3 +194,55 @@ def test_the_value_line_adds_up():
     assert h["gpu_usd"] == pytest.approx(Prefill.from_settings(Settings()).usd(2000, 10_000))
     assert h["storage_usd"] == pytest.approx(bill.storage_usd(TAIL))
     assert c["get_usd"] > 0 and h["get_usd"] == pytest.approx(bill.get_usd(TAIL))
+
+
+def test_the_value_line_reaches_the_metrics_and_s3kv_stats(tmp_path):
+    """Issue 38: what the fleet gets, per kind -- from the leader's stats to Prometheus to
+    ``s3kv stats --metrics`` (summed over engines), with the lookups' HEADs priced beside."""
+    import json
+
+    from click.testing import CliRunner
+
+    from s3kv.engine.leader.stats import LeaderStats
+    from s3kv.engine.metrics import Metrics, start_http_server, value_line
+    from s3kv.tools.cli import main
+
+    m = model()
+    m.wrote("chain", [64 * MiB] * 4)
+    m.wrote(HISTORY_END, [TAIL], digest(1))
+    m.read(digest(1), None, 20_000, 0, TAIL, 20_000 * CHAIN_BLOCK // 64)
+    engines = []
+    for _ in range(2):
+        metrics = Metrics()
+        st = LeaderStats(value=m.snapshot(), prefill_tokens_per_s=m.prefill.tokens_per_s)
+        metrics.observe_leader(st)
+        metrics.observe_leader(st)  # cumulative: observed twice, counted once
+        metrics.record_request("head", 0.01, requests=1000)
+        engines.append(metrics)
+    line = value_line(engines[0].snapshot())
+    h = line["kinds"][HISTORY_END]
+    assert h["gpu_usd"] == pytest.approx(m.totals[HISTORY_END].gpu_usd)
+    assert h["s3_usd"] == pytest.approx(m.totals[HISTORY_END].s3_usd)
+    assert line["kinds"]["lookup"]["s3_usd"] == pytest.approx(1000 * 0.0004 / 1000)
+    assert line["ratio"] == pytest.approx(line["s3_usd"] / line["gpu_usd"])
+    assert engines[0].value("s3kv_value_reads_per_write", kind=HISTORY_END) == pytest.approx(
+        m.reads_per_write(HISTORY_END))
+    assert engines[0].value("s3kv_prefill_tokens_per_second") == pytest.approx(m.prefill.tokens_per_s)
+
+    servers = [start_http_server(e, 0) for e in engines]
+    try:
+        urls = [f"http://127.0.0.1:{s.server_port}/metrics" for s in servers]
+        args = ["stats", "--url", f"file://{tmp_path}", "--json"]
+        for u in urls:
+            args += ["--metrics", u]
+        r = CliRunner().invoke(main, args, catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        v = json.loads(r.stdout)["value"]
+        assert v["endpoints"] == 2
+        assert v["gpu_usd"] == pytest.approx(2 * line["gpu_usd"]) and v["ratio"] == pytest.approx(line["ratio"])
+        text = CliRunner().invoke(main, [a for a in args if a != "--json"], catch_exceptions=False)
+        assert "value the fleet got" in text.output and HISTORY_END in text.output
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
