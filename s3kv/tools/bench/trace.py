@@ -56,7 +56,6 @@ from typing import Any
 
 from ...core.cost import (
     Gpu,
-    Prefill,
     Prices,
     Usage,
     cost,
@@ -227,17 +226,15 @@ def real_page_bytes(model: ModelSpec, tpb: int) -> list[int]:
     return [p["full"], p["sliding"]]
 
 
-def _leader_class(sizing: Sequence[int], prefill: Prefill) -> Any:
+def _leader_class(sizing: Sequence[int]) -> Any:
     from ...trtllm import S3KvConnectorLeader
 
     class SizedLeader(S3KvConnectorLeader):
-        """The real adapter, told to size objects from the real model's pages (it moves tiny ones)
-        and to weigh hits with its prefill figure (the bill's)."""
+        """The real adapter, told to size objects from the real model's pages (it moves tiny ones)."""
 
         def __init__(self, llm_args: Any, **kw: Any):
             super().__init__(llm_args, **kw)
             self.core._sizing_page_bytes = list(sizing)  # read when the geometry arrives
-            self.core.writes.set_prefill(prefill)
 
     return SizedLeader
 
@@ -329,7 +326,7 @@ def replay(
         SimCacheConfig(
             tokens_per_block=tpb, max_seq_len=max_len, audit=cfg.audit, slot_padding=0, seed=1
         ),
-        _leader_class(sizing, Prefill(cfg.gpu, cfg.model, 1, settings.prefill_tokens_per_s)),
+        _leader_class(sizing),
         S3KvConnectorWorker,
         max_batch=1,
         chunk_size=cfg.chunk_tokens,
