@@ -246,3 +246,42 @@ def test_the_value_line_reaches_the_metrics_and_s3kv_stats(tmp_path):
         for s in servers:
             s.shutdown()
             s.server_close()
+
+
+def test_the_engine_reads_its_models_flops_from_its_config(tmp_path, monkeypatch):
+    """Contract 3: the prefill figure comes from the model the engine runs -- ``llm_args.model``'s
+    config.json, a local directory or a Hugging Face name in the local cache -- else the default
+    model's, and the deprecated setting still overrides it."""
+    import json
+
+    from s3kv.engine.prefill import config_path, prefill_for
+    from s3kv.tools.models import MODELS
+
+    llama = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "vocab_size": 128256, "torch_dtype": "bfloat16"}
+    local = tmp_path / "llama"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps(llama))
+    hub = tmp_path / "hub"
+    snap = hub / "models--meta--llama" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(llama))
+    (hub / "models--meta--llama" / "refs").mkdir()
+    (hub / "models--meta--llama" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    assert config_path(local) == local / "config.json"
+    assert config_path("meta/llama") == snap / "config.json"
+    assert config_path("nobody/nothing") is None and config_path(None) is None
+
+    s = Settings()
+    want = MODELS["llama-3.1-8b"].prefill_flops(8192) / 8192
+    for ref in (str(local), "meta/llama"):
+        p = prefill_for(s, ref, tp=2)
+        assert p.model.prefill_flops(8192) / 8192 == pytest.approx(want)
+        assert p.tokens_per_s == pytest.approx(2 * 8192 / p.gpu.seconds(p.model.prefill_flops(8192)))
+        assert "config" in p.source
+    default = prefill_for(s, "s3kv-sim/whatever")
+    assert default.model == MODELS["gemma-3-27b"] and "default" in default.source
+    (local / "config.json").write_text("{not json")
+    assert prefill_for(s, str(local)).model == MODELS["gemma-3-27b"]  # unreadable: the default, no error
+    assert prefill_for(Settings(prefill_tokens_per_s=9000.0), "meta/llama").tokens_per_s == 9000.0

@@ -276,7 +276,7 @@ class ValueModel:
             ep.append([start, 1.0])
             while ep and self.clock - ep[0][0] > 8 * self.half_life:
                 ep.popleft()
-        self._matured_at = -1.0
+        # (No need to recompute the lag-weighted count now: a write this young counts for nothing yet.)
         self._memo[digest] = (kind, self.clock)
         self._memo.move_to_end(digest)
         while len(self._memo) > MEMO_ENTRIES:

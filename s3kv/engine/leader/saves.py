@@ -120,9 +120,11 @@ class SavePlanner:
                     sv.seal(gid, close=True)
                 elif o + 1 == prompt_blocks:
                     # Prompt-end snapshot: exact repeats hit here even though the object keeps
-                    # filling (a chunk with generated blocks, a tail up to the next checkpoint).
-                    to = buf.to_s3 if policy.stores_everything(gid) else self.writes.tail_to(
-                        st, self.writes.kind_at(st, prompt_blocks), prompt_blocks)
+                    # filling (a chunk with generated blocks, a tail up to the next checkpoint) --
+                    # where the write policy keeps the prompt-end boundary it serves.
+                    to = self.writes.tail_to(st, self.writes.kind_at(st, prompt_blocks), prompt_blocks)
+                    if to is not None and policy.stores_everything(gid):
+                        to = buf.to_s3
                     more = self._where(ctx, st, gid, o + 1, prompt_blocks) is not None
                     if to is not None:
                         sv.seal(gid, close=not more, to_s3=to)
