@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...core.cost import Prefill
+from ...core.objects import ObjectSpan
 from ...core.plan import SealOp
 from ...core.value import (
     BRANCH,
@@ -69,6 +70,7 @@ class WritePolicy:
         self.settings = settings
         self.stats = stats
         self.lookups = lookups
+        self.index = lookups.index
         self.mode = getattr(settings, "write_policy", "auto")
         self.host_tier = host_tier_of(settings) if host_tier is None else host_tier
         self.model = ValueModel(prefill_for(settings, model_ref, tp_size), Bill.from_settings(settings),
@@ -153,11 +155,32 @@ class WritePolicy:
     def decide(self, st: RequestState) -> None:
         """At the request's first report: its plan (``auto``), from its boundaries' real sizes."""
         ctx = self.ctx
+        self._keep_known(st)
         if ctx is None or self.mode != "auto" or ctx.policy.mode != "window" or st.chain is None:
             st.saves.plan = WRITE_ALL if self.mode == "auto" else None
             return
         st.saves.plan = self.model.plan(self.boundaries(st))
         self.stats.value = self.model.snapshot()
+
+    def _keep_known(self, st: RequestState) -> None:
+        """The chain objects this request does not write again (its lookup saw them stored) stay
+        known to the index as long as a write's confirmation would have kept them: the next
+        request of that prefix is then answered locally, not with HEADs."""
+        ctx = self.ctx
+        if ctx is None or st.chain is None or st.load.spine_blocks <= st.saves.save_from:
+            return
+        g = ctx.geometry
+        sg = g.spine_group
+        fp = g.groups[sg].fingerprint
+        digests = st.chain.digests
+        present = [
+            (ctx.scheme.object_key(fp, shard, digests[end - 1]), ObjectSpan(span.first, span.end - span.first))
+            for shard in range(g.tp_size)
+            for end, span in st.load.coverage.get((sg, shard), {}).items()
+            if st.saves.save_from < end <= st.load.spine_blocks and end <= len(digests)
+        ]
+        if present:
+            self.index.put_many(present, ())
 
     def boundaries(self, st: RequestState) -> list[Boundary]:
         """The points ``st`` could make servable, above what is already stored or served."""
