@@ -15,6 +15,7 @@ import pytest
 from s3kv.config import Settings
 from s3kv.core.cost import Prefill
 from s3kv.core.value import (
+    BRANCH,
     CHECKPOINT,
     EXPLORE_SHARE,
     HISTORY_END,
@@ -175,6 +176,34 @@ def test_a_plan_keeps_the_chain_to_its_furthest_boundary_and_the_tails_worth_it(
     assert plan.chain_to == (9000 if plan.decisions[(PROMPT_END, 9000)] == "explore" else 8192)
     # A history-end boundary (its end unknown when planned) needs the whole chain: chain_to None.
     assert m.plan([boundary(5, new_blocks=0)]).chain_to is None
+
+
+def test_a_prompts_chain_is_written_for_the_branch_tails_it_enables():
+    """A chain object may serve many later tails: where requests that share prefixes read branch
+    tails, a prompt's chain is written even though none of its own tails pays."""
+    m = model()
+    m.tick(10_000)
+    for i in range(200):
+        m.wrote(PROMPT_END, [TAIL], digest(i))  # never read
+        m.count_write("chain")  # 200 prompts' chains reached their ends ...
+    for i in range(100):  # ... and branch tails on them were read 100 times, ~6k tokens each
+        m.wrote(BRANCH, [TAIL], digest(1000 + i))
+        m.read(digest(1000 + i), None, 6144, 0, TAIL, 0)
+    m.tick(3000)
+    end = Boundary(PROMPT_END, 8192, digest(7), (TAIL,), (12 * CHAIN_BLOCK,) * 11)
+    chain = Boundary("chain", 8192, digest(7), (), ())
+    assert m.plan([end]).decisions[(PROMPT_END, 8192)] != "write"
+    plan = m.plan([end, chain])
+    assert plan.decisions[("chain", 8192)] == "write" and plan.chain_to == 8192
+    assert plan.decisions[(PROMPT_END, 8192)] != "write"  # its tail still does not pay
+    # Without branch reads the same chain is not worth it.
+    quiet = model()
+    quiet.tick(10_000)
+    for i in range(200):
+        quiet.wrote(PROMPT_END, [TAIL], digest(i))
+        quiet.count_write("chain")
+    quiet.tick(3000)
+    assert quiet.plan([end, chain]).decisions[("chain", 8192)] != "write"
 
 
 def test_the_value_line_adds_up():

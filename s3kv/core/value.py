@@ -8,7 +8,11 @@ below it. So what is decided is a request's set of boundaries, each of a *kind* 
 (every ``checkpoint_tokens``), ``prompt-end``, ``history-end`` (past the prompt: a conversation's
 next turn), ``branch`` (a shared prefix) -- and the chain up to the furthest one: a tail is useless
 without its chain, and chain objects already stored (or paid for by a lower boundary) cost nothing
-more. Each boundary is expected to earn ``reads per write (kind) x prefill $ of the marginal
+more. A chain object may also serve many tails of *later* requests: where a prompt shares a
+prefix with this one, the next such request finds the chain stored and writes a branch tail that
+the ones after it read. That option is a ``chain`` boundary at the prompt's end, with no tail of
+its own, read when a branch tail is: a prompt's chain is written when the branch reads it enables
+pay for it, even where its own tails do not. Each boundary is expected to earn ``reads per write (kind) x prefill $ of the marginal
 tokens a read serves`` less what its reads cost (GETs), against what writing it costs: PUT-class
 requests at its real size (multipart included) and storage for its expected life (gc's cutoff).
 :meth:`ValueModel.plan` picks the set with the largest expected net value: the top boundary ``T``
@@ -271,6 +275,14 @@ class ValueModel:
         t.storage_usd += sum(self.bill.storage_usd(n) for n in sizes)
         if digest is None:
             return
+        self.count_write(kind)
+        self._memo[digest] = (kind, self.clock)
+        self._memo.move_to_end(digest)
+        while len(self._memo) > MEMO_ENTRIES:
+            self._memo.popitem(last=False)
+
+    def count_write(self, kind: str) -> None:
+        """One boundary of ``kind`` written (what its reads per write are counted against)."""
         ep = self._epochs[kind]
         start = self.clock - self.clock % _EPOCH
         if ep and ep[-1][0] == start:
@@ -280,10 +292,6 @@ class ValueModel:
             while ep and self.clock - ep[0][0] > 8 * self.half_life:
                 ep.popleft()
         # (No need to recompute the lag-weighted count now: a write this young counts for nothing yet.)
-        self._memo[digest] = (kind, self.clock)
-        self._memo.move_to_end(digest)
-        while len(self._memo) > MEMO_ENTRIES:
-            self._memo.popitem(last=False)
 
     def read(
         self, digest: bytes | None, kind_hint: str | None, tokens: int, device_tokens: int,
@@ -314,6 +322,13 @@ class ValueModel:
             t = self.totals[kind]
             t.gpu_usd += w * gpu
             t.get_usd += w * self.bill.get_usd(tail_bytes)
+        if BRANCH in shares:
+            # A branch tail serves a prefix whose chain an earlier request wrote: the read is also
+            # what writing a prompt's chain buys beyond its own tails (``CHAIN`` boundaries).
+            w = shares[BRANCH]
+            self._reads[CHAIN].add(w, now, hl)
+            self._depth[CHAIN].add(w * tokens, now, hl)
+            self._marginal[CHAIN].add(w * marginal, now, hl)
         best = max(shares, key=lambda k: shares[k])
         t = self.totals[best]
         t.reads += 1
@@ -386,7 +401,12 @@ class ValueModel:
         """Expected value of a read-weighted boundary less its tail's cost (the chain apart), in $,
         with its costs scaled by the required return."""
         r = self.reads_per_write(b.kind)
-        served = b.tokens * self.marginal_share(b.kind)
+        if b.kind == CHAIN:  # a branch read serves the shared part: its own length, not this prompt's
+            n = self._reads[CHAIN].get(self.clock, self.half_life)
+            served = min(b.tokens, (self._marginal[CHAIN].get(self.clock, self.half_life) + PRIOR_MARGINAL_TOKENS)
+                         / (n + PRIOR_MARGINAL_TOKENS / 8192))
+        else:
+            served = b.tokens * self.marginal_share(b.kind)
         per_read = self.prefill.usd(int(b.tokens - served), b.tokens)
         reads_cost = self.bill.get_usd(sum(b.tail)) + self.bill.get_usd(served * b.chain_bytes_per_token)
         return r * (per_read - self.min_return * reads_cost) - self.min_return * self.bill.write_usd(b.tail)

@@ -158,8 +158,13 @@ class WritePolicy:
         self._keep_known(st)
         if ctx is None or self.mode != "auto" or ctx.policy.mode != "window" or st.chain is None:
             st.saves.plan = WRITE_ALL if self.mode == "auto" else None
+            if self.mode in ("auto", "through") and st.chain is not None:
+                self.model.count_write(CHAIN)
             return
-        st.saves.plan = self.model.plan(self.boundaries(st))
+        plan = st.saves.plan = self.model.plan(self.boundaries(st))
+        tpb = ctx.geometry.tokens_per_block
+        if plan.chain_to is None or plan.chain_to >= st.prompt_len // tpb * tpb:
+            self.model.count_write(CHAIN)  # its chain reaches the prompt's end: a branch may follow
         self.stats.value = self.model.snapshot()
 
     def _keep_known(self, st: RequestState) -> None:
@@ -200,6 +205,8 @@ class WritePolicy:
         if st.branch.end and st.branch.end > have:
             ends.append((st.branch.end, BRANCH))
         ends = [(e, k) for e, k in ends if e != found]
+        if prompt_blocks > have and prompt_blocks > 0:
+            ends.append((prompt_blocks, CHAIN))  # the prompt's chain, for later requests' branch tails
         if self.settings.save_decode and prompt_blocks > 0:
             ends.append((prompt_blocks, HISTORY_END))  # its end is past the prompt: unknown yet
         ends.sort(key=lambda x: (x[0], x[1] == HISTORY_END))
