@@ -41,8 +41,8 @@ clock that replays and real traffic share), so the estimate follows traffic that
 **Priors** (what is assumed before anything is seen; the data outweighs them after a few dozen
 writes): reads per write 1/2 (an object's first read is a coin flip: Beta(1, 1)'s mean) worth
 :data:`PRIOR_WRITES` writes; the whole history marginal (a fresh engine, no device match) worth
-two reads; reuse lag log-uniform over 3-1023 requests (a retry seconds later to a think time of
-minutes at a few requests per second), worth two reads -- light and short on purpose: the lag is
+two reads; reuse lag log-uniform over 1-511 requests (a retry seconds later to a think time of
+minutes at a few requests per second), worth one read -- light and short on purpose: the lag is
 learnt from reads of this engine's own objects, which are few in a fleet (most reads are of other
 engines' objects), and a prior lag longer than the real one over-counts young writes' missing
 reads and overstates every kind's worth. None is taken from a trace.
@@ -102,8 +102,8 @@ PRIOR_MARGINAL_TOKENS = 2 * 8192.0
 _EPOCH = 32
 #: Reuse-lag histogram: bin b holds lags in [2^b - 1, 2^(b+1) - 1) requests.
 _LAG_BINS = 22
-_PRIOR_LAG_BINS = range(2, 10)  # 3-1023 requests
-_PRIOR_LAG_WEIGHT = 2.0
+_PRIOR_LAG_BINS = range(1, 9)  # 1-511 requests
+_PRIOR_LAG_WEIGHT = 1.0
 #: Own boundaries remembered (digest -> kind, write time), for exact attribution of their reads.
 MEMO_ENTRIES = 200_000
 
