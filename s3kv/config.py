@@ -213,6 +213,16 @@ class Settings:
     #: also stores a sliding tail ending at that branch point, so the next request with that
     #: prefix hits it. Costs one sliding tail per such request (docs/trace-replay.md).
     branch_tails: bool = True
+    #: What goes to S3 (docs/sizing.md, "The value policy"): "auto" writes the objects expected to
+    #: earn more prefill time than their bill, learnt from what this engine's hits read; "through"
+    #: writes everything now; "back" writes to the host tier, to S3 only what was read there before
+    #: it is evicted; "local" the host tier only (back/local need S3KV_HOST_CACHE_GB).
+    write_policy: str = "auto"
+    #: The value policy writes an object when its expected prefill savings are at least this many
+    #: times its S3 bill. 1 (default) maximises the expected net saving; more leaves a margin for
+    #: what the estimate cannot see (GPU time saved is worth its price only while GPUs are busy),
+    #: at the price of hits: on the public trace 2 cut the ratio 0.198 -> 0.159 but served 83%.
+    write_min_return: float = 1.0
     #: Model identity in the namespace; default is llm_args.model.
     model_id: str = ""
     #: Where the model weights' digests are kept between runs, per file and keyed by the file's
@@ -262,10 +272,11 @@ class Settings:
     lookup_stall_fraction: float = 0.5
     #: ... and never longer than this (what a hung store may cost one lookup).
     lookup_max_stall_ms: float = 500.0
-    #: One engine's prefill throughput for this model, tokens per second (TP ranks together).
-    #: 7500 = Gemma-3-27B on one H100/H200 at 40% MFU: `s3kv size` prints the prefill time of a
-    #: prompt for a model and GPU (tokens / prefill_s).
-    prefill_tokens_per_s: float = 7500.0
+    #: Deprecated override of the one prefill-speed figure (s3kv/core/cost.py ``Prefill``), tokens
+    #: per second per GPU. 0 (default): derived from the model's FLOPs per token (its config.json,
+    #: read from llm_args.model or the Hugging Face cache) at gpu_peak_tflops x prefill_mfu. > 0:
+    #: this measured throughput, for the lookup budget, the value policy and the bill alike.
+    prefill_tokens_per_s: float = 0.0
     #: HEAD waves of timed-out lookups still running in the background; a lookup that finds this
     #: many is a miss at once (a hung store must not queue waves without bound).
     lookup_max_pending: int = 4
@@ -418,6 +429,7 @@ def _env_name(field: str) -> str:
 CHOICES: dict[str, tuple[str, ...]] = {
     "load_mode": ("async", "sync"),
     "storage_policy": ("window", "all"),
+    "write_policy": ("auto", "through", "back", "local"),
     "offer_guard": ("pressure", "always", "off"),
     "s3_client": ("auto", "obstore", "boto3"),
     "sse": ("", "AES256", "aws:kms"),
@@ -520,7 +532,10 @@ def validate(s: Settings) -> None:
     need(s.lookup_timeout_s >= 0 or s.lookup_timeout_s == -1, "lookup_timeout_s",
          "must be >= 0, or -1 (follow the value)", s.lookup_timeout_s)
     need(0 < s.lookup_stall_fraction <= 10, "lookup_stall_fraction", "must be in (0, 10]", s.lookup_stall_fraction)
-    need(s.prefill_tokens_per_s > 0, "prefill_tokens_per_s", "must be > 0", s.prefill_tokens_per_s)
+    need(s.write_min_return > 0 and s.write_min_return != float("inf"), "write_min_return",
+         "must be a finite number > 0", s.write_min_return)
+    need(s.prefill_tokens_per_s >= 0, "prefill_tokens_per_s", "must be >= 0 (0 = from the model's FLOPs)",
+         s.prefill_tokens_per_s)
     need(s.multipart_part_mib >= 5, "multipart_part_mib", "must be >= 5 (S3's minimum part size)", s.multipart_part_mib)
     need(s.multipart_threshold_mib > 0, "multipart_threshold_mib", "must be > 0", s.multipart_threshold_mib)
     need(s.range_split_mib > 0, "range_split_mib", "must be > 0", s.range_split_mib)

@@ -91,11 +91,14 @@ def test_lookup_with_latency_on_the_wire() -> None:
     res = run_json("lookup", "--quick", "--prompts", "1k", "--s3-latency-ms", "5", "--seq-cap", "8")
     assert res["store"]["s3_latency_ms"] == 5 and "fault proxy" in res["store"]["where"]
     assert res["latency_ms_injected"] == 0  # on the wire instead of the in-process model
-    assert res["lookup_budget"] == {"stall_fraction": 0.5, "max_stall_ms": 500.0, "prefill_tokens_per_s": 7500.0}
+    # The budget's prefill speed is the one figure (issue 38): Gemma-3-27B at 0.65 x 989.4 TFLOP/s.
+    tps = res["lookup_budget"]["prefill_tokens_per_s"]
+    assert 11_000 < tps < 13_500
+    assert res["lookup_budget"] == {"stall_fraction": 0.5, "max_stall_ms": 500.0, "prefill_tokens_per_s": tps}
     (r,) = res["results"]
     for c in r["clients"].values():
         first = c["budget_first"]
-        assert first["budget_ms"] == pytest.approx(0.5 * 992 / 7500 * 1e3, abs=0.1)
+        assert first["budget_ms"] == pytest.approx(0.5 * 992 / tps * 1e3, abs=0.1)
         assert first["decision"] in ("hit", "ran_out") and c["probe"]["decision"] == "hit"
         assert c["probe"]["wall_round_trips"] >= 1  # every round trip paid 5 ms on the wire
 

@@ -675,9 +675,12 @@ def test_honoured_zero_means_no_loads():
     # is declared (the workers return it at once) and nothing fails.
     meta = core.build_connector_meta([], [])
     assert meta.loads == () and meta.async_load_ids == frozenset({5}) and not meta.failed_load_ids
-    # When it resumes it computes everything itself, and all of it is saved.
+    # When it resumes it computes everything itself, and saves what is not stored yet: the sliding
+    # group's blocks (the "all" policy stores them all), not the full-attention objects the lookup
+    # saw stored (a conditional PUT of an existing key bills a request and changes nothing).
     meta = core.build_connector_meta([rd(5, tokens, slots, 0, len(tokens))], [])
-    assert {op.ordinal for op in meta.stages if op.buffer.group == FULL} == set(range(12))
+    assert {op.ordinal for op in meta.stages if op.buffer.group == SLIDING} == set(range(12))
+    assert not [op for op in meta.stages if op.buffer.group == FULL]
 
 
 def test_sync_hit_first_report_saves_every_block_computed_in_that_pass():

@@ -282,7 +282,31 @@ def test_the_budget_follows_the_prefill_a_hit_would_save_within_the_cap():
     assert stall_budget_s(0, 7500.0, 0.5, 0.2) == 0.0
     s = Settings()
     assert s.lookup_timeout_s == -1  # by default the budget follows the value
-    assert (s.lookup_stall_fraction, s.lookup_max_stall_ms, s.prefill_tokens_per_s) == (0.5, 500.0, 7500.0)
+    assert (s.lookup_stall_fraction, s.lookup_max_stall_ms, s.prefill_tokens_per_s) == (0.5, 500.0, 0.0)
+
+
+def test_the_budget_weighs_a_hit_with_the_one_prefill_figure():
+    """Issue 38: the budget's prefill speed is the bill's -- the model's FLOPs at peak x MFU
+    (s3kv.core.cost.Prefill), the engine's TP GPUs together -- unless a measured one overrides it."""
+    from s3kv.core.cost import Prefill
+    from s3kv.core.model import ModelSpec
+
+    one = Prefill.from_settings(Settings())
+    assert 11_000 < one.tokens_per_s < 13_500  # Gemma-3-27B at 0.65 x 989.4 TFLOP/s: ~82 us a token
+    assert Prefill.from_settings(Settings(), tp=4).tokens_per_s == pytest.approx(4 * one.tokens_per_s)
+    assert Prefill.from_settings(Settings(prefill_mfu=0.325)).tokens_per_s == pytest.approx(one.tokens_per_s / 2)
+    small = ModelSpec("small", 8, 1024, 4096, 8, 2, 128, window=0, global_every=1)
+    assert Prefill.from_settings(Settings(), small).tokens_per_s > 20 * one.tokens_per_s
+    # The deprecated setting still wins, as the engine's own throughput (all its GPUs).
+    assert Prefill.from_settings(Settings(prefill_tokens_per_s=7500.0), small, tp=2).tokens_per_s == 7500.0
+    # A leader's lookup budget uses it (no config.json for this model: the default model's figure).
+    g = geo()
+    core = _leader(MemoryStore(), g)
+    try:
+        want = Prefill.from_settings(Settings(), tp=g.tp_size).tokens_per_s
+        assert core._lookups.lookup_budget_s(1000) == pytest.approx(0.5 * 1000 / want)
+    finally:
+        core.close_lookup()
 
 
 class SlowHeads(StoreWrapper):

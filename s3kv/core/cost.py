@@ -12,6 +12,10 @@ Prices are S3 Standard list prices in us-east-1 (the defaults of the ``cost_*`` 
 
 What it buys, in the same dollars (:class:`Gpu`): the prefill GPU time a served token no longer
 costs, at ``gpu_usd_per_hour`` for a GPU of ``gpu_peak_tflops`` running prefill at ``prefill_mfu``.
+:class:`Prefill` is the package's ONE prefill-speed figure built from it: the model's FLOPs
+(``s3kv.core.model.ModelSpec.prefill_flops``) over peak x MFU. The lookup's time budget, the value
+policy (``s3kv.core.value``), the bill and ``s3kv size`` all read it, so a hit's worth and what a
+lookup may stall for it can never disagree.
 The default MFU is a measurement, not a guess: on an H200, a Gemma-3-27B-shaped model (random bf16
 weights, plain PyTorch SDPA) prefilled 4k-32k-token prompts at 81-90 us per token, which is MFU
 0.59-0.68 under ``ModelSpec.prefill_flops`` (matmul-only 0.57-0.64); 0.65 sits at the fast end, so
@@ -28,8 +32,10 @@ sends one HEAD per key it cannot answer from its index.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from .model import ModelSpec
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -94,6 +100,60 @@ class Gpu:
 
     def usd(self, flops: float) -> float:
         return self.seconds(flops) * self.usd_per_hour / 3600
+
+
+#: The prompt length :attr:`Prefill.tokens_per_s` is quoted at. Attention makes a token of a long
+#: prompt dearer than one of a short prompt (Gemma-3-27B: 51.5 GFLOP a token at 1k tokens, 52.7 at
+#: 8k, 56.6 at 32k), so one tokens-per-second figure needs a length: 8k, a long chat turn or a
+#: short document. Costs and values use :meth:`Prefill.seconds` of the real span instead.
+REFERENCE_PROMPT_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """What prefill costs on one engine: the one prefill-speed figure (module doc).
+
+    ``model``: the model's geometry (its FLOPs per token); ``gpu``: peak x MFU and $ per GPU-hour;
+    ``tp``: the engine's GPUs (they prefill a prompt together); ``tokens_per_s_override`` (> 0): the
+    engine's measured throughput, which replaces the FLOP model for time and money alike
+    (``S3KV_PREFILL_TOKENS_PER_S``, kept for engines that measured theirs). ``source`` says where
+    the figure came from (logged).
+    """
+
+    gpu: Gpu = field(default_factory=Gpu)
+    model: ModelSpec = field(default_factory=ModelSpec)
+    tp: int = 1
+    tokens_per_s_override: float = 0.0
+    source: str = "default model"
+
+    def gpu_seconds(self, start: int, end: int) -> float:
+        """GPU-seconds to prefill tokens ``[start, end)`` of a prompt whose first ``start`` tokens are
+        already computed (attention reads them): what a hit of that span saves, over all TP ranks."""
+        if end <= start:
+            return 0.0
+        if self.tokens_per_s_override > 0:
+            return (end - start) / self.tokens_per_s_override * self.tp
+        return self.gpu.seconds(self.model.prefill_flops(end) - self.model.prefill_flops(start))
+
+    def usd(self, start: int, end: int) -> float:
+        """What that prefill costs at the GPU's price."""
+        return self.gpu_seconds(start, end) * self.gpu.usd_per_hour / 3600
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Prompt tokens the engine (its ``tp`` GPUs together) prefills per second, for a prompt of
+        :data:`REFERENCE_PROMPT_TOKENS`: what a lookup's time budget weighs a hit with."""
+        return REFERENCE_PROMPT_TOKENS * self.tp / self.gpu_seconds(0, REFERENCE_PROMPT_TOKENS)
+
+    @classmethod
+    def from_settings(cls, settings: Any, model: ModelSpec | None = None, tp: int = 1, source: str = "") -> Prefill:
+        """The figure for ``settings`` (GPU price, peak, MFU, and the throughput override),
+        ``model`` (None: the model s3kv's defaults describe, Gemma-3-27B) and ``tp`` GPUs."""
+        override = float(getattr(settings, "prefill_tokens_per_s", 0.0) or 0.0)
+        if override > 0:
+            source = "S3KV_PREFILL_TOKENS_PER_S"
+        return cls(Gpu.from_settings(settings), model or ModelSpec(), max(1, int(tp)), override,
+                   source or "default model")
 
 
 def value(s3_usd: float, gpu_usd_saved: float) -> dict[str, float | None]:

@@ -143,36 +143,35 @@ class StoragePolicy:
 
     def keeps(self, group: int, ordinal: int, prompt_blocks: int) -> bool:
         """Is ``ordinal`` stored when it completes (before the request's end is known)?"""
-        if self.stores_everything(group):
-            return True
-        if ordinal < prompt_blocks:
-            lo, hi = self.tail(group, prompt_blocks)
-            if lo <= ordinal < hi:
-                return True
-        cp = self.checkpoint_blocks
-        next_checkpoint = (ordinal // cp + 1) * cp
-        lo, hi = self.tail(group, next_checkpoint)
-        return lo <= ordinal < hi
+        return self.stores_everything(group) or bool(self.tail_ends(group, ordinal, prompt_blocks))
 
-    def tail_end(self, group: int, ordinal: int, prompt_blocks: int) -> int | None:
-        """The furthest hit boundary whose stored tail holds ``ordinal`` (None: not stored).
+    def tail_ends(self, group: int, ordinal: int, prompt_blocks: int) -> list[int]:
+        """The hit boundaries whose stored tail holds ``ordinal`` (furthest first): the prompt's end
+        and the next checkpoint. The value policy may refuse some; the block then goes to the
+        furthest one it keeps.
 
         A sliding group's tail is stored as ONE object ending at its boundary
         (not split at chunk ends): two different objects of one request must
         never end at the same block, or write-once would keep whichever came
         first -- possibly the shorter one.
         """
-        best = None
-        if ordinal < prompt_blocks:
-            lo, hi = self.tail(group, prompt_blocks)
-            if lo <= ordinal < hi:
-                best = prompt_blocks
+        out = []
         cp = self.checkpoint_blocks
         boundary = (ordinal // cp + 1) * cp
         lo, hi = self.tail(group, boundary)
         if lo <= ordinal < hi:
-            best = max(best or 0, boundary)
-        return best
+            out.append(boundary)
+        if ordinal < prompt_blocks and prompt_blocks != boundary:
+            lo, hi = self.tail(group, prompt_blocks)
+            if lo <= ordinal < hi:
+                out.append(prompt_blocks)
+        out.sort(reverse=True)
+        return out
+
+    def tail_end(self, group: int, ordinal: int, prompt_blocks: int) -> int | None:
+        """The furthest hit boundary whose stored tail holds ``ordinal`` (None: not stored)."""
+        ends = self.tail_ends(group, ordinal, prompt_blocks)
+        return ends[0] if ends else None
 
     def chunk_end(self, ordinal: int, group: int | None = None) -> int:
         b = self.blocks_per_object if group is None else self.bpo(group)

@@ -46,6 +46,11 @@ Metric names (all prefixed ``s3kv_``)::
     host_tier_bytes, host_tier_capacity_bytes, host_tier_objects, host_tier_register_seconds,
     host_tier_events_total{event}  (inserted, kept_from_s3, evicted, write_back, write_back_failed,
     divergence, bad, host_only_save)
+    value_gpu_usd_total{kind}, value_s3_usd_total{kind,part}, value_tokens_total{kind},
+    value_reads_total{kind}, value_objects_total{kind}, value_decisions_total{kind,decision},
+    value_reads_per_write{kind}, value_marginal_share{kind}, prefill_tokens_per_second
+      (the value line: what each kind of object saved and cost, s3kv.core.value; kind is chain,
+      checkpoint, prompt-end, history-end or branch; value_line() adds the lookups' HEADs)
 
 Why this is one module: every metric name is defined once here; the exporter, the store wrapper that
 feeds it and the reader that parses an endpoint must agree on each name.
@@ -202,6 +207,45 @@ class Metrics:
             f"{p}_lookup_saveable_tokens",
             "Prompt tokens the lookups' best possible hits would have saved, by how each ended.",
             ["decision"],
+            registry=r,
+        )
+        # -- the value line (s3kv.core.value) -------------------------------------------
+        self.value_gpu_usd = Counter(
+            f"{p}_value_gpu_usd",
+            "Prefill GPU dollars hits saved (tokens past the device match, at the one prefill figure), by the "
+            "kind of object that ended the hit.",
+            ["kind"],
+            registry=r,
+        )
+        self.value_s3_usd = Counter(
+            f"{p}_value_s3_usd",
+            "S3 dollars by kind of object: PUT-class requests and storage for its billed life as written "
+            "(part put, storage), GETs as read (get).",
+            ["kind", "part"],
+            registry=r,
+        )
+        self.value_tokens = Counter(
+            f"{p}_value_tokens", "Prompt tokens hits served past the device match, by kind of object that ended them.",
+            ["kind"], registry=r,
+        )
+        self.value_reads = Counter(f"{p}_value_reads", "Hits, by kind of object that ended them.", ["kind"], registry=r)
+        self.value_objects = Counter(f"{p}_value_objects", "Objects written to S3, by kind.", ["kind"], registry=r)
+        self.value_decisions = Counter(
+            f"{p}_value_decisions", "The write policy's boundary decisions (write, explore, refuse), by kind.",
+            ["kind", "decision"], registry=r,
+        )
+        self.value_reads_per_write = Gauge(
+            f"{p}_value_reads_per_write", "The write policy's estimate of hits per boundary written, by kind.",
+            ["kind"], registry=r,
+        )
+        self.value_marginal_share = Gauge(
+            f"{p}_value_marginal_share",
+            "The write policy's estimate of the share of a hit's history past the device match, by kind.",
+            ["kind"], registry=r,
+        )
+        self.prefill_tokens_per_second = Gauge(
+            f"{p}_prefill_tokens_per_second",
+            "The one prefill-speed figure: prompt tokens the engine prefills per second (s3kv.core.cost.Prefill).",
             registry=r,
         )
         self.lookup_decisions = Counter(
@@ -590,6 +634,34 @@ class Metrics:
             v = _number(n)
             self._feed(self.hit_blocks.labels(str(group)), source, f"hit_blocks[{group}]", v)
         self.observe_lookups(_field(stats, "recent_lookups") or (), source)
+        self.observe_value(_mapping(stats, ("value",)) or {}, source)
+        tps = _number(_field(stats, "prefill_tokens_per_s"))
+        if tps:
+            self.prefill_tokens_per_second.set(tps)
+
+    def observe_value(self, kinds: Mapping[str, Any], source: str = "leader") -> None:
+        """The write policy's value line (``ValueModel.snapshot``: kind -> its figures)."""
+        for kind, d in kinds.items():
+            if not isinstance(d, Mapping):
+                continue
+            k = str(kind)
+
+            def feed(counter: Any, name: str, _k: str = k, _d: Mapping[str, Any] = d) -> None:
+                self._feed(counter, source, f"value[{_k}].{name}", _number(_d.get(name)))
+
+            feed(self.value_gpu_usd.labels(k), "gpu_usd")
+            for part in ("put", "storage", "get"):
+                feed(self.value_s3_usd.labels(k, part), f"{part}_usd")
+            feed(self.value_tokens.labels(k), "tokens")
+            feed(self.value_reads.labels(k), "reads")
+            feed(self.value_objects.labels(k), "objects")
+            for decision, name in (("write", "written"), ("explore", "explored"), ("refuse", "refused")):
+                feed(self.value_decisions.labels(k, decision), name)
+            for gauge, name in ((self.value_reads_per_write, "reads_per_write"),
+                                (self.value_marginal_share, "marginal_share")):
+                v = _number(d.get(name))
+                if v is not None:
+                    gauge.labels(k).set(v)
 
     def observe_lookups(self, records: Any, source: str = "leader") -> None:
         """Each lookup record (``LeaderStats.recent_lookups``) not observed yet: its stall, budget,
@@ -818,6 +890,36 @@ def figures(samples: Mapping[str, float]) -> dict[str, float]:
     for op in STORE_OPS:
         out[f"{op}_requests"] = by_op(f"{PREFIX}_store_requests_total", op)
     return out
+
+
+def value_line(samples: Mapping[str, float], head_usd_per_1k: float = 0.0004) -> dict[str, Any]:
+    """The value line from a snapshot or scrapes (summed): per kind of object, the prefill GPU
+    dollars its hits saved against the S3 dollars it was billed; the lookups' HEADs (from the
+    store's request counter, at ``head_usd_per_1k``) as kind ``lookup``; and the ratio."""
+    kinds: dict[str, dict[str, float]] = {}
+    heads = 0.0
+    for key, v in samples.items():
+        name, _, rest = key.partition("{")
+        labels = {a: b.strip('"') for a, _, b in (x.partition("=") for x in rest.rstrip("}").split(","))}
+        if name == f"{PREFIX}_store_requests_total" and labels.get("op") == "head":
+            heads += v
+        kind = labels.get("kind", "")
+        if not name.startswith(f"{PREFIX}_value_") or not kind:
+            continue
+        row = kinds.setdefault(kind, {"gpu_usd": 0.0, "s3_usd": 0.0, "tokens": 0.0, "reads": 0.0, "objects": 0.0})
+        field = name[len(PREFIX) + 7:].removesuffix("_total")
+        if field == "s3_usd":
+            part = labels.get("part", "")
+            row[f"{part}_usd"] = row.get(f"{part}_usd", 0.0) + v
+            row["s3_usd"] += v
+        elif field in ("gpu_usd", "tokens", "reads", "objects"):
+            row[field] += v
+    if heads:
+        kinds["lookup"] = {"gpu_usd": 0.0, "s3_usd": heads * head_usd_per_1k / 1000, "tokens": 0.0, "reads": 0.0,
+                           "objects": 0.0, "head_usd": heads * head_usd_per_1k / 1000, "heads": heads}
+    gpu = sum(r["gpu_usd"] for r in kinds.values())
+    s3 = sum(r["s3_usd"] for r in kinds.values())
+    return {"kinds": kinds, "gpu_usd": gpu, "s3_usd": s3, "ratio": s3 / gpu if gpu > 0 else None}
 
 
 class MetricsStore(StoreWrapper):

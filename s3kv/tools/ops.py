@@ -464,12 +464,14 @@ def _head_all(store: ObjectStore, keys: Sequence[str]) -> dict[str, ObjectInfo]:
 @_common
 @click.option("--namespace", "-n", default=None, help="Only this namespace (full or unique prefix).")
 @click.option("--deep", is_flag=True, help="HEAD every object and count pages from its metadata.")
-@click.option("--engine", "engines", multiple=True, metavar="URL",
-              help="Also an engine rank's metrics endpoint (http://host:port/metrics): what its host tier "
-              "and S3 served, what the host tier holds, what its lookups cost (scheduler stall beyond the "
-              "overlap loop, latency added to co-running requests). Repeat for each rank.")
+@click.option("--engine", "--metrics", "engines", multiple=True, metavar="URL",
+              help="Also an engine rank's metrics endpoint (http://host:port/metrics; repeat for each engine "
+              "and rank): what its host tier and S3 served, what the host tier holds, what its lookups cost "
+              "(scheduler stall beyond the overlap loop, latency added to co-running requests), and the value "
+              "line -- the prefill GPU $ the fleet's hits saved against the S3 $ billed, per kind of object.")
 def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[str, ...] = ()) -> None:
-    """Objects, bytes, pages and ages per namespace and per group/shard.
+    """Objects, bytes, pages and ages per namespace and per group/shard; with --engine, what the
+    engines got from them.
 
     Pages come from object sizes and each group's page size (one HEAD per group), or with
     --deep from every object's metadata (s3kv-count). With --engine, per tier: the host tier of
@@ -593,6 +595,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
 
         doc["tiers"] = engine_tiers(engines)
         doc["lookups"] = _lookup_costs(engines, gpu)
+        doc["value"] = _value_line(engines, prices)
 
     def text() -> Iterator[str]:
         if not namespaces:
@@ -620,6 +623,8 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
             yield (f"value: pays for itself when hits save more than {c['break_even_gpu_hours_per_month']:.2f} "
                    f"GPU-hours of prefill a month (at ${c['gpu_usd_per_hour']:g}/GPU-h; requests on top); "
                    f"retention {c['retention_h']:g} h: s3kv gc --expired")
+        if "value" in doc:
+            yield from _value_text(doc["value"])
         if deep and inconsistent:
             yield f"objects whose metadata and size disagree (run verify): {inconsistent}"
         if other.objects:
@@ -642,6 +647,45 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
 
 def _dash(x: Any) -> str:
     return "-" if x is None else str(x)
+
+
+def _value_line(urls: Sequence[str], prices: Any) -> dict[str, Any]:
+    """The value line summed over the engines' metrics endpoints (``s3kv.engine.metrics.value_line``);
+    an endpoint that does not answer is named, not fatal."""
+    from ..engine.metrics import read_endpoint, value_line
+
+    samples: dict[str, float] = {}
+    unreachable = []
+    for url in urls:
+        try:
+            for k, v in read_endpoint(url).items():
+                samples[k] = samples.get(k, 0.0) + v
+        except (OSError, ValueError) as e:
+            unreachable.append(f"{url}: {e}")
+    out = value_line(samples, prices.get_per_1k)
+    out["endpoints"] = len(urls) - len(unreachable)
+    out["unreachable"] = unreachable
+    return out
+
+
+def _value_text(v: Mapping[str, Any]) -> Iterator[str]:
+    from ..core.value import KINDS
+
+    yield ""
+    yield f"value the fleet got (metrics of {v['endpoints']} endpoint(s); S3 $ as billed, GPU $ of the tokens hits served):"
+    order = [k for k in (*KINDS, "lookup") if k in v["kinds"]] + sorted(set(v["kinds"]) - {*KINDS, "lookup"})
+    rows = []
+    for k in order:
+        r = v["kinds"][k]
+        ratio = f"{r['s3_usd'] / r['gpu_usd']:.3f}" if r["gpu_usd"] > 0 else "-"
+        rows.append((k, int(r["objects"]), int(r["reads"]), f"{r['tokens'] / 1e6:.2f}M", f"${r['s3_usd']:.4f}",
+                     f"${r['gpu_usd']:.4f}", ratio))
+    yield from _table(("KIND", "OBJECTS", "HITS", "TOKENS", "S3 $", "GPU $ SAVED", "RATIO"), rows)
+    ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
+    yield (f"total: S3 ${v['s3_usd']:.4f} for ${v['gpu_usd']:.4f} of prefill saved: ratio {ratio} (below 1: s3kv "
+           "pays; a chain object's value is in the hits of the tails it serves)")
+    for u in v["unreachable"]:
+        yield f"unreachable: {u}"
 
 
 # -- verify ------------------------------------------------------------------------------------

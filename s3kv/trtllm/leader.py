@@ -97,6 +97,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             # TensorRT-LLM's default loop is the overlap one; only an explicit True turns it off.
             overlap=getattr(llm_args, "disable_overlap_scheduler", False) is not True,
             tiers=self._runtime,  # rank 0's host tier and load speeds appear there at registration
+            model_ref=getattr(llm_args, "model", None),  # its config.json: the prefill FLOPs
         )
 
     def _start_summary(self) -> None:

@@ -7,12 +7,12 @@ I/O is the lookup's HEAD waves, through the store and the local index.
 
 This facade holds the requests and the lock and runs each hook; what a hook decides lives in
 the module named for it: ``requests`` (per-request state), ``context`` (what the geometry
-fixes), ``lookup`` (HEAD waves, the namespace's listings), ``loads`` (load plans, broken
-promises), ``saves`` (save plans, evicted capture, branch tails) and ``finish`` (standing
-finish plans).
+fixes), ``lookup`` (HEAD waves, the namespace summary), ``loads`` (load plans, broken
+promises), ``saves`` (save plans, evicted capture, branch tails), ``writes`` (what goes to S3:
+the value policy) and ``finish`` (standing finish plans).
 
-Why this is one module: it is the facade -- every hook takes the one lock over the request table
-and hands the decision to the module named for it; the table and the lock cannot be split.
+Why this is one module: it is the one object the adapter's hooks call, and every hook takes its
+lock and finds its requests here; what a hook decides already lives in the modules above.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from .pages import PageOwners
 from .requests import RequestState
 from .saves import SavePlanner
 from .stats import LeaderStats
+from .writes import WritePolicy
 
 log = logging.getLogger("s3kv.leader")
 
@@ -61,9 +62,12 @@ class LeaderCore:
         sizing_page_bytes: Sequence[int] | None = None,
         failed_load_hook: bool = False,
         overlap: bool = False, tiers: Any = None,
+        model_ref: Any = None,
+        host_tier: bool | None = None,
     ):
-        """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing blocks per object
-        (benchmarks of a real model's object structure); ``overlap``: the overlap loop; ``tiers``: see Lookups."""
+        """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing blocks per
+        object and pricing them (benchmarks of a real model's object structure); ``overlap``: the
+        overlap loop; ``tiers``: see Lookups; ``model_ref``, ``host_tier``: see ``WritePolicy``."""
         self.settings = settings
         # A sync load that fails has no safe outcome unless the engine can be told to recompute
         # the request (a failed-load hook); without one every load is async, so a failure can
@@ -90,8 +94,9 @@ class LeaderCore:
         self._lookups.pace.overlap = overlap  # what a lookup's stall costs the batch (pace.py)
         self._loads = LoadPlanner(settings, self.stats, self._lookups)
         inflight = 1 if overlap else 0  # the overlap loop's forward runs a token past its report
-        self._saves = SavePlanner(self.stats, inflight)
-        self._finish = FinishPlanner(self.stats, self.index, inflight)
+        self.writes = WritePolicy(settings, self.stats, self._lookups, model_ref, tp_size, host_tier)
+        self._saves = SavePlanner(self.stats, self.writes, inflight)
+        self._finish = FinishPlanner(self.stats, self.index, self.writes, inflight)
         self._pages = PageOwners()  # requests freed with no connector call
         # Where ranks past 0 (processes of their own) say which objects they found bad.
         self.verdicts = VerdictBoard.make(self.index, tp_size) if tp_size > 1 else None
@@ -117,6 +122,7 @@ class LeaderCore:
         ctx = LeaderContext.build(g, self.settings, self.key_prefix, self._sizing_page_bytes)
         self._ctx = ctx
         self._lookups.bind(ctx)
+        self.writes.bind(ctx, self._sizing_page_bytes or [x.page_bytes for x in g.groups])
         # What callers read off the leader (tests, benchmarks, the demo's bucket listing).
         self.namespace, self.scheme, self.policy, self.params = ctx.namespace, ctx.scheme, ctx.policy, ctx.params
         self.group_blocks, self.bpo = ctx.group_blocks, ctx.bpo
@@ -200,6 +206,7 @@ class LeaderCore:
                 offer = self._lookups.offer(st, num_computed_tokens, store_available=store_available,
                                             load_async=self.load_async, on_lookup=self._on_lookup,
                                             first_chunk_tokens=first_chunk_tokens)
+                self.writes.on_lookup(st)  # which kind of object ended the hit (the value policy)
                 self._lookups.record(time.perf_counter() - w0, offer[0])  # what the scheduler paid
                 return offer
         finally:  # all of it runs on the scheduler thread: what the engine's batch waited for

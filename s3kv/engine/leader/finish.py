@@ -21,14 +21,16 @@ from ..index import KeyIndex
 from .context import LeaderContext
 from .requests import RequestState, SaveState
 from .stats import LeaderStats
+from .writes import WritePolicy
 
 log = logging.getLogger("s3kv.leader")
 
 
 class FinishPlanner:
-    def __init__(self, stats: LeaderStats, index: KeyIndex, inflight: int = 0):
+    def __init__(self, stats: LeaderStats, index: KeyIndex, writes: WritePolicy, inflight: int = 0):
         self.stats = stats
         self.index = index
+        self.writes = writes
         #: Tokens the engine advances a request past its last report before its finish plan runs:
         #: 1 on the overlap loop, whose request_finished comes a pass after the last forward
         #: (one token past that forward's report) and whose update_resources for that forward
@@ -58,6 +60,8 @@ class FinishPlanner:
         sent = st.finish_sent
         if sent is not None and sent.stages:
             self._check_live(ctx, st, sent, lists)
+        if sent is not None:
+            self.writes.on_seals(st, sent.seals, finish=True)
         return bool(
             st.saves.open or st.saves.evicted or st.branch.open or (sent is not None and not sent.empty)
             or st.load.parked
@@ -148,7 +152,13 @@ class FinishPlanner:
                 sim.close(gid)
                 sim.release_evicted(gid)
                 continue
-            # Sliding group, history beyond the prompt: the live tail a continuation would need.
+            # Sliding group, history beyond the prompt: the live tail a continuation would need --
+            # if the write policy keeps it.
+            to = self.writes.tail_to(st, self.writes.kind_at(st, e), e)
+            if to is None:
+                sim.close(gid)
+                sim.release_evicted(gid)
+                continue
             lo, hi = policy.tail(gid, e)
             start = max(lo, sim.save_from)
             buf = sim.open.get(gid)
@@ -173,6 +183,7 @@ class FinishPlanner:
             ev = sim.evicted.pop(gid, None)
             if ev is not None:
                 if start <= ev.bid.first and ev.bid.first + ev.count == first_live:
+                    ev.to_s3 = to
                     sim.open[gid] = ev  # the evicted copy continues into the live pages
                     start = first_live
                 else:
@@ -182,7 +193,7 @@ class FinishPlanner:
                 if slot < 0:
                     sim.close(gid)
                     continue
-                sim.stage(gid, o, slot, hi - o)
+                sim.stage(gid, o, slot, hi - o, to)
                 buf = sim.open[gid]
                 if o + 1 == buf.bid.first + buf.bid.capacity or o + 1 == hi:
                     sim.seal(gid, close=True)

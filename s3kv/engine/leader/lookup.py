@@ -119,6 +119,8 @@ class Lookups:
         self.tiers = tiers
         #: This answer's asks the host tier answered.
         self._host_asks: set[Ask] = set()
+        #: The engine's prefill speed (``LeaderCore.set_prefill``: the one figure, its TP ranks together).
+        self.prefill_tokens_per_s = settings.prefill_tokens_per_s or 1.0
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -246,7 +248,7 @@ class Lookups:
         the whole hit, the longest point the host tier alone serves, or nothing. Its history."""
         ctx, s, d = self.ctx, self.settings, st.load.d_blocks
         assert ctx is not None
-        g, speeds, tps = ctx.geometry, self.tiers.speeds, s.prefill_tokens_per_s
+        g, speeds, tps = ctx.geometry, self.tiers.speeds, self.prefill_tokens_per_s
         full = weigh(g, result.coverage, self._host_asks, d, result.h_blocks, s.window_margin_blocks, speeds, tps)
         # The tier's part is sought where the store's part may not pay, or the tier holds some of it.
         asked = full.store_bytes and getattr(self.tiers, "host_tier", None) is not None
@@ -321,7 +323,7 @@ class Lookups:
             return s.lookup_timeout_s
         if s.lookup_timeout_s == 0:
             return math.inf
-        budget = stall_budget_s(saveable_tokens, s.prefill_tokens_per_s, s.lookup_stall_fraction,
+        budget = stall_budget_s(saveable_tokens, self.prefill_tokens_per_s, s.lookup_stall_fraction,
                                 s.lookup_max_stall_ms / 1000.0)
         if corunning > 0:
             budget = min(budget, hidden_s + s.lookup_max_added_latency_ms / 1000.0)
@@ -422,7 +424,7 @@ class Lookups:
         gain = (hmax - found) * tpb
         if hmax - found < s.min_hit_blocks:
             return
-        worth = self._past_yield * gain / s.prefill_tokens_per_s * s.gpu_usd_per_hour / 3600.0
+        worth = self._past_yield * gain / self.prefill_tokens_per_s * s.gpu_usd_per_hour / 3600.0
         if worth <= s.lookup_probe_budget * s.cost_get_per_1k_usd / 1000.0:
             return
 

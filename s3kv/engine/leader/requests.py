@@ -17,6 +17,7 @@ from typing import Any
 from ...core.hitrule import Span
 from ...core.keys import Chain
 from ...core.plan import BufferId, FinishPlan, LoadOp, SealOp, StageOp
+from ...core.value import Plan
 
 
 def group_lists(by_group: Any, num_groups: int) -> list[list[int]]:
@@ -37,6 +38,8 @@ class Buffer:
     bid: BufferId
     count: int = 0  # pages staged
     sealed: int = 0  # pages covered by the last seal
+    #: Where its seals send the object (``SealOp.to_s3``; ``writes.py`` decides).
+    to_s3: str = "now"
 
 
 @dataclass
@@ -86,26 +89,32 @@ class SaveState:
     stages: list[StageOp] = field(default_factory=list)
     seals: list[SealOp] = field(default_factory=list)
     releases: list[BufferId] = field(default_factory=list)
+    #: What the value policy decided this request writes (``writes.py``; None: not decided).
+    plan: Plan | None = None
 
-    def stage(self, gid: int, o: int, slot: int, capacity: int) -> None:
+    def stage(self, gid: int, o: int, slot: int, capacity: int, to_s3: str = "now") -> None:
         """Stage ``o`` into the group's open buffer, opening one of ``capacity`` blocks when the
-        run breaks or the buffer is full."""
+        run breaks, the buffer is full or its objects go elsewhere (``to_s3``)."""
         buf = self.open.get(gid)
-        if buf is not None and (o != buf.bid.first + buf.count or buf.count >= buf.bid.capacity):
+        if buf is not None and (
+            o != buf.bid.first + buf.count or buf.count >= buf.bid.capacity or buf.to_s3 != to_s3
+        ):
             self.close(gid)
             buf = None
         if buf is None:
-            buf = Buffer(BufferId(self.request_id, gid, o, capacity))
+            buf = Buffer(BufferId(self.request_id, gid, o, capacity), to_s3=to_s3)
             self.open[gid] = buf
         self.stages.append(StageOp(buf.bid, o, slot))
         buf.count += 1
 
-    def seal(self, gid: int, *, close: bool) -> None:
+    def seal(self, gid: int, *, close: bool, to_s3: str | None = None) -> None:
+        """Seal the group's open buffer (``to_s3``: where this seal's object goes, if not where the
+        buffer's go -- a prompt-end snapshot of a tail that runs on to a checkpoint)."""
         buf = self.open[gid]
         assert self.chain is not None
         if buf.count > buf.sealed:
             last = buf.bid.first + buf.count - 1
-            self.seals.append(SealOp(buf.bid, buf.count, self.chain.digests[last], close))
+            self.seals.append(SealOp(buf.bid, buf.count, self.chain.digests[last], close, to_s3 or buf.to_s3))
             buf.sealed = buf.count
         elif close:
             self.releases.append(buf.bid)

@@ -7,6 +7,8 @@ full-attention groups store every block, sliding groups only the tails a future 
 that leaves the window during decode is kept in host staging (``stage_evicted``) so the
 finish plan can store the whole history-end tail, and a request served short of where the
 full-attention chain is stored stages a tail ending at that branch point (``BranchTail``).
+What of this goes to S3, and what is staged at all, the write policy decides (``writes.py``):
+its plan is made at the request's first report, when its served point and stored chain are known.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ from typing import Any
 
 from ...core.hitrule import window_cut
 from ...core.plan import BufferId, SealOp, StageOp
+from ...core.value import BRANCH, HISTORY_END
 from .context import LeaderContext
 from .requests import Buffer, RequestState, group_lists
 from .stats import LeaderStats
+from .writes import WritePolicy
 
 
 class SavePlanner:
-    def __init__(self, stats: LeaderStats, inflight: int = 0):
+    def __init__(self, stats: LeaderStats, writes: WritePolicy, inflight: int = 0):
         self.stats = stats
+        self.writes = writes
         #: Tokens a forward may have written beyond what its report says (1 on the overlap loop).
         self.inflight = inflight
 
@@ -45,6 +50,9 @@ class SavePlanner:
             st.load.parked = False
             if not st.branch.end:
                 self._open_branch(ctx, st)
+            self.writes.decide(st)
+            if st.branch.next and self.writes.tail_to(st, BRANCH, st.branch.end) is None:
+                st.branch.next.clear()  # refused: nothing staged for it
         else:
             st.tokens.extend(rd.new_tokens)
             for gi, delta in enumerate(by_group):
@@ -60,9 +68,25 @@ class SavePlanner:
             begin = max(begin, st.load.h_blocks * tpb)
         upto = min(begin + rd.num_scheduled_tokens, max(st.prompt_len, begin + 1))
         upto = min(upto, len(st.tokens))
+        sealed = len(st.saves.seals)
         self._plan(ctx, st, upto // tpb)
+        self.writes.on_seals(st, st.saves.seals[sealed:])
         self._stage_evicted(ctx, st, upto)
         st.kv_tokens = max(st.kv_tokens, upto)
+
+    def _where(self, ctx: LeaderContext, st: RequestState, gid: int, o: int, prompt_blocks: int) -> tuple[int, str] | None:
+        """(end of the object block ``o`` of group ``gid`` goes into, where that object goes), or
+        None when it is not staged: a chain block whose object the policy does not write, a
+        sliding block no kept tail holds."""
+        policy = ctx.policy
+        if policy.stores_everything(gid):
+            to = self.writes.chain_to(st, gid, o)
+            return None if to is None else (policy.chunk_end(o, gid), to)
+        for end in policy.tail_ends(gid, o, prompt_blocks):
+            to = self.writes.tail_to(st, self.writes.kind_at(st, end), end)
+            if to is not None:
+                return end, to
+        return None
 
     def _plan(self, ctx: LeaderContext, st: RequestState, complete_blocks: int) -> None:
         g = ctx.geometry
@@ -84,12 +108,9 @@ class SavePlanner:
             for grp in g.groups:
                 gid = grp.group_id
                 slot = st.slots[gid][o] if o < len(st.slots[gid]) else -1
-                if slot >= 0 and policy.keeps(gid, o, prompt_blocks):
-                    if policy.stores_everything(gid):
-                        cap = policy.chunk_end(o, gid) - o
-                    else:
-                        cap = (policy.tail_end(gid, o, prompt_blocks) or o + 1) - o
-                    sv.stage(gid, o, slot, cap)
+                where = self._where(ctx, st, gid, o, prompt_blocks) if slot >= 0 else None
+                if where is not None:
+                    sv.stage(gid, o, slot, where[0] - o, where[1])
                 else:
                     sv.close(gid)
                 buf = sv.open.get(gid)
@@ -98,9 +119,17 @@ class SavePlanner:
                 if o + 1 == buf.bid.first + buf.bid.capacity:
                     sv.seal(gid, close=True)
                 elif o + 1 == prompt_blocks:
-                    # Prompt-end snapshot: exact repeats hit here even though the
-                    # object keeps filling with generated blocks.
-                    sv.seal(gid, close=not policy.keeps(gid, o + 1, prompt_blocks))
+                    # Prompt-end snapshot: exact repeats hit here even though the object keeps
+                    # filling (a chunk with generated blocks, a tail up to the next checkpoint) --
+                    # where the write policy keeps the prompt-end boundary it serves.
+                    to = self.writes.tail_to(st, self.writes.kind_at(st, prompt_blocks), prompt_blocks)
+                    if to is not None and policy.stores_everything(gid):
+                        to = buf.to_s3
+                    more = self._where(ctx, st, gid, o + 1, prompt_blocks) is not None
+                    if to is not None:
+                        sv.seal(gid, close=not more, to_s3=to)
+                    elif not more:
+                        sv.close(gid)
         sv.completed = complete_blocks
 
     def _open_branch(self, ctx: LeaderContext, st: RequestState) -> None:
@@ -143,7 +172,8 @@ class SavePlanner:
                     break
                 buf = br.open.get(gid)
                 if buf is None:
-                    buf = br.open[gid] = Buffer(BufferId(st.request_id, gid, lo, end - lo))
+                    to = self.writes.tail_to(st, BRANCH, end) or "now"
+                    buf = br.open[gid] = Buffer(BufferId(st.request_id, gid, lo, end - lo), to_s3=to)
                 sv.stages.append(StageOp(buf.bid, o, slot))
                 buf.count += 1
                 o += 1
@@ -154,7 +184,7 @@ class SavePlanner:
                 buf = br.open.pop(gid)
                 del br.next[gid]
                 assert st.chain is not None
-                sv.seals.append(SealOp(buf.bid, buf.count, st.chain.digests[end - 1], True))
+                sv.seals.append(SealOp(buf.bid, buf.count, st.chain.digests[end - 1], True, buf.to_s3))
                 self.stats.branch_tails += 1
                 self.stats.branch_tail_pages += buf.count
 
@@ -176,6 +206,8 @@ class SavePlanner:
             return
         if upto <= prompt_blocks * g.tokens_per_block or settings.window_margin_blocks:
             return
+        if self.writes.tail_to(st, HISTORY_END, prompt_blocks + 1) is None:
+            return  # its history-end tail is not written: nothing to keep for it
         tpb = g.tokens_per_block
         for grp in g.groups:
             if not grp.is_sliding:

@@ -134,6 +134,12 @@ class LeaderStats:
     branch_tail_pages: int = 0
     #: Branch-point tails abandoned: a page of the tail was gone before it could be staged.
     branch_tails_abandoned: int = 0
+    #: The one prefill-speed figure: prompt tokens per second, the engine's GPUs together
+    #: (``s3kv.core.cost.Prefill.tokens_per_s``).
+    prefill_tokens_per_s: float = 0.0
+    #: The value policy's view per kind of object (``ValueModel.snapshot``: its estimates and the
+    #: value line), refreshed every few lookups.
+    value: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def record_lookup(self, stall_s: float, budget_s: float, saveable_tokens: int, hit_tokens: int,
                       decision: str, hidden_s: float = 0.0, corunning: int = 0) -> None:

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import Settings
+from ...core.cost import Prefill
 from ...core.keys import Chain, chain_root
 from ...core.layout import CacheGeometry, GroupGeometry
 from ...core.objects import ObjectIdentity, encode_object, object_metadata
@@ -463,7 +464,8 @@ def run_lookup(bs: BenchStore, cfg: LookupConfig) -> dict[str, Any]:
         # The default budget follows the value (budget_first / budget_next rows carry each one's).
         "lookup_budget": {"stall_fraction": settings.lookup_stall_fraction,
                           "max_stall_ms": settings.lookup_max_stall_ms,
-                          "prefill_tokens_per_s": settings.prefill_tokens_per_s},
+                          # The one prefill figure its leaders weigh a hit with (one GPU, the default model).
+                          "prefill_tokens_per_s": round(Prefill.from_settings(settings).tokens_per_s, 1)},
         "targets": {
             "summary_wall_le_2.5_rt": f"a cold lookup with the namespace summary: wall <= {TARGET_WALL_ROUND_TRIPS} "
             "x the injected latency, full hit",

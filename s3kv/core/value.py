@@ -1,0 +1,459 @@
+"""The value policy: which objects are worth writing to S3, learnt from what the fleet reads. Pure.
+
+**What a written object earns.** A hit on top of a device match ``d`` up to a history ``h`` saves
+the prefill of tokens ``[d, h)`` (``s3kv.core.cost.Prefill``: the one prefill figure, priced per
+GPU-hour). A hit needs a *boundary*: a sliding-window tail ending at ``h`` (or, for a model
+without sliding layers, a full-attention object ending there) **and** the full-attention chain
+below it. So what is decided is a request's set of boundaries, each of a *kind* -- ``checkpoint``
+(every ``checkpoint_tokens``), ``prompt-end``, ``history-end`` (past the prompt: a conversation's
+next turn), ``branch`` (a shared prefix) -- and the chain up to the furthest one: a tail is useless
+without its chain, and chain objects already stored (or paid for by a lower boundary) cost nothing
+more. A chain object may also serve many tails of *later* requests: where a prompt shares a
+prefix with this one, the next such request finds the chain stored and writes a branch tail that
+the ones after it read. That option is a ``chain`` boundary at the prompt's end, with no tail of
+its own, read when a branch tail is: a prompt's chain is written when the branch reads it enables
+pay for it, even where its own tails do not. Each boundary is expected to earn ``reads per write (kind) x prefill $ of the marginal
+tokens a read serves`` less what its reads cost (GETs), against what writing it costs: PUT-class
+requests at its real size (multipart included) and storage for its expected life (gc's cutoff).
+:meth:`ValueModel.plan` picks the set with the largest expected net value: the top boundary ``T``
+maximising ``sum(net of each boundary <= T worth its own tail) + net(T) - chain cost up to T``.
+
+**What is learnt, and how fast.** Per kind, three figures, estimated online from what this engine
+sees -- which kind of object ended each of its hits, at what depth, on top of what device match:
+
+* *reads per write*: hits a kind ended over tails of that kind written. In a fleet of symmetric
+  engines, one engine's reads over its writes estimate the fleet's: it reads everyone's objects
+  (its share of the fleet's reads) and writes its share of the objects. A hit on an object this
+  engine wrote is attributed exactly (a bounded memo of its own boundaries); one on another
+  engine's non-checkpoint tail is split between prompt-end, history-end and branch in the
+  proportions of its own attributed reads (a checkpoint is known by its end alone).
+* *marginal share*: of the history a hit reaches, the share beyond the device match -- the
+  tokens S3 adds. Behind a cache-aware router or a host tier the device serves most of a repeat
+  and S3's reads fall, or serve little: both lower a kind's worth, so S3 writes less there.
+* *reuse lag*: requests between a write and the hit that reads it (own objects). Reads of a write
+  come later, so writes too young to have been read yet are counted as the share of their reads
+  that had time to come (the lag's distribution): a fresh engine, or a kind just admitted, is not
+  judged before its readers could arrive.
+
+Counts decay with a half-life of :data:`HALF_LIFE_REQUESTS` requests (this engine's lookups: a
+clock that replays and real traffic share), so the estimate follows traffic that changes.
+
+**Priors** (what is assumed before anything is seen; the data outweighs them after a few dozen
+writes): reads per write 1/2 (an object's first read is a coin flip: Beta(1, 1)'s mean) worth
+:data:`PRIOR_WRITES` writes; the whole history marginal (a fresh engine, no device match) worth
+two reads; reuse lag log-uniform over 1-511 requests (a retry seconds later to a think time of
+minutes at a few requests per second), worth one read -- light and short on purpose: the lag is
+learnt from reads of this engine's own objects, which are few in a fleet (most reads are of other
+engines' objects), and a prior lag longer than the real one over-counts young writes' missing
+reads and overstates every kind's worth. None is taken from a trace.
+
+**Exploration.** A refused kind is never read, so nothing would tell the policy it became worth
+writing. A deterministic :data:`EXPLORE_SHARE` of the boundaries it refuses is written anyway,
+chosen by the boundary's chain digest: every rank and every engine picks the same ones (the fleet
+writes each explored object once, not once per engine), and their reads keep the estimate alive.
+
+Why this is one module: the estimator, the bill it weighs each object against and the plan that
+picks a request's boundaries share one model of what an object earns; split apart, each half
+would restate it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cost import (
+    DAYS_PER_MONTH,
+    MULTIPART_THRESHOLD,
+    PART_SIZE,
+    RANGE_SPLIT,
+    GiB,
+    Prefill,
+    Prices,
+    expiry_age_s,
+    get_requests,
+    put_requests,
+)
+
+CHAIN = "chain"
+CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH = "checkpoint", "prompt-end", "history-end", "branch"
+#: Every kind, in the order ``bench trace`` and ``s3kv stats`` list them.
+KINDS = (CHAIN, CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH)
+#: Kinds of boundary (what can end a hit).
+BOUNDARY_KINDS = KINDS[1:]
+#: Non-checkpoint tails: from its end alone a reader cannot tell which of these another engine wrote.
+_AMBIGUOUS = (PROMPT_END, HISTORY_END, BRANCH)
+
+#: Half-life of everything learnt, in requests this engine looked up. Long enough to hold the
+#: reuse lag of most reads (the traces' p90 gaps are 3-9 minutes: hundreds to ~2,000 requests at
+#: a few per second), short enough to follow a change of traffic within an hour.
+HALF_LIFE_REQUESTS = 2000.0
+#: Share of refused boundaries written anyway (module doc, exploration).
+EXPLORE_SHARE = 1 / 32
+#: Prior strength (module doc, priors).
+PRIOR_READS_PER_WRITE = 0.5
+PRIOR_WRITES = 4.0
+PRIOR_MARGINAL_TOKENS = 2 * 8192.0
+#: Writes are binned by this many requests for the lag correction (recomputed once per bin).
+_EPOCH = 32
+#: Reuse-lag histogram: bin b holds lags in [2^b - 1, 2^(b+1) - 1) requests.
+_LAG_BINS = 22
+_PRIOR_LAG_BINS = range(1, 9)  # 1-511 requests
+_PRIOR_LAG_WEIGHT = 1.0
+#: Own boundaries remembered (digest -> kind, write time), for exact attribution of their reads.
+MEMO_ENTRIES = 200_000
+
+
+@dataclass(frozen=True)
+class Bill:
+    """What writing and reading an object costs, at its real size (``s3kv.core.cost``'s rules)."""
+
+    prices: Prices = field(default_factory=Prices)
+    #: Seconds an object is billed: from its write until gc deletes it (gc's cutoff, plus half a gc
+    #: period on average).
+    lifetime_s: float = 3600.0
+    multipart_threshold: int = MULTIPART_THRESHOLD
+    part_size: int = PART_SIZE
+    range_split: int = RANGE_SPLIT
+
+    @classmethod
+    def from_settings(cls, settings: Any, gc_period_s: float = 600.0) -> Bill:
+        return cls(
+            Prices.from_settings(settings),
+            expiry_age_s(settings) + gc_period_s / 2,
+            settings.multipart_threshold_mib << 20,
+            settings.multipart_part_mib << 20,
+            settings.range_split_mib << 20,
+        )
+
+    def put_usd(self, nbytes: int) -> float:
+        return put_requests(nbytes, self.multipart_threshold, self.part_size) * self.prices.put_per_1k / 1000
+
+    def storage_usd(self, nbytes: int) -> float:
+        return nbytes / GiB * self.prices.gb_month * self.lifetime_s / (DAYS_PER_MONTH * 86400)
+
+    def write_usd(self, sizes: Iterable[int]) -> float:
+        return sum(self.put_usd(n) + self.storage_usd(n) for n in sizes)
+
+    def get_usd(self, nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return get_requests(int(nbytes), self.range_split) * self.prices.get_per_1k / 1000
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """A point a request could make servable: ``tokens`` of history, named by ``digest`` (the chain
+    digest of its last block).
+
+    ``tail``: the real sizes of the objects a hit there needs beyond the chain (every sliding
+    group and shard; none for a model without sliding layers). ``chain``: the sizes of the chain
+    objects this request still has to write *between the boundary below it and this one* (those
+    already stored, or paid for by a lower boundary, are not here). ``chain_bytes_per_token``:
+    what a hit reads of the chain per token it serves (GETs).
+    """
+
+    kind: str
+    tokens: int
+    digest: bytes
+    tail: tuple[int, ...] = ()
+    chain: tuple[int, ...] = ()
+    chain_bytes_per_token: float = 0.0
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a request writes: ``decisions[(kind, tokens)]`` is ``"write"``, ``"explore"`` (refused,
+    written to learn) or ``"refuse"``; the chain is written up to ``chain_to`` tokens (None: all of
+    it, prompt and answer -- a history-end tail needs the whole history)."""
+
+    decisions: dict[tuple[str, int], str]
+    chain_to: int | None
+    #: The decision for a boundary the plan did not list.
+    default: str = "refuse"
+
+    def writes(self, kind: str, tokens: int) -> bool:
+        return self.decisions.get((kind, tokens), self.default) != "refuse"
+
+
+#: Every boundary and the whole chain (what s3kv wrote before the value policy).
+WRITE_ALL = Plan({}, None, "write")
+
+
+def explored(digest: bytes, kind: str, share: float = EXPLORE_SHARE) -> bool:
+    """Is this refused boundary written anyway? The same answer on every rank and engine."""
+    h = hashlib.blake2b(digest + kind.encode(), digest_size=8).digest()
+    return int.from_bytes(h, "big") < share * 2**64
+
+
+class _Decayed:
+    """A sum that halves every ``half_life`` clock units (read and added lazily)."""
+
+    __slots__ = ("at", "v")
+
+    def __init__(self) -> None:
+        self.v = 0.0
+        self.at = 0.0
+
+    def get(self, now: float, half_life: float) -> float:
+        if now != self.at:
+            self.v *= 0.5 ** ((now - self.at) / half_life)
+            self.at = now
+        return self.v
+
+    def add(self, x: float, now: float, half_life: float) -> None:
+        self.v = self.get(now, half_life) + x
+
+
+@dataclass
+class KindTotals:
+    """The value line of one kind, cumulative since start: what it cost and what it saved."""
+
+    objects: int = 0
+    bytes: int = 0
+    put_usd: float = 0.0
+    storage_usd: float = 0.0
+    reads: int = 0
+    tokens: int = 0
+    gpu_usd: float = 0.0
+    get_usd: float = 0.0
+    written: int = 0  # boundaries decided "write"
+    explored: int = 0  # boundaries decided "explore"
+    refused: int = 0  # boundaries decided "refuse"
+
+    @property
+    def s3_usd(self) -> float:
+        return self.put_usd + self.storage_usd + self.get_usd
+
+
+class ValueModel:
+    """The estimator (module doc). Fed by the leader: :meth:`tick` per lookup, :meth:`wrote` per
+    object written, :meth:`read` per hit; :meth:`plan` decides a request's boundaries. Not
+    thread-safe (the leader calls it under its lock)."""
+
+    def __init__(
+        self,
+        prefill: Prefill,
+        bill: Bill,
+        *,
+        half_life: float = HALF_LIFE_REQUESTS,
+        explore_share: float = EXPLORE_SHARE,
+        min_return: float = 1.0,
+    ):
+        self.prefill, self.bill = prefill, bill
+        self.half_life, self.explore_share, self.min_return = half_life, explore_share, min_return
+        self.clock = 0.0
+        self.totals = {k: KindTotals() for k in KINDS}
+        self._reads = {k: _Decayed() for k in KINDS}
+        self._depth = {k: _Decayed() for k in KINDS}  # tokens of history the reads reached
+        self._marginal = {k: _Decayed() for k in KINDS}  # of those, beyond the device match
+        self._own_reads = {k: _Decayed() for k in KINDS}  # reads attributed through the memo
+        self._lag = [_Decayed() for _ in range(_LAG_BINS)]
+        #: Per kind: [epoch start, writes] bins, oldest first (for the lag-corrected write count).
+        self._epochs: dict[str, deque[list[float]]] = {k: deque() for k in KINDS}
+        self._matured: dict[str, float] = {}
+        self._matured_at = -1.0
+        self._memo: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+
+    # ------------------------------------------------------------------ feeding
+    def tick(self, n: int = 1) -> None:
+        """``n`` more requests looked up (the estimator's clock)."""
+        self.clock += n
+
+    def wrote(self, kind: str, sizes: Sequence[int], digest: bytes | None = None) -> None:
+        """Objects of ``kind`` went to S3 (``sizes``: each one's real bytes). ``digest``: the
+        boundary they make servable (remembered, so a hit on it is attributed exactly); a
+        boundary's objects are counted as one write of its kind."""
+        t = self.totals[kind]
+        t.objects += len(sizes)
+        t.bytes += sum(sizes)
+        t.put_usd += sum(self.bill.put_usd(n) for n in sizes)
+        t.storage_usd += sum(self.bill.storage_usd(n) for n in sizes)
+        if digest is None:
+            return
+        self.count_write(kind)
+        self._memo[digest] = (kind, self.clock)
+        self._memo.move_to_end(digest)
+        while len(self._memo) > MEMO_ENTRIES:
+            self._memo.popitem(last=False)
+
+    def count_write(self, kind: str) -> None:
+        """One boundary of ``kind`` written (what its reads per write are counted against)."""
+        ep = self._epochs[kind]
+        start = self.clock - self.clock % _EPOCH
+        if ep and ep[-1][0] == start:
+            ep[-1][1] += 1
+        else:
+            ep.append([start, 1.0])
+            while ep and self.clock - ep[0][0] > 8 * self.half_life:
+                ep.popleft()
+        # (No need to recompute the lag-weighted count now: a write this young counts for nothing yet.)
+
+    def read(
+        self, digest: bytes | None, kind_hint: str | None, tokens: int, device_tokens: int,
+        tail_bytes: int = 0, chain_bytes: int = 0,
+    ) -> str:
+        """A hit served history ``tokens`` on top of ``device_tokens``, ended by the boundary named
+        ``digest``. ``kind_hint``: its kind where the end alone says it (a checkpoint; a chain
+        object for a model without sliding layers), else None. ``*_bytes``: what the load reads.
+        Returns the kind it was attributed to (the largest share, for a split)."""
+        own = self._memo.get(digest) if digest is not None else None
+        now, hl = self.clock, self.half_life
+        if own is not None:
+            kind = own[0]
+            lag = max(0.0, now - own[1])
+            self._lag[min(_LAG_BINS - 1, int(math.log2(lag + 1)))].add(1.0, now, hl)
+            self._own_reads[kind].add(1.0, now, hl)
+            shares = {kind: 1.0}
+        elif kind_hint is not None:
+            shares = {kind_hint: 1.0}
+        else:
+            shares = self._split()
+        marginal = max(0, tokens - device_tokens)
+        gpu = self.prefill.usd(device_tokens, tokens)
+        for kind, w in shares.items():
+            self._reads[kind].add(w, now, hl)
+            self._depth[kind].add(w * tokens, now, hl)
+            self._marginal[kind].add(w * marginal, now, hl)
+            t = self.totals[kind]
+            t.gpu_usd += w * gpu
+            t.get_usd += w * self.bill.get_usd(tail_bytes)
+        if BRANCH in shares:
+            # A branch tail serves a prefix whose chain an earlier request wrote: the read is also
+            # what writing a prompt's chain buys beyond its own tails (``CHAIN`` boundaries).
+            w = shares[BRANCH]
+            self._reads[CHAIN].add(w, now, hl)
+            self._depth[CHAIN].add(w * tokens, now, hl)
+            self._marginal[CHAIN].add(w * marginal, now, hl)
+        best = max(shares, key=lambda k: shares[k])
+        t = self.totals[best]
+        t.reads += 1
+        t.tokens += marginal
+        self.totals[CHAIN].get_usd += self.bill.get_usd(chain_bytes)
+        return best
+
+    def _split(self) -> dict[str, float]:
+        """How to attribute a read of another engine's non-checkpoint tail: as this engine's own
+        reads of those kinds are attributed (else as its writes of them, else evenly)."""
+        now, hl = self.clock, self.half_life
+        w = {k: self._own_reads[k].get(now, hl) for k in _AMBIGUOUS}
+        if sum(w.values()) <= 0:
+            w = {k: float(self.totals[k].objects) for k in _AMBIGUOUS}
+        total = sum(w.values())
+        if total <= 0:
+            return {k: 1 / len(_AMBIGUOUS) for k in _AMBIGUOUS}
+        return {k: v / total for k, v in w.items() if v > 0}
+
+    # ------------------------------------------------------------------ estimates
+    def _lag_cdf(self) -> list[float]:
+        """Share of reads that come within each lag bin's upper end (prior included)."""
+        now, hl = self.clock, self.half_life
+        w = [b.get(now, hl) for b in self._lag]
+        for b in _PRIOR_LAG_BINS:
+            w[b] += _PRIOR_LAG_WEIGHT / len(_PRIOR_LAG_BINS)
+        total = sum(w)
+        out, acc = [], 0.0
+        for x in w:
+            acc += x
+            out.append(acc / total)
+        return out
+
+    def _matured_writes(self, kind: str) -> float:
+        """Decayed writes of ``kind``, each weighted by the share of its reads that had time to come."""
+        epoch = self.clock - self.clock % _EPOCH
+        if self._matured_at != epoch:
+            cdf = self._lag_cdf()
+            self._matured = {}
+            for k, ep in self._epochs.items():
+                s = 0.0
+                for start, n in ep:
+                    age = epoch - start
+                    if age <= 0:
+                        continue
+                    b = min(_LAG_BINS - 1, int(math.log2(age + 1)))
+                    lo, hi = 2**b - 1, 2 ** (b + 1) - 1
+                    below = cdf[b - 1] if b else 0.0
+                    f = below + (cdf[b] - below) * min(1.0, (age - lo) / (hi - lo))
+                    s += n * f * 0.5 ** (age / self.half_life)
+                self._matured[k] = s
+            self._matured_at = epoch
+        return self._matured.get(kind, 0.0)
+
+    def judged(self, kind: str) -> bool:
+        """Has ``kind`` been written enough, long enough ago to have been read, to be weighed? Until
+        then it is written (what s3kv did before the policy): only evidence refuses a kind."""
+        return self._matured_writes(kind) >= PRIOR_WRITES
+
+    def reads_per_write(self, kind: str) -> float:
+        r = self._reads[kind].get(self.clock, self.half_life)
+        return (r + PRIOR_READS_PER_WRITE * PRIOR_WRITES) / (self._matured_writes(kind) + PRIOR_WRITES)
+
+    def marginal_share(self, kind: str) -> float:
+        m = self._marginal[kind].get(self.clock, self.half_life)
+        d = self._depth[kind].get(self.clock, self.half_life)
+        return (m + PRIOR_MARGINAL_TOKENS) / (d + PRIOR_MARGINAL_TOKENS)
+
+    def worth(self, b: Boundary) -> float:
+        """Expected value of a read-weighted boundary less its tail's cost (the chain apart), in $,
+        with its costs scaled by the required return."""
+        r = self.reads_per_write(b.kind)
+        if b.kind == CHAIN:  # a branch read serves the shared part: its own length, not this prompt's
+            n = self._reads[CHAIN].get(self.clock, self.half_life)
+            served = min(b.tokens, (self._marginal[CHAIN].get(self.clock, self.half_life) + PRIOR_MARGINAL_TOKENS)
+                         / (n + PRIOR_MARGINAL_TOKENS / 8192))
+        else:
+            served = b.tokens * self.marginal_share(b.kind)
+        per_read = self.prefill.usd(int(b.tokens - served), b.tokens)
+        reads_cost = self.bill.get_usd(sum(b.tail)) + self.bill.get_usd(served * b.chain_bytes_per_token)
+        return r * (per_read - self.min_return * reads_cost) - self.min_return * self.bill.write_usd(b.tail)
+
+    # ------------------------------------------------------------------ deciding
+    def plan(self, boundaries: Sequence[Boundary]) -> Plan:
+        """The boundaries a request writes (module doc), and how far its chain goes."""
+        order = sorted(boundaries, key=lambda b: b.tokens)
+        nets = [self.worth(b) for b in order]
+        unjudged = [not self.judged(b.kind) for b in order]
+        best, top = 0.0, -1
+        chain = positive = 0.0
+        for i, b in enumerate(order):
+            chain += self.min_return * self.bill.write_usd(b.chain)
+            total = positive + nets[i] - chain
+            if total > best or unjudged[i]:
+                best, top = max(best, total), i
+            positive += max(0.0, nets[i])
+        decisions: dict[tuple[str, int], str] = {}
+        reach = -1
+        for i, b in enumerate(order):
+            if i == top or (i < top and (nets[i] > 0 or unjudged[i])):
+                decisions[(b.kind, b.tokens)] = "write"
+                reach = i
+            elif explored(b.digest, b.kind, self.explore_share):
+                decisions[(b.kind, b.tokens)] = "explore"
+                reach = max(reach, i)
+            else:
+                decisions[(b.kind, b.tokens)] = "refuse"
+        for b in order:
+            t = self.totals[b.kind]
+            d = decisions[(b.kind, b.tokens)]
+            t.written += d == "write"
+            t.explored += d == "explore"
+            t.refused += d == "refuse"
+        whole = any(b.kind == HISTORY_END and decisions[(b.kind, b.tokens)] != "refuse" for b in order)
+        return Plan(decisions, None if whole else (order[reach].tokens if reach >= 0 else 0))
+
+    # ------------------------------------------------------------------ export
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """Per kind: the estimates (reads per write, marginal share) and the value line."""
+        fields = ("objects", "bytes", "put_usd", "storage_usd", "get_usd", "reads", "tokens", "gpu_usd",
+                  "written", "explored", "refused")
+        out = {}
+        for k in KINDS:
+            t = self.totals[k]
+            out[k] = {f: float(getattr(t, f)) for f in fields}
+            out[k]["reads_per_write"] = self.reads_per_write(k)
+            out[k]["marginal_share"] = self.marginal_share(k)
+        return out

@@ -1,0 +1,301 @@
+"""What the leader writes to S3, and where each object goes: the value policy at work.
+
+``S3KV_WRITE_POLICY`` decides per seal whether an object goes to S3 now, to the host tier only
+until it proves itself ("evict"), to the host tier only ("never"), or -- with no host tier --
+whether it is staged at all:
+
+* ``auto`` (default): the value policy (``s3kv.core.value``). At a request's first report (its
+  served point and the stored chain are known) the leader lists the request's boundaries --
+  checkpoints, prompt end, branch point, history end -- with their real object sizes, and the
+  model picks those worth their bill and how far the chain goes; the rest are refused ("evict"
+  with a host tier, not staged without). The leader feeds the model: every lookup ticks its
+  clock, every hit says which boundary ended it (``on_lookup``), every boundary written is
+  remembered (``on_seals``, ``on_finish``);
+* ``through``: everything now (what s3kv did before the policy);
+* ``back`` / ``local``: everything to the host tier, to S3 on eviction if read / never. Without a
+  host tier nothing is staged (a warning at start-up).
+
+Chain objects the lookup saw stored are never written again in any mode (a conditional PUT of
+an existing key still bills a PUT and changes nothing).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ...core.cost import Prefill
+from ...core.objects import ObjectSpan
+from ...core.plan import SealOp
+from ...core.value import (
+    BRANCH,
+    CHAIN,
+    CHECKPOINT,
+    HISTORY_END,
+    PROMPT_END,
+    WRITE_ALL,
+    Bill,
+    Boundary,
+    ValueModel,
+)
+from ..prefill import prefill_for
+from .context import LeaderContext
+from .lookup import Lookups
+from .requests import RequestState
+from .stats import LeaderStats
+
+log = logging.getLogger("s3kv.leader")
+
+
+def host_tier_of(settings: Any) -> bool:
+    """Is there a host tier in front of the store (``S3KV_HOST_CACHE_GB`` > 0, where that setting
+    exists)? The engine's runtime may know better (an automatic size): ``LeaderCore.host_tier``."""
+    v = getattr(settings, "host_cache_gb", 0) or 0
+    return isinstance(v, int | float) and v > 0
+
+
+#: The value line in ``LeaderStats.value`` is refreshed every this many lookups (and at each plan).
+_SNAPSHOT_EVERY = 16
+
+
+class WritePolicy:
+    """``model_ref``: the engine's model (``llm_args.model``: its config.json gives the prefill FLOPs,
+    ``s3kv.engine.prefill``); ``host_tier``: a host tier stands in front of the store (None: as the
+    settings say)."""
+
+    def __init__(self, settings: Any, stats: LeaderStats, lookups: Lookups, model_ref: Any = None,
+                 tp_size: int = 1, host_tier: bool | None = None):
+        self.settings = settings
+        self.stats = stats
+        self.lookups = lookups
+        self.index = lookups.index
+        self.mode = getattr(settings, "write_policy", "auto")
+        self._host_tier = host_tier
+        self.model = ValueModel(prefill_for(settings, model_ref, tp_size), Bill.from_settings(settings),
+                                min_return=settings.write_min_return)
+        self.set_prefill(self.model.prefill)
+        self.ctx: LeaderContext | None = None
+        #: Real bytes of one page of each group on one shard (the sizing pages where a benchmark
+        #: models a real model with tiny ones).
+        self.page_bytes: list[int] = []
+        if self.mode in ("back", "local") and host_tier is not True and getattr(settings, "host_cache_gb", 0) == 0:
+            log.warning("s3kv: S3KV_WRITE_POLICY=%s writes to the host tier only, and there is none: "
+                        "nothing is saved (set S3KV_HOST_CACHE_GB, or S3KV_WRITE_POLICY=auto)", self.mode)
+
+    @property
+    def host_tier(self) -> bool:
+        """A host tier stands in front of the store: as told, else rank 0's tier once the runtime
+        made it at registration (an automatic size is known only then), else as the settings say."""
+        if self._host_tier is not None:
+            return self._host_tier
+        if getattr(getattr(self.lookups, "tiers", None), "host_tier", None) is not None:
+            return True
+        return host_tier_of(self.settings)
+
+    def set_prefill(self, prefill: Prefill) -> None:
+        """The one prefill-speed figure (``s3kv.core.cost.Prefill``) for the lookup budget and this
+        policy; a benchmark that models a real model with a tiny one sets it here."""
+        self.model.prefill = prefill
+        self.lookups.prefill_tokens_per_s = prefill.tokens_per_s
+        self.stats.prefill_tokens_per_s = prefill.tokens_per_s
+
+    def bind(self, ctx: LeaderContext, page_bytes: Sequence[int]) -> None:
+        self.ctx = ctx
+        self.page_bytes = list(page_bytes)
+
+    # ------------------------------------------------------------------ where an object goes
+    @property
+    def refused_to(self) -> str | None:
+        """Where a refused object goes: the host tier until evicted (written to S3 if it was read
+        there), or nowhere (None: not staged) without a tier."""
+        return "evict" if self.host_tier else None
+
+    def default_to(self) -> str | None:
+        """Where an object goes under the modes that do not weigh it."""
+        if self.mode == "back":
+            return "evict" if self.host_tier else None
+        if self.mode == "local":
+            return "never" if self.host_tier else None
+        return "now"
+
+    def chain_to(self, st: RequestState, gid: int, ordinal: int) -> str | None:
+        """Where full-attention block ``ordinal`` of group ``gid`` goes (None: not staged)."""
+        ctx = self.ctx
+        assert ctx is not None
+        spine = st.load.spine_blocks
+        if gid == ctx.geometry.spine_group and ordinal < spine and ctx.policy.chunk_end(ordinal, gid) <= spine:
+            return None  # its object is stored: the lookup saw it
+        plan = st.saves.plan
+        if self.mode != "auto" or plan is None:
+            return self.default_to()
+        if plan.chain_to is None or ordinal < plan.chain_to // self.ctx_tpb:
+            return "now"
+        return self.refused_to
+
+    def tail_to(self, st: RequestState, kind: str, end: int) -> str | None:
+        """Where the tail (or boundary object) of ``kind`` ending at block ``end`` goes."""
+        plan = st.saves.plan
+        if self.mode != "auto" or plan is None:
+            return self.default_to()
+        if kind == HISTORY_END or (kind == CHECKPOINT and end * self.ctx_tpb > st.prompt_len):
+            # Past the prompt (its end unknown when the plan was made): a later turn is served
+            # from there only with the whole history's chain, which the plan writes for these.
+            return "now" if plan.chain_to is None else self.refused_to
+        return "now" if plan.writes(kind, end * self.ctx_tpb) else self.refused_to
+
+    @property
+    def ctx_tpb(self) -> int:
+        return self.ctx.geometry.tokens_per_block if self.ctx is not None else 1
+
+    def kind_at(self, st: RequestState, end: int) -> str:
+        """The kind of the boundary ending at block ``end`` for ``st``."""
+        assert self.ctx is not None
+        if end % self.ctx.checkpoint_blocks == 0:
+            return CHECKPOINT
+        prompt_blocks = st.prompt_len // self.ctx_tpb
+        if end == prompt_blocks:
+            return PROMPT_END
+        if st.branch.end and end == st.branch.end:
+            return BRANCH
+        return HISTORY_END if end > prompt_blocks else BRANCH
+
+    # ------------------------------------------------------------------ deciding
+    def decide(self, st: RequestState) -> None:
+        """At the request's first report: its plan (``auto``), from its boundaries' real sizes."""
+        ctx = self.ctx
+        self._keep_known(st)
+        if ctx is None or self.mode != "auto" or ctx.policy.mode != "window" or st.chain is None:
+            st.saves.plan = WRITE_ALL if self.mode == "auto" else None
+            if self.mode in ("auto", "through") and st.chain is not None:
+                self.model.count_write(CHAIN)
+            return
+        plan = st.saves.plan = self.model.plan(self.boundaries(st))
+        tpb = ctx.geometry.tokens_per_block
+        if plan.chain_to is None or plan.chain_to >= st.prompt_len // tpb * tpb:
+            self.model.count_write(CHAIN)  # its chain reaches the prompt's end: a branch may follow
+        self.stats.value = self.model.snapshot()
+
+    def _keep_known(self, st: RequestState) -> None:
+        """The chain objects this request does not write again (its lookup saw them stored) stay
+        known to the index as long as a write's confirmation would have kept them: the next
+        request of that prefix is then answered locally, not with HEADs."""
+        ctx = self.ctx
+        if ctx is None or st.chain is None or st.load.spine_blocks <= st.saves.save_from:
+            return
+        g = ctx.geometry
+        sg = g.spine_group
+        fp = g.groups[sg].fingerprint
+        digests = st.chain.digests
+        present = [
+            (ctx.scheme.object_key(fp, shard, digests[end - 1]), ObjectSpan(span.first, span.end - span.first))
+            for shard in range(g.tp_size)
+            for end, span in st.load.coverage.get((sg, shard), {}).items()
+            if st.saves.save_from < end <= st.load.spine_blocks and end <= len(digests)
+        ]
+        if present:
+            self.index.put_many(present, ())
+
+    def boundaries(self, st: RequestState) -> list[Boundary]:
+        """The points ``st`` could make servable, above what is already stored or served."""
+        ctx = self.ctx
+        assert ctx is not None and st.chain is not None
+        g = ctx.geometry
+        tpb = g.tokens_per_block
+        prompt_blocks = st.prompt_len // tpb
+        start = st.saves.save_from
+        have = st.load.h_blocks  # served: stored (the tail the lookup found too, further on)
+        found = st.load.found_blocks
+        ends: list[tuple[int, str]] = []
+        cp = ctx.checkpoint_blocks
+        ends += [(e, CHECKPOINT) for e in range(cp, prompt_blocks + 1, cp) if e > have]
+        if prompt_blocks % cp and prompt_blocks > have:
+            ends.append((prompt_blocks, PROMPT_END))
+        if st.branch.end and st.branch.end > have:
+            ends.append((st.branch.end, BRANCH))
+        ends = [(e, k) for e, k in ends if e != found]
+        if prompt_blocks > have and prompt_blocks > 0:
+            ends.append((prompt_blocks, CHAIN))  # the prompt's chain, for later requests' branch tails
+        if self.settings.save_decode and prompt_blocks > 0:
+            ends.append((prompt_blocks, HISTORY_END))  # its end is past the prompt: unknown yet
+        ends.sort(key=lambda x: (x[0], x[1] == HISTORY_END))
+        full = [grp for grp in g.groups if not grp.is_sliding]
+        sliding = [grp for grp in g.groups if grp.is_sliding]
+        chain_from = max(start, (st.load.spine_blocks // ctx.bpo) * ctx.bpo if st.load.spine_blocks else 0)
+        per_token = sum(self.page_bytes[grp.group_id] for grp in full) * g.tp_size / tpb
+        out = []
+        prev = chain_from
+        for end, kind in ends:
+            tail: list[int] = []
+            for grp in sliding:
+                lo = ctx.policy.tail(grp.group_id, end)[0]
+                n = end - max(lo, start)
+                tail += [n * self.page_bytes[grp.group_id]] * g.tp_size if n > 0 else []
+            chain: list[int] = []
+            n = end - prev
+            if n > 0:
+                for grp in full:
+                    objs = math.ceil(n / ctx.policy.bpo(grp.group_id))
+                    chain += [n * self.page_bytes[grp.group_id] // objs] * (objs * g.tp_size)
+                prev = end
+            out.append(Boundary(kind, end * tpb, st.chain.digests[end - 1], tuple(tail), tuple(chain), per_token))
+        return out
+
+    # ------------------------------------------------------------------ learning
+    def on_lookup(self, st: RequestState) -> None:
+        """A lookup was answered: tick the clock; a hit says which boundary ended it."""
+        self.model.tick()
+        if self.model.clock % _SNAPSHOT_EVERY == 0:
+            self.stats.value = self.model.snapshot()
+        ctx = self.ctx
+        ld = st.load
+        if ctx is None or st.chain is None or ld.offered_blocks <= 0 or ld.replayed:
+            return
+        g = ctx.geometry
+        tpb = g.tokens_per_block
+        h = ld.d_blocks + ld.offered_blocks
+        sliding = [grp for grp in g.groups if grp.is_sliding]
+        end = h
+        tail_bytes = 0
+        if sliding:
+            spans = ld.coverage.get((sliding[0].group_id, 0), {})
+            end = h if h in spans else h + 1
+            for grp in sliding:
+                lo = ctx.policy.tail(grp.group_id, end)[0]
+                tail_bytes += max(0, h - max(lo, ld.d_blocks)) * self.page_bytes[grp.group_id] * g.tp_size
+        if end > len(st.chain.digests):
+            return
+        chain_bytes = (h - ld.d_blocks) * g.tp_size * sum(
+            self.page_bytes[grp.group_id] for grp in g.groups if not grp.is_sliding)
+        hint = CHECKPOINT if end % ctx.checkpoint_blocks == 0 else None
+        self.model.read(st.chain.digests[end - 1], hint, h * tpb, ld.device_tokens, tail_bytes, chain_bytes)
+
+    def on_seals(self, st: RequestState, seals: Sequence[SealOp], *, finish: bool = False) -> None:
+        """Seals just emitted for ``st`` (``finish``: its finish plan's, run as it ended): the objects
+        written to S3 now, by kind -- a boundary's objects as one write of its kind, remembered."""
+        ctx = self.ctx
+        if ctx is None or not seals:
+            return
+        g = ctx.geometry
+        prompt_blocks = st.prompt_len // self.ctx_tpb
+        has_sliding = any(x.is_sliding for x in g.groups)
+        bounds: dict[int, list[int]] = {}
+        for s in seals:
+            if s.to_s3 != "now":
+                continue
+            grp = g.groups[s.buffer.group]
+            sizes = [s.count * self.page_bytes[grp.group_id]] * g.tp_size
+            end = s.buffer.first + s.count
+            if grp.is_sliding:
+                bounds.setdefault(end, []).extend(sizes)
+                continue
+            self.model.wrote(CHAIN, sizes)
+            if not has_sliding and (
+                end % ctx.checkpoint_blocks == 0 or end == prompt_blocks or end == st.branch.end
+                or (finish and end > prompt_blocks)
+            ):
+                bounds.setdefault(end, [])  # a full-attention model's boundary is its chain object
+        for end, sizes in bounds.items():
+            digest = st.chain.digests[end - 1] if st.chain is not None and end <= len(st.chain.digests) else None
+            self.model.wrote(self.kind_at(st, end), sizes, digest)

@@ -1,0 +1,312 @@
+"""The value policy's estimator (s3kv/core/value.py): it writes what the fleet reads.
+
+Driven with synthetic traffic whose read rate changes: a kind that stops being read stops being
+written (but for a deterministic exploration share, which keeps measuring it), and is written
+again once reads come back. What a boundary is worth follows its depth, the device match the
+reads came on top of, and the bill of the chain below it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from s3kv.config import Settings
+from s3kv.core.cost import Prefill
+from s3kv.core.value import (
+    BRANCH,
+    CHECKPOINT,
+    EXPLORE_SHARE,
+    HISTORY_END,
+    PROMPT_END,
+    Bill,
+    Boundary,
+    ValueModel,
+    explored,
+)
+
+MiB = 1 << 20
+#: Gemma-3-27B-like real sizes at 64 tokens a block: a 1,088-token sliding tail of ~463 MB, a
+#: full-attention chain of ~5.2 MB a block in 12-block (64 MiB) objects.
+TAIL = 463 * 10**6
+CHAIN_BLOCK = 5_242_880
+
+
+def model(**kw) -> ValueModel:
+    return ValueModel(Prefill.from_settings(Settings()), Bill.from_settings(Settings()), **kw)
+
+
+def digest(i: int) -> bytes:
+    return hashlib.blake2b(i.to_bytes(8, "big"), digest_size=16).digest()
+
+
+def boundary(i: int, kind: str = HISTORY_END, tokens: int = 16_384, new_blocks: int = 24) -> Boundary:
+    """A request's boundary at ``tokens`` whose chain has ``new_blocks`` blocks not stored yet."""
+    objs = -(-new_blocks // 12)
+    chain = (new_blocks * CHAIN_BLOCK // objs,) * objs if objs else ()
+    return Boundary(kind, tokens, digest(i), (TAIL,), chain, CHAIN_BLOCK / 64)
+
+
+def serve(m: ValueModel, n: int, read_share: float, start: int, kind: str = HISTORY_END, lag: int = 5) -> list[str]:
+    """``n`` requests: each plans one 4k-token boundary of ``kind``, writes it if decided, and a
+    share ``read_share`` of the written ones is read ``lag`` requests later (a next turn). Returns
+    each request's decision."""
+    out, pending = [], []
+    for i in range(start, start + n):
+        m.tick()
+        b = boundary(i, kind, tokens=4096)
+        d = m.plan([b]).decisions[(kind, b.tokens)]
+        out.append(d)
+        if d != "refuse":
+            m.wrote(kind, [TAIL], b.digest)
+            # A deterministic share of them is read (by a hash, so it mixes with exploration).
+            if int.from_bytes(digest(i)[:4], "big") < read_share * 2**32:
+                pending.append((i + lag, b))
+        for due, pb in [p for p in pending if p[0] == i]:
+            pending.remove((due, pb))
+            m.read(pb.digest, None, pb.tokens, 0, TAIL, 0)
+    return out
+
+
+def written(decisions: list[str]) -> float:
+    return sum(d != "refuse" for d in decisions) / len(decisions)
+
+
+def test_writes_less_when_reads_fall_and_more_when_they_rise():
+    m = model(half_life=200)
+    busy = serve(m, 400, 0.8, 0)  # conversations go on: most next turns come
+    assert written(busy[200:]) == 1.0
+    quiet = serve(m, 800, 0.0, 400)  # nobody comes back
+    assert m.reads_per_write(HISTORY_END) < 0.2  # (about where a 4k-token boundary stops paying)
+    assert written(quiet[-300:]) < 3 * EXPLORE_SHARE  # exploration only
+    back = serve(m, 800, 0.8, 1200)  # and then they do again
+    assert written(back[-300:]) == 1.0
+    assert m.reads_per_write(HISTORY_END) > 0.5
+
+
+def test_exploration_keeps_learning_a_refused_kind():
+    """While refused, only the explored boundaries are written -- the same ones on every engine
+    (chosen by digest) -- and their reads are what brings the kind back."""
+    m = model(half_life=200)
+    serve(m, 600, 0.0, 0)
+    refused = [boundary(i, tokens=4096) for i in range(600, 1200)]
+    plans = [m.plan([b]).decisions[(HISTORY_END, b.tokens)] for b in refused]
+    assert set(plans) == {"refuse", "explore"}
+    assert [d == "explore" for d in plans] == [explored(b.digest, HISTORY_END) for b in refused]
+    share = plans.count("explore") / len(plans)
+    assert EXPLORE_SHARE / 2 < share < EXPLORE_SHARE * 2
+    # Reads of explored objects alone bring the kind back: until it is written again, only
+    # explored boundaries were (and only their reads came).
+    back = serve(m, 1500, 1.0, 1200)
+    first = back.index("write")
+    assert 0 < first < 250 and set(back[:first]) == {"refuse", "explore"}
+    assert written(back[-300:]) == 1.0
+
+
+def test_engines_fed_the_same_traffic_decide_the_same():
+    """Decisions are a function of what was seen and of digests: two engines (or the leader a TP
+    group shares) that saw the same make the same plan, exploration included."""
+    a, b = model(half_life=200), model(half_life=200)
+    da, db = serve(a, 700, 0.1, 0), serve(b, 700, 0.1, 0)
+    assert da == db and "explore" in da and "refuse" in da
+
+
+def test_a_new_kind_is_written_until_its_writes_had_time_to_be_read():
+    """Only evidence refuses a kind: a fresh engine writes what s3kv always wrote, until enough of
+    a kind's writes are old enough for their reads to have come (the learnt reuse lag)."""
+    m = model()
+    tiny = Boundary(PROMPT_END, 128, digest(1), (TAIL,), (CHAIN_BLOCK,))  # never worth its bill
+    assert m.worth(tiny) < 0
+    assert m.plan([tiny]).decisions[(PROMPT_END, 128)] == "write"
+    for i in range(20):  # written, never read, but too young to tell
+        m.tick()
+        m.wrote(PROMPT_END, [TAIL], digest(100 + i))
+    assert m.plan([tiny]).decisions[(PROMPT_END, 128)] == "write"
+    m.tick(3000)  # now they are old enough: no read came
+    assert m.judged(PROMPT_END)
+    assert m.plan([tiny]).decisions[(PROMPT_END, 128)] in ("refuse", "explore")
+
+
+def test_worth_follows_depth_marginal_tokens_and_the_chain_below():
+    m = model()
+    m.tick(10_000)  # judged on the prior alone
+    for i in range(200):
+        m.wrote(CHECKPOINT, [TAIL], digest(i))
+    m.tick(3000)
+    shallow = Boundary(CHECKPOINT, 4096, digest(1), (TAIL,))
+    deep = Boundary(CHECKPOINT, 32_768, digest(2), (TAIL,))
+    assert m.worth(deep) > m.worth(shallow)
+    # Reads that came on top of a long device match make a read worth less (S3 added little).
+    full, marginal = model(), model()
+    for x, device in ((full, 0), (marginal, 15_000)):
+        for i in range(100):
+            x.tick()
+            x.wrote(HISTORY_END, [TAIL], digest(i))
+            x.read(digest(i), None, 16_384, device, TAIL, 0)
+    assert marginal.marginal_share(HISTORY_END) < 0.2 < 0.9 < full.marginal_share(HISTORY_END)
+    assert marginal.worth(boundary(7)) < full.worth(boundary(7))
+    # A chain already stored costs nothing: the same boundary is written when its chain is, and
+    # refused when it would have to write a long unshared chain for a rare read.
+    rare = model()
+    for i in range(400):
+        rare.tick()
+        rare.wrote(HISTORY_END, [TAIL], digest(i))
+        if i % 8 == 0:
+            rare.read(digest(i), None, 16_384, 0, TAIL, 0)
+    rare.tick(3000)
+    assert rare.plan([boundary(9, new_blocks=0)]).writes(HISTORY_END, 16_384)
+    assert rare.plan([boundary(9, new_blocks=256)]).decisions[(HISTORY_END, 16_384)] != "write"
+
+
+def test_a_plan_keeps_the_chain_to_its_furthest_boundary_and_the_tails_worth_it():
+    m = model(min_return=2.0)
+    m.tick(10_000)
+    for k, kind in enumerate((CHECKPOINT, PROMPT_END)):
+        for i in range(100):
+            m.wrote(kind, [TAIL], digest(1000 * k + i))
+    for i in range(100):  # checkpoints read often, prompt ends never
+        m.read(digest(i), CHECKPOINT, 8192, 0, TAIL, 0)
+    m.tick(3000)
+    cps = [Boundary(CHECKPOINT, 4096 * k, digest(k), (TAIL,), (12 * CHAIN_BLOCK,) * 5) for k in (1, 2)]
+    end = Boundary(PROMPT_END, 9000, digest(3), (TAIL,), (CHAIN_BLOCK,))
+    plan = m.plan(cps + [end])
+    assert plan.writes(CHECKPOINT, 4096) and plan.writes(CHECKPOINT, 8192)
+    assert plan.decisions[(PROMPT_END, 9000)] in ("refuse", "explore")
+    assert plan.chain_to == (9000 if plan.decisions[(PROMPT_END, 9000)] == "explore" else 8192)
+    # A history-end boundary (its end unknown when planned) needs the whole chain: chain_to None.
+    assert m.plan([boundary(5, new_blocks=0)]).chain_to is None
+
+
+def test_a_prompts_chain_is_written_for_the_branch_tails_it_enables():
+    """A chain object may serve many later tails: where requests that share prefixes read branch
+    tails, a prompt's chain is written even though none of its own tails pays."""
+    m = model()
+    m.tick(10_000)
+    for i in range(200):
+        m.wrote(PROMPT_END, [TAIL], digest(i))  # never read
+        m.count_write("chain")  # 200 prompts' chains reached their ends ...
+    for i in range(100):  # ... and branch tails on them were read 100 times, ~6k tokens each
+        m.wrote(BRANCH, [TAIL], digest(1000 + i))
+        m.read(digest(1000 + i), None, 6144, 0, TAIL, 0)
+    m.tick(3000)
+    end = Boundary(PROMPT_END, 8192, digest(7), (TAIL,), (12 * CHAIN_BLOCK,) * 11)
+    chain = Boundary("chain", 8192, digest(7), (), ())
+    assert m.plan([end]).decisions[(PROMPT_END, 8192)] != "write"
+    plan = m.plan([end, chain])
+    assert plan.decisions[("chain", 8192)] == "write" and plan.chain_to == 8192
+    assert plan.decisions[(PROMPT_END, 8192)] != "write"  # its tail still does not pay
+    # Without branch reads the same chain is not worth it.
+    quiet = model()
+    quiet.tick(10_000)
+    for i in range(200):
+        quiet.wrote(PROMPT_END, [TAIL], digest(i))
+        quiet.count_write("chain")
+    quiet.tick(3000)
+    assert quiet.plan([end, chain]).decisions[("chain", 8192)] != "write"
+
+
+def test_the_value_line_adds_up():
+    m = model()
+    m.wrote("chain", [64 * MiB] * 3)
+    m.wrote(HISTORY_END, [TAIL], digest(1))
+    m.read(digest(1), None, 10_000, 2_000, TAIL, 8000 * CHAIN_BLOCK // 64)
+    snap = m.snapshot()
+    h, c = snap[HISTORY_END], snap["chain"]
+    bill = Bill.from_settings(Settings())
+    assert c["objects"] == 3 and c["put_usd"] == pytest.approx(3 * 0.005 / 1000)
+    assert h["reads"] == 1 and h["tokens"] == 8000
+    assert h["gpu_usd"] == pytest.approx(Prefill.from_settings(Settings()).usd(2000, 10_000))
+    assert h["storage_usd"] == pytest.approx(bill.storage_usd(TAIL))
+    assert c["get_usd"] > 0 and h["get_usd"] == pytest.approx(bill.get_usd(TAIL))
+
+
+def test_the_value_line_reaches_the_metrics_and_s3kv_stats(tmp_path):
+    """Issue 38: what the fleet gets, per kind -- from the leader's stats to Prometheus to
+    ``s3kv stats --metrics`` (summed over engines), with the lookups' HEADs priced beside."""
+    import json
+
+    from click.testing import CliRunner
+
+    from s3kv.engine.leader.stats import LeaderStats
+    from s3kv.engine.metrics import Metrics, start_http_server, value_line
+    from s3kv.tools.cli import main
+
+    m = model()
+    m.wrote("chain", [64 * MiB] * 4)
+    m.wrote(HISTORY_END, [TAIL], digest(1))
+    m.read(digest(1), None, 20_000, 0, TAIL, 20_000 * CHAIN_BLOCK // 64)
+    engines = []
+    for _ in range(2):
+        metrics = Metrics()
+        st = LeaderStats(value=m.snapshot(), prefill_tokens_per_s=m.prefill.tokens_per_s)
+        metrics.observe_leader(st)
+        metrics.observe_leader(st)  # cumulative: observed twice, counted once
+        metrics.record_request("head", 0.01, requests=1000)
+        engines.append(metrics)
+    line = value_line(engines[0].snapshot())
+    h = line["kinds"][HISTORY_END]
+    assert h["gpu_usd"] == pytest.approx(m.totals[HISTORY_END].gpu_usd)
+    assert h["s3_usd"] == pytest.approx(m.totals[HISTORY_END].s3_usd)
+    assert line["kinds"]["lookup"]["s3_usd"] == pytest.approx(1000 * 0.0004 / 1000)
+    assert line["ratio"] == pytest.approx(line["s3_usd"] / line["gpu_usd"])
+    assert engines[0].value("s3kv_value_reads_per_write", kind=HISTORY_END) == pytest.approx(
+        m.reads_per_write(HISTORY_END))
+    assert engines[0].value("s3kv_prefill_tokens_per_second") == pytest.approx(m.prefill.tokens_per_s)
+
+    servers = [start_http_server(e, 0) for e in engines]
+    try:
+        urls = [f"http://127.0.0.1:{s.server_port}/metrics" for s in servers]
+        args = ["stats", "--url", f"file://{tmp_path}", "--json"]
+        for u in urls:
+            args += ["--metrics", u]
+        r = CliRunner().invoke(main, args, catch_exceptions=False)
+        assert r.exit_code == 0, r.output
+        v = json.loads(r.stdout)["value"]
+        assert v["endpoints"] == 2
+        assert v["gpu_usd"] == pytest.approx(2 * line["gpu_usd"]) and v["ratio"] == pytest.approx(line["ratio"])
+        text = CliRunner().invoke(main, [a for a in args if a != "--json"], catch_exceptions=False)
+        assert "value the fleet got" in text.output and HISTORY_END in text.output
+    finally:
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+
+
+def test_the_engine_reads_its_models_flops_from_its_config(tmp_path, monkeypatch):
+    """Contract 3: the prefill figure comes from the model the engine runs -- ``llm_args.model``'s
+    config.json, a local directory or a Hugging Face name in the local cache -- else the default
+    model's, and the deprecated setting still overrides it."""
+    import json
+
+    from s3kv.engine.prefill import config_path, prefill_for
+    from s3kv.tools.models import MODELS
+
+    llama = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "vocab_size": 128256, "torch_dtype": "bfloat16"}
+    local = tmp_path / "llama"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps(llama))
+    hub = tmp_path / "hub"
+    snap = hub / "models--meta--llama" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text(json.dumps(llama))
+    (hub / "models--meta--llama" / "refs").mkdir()
+    (hub / "models--meta--llama" / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(hub))
+    assert config_path(local) == local / "config.json"
+    assert config_path("meta/llama") == snap / "config.json"
+    assert config_path("nobody/nothing") is None and config_path(None) is None
+
+    s = Settings()
+    want = MODELS["llama-3.1-8b"].prefill_flops(8192) / 8192
+    for ref in (str(local), "meta/llama"):
+        p = prefill_for(s, ref, tp=2)
+        assert p.model.prefill_flops(8192) / 8192 == pytest.approx(want)
+        assert p.tokens_per_s == pytest.approx(2 * 8192 / p.gpu.seconds(p.model.prefill_flops(8192)))
+        assert "config" in p.source
+    default = prefill_for(s, "s3kv-sim/whatever")
+    assert default.model == MODELS["gemma-3-27b"] and "default" in default.source
+    (local / "config.json").write_text("{not json")
+    assert prefill_for(s, str(local)).model == MODELS["gemma-3-27b"]  # unreadable: the default, no error
+    assert prefill_for(Settings(prefill_tokens_per_s=9000.0), "meta/llama").tokens_per_s == 9000.0
