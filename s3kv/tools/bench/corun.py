@@ -27,7 +27,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ...store.base import StoreWrapper
@@ -40,13 +40,21 @@ MODES = ("without", "probe", "index", "signed")
 _BENCH_SECRET = "s3kv-bench-corun-integrity-key-0123456789"
 
 
+def _one_prefill_figure() -> float:
+    from ...config import Settings
+    from ...core.cost import Prefill
+
+    return Prefill.from_settings(Settings(check_access=False)).tokens_per_s
+
+
 @dataclass(frozen=True)
 class CorunConfig:
     streams: int = 16
     arrivals: int = 48
     prompt_tokens: int = 2048
     decode_ms: float = 25.0
-    prefill_tokens_per_s: float = 7500.0
+    #: The package's one prefill-speed figure (s3kv.core.cost.Prefill) unless told otherwise.
+    prefill_tokens_per_s: float = field(default_factory=lambda: _one_prefill_figure())
     chunk_tokens: int = 512
     tokens_per_block: int = 32
     #: Share of arrivals that repeat a stored prompt.

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...config import Settings
+from ...core.cost import Prefill
 from .clients import fan_out, raw_clients, s3kv_stores, shaped, timed_cpu
 from .common import BenchStore, MiB, machine_info, progress, rnd
 
@@ -436,7 +437,7 @@ def _worth(bs: BenchStore, cfg: TransferConfig, load_bytes_per_s: float) -> dict
     from .crossover import crossover, host_speed, store_round_trip_s
 
     s3 = TierSpeed(latency_s=store_round_trip_s(bs.store), bytes_per_s=load_bytes_per_s)
-    return crossover(GEMMA3_27B, 32, Settings().prefill_tokens_per_s, {"host": host_speed(cfg.device), "s3": s3})
+    return crossover(GEMMA3_27B, 32, Prefill.from_settings(Settings()).tokens_per_s, {"host": host_speed(cfg.device), "s3": s3})
 
 
 def _measure(
