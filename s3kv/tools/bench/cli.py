@@ -1,4 +1,4 @@
-"""``s3kv bench <lookup|transfer|jitter|staging|e2e|integrity|trace>``. Heavy imports stay inside the commands.
+"""``s3kv bench <lookup|transfer|jitter|staging|e2e|integrity|trace|gen-trace|describe-trace>``. Heavy imports stay inside the commands.
 
 Every table ends with a legend that says what each ratio divides by what, so a number can be
 read without this source. The baseline the benchmarks compare with is what s3kv replaces: one
@@ -613,6 +613,58 @@ def trace_command(
         except TraceError as e:
             raise click.ClickException(str(e)) from None
     finish(res, as_json=as_json, table=trace.table, plot_path=plot_path, plot=trace.plot_trace)
+
+
+@bench_group.command("gen-trace")
+@click.option(
+    "--workload",
+    required=True,
+    help="A preset of the family (s3kv.tools.bench.gentrace.PRESETS): chat, agentic, rag, returning, unique; "
+    "fewshot-batch is HELD OUT (never tune on it).",
+)
+@click.option("--requests", "n_requests", type=click.IntRange(min=1), default=1200, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False, writable=True), required=True,
+              help="Write the trace here (Mooncake format, one JSON object a line).")
+@click.option("--json", "as_json", is_flag=True, help="Print its description as ONE JSON object.")
+def gen_trace_command(workload: str, n_requests: int, seed: int, output: str, as_json: bool) -> None:
+    """Write a request trace of a named workload in the Mooncake format, deterministic from --seed, and
+    print what its reuse looks like (the figures `describe-trace` prints for any trace)."""
+    import json
+
+    from .gentrace import PRESETS, generate, write_trace
+    from .tracestats import describe, describe_line
+
+    w = PRESETS.get(workload)
+    if w is None:
+        raise click.BadParameter(f"unknown workload {workload!r}; known: {', '.join(PRESETS)}", param_hint="--workload")
+    reqs = generate(w, n_requests, seed)
+    write_trace(reqs, output)
+    d = {"workload": w.name, "seed": seed, "held_out": w.held_out, "path": output, **describe(reqs, 512)}
+    if as_json:
+        click.echo(json.dumps(d))
+    else:
+        click.echo(f"{output}: {w.name}{' (HELD OUT)' if w.held_out else ''}, seed {seed}: {describe_line(d)}")
+
+
+@bench_group.command("describe-trace")
+@click.argument("trace_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N requests.")
+@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object.")
+def describe_trace_command(trace_file: str, limit: int | None, as_json: bool) -> None:
+    """What a trace's reuse looks like: distinct prefix blocks ever re-read, the gap between reuses
+    (p50/p90/p99), reusable tokens -- the same figures for a real trace and a generated one."""
+    import json
+
+    from .tracefile import TraceError, read_trace
+    from .tracestats import describe, describe_line
+
+    try:
+        reqs, bt = read_trace(trace_file, limit=limit)
+    except TraceError as e:
+        raise click.ClickException(str(e)) from None
+    d = {"path": trace_file, **describe(reqs, bt)}
+    click.echo(json.dumps(d) if as_json else f"{trace_file}: {describe_line(d)}")
 
 
 @bench_group.command(
