@@ -513,6 +513,20 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
     help="Replay on S3 (the embedded server, or --url s3://) behind s3kv's fault proxy, this much added to "
     "every request, lookups under the engine's default time budget; prints the scheduler stall per lookup.",
 )
+@click.option("--clusters", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Engines (one per cluster) sharing the store, each with its own device prefix cache.")
+@click.option("--router", type=click.Choice(["random", "affinity"]), default="random", show_default=True,
+              help="How a request picks its engine: uniform, or longest device match balanced by load (Dynamo's "
+              "KV router cost).")
+@click.option("--device-cache-tokens", type=click.IntRange(min=0), default=None,
+              help="Each engine's device prefix cache, in tokens of full-attention KV (default: what an H200 has "
+              "left after the model's weights; 0: off, S3 the only source of reuse -- the regime before fleets).")
+@click.option("--device-sliding", type=click.Choice(["all", "ends"]), default="all", show_default=True,
+              help="Which sliding-window pages the device keeps: with their block (its best case), or only the "
+              "windows at prompt and history ends (its worst).")
+@click.option("--router-seed", type=int, default=0, show_default=True, help="Seed of the random router and of ties.")
+@click.option("--host-cache-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Each engine's host tier, in tokens of full-attention KV (0: none; needs the host tier, issue 39).")
 @click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False, writable=True), default=None, help="Write a PNG chart here."
@@ -541,12 +555,19 @@ def trace_command(
     jobs: int | None,
     url: str | None,
     s3_latency_ms: float | None,
+    clusters: int,
+    router: str,
+    device_cache_tokens: int | None,
+    device_sliding: str,
+    router_seed: int,
+    host_cache_tokens: int,
     as_json: bool,
     plot_path: str | None,
 ) -> None:
-    """Replay a request trace (Mooncake format) through the simulator and the real adapter: tokens
-    served from S3 per storage policy vs the ideal and the upstream example's rule, bytes stored,
-    S3 requests and dollars, prefill saved."""
+    """Replay a request trace (Mooncake format) through simulated engines and the real adapter: what
+    each tier serves (device prefix cache, host, S3) in a fleet of --clusters behind --router, tokens
+    served from S3 per storage policy vs the ideal and the upstream example's rule, bytes stored, S3
+    requests and dollars, the prefill saved past the device match, and the value ratio."""
     import os
 
     from ...core.cost import Gpu, Prices
@@ -605,7 +626,13 @@ def trace_command(
         url=url,
         s3_latency_ms=s3_latency_ms,
     )
-    cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s, settings=_settings_overrides(overrides))
+    from .fleet import FleetConfig
+    from .replay import host_tier_factory
+
+    if host_cache_tokens and host_tier_factory() is None:
+        raise click.BadParameter("the host tier (issue 39) is not in this build yet", param_hint="--host-cache-tokens")
+    fleet = FleetConfig(clusters, router, device_cache_tokens, device_sliding, router_seed, host_cache_tokens)
+    cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s, settings=_settings_overrides(overrides), fleet=fleet)
     with bench_store(url or (None if s3_latency_ms is not None else trace.DEFAULT_URL), name="trace",
                      s3_latency_ms=s3_latency_ms) as bs:
         try:
