@@ -230,3 +230,21 @@ def test_the_stall_past_one_decode_forward_is_gpu_time_lost_and_latency_added():
     assert st["lost_s"] == pytest.approx((0.05 - 0.011) + (0.5 - 0.011))
     assert st["itl_added_p50_ms"] == 0.0 and st["itl_added_p99_ms"] == pytest.approx(489.0)
     assert st["hidden_ms"] == 11.0
+
+
+def test_the_engines_believe_the_store_on_the_traces_clock(tmp_path):
+    """A prompt seen again two hours later: the objects expired (1 h retention) and no engine may promise
+    them. On the wall clock the engine's key index still believed its own upload (a 600 s TTL outlives
+    a replay of hours of traffic): the load was promised, failed, and the request stayed parked."""
+    import json
+
+    p = tmp_path / "late.jsonl"
+    row = {"input_length": 2000, "output_length": 4, "hash_ids": [1, 2, 3, 4]}
+    p.write_text("".join(json.dumps({"timestamp": t, **row}) + "\n" for t in (0, 7_200_000)))
+    cfg = TraceConfig(path=str(p), tokens_per_block=TPB, per_request=True, jobs=1, runs=("window",),
+                      fleet=FleetConfig(device_cache_tokens=0))
+    with bench_store("memory://test-fleet-late", name="trace") as bs:
+        res = run_trace(bs, cfg)
+    pol = res["policies"]["window"]
+    assert res["per_request"]["window"] == [0, 0]
+    assert pol["expired_objects"] > 0 and res["load_failures"] == 0 and all(res["targets_met"].values())

@@ -265,6 +265,10 @@ def replay(
     with contextlib.ExitStack() as stack:
         for engine in engines:
             stack.enter_context(engine)
+            # The engine's key index believes a HEAD for index_ttl_s and a miss for negative_ttl_s: on
+            # the trace's clock, as gc's cutoff assumes (expiry_age_s) -- on the wall clock a replay
+            # that runs hours of traffic in a minute would promise objects the billed store expired.
+            engine.leader.core.index._clock = lambda: counter.now
         counter.bind(engines[0].workers[0].core.geometry, sizing)
         counter.checkpoint_blocks = engines[0].leader.core.policy.checkpoint_blocks
         t_first = reqs[0].timestamp_ms
