@@ -77,6 +77,9 @@ class BilledStore(StoreWrapper):
             for k in KINDS
         }
         self.read_now: list[tuple[int, str]] = []  # (end, kind) of the sliding objects read for the current request
+        #: Full-attention pages the current request read from this store: one a token block, so S3's
+        #: share of what it was served when a host tier in front served the rest.
+        self.full_pages_now = 0
 
     def bind(self, geometry: Any, real_page_bytes: Sequence[int]) -> None:
         for g, real in zip(geometry.groups, real_page_bytes, strict=True):
@@ -176,15 +179,19 @@ class BilledStore(StoreWrapper):
         fp = pk.group_fingerprint if pk else ""
         sim, real = self.sim_page.get(fp, 1), self.real_page.get(fp, 0)
         hl = header_len(o[4] if o else 0)
+        n_pages = 0
         for r in ranges:
             head = min(r.length, hl) if r.offset == 0 else 0
             pages = (r.length - head) // sim
+            n_pages += pages
             self.real_get += get_requests(head + pages * real, self.range_split)
             for mib in SPLITS_MIB:
                 self.get_by_split[mib] += get_requests(head + pages * real, mib << 20)
         if o is None:
             raise NotFound("expired or never written", key=key)
         out = self.inner.get_ranges(key, ranges)
+        if self.names.get(fp) == "full":
+            self.full_pages_now += n_pages
         if o[5] == 0:
             self.kinds[o[3]]["objects_read"] += 1
         o[5] += 1
@@ -203,6 +210,22 @@ class BilledStore(StoreWrapper):
             kind = max(self.read_now)[1] if self.read_now else "full"
             self.kinds[kind]["served_tokens"] += served_tokens
         self.read_now = []
+        self.full_pages_now = 0
+
+    def weigh(self, key: str, nbytes: int) -> int:
+        """An object's bytes at the real model's page sizes (the host tier's ``host_weigh=``: it holds the
+        simulator's tiny pages but must fill up as the real ones would)."""
+        from ...core.keys import parse_key
+        from ...core.objects import header_len
+
+        pk = parse_key(key)
+        fp = pk.group_fingerprint if pk else ""
+        sim, real = self.sim_page.get(fp), self.real_page.get(fp)
+        if not sim or real is None:
+            return nbytes
+        per_page = header_len(1) - header_len(0) + sim
+        n = max(0, (nbytes - header_len(0)) // per_page)
+        return header_len(n) + n * real
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """On the trace's clock: what has expired is gone (deleted, as gc would have), and the rest

@@ -1,4 +1,4 @@
-"""``s3kv bench <lookup|transfer|jitter|staging|e2e|integrity|trace>``. Heavy imports stay inside the commands.
+"""``s3kv bench <lookup|transfer|jitter|staging|e2e|integrity|trace|gen-trace|describe-trace>``. Heavy imports stay inside the commands.
 
 Every table ends with a legend that says what each ratio divides by what, so a number can be
 read without this source. The baseline the benchmarks compare with is what s3kv replaces: one
@@ -509,6 +509,20 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
     "--index-every", type=click.FloatRange(min=0), default=10.0, show_default=True,
     help="Publish the fleet index (s3kv gc --index) every this many seconds of the trace's clock; 0: no publisher.",
 )
+@click.option("--clusters", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Engines (one per cluster) sharing the store, each with its own device prefix cache.")
+@click.option("--router", type=click.Choice(["random", "affinity"]), default="random", show_default=True,
+              help="How a request picks its engine: uniform, or longest device match balanced by load (Dynamo's "
+              "KV router cost).")
+@click.option("--device-cache-tokens", type=click.IntRange(min=0), default=None,
+              help="Each engine's device prefix cache, in tokens of full-attention KV (default: what an H200 has "
+              "left after the model's weights; 0: off, S3 the only source of reuse -- the regime before fleets).")
+@click.option("--device-sliding", type=click.Choice(["all", "ends"]), default="all", show_default=True,
+              help="Which sliding-window pages the device keeps: with their block (its best case), or only the "
+              "windows at prompt and history ends (its worst).")
+@click.option("--router-seed", type=int, default=0, show_default=True, help="Seed of the random router and of ties.")
+@click.option("--host-cache-tokens", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Each engine's host tier, in tokens of full-attention KV (0: none; needs the host tier, issue 39).")
 @click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
 @click.option(
     "--plot", "plot_path", type=click.Path(dir_okay=False), callback=writable_file, default=None,
@@ -539,12 +553,19 @@ def trace_command(
     url: str | None,
     s3_latency_ms: float | None,
     index_every: float,
+    clusters: int,
+    router: str,
+    device_cache_tokens: int | None,
+    device_sliding: str,
+    router_seed: int,
+    host_cache_tokens: int,
     as_json: bool,
     plot_path: str | None,
 ) -> None:
-    """Replay a request trace (Mooncake format) through the simulator and the real adapter: tokens
-    served from S3 per storage policy vs the ideal and the upstream example's rule, bytes stored,
-    S3 requests and dollars, prefill saved."""
+    """Replay a request trace (Mooncake format) through simulated engines and the real adapter: what
+    each tier serves (device prefix cache, host, S3) in a fleet of --clusters behind --router, tokens
+    served from S3 per storage policy vs the ideal and the upstream example's rule, bytes stored, S3
+    requests and dollars, the prefill saved past the device match, and the value ratio."""
     import os
 
     _check_plot(plot_path, url)
@@ -605,9 +626,15 @@ def trace_command(
         s3_latency_ms=s3_latency_ms,
         index_every_s=index_every,
     )
+    from .fleet import FleetConfig
+    from .replay import host_tier_factory
+
+    if host_cache_tokens and host_tier_factory() is None:
+        raise click.BadParameter("the host tier (issue 39) is not in this build yet", param_hint="--host-cache-tokens")
+    fleet = FleetConfig(clusters, router, device_cache_tokens, device_sliding, router_seed, host_cache_tokens)
     # The replay's made-up model is named (as S3KV_MODEL_ID would), so no weak-identity warning.
     named = {"model_id": f"s3kv-trace/{spec.name}", **_settings_overrides(overrides)}
-    cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s, settings=named)
+    cfg = cfg.replace(gpu=gpu, gc_period_s=gc_period_s, settings=named, fleet=fleet)
     with bench_store(url or (None if s3_latency_ms is not None else trace.DEFAULT_URL), name="trace",
                      s3_latency_ms=s3_latency_ms) as bs:
         try:
@@ -615,6 +642,58 @@ def trace_command(
         except TraceError as e:
             raise click.ClickException(str(e)) from None
     finish(res, as_json=as_json, table=trace.table, plot_path=plot_path, plot=trace.plot_trace)
+
+
+@bench_group.command("gen-trace")
+@click.option(
+    "--workload",
+    required=True,
+    help="A preset of the family (s3kv.tools.bench.gentrace.PRESETS): chat, agentic, rag, returning, unique; "
+    "fewshot-batch is HELD OUT (never tune on it).",
+)
+@click.option("--requests", "n_requests", type=click.IntRange(min=1), default=1200, show_default=True)
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("-o", "--output", "output", type=click.Path(dir_okay=False, writable=True), required=True,
+              help="Write the trace here (Mooncake format, one JSON object a line).")
+@click.option("--json", "as_json", is_flag=True, help="Print its description as ONE JSON object.")
+def gen_trace_command(workload: str, n_requests: int, seed: int, output: str, as_json: bool) -> None:
+    """Write a request trace of a named workload in the Mooncake format, deterministic from --seed, and
+    print what its reuse looks like (the figures `describe-trace` prints for any trace)."""
+    import json
+
+    from .gentrace import PRESETS, generate, write_trace
+    from .tracestats import describe, describe_line
+
+    w = PRESETS.get(workload)
+    if w is None:
+        raise click.BadParameter(f"unknown workload {workload!r}; known: {', '.join(PRESETS)}", param_hint="--workload")
+    reqs = generate(w, n_requests, seed)
+    write_trace(reqs, output)
+    d = {"workload": w.name, "seed": seed, "held_out": w.held_out, "path": output, **describe(reqs, 512)}
+    if as_json:
+        click.echo(json.dumps(d))
+    else:
+        click.echo(f"{output}: {w.name}{' (HELD OUT)' if w.held_out else ''}, seed {seed}: {describe_line(d)}")
+
+
+@bench_group.command("describe-trace")
+@click.argument("trace_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Only the first N requests.")
+@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object.")
+def describe_trace_command(trace_file: str, limit: int | None, as_json: bool) -> None:
+    """What a trace's reuse looks like: distinct prefix blocks ever re-read, the gap between reuses
+    (p50/p90/p99), reusable tokens -- the same figures for a real trace and a generated one."""
+    import json
+
+    from .tracefile import TraceError, read_trace
+    from .tracestats import describe, describe_line
+
+    try:
+        reqs, bt = read_trace(trace_file, limit=limit)
+    except TraceError as e:
+        raise click.ClickException(str(e)) from None
+    d = {"path": trace_file, **describe(reqs, bt)}
+    click.echo(json.dumps(d) if as_json else f"{trace_file}: {describe_line(d)}")
 
 
 @bench_group.command("corun")
