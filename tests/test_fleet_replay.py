@@ -63,8 +63,11 @@ def replayed(path: Path, clusters: int, router: str, sliding: str = "all", capac
     key = (clusters, router, sliding, capacity)
     if key not in _results:
         fleet = FleetConfig(clusters=clusters, router=router, device_cache_tokens=capacity, sliding=sliding)
+        # The fleet's mechanics are under test here, not the value policy's choices (which change
+        # what S3 holds: tests/test_value*.py) nor the fleet index's publishing period (an object
+        # another engine wrote since the last index is a miss: tests/test_fleet_index.py).
         cfg = TraceConfig(path=str(path), tokens_per_block=TPB, per_request=True, jobs=1, runs=("window",),
-                          fleet=fleet)
+                          fleet=fleet, settings={"write_policy": "through"}, index_every_s=0)
         with bench_store(f"memory://test-fleet-{clusters}-{router}-{sliding}-{capacity}", name="trace") as bs:
             _results[key] = run_trace(bs, cfg)
     return _results[key]
