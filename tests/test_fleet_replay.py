@@ -59,16 +59,18 @@ def trace(tmp_path_factory) -> Path:
 _results: dict[tuple, dict] = {}
 
 
-def replayed(path: Path, clusters: int, router: str, sliding: str = "all", capacity: int | None = CAPACITY) -> dict:
-    key = (clusters, router, sliding, capacity)
+def replayed(path: Path, clusters: int, router: str, sliding: str = "all", capacity: int | None = CAPACITY,
+             host: int = 0, write_policy: str = "through") -> dict:
+    key = (clusters, router, sliding, capacity, host, write_policy)
     if key not in _results:
-        fleet = FleetConfig(clusters=clusters, router=router, device_cache_tokens=capacity, sliding=sliding)
+        fleet = FleetConfig(clusters=clusters, router=router, device_cache_tokens=capacity, sliding=sliding,
+                            host_cache_tokens=host)
         # The fleet's mechanics are under test here, not the value policy's choices (which change
         # what S3 holds: tests/test_value*.py) nor the fleet index's publishing period (an object
         # another engine wrote since the last index is a miss: tests/test_fleet_index.py).
         cfg = TraceConfig(path=str(path), tokens_per_block=TPB, per_request=True, jobs=1, runs=("window",),
-                          fleet=fleet, settings={"write_policy": "through"}, index_every_s=0)
-        with bench_store(f"memory://test-fleet-{clusters}-{router}-{sliding}-{capacity}", name="trace") as bs:
+                          fleet=fleet, settings={"write_policy": write_policy}, index_every_s=0)
+        with bench_store(f"memory://test-fleet-{'-'.join(map(str, key))}", name="trace") as bs:
             _results[key] = run_trace(bs, cfg)
     return _results[key]
 
@@ -251,3 +253,62 @@ def test_the_engines_believe_the_store_on_the_traces_clock(tmp_path):
     pol = res["policies"]["window"]
     assert res["per_request"]["window"] == [0, 0]
     assert pol["expired_objects"] > 0 and res["load_failures"] == 0 and all(res["targets_met"].values())
+
+
+#: A host tier no trace here fills: what it held is never evicted (the count below relies on it).
+HOST = 50_000_000
+
+
+def test_a_host_tier_serves_what_s3_would_and_its_share_is_counted(trace):
+    """One engine, no device cache, a host tier with write_policy=local (nothing goes to S3): every
+    request is served exactly what the tierless write-through run served from S3, all of it from
+    host memory -- the host share is s3kv's, S3's is 0, and no KV object was read from S3."""
+    s3 = replayed(trace, 1, "random", capacity=0)
+    local = replayed(trace, 1, "random", capacity=0, host=HOST, write_policy="local")
+    got = local["per_request"]
+    assert got["window"] == s3["per_request"]["window"] and sum(got["window"]) > 0
+    assert got["window-host"] == got["window"] and got["window-s3"] == [0] * len(got["window"])
+    pol = local["policies"]["window"]
+    assert pol["tiers"]["tokens"]["host"] == sum(got["window"]) and pol["tiers"]["tokens"]["s3"] == 0
+    assert sum(k["reads"] for k in pol["by_kind"].values()) == 0  # no KV object was read from S3...
+    assert sum(k["objects"] for k in pol["by_kind"].values()) == 0  # ... nor written there
+    # S3 saved nothing: its ratio has no denominator; every tier's saving is the host tier's.
+    assert pol["gpu_usd_saved_s3"] == 0 and pol["gpu_usd_saved"] == s3["policies"]["window"]["gpu_usd_saved"]
+    t = pol["host_tier"]
+    assert t["hits"] > 0 and t["evicted"] == 0 and not t["over_capacity"]
+    assert t["gib_per_engine"] == pytest.approx(HOST * 10 * 2 * m.kv_heads * m.head_dim * 2 / 2**30, abs=0.01)
+    assert local["kv_mismatches"] == 0 and all(local["targets_met"].values())
+
+
+def test_host_and_s3_shares_in_a_fleet_match_what_each_engine_saw(trace):
+    """Three engines behind a random router, device caches, host tiers that never evict, everything
+    written through: each request is served what it is served without the tier (S3 holds it all),
+    split between host and S3 as the count says -- a block can come from the host tier only if an
+    earlier request on the *same engine* had it (prompt or answer: the engine saved or loaded it),
+    and a served block no earlier request there had must come from S3."""
+    plain = replayed(trace, 3, "random")
+    tiered = replayed(trace, 3, "random", host=HOST)
+    got, want = tiered["per_request"], plain["per_request"]
+    assert got["engine"] == want["engine"] and got["device"] == want["device"]
+    assert got["window"] == want["window"]
+    seen: list[set[bytes]] = [set() for _ in range(3)]
+    own = 0
+    for i, (_, prompt, answer, _) in enumerate(streams(trace)):
+        e, d, s = got["engine"][i], got["device"][i], got["window"][i]
+        ks = keys(prompt, len(prompt) // TPB)
+        served = ks[d // TPB : (d + s) // TPB]
+        on_engine = sum(TPB for k in served if k in seen[e])
+        assert got["window-host"][i] + got["window-s3"][i] == s
+        assert got["window-host"][i] <= on_engine  # the host tier holds only what this engine had
+        assert got["window-s3"][i] >= s - on_engine  # the rest came from S3
+        own += on_engine
+        seen[e].update(keys(prompt + answer, (len(prompt) + len(answer) - 1) // TPB))
+    tokens = tiered["policies"]["window"]["tiers"]["tokens"]
+    assert tokens["host"] == sum(got["window-host"]) > 0 and tokens["s3"] == sum(got["window-s3"]) > 0
+    assert sum(tokens.values()) == sum(len(p) for _, p, _, _ in streams(trace))
+    assert tokens["host"] <= own
+    # S3 is credited only with what it served: its value is the part of the saving S3's tokens made.
+    pol = tiered["policies"]["window"]
+    assert pol["gpu_usd_saved"] == pytest.approx(plain["policies"]["window"]["gpu_usd_saved"], rel=1e-6)
+    assert 0 < pol["gpu_usd_saved_s3"] < pol["gpu_usd_saved"]
+    assert tiered["kv_mismatches"] == 0 and all(tiered["targets_met"].values())

@@ -61,15 +61,21 @@ class BilledStore(StoreWrapper):
         self.now = 0.0
         #: The request being replayed: its prompt's full blocks (to tell a tail's kind).
         self.prompt_blocks = 0
-        # key -> [written_at, touched_at, real bytes, kind, page count, reads, end block]
+        # key -> [written_at, touched_at, real bytes, kind, page count, reads, end block, PUT requests]
         self._objects: dict[str, list[Any]] = {}
         self.reset()
 
     def reset(self) -> None:
         self.real_put = self.real_get = self.heads = self.refreshes = self.expired = 0
+        self.written_put = 0  # PUT-class requests of the objects created (refreshes and repeats apart)
         #: GET requests had loads read with another range split (MiB -> count): the lever's effect.
         self.get_by_split: dict[int, int] = {mib: 0 for mib in SPLITS_MIB}
         self.byte_seconds = 0.0
+        #: What the objects some load read cost to write and keep: the bill of a clairvoyant policy
+        #: that wrote only those (the same hits, every request and GET the same) -- the floor for
+        #: what this run served (``hindsight``).
+        self.read_byte_seconds = 0.0
+        self.read_put = 0
         self.groups: dict[str, dict[str, int]] = {}
         self.distinct: dict[str, set[bytes]] = {}
         self.kinds: dict[str, dict[str, float]] = {
@@ -95,7 +101,7 @@ class BilledStore(StoreWrapper):
         o = self._objects.get(key)
         if o is None or self.now - o[1] <= self.expire_after_s:
             return
-        self.byte_seconds += o[2] * (self._life_end(o) - o[0])
+        self._account(o)
         del self._objects[key]
         self.expired += 1
         self.inner.delete_many([key])
@@ -103,8 +109,23 @@ class BilledStore(StoreWrapper):
     def finish(self) -> None:
         """Objects still alive at the end of the trace live on until their retention runs out."""
         for o in self._objects.values():
-            self.byte_seconds += o[2] * (self._life_end(o) - o[0])
+            self._account(o)
         self._objects.clear()
+
+    def _account(self, o: list[Any]) -> None:
+        """An object's storage, from its write until gc deletes it (and, if it was read, the floor's)."""
+        bs = o[2] * (self._life_end(o) - o[0])
+        self.byte_seconds += bs
+        if o[5]:
+            self.read_byte_seconds += bs
+            self.read_put += o[7]
+
+    def hindsight_usd(self, put_per_1k: float, gb_month: float) -> float:
+        """What writing only the objects a load read would have saved on PUTs and storage (module doc):
+        subtract from the run's S3 $ for the clairvoyant floor."""
+        unread_put = self.written_put - self.read_put
+        unread_bs = self.byte_seconds - self.read_byte_seconds
+        return unread_put * put_per_1k / 1000 + unread_bs / GiB / (DAYS_PER_MONTH * 86400) * gb_month
 
     def storage_usd(self, gb_month: float) -> float:
         return self.byte_seconds / GiB / (DAYS_PER_MONTH * 86400) * gb_month
@@ -148,7 +169,8 @@ class BilledStore(StoreWrapper):
         if created:
             kind = self._kind(fp, md)
             end = int(md.get("s3kv-first", "0") or 0) + n
-            self._objects[key] = [self.now, self.now, real, kind, n, 0, end]
+            self._objects[key] = [self.now, self.now, real, kind, n, 0, end, reqs]
+            self.written_put += reqs
             k = self.kinds[kind]
             k["objects"] += 1
             k["bytes"] += real

@@ -627,10 +627,7 @@ def trace_command(
         index_every_s=index_every,
     )
     from .fleet import FleetConfig
-    from .replay import host_tier_factory
 
-    if host_cache_tokens and host_tier_factory() is None:
-        raise click.BadParameter("the host tier (issue 39) is not in this build yet", param_hint="--host-cache-tokens")
     fleet = FleetConfig(clusters, router, device_cache_tokens, device_sliding, router_seed, host_cache_tokens)
     # The replay's made-up model is named (as S3KV_MODEL_ID would), so no weak-identity warning.
     named = {"model_id": f"s3kv-trace/{spec.name}", **_settings_overrides(overrides)}

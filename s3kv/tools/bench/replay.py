@@ -166,10 +166,12 @@ def answer_tokens(cfg: TraceConfig, r: TraceRequest, continued: bool) -> int:
     return min(r.output_length, tpb - r.input_length % tpb + 1)
 
 
-def host_tier_factory() -> Callable[..., Any] | None:
-    """The host-tier store wrapper (issue 39): ``factory(inner, capacity_bytes=, weigh=)`` -> a store in
-    front of ``inner``. None until that tier is merged; ``--host-cache-tokens`` then says so."""
-    return None
+def host_cache_gb(cfg: TraceConfig) -> float:
+    """Each engine's host tier in GiB: ``--host-cache-tokens`` tokens of the real model's
+    full-attention KV (the tier charges every object, sliding tails included, at its real size:
+    ``BilledStore.weigh``). 0: no tier. Set explicitly: the simulator turns the engine's automatic
+    size (-1) into 0."""
+    return cfg.fleet.host_cache_tokens * full_kv_bytes_per_token(cfg.model) / 2**30
 
 
 def _sum_stats(stats: Sequence[Any], names: Sequence[str]) -> dict[str, int]:
@@ -200,7 +202,7 @@ def replay(
         storage_policy=policy,
         branch_tails=branch,
         checkpoint_tokens=cfg.checkpoint_tokens,
-        **cfg.settings,
+        **{**cfg.settings, "host_cache_gb": host_cache_gb(cfg)},
         staging_mib=64,
         upload_threads=2,
         download_threads=2,
@@ -230,9 +232,6 @@ def replay(
 
         fleet.on_clock.append(ReplayIndex(cfg.index_every_s))
     fleet.store = counter
-    host_factory = host_tier_factory() if cfg.fleet.host_cache_tokens else None
-    if cfg.fleet.host_cache_tokens and host_factory is None:
-        raise ValueError("--host-cache-tokens: the host tier (issue 39) is not in this build yet")
     before = bs.store.snapshot()
     synth = TokenSynth(block_tokens, SIM_VOCAB)
     history: dict[int, list[int]] = {}
@@ -247,13 +246,11 @@ def replay(
     t0 = time.perf_counter()
     prefix = bs.key(f"trace-{run}")
     engines = []
+    # The host tier (one per engine: the worker makes it in front of the shared store) charges each
+    # object at the real model's size, not the simulator's tiny pages.
+    tier_kw = {"host_weigh": counter.weigh} if cfg.fleet.host_cache_tokens else {}
     for i in range(cfg.fleet.clusters):
         store: Any = _Shared(counter)
-        if host_factory is not None:
-            store = host_factory(
-                store, capacity_bytes=cfg.fleet.host_cache_tokens * full_kv_bytes_per_token(cfg.model),
-                weigh=counter.weigh,
-            )
         engines.append(
             SimEngine(
                 _sim_model(cfg),
@@ -263,7 +260,8 @@ def replay(
                 max_batch=1,
                 chunk_size=cfg.chunk_tokens,
                 # One namespace for every engine (they share what they store); one engine key each.
-                connector_kwargs=dict(settings=settings, store=store, key_prefix=prefix, engine_key=f"trace-{run}-{i}"),
+                connector_kwargs=dict(settings=settings, store=store, key_prefix=prefix, engine_key=f"trace-{run}-{i}",
+                                      **tier_kw),
             )
         )
     fleet.engines = engines
@@ -299,6 +297,8 @@ def replay(
             rep = engine.run([spec])
             for w in engine.workers:
                 w.flush(120)
+                if w.core.host_tier is not None:  # what it evicted and owes S3 lands before the next request
+                    w.core.host_tier.flush_write_backs(120)
             rr = rep.requests[0]
             recent = engine.leader.core.stats.recent_lookups
             stalls += [x for x in recent if x.seq > last_seq[e]]
@@ -336,6 +336,7 @@ def replay(
                 )
         counter.finish()
         lstats = [engine.leader.core.stats for engine in engines]
+        tiers = [w.core.host_tier.stats() for engine in engines for w in engine.workers if w.core.host_tier]
         wstats = [w.core.stats() for engine in engines for w in engine.workers]
     wall = time.perf_counter() - t0
     io = bs.store.snapshot() - before
@@ -354,6 +355,7 @@ def replay(
         "s3_per_request": s3_served,
         "engine_per_request": engine_of,
         "fleet": fleet.describe(),
+        "host_tier": _tier_summary(tiers, host_cache_gb(cfg)),
         "fleet_fingerprint": fleet_fp.hexdigest(),
         **totals,
         "load_failures": sum(s.loads_failed_objects for s in wstats),
@@ -378,6 +380,7 @@ def replay(
         "expired_objects": counter.expired,
         "storage_gib_hours": rnd(counter.byte_seconds / 2**30 / 3600, 1),
         "storage_usd": counter.storage_usd(cfg.prices.gb_month),
+        "unread_write_usd": counter.hindsight_usd(cfg.prices.put_per_1k, cfg.prices.gb_month),
         "by_kind": counter.kinds,
         "stored_by_group": {
             g: {**v, "distinct_pages": len(counter.distinct.get(g, ()))} for g, v in sorted(counter.groups.items())
@@ -387,6 +390,19 @@ def replay(
         "tokens_fingerprint": fingerprint.hexdigest(),
         "lookup_stall": stall_summary(stalls, sum(served), decode_forward_s(cfg.model)),
         "wall_s": rnd(wall, 1),
+    }
+
+
+def _tier_summary(tiers: Sequence[Any], gib: float) -> dict[str, Any] | None:
+    """The engines' host tiers together (``HostTierStats``; sizes at the real model's bytes)."""
+    if not tiers:
+        return None
+    names = ("inserted", "evicted", "hits", "write_backs", "write_back_failed", "too_big", "no_room", "failed")
+    return {
+        "gib_per_engine": rnd(gib, 2),
+        "high_water_gib": rnd(max(t.high_water for t in tiers) / 2**30, 2),
+        "over_capacity": any(t.high_water > t.capacity for t in tiers),
+        **{n: sum(getattr(t, n) for t in tiers) for n in names},
     }
 
 

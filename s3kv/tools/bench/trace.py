@@ -137,13 +137,21 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
     ideal_marginal = sum(max(0, i - d) for i, d in zip(oracle.ideal, device, strict=True))
     unreplayed = _unreplayed_blocks(cfg, reqs, continued)
 
-    def prefill(per_request: Sequence[int]) -> dict[str, float]:
-        """The prefill the served tokens saved on top of each request's device match (module doc)."""
-        flops = sum(m.prefill_flops(d + t) - m.prefill_flops(d) for t, d in zip(per_request, device, strict=True))
+    def prefill(per_request: Sequence[int], s3_per_request: Sequence[int] | None = None) -> dict[str, float]:
+        """The prefill the served tokens saved on top of each request's device match (module doc), and
+        S3's part of it: a request's saving shared between the host tier and S3 by the tokens each
+        served (``s3_per_request``; None: S3 served all of it)."""
+        flops = s3_flops = 0.0
+        s3s = per_request if s3_per_request is None else s3_per_request
+        for t, d, x in zip(per_request, device, s3s, strict=True):
+            f = m.prefill_flops(d + t) - m.prefill_flops(d)
+            flops += f
+            s3_flops += f * x / t if t else 0.0
         return {
             "prefill_pflops_saved": rnd(flops / 1e15, 3),
             "gpu_seconds_saved": rnd(cfg.gpu.seconds(flops), 1),
             "gpu_usd_saved": rnd(cfg.gpu.usd(flops), 6),
+            "gpu_usd_saved_s3": rnd(cfg.gpu.usd(s3_flops), 6),
         }
 
     def tiers(r: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,13 +186,22 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
         }
 
     def priced(row: dict[str, Any]) -> dict[str, Any]:
-        """ratio: S3 $ / (marginal GPU $ saved - the stall's GPU $); ratio_gross without the stall."""
+        """ratio: S3 $ / (marginal GPU $ S3 saved - the stall's GPU $); ratio_gross without the stall;
+        ratio_s3kv: S3 $ / (what every s3kv tier saved - the stall): with a host tier in front, what
+        it served (free of S3 requests) is credited too. Without one the three share a numerator."""
         lost = (row.get("lookup_stall") or {}).get("lost_s", 0.0)
         row["stall_gpu_usd"] = rnd(lost * cfg.gpu.usd_per_hour / 3600, 6)
-        row["gpu_usd_net"] = rnd(row["gpu_usd_saved"] - row["stall_gpu_usd"], 6)
-        v, g = value(row["s3_usd"], row["gpu_usd_net"]), value(row["s3_usd"], row["gpu_usd_saved"])
+        row["gpu_usd_net"] = rnd(row["gpu_usd_saved_s3"] - row["stall_gpu_usd"], 6)
+        v, g = value(row["s3_usd"], row["gpu_usd_net"]), value(row["s3_usd"], row["gpu_usd_saved_s3"])
+        a = value(row["s3_usd"], row["gpu_usd_saved"] - row["stall_gpu_usd"])
         row["ratio"] = None if v["ratio"] is None else rnd(v["ratio"], 4)
         row["ratio_gross"] = None if g["ratio"] is None else rnd(g["ratio"], 4)
+        row["ratio_s3kv"] = None if a["ratio"] is None else rnd(a["ratio"], 4)
+        if "unread_write_usd" in row:
+            # The clairvoyant floor: this run's hits, had only the objects they read been written.
+            floor = max(0.0, row["s3_usd"] - row.pop("unread_write_usd"))
+            h = value(floor, row["gpu_usd_net"])
+            row["hindsight"] = {"s3_usd": rnd(floor, 6), "ratio": None if h["ratio"] is None else rnd(h["ratio"], 4)}
         return row
 
     page_of = {"full": pages[0], f"sliding{m.window}": pages[1]}
@@ -221,7 +238,9 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
                 rq["put"], rq["get"], rq["head"], stored_real + extra, r["served_tokens"],
                 r["storage_usd"] * (stored_real + extra) / stored_real if stored_real else 0.0,
             ),
-            **prefill(r["served_per_request"]),
+            **prefill(r["served_per_request"], r["s3_per_request"]),
+            "host_tier": r["host_tier"],
+            "unread_write_usd": r["unread_write_usd"],
             "refreshes": r["refreshes"],
             "expired_objects": r["expired_objects"],
             "get_requests_by_split_mib": r["get_requests_by_split_mib"],
@@ -266,12 +285,17 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
         "requests_usd": first["requests_usd"],
         "storage_usd": first["storage_usd"],
         "gpu_usd_saved": first["gpu_usd_saved"],
+        "gpu_usd_saved_s3": first["gpu_usd_saved_s3"],
         "stall_gpu_usd": first["stall_gpu_usd"],
         "gpu_usd_net": first["gpu_usd_net"],
         "ratio": first["ratio"],
         "ratio_gross": first["ratio_gross"],
+        "ratio_s3kv": first["ratio_s3kv"],
+        # The same hits, had only the objects they read been written: no write policy does better.
+        "hindsight": first.get("hindsight"),
         "tiers": first["tiers"]["shares"],
-        "fleet": {k: first_run["fleet"][k] for k in ("clusters", "router", "device_cache_tokens", "device_sliding")},
+        "fleet": {k: first_run["fleet"][k] for k in ("clusters", "router", "device_cache_tokens", "device_sliding",
+                                                      "host_cache_tokens")},
         "stall": {k: first["lookup_stall"][k] for k in ("hidden_ms", "lost_s", "itl_added_p50_ms", "itl_added_p99_ms")},
         "prices": dataclasses.asdict(cfg.prices),
         "retention_h": cfg.prices.retention_h,
@@ -282,9 +306,10 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             for k in ("multipart_threshold_mib", "multipart_part_mib", "range_split_mib", "target_object_mib")
         },
         "note": "ratio = S3 $ (requests + storage from write until gc deletes: the retention plus what engines "
-        "may still believe, after the last write or refresh) / (prefill GPU $ the served tokens saved past each "
+        "may still believe, after the last write or refresh) / (prefill GPU $ the tokens S3 served saved past each "
         "request's device match - GPU $ the lookups' stall beyond one decode forward cost); ratio_gross leaves "
-        "the stall out; below 1 s3kv pays for itself",
+        "the stall out; ratio_s3kv credits what the host tier served too (the same without one); below 1 s3kv "
+        "pays for itself",
     }
     res: dict[str, Any] = {
         "value": res_value,
@@ -355,6 +380,8 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "device": list(device),
             "engine": list(first_run["engine_per_request"]),
             **{f"{name}-s3": r["s3_per_request"] for name, r in runs.items()},
+            **{f"{name}-host": [a - b for a, b in zip(r["served_per_request"], r["s3_per_request"], strict=True)]
+               for name, r in runs.items()},
         }
         res["tokens_fingerprint"] = next(iter(fps))
     if "window" in runs and "all" in runs:

@@ -88,11 +88,16 @@ def table(res: dict[str, Any]) -> str:
     )
     ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
     st = v["stall"]
+    host = ""
+    if v["gpu_usd_saved"] != v["gpu_usd_saved_s3"]:
+        r3 = "-" if v["ratio_s3kv"] is None else f"{v['ratio_s3kv']:.3f}"
+        host = (f"; the host tier saved ${v['gpu_usd_saved'] - v['gpu_usd_saved_s3']:.3f} more with no S3 request "
+                f"(S3 $ over every tier's saving: {r3})")
     lines.append(
         f"value ({v['policy']}): S3 ${v['s3_usd']:.3f} (requests ${v['requests_usd']:.3f}, storage "
-        f"${v['storage_usd']:.3f}) for ${v['gpu_usd_saved']:.3f} of prefill GPU time saved past the device match, "
-        f"less ${v['stall_gpu_usd']:.4f} of GPU time the lookups stalled the batch beyond one decode forward "
-        f"({st['hidden_ms']:g} ms, hidden by the overlap loop): ratio {ratio} (below 1: s3kv pays for itself)",
+        f"${v['storage_usd']:.3f}) for ${v['gpu_usd_saved_s3']:.3f} of prefill GPU time S3 saved past the device "
+        f"match, less ${v['stall_gpu_usd']:.4f} of GPU time the lookups stalled the batch beyond one decode forward "
+        f"({st['hidden_ms']:g} ms, hidden by the overlap loop): ratio {ratio} (below 1: s3kv pays for itself){host}",
     )
     lines.append(
         f"inter-token latency a lookup adds to co-running requests: p50 {st['itl_added_p50_ms']:.2f} ms, "
@@ -112,9 +117,18 @@ def _fleet_lines(res: dict[str, Any]) -> list[str]:
         cache = f"device prefix cache {dev:,} tokens per engine" + (
             f" (the default: {f['device_cache_derivation']})" if f["device_cache_default"] else " (--device-cache-tokens)"
         ) + f"; sliding pages {f['device_sliding']}"
+    host = f"; host tier {f['host_cache_tokens']:,} tokens per engine" if f.get("host_cache_tokens") else "; no host tier"
     lines = [
-        f"fleet: {f['clusters']} engine(s), router {f['router']} ({f['router_rule']}); {cache}",
+        f"fleet: {f['clusters']} engine(s), router {f['router']} ({f['router_rule']}); {cache}{host}",
     ]
+    for name, p in res["policies"].items():
+        t = p.get("host_tier")
+        if t:
+            lines.append(
+                f"  host tiers, {name}: {t['gib_per_engine']:g} GiB per engine (high water {t['high_water_gib']:g}), "
+                f"{t['inserted']} objects in, {t['evicted']} evicted, {t['hits']} hits, {t['write_backs']} written "
+                "to S3 at eviction"
+            )
     for name, p in res["policies"].items():
         sh = p.get("tiers", {}).get("shares")
         if sh:
