@@ -119,13 +119,35 @@ def test_a_new_kind_is_written_until_its_writes_had_time_to_be_read():
     tiny = Boundary(PROMPT_END, 128, digest(1), (TAIL,), (CHAIN_BLOCK,))  # never worth its bill
     assert m.worth(tiny) < 0
     assert m.plan([tiny]).decisions[(PROMPT_END, 128)] == "write"
-    for i in range(20):  # written, never read, but too young to tell
-        m.tick()
+    for i in range(20):  # written, never read, but too young to tell (the clock is in seconds)
+        m.tick(0.1)
         m.wrote(PROMPT_END, [TAIL], digest(100 + i))
     assert m.plan([tiny]).decisions[(PROMPT_END, 128)] == "write"
     m.tick(3000)  # now they are old enough: no read came
     assert m.judged(PROMPT_END)
     assert m.plan([tiny]).decisions[(PROMPT_END, 128)] in ("refuse", "explore")
+
+
+def test_reads_of_other_engines_boundaries_are_attributed_by_what_the_reader_sees():
+    """Behind a random router most reads are of other engines' objects (not in the memo). An exact
+    repeat (the hint: the hit reached the reader's prompt end) credits prompt-end tails alone; a
+    read the reader went on past is split between history-end and branch, never prompt-end --
+    which a split over every kind credited with next turns' reads. A hit the host tier served
+    is no S3 read at all."""
+    m = model()
+    for i in range(8):
+        m.wrote(HISTORY_END, [TAIL], digest(i))
+        m.wrote(PROMPT_END, [TAIL], digest(100 + i))
+    m.read(digest(0), None, 8192, 0, TAIL, 0)  # own reads: attributed exactly, one of each kind
+    m.read(digest(100), None, 8192, 0, TAIL, 0)
+    assert m.read(digest(999), None, 8192, 0, TAIL, 0) == HISTORY_END  # another engine's, went on
+    assert m._reads[PROMPT_END].get(m.clock, m.half_life) == 1
+    assert m.read(digest(998), PROMPT_END, 8192, 0, TAIL, 0) == PROMPT_END  # an exact repeat
+    assert m._reads[PROMPT_END].get(m.clock, m.half_life) == 2
+    before = {k: m.totals[k].reads for k in m.totals}
+    m.host_read(PROMPT_END)
+    assert {k: m.totals[k].reads for k in m.totals} == before
+    assert m.totals[PROMPT_END].host_reads == 1
 
 
 def test_worth_follows_depth_marginal_tokens_and_the_chain_below():

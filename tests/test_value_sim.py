@@ -51,9 +51,12 @@ def engine(store, *, tp=1, **settings):
         S3KvConnectorWorker,
         connector_kwargs=dict(settings=s, store=store, engine_key=f"value-{next(_ids)}"),
     )
-    # A test's scale: learn within tens of requests, explore one refused boundary in eight.
-    eng.leader.core.writes.model.half_life = 100.0
+    # A test's scale: learn within tens of requests, explore one refused boundary in eight; the
+    # policy's clock (seconds) is the test's: ``serve`` moves it 10 s a request (a think time).
+    eng.leader.core.writes.model.half_life = 1000.0
     eng.leader.core.writes.model.explore_share = 1 / 8
+    eng.clock = [0.0]
+    eng.leader.core.writes.clock = lambda: eng.clock[0]
     return eng
 
 
@@ -76,6 +79,7 @@ def serve(eng, prompts) -> list[tuple[int, int]]:
     out = []
     totals = eng.leader.core.writes.model.totals[HISTORY_END]
     for p in prompts:
+        eng.clock[0] += 10.0
         before = totals.objects
         rep = eng.run([SimRequestSpec(next(_ids), tuple(p), max_new_tokens=ANSWER)])
         for w in eng.workers:

@@ -24,9 +24,18 @@ sees -- which kind of object ended each of its hits, at what depth, on top of wh
 * *reads per write*: hits a kind ended over tails of that kind written. In a fleet of symmetric
   engines, one engine's reads over its writes estimate the fleet's: it reads everyone's objects
   (its share of the fleet's reads) and writes its share of the objects. A hit on an object this
-  engine wrote is attributed exactly (a bounded memo of its own boundaries); one on another
-  engine's non-checkpoint tail is split between prompt-end, history-end and branch in the
-  proportions of its own attributed reads (a checkpoint is known by its end alone).
+  engine wrote is attributed exactly (a bounded memo of its own boundaries). One on another
+  engine's object is attributed by what the reader sees of it: a checkpoint by its end; a hit
+  that reaches the reader's own prompt end (an exact repeat) by a prompt-end tail -- the only
+  kind whose unique use that is; any other (the reader goes on past it: a next turn, a shared
+  prefix) is split between history-end and branch in the proportions of this engine's own
+  attributed reads. Behind a random router most reads are of other engines' objects, so this
+  rule, not the memo, decides what the fleet learns: a split over every kind wrongly credited
+  prompt-end tails with next turns' reads (on a 4-engine chat replay both kinds looked equally
+  read, 0.37 reads per write, while next turns read history-end tails and prompt-end tails
+  served ~0.5% of the tokens).
+* only reads **S3** served count: a hit this engine's host tier served is no reason to write to
+  S3 now (it is counted apart, ``host_reads``).
 * *marginal share*: of the history a hit reaches, the share beyond the device match -- the
   tokens S3 adds. Behind a cache-aware router or a host tier the device serves most of a repeat
   and S3's reads fall, or serve little: both lower a kind's worth, so S3 writes less there.
@@ -35,17 +44,21 @@ sees -- which kind of object ended each of its hits, at what depth, on top of wh
   that had time to come (the lag's distribution): a fresh engine, or a kind just admitted, is not
   judged before its readers could arrive.
 
-Counts decay with a half-life of :data:`HALF_LIFE_REQUESTS` requests (this engine's lookups: a
-clock that replays and real traffic share), so the estimate follows traffic that changes.
+Counts decay with a half-life of :data:`HALF_LIFE_S` seconds, so the estimate follows traffic
+that changes. The clock is the caller's (``advance_to``; the leader feeds it the engine's
+monotonic time, a trace replay the trace's): seconds, not requests -- an engine of a fleet sees
+only its share of the requests, so a lag or a half-life counted in its own requests stretches with
+the fleet's size (4 engines replaying 600 requests saw 150 each: too few to judge anything
+against a lag prior of up to 511 requests, and the policy wrote nearly everything).
 
 **Priors** (what is assumed before anything is seen; the data outweighs them after a few dozen
 writes): reads per write 1/2 (an object's first read is a coin flip: Beta(1, 1)'s mean) worth
 :data:`PRIOR_WRITES` writes; the whole history marginal (a fresh engine, no device match) worth
-two reads; reuse lag log-uniform over 1-511 requests (a retry seconds later to a think time of
-minutes at a few requests per second), worth one read -- light and short on purpose: the lag is
-learnt from reads of this engine's own objects, which are few in a fleet (most reads are of other
-engines' objects), and a prior lag longer than the real one over-counts young writes' missing
-reads and overstates every kind's worth. None is taken from a trace.
+two reads; reuse lag log-uniform over 1 s - 34 min (a retry seconds later to a think time of
+minutes; the retention ends every lag at an hour), worth one read -- light on purpose: the lag
+is learnt from reads of this engine's own objects, which are few in a fleet (most reads are of
+other engines' objects), and a prior lag longer than the real one over-counts young writes'
+missing reads and overstates every kind's worth. None is taken from a trace.
 
 **Exploration.** A refused kind is never read, so nothing would tell the policy it became worth
 writing. A deterministic :data:`EXPLORE_SHARE` of the boundaries it refuses is written anyway,
@@ -85,24 +98,24 @@ CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH = "checkpoint", "prompt-end", "histo
 KINDS = (CHAIN, CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH)
 #: Kinds of boundary (what can end a hit).
 BOUNDARY_KINDS = KINDS[1:]
-#: Non-checkpoint tails: from its end alone a reader cannot tell which of these another engine wrote.
-_AMBIGUOUS = (PROMPT_END, HISTORY_END, BRANCH)
+#: Tails a reader that goes on past them cannot tell apart when another engine wrote them.
+_AMBIGUOUS = (HISTORY_END, BRANCH)
 
-#: Half-life of everything learnt, in requests this engine looked up. Long enough to hold the
-#: reuse lag of most reads (the traces' p90 gaps are 3-9 minutes: hundreds to ~2,000 requests at
-#: a few per second), short enough to follow a change of traffic within an hour.
-HALF_LIFE_REQUESTS = 2000.0
+#: Half-life of everything learnt, in seconds of the model's clock. Long enough to hold the reuse
+#: lag of most reads (think times of minutes), short enough to follow a change of traffic within
+#: an hour (the retention: what no read outlives).
+HALF_LIFE_S = 1800.0
 #: Share of refused boundaries written anyway (module doc, exploration).
 EXPLORE_SHARE = 1 / 32
 #: Prior strength (module doc, priors).
 PRIOR_READS_PER_WRITE = 0.5
 PRIOR_WRITES = 4.0
 PRIOR_MARGINAL_TOKENS = 2 * 8192.0
-#: Writes are binned by this many requests for the lag correction (recomputed once per bin).
-_EPOCH = 32
-#: Reuse-lag histogram: bin b holds lags in [2^b - 1, 2^(b+1) - 1) requests.
+#: Writes are binned by this many seconds for the lag correction (recomputed once per bin).
+_EPOCH = 16
+#: Reuse-lag histogram: bin b holds lags in [2^b - 1, 2^(b+1) - 1) seconds.
 _LAG_BINS = 22
-_PRIOR_LAG_BINS = range(1, 9)  # 1-511 requests
+_PRIOR_LAG_BINS = range(1, 11)  # 1 s - 34 min
 _PRIOR_LAG_WEIGHT = 1.0
 #: Own boundaries remembered (digest -> kind, write time), for exact attribution of their reads.
 MEMO_ENTRIES = 200_000
@@ -221,6 +234,7 @@ class KindTotals:
     tokens: int = 0
     gpu_usd: float = 0.0
     get_usd: float = 0.0
+    host_reads: int = 0  # hits the host tier served (not S3's: not counted as reads)
     written: int = 0  # boundaries decided "write"
     explored: int = 0  # boundaries decided "explore"
     refused: int = 0  # boundaries decided "refuse"
@@ -231,16 +245,17 @@ class KindTotals:
 
 
 class ValueModel:
-    """The estimator (module doc). Fed by the leader: :meth:`tick` per lookup, :meth:`wrote` per
-    object written, :meth:`read` per hit; :meth:`plan` decides a request's boundaries. Not
-    thread-safe (the leader calls it under its lock)."""
+    """The estimator (module doc). Fed by the leader: :meth:`advance_to` its clock (seconds),
+    :meth:`wrote` per object written, :meth:`read` per hit S3 served (:meth:`host_read` per one
+    the host tier did); :meth:`plan` decides a request's boundaries. Not thread-safe (the leader
+    calls it under its lock)."""
 
     def __init__(
         self,
         prefill: Prefill,
         bill: Bill,
         *,
-        half_life: float = HALF_LIFE_REQUESTS,
+        half_life: float = HALF_LIFE_S,
         explore_share: float = EXPLORE_SHARE,
         min_return: float = 1.0,
     ):
@@ -260,9 +275,17 @@ class ValueModel:
         self._memo: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
 
     # ------------------------------------------------------------------ feeding
-    def tick(self, n: int = 1) -> None:
-        """``n`` more requests looked up (the estimator's clock)."""
+    def tick(self, n: float = 1) -> None:
+        """The clock moves ``n`` on."""
         self.clock += n
+
+    def advance_to(self, now: float) -> None:
+        """The clock reads ``now`` (seconds; it never goes back)."""
+        self.clock = max(self.clock, float(now))
+
+    def host_read(self, kind: str | None = None) -> None:
+        """A hit this engine's host tier served: no S3 read (module doc), counted apart."""
+        self.totals[kind or HISTORY_END].host_reads += 1
 
     def wrote(self, kind: str, sizes: Sequence[int], digest: bytes | None = None) -> None:
         """Objects of ``kind`` went to S3 (``sizes``: each one's real bytes). ``digest``: the
@@ -298,8 +321,10 @@ class ValueModel:
         tail_bytes: int = 0, chain_bytes: int = 0,
     ) -> str:
         """A hit served history ``tokens`` on top of ``device_tokens``, ended by the boundary named
-        ``digest``. ``kind_hint``: its kind where the end alone says it (a checkpoint; a chain
-        object for a model without sliding layers), else None. ``*_bytes``: what the load reads.
+        ``digest``. ``kind_hint``: its kind where the reader can tell (a checkpoint by its end; a
+        prompt-end tail where the hit reached the reader's own prompt end; a chain object for a
+        model without sliding layers), else None -- used where the boundary is not one of this
+        engine's own (the memo knows those exactly). ``*_bytes``: what the load reads.
         Returns the kind it was attributed to (the largest share, for a split)."""
         own = self._memo.get(digest) if digest is not None else None
         now, hl = self.clock, self.half_life
@@ -337,8 +362,9 @@ class ValueModel:
         return best
 
     def _split(self) -> dict[str, float]:
-        """How to attribute a read of another engine's non-checkpoint tail: as this engine's own
-        reads of those kinds are attributed (else as its writes of them, else evenly)."""
+        """How to attribute a read of another engine's tail that is neither a checkpoint nor an exact
+        repeat (module doc): as this engine's own reads of those kinds are attributed (else as its
+        writes of them, else evenly)."""
         now, hl = self.clock, self.half_life
         w = {k: self._own_reads[k].get(now, hl) for k in _AMBIGUOUS}
         if sum(w.values()) <= 0:
@@ -449,7 +475,7 @@ class ValueModel:
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per kind: the estimates (reads per write, marginal share) and the value line."""
         fields = ("objects", "bytes", "put_usd", "storage_usd", "get_usd", "reads", "tokens", "gpu_usd",
-                  "written", "explored", "refused")
+                  "host_reads", "written", "explored", "refused")
         out = {}
         for k in KINDS:
             t = self.totals[k]

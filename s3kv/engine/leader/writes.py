@@ -8,8 +8,9 @@ whether it is staged at all:
   served point and the stored chain are known) the leader lists the request's boundaries --
   checkpoints, prompt end, branch point, history end -- with their real object sizes, and the
   model picks those worth their bill and how far the chain goes; the rest are refused ("evict"
-  with a host tier, not staged without). The leader feeds the model: every lookup ticks its
-  clock, every hit says which boundary ended it (``on_lookup``), every boundary written is
+  with a host tier, not staged without). The leader feeds the model: its clock (seconds: the engine's
+  monotonic time, a replay's trace time), every hit S3 served says which boundary ended it
+  (``on_lookup``; one the host tier served is counted apart), every boundary written is
   remembered (``on_seals``, ``on_finish``);
 * ``through``: everything now (what s3kv did before the policy);
 * ``back`` / ``local``: everything to the host tier, to S3 on eviction if read / never. Without a
@@ -23,7 +24,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...core.cost import Prefill
@@ -76,6 +78,9 @@ class WritePolicy:
         self.model = ValueModel(prefill_for(settings, model_ref, tp_size), Bill.from_settings(settings),
                                 min_return=settings.write_min_return)
         self.set_prefill(self.model.prefill)
+        #: The model's clock, in seconds (a trace replay sets its own: the trace's).
+        self.clock: Callable[[], float] = time.monotonic
+        self._lookups_seen = 0
         self.ctx: LeaderContext | None = None
         #: Real bytes of one page of each group on one shard (the sizing pages where a benchmark
         #: models a real model with tiny ones).
@@ -166,6 +171,7 @@ class WritePolicy:
         """At the request's first report: its plan (``auto``), from its boundaries' real sizes."""
         ctx = self.ctx
         self._keep_known(st)
+        self.model.advance_to(self.clock())
         if ctx is None or self.mode != "auto" or ctx.policy.mode != "window" or st.chain is None:
             st.saves.plan = WRITE_ALL if self.mode == "auto" else None
             if self.mode in ("auto", "through") and st.chain is not None:
@@ -244,9 +250,10 @@ class WritePolicy:
 
     # ------------------------------------------------------------------ learning
     def on_lookup(self, st: RequestState) -> None:
-        """A lookup was answered: tick the clock; a hit says which boundary ended it."""
-        self.model.tick()
-        if self.model.clock % _SNAPSHOT_EVERY == 0:
+        """A lookup was answered: a hit says which boundary ended it, and whether S3 served it."""
+        self.model.advance_to(self.clock())
+        self._lookups_seen += 1
+        if self._lookups_seen % _SNAPSHOT_EVERY == 0:
             self.stats.value = self.model.snapshot()
         ctx = self.ctx
         ld = st.load
@@ -268,8 +275,20 @@ class WritePolicy:
             return
         chain_bytes = (h - ld.d_blocks) * g.tp_size * sum(
             self.page_bytes[grp.group_id] for grp in g.groups if not grp.is_sliding)
-        hint = CHECKPOINT if end % ctx.checkpoint_blocks == 0 else None
-        self.model.read(st.chain.digests[end - 1], hint, h * tpb, ld.device_tokens, tail_bytes, chain_bytes)
+        digest = st.chain.digests[end - 1]
+        # What the reader can tell of another engine's boundary (core.value, "reads per write"): a
+        # checkpoint by its end; a hit that reached this prompt's own end is an exact repeat.
+        if end % ctx.checkpoint_blocks == 0:
+            hint: str | None = CHECKPOINT
+        elif end >= (st.prompt_len - 1) // tpb:
+            hint = PROMPT_END
+        else:
+            hint = None
+        ender = sliding[0].group_id if sliding else g.spine_group
+        if self.host_tier and self.lookups.in_host(ender, digest):
+            self.model.host_read(hint)  # host memory served it: no reason to write S3 now
+            return
+        self.model.read(digest, hint, h * tpb, ld.device_tokens, tail_bytes, chain_bytes)
 
     def on_seals(self, st: RequestState, seals: Sequence[SealOp], *, finish: bool = False) -> None:
         """Seals just emitted for ``st`` (``finish``: its finish plan's, run as it ended): the objects
@@ -277,6 +296,7 @@ class WritePolicy:
         ctx = self.ctx
         if ctx is None or not seals:
             return
+        self.model.advance_to(self.clock())
         g = ctx.geometry
         prompt_blocks = st.prompt_len // self.ctx_tpb
         has_sliding = any(x.is_sliding for x in g.groups)

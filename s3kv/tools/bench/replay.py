@@ -274,6 +274,7 @@ def replay(
             # the trace's clock, as gc's cutoff assumes (expiry_age_s) -- on the wall clock a replay
             # that runs hours of traffic in a minute would promise objects the billed store expired.
             engine.leader.core.index._clock = lambda: counter.now
+            engine.leader.core.writes.clock = lambda: counter.now  # the value policy's lags and half-life
         counter.bind(engines[0].workers[0].core.geometry, sizing)
         counter.checkpoint_blocks = engines[0].leader.core.policy.checkpoint_blocks
         t_first = reqs[0].timestamp_ms
@@ -356,6 +357,8 @@ def replay(
         "engine_per_request": engine_of,
         "fleet": fleet.describe(),
         "host_tier": _tier_summary(tiers, host_cache_gb(cfg)),
+        # What each engine's value policy believes at the end (its estimates per kind, and its decisions).
+        "value_model": [engine.leader.core.writes.model.snapshot() for engine in engines],
         "fleet_fingerprint": fleet_fp.hexdigest(),
         **totals,
         "load_failures": sum(s.loads_failed_objects for s in wstats),

@@ -241,6 +241,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             **prefill(r["served_per_request"], r["s3_per_request"]),
             "host_tier": r["host_tier"],
             "unread_write_usd": r["unread_write_usd"],
+            "value_model": r["value_model"],
             "refreshes": r["refreshes"],
             "expired_objects": r["expired_objects"],
             "get_requests_by_split_mib": r["get_requests_by_split_mib"],
