@@ -240,9 +240,9 @@ class Settings:
     pinned: bool = True
     #: Host tier (DRAM, per TP rank): GiB of s3kv objects kept in host memory in front of the store,
     #: so repeats on this engine load at PCIe speed with no S3 request. -1 = auto: on a GPU engine
-    #: 20% of the host's available memory shared by its GPUs, at most 64 GB a rank (pinned once,
-    #: at start-up); 0 in the simulator and wherever the KV cache is not on a GPU. 0 = off
-    #: (docs/sizing.md: how big).
+    #: 20% of the host's memory (total, or the container's limit) shared by its GPUs, at most
+    #: 64 GB a rank (pinned once, at start-up); 0 in the simulator and wherever the KV cache is not
+    #: on a GPU. 0 = off (docs/sizing.md: how big).
     host_cache_gb: float = -1.0
     #: Re-check every page's checksum on every host-tier hit. Off: pages are checked when they
     #: enter the tier (hashed where they land, or verified from the store) and each hit checks the

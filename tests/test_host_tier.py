@@ -323,6 +323,30 @@ def test_no_tier_unless_asked_outside_an_engine():
     a.close()
 
 
+def test_the_automatic_size_is_the_same_on_every_rank_and_within_the_container(tmp_path, monkeypatch):
+    """-1 sizes every rank's tier from what reads the same on all of them (the host's total memory,
+    at most the container's limit), never from what is available when each rank starts: tiers of
+    different sizes evict differently, and rank 0's tier then promises objects another rank lacks."""
+    from s3kv.transfer import tiers
+
+    gib = 1 << 30
+    meminfo = tmp_path / "meminfo"
+    monkeypatch.setattr(tiers, "CGROUP_LIMITS", (str(tmp_path / "none"),))
+    monkeypatch.setattr(tiers, "MEMINFO", str(meminfo))
+    sizes = []
+    for available in (90, 30):  # rank 0 starts, then rank 1 while rank 0's arena is being pinned
+        meminfo.write_text(f"MemTotal: {100 * gib // 1024} kB\nMemAvailable: {available * gib // 1024} kB\n")
+        sizes.append(tiers.capacity_bytes(-1, "cuda"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    assert sizes[0] == sizes[1] == 20 * gib // gpus
+    limit = tmp_path / "memory.max"
+    limit.write_text(f"{40 * gib}\n")
+    monkeypatch.setattr(tiers, "CGROUP_LIMITS", (str(limit),))
+    assert tiers.capacity_bytes(-1, "cuda") == sizes[0] * 40 // 100
+    limit.write_text("max\n")
+    assert tiers.capacity_bytes(-1, "cuda") == sizes[0]
+
+
 def test_a_corrupt_tier_copy_is_dropped_and_the_store_serves_the_load():
     store = MemoryStore()
     a, la = make_core(store, host_cache_verify=True)
