@@ -143,6 +143,27 @@ def test_a_held_object_is_answered_like_the_store_would():
     assert tier.head("other") is None and inner.snapshot().head == 1
 
 
+def test_a_read_of_a_held_object_evicted_meanwhile_gets_its_bytes_and_gives_them_back():
+    """An object evicted while a read of it copies (the worker thread reserving a seal) is read
+    whole from the bytes the read retained, which go back to the arena afterwards."""
+    idn = ident()
+    tier = HostTier(MemoryStore(), 3 * HostTier.layout(idn, 5)[1])
+    pages = fill(tier, "k", idn, 3, 5)
+
+    class Evicting(list):
+        """Ranges whose reading makes room for a seal that evicts ``k``."""
+
+        def __iter__(self):
+            fill(tier, "big", idn, 0, 14)
+            return super().__iter__()
+
+    got = tier.get_ranges("k", Evicting([_range(header_len(5), 10)]))
+    assert got == [pages[:10]] and "k" not in tier.keys()
+    tier.discard("big")
+    assert tier.pool is not None and tier.pool.in_use == 0
+    tier.close()
+
+
 def _range(offset, length):
     from s3kv.store.base import ByteRange
 

@@ -543,13 +543,14 @@ class HostTier(StoreWrapper):
         return True
 
     # -- the ObjectStore face -----------------------------------------------------------------
-    def _held(self, key: str) -> TierEntry | None:
+    def _held(self, key: str) -> tuple[TierEntry, StagingBuffer] | None:
+        """A held object and its buffer, retained for the caller (an eviction meanwhile clears
+        ``e.buf``; the caller's reference keeps the bytes until it releases it)."""
         with self._lock:
             e = self._entries.get(key)
             if e is None or not e.ready or e.buf is None:
                 return None
-            e.buf.retain()
-            return e
+            return e, e.buf.retain()
 
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
         found: dict[str, ObjectInfo] = {}
@@ -566,34 +567,34 @@ class HostTier(StoreWrapper):
         return HeadBatch({**batch.found, **found}, batch.missing, batch.failed)
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
-        e = self._held(key)
-        if e is None:
+        held = self._held(key)
+        if held is None:
             return self.inner.get_ranges(key, ranges)
+        e, buf = held
         try:
-            view = e.object_view()
+            view = buf.memoryview(e.start, e.size)
             for r in ranges:
                 if r.end > view.nbytes:
                     raise IntegrityError(f"range {r.offset}+{r.length} beyond object size {view.nbytes}", key=key)
             return [bytes(view[r.offset : r.end]) for r in ranges]
         finally:
-            assert e.buf is not None
-            e.buf.release()
+            buf.release()
 
     def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
-        e = self._held(key)
-        if e is None:
+        held = self._held(key)
+        if held is None:
             self.inner.get_ranges_into(key, ranges, out)
             return
+        e, buf = held
         try:
-            view = e.object_view()
+            view = buf.memoryview(e.start, e.size)
             for r, dst in zip(ranges, out, strict=True):
                 d = memoryview(dst).cast("B")
                 if r.end > view.nbytes or d.nbytes != r.length:
                     raise IntegrityError(f"range {r.offset}+{r.length} does not fit the object or buffer", key=key)
                 d[:] = view[r.offset : r.end]
         finally:
-            assert e.buf is not None
-            e.buf.release()
+            buf.release()
 
     def delete_many(self, keys: Sequence[str]) -> None:
         for k in keys:
