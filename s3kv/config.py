@@ -272,10 +272,11 @@ class Settings:
     lookup_stall_fraction: float = 0.5
     #: ... and never longer than this (what a hung store may cost one lookup).
     lookup_max_stall_ms: float = 500.0
-    #: Deprecated override of the one prefill-speed figure (s3kv/core/cost.py ``Prefill``), tokens
-    #: per second per GPU. 0 (default): derived from the model's FLOPs per token (its config.json,
-    #: read from llm_args.model or the Hugging Face cache) at gpu_peak_tflops x prefill_mfu. > 0:
-    #: this measured throughput, for the lookup budget, the value policy and the bill alike.
+    #: Deprecated override of the one prefill-speed figure (s3kv/core/cost.py ``Prefill``): prompt
+    #: tokens per second, the engine's TP ranks together. 0 (default): derived from the model's FLOPs
+    #: per token (its config.json, read from llm_args.model or the Hugging Face cache) at
+    #: gpu_peak_tflops x prefill_mfu per GPU. > 0: this measured throughput, for the lookup budget,
+    #: the value policy and the bill alike.
     prefill_tokens_per_s: float = 0.0
     #: HEAD waves of timed-out lookups still running in the background; a lookup that finds this
     #: many is a miss at once (a hung store must not queue waves without bound).
