@@ -112,6 +112,23 @@ def test_eviction_keeps_what_is_read_and_worth_most_per_byte():
     assert "e" in tier.keys() and "c" not in tier.keys()
 
 
+def test_a_read_of_an_object_another_rank_lacks_raises_it_on_both_ranks():
+    """Rank 1 accounts for an object as a ghost (its save was dropped) while rank 0 holds it; a
+    plan's load reads it on both. Its value must rise on both, or the two tiers evict different
+    objects next and rank 0's tier vouches for one rank 1 no longer has."""
+    ranks = [HostTier(MemoryStore(), 2 * charged(4) + 100) for _ in range(2)]
+    fill(ranks[0], "x", ident(), 0, 4)
+    ranks[1].reserve("x", ident(), 0, 4, ghost=True)
+    for tier in ranks:
+        fill(tier, "y", ident(), 0, 4)
+        got = tier.acquire("x")  # the plan's load of x, on every rank
+        if got is not None:
+            got[1].release()
+        fill(tier, "z", ident(), 0, 4)  # room for two: the unread y goes, on both
+    assert ranks[0].keys() == ranks[1].keys() == ["x", "z"]
+    assert ranks[0].stats().hits == 1 and ranks[1].stats().hits == 0  # only bytes served count as hits
+
+
 def test_an_object_read_long_ago_falls_behind_newer_ones():
     """Recency without a clock: each eviction raises the floor new objects start from, so an
     object read a few times long ago is evicted once enough newer objects came and went."""

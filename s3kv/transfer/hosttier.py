@@ -344,18 +344,24 @@ class HostTier(StoreWrapper):
 
     def acquire(self, key: str) -> tuple[TierEntry, StagingBuffer] | None:
         """A load's hit: the committed entry and its buffer, retained for the caller (release it
-        once the copies completed), its value raised. None: not held."""
+        once the copies completed). None: no bytes to serve here.
+
+        The read raises the value of every entry the tier accounts for, served or not -- a ghost,
+        or an entry whose bytes are still being filled here: another rank serves the same read
+        from its own copy and raises it there, and the ranks' tiers evict alike only if their
+        priorities do (module doc)."""
         with self._lock:
             e = self._entries.get(key)
-            if e is None or not e.ready or e.buf is None:
+            if e is None:
                 return None
-            buf = e.buf.retain()
             e.hits += 1
             e.read = True
             e.priority = self._inflation + (e.hits + 1) * e.tokens / max(e.charged, 1)
             self._push(e)
+            if not e.ready or e.buf is None:
+                return None
             self._n["hits"] += 1
-            return e, buf
+            return e, e.buf.retain()
 
     def discard(self, key: str) -> None:
         """Drop ``key`` now (its bytes failed a check): no write-back, no answer from it again."""
