@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -285,12 +286,12 @@ def digest(*parts: object) -> bytes:
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
 
 
-def make_core(store, *, seed=0, tp_rank=0, tp_size=1, index=None, **kw):
+def make_core(store, *, seed=0, tp_rank=0, tp_size=1, index=None, failed_load_hook=True, **kw):
     base = dict(staging_mib=4, upload_threads=2, download_threads=4, load_timeout_s=5.0, host_cache_gb=0.001)
     base.update(kw)
     layout = make_layout(GROUPS, num_slots=32, tokens_per_block=TPB, fill_seed=seed)
     core = WorkerCore(Settings(**base), store, "kv", tp_rank, tp_size, model_id="m", kv_dtype="bf16", index=index,
-                      failed_load_hook=True)
+                      failed_load_hook=failed_load_hook)
     core.register_layout(layout)
     return core, layout
 
@@ -383,6 +384,45 @@ def test_the_automatic_size_is_the_same_on_every_rank_and_within_the_container(t
     assert tiers.capacity_bytes(-1, "cuda") == sizes[0] * 40 // 100
     limit.write_text("max\n")
     assert tiers.capacity_bytes(-1, "cuda") == sizes[0]
+
+
+def test_a_parked_load_of_a_host_only_object_still_being_filled_here_is_served_once_it_is():
+    """Rank 0's tier held the object when the plan ran; this rank's copy was still being filled
+    (its upload thread behind rank 0's). The store never gets a host-only object, so on an engine
+    without a failed-load hook the request parks -- and its retry must find the copy in this rank's
+    tier once it is there, not re-read the store until the client cancels."""
+    store = InstrumentedStore(MemoryStore())
+    a, la = make_core(store, failed_load_hook=False, host_cache_gb=40_000 / 2**30)
+    a._retry_base_s = 0.05
+    d, count, tier, idn = digest("filling"), 3, a.host_tier, a.identity(0)
+    key = a.object_key(0, d)
+    e = tier.reserve(key, idn, 0, count, to_s3=NEVER)  # reserved in plan order; bytes not there yet
+    ref = ObjectRef(0, d, ((0, count),))
+    a.bind(ConnectorMetadata(loads=(LoadOp(7, ref, (0, 1, 2), (20, 21, 22), host=True),),
+                             async_load_ids=frozenset({7})))
+    a.start_load_kv(None)
+    a.wait_for_save(None)
+    assert a.get_finished([], [7]) == ([], [])
+    deadline = time.monotonic() + 5
+    while not a._counters.snapshot().get("rung_parked_retry") and time.monotonic() < deadline:
+        assert a.get_finished([], []) == ([], [])
+        time.sleep(0.01)
+    assert a._counters.snapshot().get("rung_parked_retry") == 1  # parked: the store has no copy
+    pages = torch.randint(0, 256, (count * idn.page_bytes,), dtype=torch.uint8)
+    buf = tier.fill_pages(e, pages)
+    views = [buf.memoryview(e.base + i * idn.page_bytes, idn.page_bytes) for i in range(count)]
+    assert tier.commit(e, encode_object(idn, 0, d, views, key))
+    buf.release()
+    loaded: list[int] = []
+    while not loaded and time.monotonic() < deadline + 5:
+        loaded += a.get_finished([], [])[1]
+        time.sleep(0.01)
+    assert loaded == [7]
+    raw = pages.numpy().tobytes()
+    pb = idn.page_bytes
+    assert [page_bytes(la, 0, s) for s in (20, 21, 22)] == [raw[i * pb : (i + 1) * pb] for i in range(count)]
+    assert key not in store.inner.keys()
+    a.close()
 
 
 def test_a_corrupt_tier_copy_is_dropped_and_the_store_serves_the_load():

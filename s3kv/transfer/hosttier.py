@@ -342,22 +342,24 @@ class HostTier(StoreWrapper):
             self._n["inserted"] += 1
             return e
 
-    def acquire(self, key: str) -> tuple[TierEntry, StagingBuffer] | None:
+    def acquire(self, key: str, *, plan: bool = True) -> tuple[TierEntry, StagingBuffer] | None:
         """A load's hit: the committed entry and its buffer, retained for the caller (release it
         once the copies completed). None: no bytes to serve here.
 
         The read raises the value of every entry the tier accounts for, served or not -- a ghost,
         or an entry whose bytes are still being filled here: another rank serves the same read
         from its own copy and raises it there, and the ranks' tiers evict alike only if their
-        priorities do (module doc)."""
+        priorities do (module doc). ``plan=False``: a read one rank makes on its own (a parked
+        load's retry), which changes nothing the others would not change."""
         with self._lock:
             e = self._entries.get(key)
             if e is None:
                 return None
-            e.hits += 1
-            e.read = True
-            e.priority = self._inflation + (e.hits + 1) * e.tokens / max(e.charged, 1)
-            self._push(e)
+            if plan:
+                e.hits += 1
+                e.read = True
+                e.priority = self._inflation + (e.hits + 1) * e.tokens / max(e.charged, 1)
+                self._push(e)
             if not e.ready or e.buf is None:
                 return None
             self._n["hits"] += 1
