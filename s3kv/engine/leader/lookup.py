@@ -522,6 +522,7 @@ class Lookups:
         for a in picked:
             result.coverage.get((a[0], a[1]), {}).pop(a[2], None)
         if todo:
+            asked = self.index.now()
             try:
                 batch = self._head_wave(todo)
             except (_LookupTimeout, _LookupBusy) as e:
@@ -534,7 +535,7 @@ class Lookups:
                             extra={"request_id": st.request_id})
                 return LookupResult(d, waves=1, asks=len(todo)), "skipped"
             result.waves = 1
-            spans = self._absorb(todo, batch)
+            spans = self._absorb(todo, batch, asked)
             for a in todo.values():
                 got = spans.get(a)
                 want = cand.coverage[(a[0], a[1])][a[2]]
@@ -587,6 +588,7 @@ class Lookups:
         self._last_probe_used_network = bool(todo)
         if not todo:
             return out
+        asked = self.index.now()
         try:
             batch = self._head_wave(todo)
         except (_LookupTimeout, _LookupBusy) as e:
@@ -599,7 +601,7 @@ class Lookups:
             log.warning("s3kv: lookup HEAD wave failed (%s); treating as miss", e,
                         extra={"request_id": st.request_id})
             return {**out, **{a: None for a in todo.values()}}
-        return {**out, **self._absorb(todo, batch)}
+        return {**out, **self._absorb(todo, batch, asked)}
 
     def _expect(self, todo: dict[str, Ask]) -> dict[str, SpanExpect]:
         """What each key's answer must say (``_absorb``'s check), for a store that checks answers
@@ -645,7 +647,7 @@ class Lookups:
         pool = self._lookup_pool()
         asks = dict(todo)
         timed_out = [False]
-        sent = time.monotonic()
+        sent, asked = time.monotonic(), self.index.now()
 
         def done(f: Future) -> None:
             self._note_wave(time.monotonic() - sent)
@@ -653,7 +655,7 @@ class Lookups:
                 self.pending_waves -= 1
             if timed_out[0] and not f.cancelled() and f.exception() is None:
                 # A late answer still warms the index: the next lookup of this prefix is local.
-                self._absorb(asks, f.result(), count=False)
+                self._absorb(asks, f.result(), asked, count=False)
 
         fut = pool.submit(self.store.head_many_checked, keys, expect)
         try:
@@ -707,14 +709,14 @@ class Lookups:
                 return
             self.pending_waves += 1
         pool = self._lookup_pool()
-        sent = time.monotonic()
+        sent, asked = time.monotonic(), self.index.now()
 
         def done(f: Future) -> None:
             self._note_wave(time.monotonic() - sent)
             with self._pending_lock:
                 self.pending_waves -= 1
             if not f.cancelled() and f.exception() is None:
-                self._absorb(asks, f.result(), count=False)
+                self._absorb(asks, f.result(), asked, count=False)
 
         try:
             fut = pool.submit(self.store.head_many_checked, keys, expect)
@@ -748,11 +750,7 @@ class Lookups:
         def run() -> None:
             found = None
             try:
-                # A probe past a listing asks about objects this request is about to write itself: a
-                # "missing" from it, landing after the upload's confirmation, would hide that upload.
-                negatives = on_done is None
-                found = find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax,
-                                 lambda a: self._probe_late(st, a, negatives))
+                found = find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax, lambda a: self._probe_late(st, a))
                 if on_done is None:
                     with self._pending_lock:
                         self.stats.lookups_finished_late += 1
@@ -790,26 +788,26 @@ class Lookups:
             late.add_done_callback(start)  # after the wave's own callback has absorbed it
         return True
 
-    def _probe_late(self, st: RequestState, asks: set[Ask], negatives: bool = True) -> dict[Ask, Span | None]:
+    def _probe_late(self, st: RequestState, asks: set[Ask]) -> dict[Ask, Span | None]:
         """``_probe`` for :meth:`_finish_late`: no budget, no foreground state, nothing counted."""
         out, todo = self._split(st, asks, trust_index=True)
         if todo:
             try:
                 # Checked where the answers arrive, as the foreground waves are: this runs beside
                 # the executor thread, and every answer checked here holds its GIL.
-                sent = time.monotonic()
+                sent, asked = time.monotonic(), self.index.now()
                 batch = self.store.head_many_checked(list(todo), self._expect(todo))
                 self._note_wave(time.monotonic() - sent)
             except StoreError:
                 return {**out, **{a: None for a in todo.values()}}
-            out.update(self._absorb(todo, batch, count=False, negatives=negatives))
+            out.update(self._absorb(todo, batch, asked, count=False))
         return out
 
-    def _absorb(
-        self, todo: dict[str, Ask], batch: HeadBatch, *, count: bool = True, negatives: bool = True
-    ) -> dict[Ask, Span | None]:
-        """HEAD answers -> spans (foreign objects rejected) and the index (its "missing" answers
-        too, unless ``negatives`` is False)."""
+    def _absorb(self, todo: dict[str, Ask], batch: HeadBatch, asked: float, *, count: bool = True
+                ) -> dict[Ask, Span | None]:
+        """HEAD answers of a wave sent at ``asked`` (the index's clock) -> spans (foreign objects
+        rejected) and the index, where a "missing" never hides what was learnt present since
+        (``KeyIndex.put_many``: the wave raced an upload of this engine)."""
         assert self.ctx is not None
         out: dict[Ask, Span | None] = {}
         present: list[tuple[str, ObjectSpan]] = []
@@ -839,5 +837,5 @@ class Lookups:
             else:
                 missing.append(key)
                 out[a] = None
-        self.index.put_many(present, missing if negatives else ())
+        self.index.put_many(present, missing, asked_at=asked)
         return out
