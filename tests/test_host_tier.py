@@ -345,6 +345,17 @@ def test_a_seal_lands_in_the_tier_and_in_the_store_as_its_policy_says(to_s3):
 
 
 @pytest.mark.parametrize("to_s3", [EVICT, NEVER])
+def test_a_host_only_seal_larger_than_the_tier_is_counted_as_dropped_not_as_held(to_s3):
+    store = MemoryStore()
+    a, _ = make_core(store, host_cache_gb=1e-9)  # a tier too small for any object
+    step(a, seal_md(1, 0, [3, 4], digest("big"), to_s3))
+    assert a.flush(10)
+    st = a.stats()
+    assert store.keys() == [] and st.seals_dropped_no_tier == 1
+    a.close()
+
+
+@pytest.mark.parametrize("to_s3", [EVICT, NEVER])
 def test_a_host_only_seal_without_a_tier_is_dropped_and_counted(to_s3):
     store = MemoryStore()
     a, _ = make_core(store, host_cache_gb=0)

@@ -461,6 +461,10 @@ class HostTier(StoreWrapper):
     def holds(self, key: str) -> bool:
         return self.span_of(key) is not None
 
+    def knows(self, key: str) -> bool:
+        """An entry for ``key`` exists, served or not (a copy still filling, a ghost)."""
+        return key in self._entries
+
     # -- eviction ---------------------------------------------------------------------------
     def _push(self, e: TierEntry) -> None:
         e.version += 1
