@@ -161,6 +161,34 @@ def test_a_held_object_is_answered_like_the_store_would():
     assert tier.head("other") is None and inner.snapshot().head == 1
 
 
+def test_what_a_lookup_reads_by_digest_is_what_the_tier_serves_by_key():
+    """``held(prefix)``: the entries under a group's key prefix by digest, for a lookup asking about
+    thousands of ends at once -- the same objects ``span_of`` answers for, through every change."""
+    idn = ident(page_bytes=100)
+    tier = HostTier(MemoryStore(), 10 * charged(2, idn))
+    pre, other = "ns/aa.0of1/", "ns/bb.0of1/"
+    digests = [bytes([i]) * 16 for i in range(12)]
+
+    def by_digest(prefix):
+        return {d for d, e in tier.held(prefix).items() if e.ready}
+
+    def by_key(prefix):
+        return {d for d in digests if tier.span_of(prefix + d.hex()) is not None}
+
+    for i, d in enumerate(digests[:10]):
+        fill(tier, pre + d.hex(), idn, 2 * i, 2)
+    e = tier.reserve(other + digests[0].hex(), idn, 0, 2)  # reserved, not filled yet: not served
+    assert e is not None and by_digest(other) == by_key(other) == set()
+    assert by_digest(pre) == by_key(pre) and len(by_key(pre)) == 9  # the tenth evicted the first
+    tier.discard(pre + digests[5].hex())
+    fill(tier, pre + digests[11].hex(), idn, 22, 2)
+    assert by_digest(pre) == by_key(pre) and digests[5] not in by_digest(pre) and digests[11] in by_digest(pre)
+    fill(tier, pre + digests[5].hex(), idn, 10, 2)  # the same key again, a new entry
+    assert by_digest(pre) == by_key(pre) and digests[5] in by_digest(pre)
+    tier.close()
+    assert tier.held(pre) == {} and tier.held(other) == {}
+
+
 def test_a_read_of_a_held_object_evicted_meanwhile_gets_its_bytes_and_gives_them_back():
     """An object evicted while a read of it copies (the worker thread reserving a seal) is read
     whole from the bytes the read retained, which go back to the arena afterwards."""
@@ -743,6 +771,42 @@ def test_a_hit_is_weighed_against_recomputing_it():
     cut = worth_loading(g, cov, host, 0, 16, 0, {"host": fast, "s3": slow}, 1000.0, host_h=8)
     assert cut.h_blocks == 8 and cut.store_bytes == 0 and cut.host_bytes == (8 + 4) * 1000
     assert worth_loading(g, cov, host, 0, 16, 0, {"host": slow, "s3": slow}, 1000.0, host_h=8).h_blocks == 0
+
+
+def test_the_bytes_a_hit_loads_per_tier_are_counted_as_the_load_plan_picks_them():
+    """From the first needed page on, the object of smallest end covering the next page serves it
+    and every page after it that it holds: the one-pass count agrees with a scan of every object per
+    pick on coverages with overlaps, tails and holes."""
+    from s3kv.core.hitrule import Span, required_range
+    from s3kv.core.layout import CacheGeometry, GroupGeometry
+    from s3kv.engine.leader.worth import _split_bytes
+
+    g = CacheGeometry(16, (GroupGeometry(0, None, (0,), (1000,)), GroupGeometry(1, 64, (1,), (10,))), 1, "bf16", "m")
+    rng = random.Random(7)
+    for _ in range(300):
+        cov, host = {}, set()
+        for gid in (0, 1):
+            spans = {}
+            for _ in range(rng.randrange(12)):
+                end = rng.randrange(1, 40)
+                spans[end] = Span(max(0, end - rng.randrange(1, 9)), end)
+                if rng.random() < 0.4:
+                    host.add((gid, 0, end))
+            cov[(gid, 0)] = spans
+        d = rng.randrange(0, 10)
+        h = rng.randrange(d + 1, 42)
+        want = [0, 0]
+        for grp in g.groups:
+            lo, hi = required_range(grp, 16, d, h, 0)
+            o = lo
+            while o < hi:
+                got = min((e for e, s in cov[(grp.group_id, 0)].items() if s.first <= o < s.end), default=None)
+                if got is None:
+                    break  # the count stops at the first page no object covers
+                upto = min(cov[(grp.group_id, 0)][got].end, hi)
+                want[(grp.group_id, 0, got) not in host] += (upto - o) * grp.page_bytes
+                o = upto
+        assert _split_bytes(g, cov, host, d, h, 0) == tuple(want)
 
 
 def test_an_engine_loads_only_what_beats_recomputing_it():

@@ -91,6 +91,15 @@ WRITE_POLICIES = (NOW, EVICT, NEVER)
 Weigher = Callable[[str, int], int]
 
 
+def _split_key(key: str) -> tuple[str, bytes | None]:
+    """(the key's prefix through its last "/", the digest its last part names; None if it names none)."""
+    prefix, _, last = key.rpartition("/")
+    try:
+        return prefix + "/", bytes.fromhex(last)
+    except ValueError:
+        return prefix + "/", None
+
+
 def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
@@ -154,6 +163,9 @@ class TierEntry:
 
     def metadata(self) -> dict[str, str]:
         return object_metadata(self.identity, self.first, self.count, self.key)
+
+
+_NONE_HELD: Mapping[bytes, TierEntry] = {}
 
 
 @dataclass(frozen=True)
@@ -222,6 +234,9 @@ class HostTier(StoreWrapper):
         self._on_ready = on_ready
         self._lock = threading.Lock()
         self._entries: dict[str, TierEntry] = {}
+        #: The same entries by key prefix (a group and shard's) and the chain digest ending their
+        #: key: a lookup asks about every block end of a hit at once (``held``).
+        self._by_prefix: dict[str, dict[bytes, TierEntry]] = {}
         self._heap: list[tuple[float, str, int]] = []
         self._inflation = 0.0  # L: the priority of the last object evicted
         self._used = 0
@@ -336,6 +351,9 @@ class HostTier(StoreWrapper):
             e = TierEntry(key, identity, int(first), int(count), to_s3, charged, tokens, buf, base)
             e.priority = self._inflation + tokens / max(charged, 1)
             self._entries[key] = e
+            prefix, digest = _split_key(key)
+            if digest is not None:
+                self._by_prefix.setdefault(prefix, {})[digest] = e
             self._push(e)
             self._used += charged
             self._high_water = max(self._high_water, self._used)
@@ -458,6 +476,13 @@ class HostTier(StoreWrapper):
             return None
         return ObjectSpan(e.first, e.count)
 
+    def held(self, prefix: str) -> Mapping[bytes, TierEntry]:
+        """The entries whose key is ``prefix`` (a group and shard's, ending in "/") plus a chain
+        digest's hex, by that digest: a lookup asks about thousands of block ends of one prompt
+        without making a key for each. Served only where ``entry.ready`` (as :meth:`span_of`).
+        Read without the lock: the map changes in place under it, and a dict read is atomic."""
+        return self._by_prefix.get(prefix, _NONE_HELD)
+
     def holds(self, key: str) -> bool:
         return self.span_of(key) is not None
 
@@ -491,6 +516,12 @@ class HostTier(StoreWrapper):
         after the write-back an ``evict`` object read while cached gets."""
         e.evicted = True
         self._used -= e.charged
+        prefix, digest = _split_key(e.key)
+        held = self._by_prefix.get(prefix)
+        if held is not None and digest is not None and held.get(digest) is e:
+            del held[digest]
+            if not held:
+                del self._by_prefix[prefix]
         buf, e.buf = e.buf, None
         if buf is None:
             return
