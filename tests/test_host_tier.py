@@ -911,3 +911,31 @@ def test_signed_objects_are_checked_in_the_tier_too():
     st = a.stats()
     assert st.host_bad == 1 and st.host_hits == 1 and st.objects_loaded == 2
     a.close()
+
+
+def test_write_back_at_tp2_without_the_failed_load_hook_writes_through():
+    """Rank 0's tier vouches for every rank's copy; a host-only object another rank's tier lost
+    has no other source, and without the failed-load hook its request would stay parked. So on
+    such an engine ``back`` writes through: the rank that lost its copy reads the store."""
+    store = InstrumentedStore(MemoryStore())
+    with engine(store, tp=2, write_policy="back", lookup_timeout_s=5.0) as e:  # async loads: no hook
+        assert not e.leader.core.writes.host_only_safe
+        e.run(SPECS)
+        flushed(e)
+        assert store.snapshot().put > 0
+        tier1 = e.workers[1].core.host_tier
+        for k in tier1.keys():
+            tier1.discard(k)
+        warm = e.run(repeat_workload(SPECS, 10_000))
+        st1 = e.workers[1].core.stats()
+    assert warm.kv_mismatches == 0 and warm.hit_rate >= 0.9, warm.summary()
+    assert st1.host_divergence > 0 and st1.loads_failed_objects == 0
+
+
+def test_write_back_stays_host_only_where_a_lost_copy_is_recomputed():
+    store = InstrumentedStore(MemoryStore())
+    with engine(store, tp=2, write_policy="back", load_mode="sync") as e:  # sync: the hook is on
+        assert e.leader.core.writes.host_only_safe
+        e.run(SPECS)
+        flushed(e)
+        assert store.snapshot().put == 0  # (until the tier closes: write-back of what is left)
