@@ -240,9 +240,9 @@ class Settings:
     pinned: bool = True
     #: Host tier (DRAM, per TP rank): GiB of s3kv objects kept in host memory in front of the store,
     #: so repeats on this engine load at PCIe speed with no S3 request. -1 = auto: on a GPU engine
-    #: 20% of the host's available memory shared by its GPUs, at most 64 GB a rank (pinned once,
-    #: at start-up); 0 in the simulator and wherever the KV cache is not on a GPU. 0 = off
-    #: (docs/sizing.md: how big).
+    #: 20% of the host's memory (total, or the container's limit) shared by its GPUs, at most
+    #: 64 GB a rank (pinned once, at start-up); 0 in the simulator and wherever the KV cache is not
+    #: on a GPU. 0 = off (docs/sizing.md: how big).
     host_cache_gb: float = -1.0
     #: Re-check every page's checksum on every host-tier hit. Off: pages are checked when they
     #: enter the tier (hashed where they land, or verified from the store) and each hit checks the
@@ -272,10 +272,11 @@ class Settings:
     lookup_stall_fraction: float = 0.5
     #: ... and never longer than this (what a hung store may cost one lookup).
     lookup_max_stall_ms: float = 500.0
-    #: Deprecated override of the one prefill-speed figure (s3kv/core/cost.py ``Prefill``), tokens
-    #: per second per GPU. 0 (default): derived from the model's FLOPs per token (its config.json,
-    #: read from llm_args.model or the Hugging Face cache) at gpu_peak_tflops x prefill_mfu. > 0:
-    #: this measured throughput, for the lookup budget, the value policy and the bill alike.
+    #: Deprecated override of the one prefill-speed figure (s3kv/core/cost.py ``Prefill``): prompt
+    #: tokens per second, the engine's TP ranks together. 0 (default): derived from the model's FLOPs
+    #: per token (its config.json, read from llm_args.model or the Hugging Face cache) at
+    #: gpu_peak_tflops x prefill_mfu per GPU. > 0: this measured throughput, for the lookup budget,
+    #: the value policy and the bill alike.
     prefill_tokens_per_s: float = 0.0
     #: HEAD waves of timed-out lookups still running in the background; a lookup that finds this
     #: many is a miss at once (a hung store must not queue waves without bound).

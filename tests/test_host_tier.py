@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import itertools
 import random
+import time
 
 import pytest
 import torch
@@ -112,6 +113,23 @@ def test_eviction_keeps_what_is_read_and_worth_most_per_byte():
     assert "e" in tier.keys() and "c" not in tier.keys()
 
 
+def test_a_read_of_an_object_another_rank_lacks_raises_it_on_both_ranks():
+    """Rank 1 accounts for an object as a ghost (its save was dropped) while rank 0 holds it; a
+    plan's load reads it on both. Its value must rise on both, or the two tiers evict different
+    objects next and rank 0's tier vouches for one rank 1 no longer has."""
+    ranks = [HostTier(MemoryStore(), 2 * charged(4) + 100) for _ in range(2)]
+    fill(ranks[0], "x", ident(), 0, 4)
+    ranks[1].reserve("x", ident(), 0, 4, ghost=True)
+    for tier in ranks:
+        fill(tier, "y", ident(), 0, 4)
+        got = tier.acquire("x")  # the plan's load of x, on every rank
+        if got is not None:
+            got[1].release()
+        fill(tier, "z", ident(), 0, 4)  # room for two: the unread y goes, on both
+    assert ranks[0].keys() == ranks[1].keys() == ["x", "z"]
+    assert ranks[0].stats().hits == 1 and ranks[1].stats().hits == 0  # only bytes served count as hits
+
+
 def test_an_object_read_long_ago_falls_behind_newer_ones():
     """Recency without a clock: each eviction raises the floor new objects start from, so an
     object read a few times long ago is evicted once enough newer objects came and went."""
@@ -141,6 +159,55 @@ def test_a_held_object_is_answered_like_the_store_would():
     assert bytes(out) == pages[2:12]
     assert inner.snapshot().requests == 0
     assert tier.head("other") is None and inner.snapshot().head == 1
+
+
+def test_what_a_lookup_reads_by_digest_is_what_the_tier_serves_by_key():
+    """``held(prefix)``: the entries under a group's key prefix by digest, for a lookup asking about
+    thousands of ends at once -- the same objects ``span_of`` answers for, through every change."""
+    idn = ident(page_bytes=100)
+    tier = HostTier(MemoryStore(), 10 * charged(2, idn))
+    pre, other = "ns/aa.0of1/", "ns/bb.0of1/"
+    digests = [bytes([i]) * 16 for i in range(12)]
+
+    def by_digest(prefix):
+        return {d for d, e in tier.held(prefix).items() if e.ready}
+
+    def by_key(prefix):
+        return {d for d in digests if tier.span_of(prefix + d.hex()) is not None}
+
+    for i, d in enumerate(digests[:10]):
+        fill(tier, pre + d.hex(), idn, 2 * i, 2)
+    e = tier.reserve(other + digests[0].hex(), idn, 0, 2)  # reserved, not filled yet: not served
+    assert e is not None and by_digest(other) == by_key(other) == set()
+    assert by_digest(pre) == by_key(pre) and len(by_key(pre)) == 9  # the tenth evicted the first
+    tier.discard(pre + digests[5].hex())
+    fill(tier, pre + digests[11].hex(), idn, 22, 2)
+    assert by_digest(pre) == by_key(pre) and digests[5] not in by_digest(pre) and digests[11] in by_digest(pre)
+    fill(tier, pre + digests[5].hex(), idn, 10, 2)  # the same key again, a new entry
+    assert by_digest(pre) == by_key(pre) and digests[5] in by_digest(pre)
+    tier.close()
+    assert tier.held(pre) == {} and tier.held(other) == {}
+
+
+def test_a_read_of_a_held_object_evicted_meanwhile_gets_its_bytes_and_gives_them_back():
+    """An object evicted while a read of it copies (the worker thread reserving a seal) is read
+    whole from the bytes the read retained, which go back to the arena afterwards."""
+    idn = ident()
+    tier = HostTier(MemoryStore(), 3 * HostTier.layout(idn, 5)[1])
+    pages = fill(tier, "k", idn, 3, 5)
+
+    class Evicting(list):
+        """Ranges whose reading makes room for a seal that evicts ``k``."""
+
+        def __iter__(self):
+            fill(tier, "big", idn, 0, 14)
+            return super().__iter__()
+
+    got = tier.get_ranges("k", Evicting([_range(header_len(5), 10)]))
+    assert got == [pages[:10]] and "k" not in tier.keys()
+    tier.discard("big")
+    assert tier.pool is not None and tier.pool.in_use == 0
+    tier.close()
 
 
 def _range(offset, length):
@@ -247,12 +314,12 @@ def digest(*parts: object) -> bytes:
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
 
 
-def make_core(store, *, seed=0, tp_rank=0, tp_size=1, index=None, **kw):
+def make_core(store, *, seed=0, tp_rank=0, tp_size=1, index=None, failed_load_hook=True, **kw):
     base = dict(staging_mib=4, upload_threads=2, download_threads=4, load_timeout_s=5.0, host_cache_gb=0.001)
     base.update(kw)
     layout = make_layout(GROUPS, num_slots=32, tokens_per_block=TPB, fill_seed=seed)
     core = WorkerCore(Settings(**base), store, "kv", tp_rank, tp_size, model_id="m", kv_dtype="bf16", index=index,
-                      failed_load_hook=True)
+                      failed_load_hook=failed_load_hook)
     core.register_layout(layout)
     return core, layout
 
@@ -306,6 +373,17 @@ def test_a_seal_lands_in_the_tier_and_in_the_store_as_its_policy_says(to_s3):
 
 
 @pytest.mark.parametrize("to_s3", [EVICT, NEVER])
+def test_a_host_only_seal_larger_than_the_tier_is_counted_as_dropped_not_as_held(to_s3):
+    store = MemoryStore()
+    a, _ = make_core(store, host_cache_gb=1e-9)  # a tier too small for any object
+    step(a, seal_md(1, 0, [3, 4], digest("big"), to_s3))
+    assert a.flush(10)
+    st = a.stats()
+    assert store.keys() == [] and st.seals_dropped_no_tier == 1
+    a.close()
+
+
+@pytest.mark.parametrize("to_s3", [EVICT, NEVER])
 def test_a_host_only_seal_without_a_tier_is_dropped_and_counted(to_s3):
     store = MemoryStore()
     a, _ = make_core(store, host_cache_gb=0)
@@ -320,6 +398,69 @@ def test_no_tier_unless_asked_outside_an_engine():
     tool or test, or a CPU cache, has none."""
     a, _ = make_core(MemoryStore(), host_cache_gb=-1)
     assert a.host_tier is None
+    a.close()
+
+
+def test_the_automatic_size_is_the_same_on_every_rank_and_within_the_container(tmp_path, monkeypatch):
+    """-1 sizes every rank's tier from what reads the same on all of them (the host's total memory,
+    at most the container's limit), never from what is available when each rank starts: tiers of
+    different sizes evict differently, and rank 0's tier then promises objects another rank lacks."""
+    from s3kv.transfer import tiers
+
+    gib = 1 << 30
+    meminfo = tmp_path / "meminfo"
+    monkeypatch.setattr(tiers, "CGROUP_LIMITS", (str(tmp_path / "none"),))
+    monkeypatch.setattr(tiers, "MEMINFO", str(meminfo))
+    sizes = []
+    for available in (90, 30):  # rank 0 starts, then rank 1 while rank 0's arena is being pinned
+        meminfo.write_text(f"MemTotal: {100 * gib // 1024} kB\nMemAvailable: {available * gib // 1024} kB\n")
+        sizes.append(tiers.capacity_bytes(-1, "cuda"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    assert sizes[0] == sizes[1] == 20 * gib // gpus
+    limit = tmp_path / "memory.max"
+    limit.write_text(f"{40 * gib}\n")
+    monkeypatch.setattr(tiers, "CGROUP_LIMITS", (str(limit),))
+    assert tiers.capacity_bytes(-1, "cuda") == sizes[0] * 40 // 100
+    limit.write_text("max\n")
+    assert tiers.capacity_bytes(-1, "cuda") == sizes[0]
+
+
+def test_a_parked_load_of_a_host_only_object_still_being_filled_here_is_served_once_it_is():
+    """Rank 0's tier held the object when the plan ran; this rank's copy was still being filled
+    (its upload thread behind rank 0's). The store never gets a host-only object, so on an engine
+    without a failed-load hook the request parks -- and its retry must find the copy in this rank's
+    tier once it is there, not re-read the store until the client cancels."""
+    store = InstrumentedStore(MemoryStore())
+    a, la = make_core(store, failed_load_hook=False, host_cache_gb=40_000 / 2**30)
+    a._retry_base_s = 0.05
+    d, count, tier, idn = digest("filling"), 3, a.host_tier, a.identity(0)
+    key = a.object_key(0, d)
+    e = tier.reserve(key, idn, 0, count, to_s3=NEVER)  # reserved in plan order; bytes not there yet
+    ref = ObjectRef(0, d, ((0, count),))
+    a.bind(ConnectorMetadata(loads=(LoadOp(7, ref, (0, 1, 2), (20, 21, 22), host=True),),
+                             async_load_ids=frozenset({7})))
+    a.start_load_kv(None)
+    a.wait_for_save(None)
+    assert a.get_finished([], [7]) == ([], [])
+    deadline = time.monotonic() + 5
+    while not a._counters.snapshot().get("rung_parked_retry") and time.monotonic() < deadline:
+        assert a.get_finished([], []) == ([], [])
+        time.sleep(0.01)
+    assert a._counters.snapshot().get("rung_parked_retry") == 1  # parked: the store has no copy
+    pages = torch.randint(0, 256, (count * idn.page_bytes,), dtype=torch.uint8)
+    buf = tier.fill_pages(e, pages)
+    views = [buf.memoryview(e.base + i * idn.page_bytes, idn.page_bytes) for i in range(count)]
+    assert tier.commit(e, encode_object(idn, 0, d, views, key))
+    buf.release()
+    loaded: list[int] = []
+    while not loaded and time.monotonic() < deadline + 5:
+        loaded += a.get_finished([], [])[1]
+        time.sleep(0.01)
+    assert loaded == [7]
+    raw = pages.numpy().tobytes()
+    pb = idn.page_bytes
+    assert [page_bytes(la, 0, s) for s in (20, 21, 22)] == [raw[i * pb : (i + 1) * pb] for i in range(count)]
+    assert key not in store.inner.keys()
     a.close()
 
 
@@ -632,6 +773,42 @@ def test_a_hit_is_weighed_against_recomputing_it():
     assert worth_loading(g, cov, host, 0, 16, 0, {"host": slow, "s3": slow}, 1000.0, host_h=8).h_blocks == 0
 
 
+def test_the_bytes_a_hit_loads_per_tier_are_counted_as_the_load_plan_picks_them():
+    """From the first needed page on, the object of smallest end covering the next page serves it
+    and every page after it that it holds: the one-pass count agrees with a scan of every object per
+    pick on coverages with overlaps, tails and holes."""
+    from s3kv.core.hitrule import Span, required_range
+    from s3kv.core.layout import CacheGeometry, GroupGeometry
+    from s3kv.engine.leader.worth import _split_bytes
+
+    g = CacheGeometry(16, (GroupGeometry(0, None, (0,), (1000,)), GroupGeometry(1, 64, (1,), (10,))), 1, "bf16", "m")
+    rng = random.Random(7)
+    for _ in range(300):
+        cov, host = {}, set()
+        for gid in (0, 1):
+            spans = {}
+            for _ in range(rng.randrange(12)):
+                end = rng.randrange(1, 40)
+                spans[end] = Span(max(0, end - rng.randrange(1, 9)), end)
+                if rng.random() < 0.4:
+                    host.add((gid, 0, end))
+            cov[(gid, 0)] = spans
+        d = rng.randrange(0, 10)
+        h = rng.randrange(d + 1, 42)
+        want = [0, 0]
+        for grp in g.groups:
+            lo, hi = required_range(grp, 16, d, h, 0)
+            o = lo
+            while o < hi:
+                got = min((e for e, s in cov[(grp.group_id, 0)].items() if s.first <= o < s.end), default=None)
+                if got is None:
+                    break  # the count stops at the first page no object covers
+                upto = min(cov[(grp.group_id, 0)][got].end, hi)
+                want[(grp.group_id, 0, got) not in host] += (upto - o) * grp.page_bytes
+                o = upto
+        assert _split_bytes(g, cov, host, d, h, 0) == tuple(want)
+
+
 def test_an_engine_loads_only_what_beats_recomputing_it():
     """S3 measured far slower than recomputing: a fresh engine takes no hit from it (counted
     not_worth), and where its host tier holds the first turn, a second turn loads that part only."""
@@ -734,3 +911,31 @@ def test_signed_objects_are_checked_in_the_tier_too():
     st = a.stats()
     assert st.host_bad == 1 and st.host_hits == 1 and st.objects_loaded == 2
     a.close()
+
+
+def test_write_back_at_tp2_without_the_failed_load_hook_writes_through():
+    """Rank 0's tier vouches for every rank's copy; a host-only object another rank's tier lost
+    has no other source, and without the failed-load hook its request would stay parked. So on
+    such an engine ``back`` writes through: the rank that lost its copy reads the store."""
+    store = InstrumentedStore(MemoryStore())
+    with engine(store, tp=2, write_policy="back", lookup_timeout_s=5.0) as e:  # async loads: no hook
+        assert not e.leader.core.writes.host_only_safe
+        e.run(SPECS)
+        flushed(e)
+        assert store.snapshot().put > 0
+        tier1 = e.workers[1].core.host_tier
+        for k in tier1.keys():
+            tier1.discard(k)
+        warm = e.run(repeat_workload(SPECS, 10_000))
+        st1 = e.workers[1].core.stats()
+    assert warm.kv_mismatches == 0 and warm.hit_rate >= 0.9, warm.summary()
+    assert st1.host_divergence > 0 and st1.loads_failed_objects == 0
+
+
+def test_write_back_stays_host_only_where_a_lost_copy_is_recomputed():
+    store = InstrumentedStore(MemoryStore())
+    with engine(store, tp=2, write_policy="back", load_mode="sync") as e:  # sync: the hook is on
+        assert e.leader.core.writes.host_only_safe
+        e.run(SPECS)
+        flushed(e)
+        assert store.snapshot().put == 0  # (until the tier closes: write-back of what is left)

@@ -10,6 +10,7 @@ import pytest
 from s3kv.core.keys import (
     DIGEST_SIZE,
     Chain,
+    ChainMemo,
     KeyScheme,
     NotCacheable,
     ParsedKey,
@@ -101,6 +102,57 @@ def test_chain_digests_are_stable_across_versions():
     digests = chain_digests(r, toks, 8)
     assert len(digests) == 8
     assert digests[-1].hex() == "4b7b4c2b7aa6e63c37b9b43225c92ba7"
+
+
+def test_a_remembered_chain_gives_exactly_the_digests_hashing_gives():
+    # Reused digests stop at the first block whose tokens differ, by one token anywhere in it,
+    # and never cross roots (a salt, an adapter) or block sizes.
+    import random
+
+    rng = random.Random(3)
+    memo = ChainMemo()
+    r, other = root(), root(cache_salt="tenant-b")
+    base = [rng.randrange(1 << 20) for _ in range(40 * TPB + 3)]
+    first = memo.chain(r, TPB, base)
+    assert first.digests == chain_digests(r, base, TPB) and memo.reused == 0
+    for cut in (0, 1, 17, 39):  # a token inside block ``cut`` differs
+        p = list(base)
+        p[cut * TPB + rng.randrange(TPB)] ^= 1
+        p += [rng.randrange(1 << 20) for _ in range(5 * TPB)]
+        before = memo.reused
+        got = memo.chain(r, TPB, p)
+        assert got.digests == chain_digests(r, p, TPB)
+        assert memo.reused - before == cut  # every block before it, none from it on
+    longer = base + [1, 2, 3] * (8 * TPB)
+    before = memo.reused
+    assert memo.chain(r, TPB, longer).digests == chain_digests(r, longer, TPB)
+    assert memo.reused - before == len(base) // TPB  # a next turn: the whole history reused
+    assert memo.chain(other, TPB, base).digests == chain_digests(other, base, TPB)
+    assert memo.chain(r, 2 * TPB, base).digests == chain_digests(r, base, 2 * TPB)
+    assert memo.chain(r, TPB, base[:TPB - 1]).digests == []
+
+
+def test_a_remembered_chain_that_grew_is_reused_as_far_as_it_digested():
+    r = root()
+    memo = ChainMemo()
+    toks = list(range(10 * TPB))
+    c = memo.chain(r, TPB, toks[: 4 * TPB])
+    c.extend_to(toks)  # the request's decode blocks, as its saves digest them
+    before = memo.reused
+    assert memo.chain(r, TPB, toks + [7] * TPB).digests == chain_digests(r, toks + [7] * TPB, TPB)
+    assert memo.reused - before == 10
+
+
+def test_the_memo_keeps_within_its_token_bound():
+    r = root()
+    memo = ChainMemo(max_tokens=10 * TPB, per_key=2)
+    for i in range(6):
+        memo.chain(r, TPB, [i] * (4 * TPB))  # six first blocks, six keys
+    assert memo._tokens <= 10 * TPB and len(memo._lru) == 2
+    for _ in range(4):
+        memo.chain(r, TPB, [9] * (2 * TPB))  # one key, at most per_key chains
+    assert all(len(same) <= 2 for same in memo._by_first.values())
+    assert memo._tokens == sum(t for _, t in memo._lru.values()) <= 10 * TPB
 
 
 def test_chain_rejects_a_token_that_is_not_an_int64():

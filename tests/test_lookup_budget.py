@@ -471,6 +471,59 @@ def test_index_put_many_does_what_single_puts_do():
     assert len(many) == 40  # bounded like single puts
 
 
+def test_a_missing_answer_never_hides_what_was_learnt_present_after_it_was_asked():
+    """A wave's "missing" answers were true when it was asked; an object this engine uploaded (or
+    a later HEAD found) after that is newer evidence. Same clock reading counts as after: a replay's
+    trace clock stands still between a request's lookup and its uploads."""
+    now = [5.0]
+    idx = KeyIndex(max_entries=100, ttl_s=10, negative_ttl_s=2, clock=lambda: now[0])
+    asked = idx.now()
+    idx.put_present("up", ObjectSpan(0, 4))  # this engine's upload confirmed, same tick
+    now[0] = 6.0
+    idx.put_present("later", ObjectSpan(0, 4))
+    idx.put_present("before", ObjectSpan(0, 4))
+    idx.put_many([], ["up", "later", "gone"], asked_at=asked)
+    assert idx.get("up") == idx.get("later") == ObjectSpan(0, 4) and idx.get("gone") is MISSING
+    idx.put_many([], ["before"], asked_at=idx.now() + 1)  # asked after it was learnt: deleted since
+    assert idx.get("before") is MISSING
+
+
+class AskedHeads(HungHeads):
+    """HungHeads that remember what they were asked."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.asked: list[str] = []
+
+    def head_many(self, keys) -> HeadBatch:
+        self.asked += list(keys)
+        return super().head_many(keys)
+
+
+def test_a_late_wave_never_hides_an_upload_confirmed_while_it_ran():
+    """A lookup runs out of budget on a wave that then answers "missing" -- asked before this
+    engine's upload of one of its objects was confirmed, answered after. The index keeps the
+    upload: the next lookup of the prefix is answered locally, not with HEADs that find nothing
+    for two seconds (before: the late answer replaced it)."""
+    g = geo()
+    store = AskedHeads(MemoryStore())
+    core = _leader(store, g, lookup_timeout_s=0.05)
+    toks = tokens_of(16 * TPB + 3, seed=4)
+    try:
+        assert core.get_num_new_matched_tokens(1, toks, len(toks), 0) == (0, False)
+        assert core.stats.lookup_timeouts == 1 and store.asked
+        key = store.asked[0]
+        core.index.put_present(key, ObjectSpan(0, 4))  # the upload's confirmation, meanwhile
+        store.release.set()
+        deadline = time.monotonic() + 5
+        while core._lookups.pending_waves and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core._lookups.pending_waves == 0
+        assert core.index.get(key) == ObjectSpan(0, 4)
+    finally:
+        core.close_lookup()
+
+
 def test_lookup_counts_its_cpu_and_keeps_a_handed_over_token_list():
     g = geo()
     mem = MemoryStore()

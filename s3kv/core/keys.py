@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -119,14 +120,18 @@ _BLOCK_HASHER = hashlib.blake2b(digest_size=DIGEST_SIZE, person=b"s3kv-blk")
 
 
 class Chain:
-    """Incremental chained digests over full blocks of a growing token list."""
+    """Incremental chained digests over full blocks of a growing token list.
 
-    __slots__ = ("root", "tokens_per_block", "digests")
+    ``raw`` keeps the bytes digested so far (8 per token): what :class:`ChainMemo` compares a
+    later prompt with, to reuse digests instead of hashing again."""
+
+    __slots__ = ("root", "tokens_per_block", "digests", "raw")
 
     def __init__(self, root: bytes, tokens_per_block: int):
         self.root = root
         self.tokens_per_block = tokens_per_block
         self.digests: list[bytes] = []
+        self.raw = bytearray()
 
     def extend_to(self, tokens: Sequence[int]) -> list[bytes]:
         """Digest every full block of ``tokens`` not digested yet; returns the whole list."""
@@ -135,25 +140,123 @@ class Chain:
         start = len(self.digests)
         if full <= start:
             return self.digests
-        prev = self.digests[-1] if self.digests else self.root
         # One conversion of every new block's tokens, then a slice per block: the same bytes as
         # converting block by block, at a fraction of the cost (this runs on the engine's
         # scheduling path for every new prompt - 128k tokens are 4096 blocks).
-        raw = memoryview(_tokens_bytes(tokens[start * tpb : full * tpb]))
-        step = tpb * 8
+        data = _tokens_bytes(tokens[start * tpb : full * tpb])
+        self.raw += data
+        self._digest(memoryview(data))
+        return self.digests
+
+    def _digest(self, raw: memoryview) -> None:
+        """Digest ``raw``: the bytes of whole blocks following those digested so far."""
+        step = self.tokens_per_block * 8
+        prev = self.digests[-1] if self.digests else self.root
         # Copying a primed hasher skips parsing the parameters for every block: the same
         # digests (blake2b over prev || block, personalised), a third less time.
         fresh, append = _BLOCK_HASHER.copy, self.digests.append
-        for off in range(0, (full - start) * step, step):
+        for off in range(0, len(raw), step):
             h = fresh()
             h.update(prev)
             h.update(raw[off : off + step])
             prev = h.digest()
             append(prev)
-        return self.digests
 
     def __len__(self) -> int:
         return len(self.digests)
+
+
+#: Tokens the chains a :class:`ChainMemo` remembers may hold (8 bytes each: 32 MiB), about thirty
+#: 128k-token prompts or thousands of short ones -- a few minutes of an engine's distinct prompts.
+MEMO_TOKENS = 4 << 20
+
+
+class ChainMemo:
+    """Recent chains, so a prompt that begins like one of them hashes only what follows.
+
+    Why: hashing the chain is most of what a lookup answered without a request costs the engine's
+    scheduler (a 128k-token prompt: 5-7 ms of blake2b while every co-running request waits),
+    and the prompts that hit are those repeating a prefix seen lately -- the next turn of a
+    conversation re-sends its history, an agent its context, requests their system prompt and
+    documents. Exact, never probable: a digest is reused only for blocks whose token bytes equal
+    those the remembered chain digested, under the same root, so each digest is the one hashing
+    would give.
+
+    Chains are found by their root and first block's bytes (the ``per_key`` latest each) and
+    kept, least recently remembered out first, while the tokens they held when remembered fit
+    ``max_tokens``. A remembered chain may keep growing (its request's decode blocks): only what
+    it has digested is compared. Not thread-safe: the leader calls it under its lock.
+    """
+
+    def __init__(self, max_tokens: int = MEMO_TOKENS, per_key: int = 8):
+        self.max_tokens = max_tokens
+        self.per_key = per_key
+        self._by_first: dict[tuple[bytes, bytes], list[Chain]] = {}
+        self._lru: OrderedDict[Chain, tuple[tuple[bytes, bytes], int]] = OrderedDict()
+        self._tokens = 0
+        #: Blocks whose digest was reused, and digested anew.
+        self.reused = 0
+        self.hashed = 0
+
+    def chain(self, root: bytes, tokens_per_block: int, tokens: Sequence[int]) -> Chain:
+        """The chain of ``tokens``' full blocks under ``root``, remembered for later prompts."""
+        chain = Chain(root, tokens_per_block)
+        full = len(tokens) // tokens_per_block
+        if full == 0 or self.max_tokens <= 0:
+            chain.extend_to(tokens)
+            self.hashed += full
+            return chain
+        step = tokens_per_block * 8
+        data = _tokens_bytes(tokens[: full * tokens_per_block])
+        key = (root, data[:step])
+        best, src = 0, None
+        for c in reversed(self._by_first.get(key, ())):
+            n = min(len(c.digests), len(c.raw) // step, full)
+            if n > best:
+                k = _common_blocks(data, c.raw, n, step)
+                if k > best:
+                    best, src = k, c
+        if src is not None:
+            chain.digests = src.digests[:best]
+        chain.raw = bytearray(data)
+        chain._digest(memoryview(data)[best * step :])
+        self.reused += best
+        self.hashed += full - best
+        self._remember(key, chain, full * tokens_per_block)
+        return chain
+
+    def _remember(self, key: tuple[bytes, bytes], chain: Chain, tokens: int) -> None:
+        same = self._by_first.setdefault(key, [])
+        same.append(chain)
+        self._lru[chain] = (key, tokens)
+        self._tokens += tokens
+        if len(same) > self.per_key:
+            self._forget(same[0])
+        while self._tokens > self.max_tokens and self._lru:
+            self._forget(next(iter(self._lru)))
+
+    def _forget(self, chain: Chain) -> None:
+        key, tokens = self._lru.pop(chain)
+        self._tokens -= tokens
+        same = self._by_first[key]
+        same.remove(chain)
+        if not same:
+            del self._by_first[key]
+
+
+def _common_blocks(a: bytes, b: bytes | bytearray, n: int, step: int) -> int:
+    """How many of the first ``n`` blocks (``step`` bytes each) ``a`` and ``b`` have equal. Byte
+    comparisons (memcmp) of halving windows: at most about ``n`` blocks' bytes compared."""
+    if a[: n * step] == b[: n * step]:
+        return n
+    lo, hi = 0, n  # blocks [0, lo) equal; a difference within [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo * step : mid * step] == b[lo * step : mid * step]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def chain_digests(root: bytes, tokens: Sequence[int], tokens_per_block: int) -> list[bytes]:

@@ -103,9 +103,19 @@ class KeyIndex:
     def put_missing(self, key: str) -> None:
         self.put_many((), [key])
 
-    def put_many(self, present: Iterable[tuple[str, ObjectSpan]], missing: Iterable[str]) -> None:
+    def now(self) -> float:
+        """This index's clock (a replay runs it on the trace's): what ``asked_at`` is read from."""
+        return self._clock()
+
+    def put_many(
+        self, present: Iterable[tuple[str, ObjectSpan]], missing: Iterable[str], *, asked_at: float | None = None
+    ) -> None:
         """A HEAD wave's answers under one lock and one clock reading (hundreds per long prompt,
-        on the engine's scheduling path)."""
+        on the engine's scheduling path). ``asked_at`` (:meth:`now` when the wave was sent): a
+        "missing" answer does not replace what was learnt present since -- the wave was asked
+        before, and this engine's own upload (or a later HEAD) confirmed the object after. Late
+        waves, waves finished in the background and probes past a listing race the requests'
+        own uploads this way; without it their answers hid objects just written."""
         keep_present = self.max_entries > 0 and self.ttl_s > 0
         keep_missing = self.max_entries > 0 and self.negative_ttl_s > 0
         with self._lock:
@@ -124,6 +134,10 @@ class KeyIndex:
             if keep_missing:
                 until = now + self.negative_ttl_s
                 for key in missing:
+                    if asked_at is not None:
+                        known = self._present.get(key)
+                        if known is not None and known[0] - self.ttl_s >= asked_at:
+                            continue  # learnt present at or after the question: newer than its answer
                     self._present.pop(key, None)
                     self._missing.pop(key, None)
                     self._missing[key] = until

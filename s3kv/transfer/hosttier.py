@@ -91,6 +91,15 @@ WRITE_POLICIES = (NOW, EVICT, NEVER)
 Weigher = Callable[[str, int], int]
 
 
+def _split_key(key: str) -> tuple[str, bytes | None]:
+    """(the key's prefix through its last "/", the digest its last part names; None if it names none)."""
+    prefix, _, last = key.rpartition("/")
+    try:
+        return prefix + "/", bytes.fromhex(last)
+    except ValueError:
+        return prefix + "/", None
+
+
 def _round_up(n: int, a: int) -> int:
     return -(-n // a) * a
 
@@ -154,6 +163,9 @@ class TierEntry:
 
     def metadata(self) -> dict[str, str]:
         return object_metadata(self.identity, self.first, self.count, self.key)
+
+
+_NONE_HELD: Mapping[bytes, TierEntry] = {}
 
 
 @dataclass(frozen=True)
@@ -222,6 +234,9 @@ class HostTier(StoreWrapper):
         self._on_ready = on_ready
         self._lock = threading.Lock()
         self._entries: dict[str, TierEntry] = {}
+        #: The same entries by key prefix (a group and shard's) and the chain digest ending their
+        #: key: a lookup asks about every block end of a hit at once (``held``).
+        self._by_prefix: dict[str, dict[bytes, TierEntry]] = {}
         self._heap: list[tuple[float, str, int]] = []
         self._inflation = 0.0  # L: the priority of the last object evicted
         self._used = 0
@@ -336,26 +351,37 @@ class HostTier(StoreWrapper):
             e = TierEntry(key, identity, int(first), int(count), to_s3, charged, tokens, buf, base)
             e.priority = self._inflation + tokens / max(charged, 1)
             self._entries[key] = e
+            prefix, digest = _split_key(key)
+            if digest is not None:
+                self._by_prefix.setdefault(prefix, {})[digest] = e
             self._push(e)
             self._used += charged
             self._high_water = max(self._high_water, self._used)
             self._n["inserted"] += 1
             return e
 
-    def acquire(self, key: str) -> tuple[TierEntry, StagingBuffer] | None:
+    def acquire(self, key: str, *, plan: bool = True) -> tuple[TierEntry, StagingBuffer] | None:
         """A load's hit: the committed entry and its buffer, retained for the caller (release it
-        once the copies completed), its value raised. None: not held."""
+        once the copies completed). None: no bytes to serve here.
+
+        The read raises the value of every entry the tier accounts for, served or not -- a ghost,
+        or an entry whose bytes are still being filled here: another rank serves the same read
+        from its own copy and raises it there, and the ranks' tiers evict alike only if their
+        priorities do (module doc). ``plan=False``: a read one rank makes on its own (a parked
+        load's retry), which changes nothing the others would not change."""
         with self._lock:
             e = self._entries.get(key)
-            if e is None or not e.ready or e.buf is None:
+            if e is None:
                 return None
-            buf = e.buf.retain()
-            e.hits += 1
-            e.read = True
-            e.priority = self._inflation + (e.hits + 1) * e.tokens / max(e.charged, 1)
-            self._push(e)
+            if plan:
+                e.hits += 1
+                e.read = True
+                e.priority = self._inflation + (e.hits + 1) * e.tokens / max(e.charged, 1)
+                self._push(e)
+            if not e.ready or e.buf is None:
+                return None
             self._n["hits"] += 1
-            return e, buf
+            return e, e.buf.retain()
 
     def discard(self, key: str) -> None:
         """Drop ``key`` now (its bytes failed a check): no write-back, no answer from it again."""
@@ -450,8 +476,19 @@ class HostTier(StoreWrapper):
             return None
         return ObjectSpan(e.first, e.count)
 
+    def held(self, prefix: str) -> Mapping[bytes, TierEntry]:
+        """The entries whose key is ``prefix`` (a group and shard's, ending in "/") plus a chain
+        digest's hex, by that digest: a lookup asks about thousands of block ends of one prompt
+        without making a key for each. Served only where ``entry.ready`` (as :meth:`span_of`).
+        Read without the lock: the map changes in place under it, and a dict read is atomic."""
+        return self._by_prefix.get(prefix, _NONE_HELD)
+
     def holds(self, key: str) -> bool:
         return self.span_of(key) is not None
+
+    def knows(self, key: str) -> bool:
+        """An entry for ``key`` exists, served or not (a copy still filling, a ghost)."""
+        return key in self._entries
 
     # -- eviction ---------------------------------------------------------------------------
     def _push(self, e: TierEntry) -> None:
@@ -479,6 +516,12 @@ class HostTier(StoreWrapper):
         after the write-back an ``evict`` object read while cached gets."""
         e.evicted = True
         self._used -= e.charged
+        prefix, digest = _split_key(e.key)
+        held = self._by_prefix.get(prefix)
+        if held is not None and digest is not None and held.get(digest) is e:
+            del held[digest]
+            if not held:
+                del self._by_prefix[prefix]
         buf, e.buf = e.buf, None
         if buf is None:
             return
@@ -543,13 +586,14 @@ class HostTier(StoreWrapper):
         return True
 
     # -- the ObjectStore face -----------------------------------------------------------------
-    def _held(self, key: str) -> TierEntry | None:
+    def _held(self, key: str) -> tuple[TierEntry, StagingBuffer] | None:
+        """A held object and its buffer, retained for the caller (an eviction meanwhile clears
+        ``e.buf``; the caller's reference keeps the bytes until it releases it)."""
         with self._lock:
             e = self._entries.get(key)
             if e is None or not e.ready or e.buf is None:
                 return None
-            e.buf.retain()
-            return e
+            return e, e.buf.retain()
 
     def head_many(self, keys: Sequence[str]) -> HeadBatch:
         found: dict[str, ObjectInfo] = {}
@@ -566,34 +610,34 @@ class HostTier(StoreWrapper):
         return HeadBatch({**batch.found, **found}, batch.missing, batch.failed)
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
-        e = self._held(key)
-        if e is None:
+        held = self._held(key)
+        if held is None:
             return self.inner.get_ranges(key, ranges)
+        e, buf = held
         try:
-            view = e.object_view()
+            view = buf.memoryview(e.start, e.size)
             for r in ranges:
                 if r.end > view.nbytes:
                     raise IntegrityError(f"range {r.offset}+{r.length} beyond object size {view.nbytes}", key=key)
             return [bytes(view[r.offset : r.end]) for r in ranges]
         finally:
-            assert e.buf is not None
-            e.buf.release()
+            buf.release()
 
     def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
-        e = self._held(key)
-        if e is None:
+        held = self._held(key)
+        if held is None:
             self.inner.get_ranges_into(key, ranges, out)
             return
+        e, buf = held
         try:
-            view = e.object_view()
+            view = buf.memoryview(e.start, e.size)
             for r, dst in zip(ranges, out, strict=True):
                 d = memoryview(dst).cast("B")
                 if r.end > view.nbytes or d.nbytes != r.length:
                     raise IntegrityError(f"range {r.offset}+{r.length} does not fit the object or buffer", key=key)
                 d[:] = view[r.offset : r.end]
         finally:
-            assert e.buf is not None
-            e.buf.release()
+            buf.release()
 
     def delete_many(self, keys: Sequence[str]) -> None:
         for k in keys:

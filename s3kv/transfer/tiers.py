@@ -107,27 +107,49 @@ def calibrate(tier: HostTier, device: Any, nbytes: int = 16 << 20) -> float:
         buf.release()
 
 
-#: The automatic size (``host_cache_gb = -1`` on a GPU engine): this share of the host's available
-#: memory, split between its GPUs (one tier per rank), at most ``AUTO_MAX_BYTES`` a rank.
+#: The automatic size (``host_cache_gb = -1`` on a GPU engine): this share of the host's memory,
+#: split between its GPUs (one tier per rank), at most ``AUTO_MAX_BYTES`` a rank.
 AUTO_FRACTION = 0.2
 AUTO_MAX_BYTES = 64 << 30
+#: Where the host's memory and the container's limit are read (cgroup v2, then v1).
+MEMINFO = "/proc/meminfo"
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
 
 
-def _mem_available() -> int:
-    """Bytes of host memory available now (``MemAvailable``), or 0 where it cannot be read."""
+def _host_memory() -> int:
+    """Bytes of memory the engine's processes may use: the host's total (``MemTotal``), at most
+    the container's limit; 0 where it cannot be read.
+
+    Why the total, not what is available now: every rank sizes its own tier, and the tiers must be
+    the same size -- their eviction follows the plan on every rank only then (``hosttier``'s module
+    doc), and the leader promises what rank 0's tier holds. What is available differs from one
+    rank's start to the next (the other ranks' arenas being pinned, weights being read); the total
+    and the limit read the same on every rank. Why the limit: ``/proc/meminfo`` shows the host's
+    memory inside a container too, and a tier sized from it could take a pod past its limit."""
+    total = 0
     try:
-        with open("/proc/meminfo") as f:
+        with open(MEMINFO) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith("MemTotal:"):
+                    total = int(line.split()[1]) * 1024
+                    break
     except (OSError, ValueError, IndexError):
-        pass
-    return 0
+        return 0
+    for path in CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                word = f.read().strip()
+        except OSError:
+            continue
+        if word.isdigit():  # "max": no limit
+            total = min(total, int(word))
+        break
+    return total
 
 
 def capacity_bytes(host_cache_gb: float, device: Any) -> int:
     """The tier size ``S3KV_HOST_CACHE_GB`` asks for on a cache living on ``device``: GiB as set,
-    or (-1, auto) ``AUTO_FRACTION`` of the available memory per GPU of this host, capped, on a GPU
+    or (-1, auto) ``AUTO_FRACTION`` of the host's memory per GPU of this host, capped, on a GPU
     cache -- 0 elsewhere (the simulator and tests on the CPU: a tier only when asked for)."""
     if host_cache_gb >= 0:
         return int(host_cache_gb * (1 << 30))
@@ -136,7 +158,7 @@ def capacity_bytes(host_cache_gb: float, device: Any) -> int:
     import torch
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
-    return int(min(AUTO_MAX_BYTES, AUTO_FRACTION * _mem_available() / max(1, gpus))) // ALIGN * ALIGN
+    return int(min(AUTO_MAX_BYTES, AUTO_FRACTION * _host_memory() / max(1, gpus))) // ALIGN * ALIGN
 
 
 def open_host_tier(

@@ -12,7 +12,7 @@ from typing import Any
 from ..config import Settings, redact, warn_once
 from ..engine.leader import LeaderCore
 from ..engine.runtime import release_runtime
-from .api import KvCacheConnectorScheduler
+from .api import FAILED_LOAD_HOOK, KvCacheConnectorScheduler
 from .boundary import ConnectorSide, kv_shard
 from .identity import model_identity, weak_identity_warning
 from .lora import PENDING, AdapterIdentities
@@ -94,6 +94,7 @@ class S3KvConnectorLeader(ConnectorSide, KvCacheConnectorScheduler):
             index=self._runtime.index,
             geometry=self._runtime.get_geometry,
             failed_load_hook=False,  # sync loads: see above
+            recompute_hook=FAILED_LOAD_HOOK in self.features,  # async loads: host-only objects at TP > 1
             # TensorRT-LLM's default loop is the overlap one; only an explicit True turns it off.
             overlap=getattr(llm_args, "disable_overlap_scheduler", False) is not True,
             tiers=self._runtime,  # rank 0's host tier and load speeds appear there at registration

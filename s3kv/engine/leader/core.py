@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...config import Settings
-from ...core.keys import Chain, NotCacheable, chain_root
+from ...core.keys import ChainMemo, NotCacheable, chain_root
 from ...core.layout import CacheGeometry
 from ...core.lookup import LookupResult
 from ...core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, SealOp, StageOp
@@ -64,10 +64,13 @@ class LeaderCore:
         overlap: bool = False, tiers: Any = None,
         model_ref: Any = None,
         host_tier: bool | None = None,
+        recompute_hook: bool | None = None,
     ):
         """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing blocks per
         object and pricing them (benchmarks of a real model's object structure); ``overlap``: the
-        overlap loop; ``tiers``: see Lookups; ``model_ref``, ``host_tier``: see ``WritePolicy``."""
+        overlap loop; ``tiers``: see Lookups; ``model_ref``, ``host_tier``: see ``WritePolicy``;
+        ``recompute_hook``: the engine has the failed-load hook (None: ``failed_load_hook``, which
+        is False where loads stay async even so) -- ``WritePolicy.host_only_safe``."""
         self.settings = settings
         # A sync load that fails has no safe outcome unless the engine can be told to recompute
         # the request (a failed-load hook); without one every load is async, so a failure can
@@ -94,10 +97,12 @@ class LeaderCore:
         self._lookups.pace.overlap = overlap  # what a lookup's stall costs the batch (pace.py)
         self._loads = LoadPlanner(settings, self.stats, self._lookups)
         inflight = 1 if overlap else 0  # the overlap loop's forward runs a token past its report
-        self.writes = WritePolicy(settings, self.stats, self._lookups, model_ref, tp_size, host_tier)
+        self.writes = WritePolicy(settings, self.stats, self._lookups, model_ref, tp_size, host_tier,
+                                  failed_load_hook if recompute_hook is None else recompute_hook)
         self._saves = SavePlanner(self.stats, self.writes, inflight)
         self._finish = FinishPlanner(self.stats, self.index, self.writes, inflight)
         self._pages = PageOwners()  # requests freed with no connector call
+        self._chains = ChainMemo()  # recent prompts' chains: a repeated prefix is not hashed again
         # Where ranks past 0 (processes of their own) say which objects they found bad.
         self.verdicts = VerdictBoard.make(self.index, tp_size) if tp_size > 1 else None
 
@@ -190,14 +195,14 @@ class LeaderCore:
                     log.info("s3kv: request %s not cached: %s", request_id, e, extra={"request_id": request_id})
                     self._requests[request_id] = RequestState(request_id, None, None, prompt, prompt_len)
                     return 0, False
-                chain = Chain(root, g.tokens_per_block)
                 h0 = time.thread_time()
                 # The whole chain first, then any request. Why not send HEADs for the hashed part
                 # while the rest is hashed (a 128k prompt hashes for 7-10 ms): tried, three waves at
                 # quarters of the prompt, and the 128k verify path went from 63 to 92-100 ms on a
                 # 16-core host. Hashing holds the GIL, so the threads that send and answer those
-                # waves wait for it in 5 ms switch intervals; nothing overlaps.
-                chain.extend_to(prompt)
+                # waves wait for it in 5 ms switch intervals; nothing overlaps. What a recent
+                # prompt began with is not hashed again (``ChainMemo``).
+                chain = self._chains.chain(root, g.tokens_per_block, prompt)
                 self.stats.lookup_hash_cpu_s += time.thread_time() - h0
                 st = RequestState(request_id, root, chain, prompt, prompt_len, seen=time.monotonic())
                 st.load.replayed = old is not None

@@ -30,6 +30,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from itertools import repeat
 from typing import Any
 
 from ...config import Settings
@@ -266,15 +267,26 @@ class Lookups:
         added to ``result.coverage``: every block end asked of the tier only (no request), once
         per group on shard 0 (the other ranks hold their shards of the same objects)."""
         ctx, d, h = self.ctx, st.load.d_blocks, result.h_blocks
-        assert ctx is not None
+        assert ctx is not None and st.chain is not None
         g = ctx.geometry
-        asks = {(grp.group_id, 0, e) for grp in g.groups for e in range(d + 1, h + 1)}
+        tier = self.tiers.host_tier
+        digests = st.chain.digests
         local: dict[tuple[int, int], dict[int, Span]] = {}
-        for (gid, _, e), _key, v in self._indexed(st, asks):
-            if (gid, 0, e) in self._host_asks:
-                for shard in range(g.tp_size):
-                    local.setdefault((gid, shard), {})[e] = Span(v.first, v.end)
-                    self._host_asks.add((gid, shard, e))
+        # Thousands of ends (a 128k-token hit): each one a dict read by digest (``HostTier.held``),
+        # not a key made and a tier and index read per end (~5 ms on the scheduler's thread).
+        for grp in g.groups:
+            gid = grp.group_id
+            held = tier.held(ctx.prefixes[(gid, 0)])
+            if not held:
+                continue
+            found: dict[int, Span] = {}
+            for e, digest in enumerate(digests[d:h], d + 1):
+                x = held.get(digest)
+                if x is not None and x.ready:
+                    found[e] = Span(x.first, x.first + x.count)
+            for shard in range(g.tp_size):
+                local[(gid, shard)] = found if shard == 0 else dict(found)
+                self._host_asks.update(zip(repeat(gid), repeat(shard), found))
         for e in sorted(local.get((g.spine_group, 0), {}), reverse=True):
             if servable(g, local, d, e, self.settings.window_margin_blocks):
                 for key, spans in local.items():
@@ -522,6 +534,7 @@ class Lookups:
         for a in picked:
             result.coverage.get((a[0], a[1]), {}).pop(a[2], None)
         if todo:
+            asked = self.index.now()
             try:
                 batch = self._head_wave(todo)
             except (_LookupTimeout, _LookupBusy) as e:
@@ -534,7 +547,7 @@ class Lookups:
                             extra={"request_id": st.request_id})
                 return LookupResult(d, waves=1, asks=len(todo)), "skipped"
             result.waves = 1
-            spans = self._absorb(todo, batch)
+            spans = self._absorb(todo, batch, asked)
             for a in todo.values():
                 got = spans.get(a)
                 want = cand.coverage[(a[0], a[1])][a[2]]
@@ -587,6 +600,7 @@ class Lookups:
         self._last_probe_used_network = bool(todo)
         if not todo:
             return out
+        asked = self.index.now()
         try:
             batch = self._head_wave(todo)
         except (_LookupTimeout, _LookupBusy) as e:
@@ -599,7 +613,7 @@ class Lookups:
             log.warning("s3kv: lookup HEAD wave failed (%s); treating as miss", e,
                         extra={"request_id": st.request_id})
             return {**out, **{a: None for a in todo.values()}}
-        return {**out, **self._absorb(todo, batch)}
+        return {**out, **self._absorb(todo, batch, asked)}
 
     def _expect(self, todo: dict[str, Ask]) -> dict[str, SpanExpect]:
         """What each key's answer must say (``_absorb``'s check), for a store that checks answers
@@ -645,7 +659,7 @@ class Lookups:
         pool = self._lookup_pool()
         asks = dict(todo)
         timed_out = [False]
-        sent = time.monotonic()
+        sent, asked = time.monotonic(), self.index.now()
 
         def done(f: Future) -> None:
             self._note_wave(time.monotonic() - sent)
@@ -653,7 +667,7 @@ class Lookups:
                 self.pending_waves -= 1
             if timed_out[0] and not f.cancelled() and f.exception() is None:
                 # A late answer still warms the index: the next lookup of this prefix is local.
-                self._absorb(asks, f.result(), count=False)
+                self._absorb(asks, f.result(), asked, count=False)
 
         fut = pool.submit(self.store.head_many_checked, keys, expect)
         try:
@@ -707,14 +721,14 @@ class Lookups:
                 return
             self.pending_waves += 1
         pool = self._lookup_pool()
-        sent = time.monotonic()
+        sent, asked = time.monotonic(), self.index.now()
 
         def done(f: Future) -> None:
             self._note_wave(time.monotonic() - sent)
             with self._pending_lock:
                 self.pending_waves -= 1
             if not f.cancelled() and f.exception() is None:
-                self._absorb(asks, f.result(), count=False)
+                self._absorb(asks, f.result(), asked, count=False)
 
         try:
             fut = pool.submit(self.store.head_many_checked, keys, expect)
@@ -748,11 +762,7 @@ class Lookups:
         def run() -> None:
             found = None
             try:
-                # A probe past a listing asks about objects this request is about to write itself: a
-                # "missing" from it, landing after the upload's confirmation, would hide that upload.
-                negatives = on_done is None
-                found = find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax,
-                                 lambda a: self._probe_late(st, a, negatives))
+                found = find_hit(ctx.geometry, ctx.params, d, full_blocks, hmax, lambda a: self._probe_late(st, a))
                 if on_done is None:
                     with self._pending_lock:
                         self.stats.lookups_finished_late += 1
@@ -790,26 +800,26 @@ class Lookups:
             late.add_done_callback(start)  # after the wave's own callback has absorbed it
         return True
 
-    def _probe_late(self, st: RequestState, asks: set[Ask], negatives: bool = True) -> dict[Ask, Span | None]:
+    def _probe_late(self, st: RequestState, asks: set[Ask]) -> dict[Ask, Span | None]:
         """``_probe`` for :meth:`_finish_late`: no budget, no foreground state, nothing counted."""
         out, todo = self._split(st, asks, trust_index=True)
         if todo:
             try:
                 # Checked where the answers arrive, as the foreground waves are: this runs beside
                 # the executor thread, and every answer checked here holds its GIL.
-                sent = time.monotonic()
+                sent, asked = time.monotonic(), self.index.now()
                 batch = self.store.head_many_checked(list(todo), self._expect(todo))
                 self._note_wave(time.monotonic() - sent)
             except StoreError:
                 return {**out, **{a: None for a in todo.values()}}
-            out.update(self._absorb(todo, batch, count=False, negatives=negatives))
+            out.update(self._absorb(todo, batch, asked, count=False))
         return out
 
-    def _absorb(
-        self, todo: dict[str, Ask], batch: HeadBatch, *, count: bool = True, negatives: bool = True
-    ) -> dict[Ask, Span | None]:
-        """HEAD answers -> spans (foreign objects rejected) and the index (its "missing" answers
-        too, unless ``negatives`` is False)."""
+    def _absorb(self, todo: dict[str, Ask], batch: HeadBatch, asked: float, *, count: bool = True
+                ) -> dict[Ask, Span | None]:
+        """HEAD answers of a wave sent at ``asked`` (the index's clock) -> spans (foreign objects
+        rejected) and the index, where a "missing" never hides what was learnt present since
+        (``KeyIndex.put_many``: the wave raced an upload of this engine)."""
         assert self.ctx is not None
         out: dict[Ask, Span | None] = {}
         present: list[tuple[str, ObjectSpan]] = []
@@ -839,5 +849,5 @@ class Lookups:
             else:
                 missing.append(key)
                 out[a] = None
-        self.index.put_many(present, missing if negatives else ())
+        self.index.put_many(present, missing, asked_at=asked)
         return out

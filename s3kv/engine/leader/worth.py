@@ -51,14 +51,23 @@ def _split_bytes(g: CacheGeometry, coverage: Coverage, host: Set[Ask], d: int, h
     host_b = store_b = 0
     for grp in g.groups:
         lo, hi = required_range(grp, tpb, d, h, margin)
-        spans = sorted(((end, span) for end, span in coverage.get((grp.group_id, 0), {}).items()),
-                       key=lambda x: x[0])
+        if hi <= lo:
+            continue
+        # Each page from the object of smallest end covering it. One pass over the spans sorted
+        # by end (ends ascend as ``o`` does), not a scan of all of them per object: a 128k-token
+        # hit has hundreds of objects, and this runs twice per lookup on the scheduler's thread.
+        spans = sorted(coverage.get((grp.group_id, 0), {}).items())
+        i, n = 0, len(spans)
         o = lo
         while o < hi:
-            got = next(((end, span) for end, span in spans if span.first <= o < span.end), None)
-            if got is None:  # not covered: the hit rule would not have offered it
+            while i < n and spans[i][1].end <= o:  # ``o`` only grows: these never cover it again
+                i += 1
+            j = i
+            while j < n and spans[j][1].first > o:  # starts past ``o`` (a tail): may cover a later one
+                j += 1
+            if j == n:  # not covered: the hit rule would not have offered it
                 break
-            end, span = got
+            end, span = spans[j]
             upto = min(span.end, hi)
             nbytes = (upto - o) * grp.page_bytes
             if (grp.group_id, 0, end) in host:

@@ -65,10 +65,11 @@ _SNAPSHOT_EVERY = 16
 class WritePolicy:
     """``model_ref``: the engine's model (``llm_args.model``: its config.json gives the prefill FLOPs,
     ``s3kv.engine.prefill``); ``host_tier``: a host tier stands in front of the store (None: as the
-    settings say)."""
+    settings say); ``failed_load_hook``: the engine can be told to recompute a request whose
+    promised load failed (``host_only_safe``)."""
 
     def __init__(self, settings: Any, stats: LeaderStats, lookups: Lookups, model_ref: Any = None,
-                 tp_size: int = 1, host_tier: bool | None = None):
+                 tp_size: int = 1, host_tier: bool | None = None, failed_load_hook: bool = False):
         self.settings = settings
         self.stats = stats
         self.lookups = lookups
@@ -85,6 +86,17 @@ class WritePolicy:
         #: Real bytes of one page of each group on one shard (the sizing pages where a benchmark
         #: models a real model with tiny ones).
         self.page_bytes: list[int] = []
+        # Why host-only objects need one rank or the hook: the lookup promises what rank 0's tier
+        # holds, and each rank's tier holds its own shard. Another rank's copy can be missing (not
+        # ready yet, evicted, refused); for an object also in S3 that rank reads S3, for a
+        # host-only one nothing can answer -- without the hook the engine cannot be told to
+        # recompute, and the request would stay parked until its client gave up.
+        self.host_only_safe = tp_size == 1 or failed_load_hook
+        if self.mode in ("back", "local") and not self.host_only_safe:
+            log.warning("s3kv: S3KV_WRITE_POLICY=%s keeps objects in the host tier only, which at "
+                        "tensor parallelism %d needs an engine with the failed-load hook (this one has "
+                        "none): %s", self.mode, tp_size,
+                        "writing through to S3" if self.mode == "back" else "nothing is saved")
         if self.mode in ("back", "local") and host_tier is not True and getattr(settings, "host_cache_gb", 0) == 0:
             log.warning("s3kv: S3KV_WRITE_POLICY=%s writes to the host tier only, and there is none: "
                         "nothing is saved (set S3KV_HOST_CACHE_GB, or S3KV_WRITE_POLICY=auto)", self.mode)
@@ -115,14 +127,16 @@ class WritePolicy:
     def refused_to(self) -> str | None:
         """Where a refused object goes: the host tier until evicted (written to S3 if it was read
         there), or nowhere (None: not staged) without a tier."""
-        return "evict" if self.host_tier else None
+        return "evict" if self.host_tier and self.host_only_safe else None
 
     def default_to(self) -> str | None:
         """Where an object goes under the modes that do not weigh it."""
         if self.mode == "back":
+            if not self.host_only_safe:
+                return "now"  # __init__: host-only is unsafe here; write-back becomes write-through
             return "evict" if self.host_tier else None
         if self.mode == "local":
-            return "never" if self.host_tier else None
+            return "never" if self.host_tier and self.host_only_safe else None
         return "now"
 
     def chain_to(self, st: RequestState, gid: int, ordinal: int) -> str | None:

@@ -463,6 +463,7 @@ class LoadJobs:
             st.retry_at = now + self.retry_max_s
             return
         assert self.downloader is not None
+        hits = []
         for old, targets in st.failed_jobs:
             if not targets:
                 continue
@@ -472,8 +473,18 @@ class LoadJobs:
                 deadline=now + self.timeout, reading_since=float("inf"), host=None, host_buf=None, promote=None,
             )
             self.jobs.append(job)
-            self.downloader.submit(job)
             st.jobs.append(job)
+            # Rank 0's tier held it when the plan ran; this rank's copy may have been filling still
+            # (its upload thread behind rank 0's) -- for a host-only object the store never gets,
+            # the tier is where the retry finds it. Read outside the plan: nothing accounted.
+            got = self.tier.acquire(job.key, plan=False) if self.tier is not None and job.plan_host else None
+            if got is not None:
+                job.host, job.host_buf = got
+                hits.append(job)
+            else:
+                self.downloader.submit(job)
+        for job in self.downloader.serve_hits(hits):  # an entry that fails its check reads the store
+            self.downloader.submit(job)
         st.failed_jobs = []
         self.counters.add("load_retries")
 

@@ -273,8 +273,9 @@ class SaveJobs:
             host = tier.reserve(key, identity, bid.first, seal.count, to_s3=seal.to_s3) if tier is not None else None
             if host is None and tier is not None and (seal.to_s3 != NOW or tier.stored(key)):
                 # The tier holds this object already (and, for "now", knows the store does too):
-                # the same chain digest names the same KV, nothing to write.
-                self.counters.add("host_already_held")
+                # the same chain digest names the same KV, nothing to write. Else it refused a
+                # host-only object (larger than the tier, or the tier closed): nowhere to go.
+                self.counters.add("host_already_held" if tier.knows(key) else "seals_dropped_no_tier")
                 return
             if host is not None and host.buf is None and seal.to_s3 != NOW:
                 # Accounted as the other ranks account it (a ghost), but this rank's tier has no

@@ -41,6 +41,16 @@ LEGENDS: dict[str, tuple[str, ...]] = {
         "summary_trusted_hit = a fresh listing trusted as the presence check; summary_miss = a cold miss; "
         "the summary paths are medians of --repeats lookups on fresh leaders",
     ),
+    "lookup_local": (
+        "wall ms: the lookup call's wall time (get_num_new_matched_tokens on the leader), what every "
+        "co-running request waits for; cpu ms: the calling thread's CPU in it; hash ms: of which hashing "
+        "the prompt's block chain (what no earlier prompt of that prefix already hashed)",
+        "cases: index = objects in the key index (own uploads), a fresh leader; index_next = the same after "
+        "a lookup of the prompt's first half (a conversation's previous turn); fleet_trusted = a signed, "
+        "young fleet index vouches (no request); fleet_verify = the index not trusted: one verify wave to "
+        "an in-memory store; fleet_half = the first half stored; fleet_miss = never stored; host = the "
+        "host tier holds the first half, the index lists the rest (weighed per tier)",
+    ),
     "transfer": (
         "save / load MiB/s: bytes moved per second by s3kv (on its default client), by the fastest "
         "plain client library doing the same puts/gets with the same threads (boto3, obstore, awscrt), "
@@ -147,6 +157,12 @@ def _floats(text: str | None) -> tuple[float, ...] | None:
     help="Add this much to every request on the wire (s3kv's fault proxy in front of the S3 server) "
     "instead of --latency-ms's in-process model.",
 )
+@click.option(
+    "--local",
+    is_flag=True,
+    help="Instead: what lookups answered without a request (key index, fleet index, host tier) cost the "
+    "scheduler's thread, per prompt length (default 8k-128k; --quick: 8k,32k), in-process; no store.",
+)
 def lookup_command(
     as_json: bool,
     plot_path: str | None,
@@ -160,15 +176,28 @@ def lookup_command(
     seq_cap: int | None,
     repeats: int | None,
     s3_latency_ms: float | None,
+    local: bool,
 ) -> None:
     """Lookup round trips and latency, 1k-128k-token prompts, vs a sequential per-block HEAD scan.
 
     The scan is what one object per block, read synchronously, needs: one HEAD per block per layer
-    group, in order, until the first miss.
+    group, in order, until the first miss. ``--local``: the scheduler's time of lookups that send
+    no request, per prompt length and source.
     """
     _check_plot(plot_path, url)
     from . import lookup, plot
 
+    if local:
+        from . import lookuplocal
+
+        if plot_path:
+            raise click.UsageError("--plot: --local draws no chart")
+        chosen = _ints(prompts) or (lookuplocal.QUICK_LOCAL_PROMPTS if quick else lookuplocal.DEFAULT_LOCAL_PROMPTS)
+        cfg = lookup.LookupConfig(blocks_per_object=blocks_per_object)
+        res = lookuplocal.run_local(cfg, chosen, repeats if repeats is not None else (1 if quick else 5))
+        finish(res, as_json=as_json, table=explained("lookup_local", lookuplocal.table), plot_path=None,
+               plot=lambda r, p: None)
+        return
     chosen = _ints(prompts) or (lookup.QUICK_PROMPTS if quick else lookup.DEFAULT_PROMPTS)
     cap = seq_cap if seq_cap is not None else (64 if quick else 256)
     reps = repeats if repeats is not None else (1 if quick else 5)

@@ -57,11 +57,11 @@ def table(res: dict[str, Any]) -> str:
         parts = ", ".join(f"{g} {b / 2**30:.1f}" for g, b in p["stored_bytes_by_group"].items())
         lines.append(f"  {name:>18}: {parts}")
     if "window_vs_all" in res:
-        w = res["window_vs_all"]
+        w = {k: "n/a" if v is None else f"{v:.4f}" for k, v in res["window_vs_all"].items()}  # None: nothing to divide by
         lines.append(
-            f"window policy vs store-everything: served {w['served']:.4f} of its tokens "
-            f"({w['served_vs_ideal']:.4f} of the ideal), stored {w['stored_bytes']:.4f} of its bytes "
-            f"({w['distinct_page_bytes']:.4f} counting each page once)"
+            f"window policy vs store-everything: served {w['served']} of its tokens "
+            f"({w['served_vs_ideal']} of the ideal), stored {w['stored_bytes']} of its bytes "
+            f"({w['distinct_page_bytes']} counting each page once)"
         )
     if "branch_tails" in res:
         b = res["branch_tails"]
