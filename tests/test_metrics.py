@@ -135,7 +135,7 @@ def test_two_instances_do_not_collide_and_global_registry_is_untouched():
     MetricsStore(MemoryStore(), a).put("k", b"xyz")
     assert a.value("s3kv_store_requests_total", op="put") == 1
     assert b.value("s3kv_store_requests_total", op="put") == 0
-    a.record_dropped_save("staging_full", 3)
+    a.observe_worker({"dropped_saves": {"staging_full": 3}})
     assert b.value("s3kv_saves_dropped_total", reason="staging_full") == 0
     assert {m.name for m in REGISTRY.collect()} == before
     assert not any(n.startswith("s3kv") for n in before)
@@ -293,7 +293,7 @@ def test_observe_worker_dataclass_and_mapping():
 
 def test_http_server_serves_its_own_registry():
     m = Metrics()
-    m.record_retry("get", 3)
+    m.record_request("get", 0.01, requests=3)
     server = start_http_server(m, 0, addr="127.0.0.1")
     try:
         port = server.server_port
@@ -301,7 +301,7 @@ def test_http_server_serves_its_own_registry():
     finally:
         server.shutdown()
         server.server_close()
-    assert 's3kv_store_retries_total{op="get"} 3.0' in body
+    assert 's3kv_store_requests_total{op="get"} 3.0' in body
     assert "python_gc_objects_collected_total" not in body  # not the default registry
 
 
@@ -310,10 +310,8 @@ def test_http_server_serves_its_own_registry():
 
 def test_prompt_tokens_counter_gives_the_share_served_from_the_store():
     m = Metrics()
-    m.observe_prompt_tokens(1000)
-    m.observe_prompt_tokens(0)  # nothing to count
-    m.observe_leader({"hit_tokens": 600})
-    m.observe_leader({"hit_tokens": 750, "prompt_tokens": 500})  # a cumulative field works too
+    m.observe_leader({"hit_tokens": 600, "prompt_tokens": 1000})
+    m.observe_leader({"hit_tokens": 750, "prompt_tokens": 1500})  # cumulative: the deltas are added
     s = scrape(m)
     assert sample(s, "s3kv_prompt_tokens_total") == 1500
     assert sample(s, "s3kv_hit_tokens_total") == 750

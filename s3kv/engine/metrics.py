@@ -2,7 +2,7 @@
 
 Nothing here touches prometheus_client's global default registry: several engines, ranks of a
 simulator, or tests in one process each own a :class:`Metrics` and never collide. Export with
-:func:`start_http_server` (or ``Metrics.serve``), or read values with :meth:`Metrics.snapshot` /
+:func:`start_http_server`, or read values with :meth:`Metrics.snapshot` /
 :meth:`Metrics.value`.
 
 Feeding it:
@@ -12,9 +12,7 @@ Feeding it:
 * leader and worker: their stats objects hold cumulative counters; call
   :meth:`Metrics.observe_leader` / :meth:`Metrics.observe_worker` now and then (each scrape, each
   iteration - it is cheap) and the deltas since the last call are added to the counters;
-* retries: :meth:`Metrics.record_retry` from whatever owns the retry loop;
-* prompt tokens: :meth:`Metrics.observe_prompt_tokens` once per new request the scheduler asks
-  about (or a cumulative ``prompt_tokens`` field in the leader's stats), so that
+* prompt tokens: the leader stats' cumulative ``prompt_tokens`` field, so that
   ``hit_tokens_total / prompt_tokens_total`` is the share of prompt tokens served from the store.
 
 Export: :func:`serve_for_rank` serves rank ``r`` of a tensor-parallel engine on ``port + r``
@@ -63,7 +61,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import start_http_server as _prom_start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -537,23 +535,9 @@ class Metrics:
         for etype, n in (errors or {}).items():
             self.store_errors.labels(op, etype).inc(n)
 
-    def observe_prompt_tokens(self, n: int) -> None:
-        """Count a new request's prompt tokens (call once per request, where its lookup happens)."""
-        if n > 0:
-            self.prompt_tokens.inc(n)
-
     def set_rank(self, rank: int, tp_size: int) -> None:
         """Label this registry's endpoint with its tensor-parallel rank (``s3kv_rank_info``)."""
         self.rank_info.labels(str(rank), str(tp_size)).set(1)
-
-    def record_retry(self, op: str, n: int = 1) -> None:
-        self.store_retries.labels(op).inc(n)
-
-    def record_dropped_save(self, reason: str, n: int = 1) -> None:
-        self.saves_dropped.labels(reason if reason in DROP_REASONS else "other").inc(n)
-
-    def record_rejected(self, reason: str, n: int = 1) -> None:
-        self.objects_rejected.labels(reason).inc(n)
 
     def set_staging(
         self, in_use: float | None = None, capacity: float | None = None, high_water: float | None = None
@@ -782,13 +766,6 @@ class Metrics:
                 else:
                     out[s.name] = s.value
         return out
-
-    def exposition(self) -> bytes:
-        """The Prometheus text format of this registry (what a scrape returns)."""
-        return generate_latest(self.registry)
-
-    def serve(self, port: int, addr: str = DEFAULT_ADDR) -> Any:
-        return start_http_server(self, port, addr)
 
 
 def start_http_server(metrics: Metrics | CollectorRegistry, port: int, addr: str = DEFAULT_ADDR) -> Any:
