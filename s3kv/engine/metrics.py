@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -755,17 +755,7 @@ class Metrics:
 
     def snapshot(self) -> dict[str, float]:
         """Every current sample as ``{'name{label="v",...}': value}`` (``*_created`` omitted)."""
-        out: dict[str, float] = {}
-        for family in self.registry.collect():
-            for s in family.samples:
-                if s.name.endswith("_created"):
-                    continue
-                if s.labels:
-                    inner = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                    out[f"{s.name}{{{inner}}}"] = s.value
-                else:
-                    out[s.name] = s.value
-        return out
+        return _flatten(self.registry.collect())
 
 
 def start_http_server(metrics: Metrics | CollectorRegistry, port: int, addr: str = DEFAULT_ADDR) -> Any:
@@ -815,8 +805,13 @@ def read_endpoint(url: str, timeout_s: float = 2.0) -> dict[str, float]:
 
 
 def parse_exposition(text: str) -> dict[str, float]:
+    return _flatten(text_string_to_metric_families(text))
+
+
+def _flatten(families: Iterable[Any]) -> dict[str, float]:
+    """Samples as ``{'name{label="v",...}': value}``, labels sorted, ``*_created`` omitted."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for s in family.samples:
             if s.name.endswith("_created"):
                 continue
