@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import secrets
 import subprocess
 import sys
@@ -65,37 +64,9 @@ class DemoShape:
 
 def _workload(shape: DemoShape, role: str) -> list[list[Any]]:
     """Phases of requests: one per conversation turn (users think between turns), new users last."""
-    from ..sim import multi_turn_workload, random_tokens
-    from ..sim.request import SimRequestSpec
+    from ..sim.workload import turn_phases
 
-    turns = shape.turns_a if role == "A" else shape.turns_b
-    base = multi_turn_workload(
-        n_conversations=shape.conversations,
-        turns=shape.turns_b,
-        system_len=shape.system_len,
-        first_len=shape.first_len,
-        turn_len=shape.turn_len,
-        max_new_tokens=shape.answer_len,
-        seed=7,
-        first_id=0,
-    )
-    first_id = 0 if role == "A" else 10_000
-    phases: list[list[Any]] = [[] for _ in range(turns)]
-    for s in base:
-        turn = s.request_id % shape.turns_b
-        if turn < turns:
-            phases[turn].append(SimRequestSpec(first_id + s.request_id, s.prompt, s.max_new_tokens))
-    if role == "B":
-        rng = random.Random("demo/new-users")
-        system = list(base[0].prompt[: shape.system_len])
-        phases.append(
-            [
-                SimRequestSpec(first_id + 5_000 + u, tuple(system + random_tokens(rng, shape.first_len, 32000)),
-                               shape.answer_len)
-                for u in range(shape.new_users)
-            ]
-        )
-    return phases
+    return turn_phases(shape, role, first_id=0 if role == "A" else 10_000, seed=7, new_users_seed="demo/new-users")
 
 
 def _phase_names(shape: DemoShape, role: str) -> list[str]:

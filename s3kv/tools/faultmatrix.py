@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import random
 import sys
 import time
 import uuid
@@ -79,38 +78,10 @@ SMALL = Shape(conversations=2, turns_a=1, turns_b=2, new_users=1, system_len=96,
 
 def workload(shape: Shape, role: str, first_id: int) -> list[list[Any]]:
     """Phases of requests (one per turn, users think between turns; new users last in B)."""
-    from ..sim import multi_turn_workload, random_tokens
-    from ..sim.request import SimRequestSpec
+    from ..sim.workload import turn_phases
 
-    base = multi_turn_workload(
-        n_conversations=shape.conversations,
-        turns=shape.turns_b,
-        system_len=shape.system_len,
-        first_len=shape.first_len,
-        turn_len=shape.turn_len,
-        max_new_tokens=shape.answer_len,
-        seed=shape.seed,
-    )
-    turns = shape.turns_a if role == "A" else shape.turns_b
-    phases: list[list[Any]] = [[] for _ in range(turns)]
-    for s in base:
-        t = s.request_id % shape.turns_b
-        if t < turns:
-            phases[t].append(SimRequestSpec(first_id + s.request_id, s.prompt, s.max_new_tokens))
-    if role == "B" and shape.new_users:
-        rng = random.Random(f"faultmatrix/new-users/{shape.seed}")
-        system = list(base[0].prompt[: shape.system_len])
-        phases.append(
-            [
-                SimRequestSpec(
-                    first_id + 5_000 + u,
-                    tuple(system + random_tokens(rng, shape.first_len, 32000)),
-                    shape.answer_len,
-                )
-                for u in range(shape.new_users)
-            ]
-        )
-    return phases
+    return turn_phases(shape, role, first_id=first_id, seed=shape.seed,
+                       new_users_seed=f"faultmatrix/new-users/{shape.seed}")
 
 
 def fault_settings(url: str, **overrides: Any) -> Settings:
