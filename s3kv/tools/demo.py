@@ -104,28 +104,15 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
     """
     from ..config import load_settings
     from ..engine.runtime import open_runtime_store
-    from ..sim import SimCacheConfig, SimEngine, gemma3_like
     from ..store.instrument import InstrumentedStore
-    from ..trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+    from .faultmatrix import make_engine
 
     settings = load_settings(**demo_overrides(shape, forced))
     raw, prefix = open_runtime_store(settings)
     raw.check_access()
     store = InstrumentedStore(raw)
-    model = gemma3_like(
-        shape.window, num_layers=shape.num_layers, kv_heads=shape.kv_heads * shape.tp_size, head_dim=shape.head_dim
-    )
     t0 = time.perf_counter()
-    engine = SimEngine(
-        model,
-        SimCacheConfig(tokens_per_block=shape.tokens_per_block, max_seq_len=shape.max_seq_len),
-        S3KvConnectorLeader,
-        S3KvConnectorWorker,
-        tp_size=shape.tp_size,
-        chunk_size=shape.chunk_size,
-        max_batch=4,
-        connector_kwargs=dict(settings=settings, store=store, key_prefix=prefix, engine_key=f"demo-{role}"),
-    )
+    engine = make_engine(shape, settings, store, prefix, f"demo-{role}")
     from ..sim import SimEngineCrash, SimHang
 
     reports: list[Any] = []

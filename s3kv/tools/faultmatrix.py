@@ -171,7 +171,7 @@ class ClusterResult:
 
 
 def make_engine(
-    shape: Shape,
+    shape: Any,
     settings: Settings | None,
     store: ObjectStore | None,
     key_prefix: str | None,
@@ -181,8 +181,10 @@ def make_engine(
     """A simulated engine driving the real adapter classes against ``store``.
 
     ``store`` None: the connectors open it themselves from ``settings`` (None: from the
-    environment), exactly as in production (start-up access check included)."""
-    from ..sim import SimCacheConfig, gemma3_like
+    environment), exactly as in production (start-up access check included). ``shape``: a
+    :class:`Shape` (its max_batch and failed_load_hook are the defaults of ``engine_kwargs``), or
+    another with its model and chunking fields (the demo's)."""
+    from ..sim import SimCacheConfig, SimEngine, gemma3_like
     from ..trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
     model = gemma3_like(
@@ -191,9 +193,9 @@ def make_engine(
         kv_heads=shape.kv_heads * shape.tp_size,
         head_dim=shape.head_dim,
     )
-    from ..sim import SimEngine
-
-    engine_kwargs.setdefault("failed_load_hook", shape.failed_load_hook)
+    if isinstance(shape, Shape):
+        engine_kwargs.setdefault("failed_load_hook", shape.failed_load_hook)
+        engine_kwargs.setdefault("max_batch", shape.max_batch)
     return SimEngine(
         model,
         SimCacheConfig(tokens_per_block=shape.tokens_per_block, max_seq_len=shape.max_seq_len),
@@ -201,7 +203,6 @@ def make_engine(
         S3KvConnectorWorker,
         tp_size=shape.tp_size,
         chunk_size=shape.chunk_size,
-        max_batch=shape.max_batch,
         connector_kwargs=dict(settings=settings, store=store, key_prefix=key_prefix, engine_key=engine_key),
         **engine_kwargs,
     )
