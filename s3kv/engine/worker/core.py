@@ -129,7 +129,6 @@ class WorkerCore:
         self._loads = LoadJobs(settings, self._verdicts or index, self._counters, failed_load_hook=failed_load_hook)
         self._saves = SaveJobs(settings, self._counters, self._uploader)
         # Load state tests and tools look at (the same objects the load jobs change in place).
-        self._async, self._failed_report, self._jobs = self._loads.parked, self._loads.failed_report, self._loads.jobs
         # Set by register_layout.
         self._rank: RankLayout | None = None
         self._copier: Copier | None = None
