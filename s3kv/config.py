@@ -25,7 +25,7 @@ import logging
 import os
 import re
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from functools import cached_property
 from pathlib import Path
@@ -691,10 +691,6 @@ def explicit_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
     return out
 
 
-#: Where a setting's value came from, lowest precedence first (:func:`setting_sources`).
-SOURCES = ("default", "file", "env", "flag")
-
-
 def _gather(env: Mapping[str, str], overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """(raw values, where each came from) for the settings set anywhere: file < env < overrides.
     Unknown keys in the file and unknown overrides are errors."""
@@ -779,5 +775,3 @@ def auto_blocks_per_object(page_bytes: int, settings: Settings) -> int:
     target = settings.target_object_mib * 1024 * 1024
     return max(1, min(settings.max_blocks_per_object, target // max(1, page_bytes)))
 
-
-Converter = Callable[[str], Any]

@@ -194,11 +194,6 @@ def test_salts_isolate_tenants():
     assert rep_a.matched_tokens > 0 and rep_a.kv_mismatches == 0
 
 
-def _objects_by_end(store, engine_leader):
-    scheme = engine_leader.core.scheme
-    return [k for k in store.keys() if k.startswith(scheme.namespace_prefix)]
-
-
 def test_deleted_middle_object_stops_the_hit_before_it():
     model = gemma3_like(64)
     prompt = tuple(random_tokens(random.Random(5), 640, 32000))

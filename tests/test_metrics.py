@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 from prometheus_client import REGISTRY, generate_latest
@@ -135,7 +135,7 @@ def test_two_instances_do_not_collide_and_global_registry_is_untouched():
     MetricsStore(MemoryStore(), a).put("k", b"xyz")
     assert a.value("s3kv_store_requests_total", op="put") == 1
     assert b.value("s3kv_store_requests_total", op="put") == 0
-    a.record_dropped_save("staging_full", 3)
+    a.observe_worker({"saves_dropped_staging_full": 3})
     assert b.value("s3kv_saves_dropped_total", reason="staging_full") == 0
     assert {m.name for m in REGISTRY.collect()} == before
     assert not any(n.startswith("s3kv") for n in before)
@@ -210,27 +210,22 @@ def test_observe_leader_adds_deltas():
 
 
 @dataclass
-class _Staging:
-    capacity: int = 1 << 20
-    in_use: int = 4096
-    high_water: int = 8192
-    save_drops: int = 0
-
-
-@dataclass
 class _WorkerStats:
+    """The fields of ``WorkerStats`` that observe_worker reads (every one is optional)."""
+
     pages_staged: int = 0
     objects_uploaded: int = 0
     bytes_uploaded: int = 0
     saves_dropped_staging_full: int = 0
     saves_dropped_store_error: int = 0
-    saves_dropped_breaker_open: int = 0
+    saves_dropped_other: int = 0
     objects_loaded: int = 0
     pages_loaded: int = 0
     bytes_loaded: int = 0
-    loads_failed: int = 0
-    corrupt_objects: int = 0
-    staging: _Staging = field(default_factory=_Staging)
+    loads_failed_objects: int = 0
+    staging_capacity: int = 1 << 20
+    staging_in_use: int = 4096
+    staging_high_water: int = 8192
 
 
 def test_observe_worker_dataclass_and_mapping():
@@ -240,17 +235,16 @@ def test_observe_worker_dataclass_and_mapping():
         objects_uploaded=2,
         bytes_uploaded=1000,
         saves_dropped_staging_full=1,
-        saves_dropped_breaker_open=4,
+        saves_dropped_other=4,
         objects_loaded=3,
         pages_loaded=12,
         bytes_loaded=600,
-        loads_failed=1,
-        corrupt_objects=2,
+        loads_failed_objects=1,
     )
     m.observe_worker(w)
     w.objects_uploaded = 5
     w.saves_dropped_store_error = 2
-    w.staging.in_use = 0
+    w.staging_in_use = 0
     m.observe_worker(w)
     s = scrape(m)
     assert sample(s, "s3kv_pages_staged_total") == 10
@@ -258,17 +252,17 @@ def test_observe_worker_dataclass_and_mapping():
     assert sample(s, "s3kv_saved_bytes_total") == 1000
     assert sample(s, "s3kv_saves_dropped_total", reason="staging_full") == 1
     assert sample(s, "s3kv_saves_dropped_total", reason="store_error") == 2
-    assert sample(s, "s3kv_saves_dropped_total", reason="breaker_open") == 4
+    assert sample(s, "s3kv_saves_dropped_total", reason="other") == 4
+    assert sample(s, "s3kv_saves_dropped_total", reason="breaker_open") == 0
     assert sample(s, "s3kv_objects_loaded_total") == 3
     assert sample(s, "s3kv_pages_loaded_total") == 12
     assert sample(s, "s3kv_loaded_bytes_total") == 600
     assert sample(s, "s3kv_load_failures_total") == 1
-    assert sample(s, "s3kv_objects_rejected_total", reason="corrupt") == 2
     assert sample(s, "s3kv_staging_bytes_in_use") == 0
     assert sample(s, "s3kv_staging_capacity_bytes") == 1 << 20
     assert sample(s, "s3kv_staging_high_water_bytes") == 8192
 
-    # A Counters.snapshot()-style mapping with the transfer threads' names; unknown fields are ignored.
+    # A mapping with the same names; unknown fields are ignored.
     m2 = Metrics()
     m2.observe_worker(
         {
@@ -276,24 +270,31 @@ def test_observe_worker_dataclass_and_mapping():
             "saves_dropped_store_error": 1,
             "loads_failed_objects": 2,
             "whatever": "x",
-            "dropped_saves": None,
         }
     )
     assert m2.value("s3kv_objects_saved_total") == 4
     assert m2.value("s3kv_saves_dropped_total", reason="store_error") == 1
     assert m2.value("s3kv_load_failures_total") == 2
-    # A per-reason mapping; a counter that went backwards (a restarted worker) counts from zero.
+    # A counter that went backwards (a restarted worker) counts from zero.
     m3 = Metrics()
-    m3.observe_worker({"dropped_saves": {"staging_full": 5, "weird": 1}})
-    m3.observe_worker({"dropped_saves": {"staging_full": 2, "weird": 1}})
+    m3.observe_worker({"saves_dropped_staging_full": 5})
+    m3.observe_worker({"saves_dropped_staging_full": 2})
     assert m3.value("s3kv_saves_dropped_total", reason="staging_full") == 7
-    assert m3.value("s3kv_saves_dropped_total", reason="other") == 1
     m3.observe_worker(object())  # nothing known: nothing happens
+    # The real snapshot's names are the ones read.
+    from s3kv.engine.worker.stats import worker_stats
+
+    m4 = Metrics()
+    c = {"objects_uploaded": 3, "bytes_uploaded": 30, "loads_failed_objects": 1, "saves_dropped_other": 2}
+    m4.observe_worker(worker_stats(c, None, uploads_pending=0, parked_now=0))
+    assert m4.value("s3kv_objects_saved_total") == 3 and m4.value("s3kv_saved_bytes_total") == 30
+    assert m4.value("s3kv_load_failures_total") == 1
+    assert m4.value("s3kv_saves_dropped_total", reason="other") == 2
 
 
 def test_http_server_serves_its_own_registry():
     m = Metrics()
-    m.record_retry("get", 3)
+    m.record_request("get", 0.01, requests=3)
     server = start_http_server(m, 0, addr="127.0.0.1")
     try:
         port = server.server_port
@@ -301,7 +302,7 @@ def test_http_server_serves_its_own_registry():
     finally:
         server.shutdown()
         server.server_close()
-    assert 's3kv_store_retries_total{op="get"} 3.0' in body
+    assert 's3kv_store_requests_total{op="get"} 3.0' in body
     assert "python_gc_objects_collected_total" not in body  # not the default registry
 
 
@@ -310,10 +311,8 @@ def test_http_server_serves_its_own_registry():
 
 def test_prompt_tokens_counter_gives_the_share_served_from_the_store():
     m = Metrics()
-    m.observe_prompt_tokens(1000)
-    m.observe_prompt_tokens(0)  # nothing to count
-    m.observe_leader({"hit_tokens": 600})
-    m.observe_leader({"hit_tokens": 750, "prompt_tokens": 500})  # a cumulative field works too
+    m.observe_leader({"hit_tokens": 600, "prompt_tokens": 1000})
+    m.observe_leader({"hit_tokens": 750, "prompt_tokens": 1500})  # cumulative: the deltas are added
     s = scrape(m)
     assert sample(s, "s3kv_prompt_tokens_total") == 1500
     assert sample(s, "s3kv_hit_tokens_total") == 750

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from s3kv.store.base import BucketNotFound, StoreConfigError
-from s3kv.store.factory import forget_memory_store, open_store, parse_store_url
+from s3kv.store.factory import open_store, parse_store_url
 from s3kv.store.fsspec_store import FsspecStore
 from s3kv.store.memory import MemoryStore
 from s3kv.store.retrying import RetryingStore, RetryPolicy
@@ -65,10 +65,6 @@ def test_memory_registry_shares_by_name() -> None:
     a.put("k", b"v")
     assert b.get("k") == b"v"
     assert open_store("memory://other-name") is not a
-    forget_memory_store("reg-test")
-    assert open_store("memory://reg-test").head("k") is None
-    forget_memory_store("reg-test")
-    forget_memory_store("other-name")
 
 
 def test_file_url(tmp_path: Any) -> None:

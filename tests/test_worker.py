@@ -633,7 +633,7 @@ def test_parked_request_cancelled_while_retrying_is_released(store):
     assert b._counters.snapshot().get("rung_parked_retry") == 1
     assert b.get_finished([7], []) == ([7], [])
     assert _poll(b, lambda s_, l_: False, timeout=0.2) == ([], [])  # never reported loaded
-    assert b._counters.snapshot().get("parked_loads_cancelled") == 1 and not b._async
+    assert b._counters.snapshot().get("parked_loads_cancelled") == 1 and not b._loads.parked
     b.close()
 
 
@@ -642,7 +642,7 @@ def test_async_failure_before_hand_over_goes_to_the_hook(store):
     b.bind(load_md(7, 0, digest("nothing"), ((0, 1),), [0], [20], is_async=True))
     b.start_load_kv(None)
     b.wait_for_save(None)
-    _poll(b, lambda s_, l_: bool(b._failed_report), timeout=2)
+    _poll(b, lambda s_, l_: bool(b._loads.failed_report), timeout=2)
     assert b.take_failed_load_request_ids() == {7}
     assert b.get_finished([], [7]) == ([], [])
     assert b.get_finished([], []) == ([], [])
@@ -826,7 +826,7 @@ def test_failed_request_is_dropped_from_a_shared_pending_load(store):
     before = [page_bytes(lb, 0, s) for s in (20, 21)]
     deadline = time.monotonic() + 5
     handed = [7, 8]
-    while time.monotonic() < deadline and not b._failed_report:
+    while time.monotonic() < deadline and not b._loads.failed_report:
         assert b.get_finished([], handed) == ([], [])
         handed = []
         time.sleep(0.01)
@@ -853,7 +853,7 @@ def test_sync_failure_waits_for_sibling_copies_before_reporting(store):
     )
     step(b, ConnectorMetadata(loads=ops))
     assert b.take_failed_load_request_ids() == {7}
-    assert all(j.finished for j in b._jobs)
+    assert all(j.finished for j in b._loads.jobs)
     b.close()
 
 

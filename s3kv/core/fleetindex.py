@@ -270,7 +270,3 @@ def decode(
         out.sections[(gfp, shard, tp)] = Section(*cols)
     return out
 
-
-def read_header(data: bytes | memoryview) -> dict[str, Any]:
-    """The header alone (operators' tools: ``s3kv stats`` shows an index's age and size)."""
-    return _header(memoryview(data).cast("B"))[0]

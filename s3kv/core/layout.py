@@ -80,10 +80,6 @@ class CacheGeometry:
         """
         return max(self.groups, key=lambda g: (g.window is None, g.window or 0, -g.group_id)).group_id
 
-    @property
-    def max_page_bytes(self) -> int:
-        return max(g.page_bytes for g in self.groups)
-
     @classmethod
     def from_layout(cls, layout: Any, *, model_id: str, tp_size: int, kv_dtype: str) -> CacheGeometry:
         groups = []

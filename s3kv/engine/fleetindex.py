@@ -369,12 +369,3 @@ class IndexRefresher:
                 "missing": self.missing, "refused": dict(self.refused),
                 "objects": idx.objects if idx is not None else 0, "age_s": self.age_s()}
 
-
-def namespaces_of(keys: Iterable[str]) -> list[str]:
-    """The namespace prefixes ``keys`` (object keys) fall under, each once, in order."""
-    out: dict[str, None] = {}
-    for k in keys:
-        p = parse_key(k)
-        if p is not None:
-            out[k[: k.rindex(p.namespace) + len(p.namespace) + 1]] = None
-    return list(out)

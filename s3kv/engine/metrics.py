@@ -2,7 +2,7 @@
 
 Nothing here touches prometheus_client's global default registry: several engines, ranks of a
 simulator, or tests in one process each own a :class:`Metrics` and never collide. Export with
-:func:`start_http_server` (or ``Metrics.serve``), or read values with :meth:`Metrics.snapshot` /
+:func:`start_http_server`, or read values with :meth:`Metrics.snapshot` /
 :meth:`Metrics.value`.
 
 Feeding it:
@@ -12,9 +12,7 @@ Feeding it:
 * leader and worker: their stats objects hold cumulative counters; call
   :meth:`Metrics.observe_leader` / :meth:`Metrics.observe_worker` now and then (each scrape, each
   iteration - it is cheap) and the deltas since the last call are added to the counters;
-* retries: :meth:`Metrics.record_retry` from whatever owns the retry loop;
-* prompt tokens: :meth:`Metrics.observe_prompt_tokens` once per new request the scheduler asks
-  about (or a cumulative ``prompt_tokens`` field in the leader's stats), so that
+* prompt tokens: the leader stats' cumulative ``prompt_tokens`` field, so that
   ``hit_tokens_total / prompt_tokens_total`` is the share of prompt tokens served from the store.
 
 Export: :func:`serve_for_rank` serves rank ``r`` of a tensor-parallel engine on ``port + r``
@@ -60,10 +58,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import start_http_server as _prom_start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -91,55 +89,22 @@ REJECT_REASONS = ("foreign", "corrupt")
 BREAKER_LEVELS = {"closed": 0, "half_open": 1, "open": 2}
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
-# Worker stats fields, by what they feed. Each tuple lists the names a stats object (dataclass
-# or mapping) may use, first match wins; a missing one is simply not observed.
-_WORKER_COUNTERS: dict[str, tuple[str, ...]] = {
-    "pages_staged": ("pages_staged", "staged_pages", "saved_pages", "pages_saved"),
-    "objects_saved": ("objects_uploaded", "uploaded_objects", "objects_saved", "saved_objects"),
-    "saved_bytes": ("bytes_uploaded", "uploaded_bytes", "bytes_saved", "saved_bytes"),
-    "objects_already_present": ("objects_already_present", "already_present"),
-    "objects_loaded": ("objects_loaded", "loaded_objects"),
-    "pages_loaded": ("pages_loaded", "loaded_pages"),
-    "loaded_bytes": ("bytes_loaded", "loaded_bytes"),
-    "load_failures": ("loads_failed", "failed_loads", "load_failures", "loads_failed_objects"),
+# Worker stats fields (``s3kv.engine.worker.WorkerStats``), by the metric they feed; a missing
+# one is simply not observed.
+_WORKER_COUNTERS = {
+    "pages_staged": "pages_staged",
+    "objects_saved": "objects_uploaded",
+    "saved_bytes": "bytes_uploaded",
+    "objects_already_present": "objects_already_present",
+    "objects_loaded": "objects_loaded",
+    "pages_loaded": "pages_loaded",
+    "loaded_bytes": "bytes_loaded",
+    "load_failures": "loads_failed_objects",
 }
-_WORKER_DROPS: dict[str, tuple[str, ...]] = {
-    "staging_full": (
-        "saves_dropped_staging_full",
-        "saves_dropped_staging",
-        "dropped_saves_staging_full",
-        "dropped_staging_full",
-        "staging_full_drops",
-        "save_drops",
-    ),
-    "store_error": (
-        "saves_dropped_store_error",
-        "dropped_saves_store_error",
-        "dropped_store_error",
-        "save_errors",
-    ),
-    "breaker_open": (
-        "saves_dropped_breaker_open",
-        "saves_dropped_breaker",
-        "dropped_saves_breaker_open",
-        "dropped_breaker_open",
-    ),
-    # e.g. an unexpected exception on an upload thread
-    "other": ("saves_dropped_error", "saves_dropped_other", "dropped_saves_other"),
-}
-_WORKER_REJECTS: dict[str, tuple[str, ...]] = {
-    "foreign": ("foreign_objects", "objects_foreign", "rejected_foreign"),
-    "corrupt": ("corrupt_objects", "objects_corrupt", "checksum_failures", "rejected_corrupt"),
-}
-_WORKER_GAUGES: dict[str, tuple[str, ...]] = {
-    "staging_in_use": ("staging_bytes_in_use", "staging_in_use", "staging_in_use_bytes"),
-    "staging_capacity": ("staging_capacity_bytes", "staging_capacity", "staging_bytes_capacity"),
-    "staging_high_water": ("staging_high_water_bytes", "staging_high_water", "staging_high_water_mark"),
-}
-_STAGING_FIELDS = {
-    "staging_in_use": "in_use",
-    "staging_capacity": "capacity",
-    "staging_high_water": "high_water",
+_WORKER_DROPS = {
+    "staging_full": "saves_dropped_staging_full",
+    "store_error": "saves_dropped_store_error",
+    "other": "saves_dropped_other",  # e.g. an unexpected exception on an upload thread
 }
 
 
@@ -537,23 +502,9 @@ class Metrics:
         for etype, n in (errors or {}).items():
             self.store_errors.labels(op, etype).inc(n)
 
-    def observe_prompt_tokens(self, n: int) -> None:
-        """Count a new request's prompt tokens (call once per request, where its lookup happens)."""
-        if n > 0:
-            self.prompt_tokens.inc(n)
-
     def set_rank(self, rank: int, tp_size: int) -> None:
         """Label this registry's endpoint with its tensor-parallel rank (``s3kv_rank_info``)."""
         self.rank_info.labels(str(rank), str(tp_size)).set(1)
-
-    def record_retry(self, op: str, n: int = 1) -> None:
-        self.store_retries.labels(op).inc(n)
-
-    def record_dropped_save(self, reason: str, n: int = 1) -> None:
-        self.saves_dropped.labels(reason if reason in DROP_REASONS else "other").inc(n)
-
-    def record_rejected(self, reason: str, n: int = 1) -> None:
-        self.objects_rejected.labels(reason).inc(n)
 
     def set_staging(
         self, in_use: float | None = None, capacity: float | None = None, high_water: float | None = None
@@ -690,30 +641,12 @@ class Metrics:
         self._feed(self.head_helper_cpu, "helpers", "cpu_s", _number(stats.get("cpu_s")))
 
     def observe_worker(self, stats: Any, source: str = "worker") -> None:
-        """Copy a worker's cumulative stats (dataclass, object, or ``Counters.snapshot()`` mapping).
-
-        Every field is optional: see ``_WORKER_*`` for the names read. A ``dropped_saves`` (or
-        ``saves_dropped``) mapping of reason -> count is used as is; staging gauges are read from
-        top-level fields or from a nested ``staging`` object (``StagingStats``).
-        """
-        for attr, names in _WORKER_COUNTERS.items():
-            self._feed(getattr(self, attr), source, attr, _first(stats, names))
-        drops = _mapping(stats, ("dropped_saves", "saves_dropped", "dropped_saves_by_reason"))
-        if drops is not None:
-            for reason, n in drops.items():
-                reason = str(reason) if str(reason) in DROP_REASONS else "other"
-                self._feed(self.saves_dropped.labels(reason), source, f"drop[{reason}]", _number(n))
-        else:
-            staging_stats = _field(stats, "staging")
-            for reason, names in _WORKER_DROPS.items():
-                v = _first(stats, names)
-                if v is None and reason == "staging_full" and staging_stats is not None:
-                    v = _number(_field(staging_stats, "save_drops"))  # StagingStats: saves refused a buffer
-                self._feed(self.saves_dropped.labels(reason), source, f"drop[{reason}]", v)
-        for reason, names in _WORKER_REJECTS.items():
-            self._feed(
-                self.objects_rejected.labels(reason), source, f"reject[{reason}]", _first(stats, names)
-            )
+        """Copy a worker's cumulative stats (``WorkerStats``, or a mapping with its field names;
+        every field is optional)."""
+        for attr, name in _WORKER_COUNTERS.items():
+            self._feed(getattr(self, attr), source, attr, _first(stats, (name,)))
+        for reason, name in _WORKER_DROPS.items():
+            self._feed(self.saves_dropped.labels(reason), source, f"drop[{reason}]", _first(stats, (name,)))
         for label, name in (("engine_recompute", "rung_engine_recompute"), ("parked_retry", "rung_parked_retry")):
             self._feed(self.failed_load_rungs.labels(label), source, f"rung[{label}]", _first(stats, (name,)))
         by_cause = _mapping(stats, ("parked_by_cause",)) or {}
@@ -733,14 +666,8 @@ class Metrics:
         parked = _first(stats, ("parked_now",))
         if parked is not None:
             self.parked_requests.set(parked)
-        staging = _field(stats, "staging")
-        values = {}
-        for gauge, names in _WORKER_GAUGES.items():
-            v = _first(stats, names)
-            if v is None and staging is not None:
-                v = _number(_field(staging, _STAGING_FIELDS[gauge]))
-            values[gauge] = v
-        self.set_staging(values["staging_in_use"], values["staging_capacity"], values["staging_high_water"])
+        self.set_staging(_first(stats, ("staging_in_use",)), _first(stats, ("staging_capacity",)),
+                         _first(stats, ("staging_high_water",)))
         self._observe_host_tier(stats, source)
 
     def _observe_host_tier(self, stats: Any, source: str) -> None:
@@ -771,24 +698,7 @@ class Metrics:
 
     def snapshot(self) -> dict[str, float]:
         """Every current sample as ``{'name{label="v",...}': value}`` (``*_created`` omitted)."""
-        out: dict[str, float] = {}
-        for family in self.registry.collect():
-            for s in family.samples:
-                if s.name.endswith("_created"):
-                    continue
-                if s.labels:
-                    inner = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
-                    out[f"{s.name}{{{inner}}}"] = s.value
-                else:
-                    out[s.name] = s.value
-        return out
-
-    def exposition(self) -> bytes:
-        """The Prometheus text format of this registry (what a scrape returns)."""
-        return generate_latest(self.registry)
-
-    def serve(self, port: int, addr: str = DEFAULT_ADDR) -> Any:
-        return start_http_server(self, port, addr)
+        return _flatten(self.registry.collect())
 
 
 def start_http_server(metrics: Metrics | CollectorRegistry, port: int, addr: str = DEFAULT_ADDR) -> Any:
@@ -838,8 +748,13 @@ def read_endpoint(url: str, timeout_s: float = 2.0) -> dict[str, float]:
 
 
 def parse_exposition(text: str) -> dict[str, float]:
+    return _flatten(text_string_to_metric_families(text))
+
+
+def _flatten(families: Iterable[Any]) -> dict[str, float]:
+    """Samples as ``{'name{label="v",...}': value}``, labels sorted, ``*_created`` omitted."""
     out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in families:
         for s in family.samples:
             if s.name.endswith("_created"):
                 continue

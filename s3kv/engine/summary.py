@@ -121,7 +121,6 @@ class TrustGate:
         #: source -> generation of its listing when trust was lost (absent: trusted).
         self._lost: dict[str, int] = {}
         self._confirmed: dict[str, int] = {}
-        self.losses = 0
 
     def trusted(self, source: str) -> bool:
         return source not in self._lost
@@ -130,7 +129,6 @@ class TrustGate:
         """A load ``source`` vouched for failed; True if that took its trust (it had it)."""
         had = source not in self._lost
         if had:
-            self.losses += 1
             log.warning("s3kv: a load of an object the %s listed failed; its hits are verified by HEAD "
                         "until it proves right again", "fleet index" if source == "index" else "namespace LIST")
         self._lost[source] = generation

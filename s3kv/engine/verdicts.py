@@ -130,7 +130,6 @@ class VerdictBoard:
         self._ranks = range(1, tp_size)
         self._read = {r: 0 for r in self._ranks}  # bytes of each rank's file applied so far
         self._lock = threading.Lock()
-        self.applied = 0
         # Keys quarantined here for a rank's verdict, by rank: only such a quarantine may that
         # rank's later "forget" lift. The leader quarantines objects for reasons of its own (a
         # finish plan that did not match the pages copied: the bytes verify but may be wrong KV),
@@ -162,7 +161,6 @@ class VerdictBoard:
                     n += self._poll_rank(r)
                 except Exception as e:  # noqa: BLE001 - a lookup must never fail for this
                     log.debug("s3kv: reading rank %d's verdicts failed: %s", r, e)
-            self.applied += n
         return n
 
     def _poll_rank(self, rank: int) -> int:

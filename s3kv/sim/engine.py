@@ -164,7 +164,6 @@ class _Req:
     to_complete: bool = False
     #: Overlap loop: paused for recompute after this pass (V2 folds the tokens in once the host has them).
     pause_pending: bool = False
-    gen_done: bool = False
     load_ranks: set[int] = field(default_factory=set)  # ranks yet to return the async load
     save_ranks: set[int] = field(default_factory=set)  # ranks yet to return the held (saving) id
     cancelled: bool = False
@@ -830,7 +829,6 @@ class SimEngine:
                 continue
             # _handle_errors: the request fails; its pages are freed with no connector call.
             st.failed = "KV cache load failure"
-            st.gen_done = True
             st.t_done, st.it_done = time.perf_counter(), self._iterations
             st.t_first_token = st.t_first_token or st.t_done
             self._done_ids.add(st.rid)
@@ -1244,7 +1242,6 @@ class SimEngine:
     def _finish(self, st: _Req, it: int, finished_gen: list[int], *, tell: bool = True) -> None:
         """``_handle_responses``: ``request_finished``; True keeps the pages until every rank returns
         the id. ``tell=False``: a cancel (``silent_cancel``), freed with no connector call."""
-        st.gen_done = True
         st.t_done, st.it_done = time.perf_counter(), it
         if not st.t_first_token:
             st.t_first_token = st.t_done

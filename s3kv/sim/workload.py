@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import Any
 
 from .config import SimModel
 from .model import generate_tokens, request_root
@@ -156,3 +157,34 @@ def repeat_workload(specs: Sequence[SimRequestSpec], first_id: int) -> list[SimR
         )
         for s in specs
     ]
+
+
+def turn_phases(shape: Any, role: str, *, first_id: int, seed: int, new_users_seed: str) -> list[list[SimRequestSpec]]:
+    """Two clusters' phases of :func:`multi_turn_workload`: one phase per conversation turn (users
+    think between turns; cluster ``"A"`` runs ``shape.turns_a`` turns, ``"B"`` ``shape.turns_b``)
+    and, on B, a last phase of ``shape.new_users`` new users on the shared system prompt. ``shape``
+    names conversations, turns_a, turns_b, system_len, first_len, turn_len, answer_len, new_users."""
+    base = multi_turn_workload(
+        n_conversations=shape.conversations,
+        turns=shape.turns_b,
+        system_len=shape.system_len,
+        first_len=shape.first_len,
+        turn_len=shape.turn_len,
+        max_new_tokens=shape.answer_len,
+        seed=seed,
+    )
+    turns = shape.turns_a if role == "A" else shape.turns_b
+    phases: list[list[SimRequestSpec]] = [[] for _ in range(turns)]
+    for s in base:
+        t = s.request_id % shape.turns_b
+        if t < turns:
+            phases[t].append(SimRequestSpec(first_id + s.request_id, s.prompt, s.max_new_tokens))
+    if role == "B" and shape.new_users:
+        rng = random.Random(new_users_seed)
+        system = list(base[0].prompt[: shape.system_len])
+        phases.append([
+            SimRequestSpec(first_id + 5_000 + u, tuple(system + random_tokens(rng, shape.first_len, 32000)),
+                           shape.answer_len)
+            for u in range(shape.new_users)
+        ])
+    return phases

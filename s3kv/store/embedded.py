@@ -46,7 +46,6 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -383,13 +382,6 @@ class EmbeddedS3:
                     raise
             # A just-started gateway can answer before its filer is ready for writes.
             time.sleep(0.1)
-
-
-@contextlib.contextmanager
-def embedded_s3(kind: Kind = "auto", **kwargs: Any) -> Iterator[EmbeddedS3]:
-    server = EmbeddedS3(kind, **kwargs)
-    with server:
-        yield server
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -139,12 +139,6 @@ def memory_store(name: str) -> MemoryStore:
         return store
 
 
-def forget_memory_store(name: str) -> None:
-    """Drop a named memory store (its objects go with it)."""
-    with _MEMORY_LOCK:
-        _MEMORY_STORES.pop(name, None)
-
-
 def open_store(
     url: str,
     *,

@@ -210,8 +210,6 @@ class ObstoreS3Store(ObjectStore):
     """An :class:`ObjectStore` over one S3 bucket through obstore; same contract and options as
     :class:`~s3kv.store.s3.S3Store` (which it holds for multipart writes and start-up checks)."""
 
-    client_name = "obstore"
-
     def __init__(
         self,
         bucket: str,

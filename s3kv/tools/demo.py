@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import secrets
 import subprocess
 import sys
@@ -65,37 +64,9 @@ class DemoShape:
 
 def _workload(shape: DemoShape, role: str) -> list[list[Any]]:
     """Phases of requests: one per conversation turn (users think between turns), new users last."""
-    from ..sim import multi_turn_workload, random_tokens
-    from ..sim.request import SimRequestSpec
+    from ..sim.workload import turn_phases
 
-    turns = shape.turns_a if role == "A" else shape.turns_b
-    base = multi_turn_workload(
-        n_conversations=shape.conversations,
-        turns=shape.turns_b,
-        system_len=shape.system_len,
-        first_len=shape.first_len,
-        turn_len=shape.turn_len,
-        max_new_tokens=shape.answer_len,
-        seed=7,
-        first_id=0,
-    )
-    first_id = 0 if role == "A" else 10_000
-    phases: list[list[Any]] = [[] for _ in range(turns)]
-    for s in base:
-        turn = s.request_id % shape.turns_b
-        if turn < turns:
-            phases[turn].append(SimRequestSpec(first_id + s.request_id, s.prompt, s.max_new_tokens))
-    if role == "B":
-        rng = random.Random("demo/new-users")
-        system = list(base[0].prompt[: shape.system_len])
-        phases.append(
-            [
-                SimRequestSpec(first_id + 5_000 + u, tuple(system + random_tokens(rng, shape.first_len, 32000)),
-                               shape.answer_len)
-                for u in range(shape.new_users)
-            ]
-        )
-    return phases
+    return turn_phases(shape, role, first_id=0 if role == "A" else 10_000, seed=7, new_users_seed="demo/new-users")
 
 
 def _phase_names(shape: DemoShape, role: str) -> list[str]:
@@ -133,28 +104,15 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
     """
     from ..config import load_settings
     from ..engine.runtime import open_runtime_store
-    from ..sim import SimCacheConfig, SimEngine, gemma3_like
     from ..store.instrument import InstrumentedStore
-    from ..trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+    from .faultmatrix import make_engine
 
     settings = load_settings(**demo_overrides(shape, forced))
     raw, prefix = open_runtime_store(settings)
     raw.check_access()
     store = InstrumentedStore(raw)
-    model = gemma3_like(
-        shape.window, num_layers=shape.num_layers, kv_heads=shape.kv_heads * shape.tp_size, head_dim=shape.head_dim
-    )
     t0 = time.perf_counter()
-    engine = SimEngine(
-        model,
-        SimCacheConfig(tokens_per_block=shape.tokens_per_block, max_seq_len=shape.max_seq_len),
-        S3KvConnectorLeader,
-        S3KvConnectorWorker,
-        tp_size=shape.tp_size,
-        chunk_size=shape.chunk_size,
-        max_batch=4,
-        connector_kwargs=dict(settings=settings, store=store, key_prefix=prefix, engine_key=f"demo-{role}"),
-    )
+    engine = make_engine(shape, settings, store, prefix, f"demo-{role}")
     from ..sim import SimEngineCrash, SimHang
 
     reports: list[Any] = []

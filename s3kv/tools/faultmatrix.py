@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import random
 import sys
 import time
 import uuid
@@ -79,38 +78,10 @@ SMALL = Shape(conversations=2, turns_a=1, turns_b=2, new_users=1, system_len=96,
 
 def workload(shape: Shape, role: str, first_id: int) -> list[list[Any]]:
     """Phases of requests (one per turn, users think between turns; new users last in B)."""
-    from ..sim import multi_turn_workload, random_tokens
-    from ..sim.request import SimRequestSpec
+    from ..sim.workload import turn_phases
 
-    base = multi_turn_workload(
-        n_conversations=shape.conversations,
-        turns=shape.turns_b,
-        system_len=shape.system_len,
-        first_len=shape.first_len,
-        turn_len=shape.turn_len,
-        max_new_tokens=shape.answer_len,
-        seed=shape.seed,
-    )
-    turns = shape.turns_a if role == "A" else shape.turns_b
-    phases: list[list[Any]] = [[] for _ in range(turns)]
-    for s in base:
-        t = s.request_id % shape.turns_b
-        if t < turns:
-            phases[t].append(SimRequestSpec(first_id + s.request_id, s.prompt, s.max_new_tokens))
-    if role == "B" and shape.new_users:
-        rng = random.Random(f"faultmatrix/new-users/{shape.seed}")
-        system = list(base[0].prompt[: shape.system_len])
-        phases.append(
-            [
-                SimRequestSpec(
-                    first_id + 5_000 + u,
-                    tuple(system + random_tokens(rng, shape.first_len, 32000)),
-                    shape.answer_len,
-                )
-                for u in range(shape.new_users)
-            ]
-        )
-    return phases
+    return turn_phases(shape, role, first_id=first_id, seed=shape.seed,
+                       new_users_seed=f"faultmatrix/new-users/{shape.seed}")
 
 
 def fault_settings(url: str, **overrides: Any) -> Settings:
@@ -200,7 +171,7 @@ class ClusterResult:
 
 
 def make_engine(
-    shape: Shape,
+    shape: Any,
     settings: Settings | None,
     store: ObjectStore | None,
     key_prefix: str | None,
@@ -210,8 +181,10 @@ def make_engine(
     """A simulated engine driving the real adapter classes against ``store``.
 
     ``store`` None: the connectors open it themselves from ``settings`` (None: from the
-    environment), exactly as in production (start-up access check included)."""
-    from ..sim import SimCacheConfig, gemma3_like
+    environment), exactly as in production (start-up access check included). ``shape``: a
+    :class:`Shape` (its max_batch and failed_load_hook are the defaults of ``engine_kwargs``), or
+    another with its model and chunking fields (the demo's)."""
+    from ..sim import SimCacheConfig, SimEngine, gemma3_like
     from ..trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
     model = gemma3_like(
@@ -220,9 +193,9 @@ def make_engine(
         kv_heads=shape.kv_heads * shape.tp_size,
         head_dim=shape.head_dim,
     )
-    from ..sim import SimEngine
-
-    engine_kwargs.setdefault("failed_load_hook", shape.failed_load_hook)
+    if isinstance(shape, Shape):
+        engine_kwargs.setdefault("failed_load_hook", shape.failed_load_hook)
+        engine_kwargs.setdefault("max_batch", shape.max_batch)
     return SimEngine(
         model,
         SimCacheConfig(tokens_per_block=shape.tokens_per_block, max_seq_len=shape.max_seq_len),
@@ -230,7 +203,6 @@ def make_engine(
         S3KvConnectorWorker,
         tp_size=shape.tp_size,
         chunk_size=shape.chunk_size,
-        max_batch=shape.max_batch,
         connector_kwargs=dict(settings=settings, store=store, key_prefix=key_prefix, engine_key=engine_key),
         **engine_kwargs,
     )

@@ -46,7 +46,6 @@ from ..core.objects import (
     TruncatedObject,
     UnsupportedVersion,
     decode_header,
-    decode_object,
     header_len,
     span_from_metadata,
     verify_page,
@@ -714,35 +713,15 @@ def identity_from(parsed: ParsedKey, metadata: Mapping[str, str], key: str) -> O
     )
 
 
-def check_object(parsed: ParsedKey, info: ObjectInfo, data: bytes) -> int:
-    """Every check a loader would make, with the expected identity rebuilt from key + metadata.
-
-    Returns the page count; raises a named :class:`ObjectFormatError` for a bad object.
-    """
-    key = info.key
-    identity = identity_from(parsed, info.metadata, key)
-    span = span_from_metadata(identity, info.metadata, info.size, key)
-    header, pages = decode_object(data, identity, key)
-    if (header.first_ordinal, header.page_count) != (span.first, span.count):
-        raise ForeignObject(
-            f"header holds ordinals {header.first_ordinal}+{header.page_count}, metadata says "
-            f"{span.first}+{span.count}",
-            key,
-        )
-    if header.last_digest.hex() != parsed.digest:
-        raise ForeignObject(
-            "header chain digest differs from the key's (object stored under the wrong key)", key
-        )
-    return len(pages)
-
-
 class _TooLarge(ObjectFormatError):
     reason = "page_too_large"
 
 
 def _verify_streamed(store: ObjectStore, parsed: ParsedKey, info: ObjectInfo) -> int:
-    """``check_object`` without holding the object: sizes from the HEAD first, then the header,
-    then the pages in parts of about VERIFY_READ_BYTES. Returns the page count."""
+    """Every check a loader would make, with the expected identity rebuilt from key + metadata,
+    without holding the object: sizes from the HEAD first, then the header, then the pages in
+    parts of about VERIFY_READ_BYTES. Returns the page count; raises a named
+    :class:`ObjectFormatError` for a bad object."""
     key = info.key
     identity = identity_from(parsed, info.metadata, key)
     # The HEAD's size must be what the metadata's page count implies before a byte is read.

@@ -79,25 +79,18 @@ class WorkerCore:
         index: KeyIndex | None = None,
         metrics: MetricsHook | None = None,
         *,
-        tp_rank: int | None = None,
-        prefix: str | None = None,
         load_reserve_fraction: float = 0.25,
         upload_queue_size: int = 1024,
         failed_load_hook: bool = False,
         host_weigh: Weigher | None = None,
         auto_host_cache: bool = False,
     ):
-        """``rank`` is the tensor-parallel rank (``tp_rank`` is accepted as an alias, as is
-        ``prefix`` for ``key_prefix``); ``metrics(name, delta)`` is called on every counter change.
+        """``rank`` is the tensor-parallel rank; ``metrics(name, delta)`` is called on every counter change.
         ``failed_load_hook``: the engine polls ``take_failed_load_request_ids`` and recomputes
         the requests it names (rung 1); without it a failed parked load stays parked and retries.
         ``host_weigh(key, nbytes) -> bytes``: what the host tier charges an object (default: its
         bytes). ``auto_host_cache``: ``host_cache_gb = -1`` sizes the tier from the machine (the
         TensorRT-LLM adapter); otherwise -1 means no tier (tests and tools that build a core)."""
-        if tp_rank is not None:
-            rank = tp_rank
-        if prefix is not None:
-            key_prefix = prefix
         if not 0 <= rank < tp_size:
             raise ValueError(f"tp rank {rank} outside [0, {tp_size})")
         self.settings = settings
@@ -136,7 +129,6 @@ class WorkerCore:
         self._loads = LoadJobs(settings, self._verdicts or index, self._counters, failed_load_hook=failed_load_hook)
         self._saves = SaveJobs(settings, self._counters, self._uploader)
         # Load state tests and tools look at (the same objects the load jobs change in place).
-        self._async, self._failed_report, self._jobs = self._loads.parked, self._loads.failed_report, self._loads.jobs
         # Set by register_layout.
         self._rank: RankLayout | None = None
         self._copier: Copier | None = None

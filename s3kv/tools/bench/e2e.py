@@ -96,8 +96,7 @@ class _Shared(StoreWrapper):
 
 def _engine(cfg: E2EConfig, bs: BenchStore, policy: str, prefix: str, name: str) -> Any:
     from ...config import Settings
-    from ...sim import SimCacheConfig, SimEngine, gemma3_like
-    from ...trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+    from ..faultmatrix import make_engine
 
     s = cfg.shape
     settings = Settings(
@@ -108,24 +107,7 @@ def _engine(cfg: E2EConfig, bs: BenchStore, policy: str, prefix: str, name: str)
         check_access=False,
         model_id="s3kv-bench/e2e-gemma3-like",  # the bench's made-up model: named, so no weak-identity warning
     )
-    model = gemma3_like(
-        s.window, num_layers=s.num_layers, kv_heads=s.kv_heads * s.tp_size, head_dim=s.head_dim
-    )
-    return SimEngine(
-        model,
-        SimCacheConfig(tokens_per_block=s.tokens_per_block, max_seq_len=s.max_seq_len),
-        S3KvConnectorLeader,
-        S3KvConnectorWorker,
-        tp_size=s.tp_size,
-        chunk_size=s.chunk_size,
-        max_batch=4,
-        connector_kwargs=dict(
-            settings=settings,
-            store=_Shared(bs.store),
-            key_prefix=prefix,
-            engine_key=f"s3kv-bench-{name}-{uuid.uuid4().hex[:8]}",
-        ),
-    )
+    return make_engine(s, settings, _Shared(bs.store), prefix, f"s3kv-bench-{name}-{uuid.uuid4().hex[:8]}")
 
 
 def _flush(engine: Any) -> None:

@@ -39,11 +39,7 @@ from ...sim.layouts import GroupSpec, make_layout
 from ...store.memory import MemoryStore
 from ...transfer.hosttier import HostTier
 from ...transfer.staging import StagingPool
-
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
+from .staging_copies import _best, _sync
 
 
 def _step(core: WorkerCore, md: ConnectorMetadata | None, fwd: Any) -> None:
@@ -108,13 +104,7 @@ def _memcpy_s(dev: torch.device, nbytes: int, repeats: int) -> float:
     buf = pool.try_acquire(nbytes)
     assert buf is not None
     out = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    best = float("inf")
-    for _ in range(max(1, repeats) + 1):
-        _sync(dev)
-        t0 = time.perf_counter()
-        out.copy_(buf.tensor, non_blocking=True)
-        _sync(dev)
-        best = min(best, time.perf_counter() - t0)
+    best = _best(lambda: out.copy_(buf.tensor, non_blocking=True), dev, max(1, repeats) + 1, warmup=0)
     buf.release()
     return best
 

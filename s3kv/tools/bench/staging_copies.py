@@ -45,7 +45,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best(fn: Callable[[], None], device: torch.device, repeats: int, warmup: int) -> float:
+def _best(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
         _sync(device)

@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -211,13 +211,3 @@ def duration_hours(reqs: Sequence[TraceRequest]) -> float:
     """Wall-clock span of the trace, first to last arrival."""
     ts = [r.timestamp_ms for r in reqs]
     return (max(ts) - min(ts)) / 3.6e6
-
-
-def summary(reqs: Sequence[TraceRequest], continuations: Mapping[int, int]) -> dict[str, float | int]:
-    return {
-        "requests": len(reqs),
-        "prompt_tokens": sum(r.input_length for r in reqs),
-        "output_tokens": sum(r.output_length for r in reqs),
-        "continuations": len(continuations),
-        "duration_hours": round(duration_hours(reqs), 4),
-    }

@@ -374,9 +374,6 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
     res_cpu = {k: v / (payload_total / 1e9) for k, v in cpu_totals.items()}
     save_vs_seed = agg["s3kv_save"] / agg["seed_save"]
     load_vs_seed = agg["s3kv_load"] / agg["seed_load"]
-    fast_save = max(raws, key=lambda c: agg[f"raw_{c}_save"])
-    fast_load = max(raws, key=lambda c: agg[f"raw_{c}_load"])
-    paired = paired_ratios(run_totals, list(raws))
     res: dict[str, Any] = {
         "bench": "transfer",
         "store": bs.info(),
@@ -388,25 +385,9 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
         "repeats": cfg.repeats,
         "concurrency": {"save": cfg.upload_threads, "load": cfg.download_threads},
         "s3kv_client": default_client,
-        "save_mib_s": rnd(agg["s3kv_save"], 1),
-        "load_mib_s": rnd(agg["s3kv_load"], 1),
-        "raw_save_mib_s": rnd(agg["raw_boto3_save"], 1),
-        "raw_load_mib_s": rnd(agg["raw_boto3_load"], 1),
-        "seed_save_mib_s": rnd(agg["seed_save"], 1),
-        "seed_load_mib_s": rnd(agg["seed_load"], 1),
-        "save_ratio_vs_raw": rnd(agg["s3kv_save"] / agg["raw_boto3_save"]),
-        "load_ratio_vs_raw": rnd(agg["s3kv_load"] / agg["raw_boto3_load"]),
-        "save_speedup_vs_seed": rnd(save_vs_seed, 2),
-        "load_speedup_vs_seed": rnd(load_vs_seed, 2),
+        **_figures(agg, raws, run_totals, mib_s=False),
         # The weaker direction: the number a reader can rely on for both.
         "speedup_vs_seed_path": rnd(min(save_vs_seed, load_vs_seed), 2),
-        "fastest_raw_save_client": fast_save,
-        "fastest_raw_load_client": fast_load,
-        "save_ratio_vs_fastest_raw": rnd(agg["s3kv_save"] / agg[f"raw_{fast_save}_save"]),
-        "load_ratio_vs_fastest_raw": rnd(agg["s3kv_load"] / agg[f"raw_{fast_load}_load"]),
-        # Median over repeats of s3kv / the fastest raw client of the same repeat (paired_ratios).
-        "save_ratio_vs_fastest_raw_paired": rnd(paired["save"]),
-        "load_ratio_vs_fastest_raw_paired": rnd(paired["load"]),
         "clients": _clients(agg, res_cpu, methods),
         "clients_missing": raw_missing,
         "bit_exact": exact_all,
@@ -516,20 +497,16 @@ def _clients(agg: dict[str, float], cpu: dict[str, float], methods: list[str]) -
     return out
 
 
-def _row(
-    sz: _Size, best: dict[str, float], cpu: dict[str, float], raws: dict[str, Any], runs: list[dict[str, float]]
+def _figures(
+    thr: dict[str, float], raws: dict[str, Any], runs: list[dict[str, float]], *, mib_s: bool
 ) -> dict[str, Any]:
-    mb = sz.payload / MiB
-    paired = paired_ratios(runs, list(raws))
-    thr = {k: mb / v for k, v in best.items()}
-    gb = sz.payload / 1e9
+    """s3kv's MiB/s against boto3's, the seed path's and the fastest raw client's (``mib_s``:
+    with the fastest raw clients' own MiB/s), from ``thr`` (MiB/s by path) and ``runs`` (seconds
+    by path, per repeat)."""
     fast_save = max(raws, key=lambda c: thr[f"raw_{c}_save"])
     fast_load = max(raws, key=lambda c: thr[f"raw_{c}_load"])
+    paired = paired_ratios(runs, list(raws))
     return {
-        "object_mib": sz.object_mib,
-        "objects": sz.objects,
-        "pages": sz.pages,
-        "total_mib": mb,
         "save_mib_s": rnd(thr["s3kv_save"], 1),
         "load_mib_s": rnd(thr["s3kv_load"], 1),
         "raw_save_mib_s": rnd(thr["raw_boto3_save"], 1),
@@ -542,12 +519,28 @@ def _row(
         "load_speedup_vs_seed": rnd(thr["s3kv_load"] / thr["seed_load"], 2),
         "fastest_raw_save_client": fast_save,
         "fastest_raw_load_client": fast_load,
-        "fastest_raw_save_mib_s": rnd(thr[f"raw_{fast_save}_save"], 1),
-        "fastest_raw_load_mib_s": rnd(thr[f"raw_{fast_load}_load"], 1),
+        **({"fastest_raw_save_mib_s": rnd(thr[f"raw_{fast_save}_save"], 1),
+            "fastest_raw_load_mib_s": rnd(thr[f"raw_{fast_load}_load"], 1)} if mib_s else {}),
         "save_ratio_vs_fastest_raw": rnd(thr["s3kv_save"] / thr[f"raw_{fast_save}_save"]),
         "load_ratio_vs_fastest_raw": rnd(thr["s3kv_load"] / thr[f"raw_{fast_load}_load"]),
+        # Median over repeats of s3kv / the fastest raw client of the same repeat (paired_ratios).
         "save_ratio_vs_fastest_raw_paired": rnd(paired["save"]),
         "load_ratio_vs_fastest_raw_paired": rnd(paired["load"]),
+    }
+
+
+def _row(
+    sz: _Size, best: dict[str, float], cpu: dict[str, float], raws: dict[str, Any], runs: list[dict[str, float]]
+) -> dict[str, Any]:
+    mb = sz.payload / MiB
+    thr = {k: mb / v for k, v in best.items()}
+    gb = sz.payload / 1e9
+    return {
+        "object_mib": sz.object_mib,
+        "objects": sz.objects,
+        "pages": sz.pages,
+        "total_mib": mb,
+        **_figures(thr, raws, runs, mib_s=True),
         "mib_s": {k: rnd(v, 1) for k, v in thr.items()},
         "cpu_s_per_gb": {k: rnd(v / gb) for k, v in cpu.items()},
         "seconds": {k: rnd(v) for k, v in best.items()},
