@@ -361,3 +361,20 @@ def test_a_ranks_unshared_verdicts_are_counted():
     m.observe_worker({"verdicts_unshared": 1}, source="rank1")
     m.observe_worker({"verdicts_unshared": 3}, source="rank1")
     assert sample(scrape(m), "s3kv_verdicts_unshared_total") == 3
+
+
+def test_store_retries_reach_the_retries_counter_once_per_process():
+    """Every retry is counted where it is slept for (``RetryPolicy``); two workers of one process
+    observing the same count report it once."""
+    from s3kv.store.retrying import RetryingStore, RetryPolicy
+
+    faults = FaultInjectingStore(MemoryStore())
+    store = RetryingStore(faults, RetryPolicy(max_attempts=4, base_s=0.0, max_backoff_s=0.0))
+    m = Metrics()
+    m.observe_worker(_WorkerStats(), "rank0")
+    before = sample(scrape(m), "s3kv_store_retries_total", op="put")
+    faults.fail_next("put", 2)
+    store.put("k", b"x")
+    m.observe_worker(_WorkerStats(), "rank0")
+    m.observe_worker(_WorkerStats(), "rank1")
+    assert sample(scrape(m), "s3kv_store_retries_total", op="put") - before == 2

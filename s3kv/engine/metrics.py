@@ -78,6 +78,7 @@ from ..store.base import (
     StoreWrapper,
     total_size,
 )
+from ..store.retrying import retries_by_op
 
 PREFIX = "s3kv"
 #: Where the metrics server binds unless told otherwise: metrics name buckets and key prefixes,
@@ -645,6 +646,11 @@ class Metrics:
         every field is optional)."""
         for attr, name in _WORKER_COUNTERS.items():
             self._feed(getattr(self, attr), source, attr, _first(stats, (name,)))
+        # Retries are counted once per process where every retry passes (``store.retrying``),
+        # not per worker: one source, so workers sharing a process do not count them twice.
+        for op, n in retries_by_op().items():
+            if op in STORE_OPS:
+                self._feed(self.store_retries.labels(op), "store", f"retries[{op}]", float(n))
         for reason, name in _WORKER_DROPS.items():
             self._feed(self.saves_dropped.labels(reason), source, f"drop[{reason}]", _first(stats, (name,)))
         for label, name in (("engine_recompute", "rung_engine_recompute"), ("parked_retry", "rung_parked_retry")):

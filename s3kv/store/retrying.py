@@ -16,6 +16,7 @@ key, with the last underlying error chained as ``__cause__``.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -153,8 +154,22 @@ class RetryPolicy:
         )
 
 
+#: Retries sent so far in this process, by operation (``retries_by_op``): what the
+#: ``store_retries_total`` metric reports. One count where every retry passes (a retry's sleep).
+_RETRIES: dict[str, int] = {}
+_RETRIES_LOCK = threading.Lock()
+
+
+def retries_by_op() -> dict[str, int]:
+    """Store requests retried in this process so far, by operation."""
+    with _RETRIES_LOCK:
+        return dict(_RETRIES)
+
+
 def _log_retry(op: str, key: str | None) -> Callable[[tenacity.RetryCallState], None]:
     def before_sleep(state: tenacity.RetryCallState) -> None:
+        with _RETRIES_LOCK:
+            _RETRIES[op] = _RETRIES.get(op, 0) + 1
         exc = state.outcome.exception() if state.outcome else None
         sleep = state.next_action.sleep if state.next_action else 0.0
         log.debug(
