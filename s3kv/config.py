@@ -326,6 +326,8 @@ class Settings:
     s3_client: str = "auto"
     #: Local key index bound (~300 bytes an entry).
     index_max_entries: int = 200_000
+    #: How long a HEAD's "present" is believed, seconds (0: never). This engine's own uploads are
+    #: believed for retention_h (gc deletes nothing younger): their later hits send no request.
     index_ttl_s: float = 600.0
     negative_ttl_s: float = 2.0
     connect_timeout_s: float = 3.0

@@ -585,3 +585,27 @@ def test_a_store_slower_than_the_budget_costs_the_scheduler_nothing_after_a_few_
         assert hits >= 2, hits
     finally:
         core.close_lookup()
+
+
+def test_this_engines_own_upload_is_believed_for_the_retention_a_heads_answer_for_the_ttl():
+    """gc deletes nothing younger than the retention: an upload this engine made is known present
+    that long (its later hit needs no verify wave), a HEAD's answer only ``ttl_s`` (it says nothing
+    of the object's age). A quarantine or a "missing" asked after it still ends the belief."""
+    now = [0.0]
+    s = Settings(url="memory://x", index_ttl_s=600, retention_h=1.0)
+    idx = KeyIndex.from_settings(s)
+    idx._clock = lambda: now[0]
+    for k in ("mine", "mine2", "mine3"):
+        idx.put_written(k, ObjectSpan(0, 4))
+    idx.put_present("headed", ObjectSpan(0, 4))
+    now[0] = 1800.0
+    assert idx.get("mine") == ObjectSpan(0, 4) and idx.get("headed") is None
+    idx.quarantine(["mine2"], 30)
+    assert idx.get("mine2") is MISSING
+    idx.put_many([], ["mine3"], asked_at=idx.now())  # asked after the upload: deleted since
+    assert idx.get("mine3") is MISSING
+    now[0] = 3601.0
+    assert idx.get("mine") is None
+    off = KeyIndex.from_settings(Settings(url="memory://x", index_ttl_s=0))
+    off.put_written("k", ObjectSpan(0, 1))
+    assert off.get("k") is None  # positives not kept at all: nor own uploads

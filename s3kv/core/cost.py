@@ -266,7 +266,8 @@ EXPIRY_MARGIN_S = 60.0
 
 def expiry_age_s(settings: Any) -> float:
     """The age past which ``gc --expired`` deletes: the retention plus what an engine may still
-    believe. An engine that saw the object (a HEAD within ``index_ttl_s``, a listing within
+    believe. An engine that wrote the object believes it there for the retention
+    (``KeyIndex.from_settings``); one that saw it (a HEAD within ``index_ttl_s``, a listing within
     ``lookup_summary_trust_s``) promises loads of it without asking again; an object young then
     must outlive that belief, or the promised load finds nothing (a failed load, where refresh
     could not keep it young: a bucket refusing the copy, an engine that only looked it up).

@@ -4,7 +4,8 @@ Warm lookups are answered from here without a network call (and, first, from the
 ``host_first``). Entries come from
 our own confirmed uploads and from HEAD results. Positives expire after
 ``ttl_s`` because objects can vanish (lifecycle expiry, ``s3kv gc``, another
-operator); negatives expire after ``negative_ttl_s`` because another cluster
+operator) -- except this engine's own uploads, known for ``written_ttl_s`` (``put_written``);
+negatives expire after ``negative_ttl_s`` because another cluster
 may write the object any moment. A stale positive is caught at load time (the
 object is verified byte for byte) and costs one request, never wrong KV.
 """
@@ -53,9 +54,16 @@ class KeyIndex:
         ttl_s: float = 600.0,
         negative_ttl_s: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        written_ttl_s: float | None = None,
     ):
         self.max_entries = max_entries
         self.ttl_s = ttl_s
+        #: How long this engine's own confirmed upload stays known (None: ``ttl_s``). Why longer
+        #: than a HEAD answer: a HEAD says nothing of the object's age, an upload says it is new,
+        #: and gc deletes nothing younger than the retention (``core.cost.expiry_age_s``), so
+        #: for the retention it cannot be gone -- a lookup of it needs no verify wave then (a user
+        #: back after 10 minutes, on an index no key signs).
+        self.written_ttl_s = ttl_s if written_ttl_s is None or ttl_s <= 0 else max(ttl_s, written_ttl_s)
         self.negative_ttl_s = negative_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -65,10 +73,21 @@ class KeyIndex:
         # Objects that failed a load (gone, corrupt, foreign): missing for a long while. Its own map,
         # so each map stays in expiry order (one TTL per map).
         self._quarantined: OrderedDict[str, float] = OrderedDict()
+        # This engine's own uploads (``put_written``): key -> (expires_at, span), their own TTL.
+        self._written: OrderedDict[str, tuple[float, ObjectSpan]] = OrderedDict()
         #: Keys quarantined so far (a count) and the latest of them: the lookups read them to
         #: learn that an object a listing vouched for failed its load (``summary.TrustGate``).
         self.quarantines = 0
         self.recent_quarantined: deque[str] = deque(maxlen=256)
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> KeyIndex:
+        """The engine's index: its sizes and TTLs from ``settings``; its own uploads known for the
+        retention (gc deletes none younger, ``core.cost.expiry_age_s``), unless positives are
+        not kept at all (``index_ttl_s`` 0)."""
+        ttl = settings.index_ttl_s
+        return cls(settings.index_max_entries, ttl, settings.negative_ttl_s,
+                   written_ttl_s=settings.retention_h * 3600.0 if ttl > 0 else 0.0)
 
     def _sweep(self, now: float, limit: int = _SWEEP) -> None:
         """Drop up to ``limit`` expired entries from the front of each map."""
@@ -80,25 +99,43 @@ class KeyIndex:
                 if exp >= now:
                     break
                 del negatives[k]
-        for _ in range(limit):
-            if not self._present:
-                break
-            k, (exp, _span) = next(iter(self._present.items()))
-            if exp >= now:
-                break
-            del self._present[k]
+        for positives in (self._present, self._written):
+            for _ in range(limit):
+                if not positives:
+                    break
+                k, (exp, _span) = next(iter(positives.items()))
+                if exp >= now:
+                    break
+                del positives[k]
 
     def _bound(self) -> None:
-        while len(self._present) + len(self._missing) + len(self._quarantined) > self.max_entries:
+        while len(self._present) + len(self._missing) + len(self._quarantined) + len(self._written) > self.max_entries:
             if self._missing:
                 self._missing.popitem(last=False)
             elif self._quarantined:
                 self._quarantined.popitem(last=False)
-            else:
+            elif self._present:
                 self._present.popitem(last=False)
+            else:
+                self._written.popitem(last=False)
 
     def put_present(self, key: str, span: ObjectSpan) -> None:
         self.put_many([(key, span)], ())
+
+    def put_written(self, key: str, span: ObjectSpan) -> None:
+        """This engine's upload of ``key`` was confirmed: known present for ``written_ttl_s``."""
+        if self.max_entries <= 0 or self.written_ttl_s <= 0:
+            return
+        with self._lock:
+            now = self._clock()
+            q = self._quarantined.get(key)
+            if q is not None and q >= now:
+                return  # a late confirmation must not lift a quarantine
+            self._missing.pop(key, None)
+            self._written.pop(key, None)
+            self._written[key] = (now + self.written_ttl_s, span)
+            self._sweep(now)
+            self._bound()
 
     def put_missing(self, key: str) -> None:
         self.put_many((), [key])
@@ -138,7 +175,11 @@ class KeyIndex:
                         known = self._present.get(key)
                         if known is not None and known[0] - self.ttl_s >= asked_at:
                             continue  # learnt present at or after the question: newer than its answer
+                        mine = self._written.get(key)
+                        if mine is not None and mine[0] - self.written_ttl_s >= asked_at:
+                            continue
                     self._present.pop(key, None)
+                    self._written.pop(key, None)
                     self._missing.pop(key, None)
                     self._missing[key] = until
                     n += 1
@@ -155,6 +196,7 @@ class KeyIndex:
             now = self._clock()
             for k in keys:
                 self._present.pop(k, None)
+                self._written.pop(k, None)
                 self._missing.pop(k, None)
                 self._quarantined.pop(k, None)
                 self._quarantined[k] = now + ttl
@@ -183,6 +225,7 @@ class KeyIndex:
         with self._lock:
             for k in keys:
                 self._present.pop(k, None)
+                self._written.pop(k, None)
                 self._missing.pop(k, None)
                 if not keep_quarantine:
                     self._quarantined.pop(k, None)
@@ -203,10 +246,14 @@ class KeyIndex:
         # Unrolled (no loop over the maps): this runs for every ask of every lookup.
         entry = self._present.get(key)
         if entry is not None:
-            if entry[0] < now:
-                del self._present[key]
-                return None
-            return entry[1]
+            if entry[0] >= now:
+                return entry[1]
+            del self._present[key]
+        entry = self._written.get(key)
+        if entry is not None:
+            if entry[0] >= now:
+                return entry[1]
+            del self._written[key]
         exp = self._quarantined.get(key)
         if exp is not None:
             if exp >= now:
@@ -221,7 +268,7 @@ class KeyIndex:
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._present) + len(self._missing) + len(self._quarantined)
+            return len(self._present) + len(self._missing) + len(self._quarantined) + len(self._written)
 
 
 class AllShards:
@@ -239,8 +286,8 @@ class AllShards:
     def __init__(self, index: KeyIndex):
         self.index = index
 
-    def put_present(self, key: str, span: ObjectSpan) -> None:
-        self.index.put_present(key, span)
+    def put_written(self, key: str, span: ObjectSpan) -> None:
+        self.index.put_written(key, span)
         parsed = parse_key(key)
         if parsed is None:  # not an object key (a caller's own): nothing to say about shards
             return

@@ -231,7 +231,7 @@ def acquire_runtime(
                 settings=settings,
                 store=wrapped,
                 key_prefix=prefix,
-                index=KeyIndex(settings.index_max_entries, settings.index_ttl_s, settings.negative_ttl_s),
+                index=KeyIndex.from_settings(settings),
                 metrics=metrics,
                 owns_store=owns_store,
             )

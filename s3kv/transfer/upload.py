@@ -73,7 +73,7 @@ class KnownKeys(Protocol):
     A protocol, not an import: the transfer layer sits below the engine and knows only this call.
     """
 
-    def put_present(self, key: str, span: ObjectSpan) -> None: ...
+    def put_written(self, key: str, span: ObjectSpan) -> None: ...
 
 
 _STOP = object()
@@ -252,7 +252,7 @@ class Uploader:
             self.counters.add("objects_uploaded")
             self.counters.add("bytes_uploaded", nbytes)
             if self.index is not None:
-                self.index.put_present(job.key, ObjectSpan(job.first, job.count))
+                self.index.put_written(job.key, ObjectSpan(job.first, job.count))
         else:
             self.counters.add("objects_already_present")
         return True

@@ -81,9 +81,7 @@ class LeaderCore:
         self.tp_size = tp_size
         self.model_id = model_id
         self.kv_dtype = kv_dtype
-        self.index = index if index is not None else KeyIndex(
-            settings.index_max_entries, settings.index_ttl_s, settings.negative_ttl_s
-        )
+        self.index = index if index is not None else KeyIndex.from_settings(settings)
         self._geometry_source = geometry
         self._ctx: LeaderContext | None = None
         self._requests: dict[int, RequestState] = {}

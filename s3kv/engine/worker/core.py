@@ -197,7 +197,7 @@ class WorkerCore:
         index = AllShards(self.index) if self.index is not None and self.tp_size > 1 else self.index
         self.host_tier = open_host_tier(
             self.store, 0 if gb < 0 and not self._auto_host_cache else gb, device, pinned=pinned,
-            weigh=self._host_weigh, counters=self._counters, on_written=index.put_present if index is not None else None,
+            weigh=self._host_weigh, counters=self._counters, on_written=index.put_written if index is not None else None,
             speed=self.speeds["host"], name=f"s3kv-host-r{self.tp_rank}",
         )
         return self.host_tier
