@@ -1075,3 +1075,20 @@ def test_a_plan_asking_one_slot_for_two_pages_is_never_loaded_into_it():
     assert set(errors) == {2} and job.targets == [(0, 20), (1, 21), (2, 22)] and job.request_ids == {1, 3}
     assert job.owners == {20: 1, 21: 1, 22: 3}
     a.close()
+
+
+def test_a_save_refused_by_an_open_breaker_is_counted_as_such(store):
+    """Saves dropped because the breaker is open are their own reason (the metric's
+    ``saves_dropped_total{reason="breaker_open"}``), not a store error of that object."""
+    from s3kv.store.breaker import StoreUnavailable
+
+    class Open(StoreWrapper):
+        def put(self, key, data, metadata=None):
+            raise StoreUnavailable("store circuit breaker is open", key=key)
+
+    a, _ = make_core(Open(store), seed=1)
+    step(a, save_object(a, 1, 0, 0, [1, 2], digest("x")))
+    assert a.flush(5)
+    st = a.stats()
+    assert st.saves_dropped_breaker_open == 1 and st.saves_dropped_store_error == 0
+    a.close()

@@ -105,6 +105,7 @@ _WORKER_COUNTERS = {
 _WORKER_DROPS = {
     "staging_full": "saves_dropped_staging_full",
     "store_error": "saves_dropped_store_error",
+    "breaker_open": "saves_dropped_breaker_open",
     "other": "saves_dropped_other",  # e.g. an unexpected exception on an upload thread
 }
 

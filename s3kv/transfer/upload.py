@@ -38,6 +38,7 @@ from typing import Any, Protocol
 from ..core.cost import MULTIPART_THRESHOLD, PART_SIZE, put_requests
 from ..core.objects import ObjectIdentity, ObjectSpan, encode_object, object_metadata
 from ..store.base import ObjectStore, StoreError
+from ..store.breaker import StoreUnavailable
 from .counters import Counters
 from .hosttier import NOW, HostTier, TierEntry
 from .staging import StagingBuffer
@@ -243,6 +244,10 @@ class Uploader:
         t0 = time.monotonic()
         try:
             created = self.store.put(job.key, body, meta)
+        except StoreUnavailable:
+            # The breaker is open: the store is down, not this object (the breaker said so once).
+            self.counters.add("saves_dropped_breaker_open")
+            return False
         except StoreError as e:
             log.warning("s3kv: save of %s dropped after store error: %s", job.key, e)
             self.counters.add("saves_dropped_store_error")

@@ -29,6 +29,8 @@ class WorkerStats:
     seals_dropped: int
     #: Uploads that failed after the store's retries.
     saves_dropped_store_error: int
+    #: Uploads refused because the store's breaker was open.
+    saves_dropped_breaker_open: int
     #: Everything else that dropped a save: full upload queue, incomplete seal, bad op.
     saves_dropped_other: int
     uploads_pending: int
@@ -121,6 +123,7 @@ def worker_stats(
         stages_dropped=n("stages_dropped"),
         seals_dropped=n("seals_dropped"),
         saves_dropped_store_error=n("saves_dropped_store_error"),
+        saves_dropped_breaker_open=n("saves_dropped_breaker_open"),
         saves_dropped_other=n("saves_dropped_other") + n("saves_dropped_error") + n("uploads_cancelled"),
         uploads_pending=uploads_pending,
         pages_loaded=n("pages_loaded"),
