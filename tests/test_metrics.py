@@ -378,3 +378,10 @@ def test_store_retries_reach_the_retries_counter_once_per_process():
     m.observe_worker(_WorkerStats(), "rank0")
     m.observe_worker(_WorkerStats(), "rank1")
     assert sample(scrape(m), "s3kv_store_retries_total", op="put") - before == 2
+
+
+def test_objects_a_load_found_corrupt_are_rejections():
+    m = Metrics()
+    m.observe_worker({"objects_quarantined": 2})
+    m.observe_worker({"objects_quarantined": 3})
+    assert sample(scrape(m), "s3kv_objects_rejected_total", reason="corrupt") == 3

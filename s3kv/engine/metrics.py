@@ -668,6 +668,9 @@ class Metrics:
         self._feed(self.uploads_dropped_at_exit, source, "uploads_dropped_at_exit",
                    _first(stats, ("uploads_dropped_at_exit",)))
         self._feed(self.verdicts_unshared, source, "verdicts_unshared", _first(stats, ("verdicts_unshared",)))
+        # A load that found an object corrupt quarantines it (``loads._condemn``): a rejection.
+        self._feed(self.objects_rejected.labels("corrupt"), source, "rejected[corrupt]",
+                   _first(stats, ("objects_quarantined",)))
         for op, name in (("put", "put_requests"), ("get", "get_requests")):
             self._feed(self.billed_requests.labels(op), source, f"billed[{op}]", _first(stats, (name,)))
         parked = _first(stats, ("parked_now",))
