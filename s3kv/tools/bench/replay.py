@@ -202,7 +202,9 @@ def replay(
         storage_policy=policy,
         branch_tails=branch,
         checkpoint_tokens=cfg.checkpoint_tokens,
-        **{**cfg.settings, "host_cache_gb": host_cache_gb(cfg)},
+        # The engines believe their own uploads for the retention (``KeyIndex.from_settings``): the
+        # retention gc expires by on the trace's clock, as one S3KV_RETENTION_H serves both in production.
+        **{**cfg.settings, "host_cache_gb": host_cache_gb(cfg), "retention_h": cfg.prices.retention_h},
         staging_mib=64,
         upload_threads=2,
         download_threads=2,
