@@ -33,7 +33,7 @@ from typing import Any
 import click
 
 from ...core import cost as _cost
-from ...store.base import HeadBatch, ObjectStore, SpanExpect
+from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreWrapper
 from ...store.throttle import ThrottledStore
 from ..models import GEMMA3_27B, ModelSpec  # noqa: F401 - the benchmarks' model
 
@@ -249,6 +249,13 @@ class BenchStore:
             self.raw.delete_many(keys)
         return len(keys)
 
+
+
+class SharedStore(StoreWrapper):
+    """The bench owns the store; an engine's or cluster's shutdown must not close it under the next one."""
+
+    def close(self) -> None:
+        pass
 
 @contextlib.contextmanager
 def bench_store(

@@ -30,8 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...store.base import StoreWrapper
-from .common import BenchStore, machine_info, progress, rnd
+from .common import BenchStore, SharedStore, machine_info, progress, rnd
 
 #: Request ids of the arrivals (the streams count from 0).
 ARRIVAL_IDS = 1000
@@ -61,11 +60,6 @@ class CorunConfig:
     hit_share: float = 0.5
     modes: tuple[str, ...] = ("without", "probe", "index", "signed")
     seed: int = 1
-
-
-class _Shared(StoreWrapper):
-    def close(self) -> None:  # the bench owns the store
-        pass
 
 
 def _null_connector() -> tuple[type, type]:
@@ -199,7 +193,7 @@ def run_corun(bs: BenchStore, cfg: CorunConfig) -> dict[str, Any]:
     def s3kv(name: str, **settings: Any) -> tuple[Any, Any, dict[str, Any]]:
         s = Settings(**{**base, **settings})
         return S3KvConnectorLeader, S3KvConnectorWorker, dict(
-            settings=s, store=_Shared(bs.store), key_prefix=prefix, engine_key=f"corun-{name}-{time.time_ns()}"
+            settings=s, store=SharedStore(bs.store), key_prefix=prefix, engine_key=f"corun-{name}-{time.time_ns()}"
         )
 
     keyed: dict[str, Any] = {"integrity_key": _BENCH_SECRET}

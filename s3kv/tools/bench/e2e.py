@@ -36,7 +36,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...store.base import StoreWrapper
 from ..demo import DemoShape
 from .common import (
     GEMMA3_27B,
@@ -45,6 +44,7 @@ from .common import (
     PREFILL_MFU,
     BenchStore,
     ModelSpec,
+    SharedStore,
     machine_info,
     progress,
     rnd,
@@ -87,13 +87,6 @@ class E2EConfig:
         return dataclasses.replace(self, **kw)
 
 
-class _Shared(StoreWrapper):
-    """The bench owns the store; a cluster's shutdown must not close it under the next cluster."""
-
-    def close(self) -> None:
-        pass
-
-
 def _engine(cfg: E2EConfig, bs: BenchStore, policy: str, prefix: str, name: str) -> Any:
     from ...config import Settings
     from ..faultmatrix import make_engine
@@ -107,7 +100,7 @@ def _engine(cfg: E2EConfig, bs: BenchStore, policy: str, prefix: str, name: str)
         check_access=False,
         model_id="s3kv-bench/e2e-gemma3-like",  # the bench's made-up model: named, so no weak-identity warning
     )
-    return make_engine(s, settings, _Shared(bs.store), prefix, f"s3kv-bench-{name}-{uuid.uuid4().hex[:8]}")
+    return make_engine(s, settings, SharedStore(bs.store), prefix, f"s3kv-bench-{name}-{uuid.uuid4().hex[:8]}")
 
 
 def _flush(engine: Any) -> None:

@@ -43,10 +43,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.cost import Gpu, Prices, expiry_age_s
-from ...store.base import StoreWrapper
 from .. import models as _models
 from .billing import BilledStore
-from .common import GEMMA3_27B, BenchStore, ModelSpec, progress, rnd
+from .common import GEMMA3_27B, BenchStore, ModelSpec, SharedStore, progress, rnd
 from .fleet import Fleet, FleetConfig, block_chain, decode_forward_s, full_kv_bytes_per_token
 from .oracle import Oracle
 from .tracefile import TokenSynth, TraceRequest
@@ -137,11 +136,6 @@ def _leader_class(sizing: Sequence[int]) -> Any:
             self.core._sizing_page_bytes = list(sizing)  # read when the geometry arrives
 
     return SizedLeader
-
-
-class _Shared(StoreWrapper):
-    def close(self) -> None:  # the bench owns the store
-        pass
 
 
 @functools.cache
@@ -252,7 +246,7 @@ def replay(
     # object at the real model's size, not the simulator's tiny pages.
     tier_kw = {"host_weigh": counter.weigh} if cfg.fleet.host_cache_tokens else {}
     for i in range(cfg.fleet.clusters):
-        store: Any = _Shared(counter)
+        store: Any = SharedStore(counter)
         engines.append(
             SimEngine(
                 _sim_model(cfg),
