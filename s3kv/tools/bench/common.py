@@ -470,6 +470,12 @@ def rnd(x: float, nd: int = 3) -> float:
     return round(float(x), nd)
 
 
+def pct(xs: Sequence[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0..1) of ``xs``; 0.0 for none."""
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
+
+
 # --------------------------------------------------------------------------- click options
 
 

@@ -26,11 +26,10 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .common import BenchStore, SharedStore, machine_info, progress, rnd
+from .common import BenchStore, SharedStore, machine_info, pct, progress, rnd
 
 #: Request ids of the arrivals (the streams count from 0).
 ARRIVAL_IDS = 1000
@@ -170,11 +169,6 @@ def _prompts(cfg: CorunConfig) -> tuple[list[tuple[int, ...]], list[tuple[int, .
     return streams, stored, arrivals
 
 
-def _pct(xs: Sequence[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
-
-
 def run_corun(bs: BenchStore, cfg: CorunConfig) -> dict[str, Any]:
     from ...config import Settings
     from ...core.integrity import IntegrityKeys
@@ -272,7 +266,7 @@ def _measure(eng: Any, specs: list, cfg: CorunConfig, mode: str) -> dict[str, An
     # Only while arrivals came: afterwards the streams decode alone, in every mode alike.
     ms = [(b - a) * 1000 for a, b in zip(times, times[1:], strict=False) if b <= eng.arrivals_done + 1e-3]
     out: dict[str, Any] = {
-        "iteration_ms": {"p50": rnd(statistics.median(ms), 2), "p99": rnd(_pct(ms, 0.99), 2),
+        "iteration_ms": {"p50": rnd(statistics.median(ms), 2), "p99": rnd(pct(ms, 0.99), 2),
                          "max": rnd(max(ms), 2), "passes": len(ms)},
         "served_tokens": sum(r.matched_tokens for r in arrivals),
         "kv_mismatches": rep.kv_mismatches,
@@ -281,7 +275,7 @@ def _measure(eng: Any, specs: list, cfg: CorunConfig, mode: str) -> dict[str, An
         st = leader.stats
         stalls = [x.stall_s * 1000 for x in st.recent_lookups]
         out["lookup_stall_ms"] = {"p50": rnd(statistics.median(stalls), 2) if stalls else 0.0,
-                                  "p99": rnd(_pct(stalls, 0.99), 2), "lookups": len(stalls)}
+                                  "p99": rnd(pct(stalls, 0.99), 2), "lookups": len(stalls)}
         out["added_latency_s"] = rnd(st.lookup_added_latency_s, 3)
         out["unhidden_stall_s"] = rnd(st.lookup_unhidden_stall_s, 3)
         out["decisions"] = dict(st.lookup_decisions)

@@ -33,7 +33,7 @@ from typing import Any
 from ...config import Settings
 from ...engine.runtime import s3_options
 from .clients import s3kv_stores
-from .common import BenchStore, MiB, machine_info, progress, rnd
+from .common import BenchStore, MiB, machine_info, pct, progress, rnd
 
 TARGET_P99_RATIO = 2.0
 
@@ -98,8 +98,8 @@ class Loop:
         if not s:
             return {"p50_ms": 0.0, "p99_ms": 0.0, "iterations": 0}
         return {
-            "p50_ms": rnd(s[len(s) // 2] * 1e3, 3),
-            "p99_ms": rnd(s[min(len(s) - 1, int(len(s) * 0.99))] * 1e3, 3),
+            "p50_ms": rnd(pct(s, 0.5) * 1e3, 3),
+            "p99_ms": rnd(pct(s, 0.99) * 1e3, 3),
             "iterations": len(s),
         }
 

@@ -45,7 +45,7 @@ from typing import Any
 from ...core.cost import Gpu, Prices, expiry_age_s
 from .. import models as _models
 from .billing import BilledStore
-from .common import GEMMA3_27B, BenchStore, ModelSpec, SharedStore, progress, rnd
+from .common import GEMMA3_27B, BenchStore, ModelSpec, SharedStore, pct, progress, rnd
 from .fleet import Fleet, FleetConfig, block_chain, decode_forward_s, full_kv_bytes_per_token
 from .oracle import Oracle
 from .tracefile import TokenSynth, TraceRequest
@@ -418,13 +418,10 @@ def stall_summary(records: Sequence[Any], served_tokens: int, hidden_s: float = 
     for x in records:
         decisions[x.decision] = decisions.get(x.decision, 0) + 1
 
-    def pct(xs: Sequence[float], q: float) -> float:
-        return rnd(xs[min(len(xs) - 1, int(q * len(xs)))], 2) if xs else 0.0
-
     return {
         "lookups": len(ms),
         "p50_ms": rnd(statistics.median(ms), 2) if ms else 0.0,
-        "p99_ms": pct(ms, 0.99),
+        "p99_ms": rnd(pct(ms, 0.99), 2),
         "max_ms": rnd(ms[-1], 2) if ms else 0.0,
         "total_s": rnd(sum(ms) / 1e3, 3),
         "us_per_token_served": rnd(sum(ms) * 1e3 / served_tokens, 3) if served_tokens else None,
@@ -432,5 +429,5 @@ def stall_summary(records: Sequence[Any], served_tokens: int, hidden_s: float = 
         "hidden_ms": rnd(hidden_s * 1e3, 2),
         "lost_s": rnd(sum(added) / 1e3, 4),
         "itl_added_p50_ms": rnd(statistics.median(added), 2) if added else 0.0,
-        "itl_added_p99_ms": pct(added, 0.99),
+        "itl_added_p99_ms": rnd(pct(added, 0.99), 2),
     }
