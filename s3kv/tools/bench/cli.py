@@ -17,8 +17,8 @@ from typing import Any
 
 import click
 
-from ..options import token_counts, writable_file
-from .common import common_options, finish, progress
+from ..options import token_counts
+from .common import common_options, finish, json_option, plot_option, progress, quick_option
 
 #: What every ratio and column a table prints means, by command (printed under the table).
 LEGENDS: dict[str, tuple[str, ...]] = {
@@ -195,8 +195,7 @@ def lookup_command(
         chosen = _ints(prompts) or (lookuplocal.QUICK_LOCAL_PROMPTS if quick else lookuplocal.DEFAULT_LOCAL_PROMPTS)
         cfg = lookup.LookupConfig(blocks_per_object=blocks_per_object)
         res = lookuplocal.run_local(cfg, chosen, repeats if repeats is not None else (1 if quick else 5))
-        finish(res, as_json=as_json, table=explained("lookup_local", lookuplocal.table), plot_path=None,
-               plot=lambda r, p: None)
+        finish(res, as_json=as_json, table=explained("lookup_local", lookuplocal.table))
         return
     chosen = _ints(prompts) or (lookup.QUICK_PROMPTS if quick else lookup.DEFAULT_PROMPTS)
     cap = seq_cap if seq_cap is not None else (64 if quick else 256)
@@ -324,7 +323,7 @@ def jitter_command(
         prompt_tokens=2048 if quick else 16384,
     )
     res = run_on_store("jitter", url, server, latency_ms, keep, lambda bs: jitter.run_jitter(bs, cfg))
-    finish(res, as_json=as_json, table=jitter.table, plot_path=None, plot=lambda r, p: None)
+    finish(res, as_json=as_json, table=jitter.table)
 
 
 def run_on_store(
@@ -344,16 +343,9 @@ def run_on_store(
 
 
 @bench_group.command("staging")
-@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout.")
-@click.option(
-    "--plot",
-    "plot_path",
-    type=click.Path(dir_okay=False),
-    callback=writable_file,
-    default=None,
-    help="Write a PNG chart here (checked before the benchmark starts).",
-)
-@click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs).")
+@json_option
+@plot_option()
+@quick_option
 @click.option("--page-mib", default=None, help="Page sizes in MiB (default 0.25,1,4,16; --quick 1).")
 @click.option("--pages", type=int, default=None, help="Pages per run (default 64, --quick 8).")
 @click.option("--device", default="cuda", show_default=True)
@@ -430,8 +422,8 @@ def e2e_command(
 
 
 @bench_group.command("integrity")
-@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout.")
-@click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs).")
+@json_option
+@quick_option
 @click.option("--page-mib", default=None, help="Page sizes in MiB (default 0.25,1,4; --quick 0.25).")
 @click.option("--object-mib", type=float, default=None, help="Object size in MiB (default 32, --quick 2).")
 @click.option("--threads", type=int, default=0, show_default=True, help="Parallel columns' threads; 0 = min(4, cores).")
@@ -446,7 +438,7 @@ def integrity_command(as_json: bool, quick: bool, page_mib: str | None, object_m
         repeats=1 if quick else 3,
     )
     res = integrity.run_integrity(cfg)
-    finish(res, as_json=as_json, table=integrity.table, plot_path=None, plot=lambda r, p: None)
+    finish(res, as_json=as_json, table=integrity.table)
 
 
 # --------------------------------------------------------------------------- trace
@@ -552,11 +544,8 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--router-seed", type=int, default=0, show_default=True, help="Seed of the random router and of ties.")
 @click.option("--host-cache-tokens", type=click.IntRange(min=0), default=0, show_default=True,
               help="Each engine's host tier, in tokens of full-attention KV (0: none; needs the host tier, issue 39).")
-@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
-@click.option(
-    "--plot", "plot_path", type=click.Path(dir_okay=False), callback=writable_file, default=None,
-    help="Write a PNG chart here (checked before the replay starts).",
-)
+@json_option
+@plot_option("Write a PNG chart here (checked before the replay starts).")
 def trace_command(
     trace_file: str,
     fmt: str,
@@ -737,9 +726,8 @@ def describe_trace_command(trace_file: str, limit: int | None, as_json: bool) ->
 @click.option("--url", default=None, help="Store (default: the embedded S3 server).")
 @click.option("--s3-latency-ms", type=click.FloatRange(min=0), default=30.0, show_default=True,
               help="Added to every S3 request by s3kv's fault proxy.")
-@click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), callback=writable_file, default=None,
-              help="Write a PNG chart here.")
+@json_option
+@plot_option("Write a PNG chart here.")
 def corun_command(streams: int, arrivals: int, prompt_tokens: int, decode_ms: float, hit_share: float, modes: str,
                   url: str | None, s3_latency_ms: float, as_json: bool, plot_path: str | None) -> None:
     """Decode streams on the simulated engine while requests arrive and are looked up at

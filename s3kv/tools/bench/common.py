@@ -438,11 +438,11 @@ def finish(
     *,
     as_json: bool,
     table: Callable[[dict[str, Any]], str],
-    plot_path: str | None,
-    plot: Callable[[dict[str, Any], str], None],
+    plot_path: str | None = None,
+    plot: Callable[[dict[str, Any], str], None] | None = None,
 ) -> None:
     failed = ""
-    if plot_path:
+    if plot_path and plot:
         try:
             plot(result, plot_path)
             result["plot"] = plot_path
@@ -479,27 +479,27 @@ def pct(xs: Sequence[float], q: float) -> float:
 # --------------------------------------------------------------------------- click options
 
 
+#: ``--json`` and ``--quick``, as every benchmark takes them.
+json_option = click.option("--json", "as_json", is_flag=True, help="Print ONE JSON object on stdout (progress on stderr).")
+quick_option = click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs).")
+
+
+def plot_option(help: str = "Write a PNG chart here (checked before the benchmark starts).") -> Callable[..., Any]:
+    from ..options import writable_file
+
+    return click.option(
+        "--plot", "plot_path", type=click.Path(dir_okay=False), callback=writable_file, default=None, help=help
+    )
+
+
 def common_options(default_latency_ms: float, plot: bool = True) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """The options every store benchmark takes; ``plot=False`` for one that draws no chart (it is
     then not offered)."""
-    from ..options import writable_file
 
     def deco(f: Callable[..., Any]) -> Callable[..., Any]:
         opts = [
-            click.option(
-                "--json",
-                "as_json",
-                is_flag=True,
-                help="Print ONE JSON object on stdout (progress on stderr).",
-            ),
-            *([click.option(
-                "--plot",
-                "plot_path",
-                type=click.Path(dir_okay=False),
-                callback=writable_file,
-                default=None,
-                help="Write a PNG chart here (checked before the benchmark starts).",
-            )] if plot else []),
+            json_option,
+            *([plot_option()] if plot else []),
             click.option(
                 "--url",
                 default=None,
@@ -521,7 +521,7 @@ def common_options(default_latency_ms: float, plot: bool = True) -> Callable[[Ca
                 show_default=True,
                 help="Inject this much latency per request (imitates a store in another region).",
             ),
-            click.option("--quick", is_flag=True, help="Tiny sizes (tests, smoke runs)."),
+            quick_option,
             click.option("--keep", is_flag=True, help="Keep the objects written to a real bucket."),
         ]
         for o in reversed(opts):
