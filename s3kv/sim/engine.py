@@ -471,10 +471,6 @@ class SimEngine:
 
     # ------------------------------------------------------------------ public
 
-    @property
-    def layouts(self) -> tuple:
-        return tuple(p.layout for p in self.pools)
-
     def run(
         self,
         specs: Iterable[SimRequestSpec],

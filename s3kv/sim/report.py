@@ -90,20 +90,6 @@ class SimReport:
         return self.matched_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     @property
-    def cancelled_requests(self) -> int:
-        return sum(1 for r in self.requests if r.cancelled)
-
-    @property
-    def recomputed_requests(self) -> int:
-        """Requests whose failed load the engine recomputed (rung 1)."""
-        return sum(1 for r in self.requests if r.recomputed_failed_load)
-
-    @property
-    def failed_requests(self) -> int:
-        """Requests the engine failed because their load failed (rung 1)."""
-        return sum(1 for r in self.requests if r.failed)
-
-    @property
     def ok(self) -> bool:
         return self.kv_mismatches == 0 and self.guard_violations == 0
 

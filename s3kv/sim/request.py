@@ -83,11 +83,6 @@ class SimLlmRequest:
             raise ValueError("beam width is 1 with a connector")
         return list(self._tokens)
 
-    def get_num_tokens(self, beam: int = 0) -> int:
-        if beam != 0:
-            raise ValueError("beam width is 1 with a connector")
-        return len(self._tokens)
-
     def __repr__(self) -> str:
         return (
             f"SimLlmRequest(id={self.request_id}, prompt_len={self.prompt_len}, tokens={len(self._tokens)})"
