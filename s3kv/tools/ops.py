@@ -51,6 +51,7 @@ from ..core.objects import (
     verify_page,
 )
 from ..store.base import ByteRange, NotFound, ObjectInfo, ObjectStore, StoreError
+from .options import fmt_bytes
 from .storeerrors import describe
 
 SETTING = "S3KV_URL"
@@ -163,16 +164,6 @@ def _age(ctx: _Ctx, info: ObjectInfo) -> float | None:
     if info.last_modified is None:
         return None
     return max(0.0, ctx.now - info.last_modified)
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"  # pragma: no cover
 
 
 def fmt_age(s: float | None) -> str:
@@ -390,7 +381,7 @@ def ls_command(ctx: _Ctx, namespace: str | None) -> None:
         if "tiers" in doc:
             from .tierstats import lines
 
-            yield from lines(doc["tiers"], fmt_bytes)
+            yield from lines(doc["tiers"])
 
     _emit(ctx, doc, text)
 
@@ -631,7 +622,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
         if "tiers" in doc:
             from .tierstats import lines
 
-            yield from lines(doc["tiers"], fmt_bytes)
+            yield from lines(doc["tiers"])
         lk = doc.get("lookups")
         if lk:
             yield (f"lookups ({lk['engines']} engines): {lk['lookups']:.0f}, {lk['from_index_pct']:.0f}% from the fleet "

@@ -107,6 +107,17 @@ def writable_file(ctx: click.Context, param: click.Parameter, value: str | None)
     return value
 
 
+def fmt_bytes(n: float | None) -> str:
+    """``1536`` -> ``"1.5 KiB"``; ``None`` -> ``"-"`` (a figure not known)."""
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} PiB"  # pragma: no cover
+
+
 def token_counts(text: str, param_hint: str) -> tuple[int, ...]:
     """``"1k,4k,16384"`` -> ``(1024, 4096, 16384)``: token counts as every command takes them (``k`` is
     1024, as in block-aligned prompt sizes); anything else is a BadParameter naming the option."""

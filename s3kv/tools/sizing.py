@@ -22,6 +22,7 @@ from ..core.layout import CacheGeometry, GroupGeometry
 from ..core.objects import header_len
 from ..core.policy import StoragePolicy, object_sizes
 from .models import MODELS, ModelSpec
+from .options import fmt_bytes
 
 #: The one registry of model geometries (s3kv.tools.models), under the name ``s3kv size`` used.
 PRESETS = MODELS
@@ -195,20 +196,12 @@ def _value_of_one_hit(c: PromptCost, gpu_usd: float, prices: Prices, retention_h
     return {"s3_usd_one_hit": s3, "gpu_usd_saved": gpu_usd, "ratio": s3 / gpu_usd if gpu_usd else None}
 
 
-def _b(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"  # pragma: no cover
-
-
 def table(s: Sizing, gpu: str) -> str:
     lines = [
         f"{s.model}, TP {s.tp}, {s.tokens_per_block} tokens per block",
         "KV bytes per token (all shards): "
-        + ", ".join(f"{k} layers {_b(v)}" for k, v in s.kv_bytes_per_token.items())
-        + f"; total {_b(sum(s.kv_bytes_per_token.values()))}",
+        + ", ".join(f"{k} layers {fmt_bytes(v)}" for k, v in s.kv_bytes_per_token.items())
+        + f"; total {fmt_bytes(sum(s.kv_bytes_per_token.values()))}",
         "",
         f"{'prompt':>7} {'policy':>6} | {'stored':>9} {'per token':>9} {'PUTs':>5} {'PUT/1k':>6} | "
         f"{'hit read':>9} {'GETs':>5} {'HEADs':>5} {'GET+HEAD/1k':>11} | {'prefill':>8} {'break-even':>10} | "
@@ -216,8 +209,8 @@ def table(s: Sizing, gpu: str) -> str:
     ]
     for r in s.prompts:
         lines.append(
-            f"{r['prompt_tokens']:>7} {r['policy']:>6} | {_b(r['stored_bytes']):>9} {_b(r['stored_bytes_per_token']):>9} "
-            f"{r['objects']:>5} {r['puts_per_1k_tokens']:>6.1f} | {_b(r['loaded_bytes']):>9} {r['gets']:>5} "
+            f"{r['prompt_tokens']:>7} {r['policy']:>6} | {fmt_bytes(r['stored_bytes']):>9} {fmt_bytes(r['stored_bytes_per_token']):>9} "
+            f"{r['objects']:>5} {r['puts_per_1k_tokens']:>6.1f} | {fmt_bytes(r['loaded_bytes']):>9} {r['gets']:>5} "
             f"{r['heads']:>5} {r['gets_per_1k_hit_tokens'] + r['heads_per_1k_hit_tokens']:>11.1f} | "
             f"{r['prefill_s']:>7.2f}s {r['break_even_gb_s']:>6.1f} GB/s | "
             f"{r['s3_usd_one_hit']:>8.5f} {r['gpu_usd_saved']:>8.5f} {r['ratio']:>6.3f}"

@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from ..engine.metrics import PREFIX, read_endpoint
+from .options import fmt_bytes
 
 _EVENTS = ("inserted", "kept_from_s3", "evicted", "write_back", "write_back_failed", "divergence", "bad",
            "host_only_save")
@@ -45,7 +46,7 @@ def engine_tiers(urls: Sequence[str]) -> list[dict[str, Any]]:
     return out
 
 
-def lines(tiers: Iterable[dict[str, Any]], fmt_bytes: Any) -> Iterator[str]:
+def lines(tiers: Iterable[dict[str, Any]]) -> Iterator[str]:
     for t in tiers:
         if "error" in t:
             yield f"engine {t['engine']}: no metrics ({t['error']})"
