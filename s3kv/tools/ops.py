@@ -378,10 +378,6 @@ def ls_command(ctx: _Ctx, namespace: str | None) -> None:
                 yield f"(a name with a '/' sits below {ctx.url}: pass --url {ctx.url.rstrip('/')}/<that path> to see it alone)"
         if other.objects:
             yield f"unrecognised keys (not s3kv layout, ignored): {other.objects}, {fmt_bytes(other.bytes)}"
-        if "tiers" in doc:
-            from .tierstats import lines
-
-            yield from lines(doc["tiers"])
 
     _emit(ctx, doc, text)
 
