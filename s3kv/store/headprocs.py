@@ -316,14 +316,13 @@ _PING = "ping"
 _WARN_EVERY_S = 600.0
 
 
-def helper_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def helper_env() -> dict[str, str]:
     """A helper's environment: the engine's, less every ``S3KV_`` variable. The helper's whole
     configuration arrives on the socket (:class:`HelperRecipe`), and some of those variables hold
     secrets a store client has no use for (an inline ``S3KV_INTEGRITY_KEY``, previous keys): a
     process that needs no secret must not hold one (its environment is readable in /proc by the
     same user, and lands in crash reports). The rest stays: boto3's credential chain reads it."""
-    env = os.environ if environ is None else environ
-    return {k: v for k, v in env.items() if not k.upper().startswith("S3KV_")}
+    return {k: v for k, v in os.environ.items() if not k.upper().startswith("S3KV_")}
 
 
 class _Helper:

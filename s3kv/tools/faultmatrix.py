@@ -377,7 +377,6 @@ def run_cell(
     shape: Shape = Shape(),
     *,
     seed: int = 1,
-    settings_overrides: dict[str, Any] | None = None,
 ) -> Cell:
     """One cell: a fresh prefix, a proxy with ``fault`` at ``rate`` in front of ``server``, cluster
     A (cold) then cluster B (warm), both through the proxy."""
@@ -387,7 +386,6 @@ def run_cell(
         blocks_per_object=shape.blocks_per_object,
         checkpoint_tokens=shape.checkpoint_tokens,
         load_mode=shape.load_mode,
-        **(settings_overrides or {}),
     )
     t0 = time.perf_counter()
     with FaultProxy.for_url(server.endpoint_url, _plan(fault, rate), seed=seed) as px:

@@ -123,8 +123,9 @@ def _timed(leader: LeaderCore, rid: int, prompt: list[int]) -> _Run:
     return _Run(wall, cpu, leader.stats.lookup_hash_cpu_s - hashing, hit)
 
 
-def run_local(cfg: LookupConfig, prompts: Sequence[int] = DEFAULT_LOCAL_PROMPTS, repeats: int = 5,
-              only: Sequence[str] = CASES) -> dict[str, Any]:
+def run_local(
+    cfg: LookupConfig, prompts: Sequence[int] = DEFAULT_LOCAL_PROMPTS, repeats: int = 5
+) -> dict[str, Any]:
     t_start = time.perf_counter()
     rng = random.Random("s3kv-bench/lookup-local")
     longest = max(prompts)
@@ -181,8 +182,6 @@ def run_local(cfg: LookupConfig, prompts: Sequence[int] = DEFAULT_LOCAL_PROMPTS,
     for n in prompts:
         row: dict[str, Any] = {"tokens": n}
         for name, (make, prompt_of) in cases.items():
-            if name not in only:
-                continue
             prompt = prompt_of(n)
             runs = []
             for r in range(repeats):
