@@ -301,11 +301,9 @@ def table(res: dict[str, Any]) -> str:
 
 
 def plot_corun(res: dict[str, Any], path: str) -> None:
-    import matplotlib
+    from .plot import _plt, _save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     modes = list(res["modes"])
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for i, q in enumerate(("p50", "p99")):
@@ -314,5 +312,4 @@ def plot_corun(res: dict[str, Any], path: str) -> None:
     ax.set_xticks([m + 0.2 for m in range(len(modes))], modes)
     ax.set_ylabel("ms between passes")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    _save(fig, path)
