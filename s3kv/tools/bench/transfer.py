@@ -38,7 +38,7 @@ import hashlib
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -86,12 +86,6 @@ def default_total_mib(cores: int) -> int:
 
 def _digest(*parts: object) -> bytes:
     return hashlib.blake2b(repr(parts).encode(), digest_size=16, person=b"s3kv-bench").digest()
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 class _Size:
@@ -282,7 +276,7 @@ class _Size:
             for k in keys:
                 rc.get(k)
 
-        return _timed(save), _timed(load)
+        return timed_cpu(save)[0], timed_cpu(load)[0]
 
     def warm_clients(self, raws: dict[str, Any], stores: dict[str, Any]) -> None:
         """Untimed: every client's connections up."""
