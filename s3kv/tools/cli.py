@@ -211,19 +211,12 @@ def _register() -> None:
 
     main.add_command(config_command, "config")
     main.add_command(glossary_command, "glossary")
-    try:
-        from .bench.cli import bench_group
-    except ImportError:  # pragma: no cover - while the bench package is being built
-        pass
-    else:
-        main.add_command(bench_group, "bench")
-    try:
-        from .ops import ops_commands
-    except ImportError:  # pragma: no cover
-        pass
-    else:
-        for name, cmd in ops_commands().items():
-            main.add_command(cmd, name)
+    from .bench.cli import bench_group
+    from .ops import ops_commands
+
+    main.add_command(bench_group, "bench")
+    for name, cmd in ops_commands().items():
+        main.add_command(cmd, name)
 
 
 _register()
