@@ -8,7 +8,7 @@ call is an engine crash and fails the test. A promised load that fails takes the
 the engine allows (docs/failures.md): ``failed_load_hook=True`` models a line whose engine
 recomputes the request (rung 1); without it (the merged line) the request stays parked while the
 load is retried (rung 3) until it succeeds or the request is cancelled. The full fault matrix is
-``python -m s3kv.tools.faultmatrix`` (docs/reliability.md); here a reduced one runs.
+``s3kv bench faults`` (docs/reliability.md); here a reduced one runs.
 """
 
 from __future__ import annotations

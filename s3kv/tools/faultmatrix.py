@@ -579,7 +579,3 @@ def _run(as_json: bool, rates: list[float], server_kind: str, faults: list[str],
         for n in notes:
             print(f"- note: {n}")
     return 0 if not problems else 1
-
-
-if __name__ == "__main__":
-    faults_command(prog_name="python -m s3kv.tools.faultmatrix")

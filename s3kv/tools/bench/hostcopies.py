@@ -182,10 +182,3 @@ def bench_host_tier(
         "store_path_ratio_vs_memcpy": min(r["store_path_ratio_vs_memcpy"] for r in head),
         "seconds": time.perf_counter() - t0,
     }
-
-
-if __name__ == "__main__":  # pragma: no cover - manual runs
-    import json
-    import sys
-
-    print(json.dumps(bench_host_tier(device=sys.argv[1] if len(sys.argv) > 1 else "cuda"), indent=2))

@@ -217,10 +217,3 @@ def bench_staging(
     for k in [k for k in head[0] if k.endswith("_ratio_vs_memcpy") and k not in out]:
         out[k] = min(r[k] for r in head)
     return out
-
-
-if __name__ == "__main__":  # pragma: no cover - manual runs
-    import json
-    import sys
-
-    print(json.dumps(bench_staging(device=sys.argv[1] if len(sys.argv) > 1 else "cuda"), indent=2))
