@@ -220,6 +220,3 @@ def _register() -> None:
 
 
 _register()
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
