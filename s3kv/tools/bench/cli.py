@@ -119,6 +119,11 @@ def _floats(text: str | None) -> tuple[float, ...] | None:
     return tuple(float(x) for x in text.split(",")) if text else None
 
 
+def _given(**kw: Any) -> dict[str, Any]:
+    """The options given on the command line (not None), as keyword arguments over the defaults."""
+    return {k: v for k, v in kw.items() if v is not None}
+
+
 # --------------------------------------------------------------------------- lookup
 
 
@@ -286,8 +291,7 @@ def transfer_command(
     cfg = transfer.TransferConfig(
         object_mib=sizes, total_mib=total, page_mib=page_mib,
         repeats=max(1, repeats if repeats is not None else (1 if quick else 2)), device=dev,
-        **({"upload_threads": upload_threads} if upload_threads else {}),
-        **({"download_threads": download_threads} if download_threads else {}),
+        **_given(upload_threads=upload_threads, download_threads=download_threads),
     )
     res = run_on_store("transfer", url, server, latency_ms, keep, lambda bs: transfer.run_transfer(bs, cfg))
     finish(
@@ -405,15 +409,9 @@ def e2e_command(
     _check_plot(plot_path, url)
     from . import e2e, plot
 
-    cfg = e2e.E2EConfig.quick() if quick else e2e.E2EConfig()
-    if rounds is not None:
-        cfg = cfg.replace(rounds=rounds)
-    if gpu_tflops is not None:
-        cfg = cfg.replace(gpu_tflops=gpu_tflops)
-    if mfu is not None:
-        cfg = cfg.replace(mfu=mfu)
-    if checkpoint_tokens is not None:
-        cfg = cfg.replace(checkpoint_tokens=checkpoint_tokens)
+    cfg = (e2e.E2EConfig.quick() if quick else e2e.E2EConfig()).replace(
+        **_given(rounds=rounds, gpu_tflops=gpu_tflops, mfu=mfu, checkpoint_tokens=checkpoint_tokens)
+    )
     res = run_on_store("e2e", url, server, latency_ms, keep, lambda bs: e2e.run_e2e(bs, cfg))
     finish(res, as_json=as_json, table=explained("e2e", e2e.table), plot_path=plot_path, plot=plot.plot_e2e)
 
@@ -599,20 +597,10 @@ def trace_command(
         runs += {"on": ["window"], "off": ["window-no-branch"], "compare": ["window", "window-no-branch"]}[branch_tails]
     if policy in ("all", "both"):
         runs.append("all")
-    d = Prices()
     try:
-        prices = Prices(
-            d.put_per_1k if put_per_1k is None else put_per_1k,
-            d.get_per_1k if get_per_1k is None else get_per_1k,
-            d.gb_month if gb_month is None else gb_month,
-            d.retention_h if retention_h is None else retention_h,
-        )
-        g = Gpu()
-        gpu = Gpu(
-            g.usd_per_hour if gpu_usd_per_hour is None else gpu_usd_per_hour,
-            g.peak_tflops if gpu_tflops is None else gpu_tflops,
-            g.mfu if mfu is None else mfu,
-        )
+        prices = Prices(**_given(put_per_1k=put_per_1k, get_per_1k=get_per_1k, gb_month=gb_month,
+                                 retention_h=retention_h))
+        gpu = Gpu(**_given(usd_per_hour=gpu_usd_per_hour, peak_tflops=gpu_tflops, mfu=mfu))
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
     if prices.retention_h <= 0:
