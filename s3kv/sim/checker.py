@@ -14,7 +14,6 @@ engine would, silently using them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,7 +63,6 @@ class KvChecker:
         self.details: list[KvMismatch] = []
         self.pages_checked = 0
         self.pages_audited = 0
-        self.seconds = 0.0
         # (request, rank, group, ordinal, region) -> [slot, layers, kind, source] during one pass
         self._pending: dict[tuple[int, int, int, int, int], list] = {}
 
@@ -80,7 +78,6 @@ class KvChecker:
 
     def check_layer(self, rank: int, layer: int, group_id: int, pages: Sequence[PageCheck]) -> None:
         """Verify ``layer``'s bytes of ``pages`` (all in ``group_id``) on ``rank``."""
-        t0 = time.perf_counter()
         pool = self._pools[rank]
         first_layer = self._groups[group_id].layer_ids[0] == layer
         for page in pages:
@@ -96,7 +93,6 @@ class KvChecker:
                 key = (page.request_id, rank, group_id, page.ordinal, region)
                 entry = self._pending.setdefault(key, [page.slot, [], self._kind(seg), page.source])
                 entry[1].append(layer)
-        self.seconds += time.perf_counter() - t0
 
     def end_pass(self) -> None:
         """Turn this forward's per-layer findings into one record per page region."""
@@ -113,7 +109,6 @@ class KvChecker:
         digest = self._expect.pop((rank, group_id, slot), None)
         if not self._audit_enabled or digest is None:
             return
-        t0 = time.perf_counter()
         pool = self._pools[rank]
         self.pages_audited += 1
         for region in range(pool.region_count(group_id)):
@@ -139,7 +134,6 @@ class KvChecker:
                         "unknown",
                     )
                 )
-        self.seconds += time.perf_counter() - t0
 
     # -- helpers -----------------------------------------------------------------------------------
 

@@ -413,7 +413,6 @@ class SimEngine:
         self._seq = 0
         self._wake_id = 1 << 40
         self._iterations = 0
-        self._forward_wall: list[float] = []
 
     # ------------------------------------------------------------------ bring-up
 
@@ -499,7 +498,6 @@ class SimEngine:
             max_iterations = 2 * work + 5000
         self.checker.reset()
         self._hook_seconds = {}
-        self._forward_wall = []
         self._waiting.extend(states)
         self._waiting.sort(key=lambda x: x.seq)
         t_start = time.perf_counter()
@@ -540,9 +538,7 @@ class SimEngine:
             pages_checked=self.checker.pages_checked,
             pages_audited=self.checker.pages_audited,
             guard_violations=guard,
-            forward_wall_s=tuple(self._forward_wall),
             hook_seconds=dict(self._hook_seconds),
-            check_seconds=self.checker.seconds,
             wall_s=time.perf_counter() - t_start,
             held_while_idle=tuple(st.rid for st in self._held),
         )
@@ -750,12 +746,9 @@ class SimEngine:
         """The forward, only if something is left to compute; ``wait_for_save`` at its end."""
         if not scheduled:
             return False
-        t0 = time.perf_counter()
-        check0 = self.checker.seconds
         self._forward(scheduled, stream)
         for w in self.workers:
             self._call("wait_for_save", w.wait_for_save, stream)
-        self._forward_wall.append(time.perf_counter() - t0 - (self.checker.seconds - check0))
         return True
 
     def _cancel_due(self, it: int, finished: list[_Req]) -> None:
@@ -1305,7 +1298,6 @@ class SimEngine:
             output_tokens=tuple(st.tokens[len(st.spec.prompt) :]),
             ttft_s=st.t_first_token - st.t_admit,
             latency_s=st.t_done - st.t_admit,
-            admitted_iteration=st.it_admit,
             finished_iteration=st.it_done,
             cancelled=st.cancelled,
             recomputed_failed_load=st.recomputed_failed_load,

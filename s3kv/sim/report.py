@@ -44,7 +44,6 @@ class RequestReport:
     output_tokens: tuple[int, ...]
     ttft_s: float  # first admission -> first generated token
     latency_s: float  # first admission -> generation finished
-    admitted_iteration: int
     finished_iteration: int
     cancelled: bool = False  # cancelled before it finished (request_finished was still called)
     #: The manager returned it as a failed load; the engine rewound it to its device match and it
@@ -64,10 +63,7 @@ class SimReport:
     pages_checked: int
     pages_audited: int
     guard_violations: int
-    # per iteration that scheduled work: start_load_kv .. wait_for_save incl. the layer hooks, excl. checker
-    forward_wall_s: tuple[float, ...]
     hook_seconds: Mapping[str, float] = field(default_factory=dict)
-    check_seconds: float = 0.0
     wall_s: float = 0.0
     #: Requests whose pages the engine still holds for an async save when it went idle.
     held_while_idle: tuple[int, ...] = ()
