@@ -57,7 +57,6 @@ def flat_model(
     dtype: str = "bfloat16",
     vocab_size: int = 32000,
     name: str = "s3kv-sim/flat",
-    tp_size: int = 1,
 ) -> SimModel:
     """One window (full attention): one group, one region -- the flat/V1-compatible geometry."""
     return SimModel(
@@ -110,7 +109,6 @@ def multi_turn_workload(
     vocab_size: int = 32000,
     seed: int = 0,
     first_id: int = 0,
-    salt_changes_kv: bool = True,
 ) -> list[SimRequestSpec]:
     """Conversations sharing a system prompt; turn k+1 = turn k's prompt + its answer + new text.
 
@@ -119,7 +117,7 @@ def multi_turn_workload(
     """
     rng = random.Random(f"multi/{seed}")
     system = random_tokens(rng, system_len, vocab_size)
-    root = request_root(salt_changes_kv=salt_changes_kv)
+    root = request_root()
     by_turn: list[list[SimRequestSpec]] = [[] for _ in range(turns)]
     for c in range(n_conversations):
         prompt = system + random_tokens(rng, first_len, vocab_size)
