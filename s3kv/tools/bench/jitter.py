@@ -117,6 +117,26 @@ def _during(work: int, phase_s: float, load: Callable[[threading.Event], Any]) -
     return loop.stats(), out[0] if out else None
 
 
+def _pump(threads: int, stop: threading.Event, size: int, one: Callable[[int, int], None]) -> float:
+    """GB/s while ``threads`` threads each repeat ``one(thread, n)`` (its n-th transfer of ``size``
+    bytes) until ``stop`` is set."""
+    moved = [0]
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        n = 0
+        while not stop.is_set():
+            one(i, n)
+            n += 1
+            with lock:
+                moved[0] += size
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as ex:
+        list(ex.map(worker, range(threads)))
+    return moved[0] / (time.perf_counter() - t0) / 1e9
+
+
 def run_jitter(bs: BenchStore, cfg: JitterConfig) -> dict[str, Any]:
     from .lookup import LookupConfig, _leader, geometry, populate, real_sizing
 
@@ -161,47 +181,18 @@ def run_jitter(bs: BenchStore, cfg: JitterConfig) -> dict[str, Any]:
             def download(stop: threading.Event, store: Any = store) -> float:
                 from ...store.base import ByteRange
 
-                bufs = [bytearray(size) for _ in range(cfg.download_threads)]
-                moved = [0]
-                lock = threading.Lock()
-
-                def worker(i: int) -> None:
-                    view = memoryview(bufs[i])
-                    j = i
-                    while not stop.is_set():
-                        store.get_ranges_into(keys[j % len(keys)], [ByteRange(0, size)], [view])
-                        j += cfg.download_threads
-                        with lock:
-                            moved[0] += size
-
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(cfg.download_threads) as ex:
-                    list(ex.map(worker, range(cfg.download_threads)))
-                return moved[0] / (time.perf_counter() - t0) / 1e9
+                t = cfg.download_threads
+                views = [memoryview(bytearray(size)) for _ in range(t)]
+                return _pump(t, stop, size, lambda i, m: store.get_ranges_into(
+                    keys[(i + m * t) % len(keys)], [ByteRange(0, size)], [views[i]]))
 
             r["download"], gbs = _during(work, cfg.phase_s, download)
             r["download"]["gb_s"] = rnd(gbs)
 
             def upload(stop: threading.Event, store: Any = store, name: str = name) -> float:
-                header = b"h" * 4096
-                views = [memoryview(body)[k * MiB : (k + 1) * MiB] for k in range(size // MiB)]
-                moved = [0]
-                seq = [0]
-                lock = threading.Lock()
-
-                def worker(i: int) -> None:
-                    while not stop.is_set():
-                        with lock:
-                            seq[0] += 1
-                            n = seq[0]
-                        store.put(f"{root}/up-{name}/{n}", [header, *views])
-                        with lock:
-                            moved[0] += size
-
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(cfg.upload_threads) as ex:
-                    list(ex.map(worker, range(cfg.upload_threads)))
-                return moved[0] / (time.perf_counter() - t0) / 1e9
+                parts = [b"h" * 4096, *(memoryview(body)[k * MiB : (k + 1) * MiB] for k in range(size // MiB))]
+                return _pump(cfg.upload_threads, stop, size,
+                             lambda i, m: store.put(f"{root}/up-{name}/{i}-{m}", parts))
 
             r["upload"], gbs = _during(work, cfg.phase_s, upload)
             r["upload"]["gb_s"] = rnd(gbs)
