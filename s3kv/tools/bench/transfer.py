@@ -282,16 +282,12 @@ class _Size:
         """Untimed: every client's connections up."""
         body = self.raw_bodies[0]
         n = max(self.cfg.upload_threads, self.cfg.download_threads)
-        for name, rc in raws.items():
+        # Raw clients and s3kv's stores alike: put(key, body) and get(key).
+        for name, c in [*raws.items(), *((f"s-{k}", v) for k, v in stores.items())]:
             keys = [f"{self.root}/warmup-{name}/{i}" for i in range(n)]
             with ThreadPoolExecutor(n) as ex:
-                list(ex.map(lambda k, rc=rc: rc.put(k, body), keys))
-                list(ex.map(rc.get, keys))
-        for name, st in stores.items():
-            keys = [f"{self.root}/warmup-s-{name}/{i}" for i in range(n)]
-            with ThreadPoolExecutor(n) as ex:
-                list(ex.map(lambda k, st=st: st.put(k, body), keys))
-                list(ex.map(st.get, keys))
+                list(ex.map(lambda k, c=c: c.put(k, body), keys))
+                list(ex.map(c.get, keys))
 
     def warm_up(self) -> None:
         """Untimed: open connections on every path and let the server allocate its volumes."""
