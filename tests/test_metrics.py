@@ -385,3 +385,17 @@ def test_objects_a_load_found_corrupt_are_rejections():
     m.observe_worker({"objects_quarantined": 2})
     m.observe_worker({"objects_quarantined": 3})
     assert sample(scrape(m), "s3kv_objects_rejected_total", reason="corrupt") == 3
+
+
+def test_saves_dropped_sums_every_reason_a_save_is_dropped_for():
+    """Every report (demo, e2e, replay, fault matrix) prints ``WorkerStats.saves_dropped``; a reason
+    left out of it reads as a save kept (the demo's figure once left ``other`` out)."""
+    from dataclasses import fields, replace
+
+    from s3kv.engine.worker.stats import worker_stats
+
+    zero = worker_stats({}, None, uploads_pending=0, parked_now=0)
+    reasons = [f.name for f in fields(zero) if f.name.startswith("saves_dropped_")]
+    assert len(reasons) >= 4
+    for i, name in enumerate(reasons):
+        assert replace(zero, **{name: i + 1}).saves_dropped == i + 1, name

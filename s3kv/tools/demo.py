@@ -171,8 +171,7 @@ def run_cluster(role: str, shape: DemoShape, forced: dict[str, Any] | None = Non
         "bytes_saved": sum(s.bytes_uploaded for s in wstats),
         "bytes_loaded": sum(s.bytes_loaded for s in wstats),
         "objects_saved": sum(s.objects_uploaded for s in wstats),
-        "saves_dropped": sum(s.saves_dropped_staging_full + s.saves_dropped_store_error + s.saves_dropped_breaker_open
-                             for s in wstats),
+        "saves_dropped": sum(s.saves_dropped for s in wstats),
         "load_failures": sum(s.loads_failed_objects for s in wstats),
         # Issue-12 invariants: what the engine would have suffered, and how failed loads ended.
         "engine_crashes": len(crashes),

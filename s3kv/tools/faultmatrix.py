@@ -272,9 +272,7 @@ def run_phases(
     result.parked_recovered = delta("parked_loads_recovered")
     result.failed_loads = result.recomputed + result.parked
     stats = [w.core.stats() for w in engine.workers]
-    result.saves_dropped = sum(
-        s.saves_dropped_staging_full + s.saves_dropped_store_error + s.saves_dropped_breaker_open + s.saves_dropped_other for s in stats
-    )
+    result.saves_dropped = sum(s.saves_dropped for s in stats)
     result.objects_saved = sum(s.objects_uploaded for s in stats)
     result.wall_s = time.perf_counter() - t0
     return result

@@ -102,6 +102,13 @@ class WorkerStats:
     host_bad: int = 0
     seals_dropped_no_tier: int = 0
 
+    @property
+    def saves_dropped(self) -> int:
+        """Saves lost for any reason: the one sum every report prints, so none leaves a reason
+        out (the demo's figure once omitted ``other``)."""
+        return (self.saves_dropped_staging_full + self.saves_dropped_store_error
+                + self.saves_dropped_breaker_open + self.saves_dropped_other)
+
 
 def worker_stats(
     c: Mapping[str, float], s: Any, *, uploads_pending: int, parked_now: int, host: Any = None

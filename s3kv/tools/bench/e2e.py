@@ -166,9 +166,7 @@ def _cluster(
         },
         "bytes_saved": sum(s.bytes_uploaded for s in wstats),
         "bytes_loaded": sum(s.bytes_loaded for s in wstats),
-        "saves_dropped": sum(
-            s.saves_dropped_staging_full + s.saves_dropped_store_error + s.saves_dropped_breaker_open + s.saves_dropped_other for s in wstats
-        ),
+        "saves_dropped": sum(s.saves_dropped for s in wstats),
         "load_failures": sum(s.loads_failed_objects for s in wstats),
         "lookup_waves": lstats.lookup_waves,
         "groups": names,

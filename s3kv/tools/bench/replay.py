@@ -358,9 +358,7 @@ def replay(
         "fleet_fingerprint": fleet_fp.hexdigest(),
         **totals,
         "load_failures": sum(s.loads_failed_objects for s in wstats),
-        "saves_dropped": sum(
-            s.saves_dropped_staging_full + s.saves_dropped_store_error + s.saves_dropped_breaker_open + s.saves_dropped_other for s in wstats
-        ),
+        "saves_dropped": sum(s.saves_dropped for s in wstats),
         "lookups": ls["lookups"],
         "lookup_waves": ls["lookup_waves"],
         "hits": ls["hits"],
