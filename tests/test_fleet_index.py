@@ -546,16 +546,29 @@ def test_gc_publishes_the_index_that_engines_then_read(tmp_path):
     assert r.exit_code != 0 and "--index" in r.output
 
 
-def test_stats_counts_what_the_engines_lookups_cost_the_requests_beside_them(tmp_path):
+def test_stats_counts_what_the_engines_lookups_cost_the_requests_beside_them(tmp_path, monkeypatch):
     """``s3kv stats --engine URL``: scheduler stall beyond the overlap loop (GPU time lost) and the
-    latency added to co-running requests, read from the engines' metrics and summed."""
+    latency added to co-running requests, read from the engines' metrics and summed -- each
+    endpoint read once (the tiers, lookup and value lines agree on one scrape)."""
     import json
+    from collections import Counter
 
     from click.testing import CliRunner
 
     from s3kv.engine.leader.stats import LeaderStats
     from s3kv.engine.metrics import Metrics, start_http_server
+    from s3kv.tools import tierstats
     from s3kv.tools.ops import stats_command
+
+    reads: Counter[str] = Counter()
+    real_read = tierstats.read_endpoint
+
+    def counted(url, *a, **kw):
+        reads[url] += 1
+        return real_read(url, *a, **kw)
+
+    monkeypatch.setattr(tierstats, "read_endpoint", counted)
+    monkeypatch.setattr("s3kv.engine.metrics.read_endpoint", counted)
 
     servers = []
     for stalls in ((0.040, 0.010), (0.100,)):
@@ -578,6 +591,7 @@ def test_stats_counts_what_the_engines_lookups_cost_the_requests_beside_them(tmp
         assert lk["engines"] == 2 and lk["lookups"] == 3 and lk["from_index_pct"] == 100.0
         assert lk["unhidden_stall_s"] == pytest.approx(0.120) and lk["added_latency_s"] == pytest.approx(0.480)
         assert lk["stall_s"] == pytest.approx(0.150) and list(lk["unreachable"]) == ["http://127.0.0.1:1/metrics"]
+        assert set(reads.values()) == {1} and len(reads) == 3
     finally:
         for srv in servers:
             srv.shutdown()

@@ -382,24 +382,21 @@ def ls_command(ctx: _Ctx, namespace: str | None) -> None:
     _emit(ctx, doc, text)
 
 
-def _lookup_costs(urls: Sequence[str], gpu: Any) -> dict[str, Any]:
+def _lookup_costs(scraped: Mapping[str, dict[str, float] | str], gpu: Any) -> dict[str, Any]:
     """What the engines' lookups cost, summed over their metrics endpoints (``--engine``)."""
-    from ..engine.metrics import figures, read_endpoint
+    from ..engine.metrics import figures
 
     keys = ("lookups", "lookup_stall_s", "lookup_unhidden_stall_s", "lookup_added_latency_s", "lookups_from_index")
     sums = dict.fromkeys(keys, 0.0)
-    unreachable: dict[str, str] = {}
-    for url in urls:
-        try:
-            f = figures(read_endpoint(url))
-        except (OSError, ValueError) as exc:
-            unreachable[url] = f"{type(exc).__name__}: {exc}"
-            continue
-        for k in keys:
-            sums[k] += f.get(k, 0.0)
+    unreachable = {url: s for url, s in scraped.items() if isinstance(s, str)}
+    for samples in scraped.values():
+        if not isinstance(samples, str):
+            f = figures(samples)
+            for k in keys:
+                sums[k] += f.get(k, 0.0)
     n = sums["lookups"]
     return {
-        "engines": len(urls) - len(unreachable),
+        "engines": len(scraped) - len(unreachable),
         "lookups": n,
         "from_index_pct": 100.0 * sums["lookups_from_index"] / n if n else 0.0,
         "stall_s": sums["lookup_stall_s"],
@@ -577,11 +574,12 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
     if deep:
         doc["inconsistent"] = inconsistent
     if engines:
-        from .tierstats import engine_tiers
+        from .tierstats import engine_tiers, scrape
 
-        doc["tiers"] = engine_tiers(engines)
-        doc["lookups"] = _lookup_costs(engines, gpu)
-        doc["value"] = _value_line(engines, prices)
+        scraped = scrape(engines)  # each endpoint read once: the three lines agree on what it said
+        doc["tiers"] = engine_tiers(scraped)
+        doc["lookups"] = _lookup_costs(scraped, gpu)
+        doc["value"] = _value_line(scraped, prices)
 
     def text() -> Iterator[str]:
         if not namespaces:
@@ -635,21 +633,19 @@ def _dash(x: Any) -> str:
     return "-" if x is None else str(x)
 
 
-def _value_line(urls: Sequence[str], prices: Any) -> dict[str, Any]:
+def _value_line(scraped: Mapping[str, dict[str, float] | str], prices: Any) -> dict[str, Any]:
     """The value line summed over the engines' metrics endpoints (``s3kv.engine.metrics.value_line``);
     an endpoint that does not answer is named, not fatal."""
-    from ..engine.metrics import read_endpoint, value_line
+    from ..engine.metrics import value_line
 
     samples: dict[str, float] = {}
-    unreachable = []
-    for url in urls:
-        try:
-            for k, v in read_endpoint(url).items():
+    unreachable = [f"{url}: {s}" for url, s in scraped.items() if isinstance(s, str)]
+    for one in scraped.values():
+        if not isinstance(one, str):
+            for k, v in one.items():
                 samples[k] = samples.get(k, 0.0) + v
-        except (OSError, ValueError) as e:
-            unreachable.append(f"{url}: {e}")
     out = value_line(samples, prices.get_per_1k)
-    out["endpoints"] = len(urls) - len(unreachable)
+    out["endpoints"] = len(scraped) - len(unreachable)
     out["unreachable"] = unreachable
     return out
 

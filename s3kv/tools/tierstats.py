@@ -8,7 +8,7 @@ its events (saves kept, objects kept from S3 reads, evictions, write-backs, dive
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ..engine.metrics import PREFIX, read_endpoint
@@ -18,14 +18,24 @@ _EVENTS = ("inserted", "kept_from_s3", "evicted", "write_back", "write_back_fail
            "host_only_save")
 
 
-def engine_tiers(urls: Sequence[str]) -> list[dict[str, Any]]:
-    """Per endpoint: loads and bytes by tier, the host tier's fill and events (or the error)."""
-    out: list[dict[str, Any]] = []
+def scrape(urls: Sequence[str]) -> dict[str, dict[str, float] | str]:
+    """Each engine's metrics endpoint read once: its samples, or why it did not answer (one line).
+    ``s3kv stats --engine`` builds its tiers, lookup and value lines from this one read."""
+    out: dict[str, dict[str, float] | str] = {}
     for url in urls:
         try:
-            samples = read_endpoint(url)
+            out[url] = read_endpoint(url)
         except Exception as e:  # noqa: BLE001 - one line per endpoint that does not answer
-            out.append({"engine": url, "error": f"{type(e).__name__}: {e}"})
+            out[url] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def engine_tiers(scraped: Mapping[str, dict[str, float] | str]) -> list[dict[str, Any]]:
+    """Per endpoint: loads and bytes by tier, the host tier's fill and events (or the error)."""
+    out: list[dict[str, Any]] = []
+    for url, samples in scraped.items():
+        if isinstance(samples, str):
+            out.append({"engine": url, "error": samples})
             continue
 
         def one(name: str, label: str = "", samples: dict[str, float] = samples) -> float:
