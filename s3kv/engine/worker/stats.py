@@ -7,7 +7,7 @@ requests and dollars per token.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 
@@ -40,11 +40,12 @@ class WorkerStats:
     loads_failed_objects: int
     requests_failed: int
     load_staging_fallbacks: int
-    staging_capacity: int
-    staging_in_use: int
-    staging_high_water: int
-    staging_drops: int
-    staging_pinned: bool
+    #: The staging pool (all 0 until there is one).
+    staging_capacity: int = 0
+    staging_in_use: int = 0
+    staging_high_water: int = 0
+    staging_drops: int = 0
+    staging_pinned: bool = False
     #: Failed promised loads by rung (docs/failures.md), and how parked ones ended.
     rung_engine_recompute: int = 0
     rung_parked_retry: int = 0
@@ -110,72 +111,30 @@ class WorkerStats:
                 + self.saves_dropped_breaker_open + self.saves_dropped_other)
 
 
+#: Fields read from the staging pool's stats and the host tier's (their absence leaves the
+#: field's default); every other field but those ``worker_stats`` sets is the counter of its name.
+_FROM_POOL = {"staging_capacity": "capacity", "staging_in_use": "in_use", "staging_high_water": "high_water",
+              "staging_drops": "drops", "staging_pinned": "pinned"}
+_FROM_HOST = {"host_capacity": "capacity", "host_used": "used", "host_high_water": "high_water",
+              "host_objects": "objects", "host_ghosts": "ghosts", "host_pinned": "pinned", "host_ready": "arena_ready",
+              "host_register_s": "register_s", "host_evicted": "evicted"}
+
+
 def worker_stats(
     c: Mapping[str, float], s: Any, *, uploads_pending: int, parked_now: int, host: Any = None
 ) -> WorkerStats:
     """The snapshot from the counters ``c``, the staging pool's stats ``s`` (None: no pool yet)
     and the host tier's (``HostTierStats``, None: no tier)."""
-
-    def n(name: str) -> int:
-        return int(c.get(name, 0))
-
-    return WorkerStats(
-        pages_staged=n("pages_staged"),
-        bytes_staged=n("bytes_staged"),
-        seals_submitted=n("seals_submitted"),
-        objects_uploaded=n("objects_uploaded"),
-        bytes_uploaded=n("bytes_uploaded"),
-        objects_already_present=n("objects_already_present"),
-        saves_dropped_staging_full=n("saves_dropped_staging_full"),
-        stages_dropped=n("stages_dropped"),
-        seals_dropped=n("seals_dropped"),
-        saves_dropped_store_error=n("saves_dropped_store_error"),
-        saves_dropped_breaker_open=n("saves_dropped_breaker_open"),
-        saves_dropped_other=n("saves_dropped_other") + n("saves_dropped_error") + n("uploads_cancelled"),
+    snap: dict[str, Any] = {f.name: int(c.get(f.name, 0)) for f in fields(WorkerStats)
+                            if f.name not in _FROM_POOL and f.name not in _FROM_HOST}
+    for source, names in ((s, _FROM_POOL), (host, _FROM_HOST)):
+        if source is not None:
+            snap.update({name: getattr(source, attr) for name, attr in names.items()})
+    snap.update(
+        saves_dropped_other=snap["saves_dropped_other"] + int(c.get("saves_dropped_error", 0))
+        + int(c.get("uploads_cancelled", 0)),
         uploads_pending=uploads_pending,
-        pages_loaded=n("pages_loaded"),
-        bytes_loaded=n("bytes_loaded"),
-        objects_loaded=n("objects_loaded"),
-        loads_failed_objects=n("loads_failed_objects"),
-        requests_failed=n("requests_failed"),
-        load_staging_fallbacks=n("load_staging_fallbacks"),
-        staging_capacity=s.capacity if s else 0,
-        staging_in_use=s.in_use if s else 0,
-        staging_high_water=s.high_water if s else 0,
-        staging_drops=s.drops if s else 0,
-        staging_pinned=s.pinned if s else False,
-        rung_engine_recompute=n("rung_engine_recompute"),
-        rung_parked_retry=n("rung_parked_retry"),
-        parked_loads_recovered=n("parked_loads_recovered"),
-        parked_loads_cancelled=n("parked_loads_cancelled"),
-        parked_loads_abandoned=n("parked_loads_abandoned"),
         parked_now=parked_now,
         parked_by_cause={k[len("parked_cause_"):]: int(v) for k, v in c.items() if k.startswith("parked_cause_")},
-        loads_aborted=n("loads_aborted"),
-        load_retries=n("load_retries"),
-        objects_quarantined=n("objects_quarantined"),
-        objects_audited=n("objects_audited"),
-        verdicts_unshared=n("verdicts_unshared"),
-        uploads_dropped_at_exit=n("uploads_dropped_at_exit"),
-        put_requests=n("put_requests"),
-        get_requests=n("get_requests"),
-        host_capacity=host.capacity if host else 0,
-        host_used=host.used if host else 0,
-        host_high_water=host.high_water if host else 0,
-        host_objects=host.objects if host else 0,
-        host_ghosts=host.ghosts if host else 0,
-        host_pinned=host.pinned if host else False,
-        host_ready=host.arena_ready if host else False,
-        host_register_s=host.register_s if host else 0.0,
-        host_hits=n("host_hits"),
-        host_hit_bytes=n("host_hit_bytes"),
-        host_promoted=n("host_promoted"),
-        host_inserted=n("host_inserted"),
-        host_evicted=host.evicted if host else 0,
-        host_only_saves=n("host_only_saves"),
-        host_write_backs=n("host_write_backs"),
-        host_write_back_failed=n("host_write_back_failed"),
-        host_divergence=n("host_divergence"),
-        host_bad=n("host_bad"),
-        seals_dropped_no_tier=n("seals_dropped_no_tier"),
     )
+    return WorkerStats(**snap)
