@@ -576,14 +576,8 @@ class HostTier(StoreWrapper):
                     self._wb_cond.notify_all()
 
     def flush_write_backs(self, timeout: float | None = None) -> bool:
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._wb_cond:
-            while self._wb_pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._wb_cond.wait(left)
-        return True
+            return self._wb_cond.wait_for(lambda: not self._wb_pending, timeout)
 
     # -- the ObjectStore face -----------------------------------------------------------------
     def _held(self, key: str) -> tuple[TierEntry, StagingBuffer] | None:

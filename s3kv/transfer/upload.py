@@ -136,14 +136,8 @@ class Uploader:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued upload finished. True if drained, False on timeout."""
-        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._pending:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._cond.wait(left)
-            return True
+            return self._cond.wait_for(lambda: not self._pending, timeout)
 
     def close(self, timeout: float | None = 30.0, cancel: bool = False) -> bool:
         """Stop the threads: drain first (or drop what is still queued with ``cancel``).
