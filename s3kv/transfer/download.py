@@ -64,14 +64,11 @@ from ..core.objects import (
 from ..store.base import ByteRange, ObjectStore, StoreError
 from .copies import Copier, PageCopy
 from .counters import Counters
-from .hosttier import HostTier, TierEntry
-from .staging import LOAD, StagingBuffer, StagingPool
+from .hosttier import PAGE_ALIGN, HostTier, TierEntry
+from .staging import LOAD, StagingBuffer, StagingPool, round_up
 from .tiers import TierSpeed
 
 log = logging.getLogger(__name__)
-
-#: Pages start at a multiple of this inside a load's staging (the header sits just before).
-_ALIGN = 4096
 
 PENDING, PLACING, DONE, FAILED, CANCELLED = "pending", "placing", "done", "failed", "cancelled"
 
@@ -331,7 +328,7 @@ class Downloader:
         nbytes = len(idx) * pb
         # Bytes land in staging straight from the store (one host copy): the header just in
         # front of the first page, the pages packed in index order from a page-aligned offset.
-        base = -(-hl // _ALIGN) * _ALIGN
+        base = round_up(hl, PAGE_ALIGN)
         # An audit reads into memory of its own: the pinned staging is the loads'.
         buf = self.pool.try_acquire(base + nbytes, LOAD) if job.place else StagingBuffer.standalone(base + nbytes)
         if buf is None:

@@ -77,11 +77,12 @@ from ..core.objects import (
 )
 from ..store.base import Buffer, ByteRange, HeadBatch, IntegrityError, ObjectInfo, ObjectStore, StoreWrapper
 from .counters import Counters
-from .staging import ALIGN, SAVE, StagingBuffer, StagingPool
+from .staging import SAVE, StagingBuffer, StagingPool, round_up
 
 log = logging.getLogger(__name__)
 
-#: Pages start at a multiple of this inside an object's buffer (the header sits just before them).
+#: Pages start at a multiple of this inside an object's buffer, a tier's or a load's staging (the header
+#: sits just before them).
 PAGE_ALIGN = 4096
 #: Write policies a seal may carry (``SealOp.to_s3``).
 NOW, EVICT, NEVER = "now", "evict", "never"
@@ -98,10 +99,6 @@ def _split_key(key: str) -> tuple[str, bytes | None]:
         return prefix + "/", bytes.fromhex(last)
     except ValueError:
         return prefix + "/", None
-
-
-def _round_up(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 @dataclass(eq=False)
@@ -304,7 +301,7 @@ class HostTier(StoreWrapper):
     def layout(identity: ObjectIdentity, count: int) -> tuple[int, int]:
         """(offset of page 0, buffer bytes) of an object of ``count`` pages in a tier buffer."""
         hl = header_len(count)
-        base = _round_up(hl, PAGE_ALIGN)
+        base = round_up(hl, PAGE_ALIGN)
         tl = trailer_len(count) if identity.integrity is not None else 0
         return base, base + count * identity.page_bytes + tl
 
@@ -316,7 +313,7 @@ class HostTier(StoreWrapper):
                 return max(0, int(self.weigh(key, object_bytes)))
             except Exception:  # noqa: BLE001 - a caller's weigher must not fail a save or a load
                 log.exception("s3kv: the host tier's weigher failed on %s; charging the object's bytes", key)
-        return _round_up(max(buffer_bytes, 1), ALIGN)
+        return round_up(max(buffer_bytes, 1))
 
     # -- the plan-ordered calls (worker thread) ---------------------------------------------
     def reserve(self, key: str, identity: ObjectIdentity, first: int, count: int, *, to_s3: str = NOW,

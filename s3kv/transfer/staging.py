@@ -94,8 +94,8 @@ def _unregister(cudart: Any, ptr: int, _storage: Any) -> None:
         pass
 
 
-def _round_up(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def round_up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
 
 
 class StagingBuffer:
@@ -256,7 +256,7 @@ class StagingPool:
             raise ValueError(f"kind must be {SAVE!r} or {LOAD!r}, got {kind!r}")
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-        size = _round_up(max(nbytes, 1))
+        size = round_up(max(nbytes, 1))
         with self._lock:
             if self._closed:
                 self._drops[kind] += 1
