@@ -56,10 +56,11 @@ feeds it and the reader that parses an endpoint must agree on each name.
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client import start_http_server as _prom_start_http_server
@@ -79,6 +80,8 @@ from ..store.base import (
     total_size,
 )
 from ..store.retrying import retries_by_op
+
+_T = TypeVar("_T")
 
 PREFIX = "s3kv"
 #: Where the metrics server binds unless told otherwise: metrics name buckets and key prefixes,
@@ -877,74 +880,52 @@ class MetricsStore(StoreWrapper):
                 "head", self._clock() - t0, requests=len(keys), errors={type(exc).__name__: len(keys)}
             )
             raise
-        errors: dict[str, int] = {}
-        for err in batch.failed.values():
-            errors[type(err).__name__] = errors.get(type(err).__name__, 0) + 1
+        errors = collections.Counter(type(err).__name__ for err in batch.failed.values())
         self.metrics.record_request("head", self._clock() - t0, requests=len(keys), errors=errors)
         return batch
+
+    def _timed(
+        self,
+        op: str,
+        call: Callable[[], _T],
+        *,
+        requests: int = 1,
+        bytes_up: int = 0,
+        bytes_down: Callable[[_T], int] = lambda _: 0,
+    ) -> _T:
+        """``call()``, timed and counted as ``op``; a StoreError counts one error of its type."""
+        t0 = self._clock()
+        try:
+            out = call()
+        except StoreError as exc:
+            self.metrics.record_request(
+                op, self._clock() - t0, requests=requests, bytes_up=bytes_up, errors={type(exc).__name__: 1}
+            )
+            raise
+        self.metrics.record_request(
+            op, self._clock() - t0, requests=requests, bytes_up=bytes_up, bytes_down=bytes_down(out)
+        )
+        return out
 
     def put(
         self, key: str, data: Buffer | Sequence[Buffer], metadata: Mapping[str, str] | None = None
     ) -> bool:
-        size = total_size(data)
-        t0 = self._clock()
-        try:
-            created = self.inner.put(key, data, metadata)
-        except StoreError as exc:
-            self.metrics.record_request(
-                "put", self._clock() - t0, bytes_up=size, errors={type(exc).__name__: 1}
-            )
-            raise
-        self.metrics.record_request("put", self._clock() - t0, bytes_up=size)
-        return created
+        return self._timed("put", lambda: self.inner.put(key, data, metadata), bytes_up=total_size(data))
 
     def get_ranges(self, key: str, ranges: Sequence[ByteRange]) -> list[bytes]:
-        t0 = self._clock()
-        try:
-            out = self.inner.get_ranges(key, ranges)
-        except StoreError as exc:
-            self.metrics.record_request(
-                "get", self._clock() - t0, requests=len(ranges), errors={type(exc).__name__: 1}
-            )
-            raise
-        self.metrics.record_request(
-            "get", self._clock() - t0, requests=len(ranges), bytes_down=sum(len(b) for b in out)
-        )
-        return out
+        return self._timed("get", lambda: self.inner.get_ranges(key, ranges), requests=len(ranges),
+                           bytes_down=lambda out: sum(len(b) for b in out))
 
     def get_ranges_into(self, key: str, ranges: Sequence[ByteRange], out: Sequence[memoryview]) -> None:
-        t0 = self._clock()
-        try:
-            self.inner.get_ranges_into(key, ranges, out)
-        except StoreError as exc:
-            self.metrics.record_request(
-                "get", self._clock() - t0, requests=len(ranges), errors={type(exc).__name__: 1}
-            )
-            raise
-        self.metrics.record_request(
-            "get", self._clock() - t0, requests=len(ranges), bytes_down=sum(r.length for r in ranges)
-        )
+        self._timed("get", lambda: self.inner.get_ranges_into(key, ranges, out), requests=len(ranges),
+                    bytes_down=lambda _: sum(r.length for r in ranges))
 
     def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
-        t0 = self._clock()
-        try:
-            got = self.inner.get_if_changed(key, etag)
-        except StoreError as exc:
-            self.metrics.record_request("fetch", self._clock() - t0, errors={type(exc).__name__: 1})
-            raise
-        self.metrics.record_request("fetch", self._clock() - t0, bytes_down=len(got.data) if got else 0)
-        return got
+        return self._timed("fetch", lambda: self.inner.get_if_changed(key, etag),
+                           bytes_down=lambda got: len(got.data) if got else 0)
 
     def delete_many(self, keys: Sequence[str]) -> None:
-        t0 = self._clock()
-        try:
-            self.inner.delete_many(keys)
-        except StoreError as exc:
-            self.metrics.record_request(
-                "delete", self._clock() - t0, requests=len(keys), errors={type(exc).__name__: 1}
-            )
-            raise
-        self.metrics.record_request("delete", self._clock() - t0, requests=len(keys))
+        self._timed("delete", lambda: self.inner.delete_many(keys), requests=len(keys))
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         return self._list(prefix)
