@@ -104,6 +104,19 @@ _WORKER_COUNTERS = {
     "pages_loaded": "pages_loaded",
     "loaded_bytes": "bytes_loaded",
     "load_failures": "loads_failed_objects",
+    "uploads_dropped_at_exit": "uploads_dropped_at_exit",
+    "verdicts_unshared": "verdicts_unshared",
+}
+# ... and by the gauge they set.
+_WORKER_GAUGES = {
+    "parked_requests": "parked_now",
+    "staging_in_use": "staging_in_use",
+    "staging_capacity": "staging_capacity",
+    "staging_high_water": "staging_high_water",
+    "host_tier_bytes": "host_used",
+    "host_tier_capacity": "host_capacity",
+    "host_tier_objects": "host_objects",
+    "host_tier_register": "host_register_s",
 }
 _WORKER_DROPS = {
     "staging_full": "saves_dropped_staging_full",
@@ -125,20 +138,13 @@ def _number(value: Any) -> float | None:
     return float(value)
 
 
-def _first(stats: Any, names: Sequence[str]) -> float | None:
-    for name in names:
-        v = _number(_field(stats, name))
-        if v is not None:
-            return v
-    return None
+def _num(stats: Any, name: str) -> float | None:
+    return _number(_field(stats, name))
 
 
-def _mapping(stats: Any, names: Sequence[str]) -> Mapping[Any, Any] | None:
-    for name in names:
-        v = _field(stats, name)
-        if isinstance(v, Mapping):
-            return v
-    return None
+def _mapping(stats: Any, name: str) -> Mapping[Any, Any]:
+    v = _field(stats, name)
+    return v if isinstance(v, Mapping) else {}
 
 
 def _state_name(state: Any) -> str:
@@ -511,16 +517,6 @@ class Metrics:
         """Label this registry's endpoint with its tensor-parallel rank (``s3kv_rank_info``)."""
         self.rank_info.labels(str(rank), str(tp_size)).set(1)
 
-    def set_staging(
-        self, in_use: float | None = None, capacity: float | None = None, high_water: float | None = None
-    ) -> None:
-        if in_use is not None:
-            self.staging_in_use.set(in_use)
-        if capacity is not None:
-            self.staging_capacity.set(capacity)
-        if high_water is not None:
-            self.staging_high_water.set(high_water)
-
     def on_breaker_transition(self, old: Any, new: Any) -> None:
         """A ``CircuitBreakerStore(on_transition=...)`` callback."""
         o, n = _state_name(old), _state_name(new)
@@ -549,49 +545,41 @@ class Metrics:
 
     def observe_leader(self, stats: Any, source: str = "leader") -> None:
         """Copy a :class:`s3kv.engine.leader.LeaderStats` (or any object / mapping with those fields)."""
-        for metric, names in (
-            (self.lookups, ("lookups",)),
-            (self.hits, ("hits",)),
-            (self.misses, ("misses",)),
-            (self.lookup_errors, ("lookup_errors",)),
-            (self.lookup_waves, ("lookup_waves",)),
-            (self.lookup_timeouts, ("lookup_timeouts",)),
-            (self.lookup_busy, ("lookup_busy",)),
-            (self.lookups_finished_late, ("lookups_finished_late",)),
-            (self.lookup_cpu, ("lookup_cpu_s",)),
-            (self.lookup_hash_cpu, ("lookup_hash_cpu_s",)),
-            (self.not_cacheable, ("not_cacheable",)),
-            (self.lora_unidentified, ("lora_unidentified",)),
-            (self.hit_tokens, ("hit_tokens",)),
-            (self.prompt_tokens, ("prompt_tokens",)),
-            (self.saved_tokens, ("tokens_saved",)),
-            (self.branch_tails, ("branch_tails",)),
-            (self.offers_exposed, ("offers_exposed",)),
-            (self.offers_cut, ("offers_cut",)),
-            (self.tokens_cut, ("tokens_cut",)),
-            (self.requests_freed_silently, ("requests_freed_silently",)),
-            (self.lookup_unhidden_stall, ("lookup_unhidden_stall_s",)),
-            (self.lookup_added_latency, ("lookup_added_latency_s",)),
-            (self.lookup_trusted_hits, ("lookup_trusted_hits",)),
-            (self.listing_trust_lost, ("listing_trust_lost",)),
+        for metric, name in (
+            (self.lookups, "lookups"),
+            (self.hits, "hits"),
+            (self.misses, "misses"),
+            (self.lookup_errors, "lookup_errors"),
+            (self.lookup_waves, "lookup_waves"),
+            (self.lookup_timeouts, "lookup_timeouts"),
+            (self.lookup_busy, "lookup_busy"),
+            (self.lookups_finished_late, "lookups_finished_late"),
+            (self.lookup_cpu, "lookup_cpu_s"),
+            (self.lookup_hash_cpu, "lookup_hash_cpu_s"),
+            (self.not_cacheable, "not_cacheable"),
+            (self.lora_unidentified, "lora_unidentified"),
+            (self.hit_tokens, "hit_tokens"),
+            (self.prompt_tokens, "prompt_tokens"),
+            (self.saved_tokens, "tokens_saved"),
+            (self.branch_tails, "branch_tails"),
+            (self.offers_exposed, "offers_exposed"),
+            (self.offers_cut, "offers_cut"),
+            (self.tokens_cut, "tokens_cut"),
+            (self.requests_freed_silently, "requests_freed_silently"),
+            (self.lookup_unhidden_stall, "lookup_unhidden_stall_s"),
+            (self.lookup_added_latency, "lookup_added_latency_s"),
+            (self.lookup_trusted_hits, "lookup_trusted_hits"),
+            (self.listing_trust_lost, "listing_trust_lost"),
         ):
-            self._feed(metric, source, names[0], _first(stats, names))
-        self._feed(
-            self.objects_rejected.labels("foreign"),
-            source,
-            "foreign_objects",
-            _first(stats, ("foreign_objects",)),
-        )
+            self._feed(metric, source, name, _num(stats, name))
+        self._feed(self.objects_rejected.labels("foreign"), source, "foreign_objects", _num(stats, "foreign_objects"))
         for src in ("index", "list"):
-            self._feed(self.lookup_listed.labels(src), source, f"listed[{src}]",
-                       _first(stats, (f"lookup_{src}_lookups",)))
-        by_group = _mapping(stats, ("hit_blocks_by_group",))
-        for group, n in (by_group or {}).items():
-            v = _number(n)
-            self._feed(self.hit_blocks.labels(str(group)), source, f"hit_blocks[{group}]", v)
+            self._feed(self.lookup_listed.labels(src), source, f"listed[{src}]", _num(stats, f"lookup_{src}_lookups"))
+        for group, n in _mapping(stats, "hit_blocks_by_group").items():
+            self._feed(self.hit_blocks.labels(str(group)), source, f"hit_blocks[{group}]", _number(n))
         self.observe_lookups(_field(stats, "recent_lookups") or (), source)
-        self.observe_value(_mapping(stats, ("value",)) or {}, source)
-        tps = _number(_field(stats, "prefill_tokens_per_s"))
+        self.observe_value(_mapping(stats, "value"), source)
+        tps = _num(stats, "prefill_tokens_per_s")
         if tps:
             self.prefill_tokens_per_second.set(tps)
 
@@ -649,17 +637,21 @@ class Metrics:
         """Copy a worker's cumulative stats (``WorkerStats``, or a mapping with its field names;
         every field is optional)."""
         for attr, name in _WORKER_COUNTERS.items():
-            self._feed(getattr(self, attr), source, attr, _first(stats, (name,)))
+            self._feed(getattr(self, attr), source, attr, _num(stats, name))
+        for attr, name in _WORKER_GAUGES.items():
+            v = _num(stats, name)
+            if v is not None:
+                getattr(self, attr).set(v)
         # Retries are counted once per process where every retry passes (``store.retrying``),
         # not per worker: one source, so workers sharing a process do not count them twice.
         for op, n in retries_by_op().items():
             if op in STORE_OPS:
                 self._feed(self.store_retries.labels(op), "store", f"retries[{op}]", float(n))
         for reason, name in _WORKER_DROPS.items():
-            self._feed(self.saves_dropped.labels(reason), source, f"drop[{reason}]", _first(stats, (name,)))
+            self._feed(self.saves_dropped.labels(reason), source, f"drop[{reason}]", _num(stats, name))
         for label, name in (("engine_recompute", "rung_engine_recompute"), ("parked_retry", "rung_parked_retry")):
-            self._feed(self.failed_load_rungs.labels(label), source, f"rung[{label}]", _first(stats, (name,)))
-        by_cause = _mapping(stats, ("parked_by_cause",)) or {}
+            self._feed(self.failed_load_rungs.labels(label), source, f"rung[{label}]", _num(stats, name))
+        by_cause = _mapping(stats, "parked_by_cause")
         for label in PARK_CAUSES:
             self._feed(self.parked_by_cause.labels(label), source, f"park[{label}]", _number(by_cause.get(label, 0)))
         for label, name in (
@@ -667,25 +659,17 @@ class Metrics:
             ("cancelled", "parked_loads_cancelled"),
             ("abandoned", "parked_loads_abandoned"),
         ):
-            self._feed(self.parked_loads_ended.labels(label), source, f"parked[{label}]", _first(stats, (name,)))
-        self._feed(self.uploads_dropped_at_exit, source, "uploads_dropped_at_exit",
-                   _first(stats, ("uploads_dropped_at_exit",)))
-        self._feed(self.verdicts_unshared, source, "verdicts_unshared", _first(stats, ("verdicts_unshared",)))
+            self._feed(self.parked_loads_ended.labels(label), source, f"parked[{label}]", _num(stats, name))
         # A load that found an object corrupt quarantines it (``loads._condemn``): a rejection.
         self._feed(self.objects_rejected.labels("corrupt"), source, "rejected[corrupt]",
-                   _first(stats, ("objects_quarantined",)))
+                   _num(stats, "objects_quarantined"))
         for op, name in (("put", "put_requests"), ("get", "get_requests")):
-            self._feed(self.billed_requests.labels(op), source, f"billed[{op}]", _first(stats, (name,)))
-        parked = _first(stats, ("parked_now",))
-        if parked is not None:
-            self.parked_requests.set(parked)
-        self.set_staging(_first(stats, ("staging_in_use",)), _first(stats, ("staging_capacity",)),
-                         _first(stats, ("staging_high_water",)))
+            self._feed(self.billed_requests.labels(op), source, f"billed[{op}]", _num(stats, name))
         self._observe_host_tier(stats, source)
 
     def _observe_host_tier(self, stats: Any, source: str) -> None:
-        host, loaded = _number(_field(stats, "host_hits")), _number(_field(stats, "objects_loaded"))
-        host_b, loaded_b = _number(_field(stats, "host_hit_bytes")), _number(_field(stats, "bytes_loaded"))
+        host, loaded = _num(stats, "host_hits"), _num(stats, "objects_loaded")
+        host_b, loaded_b = _num(stats, "host_hit_bytes"), _num(stats, "bytes_loaded")
         self._feed(self.tier_loads.labels("host"), source, "tier[host]", host)
         self._feed(self.tier_loaded_bytes.labels("host"), source, "tier_bytes[host]", host_b)
         if loaded is not None:
@@ -696,12 +680,7 @@ class Metrics:
                             ("evicted", "host_evicted"), ("write_back", "host_write_backs"),
                             ("write_back_failed", "host_write_back_failed"), ("divergence", "host_divergence"),
                             ("bad", "host_bad"), ("host_only_save", "host_only_saves")):
-            self._feed(self.host_tier_events.labels(event), source, f"host[{event}]", _number(_field(stats, name)))
-        for gauge, name in ((self.host_tier_bytes, "host_used"), (self.host_tier_capacity, "host_capacity"),
-                            (self.host_tier_objects, "host_objects"), (self.host_tier_register, "host_register_s")):
-            v = _number(_field(stats, name))
-            if v is not None:
-                gauge.set(v)
+            self._feed(self.host_tier_events.labels(event), source, f"host[{event}]", _num(stats, name))
 
     # -- reading -----------------------------------------------------------------------
     def value(self, name: str, **labels: str) -> float:
