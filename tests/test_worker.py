@@ -749,18 +749,13 @@ def test_an_abort_waits_for_the_requests_stage_copies(store):
     a.close()
 
 
-def test_metrics_hook_and_several_cores_in_one_process(store):
-    seen = {}
-
-    def hook(name, delta):
-        seen[name] = seen.get(name, 0) + delta
-
+def test_register_once_and_close_twice(store):
     layout = make_layout(GROUPS, num_slots=8, tokens_per_block=TPB, fill_seed=1)
-    a = WorkerCore(settings(), store, "kv", 0, 1, "m", "bf16", metrics=hook)
+    a = WorkerCore(settings(), store, "kv", 0, 1, "m", "bf16")
     a.register_layout(layout)
     step(a, save_object(a, 1, 0, 0, [1], digest("m")))
     a.flush(5)
-    assert seen["pages_staged"] == 1 and seen["objects_uploaded"] == 1
+    assert a.stats().pages_staged == 1 and a.stats().objects_uploaded == 1
     with pytest.raises(RuntimeError):
         a.register_layout(layout)
     a.close()

@@ -47,7 +47,7 @@ from ...core.plan import ConnectorMetadata
 from ...core.policy import staging_warnings
 from ...store.base import ObjectStore
 from ...transfer.copies import Copier
-from ...transfer.counters import Counters, MetricsHook
+from ...transfer.counters import Counters
 from ...transfer.download import Downloader, LoadJob
 from ...transfer.hosttier import HostTier, Weigher
 from ...transfer.staging import StagingPool
@@ -77,7 +77,6 @@ class WorkerCore:
         model_id: str = "",
         kv_dtype: str = "",
         index: KeyIndex | None = None,
-        metrics: MetricsHook | None = None,
         *,
         load_reserve_fraction: float = 0.25,
         upload_queue_size: int = 1024,
@@ -85,7 +84,7 @@ class WorkerCore:
         host_weigh: Weigher | None = None,
         auto_host_cache: bool = False,
     ):
-        """``rank`` is the tensor-parallel rank; ``metrics(name, delta)`` is called on every counter change.
+        """``rank`` is the tensor-parallel rank.
         ``failed_load_hook``: the engine polls ``take_failed_load_request_ids`` and recomputes
         the requests it names (rung 1); without it a failed parked load stays parked and retries.
         ``host_weigh(key, nbytes) -> bytes``: what the host tier charges an object (default: its
@@ -108,7 +107,7 @@ class WorkerCore:
         #: The host tier (set by register_layout when one is configured) and each tier's load speed.
         self.host_tier: HostTier | None = None
         self.speeds = {"host": TierSpeed(), "s3": TierSpeed()}
-        self._counters = Counters(metrics)
+        self._counters = Counters()
         self._lock = threading.RLock()
         self._uploader = Uploader(
             store,
