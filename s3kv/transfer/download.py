@@ -371,7 +371,6 @@ class Downloader:
                 job.reading_since = float("inf")
                 if job.place:
                     self.last_read_end = time.monotonic()
-            self.counters.add("download_seconds", time.monotonic() - t0)
         if job.place:
             self.speeds["s3"].observe(sum(r.length for r in want), time.monotonic() - t0)
         header = decode_header(
@@ -572,7 +571,6 @@ class Downloader:
                 job.reading_since = float("inf")
                 self.last_read_end = time.monotonic()
             seconds = time.monotonic() - t0
-            self.counters.add("download_seconds", seconds)
         self.speeds["s3"].observe(e.size, seconds)
         where, header = self._check(job, e, buf)  # the tier keeps only verified bytes
         job.promote = None

@@ -235,7 +235,6 @@ class Uploader:
         nbytes = sum(memoryview(b).nbytes for b in body)
         meta = object_metadata(job.identity, job.first, job.count, job.key)
         self.counters.add("put_requests", put_requests(nbytes, self.multipart_threshold, self.part_size))
-        t0 = time.monotonic()
         try:
             created = self.store.put(job.key, body, meta)
         except StoreUnavailable:
@@ -246,7 +245,6 @@ class Uploader:
             log.warning("s3kv: save of %s dropped after store error: %s", job.key, e)
             self.counters.add("saves_dropped_store_error")
             return False
-        self.counters.add("upload_seconds", time.monotonic() - t0)
         if created:
             self.counters.add("objects_uploaded")
             self.counters.add("bytes_uploaded", nbytes)

@@ -275,8 +275,6 @@ class LoadJobs:
         if self.failed_load_hook:
             self.failed_report |= set(failed)
             self.counters.add("rung_engine_recompute", len(failed))
-        else:
-            self.counters.add("rung_none", len(failed))
 
     def fail_bound(self, md: ConnectorMetadata, reason: str, now: float) -> Failures:
         """Every load of the plan takes the failure rung; returns the sync ones (to ``fail_now``)."""
@@ -350,7 +348,6 @@ class LoadJobs:
         st = self.parked.pop(rid, None)
         if st is not None:
             self._quiesce({rid})
-            self.counters.add("loads_cancelled")
             if st.attempts:
                 self.counters.add("parked_loads_cancelled")
 
@@ -492,9 +489,7 @@ class LoadJobs:
         """Count and log failed loads; quarantine the objects that failed so later lookups miss.
         ``quiet``: a retry of a load already reported (counted as a retry, logged at INFO).
         ``plan``: the jobs the failed requests' plans ran (after quiescing: their end states)."""
-        if quiet:
-            self.counters.add("load_retry_failures", len(failed))
-        else:
+        if not quiet:
             self.counters.add("requests_failed", len(failed))
         # Every object the plan found failing, not only the first per request: a request fails on
         # whichever failure is seen first, and an object left out here would be offered again.
@@ -667,7 +662,6 @@ class LoadJobs:
         if now:
             log.error("s3kv: load of %s given up: %s", job.key, why)
             self.counters.add("loads_failed_objects")
-            self.counters.add("loads_timed_out")
             if stalled and job.reading_since != float("inf") and self.downloader is not None:
                 # The read still runs; a hung store never fails it: count it where health is judged.
                 self.downloader.store.note_timeout("get", job.key)

@@ -218,7 +218,6 @@ class SaveJobs:
             return None
         if idx < ob.pinned and idx in ob.staged:
             # Read by an issued seal: keep those bytes (same chain digest -> same KV).
-            self.counters.add("restages_ignored")
             return None
         return ob
 
@@ -275,7 +274,8 @@ class SaveJobs:
                 # The tier holds this object already (and, for "now", knows the store does too):
                 # the same chain digest names the same KV, nothing to write. Else it refused a
                 # host-only object (larger than the tier, or the tier closed): nowhere to go.
-                self.counters.add("host_already_held" if tier.knows(key) else "seals_dropped_no_tier")
+                if not tier.knows(key):
+                    self.counters.add("seals_dropped_no_tier")
                 return
             if host is not None and host.buf is None and seal.to_s3 != NOW:
                 # Accounted as the other ranks account it (a ghost), but this rank's tier has no
