@@ -103,11 +103,9 @@ class ModelIdentity:
         return json.dumps(fields, sort_keys=True, separators=(",", ":"))
 
 
-def model_identity(
-    llm_args: Any, model_id_override: str = "", cache_dir: str = "", loaded_after: float | None = None
-) -> ModelIdentity:
+def model_identity(llm_args: Any, model_id_override: str = "", cache_dir: str = "") -> ModelIdentity:
     """The identity of the model ``llm_args`` loads. Never raises on odd input: unknowns stay unknown.
-    ``cache_dir``: ``S3KV_IDENTITY_CACHE_DIR``; ``loaded_after``: see ``weights.weights_digest``."""
+    ``cache_dir``: ``S3KV_IDENTITY_CACHE_DIR``."""
     model = getattr(llm_args, "model", None)
     directory = _local_dir(model)
     configs = _read_configs(directory) if directory is not None else {}
@@ -140,7 +138,7 @@ def model_identity(
         config_digest = _digest_configs(configs)
         weights = ""
         if directory is not None:
-            w = weights_digest(directory, cache_dir, loaded_after)
+            w = weights_digest(directory, cache_dir)
             weights = w.digest
             if w.weak:
                 weak = f"model directory {name!r}: {w.weak}"

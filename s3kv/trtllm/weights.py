@@ -84,11 +84,11 @@ class WeightsDigest:
     seconds: float = 0.0
 
 
-def weights_digest(directory: Path, cache_dir: str = "", loaded_after: float | None = None) -> WeightsDigest:
+def weights_digest(directory: Path, cache_dir: str = "") -> WeightsDigest:
     """The digest of the weights in ``directory``. Never raises: what cannot be read or trusted
-    gives ``digest=""`` and the reason in ``weak``. ``cache_dir``: ``S3KV_IDENTITY_CACHE_DIR``;
-    ``loaded_after``: wall-clock seconds before which the engine cannot have read its weights
-    (default: this process's start)."""
+    gives ``digest=""`` and the reason in ``weak``. ``cache_dir``: ``S3KV_IDENTITY_CACHE_DIR``.
+    A file changed after this process started (before it, the engine cannot have read its
+    weights) is not trusted."""
     t0 = time.perf_counter()
     try:
         files = weight_files(directory)
@@ -96,7 +96,7 @@ def weights_digest(directory: Path, cache_dir: str = "", loaded_after: float | N
         return WeightsDigest("", f"cannot list it ({e})")
     if not files:
         return WeightsDigest("", NO_WEIGHTS)
-    bound = int((process_start() if loaded_after is None else loaded_after) * 1e9)
+    bound = int(process_start() * 1e9)
     todo: list[tuple[str, str, Stat]] = []
     for name, path in files:
         try:

@@ -79,7 +79,6 @@ class WorkerCore:
         index: KeyIndex | None = None,
         *,
         load_reserve_fraction: float = 0.25,
-        upload_queue_size: int = 1024,
         failed_load_hook: bool = False,
         host_weigh: Weigher | None = None,
         auto_host_cache: bool = False,
@@ -112,7 +111,6 @@ class WorkerCore:
         self._uploader = Uploader(
             store,
             threads=settings.upload_threads,
-            queue_size=upload_queue_size,
             index=AllShards(index) if index is not None and tp_size > 1 else index,
             counters=self._counters,
             wait_event=Copier.synchronize,
