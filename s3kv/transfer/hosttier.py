@@ -238,6 +238,7 @@ class HostTier(StoreWrapper):
         self._inflation = 0.0  # L: the priority of the last object evicted
         self._used = 0
         self._high_water = 0
+        #: Event counts, each a ``HostTierStats`` field of its name.
         self._n = {"inserted": 0, "evicted": 0, "hits": 0, "write_backs": 0, "write_back_failed": 0,
                    "no_room": 0, "not_ready": 0, "too_big": 0, "failed": 0}
         self._wb_queue: queue.SimpleQueue[TierEntry | None] = queue.SimpleQueue()
@@ -655,11 +656,7 @@ class HostTier(StoreWrapper):
             return HostTierStats(
                 capacity=self.capacity, used=self._used, high_water=self._high_water, objects=len(self._entries),
                 ready=ready, ghosts=ghosts, pinned=self.pinned, register_s=self.register_s,
-                inserted=self._n["inserted"], evicted=self._n["evicted"], hits=self._n["hits"],
-                write_backs=self._n["write_backs"], write_back_failed=self._n["write_back_failed"],
-                write_backs_pending=self._wb_pending, no_room=self._n["no_room"], not_ready=self._n["not_ready"],
-                arena_ready=self._ready.is_set(), too_big=self._n["too_big"],
-                failed=self._n["failed"],
+                write_backs_pending=self._wb_pending, arena_ready=self._ready.is_set(), **self._n,
             )
 
     def close(self, timeout: float | None = 10.0) -> None:
