@@ -46,7 +46,6 @@ class EngineRuntime:
     http_server: Any = None
     #: Close the store with the runtime only if the runtime opened it (a caller's store is theirs).
     owns_store: bool = True
-    _last_observed: float = 0.0
     _geometry_ready: bool = False
     _geometry_callbacks: list[Any] = field(default_factory=list)
     #: Seconds the warm-up at layout registration took (None: not run).
@@ -206,13 +205,12 @@ def acquire_runtime(
         rt = _REGISTRY.get(key)
         if rt is None:
             owns_store = store is None
+            prefix = ""
             if store is None:
                 store, prefix = open_runtime_store(settings)
                 if settings.check_access:
                     # One clear error at start-up rather than per-request noise.
                     store.check_access()
-            else:
-                prefix = key_prefix or ""
             if key_prefix is not None:
                 prefix = key_prefix
             metrics = Metrics()
