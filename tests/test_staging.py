@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from s3kv.sim.layouts import GroupSpec, make_layout, page_bytes
-from s3kv.transfer.copies import Copier, PageCopy, _plan, copy_to_device, copy_to_host
+from s3kv.transfer.copies import Copier, PageCopy, _pairs, copy_to_device, copy_to_host
 from s3kv.transfer.staging import ALIGN, LOAD, SAVE, StagingBuffer, StagingPool, host_memoryview
 
 
@@ -147,7 +147,7 @@ def test_page_copies_round_trip_scattered_and_adjacent(pad, sizes):
     host = torch.zeros(len(slots) * pb, dtype=torch.uint8)
     copies = [PageCopy(regions, s, host, i * pb) for i, s in enumerate(slots)]
     if len(sizes) == 1 and pad == 0:
-        assert len(_plan(copies)) == 3  # [3,4,5] [9] [0,1]
+        assert len(list(_pairs(copies))) == 3  # [3,4,5] [9] [0,1]
     copy_to_host(copies)
     raw = bytes(host_memoryview(host))
     for i, s in enumerate(slots):

@@ -114,10 +114,6 @@ def _pairs(copies: Sequence[PageCopy]) -> Iterator[tuple[torch.Tensor, torch.Ten
         i += 1
 
 
-def _plan(copies: Sequence[PageCopy]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(_pairs(copies))
-
-
 class Segments(NamedTuple):
     """Byte ranges to copy: ``device[i]`` <-> ``host[i]``, ``sizes[i]`` bytes each."""
 
