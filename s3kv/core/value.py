@@ -39,10 +39,13 @@ sees -- which kind of object ended each of its hits, at what depth, on top of wh
 * *marginal share*: of the history a hit reaches, the share beyond the device match -- the
   tokens S3 adds. Behind a cache-aware router or a host tier the device serves most of a repeat
   and S3's reads fall, or serve little: both lower a kind's worth, so S3 writes less there.
-* *reuse lag*: requests between a write and the hit that reads it (own objects). Reads of a write
-  come later, so writes too young to have been read yet are counted as the share of their reads
-  that had time to come (the lag's distribution): a fresh engine, or a kind just admitted, is not
-  judged before its readers could arrive.
+* *reuse lag*: seconds between a write and the hit that reads it -- of every hit whose object's
+  write time the reader knows: its own objects' (the memo), and other engines' from the fleet
+  index's write times (``Listings.age_s``; one written since the index at most the index's age).
+  Reads of a write come later, so writes too young to have been read yet are counted as the
+  share of their reads that had time to come (the lag's distribution): a fresh engine, or a
+  kind just admitted, is not judged before its readers could arrive. Learnt from own objects
+  alone, the lag stayed at its prior behind a router (most reads are of other engines' objects).
 
 Counts decay with a half-life of :data:`HALF_LIFE_S` seconds, so the estimate follows traffic
 that changes. The clock is the caller's (``advance_to``; the leader feeds it the engine's
@@ -52,13 +55,21 @@ the fleet's size (4 engines replaying 600 requests saw 150 each: too few to judg
 against a lag prior of up to 511 requests, and the policy wrote nearly everything).
 
 **Priors** (what is assumed before anything is seen; the data outweighs them after a few dozen
-writes): reads per write 1/2 (an object's first read is a coin flip: Beta(1, 1)'s mean) worth
-:data:`PRIOR_WRITES` writes; the whole history marginal (a fresh engine, no device match) worth
-two reads; reuse lag log-uniform over 1 s - 34 min (a retry seconds later to a think time of
-minutes; the retention ends every lag at an hour), worth one read -- light on purpose: the lag
-is learnt from reads of this engine's own objects, which are few in a fleet (most reads are of
-other engines' objects), and a prior lag longer than the real one over-counts young writes'
-missing reads and overstates every kind's worth. None is taken from a trace.
+writes): a kind's reads per write is drawn towards what every boundary kind together shows
+(``pooled_reads_per_write``, worth :data:`PRIOR_WRITES` writes), which is itself drawn towards
+1/2 (an object's first read is a coin flip: Beta(1, 1)'s mean) worth as many. Why pooled, not
+1/2 per kind: counts decay, so the evidence against a kind never read is bounded (its writes of
+the last half-hour or so) while a fixed prior's pseudo-reads are not; a long prompt's boundary
+pays back its bill at one read in ~100, so two pseudo-reads kept such kinds written until ~200
+unread writes outweighed them -- forever, on traffic nobody reads (agentic prompt ends behind
+one engine: 277 written, 0 read). Pooled, the prior falls with the engine's whole evidence: where
+nothing is read, each kind's pseudo-reads go to ~0 within a few dozen writes; where other kinds
+are read, an unread kind is still given the benefit of the doubt; a fresh engine's prior is 1/2
+as before. The whole history marginal (a fresh engine, no device match) worth two reads; reuse
+lag log-uniform over 1 s - 34 min (a retry seconds later to a think time of minutes; the
+retention ends every lag at an hour), worth one read -- light on purpose: a prior lag longer
+than the real one over-counts young writes' missing reads and overstates every kind's worth.
+None is taken from a trace.
 
 **Exploration.** A refused kind is never read, so nothing would tell the policy it became worth
 writing. A deterministic :data:`EXPLORE_SHARE` of the boundaries it refuses is written anyway,
@@ -318,26 +329,29 @@ class ValueModel:
 
     def read(
         self, digest: bytes | None, kind_hint: str | None, tokens: int, device_tokens: int,
-        tail_bytes: int = 0, chain_bytes: int = 0,
+        tail_bytes: int = 0, chain_bytes: int = 0, lag_s: float | None = None,
     ) -> str:
         """A hit served history ``tokens`` on top of ``device_tokens``, ended by the boundary named
         ``digest``. ``kind_hint``: its kind where the reader can tell (a checkpoint by its end; a
         prompt-end tail where the hit reached the reader's own prompt end; a chain object for a
         model without sliding layers), else None -- used where the boundary is not one of this
-        engine's own (the memo knows those exactly). ``*_bytes``: what the load reads.
+        engine's own (the memo knows those exactly). ``*_bytes``: what the load reads. ``lag_s``:
+        seconds since the boundary was written, where the reader knows (the fleet index's write
+        times; the memo's own write time wins).
         Returns the kind it was attributed to (the largest share, for a split)."""
         own = self._memo.get(digest) if digest is not None else None
         now, hl = self.clock, self.half_life
         if own is not None:
             kind = own[0]
-            lag = max(0.0, now - own[1])
-            self._lag[min(_LAG_BINS - 1, int(math.log2(lag + 1)))].add(1.0, now, hl)
+            lag_s = now - own[1]
             self._own_reads[kind].add(1.0, now, hl)
             shares = {kind: 1.0}
         elif kind_hint is not None:
             shares = {kind_hint: 1.0}
         else:
             shares = self._split()
+        if lag_s is not None:
+            self._lag[min(_LAG_BINS - 1, int(math.log2(max(0.0, lag_s) + 1)))].add(1.0, now, hl)
         marginal = max(0, tokens - device_tokens)
         gpu = self.prefill.usd(device_tokens, tokens)
         for kind, w in shares.items():
@@ -414,9 +428,16 @@ class ValueModel:
         then it is written (what s3kv did before the policy): only evidence refuses a kind."""
         return self._matured_writes(kind) >= PRIOR_WRITES
 
+    def pooled_reads_per_write(self) -> float:
+        """Reads per write of every boundary kind together: each kind's prior (module doc, priors)."""
+        now, hl = self.clock, self.half_life
+        r = sum(self._reads[k].get(now, hl) for k in BOUNDARY_KINDS)
+        w = sum(self._matured_writes(k) for k in BOUNDARY_KINDS)
+        return (r + PRIOR_READS_PER_WRITE * PRIOR_WRITES) / (w + PRIOR_WRITES)
+
     def reads_per_write(self, kind: str) -> float:
         r = self._reads[kind].get(self.clock, self.half_life)
-        return (r + PRIOR_READS_PER_WRITE * PRIOR_WRITES) / (self._matured_writes(kind) + PRIOR_WRITES)
+        return (r + self.pooled_reads_per_write() * PRIOR_WRITES) / (self._matured_writes(kind) + PRIOR_WRITES)
 
     def marginal_share(self, kind: str) -> float:
         m = self._marginal[kind].get(self.clock, self.half_life)
