@@ -154,6 +154,21 @@ def test_where_nothing_is_read_a_long_boundary_is_refused_after_a_few_dozen_writ
     assert model().reads_per_write(PROMPT_END) == pytest.approx(0.5)
 
 
+def test_a_kind_seldom_written_is_weighed_by_what_the_engines_other_writes_showed():
+    """Only evidence refuses a kind, and every kind's writes are evidence (the prior is pooled): an
+    engine whose hundred boundaries went unread does not write a rare kind's first boundaries
+    whole until four of them matured -- nor a refused kind's, once its explored writes decayed."""
+    m = model()
+    for i in range(100):
+        m.tick(1)
+        m.wrote(PROMPT_END, [TAIL], digest(i))
+    m.tick(1000)
+    first_branch = Boundary(BRANCH, 4096, digest(7), (TAIL,))
+    assert m.judged(BRANCH)
+    assert m.plan([first_branch]).decisions[(BRANCH, 4096)] != "write"
+    assert not model().judged(BRANCH)  # a fresh engine still writes it: nothing seen yet
+
+
 def test_the_reuse_lag_is_learnt_from_every_read_whose_write_time_is_known():
     """Behind a router most reads are of other engines' objects, which the memo does not date: the
     fleet index does (``lag_s``). A fleet that reads within seconds has its writes judged within

@@ -425,8 +425,11 @@ class ValueModel:
 
     def judged(self, kind: str) -> bool:
         """Has ``kind`` been written enough, long enough ago to have been read, to be weighed? Until
-        then it is written (what s3kv did before the policy): only evidence refuses a kind."""
-        return self._matured_writes(kind) >= PRIOR_WRITES
+        then it is written (what s3kv did before the policy): only evidence refuses a kind. The
+        evidence is every boundary kind's (its prior is their pooled rate): a kind seldom written
+        -- or refused, its writes only the explored ones, decaying below the bar -- is weighed by
+        what the engine's other writes showed, not written whole again until its own mature."""
+        return sum(self._matured_writes(k) for k in BOUNDARY_KINDS) >= PRIOR_WRITES
 
     def pooled_reads_per_write(self) -> float:
         """Reads per write of every boundary kind together: each kind's prior (module doc, priors)."""
