@@ -128,47 +128,6 @@ def test_a_new_kind_is_written_until_its_writes_had_time_to_be_read():
     assert m.plan([tiny]).decisions[(PROMPT_END, 128)] in ("refuse", "explore")
 
 
-def test_where_nothing_is_read_a_long_boundary_is_refused_after_a_few_dozen_writes():
-    """Each kind's prior is what every kind together shows (reads per write pooled): where no
-    boundary of any kind is read, a kind's prior of one read in two does not keep a long prompt's
-    boundaries (worth ~200 times their bill per read) written until a hundred or more of unread writes
-    outweigh it. Where other kinds are read, the same unread writes weigh less: reads happen here."""
-    def fed(read_history: bool) -> ValueModel:
-        m = model()
-        for i in range(80):
-            m.tick(1)
-            m.wrote(PROMPT_END, [TAIL], digest(i))
-            m.wrote(HISTORY_END, [TAIL], digest(1000 + i))
-            if read_history:
-                m.read(digest(1000 + i), None, 65_536, 0, TAIL, 0)
-        m.tick(1000)  # old enough for their reads to have come
-        return m
-
-    long_prompt = Boundary(PROMPT_END, 65_536, digest(7), (TAIL,))
-    quiet, busy = fed(False), fed(True)
-    assert quiet.judged(PROMPT_END) and quiet.reads_per_write(PROMPT_END) < 0.002
-    assert quiet.worth(long_prompt) < 0
-    assert quiet.plan([long_prompt]).decisions[(PROMPT_END, 65_536)] != "write"
-    assert busy.reads_per_write(PROMPT_END) > 5 * quiet.reads_per_write(PROMPT_END)
-    # A fresh engine's prior is unchanged: one read in two.
-    assert model().reads_per_write(PROMPT_END) == pytest.approx(0.5)
-
-
-def test_a_kind_seldom_written_is_weighed_by_what_the_engines_other_writes_showed():
-    """Only evidence refuses a kind, and every kind's writes are evidence (the prior is pooled): an
-    engine whose hundred boundaries went unread does not write a rare kind's first boundaries
-    whole until four of them matured -- nor a refused kind's, once its explored writes decayed."""
-    m = model()
-    for i in range(100):
-        m.tick(1)
-        m.wrote(PROMPT_END, [TAIL], digest(i))
-    m.tick(1000)
-    first_branch = Boundary(BRANCH, 4096, digest(7), (TAIL,))
-    assert m.judged(BRANCH)
-    assert m.plan([first_branch]).decisions[(BRANCH, 4096)] != "write"
-    assert not model().judged(BRANCH)  # a fresh engine still writes it: nothing seen yet
-
-
 def test_the_reuse_lag_is_learnt_from_every_read_whose_write_time_is_known():
     """Behind a router most reads are of other engines' objects, which the memo does not date: the
     fleet index does (``lag_s``). A fleet that reads within seconds has its writes judged within

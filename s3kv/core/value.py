@@ -55,21 +55,19 @@ the fleet's size (4 engines replaying 600 requests saw 150 each: too few to judg
 against a lag prior of up to 511 requests, and the policy wrote nearly everything).
 
 **Priors** (what is assumed before anything is seen; the data outweighs them after a few dozen
-writes): a kind's reads per write is drawn towards what every boundary kind together shows
-(``pooled_reads_per_write``, worth :data:`PRIOR_WRITES` writes), which is itself drawn towards
-1/2 (an object's first read is a coin flip: Beta(1, 1)'s mean) worth as many. Why pooled, not
-1/2 per kind: counts decay, so the evidence against a kind never read is bounded (its writes of
-the last half-hour or so) while a fixed prior's pseudo-reads are not; a long prompt's boundary
-pays back its bill at one read in ~100, so two pseudo-reads kept such kinds written until ~200
-unread writes outweighed them -- forever, on traffic nobody reads (agentic prompt ends behind
-one engine: 277 written, 0 read). Pooled, the prior falls with the engine's whole evidence: where
-nothing is read, each kind's pseudo-reads go to ~0 within a few dozen writes; where other kinds
-are read, an unread kind is still given the benefit of the doubt; a fresh engine's prior is 1/2
-as before. The whole history marginal (a fresh engine, no device match) worth two reads; reuse
-lag log-uniform over 1 s - 34 min (a retry seconds later to a think time of minutes; the
-retention ends every lag at an hour), worth one read -- light on purpose: a prior lag longer
-than the real one over-counts young writes' missing reads and overstates every kind's worth.
-None is taken from a trace.
+writes): reads per write 1/2 (an object's first read is a coin flip: Beta(1, 1)'s mean) worth
+:data:`PRIOR_WRITES` writes; the whole history marginal (a fresh engine, no device match) worth
+two reads; reuse lag log-uniform over 1 s - 34 min (a retry seconds later to a think time of
+minutes; the retention ends every lag at an hour), worth one read -- light on purpose: a prior
+lag longer than the real one over-counts young writes' missing reads and overstates every kind's
+worth. Why each kind keeps its own prior of 1/2, though counts decay (the evidence against a
+kind nobody reads is bounded by its last half-hour of writes, and a long prompt's boundary pays
+back at one read in ~100, so two pseudo-reads keep it written for ~200 unread writes): a prior
+pooled over the kinds (empirical Bayes) cut that spend 44-74% on one engine whose device serves
+the repeats, but on a dense trace it collapses within seconds, before any read could come, and
+a kind read at one in 25 (the public trace's prompt ends) was refused on its first unlucky
+writes and never relearnt at the exploration share: half the public trace's tokens lost
+(docs/trace-replay.md, 2026-12-05 "learning the lag from the fleet"). None is taken from a trace.
 
 **Exploration.** A refused kind is never read, so nothing would tell the policy it became worth
 writing. A deterministic :data:`EXPLORE_SHARE` of the boundaries it refuses is written anyway,
@@ -425,22 +423,12 @@ class ValueModel:
 
     def judged(self, kind: str) -> bool:
         """Has ``kind`` been written enough, long enough ago to have been read, to be weighed? Until
-        then it is written (what s3kv did before the policy): only evidence refuses a kind. The
-        evidence is every boundary kind's (its prior is their pooled rate): a kind seldom written
-        -- or refused, its writes only the explored ones, decaying below the bar -- is weighed by
-        what the engine's other writes showed, not written whole again until its own mature."""
-        return sum(self._matured_writes(k) for k in BOUNDARY_KINDS) >= PRIOR_WRITES
-
-    def pooled_reads_per_write(self) -> float:
-        """Reads per write of every boundary kind together: each kind's prior (module doc, priors)."""
-        now, hl = self.clock, self.half_life
-        r = sum(self._reads[k].get(now, hl) for k in BOUNDARY_KINDS)
-        w = sum(self._matured_writes(k) for k in BOUNDARY_KINDS)
-        return (r + PRIOR_READS_PER_WRITE * PRIOR_WRITES) / (w + PRIOR_WRITES)
+        then it is written (what s3kv did before the policy): only evidence refuses a kind."""
+        return self._matured_writes(kind) >= PRIOR_WRITES
 
     def reads_per_write(self, kind: str) -> float:
         r = self._reads[kind].get(self.clock, self.half_life)
-        return (r + self.pooled_reads_per_write() * PRIOR_WRITES) / (self._matured_writes(kind) + PRIOR_WRITES)
+        return (r + PRIOR_READS_PER_WRITE * PRIOR_WRITES) / (self._matured_writes(kind) + PRIOR_WRITES)
 
     def marginal_share(self, kind: str) -> float:
         m = self._marginal[kind].get(self.clock, self.half_life)
