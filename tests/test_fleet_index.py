@@ -618,24 +618,3 @@ def test_a_replay_publishes_on_its_own_clock_and_engines_judge_the_index_by_it()
         assert engine.get_num_new_matched_tokens(2, old, len(old), 0)[0] == 0
     finally:
         engine.close_lookup()
-
-
-def test_a_hit_on_another_engines_object_teaches_the_value_policy_its_age():
-    """The value policy weighs young writes by the fleet's reuse lag (issue 38); behind a router
-    most hits are of objects other engines wrote, which only the index dates: such a hit is
-    learnt at its entry's age, not left to the lag prior."""
-    mem = MemoryStore()
-    writer = _leader(mem, fleet_index_s=0)
-    stored = tokens_of(40 * TPB + 9, seed=3)
-    _write(writer, mem, stored, 40, sign=False)
-    t0 = time.time()
-    _publish(mem, t0)
-    core = _leader(mem, fleet_index_s=3600)
-    try:
-        _refreshed(core, _Clock(t0 + 100))
-        assert core.get_num_new_matched_tokens(1, stored, len(stored), 0)[0] == 40 * TPB
-        m = core.writes.model
-        lags = [b.get(m.clock, m.half_life) for b in m._lag]
-        assert lags[6] == pytest.approx(1.0) and sum(lags) == pytest.approx(1.0)  # 63-127 s
-    finally:
-        core.close_lookup()

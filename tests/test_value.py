@@ -128,28 +128,6 @@ def test_a_new_kind_is_written_until_its_writes_had_time_to_be_read():
     assert m.plan([tiny]).decisions[(PROMPT_END, 128)] in ("refuse", "explore")
 
 
-def test_the_reuse_lag_is_learnt_from_every_read_whose_write_time_is_known():
-    """Behind a router most reads are of other engines' objects, which the memo does not date: the
-    fleet index does (``lag_s``). A fleet that reads within seconds has its writes judged within
-    seconds, not after the prior's minutes."""
-    def young_writes(m: ValueModel) -> ValueModel:
-        for i in range(8):
-            m.wrote(PROMPT_END, [TAIL], digest(100 + i))
-        m.tick(32)  # 32 s: most reads came within 2 s
-        return m
-
-    fast = model()
-    for i in range(50):  # reads of boundaries other engines wrote, 1-2 s after their write
-        fast.tick(1)
-        fast.read(digest(i), PROMPT_END, 8192, 0, TAIL, 0, lag_s=1.5)
-    undated = model()
-    for i in range(50):  # the same reads, undated: the lag prior (1 s - 34 min) stands
-        undated.tick(1)
-        undated.read(digest(i), PROMPT_END, 8192, 0, TAIL, 0)
-    assert young_writes(fast).judged(PROMPT_END)
-    assert not young_writes(undated).judged(PROMPT_END)
-
-
 def test_reads_of_other_engines_boundaries_are_attributed_by_what_the_reader_sees():
     """Behind a random router most reads are of other engines' objects (not in the memo). An exact
     repeat (the hint: the hit reached the reader's prompt end) credits prompt-end tails alone; a

@@ -39,13 +39,10 @@ sees -- which kind of object ended each of its hits, at what depth, on top of wh
 * *marginal share*: of the history a hit reaches, the share beyond the device match -- the
   tokens S3 adds. Behind a cache-aware router or a host tier the device serves most of a repeat
   and S3's reads fall, or serve little: both lower a kind's worth, so S3 writes less there.
-* *reuse lag*: seconds between a write and the hit that reads it -- of every hit whose object's
-  write time the reader knows: its own objects' (the memo), and other engines' from the fleet
-  index's write times (``Listings.age_s``; one written since the index at most the index's age).
-  Reads of a write come later, so writes too young to have been read yet are counted as the
-  share of their reads that had time to come (the lag's distribution): a fresh engine, or a
-  kind just admitted, is not judged before its readers could arrive. Learnt from own objects
-  alone, the lag stayed at its prior behind a router (most reads are of other engines' objects).
+* *reuse lag*: requests between a write and the hit that reads it (own objects). Reads of a write
+  come later, so writes too young to have been read yet are counted as the share of their reads
+  that had time to come (the lag's distribution): a fresh engine, or a kind just admitted, is not
+  judged before its readers could arrive.
 
 Counts decay with a half-life of :data:`HALF_LIFE_S` seconds, so the estimate follows traffic
 that changes. The clock is the caller's (``advance_to``; the leader feeds it the engine's
@@ -58,16 +55,23 @@ against a lag prior of up to 511 requests, and the policy wrote nearly everythin
 writes): reads per write 1/2 (an object's first read is a coin flip: Beta(1, 1)'s mean) worth
 :data:`PRIOR_WRITES` writes; the whole history marginal (a fresh engine, no device match) worth
 two reads; reuse lag log-uniform over 1 s - 34 min (a retry seconds later to a think time of
-minutes; the retention ends every lag at an hour), worth one read -- light on purpose: a prior
-lag longer than the real one over-counts young writes' missing reads and overstates every kind's
-worth. Why each kind keeps its own prior of 1/2, though counts decay (the evidence against a
-kind nobody reads is bounded by its last half-hour of writes, and a long prompt's boundary pays
-back at one read in ~100, so two pseudo-reads keep it written for ~200 unread writes): a prior
-pooled over the kinds (empirical Bayes) cut that spend 44-74% on one engine whose device serves
-the repeats, but on a dense trace it collapses within seconds, before any read could come, and
-a kind read at one in 25 (the public trace's prompt ends) was refused on its first unlucky
-writes and never relearnt at the exploration share: half the public trace's tokens lost
-(docs/trace-replay.md, 2026-12-05 "learning the lag from the fleet"). None is taken from a trace.
+minutes; the retention ends every lag at an hour), worth one read -- light on purpose: the lag
+is learnt from reads of this engine's own objects, which are few in a fleet (most reads are of
+other engines' objects), and a prior lag longer than the real one over-counts young writes'
+missing reads and overstates every kind's worth. None is taken from a trace.
+
+What the prior costs, and why it stays (measured 2026-12-05, docs/trace-replay.md "Spending
+less where S3 adds little: what was tried"): counts decay, so the evidence against a kind nobody
+reads is bounded by its last half-hour or so of writes, while the prior's two pseudo-reads are
+not; a long prompt's boundary pays back at one read in ~100, so a never-read kind is written
+until ~2 x (value / bill) of its writes matured unread -- the spend on one engine whose device
+serves the repeats. Writes mature fast (a dense trace matures dozens within 20 s), so the
+binding term is the prior, not the lag. A prior pooled over the kinds (empirical Bayes) cut that
+spend 44-74%, but it collapses before any read could come and refuses a kind read at one in 25
+on its first unlucky writes, never relearnt at the exploration share: half the public trace's
+tokens lost; exploring a refused kind by its chance of paying (its Gamma posterior), or by how
+little evidence it has, won back part of them at a higher bill. Dating other engines' reads by
+the fleet index's write times (a learnt fleet lag) moved ratios by -8% to +33%, either way.
 
 **Exploration.** A refused kind is never read, so nothing would tell the policy it became worth
 writing. A deterministic :data:`EXPLORE_SHARE` of the boundaries it refuses is written anyway,
@@ -327,29 +331,26 @@ class ValueModel:
 
     def read(
         self, digest: bytes | None, kind_hint: str | None, tokens: int, device_tokens: int,
-        tail_bytes: int = 0, chain_bytes: int = 0, lag_s: float | None = None,
+        tail_bytes: int = 0, chain_bytes: int = 0,
     ) -> str:
         """A hit served history ``tokens`` on top of ``device_tokens``, ended by the boundary named
         ``digest``. ``kind_hint``: its kind where the reader can tell (a checkpoint by its end; a
         prompt-end tail where the hit reached the reader's own prompt end; a chain object for a
         model without sliding layers), else None -- used where the boundary is not one of this
-        engine's own (the memo knows those exactly). ``*_bytes``: what the load reads. ``lag_s``:
-        seconds since the boundary was written, where the reader knows (the fleet index's write
-        times; the memo's own write time wins).
+        engine's own (the memo knows those exactly). ``*_bytes``: what the load reads.
         Returns the kind it was attributed to (the largest share, for a split)."""
         own = self._memo.get(digest) if digest is not None else None
         now, hl = self.clock, self.half_life
         if own is not None:
             kind = own[0]
-            lag_s = now - own[1]
+            lag = max(0.0, now - own[1])
+            self._lag[min(_LAG_BINS - 1, int(math.log2(lag + 1)))].add(1.0, now, hl)
             self._own_reads[kind].add(1.0, now, hl)
             shares = {kind: 1.0}
         elif kind_hint is not None:
             shares = {kind_hint: 1.0}
         else:
             shares = self._split()
-        if lag_s is not None:
-            self._lag[min(_LAG_BINS - 1, int(math.log2(max(0.0, lag_s) + 1)))].add(1.0, now, hl)
         marginal = max(0, tokens - device_tokens)
         gpu = self.prefill.usd(device_tokens, tokens)
         for kind, w in shares.items():
