@@ -60,6 +60,19 @@ is learnt from reads of this engine's own objects, which are few in a fleet (mos
 other engines' objects), and a prior lag longer than the real one over-counts young writes'
 missing reads and overstates every kind's worth. None is taken from a trace.
 
+What the prior costs, and why it stays (measured 2026-12-05, docs/trace-replay.md "Spending
+less where S3 adds little: what was tried"): counts decay, so the evidence against a kind nobody
+reads is bounded by its last half-hour or so of writes, while the prior's two pseudo-reads are
+not; a long prompt's boundary pays back at one read in ~100, so a never-read kind is written
+until ~2 x (value / bill) of its writes matured unread -- the spend on one engine whose device
+serves the repeats. Writes mature fast (a dense trace matures dozens within 20 s), so the
+binding term is the prior, not the lag. A prior pooled over the kinds (empirical Bayes) cut that
+spend 44-74%, but it collapses before any read could come and refuses a kind read at one in 25
+on its first unlucky writes, never relearnt at the exploration share: half the public trace's
+tokens lost; exploring a refused kind by its chance of paying (its Gamma posterior), or by how
+little evidence it has, won back part of them at a higher bill. Dating other engines' reads by
+the fleet index's write times (a learnt fleet lag) moved ratios by -8% to +33%, either way.
+
 **Exploration.** A refused kind is never read, so nothing would tell the policy it became worth
 writing. A deterministic :data:`EXPLORE_SHARE` of the boundaries it refuses is written anyway,
 chosen by the boundary's chain digest: every rank and every engine picks the same ones (the fleet
