@@ -23,6 +23,7 @@ from s3kv.core.value import (
     Bill,
     Boundary,
     ValueModel,
+    advise_retention,
     explored,
 )
 
@@ -332,3 +333,48 @@ def test_the_engine_reads_its_models_flops_from_its_config(tmp_path, monkeypatch
     (local / "config.json").write_text("{not json")
     assert prefill_for(s, str(local)).model == MODELS["gemma-3-27b"]  # unreadable: the default, no error
     assert prefill_for(Settings(prefill_tokens_per_s=9000.0), "meta/llama").tokens_per_s == 9000.0
+
+
+def _lags(*pairs: tuple[float, int]) -> list[int]:
+    """Reads per lag bin, ``ValueModel.lag_reads``' binning: (lag in seconds, reads) pairs."""
+    import math
+
+    out = [0] * 22
+    for lag, n in pairs:
+        out[int(math.log2(lag + 1))] += n
+    return out
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_the_retention_advice_follows_when_the_fleet_reads(early):
+    """Reads that all come within minutes of a write: a retention well under the hour keeps them
+    all and pays less storage -- advised, with what it saves. Reads spread to the end of the hour:
+    about today's retention is kept (no read dropped), and flagged as possibly too short."""
+    kw = dict(gpu_usd=1.0, storage_usd=0.5, lifetime_s=3600 + 660 + 300, retention_s=3600)
+    lags = _lags((30, 50), (200, 50)) if early else _lags((30, 20), (1500, 40), (3000, 40))
+    a = advise_retention(lags, **kw)
+    assert a["reads_dated"] == 100
+    if early:
+        assert a["retention_h"] < 0.5 and a["reads_kept"] == 1.0 and a["net_usd_gain"] > 0.2
+        assert a["cutoff_s"] - a["retention_h"] * 3600 == pytest.approx(660)  # engines' belief stays on top
+        assert not a["longer_may_pay"]
+    else:
+        assert a["retention_h"] > 0.9 and a["reads_kept"] == 1.0 and a["longer_may_pay"]
+    assert advise_retention([0] * 22, **kw)["retention_h"] is None  # nothing dated: no advice
+
+
+def test_reads_are_dated_by_the_memo_or_by_the_fleet_index():
+    """Own objects are dated by the memo; another engine's by the age the fleet index gives (the
+    caller's ``lag_s``) -- counted for the advice, not learnt into the policy's own lag."""
+    m = model()
+    m.wrote(HISTORY_END, [TAIL], digest(1))
+    m.advance_to(100)
+    m.read(digest(1), None, 8192, 0, TAIL, 0)  # own: 100 s after its write
+    lag_before = [b.get(m.clock, m.half_life) for b in m._lag]
+    m.read(digest(2), None, 8192, 0, TAIL, 0, lag_s=2000)  # another engine's, dated by the index
+    m.read(digest(3), None, 8192, 0, TAIL, 0)  # undated: not counted
+    assert sum(m.lag_reads) == 2
+    assert m.lag_reads[6] == 1 and m.lag_reads[10] == 1  # 100 s in [63, 127); 2000 s in [1023, 2047)
+    assert [b.get(m.clock, m.half_life) for b in m._lag] == lag_before
+    a = m.retention_advice()
+    assert a["reads_dated"] == 2 and a["retention_h"] is not None

@@ -281,6 +281,9 @@ class ValueModel:
         self._marginal = {k: _Decayed() for k in KINDS}  # of those, beyond the device match
         self._own_reads = {k: _Decayed() for k in KINDS}  # reads attributed through the memo
         self._lag = [_Decayed() for _ in range(_LAG_BINS)]
+        #: Reads by lag bin since start (not decayed): own objects' by the memo, others' as the fleet
+        #: index dates them. What :func:`advise_retention` weighs.
+        self.lag_reads = [0] * _LAG_BINS
         #: Per kind: [epoch start, writes] bins, oldest first (for the lag-corrected write count).
         self._epochs: dict[str, deque[list[float]]] = {k: deque() for k in KINDS}
         self._matured: dict[str, float] = {}
@@ -331,26 +334,31 @@ class ValueModel:
 
     def read(
         self, digest: bytes | None, kind_hint: str | None, tokens: int, device_tokens: int,
-        tail_bytes: int = 0, chain_bytes: int = 0,
+        tail_bytes: int = 0, chain_bytes: int = 0, lag_s: float | None = None,
     ) -> str:
         """A hit served history ``tokens`` on top of ``device_tokens``, ended by the boundary named
         ``digest``. ``kind_hint``: its kind where the reader can tell (a checkpoint by its end; a
         prompt-end tail where the hit reached the reader's own prompt end; a chain object for a
         model without sliding layers), else None -- used where the boundary is not one of this
-        engine's own (the memo knows those exactly). ``*_bytes``: what the load reads.
+        engine's own (the memo knows those exactly). ``*_bytes``: what the load reads. ``lag_s``:
+        the object's age as the fleet index dates it (None: unknown) -- counted in ``lag_reads``
+        for the retention advice only: learnt into the policy's own lag it moved 4-engine ratios
+        both ways (docs/trace-replay.md, "what was tried").
         Returns the kind it was attributed to (the largest share, for a split)."""
         own = self._memo.get(digest) if digest is not None else None
         now, hl = self.clock, self.half_life
         if own is not None:
             kind = own[0]
             lag = max(0.0, now - own[1])
-            self._lag[min(_LAG_BINS - 1, int(math.log2(lag + 1)))].add(1.0, now, hl)
+            b = min(_LAG_BINS - 1, int(math.log2(lag + 1)))
+            self._lag[b].add(1.0, now, hl)
+            self.lag_reads[b] += 1
             self._own_reads[kind].add(1.0, now, hl)
             shares = {kind: 1.0}
-        elif kind_hint is not None:
-            shares = {kind_hint: 1.0}
         else:
-            shares = self._split()
+            if lag_s is not None:
+                self.lag_reads[min(_LAG_BINS - 1, int(math.log2(lag_s + 1)))] += 1
+            shares = {kind_hint: 1.0} if kind_hint is not None else self._split()
         marginal = max(0, tokens - device_tokens)
         gpu = self.prefill.usd(device_tokens, tokens)
         for kind, w in shares.items():
@@ -485,6 +493,17 @@ class ValueModel:
         return Plan(decisions, None if whole else (order[reach].tokens if reach >= 0 else 0))
 
     # ------------------------------------------------------------------ export
+    def retention_advice(self) -> dict[str, float | None]:
+        """:func:`advise_retention` from what this engine saw (its own reads' lags, every kind's
+        value line)."""
+        return advise_retention(
+            self.lag_reads,
+            gpu_usd=sum(t.gpu_usd for t in self.totals.values()),
+            storage_usd=sum(t.storage_usd for t in self.totals.values()),
+            lifetime_s=self.bill.lifetime_s,
+            retention_s=self.bill.prices.retention_h * 3600,
+        )
+
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per kind: the estimates (reads per write, marginal share) and the value line."""
         fields = ("objects", "bytes", "put_usd", "storage_usd", "get_usd", "reads", "tokens", "gpu_usd",
@@ -496,3 +515,61 @@ class ValueModel:
             out[k]["reads_per_write"] = self.reads_per_write(k)
             out[k]["marginal_share"] = self.marginal_share(k)
         return out
+
+
+def lag_bin_edge(b: int) -> float:
+    """Upper edge, in seconds, of reuse-lag bin ``b`` (``ValueModel.lag_reads``)."""
+    return float(2 ** (b + 1) - 1)
+
+
+def advise_retention(
+    lag_reads: Sequence[float], *, gpu_usd: float, storage_usd: float, lifetime_s: float,
+    retention_s: float, gc_period_s: float = 600.0,
+) -> dict[str, float | None]:
+    """How long objects are worth keeping, learnt from when they are read: the retention (one of
+    the lag bins' upper edges, at most today's) that maximises what reads save less what storage
+    costs, and what that would change.
+
+    ``lag_reads``: reads of objects by seconds since their write, binned as ``ValueModel`` bins
+    them (own objects: their write time is known); ``gpu_usd``: what all reads saved;
+    ``storage_usd``: what the objects written cost in storage for ``lifetime_s`` (gc's cutoff:
+    ``retention_s`` + what engines may still believe, + half a gc period). A cutoff R keeps the
+    reads that came within R (their share of the lags; own objects' lags stand for every read's)
+    and pays storage for ``R + gc_period_s / 2``. ``retention_h``: the ``S3KV_RETENTION_H`` that
+    gives the best cutoff (what engines believe stays on top of it).
+
+    Why only shorter: reads later than today's retention are never seen (the object is gone), so
+    nothing says a longer one would pay; ``longer_may_pay`` flags reads in the last bin before it.
+    Why lags from the write: an object read again is refreshed and lives on, so the lag since its
+    write overstates the gap between its uses -- the advice errs long, never losing a read it
+    counted. ``None`` where no read was dated yet.
+    """
+    n = float(sum(lag_reads))
+    if n <= 0 or lifetime_s <= 0:
+        return {"retention_h": None, "cutoff_s": None, "reads_dated": n, "reads_kept": None,
+                "net_usd_gain": None, "longer_may_pay": None}
+    current = lifetime_s - gc_period_s / 2
+    per_s = storage_usd / lifetime_s  # storage of everything written, per second it is kept
+
+    def net(r: float, share: float) -> float:
+        return gpu_usd * share - per_s * (r + gc_period_s / 2)
+
+    believed = current - retention_s  # gc never cuts below what engines may still promise
+    best_r, best_share, best = current, 1.0, net(current, 1.0)
+    acc = late = 0.0
+    for b, x in enumerate(lag_reads):
+        edge = lag_bin_edge(b)
+        late += x if edge > current / 2 else 0.0
+        acc += x
+        if believed <= edge < current and net(edge, acc / n) > best:
+            best_r, best_share, best = edge, acc / n, net(edge, acc / n)
+    return {
+        "retention_h": max(0.0, best_r - believed) / 3600,
+        "cutoff_s": best_r,
+        "reads_dated": n,
+        "reads_kept": best_share,
+        "net_usd_gain": best - net(current, 1.0),
+        # A tenth of the reads came in the later half of today's retention: some likely came too
+        # late to be seen, and a longer one might pay (nothing here can say how much).
+        "longer_may_pay": float(late > 0.1 * n),
+    }

@@ -79,6 +79,19 @@ class Listings:
         summary = self.summary()
         return summary.start().listing() if summary is not None else None
 
+    def age_s(self, group_id: int, shard: int, digest: bytes, end: int) -> float | None:
+        """Seconds since the object ending at block ``end`` of ``digest`` was written (or refreshed),
+        as the fleet index says: its entry's write time, or -- not listed -- at most the index's own
+        age (it was written since the listing). None without a current fleet index (a LIST summary
+        carries no write times). What the retention advice learns the fleet's reuse lag from."""
+        fleet = self._fleet
+        cur = self.current() if fleet is not None else None
+        if fleet is None or not isinstance(cur, IndexListing):
+            return None
+        got = cur.find(group_id, shard, digest, end)
+        written = got[1] if got is not None and got[1] is not None else cur.index.listed_at
+        return max(0.0, fleet.clock() - written)
+
     def fleet_index(self) -> IndexRefresher | None:
         """The fleet index's refresher (made on first use; its thread starts with the first lookup,
         or at layout registration), or None when ``fleet_index_s`` is 0 or no geometry is bound."""

@@ -302,7 +302,8 @@ class WritePolicy:
         if self.host_tier and self.lookups.in_host(ender, digest):
             self.model.host_read(hint)  # host memory served it: no reason to write S3 now
             return
-        self.model.read(digest, hint, h * tpb, ld.device_tokens, tail_bytes, chain_bytes)
+        self.model.read(digest, hint, h * tpb, ld.device_tokens, tail_bytes, chain_bytes,
+                        lag_s=self.lookups.listings.age_s(ender, 0, digest, end))
 
     def on_seals(self, st: RequestState, seals: Sequence[SealOp], *, finish: bool = False) -> None:
         """Seals just emitted for ``st`` (``finish``: its finish plan's, run as it ended): the objects

@@ -355,6 +355,7 @@ def replay(
         "host_tier": _tier_summary(tiers, host_cache_gb(cfg)),
         # What each engine's value policy believes at the end (its estimates per kind, and its decisions).
         "value_model": [engine.leader.core.writes.model.snapshot() for engine in engines],
+        "retention_advice": fleet_retention_advice([engine.leader.core.writes.model for engine in engines]),
         "fleet_fingerprint": fleet_fp.hexdigest(),
         **totals,
         "load_failures": sum(s.loads_failed_objects for s in wstats),
@@ -388,6 +389,21 @@ def replay(
         "lookup_stall": stall_summary(stalls, sum(served), decode_forward_s(cfg.model)),
         "wall_s": rnd(wall, 1),
     }
+
+
+def fleet_retention_advice(models: Sequence[Any]) -> dict[str, Any]:
+    """``s3kv.core.value.advise_retention`` over the fleet: every engine's dated reads and value line."""
+    from ...core.value import advise_retention
+
+    if not models:
+        return {}
+    bill = models[0].bill
+    return advise_retention(
+        [sum(c) for c in zip(*(m.lag_reads for m in models), strict=True)],
+        gpu_usd=sum(t.gpu_usd for m in models for t in m.totals.values()),
+        storage_usd=sum(t.storage_usd for m in models for t in m.totals.values()),
+        lifetime_s=bill.lifetime_s, retention_s=bill.prices.retention_h * 3600,
+    )
 
 
 def _tier_summary(tiers: Sequence[Any], gib: float) -> dict[str, Any] | None:

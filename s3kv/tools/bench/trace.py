@@ -242,6 +242,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "host_tier": r["host_tier"],
             "unread_write_usd": r["unread_write_usd"],
             "value_model": r["value_model"],
+            "retention_advice": r["retention_advice"],
             "refreshes": r["refreshes"],
             "expired_objects": r["expired_objects"],
             "get_requests_by_split_mib": r["get_requests_by_split_mib"],
@@ -294,6 +295,8 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
         "ratio_s3kv": first["ratio_s3kv"],
         # The same hits, had only the objects they read been written: no write policy does better.
         "hindsight": first.get("hindsight"),
+        # The retention the fleet's reads say pays best (s3kv.core.value.advise_retention).
+        "retention_advice": first.get("retention_advice"),
         "tiers": first["tiers"]["shares"],
         "fleet": {k: first_run["fleet"][k] for k in ("clusters", "router", "device_cache_tokens", "device_sliding",
                                                       "host_cache_tokens")},
