@@ -258,11 +258,14 @@ def test_the_value_line_reaches_the_metrics_and_s3kv_stats(tmp_path):
     m = model()
     m.wrote("chain", [64 * MiB] * 4)
     m.wrote(HISTORY_END, [TAIL], digest(1))
-    m.read(digest(1), None, 20_000, 0, TAIL, 20_000 * CHAIN_BLOCK // 64)
+    m.advance_to(120)
+    m.read(digest(1), None, 20_000, 0, TAIL, 20_000 * CHAIN_BLOCK // 64)  # own, dated: 120 s
+    m.read(digest(2), None, 20_000, 0, TAIL, 0, lag_s=200)  # another engine's, dated by the index
     engines = []
     for _ in range(2):
         metrics = Metrics()
-        st = LeaderStats(value=m.snapshot(), prefill_tokens_per_s=m.prefill.tokens_per_s)
+        st = LeaderStats(value=m.snapshot(), prefill_tokens_per_s=m.prefill.tokens_per_s,
+                         value_lag_reads=list(m.lag_reads))
         metrics.observe_leader(st)
         metrics.observe_leader(st)  # cumulative: observed twice, counted once
         metrics.record_request("head", 0.01, requests=1000)
@@ -288,8 +291,13 @@ def test_the_value_line_reaches_the_metrics_and_s3kv_stats(tmp_path):
         v = json.loads(r.stdout)["value"]
         assert v["endpoints"] == 2
         assert v["gpu_usd"] == pytest.approx(2 * line["gpu_usd"]) and v["ratio"] == pytest.approx(line["ratio"])
+        # The fleet's dated reads, summed over engines, and the retention they advise.
+        assert line["lag_reads"] == [float(x) for x in m.lag_reads]
+        ra = v["retention_advice"]
+        assert ra["reads_dated"] == 4 and ra["retention_h"] is not None and ra["retention_h"] < 1
         text = CliRunner().invoke(main, [a for a in args if a != "--json"], catch_exceptions=False)
         assert "value the fleet got" in text.output and HISTORY_END in text.output
+        assert "S3KV_RETENTION_H=" in text.output
     finally:
         for s in servers:
             s.shutdown()

@@ -127,7 +127,7 @@ PRIOR_MARGINAL_TOKENS = 2 * 8192.0
 #: Writes are binned by this many seconds for the lag correction (recomputed once per bin).
 _EPOCH = 16
 #: Reuse-lag histogram: bin b holds lags in [2^b - 1, 2^(b+1) - 1) seconds.
-_LAG_BINS = 22
+LAG_BINS = 22
 _PRIOR_LAG_BINS = range(1, 11)  # 1 s - 34 min
 _PRIOR_LAG_WEIGHT = 1.0
 #: Own boundaries remembered (digest -> kind, write time), for exact attribution of their reads.
@@ -280,10 +280,10 @@ class ValueModel:
         self._depth = {k: _Decayed() for k in KINDS}  # tokens of history the reads reached
         self._marginal = {k: _Decayed() for k in KINDS}  # of those, beyond the device match
         self._own_reads = {k: _Decayed() for k in KINDS}  # reads attributed through the memo
-        self._lag = [_Decayed() for _ in range(_LAG_BINS)]
+        self._lag = [_Decayed() for _ in range(LAG_BINS)]
         #: Reads by lag bin since start (not decayed): own objects' by the memo, others' as the fleet
         #: index dates them. What :func:`advise_retention` weighs.
-        self.lag_reads = [0] * _LAG_BINS
+        self.lag_reads = [0] * LAG_BINS
         #: Per kind: [epoch start, writes] bins, oldest first (for the lag-corrected write count).
         self._epochs: dict[str, deque[list[float]]] = {k: deque() for k in KINDS}
         self._matured: dict[str, float] = {}
@@ -350,14 +350,14 @@ class ValueModel:
         if own is not None:
             kind = own[0]
             lag = max(0.0, now - own[1])
-            b = min(_LAG_BINS - 1, int(math.log2(lag + 1)))
+            b = min(LAG_BINS - 1, int(math.log2(lag + 1)))
             self._lag[b].add(1.0, now, hl)
             self.lag_reads[b] += 1
             self._own_reads[kind].add(1.0, now, hl)
             shares = {kind: 1.0}
         else:
             if lag_s is not None:
-                self.lag_reads[min(_LAG_BINS - 1, int(math.log2(lag_s + 1)))] += 1
+                self.lag_reads[min(LAG_BINS - 1, int(math.log2(lag_s + 1)))] += 1
             shares = {kind_hint: 1.0} if kind_hint is not None else self._split()
         marginal = max(0, tokens - device_tokens)
         gpu = self.prefill.usd(device_tokens, tokens)
@@ -421,7 +421,7 @@ class ValueModel:
                     age = epoch - start
                     if age <= 0:
                         continue
-                    b = min(_LAG_BINS - 1, int(math.log2(age + 1)))
+                    b = min(LAG_BINS - 1, int(math.log2(age + 1)))
                     lo, hi = 2**b - 1, 2 ** (b + 1) - 1
                     below = cdf[b - 1] if b else 0.0
                     f = below + (cdf[b] - below) * min(1.0, (age - lo) / (hi - lo))

@@ -57,6 +57,7 @@ feeds it and the reader that parses an endpoint must agree on each name.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -67,6 +68,7 @@ from prometheus_client import start_http_server as _prom_start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..core.errors import PARK_CAUSES
+from ..core.value import LAG_BINS, lag_bin_edge
 from ..store.base import (
     Buffer,
     ByteRange,
@@ -206,6 +208,11 @@ class Metrics:
         )
         self.value_reads = Counter(f"{p}_value_reads", "Hits, by kind of object that ended them.", ["kind"], registry=r)
         self.value_objects = Counter(f"{p}_value_objects", "Objects written to S3, by kind.", ["kind"], registry=r)
+        self.value_read_lag = Counter(
+            f"{p}_value_read_lag_reads", "S3 reads dated by the age of the object they read (own objects by "
+            "their write, others' by the fleet index), by the upper edge of its age bin in seconds: what "
+            "the retention advice (s3kv stats --engine) weighs.", ["lag_le_s"], registry=r,
+        )
         self.value_decisions = Counter(
             f"{p}_value_decisions", "The write policy's boundary decisions (write, explore, refuse), by kind.",
             ["kind", "decision"], registry=r,
@@ -579,6 +586,9 @@ class Metrics:
             self._feed(self.hit_blocks.labels(str(group)), source, f"hit_blocks[{group}]", _number(n))
         self.observe_lookups(_field(stats, "recent_lookups") or (), source)
         self.observe_value(_mapping(stats, "value"), source)
+        for b, n in enumerate(_field(stats, "value_lag_reads") or ()):
+            edge = f"{lag_bin_edge(b):.0f}"
+            self._feed(self.value_read_lag.labels(edge), source, f"value_lag[{edge}]", _number(n))
         tps = _num(stats, "prefill_tokens_per_s")
         if tps:
             self.prefill_tokens_per_second.set(tps)
@@ -826,7 +836,15 @@ def value_line(samples: Mapping[str, float], head_usd_per_1k: float = 0.0004) ->
                            "objects": 0.0, "head_usd": heads * head_usd_per_1k / 1000, "heads": heads}
     gpu = sum(r["gpu_usd"] for r in kinds.values())
     s3 = sum(r["s3_usd"] for r in kinds.values())
-    return {"kinds": kinds, "gpu_usd": gpu, "s3_usd": s3, "ratio": s3 / gpu if gpu > 0 else None}
+    # Dated reads back in ValueModel.lag_reads' bins (by each bin's upper edge: 2^(b+1) - 1 s).
+    lag = [0.0] * LAG_BINS
+    for key, v in samples.items():
+        name, _, rest = key.partition("{")
+        if name == f"{PREFIX}_value_read_lag_reads_total" and 'lag_le_s="' in rest:
+            edge = float(rest.split('lag_le_s="')[1].split('"')[0])
+            lag[min(LAG_BINS - 1, int(math.log2(edge + 1)) - 1)] += v
+    return {"kinds": kinds, "gpu_usd": gpu, "s3_usd": s3, "ratio": s3 / gpu if gpu > 0 else None,
+            "lag_reads": lag}
 
 
 class MetricsStore(StoreWrapper):

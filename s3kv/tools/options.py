@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from typing import Any
 
 import click
 
@@ -135,3 +136,13 @@ def token_counts(text: str, param_hint: str) -> tuple[int, ...]:
                 "with k for 1024 (e.g. 1k,4k,16384)", param_hint=param_hint)
         out.append(int(n))
     return tuple(out)
+
+
+def retention_line(ra: dict[str, Any], retention_h: float) -> str:
+    """``advise_retention``'s answer in a line (``bench trace``, ``s3kv stats --engine``)."""
+    more = " (a tenth of the reads came late in it: a longer one may pay)" if ra["longer_may_pay"] else ""
+    if ra["retention_h"] >= retention_h:
+        return f"retention: {retention_h:g} h pays best of what the reads show ({ra['reads_dated']:.0f} dated){more}"
+    return (f"retention: S3KV_RETENTION_H={ra['retention_h']:.2f} would keep {100 * ra['reads_kept']:.0f}% of the "
+            f"{ra['reads_dated']:.0f} dated reads and save ${ra['net_usd_gain']:.4f} net against {retention_h:g} h "
+            "(set it for gc and engines alike)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..options import retention_line
+
 
 def table(res: dict[str, Any]) -> str:
     from .common import header, targets_line
@@ -109,16 +111,6 @@ def table(res: dict[str, Any]) -> str:
     lines.append(f"took {res['seconds']:.0f} s")
     lines.append(targets_line(res))
     return "\n".join(lines)
-
-
-def retention_line(ra: dict[str, Any], retention_h: float) -> str:
-    """``advise_retention``'s answer in a line (``bench trace``, ``s3kv stats --engine``)."""
-    more = " (a tenth of the reads came late in it: a longer one may pay)" if ra["longer_may_pay"] else ""
-    if ra["retention_h"] >= retention_h:
-        return f"retention: {retention_h:g} h pays best of what the reads show ({ra['reads_dated']:.0f} dated){more}"
-    return (f"retention: S3KV_RETENTION_H={ra['retention_h']:.2f} would keep {100 * ra['reads_kept']:.0f}% of the "
-            f"{ra['reads_dated']:.0f} dated reads and save ${ra['net_usd_gain']:.4f} net against {retention_h:g} h "
-            "(set it for gc and engines alike)")
 
 
 def _fleet_lines(res: dict[str, Any]) -> list[str]:
