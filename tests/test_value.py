@@ -371,6 +371,15 @@ def test_the_retention_advice_follows_when_the_fleet_reads(early):
     assert advise_retention([0] * 22, **kw)["retention_h"] is None  # nothing dated: no advice
 
 
+def test_the_retention_advice_never_trades_reads_for_storage():
+    """A tenth of the reads come late: a short cutoff would save more storage than those reads'
+    prefill is worth on paper, but a lost read also costs the objects written again, which the
+    advice cannot price -- so it keeps (nearly) every dated read."""
+    a = advise_retention(_lags((30, 90), (3000, 10)), gpu_usd=0.1, storage_usd=1.0,
+                         lifetime_s=3600 + 660 + 300, retention_s=3600)
+    assert a["reads_kept"] >= 0.99 and a["retention_h"] > 0.9
+
+
 def test_reads_are_dated_by_the_memo_or_by_the_fleet_index():
     """Own objects are dated by the memo; another engine's by the age the fleet index gives (the
     caller's ``lag_s``) -- counted for the advice, not learnt into the policy's own lag."""
