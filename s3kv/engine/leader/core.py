@@ -289,7 +289,6 @@ class LeaderCore:
             keep = max(0, min(ld.offered_blocks, (int(start) - ld.d_blocks * tpb) // tpb))
             if int(end) >= (ld.d_blocks + ld.offered_blocks) * tpb:
                 ld.offered_blocks = keep
-            self.stats.loads_cancelled_by_engine += 1
 
     def request_reset(self, request_id: int, aborted: str = "") -> None:
         """Engine hook (some V2 lines): the request's allocation died and it will be replayed; or the
@@ -373,8 +372,6 @@ class LeaderCore:
             discards = frozenset(self._discards)
             self._discards.clear()
             broken = self._loads.take_failed()
-            self.stats.planned_pages_saved += len(stages)
-            self.stats.planned_objects += len(seals)
             return ConnectorMetadata(
                 iteration=self._iteration,
                 loads=tuple(loads),

@@ -91,7 +91,6 @@ class LoadPlanner:
                                 f"{ld.offered_blocks * tpb} tokens offered and the store holds no verified "
                                 f"sliding-window tail ending at block {h}")
                 return
-            self.stats.honoured_less_served += 1
         try:
             ld.pending = self._plan(ctx, st, lists)
         except PlanMismatch as e:
@@ -144,7 +143,6 @@ class LoadPlanner:
                 ref = ObjectRef(gid, st.chain.digests[end - 1], spans)
                 ops.append(LoadOp(st.request_id, ref, tuple(o for o, _ in pairs), tuple(s for _, s in pairs),
                                   host=self.lookups.in_host(gid, ref.last_digest)))
-                self.stats.planned_pages_loaded += len(pairs)
             needed = sum(1 for o in range(ld.d_blocks, ld.h_blocks) if o < len(slots) and slots[o] >= 0)
             self.stats.hit_blocks_by_group[gid] = self.stats.hit_blocks_by_group.get(gid, 0) + needed
         self.stats.hit_tokens += (ld.h_blocks - ld.d_blocks) * tpb

@@ -175,7 +175,6 @@ class Lookups:
         if first_chunk_tokens is not None and result.h_blocks - ld.d_blocks >= self.settings.min_hit_blocks:
             result = self._guard(st, result, int(first_chunk_tokens))
         self.stats.lookup_waves += result.waves
-        self.stats.lookup_asks += result.asks
         if on_lookup:
             on_lookup(st.request_id, result)
         gain = result.h_blocks - ld.d_blocks
@@ -779,9 +778,8 @@ class Lookups:
             ran = False
             if f is None or not (f.cancelled() or f.exception() is not None):  # else the store failed that wave
                 with self._pending_lock:
-                    if self.pending_waves >= max(1, self.settings.lookup_max_pending):
-                        self.stats.lookups_not_finished += on_done is None
-                    else:  # the backlog bound holds for this too
+                    # the backlog bound holds for this too
+                    if self.pending_waves < max(1, self.settings.lookup_max_pending):
                         self.pending_waves += 1
                         ran = True
             if ran:

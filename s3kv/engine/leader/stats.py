@@ -51,7 +51,6 @@ class LeaderStats:
     #: lookup's own cost is the difference.
     lookup_cpu_s: float = 0.0
     lookup_hash_cpu_s: float = 0.0
-    lookup_asks: int = 0
     #: Per lookup (``LookupRecord``): summed saveable tokens, decisions by name, and the
     #: latest records (bounded) for the metrics' histograms and the benchmarks.
     lookup_saveable_tokens: int = 0
@@ -60,9 +59,8 @@ class LeaderStats:
     lookup_errors: int = 0
     lookup_timeouts: int = 0
     #: Timed-out probe lookups finished in the background (every wave, no budget) to warm the
-    #: index for the next lookup of the prefix; and those skipped because the backlog was full.
+    #: index for the next lookup of the prefix.
     lookups_finished_late: int = 0
-    lookups_not_finished: int = 0
     #: Lookups answered "miss" at once because earlier waves still hang in the background.
     lookup_busy: int = 0
     #: Lookups answered from the namespace summary (a miss without a request, or a verified hit).
@@ -99,7 +97,6 @@ class LeaderStats:
     #: Device matches ending inside a block (partial reuse): no S3 hit possible.
     partial_block_misses: int = 0
     requests_expired: int = 0
-    loads_cancelled_by_engine: int = 0
     #: Requests the engine freed with no connector call (a page of theirs went to another
     #: request, ``pages.py``): parked ones (their loads stopped) and running ones.
     loads_abandoned: int = 0
@@ -107,8 +104,6 @@ class LeaderStats:
     #: Requests the engine aborted through its failed-load path (``try_abort_request``).
     loads_aborted: int = 0
     honoured_less: int = 0
-    #: Smaller honours served by a correct smaller load.
-    honoured_less_served: int = 0
     #: Offers a failed allocation grow would cut to a point no stored tail serves
     #: (``pressure.py``); of those, cut while the engine showed memory pressure, and the tokens cut.
     offers_exposed: int = 0
@@ -119,9 +114,6 @@ class LeaderStats:
     offers_not_worth: int = 0
     #: Promised loads the leader could not plan (failure rung taken).
     promises_broken: int = 0
-    planned_pages_saved: int = 0
-    planned_objects: int = 0
-    planned_pages_loaded: int = 0
     #: Per group id: blocks a hit needed from that group (its in-window tail for sliding groups).
     hit_blocks_by_group: dict[int, int] = field(default_factory=dict)
     #: Tokens whose KV this leader planned to save for the first time on this engine: blocks of
