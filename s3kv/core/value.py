@@ -109,8 +109,6 @@ CHAIN = "chain"
 CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH = "checkpoint", "prompt-end", "history-end", "branch"
 #: Every kind, in the order ``bench trace`` and ``s3kv stats`` list them.
 KINDS = (CHAIN, CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH)
-#: Kinds of boundary (what can end a hit).
-BOUNDARY_KINDS = KINDS[1:]
 #: Tails a reader that goes on past them cannot tell apart when another engine wrote them.
 _AMBIGUOUS = (HISTORY_END, BRANCH)
 
