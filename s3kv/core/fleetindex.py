@@ -1,6 +1,6 @@
 """The fleet index: what one namespace holds, published once for every engine. Format only (pure).
 
-One publisher (``s3kv gc --watch``, ``s3kv.engine.fleetindex.publish``) lists the namespace and
+One publisher (``s3kv gc --watch``, ``s3kv.engine.fleetindex.Publisher``) lists the namespace and
 writes this object under a fixed key, ``{namespace prefix}fleet-index``; every engine fetches it
 with a conditional GET every few seconds (a 304 while nothing changed) and answers lookups from
 it: a miss costs no request, a hit one HEAD wave, or none where the index is signed with the

@@ -220,21 +220,6 @@ class Publisher:
                               integrity=self.integrity)
 
 
-def publish(
-    store: ObjectStore,
-    root: str,
-    *,
-    now: float | None = None,
-    integrity: IntegrityKeys | None = None,
-    every_s: float = 10.0,
-    publisher: Publisher | None = None,
-) -> PublishReport:
-    """One publishing pass (a replay on its own clock passes ``now`` and keeps ``publisher``
-    between calls, so objects are HEADed once)."""
-    pub = publisher or Publisher(store, root, integrity=integrity, every_s=every_s)
-    return pub.publish(now)
-
-
 # ------------------------------------------------------------------------------ refreshing
 class IndexRefresher:
     """The engine's copy of its namespace's index (module docstring). Reading is lock-free: the
