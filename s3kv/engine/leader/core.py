@@ -26,7 +26,6 @@ from typing import Any
 from ...config import Settings
 from ...core.keys import ChainMemo, NotCacheable, chain_root
 from ...core.layout import CacheGeometry
-from ...core.lookup import LookupResult
 from ...core.plan import BufferId, ConnectorMetadata, FinishPlan, LoadOp, SealOp, StageOp
 from ...store.base import ObjectStore
 from ..fleetindex import IndexRefresher
@@ -58,7 +57,6 @@ class LeaderCore:
         kv_dtype: str,
         index: KeyIndex | None = None,
         geometry: CacheGeometry | Callable[[], CacheGeometry | None] | None = None,
-        on_lookup: Callable[[int, LookupResult], None] | None = None,
         sizing_page_bytes: Sequence[int] | None = None,
         failed_load_hook: bool = False,
         overlap: bool = False, tiers: Any = None,
@@ -88,7 +86,6 @@ class LeaderCore:
         self._discards: set[int] = set()
         self._iteration = 0
         self._lock = threading.Lock()
-        self._on_lookup = on_lookup
         self._sizing_page_bytes = list(sizing_page_bytes) if sizing_page_bytes else None
         self.stats = LeaderStats()
         self._lookups = Lookups(settings, store, self.index, self.stats, tiers)
@@ -207,8 +204,7 @@ class LeaderCore:
                 self._requests[request_id] = st
                 self._lookups.pace.others = len(self._requests) - 1
                 offer = self._lookups.offer(st, num_computed_tokens, store_available=store_available,
-                                            load_async=self.load_async, on_lookup=self._on_lookup,
-                                            first_chunk_tokens=first_chunk_tokens)
+                                            load_async=self.load_async, first_chunk_tokens=first_chunk_tokens)
                 self.writes.on_lookup(st)  # which kind of object ended the hit (the value policy)
                 self._lookups.record(time.perf_counter() - w0, offer[0])  # what the scheduler paid
                 return offer

@@ -141,7 +141,6 @@ class Lookups:
         *,
         store_available: bool,
         load_async: bool,
-        on_lookup: Callable[[int, LookupResult], None] | None,
         first_chunk_tokens: int | None = None,
     ) -> tuple[int, bool]:
         """What the connector offers ``st`` on top of its device match: (tokens, async).
@@ -175,8 +174,6 @@ class Lookups:
         if first_chunk_tokens is not None and result.h_blocks - ld.d_blocks >= self.settings.min_hit_blocks:
             result = self._guard(st, result, int(first_chunk_tokens))
         self.stats.lookup_waves += result.waves
-        if on_lookup:
-            on_lookup(st.request_id, result)
         gain = result.h_blocks - ld.d_blocks
         if (gain >= self.settings.min_hit_blocks and self.settings.lookup_timeout_s == -1
                 and getattr(self.tiers, "speeds", None) is not None):  # -1: lookups follow the value
