@@ -61,12 +61,11 @@ class LeaderCore:
         failed_load_hook: bool = False,
         overlap: bool = False, tiers: Any = None,
         model_ref: Any = None,
-        host_tier: bool | None = None,
         recompute_hook: bool | None = None,
     ):
         """``sizing_page_bytes`` (per group) replaces the real page sizes when choosing blocks per
         object and pricing them (benchmarks of a real model's object structure); ``overlap``: the
-        overlap loop; ``tiers``: see Lookups; ``model_ref``, ``host_tier``: see ``WritePolicy``;
+        overlap loop; ``tiers``: see Lookups; ``model_ref``: see ``WritePolicy``;
         ``recompute_hook``: the engine has the failed-load hook (None: ``failed_load_hook``, which
         is False where loads stay async even so) -- ``WritePolicy.host_only_safe``."""
         self.settings = settings
@@ -92,7 +91,7 @@ class LeaderCore:
         self._lookups.pace.overlap = overlap  # what a lookup's stall costs the batch (pace.py)
         self._loads = LoadPlanner(settings, self.stats, self._lookups)
         inflight = 1 if overlap else 0  # the overlap loop's forward runs a token past its report
-        self.writes = WritePolicy(settings, self.stats, self._lookups, model_ref, tp_size, host_tier,
+        self.writes = WritePolicy(settings, self.stats, self._lookups, model_ref, tp_size,
                                   failed_load_hook if recompute_hook is None else recompute_hook)
         self._saves = SavePlanner(self.stats, self.writes, inflight)
         self._finish = FinishPlanner(self.stats, self.index, self.writes, inflight)

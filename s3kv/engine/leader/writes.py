@@ -64,18 +64,16 @@ _SNAPSHOT_EVERY = 16
 
 class WritePolicy:
     """``model_ref``: the engine's model (``llm_args.model``: its config.json gives the prefill FLOPs,
-    ``s3kv.engine.prefill``); ``host_tier``: a host tier stands in front of the store (None: as the
-    settings say); ``failed_load_hook``: the engine can be told to recompute a request whose
-    promised load failed (``host_only_safe``)."""
+    ``s3kv.engine.prefill``); ``failed_load_hook``: the engine can be told to recompute a request
+    whose promised load failed (``host_only_safe``)."""
 
     def __init__(self, settings: Any, stats: LeaderStats, lookups: Lookups, model_ref: Any = None,
-                 tp_size: int = 1, host_tier: bool | None = None, failed_load_hook: bool = False):
+                 tp_size: int = 1, failed_load_hook: bool = False):
         self.settings = settings
         self.stats = stats
         self.lookups = lookups
         self.index = lookups.index
         self.mode = getattr(settings, "write_policy", "auto")
-        self._host_tier = host_tier
         self.model = ValueModel(prefill_for(settings, model_ref, tp_size), Bill.from_settings(settings),
                                 min_return=settings.write_min_return)
         self.set_prefill(self.model.prefill)
@@ -97,16 +95,14 @@ class WritePolicy:
                         "tensor parallelism %d needs an engine with the failed-load hook (this one has "
                         "none): %s", self.mode, tp_size,
                         "writing through to S3" if self.mode == "back" else "nothing is saved")
-        if self.mode in ("back", "local") and host_tier is not True and getattr(settings, "host_cache_gb", 0) == 0:
+        if self.mode in ("back", "local") and getattr(settings, "host_cache_gb", 0) == 0:
             log.warning("s3kv: S3KV_WRITE_POLICY=%s writes to the host tier only, and there is none: "
                         "nothing is saved (set S3KV_HOST_CACHE_GB, or S3KV_WRITE_POLICY=auto)", self.mode)
 
     @property
     def host_tier(self) -> bool:
-        """A host tier stands in front of the store: as told, else rank 0's tier once the runtime
-        made it at registration (an automatic size is known only then), else as the settings say."""
-        if self._host_tier is not None:
-            return self._host_tier
+        """A host tier stands in front of the store: rank 0's tier once the runtime made it at
+        registration (an automatic size is known only then), else as the settings say."""
         if getattr(getattr(self.lookups, "tiers", None), "host_tier", None) is not None:
             return True
         return host_tier_of(self.settings)
