@@ -51,13 +51,6 @@ from .stats import LeaderStats
 log = logging.getLogger("s3kv.leader")
 
 
-def host_tier_of(settings: Any) -> bool:
-    """Is there a host tier in front of the store (``S3KV_HOST_CACHE_GB`` > 0, where that setting
-    exists)? The engine's runtime may know better (an automatic size): ``LeaderCore.host_tier``."""
-    v = getattr(settings, "host_cache_gb", 0) or 0
-    return isinstance(v, int | float) and v > 0
-
-
 #: The value line in ``LeaderStats.value`` is refreshed every this many lookups (and at each plan).
 _SNAPSHOT_EVERY = 16
 
@@ -102,10 +95,12 @@ class WritePolicy:
     @property
     def host_tier(self) -> bool:
         """A host tier stands in front of the store: rank 0's tier once the runtime made it at
-        registration (an automatic size is known only then), else as the settings say."""
+        registration (an automatic size is known only then), else as the settings say
+        (``S3KV_HOST_CACHE_GB`` > 0, where that setting exists)."""
         if getattr(getattr(self.lookups, "tiers", None), "host_tier", None) is not None:
             return True
-        return host_tier_of(self.settings)
+        v = getattr(self.settings, "host_cache_gb", 0) or 0
+        return isinstance(v, int | float) and v > 0
 
     def set_prefill(self, prefill: Prefill) -> None:
         """The one prefill-speed figure (``s3kv.core.cost.Prefill``) for the lookup budget and this
