@@ -217,13 +217,13 @@ class LeaderCore:
         g = self.geometry
         if self.settings.lookup_summary_s <= 0 or g is None:
             return None
-        return self._lookups.summary()
+        return self._lookups.listings.summary()
 
     def fleet_index(self) -> IndexRefresher | None:
         """The fleet index's refresher, or None when ``fleet_index_s`` is 0 or the layout is not
         known yet. A replay on its own clock sets its ``clock`` and calls ``refresh()`` after it
         publishes (``s3kv.engine.fleetindex``)."""
-        return self._lookups.fleet_index() if self.geometry is not None else None
+        return self._lookups.listings.fleet_index() if self.geometry is not None else None
 
     def close_lookup(self) -> None:
         """Stop the lookup's background work (summary refresher, pool). Idempotent."""

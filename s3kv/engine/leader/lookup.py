@@ -38,9 +38,8 @@ from ...core.hitrule import Span, required_range, servable
 from ...core.lookup import Ask, LookupResult, find_hit, stall_budget_s
 from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
-from ..fleetindex import IndexRefresher
 from ..index import MISSING, KeyIndex, host_first
-from ..summary import Listing, NamespaceSummary
+from ..summary import Listing
 from .context import LeaderContext
 from .listings import Listings
 from .pace import Pace
@@ -126,12 +125,6 @@ class Lookups:
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
         self.listings.bind(ctx)
-
-    def summary(self) -> NamespaceSummary | None:
-        return self.listings.summary()
-
-    def fleet_index(self) -> IndexRefresher | None:
-        return self.listings.fleet_index()
 
     # ------------------------------------------------------------------ one request's lookup
     def offer(
