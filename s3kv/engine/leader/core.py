@@ -214,10 +214,7 @@ class LeaderCore:
         """The namespace summary (made on first use; its refresher starts with the first
         lookup), or None when ``lookup_summary_s`` is 0 or the layout is not known yet.
         Call ``.refresh()`` on it to have a snapshot before the first lookup."""
-        g = self.geometry
-        if self.settings.lookup_summary_s <= 0 or g is None:
-            return None
-        return self._lookups.listings.summary()
+        return self._lookups.listings.summary() if self.geometry is not None else None
 
     def fleet_index(self) -> IndexRefresher | None:
         """The fleet index's refresher, or None when ``fleet_index_s`` is 0 or the layout is not
