@@ -91,22 +91,15 @@ class KeyIndex:
 
     def _sweep(self, now: float, limit: int = _SWEEP) -> None:
         """Drop up to ``limit`` expired entries from the front of each map."""
-        for negatives in (self._missing, self._quarantined):
+        maps: tuple[OrderedDict[str, Any], ...] = (self._missing, self._quarantined, self._present, self._written)
+        for m in maps:
             for _ in range(limit):
-                if not negatives:
+                if not m:
                     break
-                k, exp = next(iter(negatives.items()))
-                if exp >= now:
+                k, v = next(iter(m.items()))
+                if (v[0] if isinstance(v, tuple) else v) >= now:  # positives: (expires_at, span)
                     break
-                del negatives[k]
-        for positives in (self._present, self._written):
-            for _ in range(limit):
-                if not positives:
-                    break
-                k, (exp, _span) = next(iter(positives.items()))
-                if exp >= now:
-                    break
-                del positives[k]
+                del m[k]
 
     def _bound(self) -> None:
         while len(self._present) + len(self._missing) + len(self._quarantined) + len(self._written) > self.max_entries:
