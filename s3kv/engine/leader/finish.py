@@ -148,13 +148,10 @@ class FinishPlanner:
         prompt_blocks = st.prompt_len // tpb
         for grp in g.groups:
             gid = grp.group_id
-            if policy.stores_everything(gid) or not ctx.settings.save_decode or e <= prompt_blocks:
-                sim.close(gid)
-                sim.release_evicted(gid)
-                continue
             # Sliding group, history beyond the prompt: the live tail a continuation would need --
             # if the write policy keeps it.
-            to = self.writes.tail_to(st, self.writes.kind_at(st, e), e)
+            sliding_past = not policy.stores_everything(gid) and ctx.settings.save_decode and e > prompt_blocks
+            to = self.writes.tail_to(st, self.writes.kind_at(st, e), e) if sliding_past else None
             if to is None:
                 sim.close(gid)
                 sim.release_evicted(gid)
