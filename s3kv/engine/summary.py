@@ -199,7 +199,6 @@ class NamespaceSummary:
         self._stop = threading.Event()
         self._started = False
         self.refreshes = 0
-        self.failures = 0
         self.objects = 0
         self._listing: SummaryListing | None = None
 
@@ -274,7 +273,6 @@ class NamespaceSummary:
                     return False
                 snap.setdefault((grp.group_id, shard), {})[digest] = count
         except StoreError as e:
-            self.failures += 1
             log.warning("s3kv: lookup summary refresh of %s failed (%s); keeping the last one", prefix, e)
             return False
         self._snapshot = snap
