@@ -46,7 +46,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..core.fleetindex import (
     INDEX_NAME,
@@ -248,9 +247,7 @@ class IndexRefresher:
         #: Counts up with every index taken (lookups tell snapshots apart by it).
         self.generation = 0
         self.fetches = 0
-        self.changes = 0
         self.failures = 0
-        self.missing = 0
         self.refused: dict[str, int] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -287,7 +284,6 @@ class IndexRefresher:
         try:
             got = self.store.get_if_changed(self.key, self._etag)
         except NotFound:
-            self.missing += 1
             if not self._said_missing:
                 self._said_missing = True
                 log.info("s3kv: no fleet index at %s yet; lookups fall back until a publisher writes one "
@@ -319,7 +315,6 @@ class IndexRefresher:
             return self._refuse("older", "listed before the index held")
         self._index = idx
         self.generation += 1
-        self.changes += 1
         return True
 
     def _refuse(self, reason: str, why: str) -> bool:
@@ -347,10 +342,4 @@ class IndexRefresher:
 
     def stop(self) -> None:
         self._stop.set()
-
-    def stats(self) -> dict[str, Any]:
-        idx = self._index
-        return {"fetches": self.fetches, "changes": self.changes, "failures": self.failures,
-                "missing": self.missing, "refused": dict(self.refused),
-                "objects": idx.objects if idx is not None else 0, "age_s": self.age_s()}
 
