@@ -194,9 +194,8 @@ class ChainMemo:
         self._by_first: dict[tuple[bytes, bytes], list[Chain]] = {}
         self._lru: OrderedDict[Chain, tuple[tuple[bytes, bytes], int]] = OrderedDict()
         self._tokens = 0
-        #: Blocks whose digest was reused, and digested anew.
+        #: Blocks whose digest was reused.
         self.reused = 0
-        self.hashed = 0
 
     def chain(self, root: bytes, tokens_per_block: int, tokens: Sequence[int]) -> Chain:
         """The chain of ``tokens``' full blocks under ``root``, remembered for later prompts."""
@@ -204,7 +203,6 @@ class ChainMemo:
         full = len(tokens) // tokens_per_block
         if full == 0 or self.max_tokens <= 0:
             chain.extend_to(tokens)
-            self.hashed += full
             return chain
         step = tokens_per_block * 8
         data = _tokens_bytes(tokens[: full * tokens_per_block])
@@ -221,7 +219,6 @@ class ChainMemo:
         chain.raw = bytearray(data)
         chain._digest(memoryview(data)[best * step :])
         self.reused += best
-        self.hashed += full - best
         self._remember(key, chain, full * tokens_per_block)
         return chain
 
