@@ -387,6 +387,34 @@ def test_a_publisher_that_stops_is_noticed_and_lookups_fall_back():
         core.close_lookup()
 
 
+def test_each_streak_of_failed_index_refreshes_warns_once(caplog):
+    """A store outage warns when it starts, not every refresh; the next outage, after the store
+    answered again (here: no index yet), warns again -- only the process's first outage did."""
+    import logging
+
+    from s3kv.store.base import StoreError
+
+    down = [False]
+
+    class Flaky(MemoryStore):
+        def get_if_changed(self, key, etag):
+            if down[0]:
+                raise StoreError("store down")
+            return super().get_if_changed(key, etag)  # answers: no index there yet
+
+    ref = IndexRefresher(Flaky(), "pfx/index", b"", keys=None, interval_s=5, max_objects=1000)
+    warned = []
+    with caplog.at_level(logging.DEBUG, logger="s3kv"):
+        for state in (True, True, True, False, True, True):
+            down[0] = state
+            caplog.clear()
+            ref.refresh()
+            warned.append(any(r.levelno == logging.WARNING and "refresh failed" in r.getMessage()
+                              for r in caplog.records))
+    assert warned == [True, False, False, False, True, False]
+    assert ref.failures == 5
+
+
 # ------------------------------------------------------------------------------ stall priced as latency
 def test_the_budget_with_requests_running_beside_it_is_what_the_overlap_hides_plus_the_slo_cap():
     core = _leader(MemoryStore(), fleet_index_s=0, lookup_timeout_s=-1, lookup_max_added_latency_ms=40,

@@ -25,6 +25,7 @@ from s3kv.core.value import (
     ValueModel,
     advise_retention,
     explored,
+    fleet_retention_advice,
 )
 
 MiB = 1 << 20
@@ -393,5 +394,5 @@ def test_reads_are_dated_by_the_memo_or_by_the_fleet_index():
     assert sum(m.lag_reads) == 2
     assert m.lag_reads[6] == 1 and m.lag_reads[10] == 1  # 100 s in [63, 127); 2000 s in [1023, 2047)
     assert [b.get(m.clock, m.half_life) for b in m._lag] == lag_before
-    a = m.retention_advice()
+    a = fleet_retention_advice([m])
     assert a["reads_dated"] == 2 and a["retention_h"] is not None

@@ -491,17 +491,6 @@ class ValueModel:
         return Plan(decisions, None if whole else (order[reach].tokens if reach >= 0 else 0))
 
     # ------------------------------------------------------------------ export
-    def retention_advice(self) -> dict[str, float | None]:
-        """:func:`advise_retention` from what this engine saw (its own reads' lags, every kind's
-        value line)."""
-        return advise_retention(
-            self.lag_reads,
-            gpu_usd=sum(t.gpu_usd for t in self.totals.values()),
-            storage_usd=sum(t.storage_usd for t in self.totals.values()),
-            lifetime_s=self.bill.lifetime_s,
-            retention_s=self.bill.prices.retention_h * 3600,
-        )
-
     def snapshot(self) -> dict[str, dict[str, float]]:
         """Per kind: the estimates (reads per write, marginal share) and the value line."""
         fields = ("objects", "bytes", "put_usd", "storage_usd", "get_usd", "reads", "tokens", "gpu_usd",
@@ -522,6 +511,20 @@ KEEP_READS = 0.99
 def lag_bin_edge(b: int) -> float:
     """Upper edge, in seconds, of reuse-lag bin ``b`` (``ValueModel.lag_reads``)."""
     return float(2 ** (b + 1) - 1)
+
+
+def fleet_retention_advice(models: Sequence[ValueModel]) -> dict[str, float | None]:
+    """:func:`advise_retention` from what engines saw together: their dated reads, their value
+    lines (one engine: its own view; a replay: the fleet's)."""
+    if not models:
+        return advise_retention([], gpu_usd=0.0, storage_usd=0.0, lifetime_s=0.0, retention_s=0.0)
+    bill = models[0].bill
+    return advise_retention(
+        [sum(c) for c in zip(*(m.lag_reads for m in models), strict=True)],
+        gpu_usd=sum(t.gpu_usd for m in models for t in m.totals.values()),
+        storage_usd=sum(t.storage_usd for m in models for t in m.totals.values()),
+        lifetime_s=bill.lifetime_s, retention_s=bill.prices.retention_h * 3600,
+    )
 
 
 def advise_retention(

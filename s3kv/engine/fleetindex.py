@@ -248,6 +248,7 @@ class IndexRefresher:
         self.generation = 0
         self.fetches = 0
         self.failures = 0
+        self._failing = 0  # failures since the store last answered: a streak warns once
         self.refused: dict[str, int] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -284,6 +285,7 @@ class IndexRefresher:
         try:
             got = self.store.get_if_changed(self.key, self._etag)
         except NotFound:
+            self._failing = 0
             if not self._said_missing:
                 self._said_missing = True
                 log.info("s3kv: no fleet index at %s yet; lookups fall back until a publisher writes one "
@@ -291,10 +293,12 @@ class IndexRefresher:
             return False
         except StoreError as e:
             self.failures += 1
-            log.log(logging.WARNING if self.failures == 1 else logging.DEBUG,
+            self._failing += 1
+            log.log(logging.WARNING if self._failing == 1 else logging.DEBUG,
                     "s3kv: fleet index refresh failed (%s); keeping the one held", e)
             return False
         self._said_missing = False
+        self._failing = 0
         if got is None:
             return False
         self._etag = got.etag  # a refused version is not fetched again until it changes

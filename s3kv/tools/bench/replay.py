@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.cost import Gpu, Prices, expiry_age_s
+from ...core.value import fleet_retention_advice
 from .. import models as _models
 from .billing import BilledStore
 from .common import GEMMA3_27B, BenchStore, ModelSpec, SharedStore, pct, progress, rnd
@@ -389,21 +390,6 @@ def replay(
         "lookup_stall": stall_summary(stalls, sum(served), decode_forward_s(cfg.model)),
         "wall_s": rnd(wall, 1),
     }
-
-
-def fleet_retention_advice(models: Sequence[Any]) -> dict[str, Any]:
-    """``s3kv.core.value.advise_retention`` over the fleet: every engine's dated reads and value line."""
-    from ...core.value import advise_retention
-
-    if not models:
-        return {}
-    bill = models[0].bill
-    return advise_retention(
-        [sum(c) for c in zip(*(m.lag_reads for m in models), strict=True)],
-        gpu_usd=sum(t.gpu_usd for m in models for t in m.totals.values()),
-        storage_usd=sum(t.storage_usd for m in models for t in m.totals.values()),
-        lifetime_s=bill.lifetime_s, retention_s=bill.prices.retention_h * 3600,
-    )
 
 
 def _tier_summary(tiers: Sequence[Any], gib: float) -> dict[str, Any] | None:
