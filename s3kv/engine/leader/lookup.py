@@ -243,8 +243,9 @@ class Lookups:
         # The tier's part is sought where the store's part may not pay, or the tier holds some of it.
         asked = full.store_bytes and getattr(self.tiers, "host_tier", None) is not None
         host_h = self._host_hit(st, result) if asked and (full.saves_s <= 0 or self._host_asks) else None
+        # Without the tier's part, coverage and the host asks are as ``full`` weighed them.
         w = worth_loading(g, result.coverage, self._host_asks, d, result.h_blocks, s.window_margin_blocks, speeds,
-                          tps, host_h)
+                          tps, host_h, whole=full if host_h is None else None)
         if w.h_blocks < result.h_blocks:
             self.stats.offers_not_worth += 1
             self.decision = "not_worth" if w.h_blocks == d else ""

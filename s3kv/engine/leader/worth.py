@@ -86,11 +86,13 @@ def weigh(g: CacheGeometry, coverage: Coverage, host: Set[Ask], d: int, h: int, 
 
 
 def worth_loading(g: CacheGeometry, coverage: Coverage, host: Set[Ask], d: int, h: int, margin: int,
-                  speeds: Mapping, prefill_tokens_per_s: float, host_h: int | None = None) -> Weighed:
+                  speeds: Mapping, prefill_tokens_per_s: float, host_h: int | None = None,
+                  whole: Weighed | None = None) -> Weighed:
     """The candidate to load (``h_blocks == d``: none beats recomputing): the whole hit ``h`` or
     ``host_h``, the longest point the host tier alone serves (its objects in ``coverage``),
-    whichever saves the most time."""
-    best = weigh(g, coverage, host, d, h, margin, speeds, prefill_tokens_per_s)
+    whichever saves the most time. ``whole``: ``h`` already weighed on this coverage (the
+    caller's; not weighed again on the scheduler's thread)."""
+    best = whole if whole is not None else weigh(g, coverage, host, d, h, margin, speeds, prefill_tokens_per_s)
     if host_h is not None and d < host_h < h:
         cand = weigh(g, coverage, host, d, host_h, margin, speeds, prefill_tokens_per_s)
         if cand.saves_s > best.saves_s:
