@@ -348,14 +348,14 @@ class ValueModel:
         if own is not None:
             kind = own[0]
             lag = max(0.0, now - own[1])
-            b = min(LAG_BINS - 1, int(math.log2(lag + 1)))
+            b = lag_bin(lag)
             self._lag[b].add(1.0, now, hl)
             self.lag_reads[b] += 1
             self._own_reads[kind].add(1.0, now, hl)
             shares = {kind: 1.0}
         else:
             if lag_s is not None:
-                self.lag_reads[min(LAG_BINS - 1, int(math.log2(lag_s + 1)))] += 1
+                self.lag_reads[lag_bin(lag_s)] += 1
             shares = {kind_hint: 1.0} if kind_hint is not None else self._split()
         marginal = max(0, tokens - device_tokens)
         gpu = self.prefill.usd(device_tokens, tokens)
@@ -419,8 +419,8 @@ class ValueModel:
                     age = epoch - start
                     if age <= 0:
                         continue
-                    b = min(LAG_BINS - 1, int(math.log2(age + 1)))
-                    lo, hi = 2**b - 1, 2 ** (b + 1) - 1
+                    b = lag_bin(age)
+                    lo, hi = (lag_bin_edge(b - 1) if b else 0.0), lag_bin_edge(b)
                     below = cdf[b - 1] if b else 0.0
                     f = below + (cdf[b] - below) * min(1.0, (age - lo) / (hi - lo))
                     s += n * f * 0.5 ** (age / self.half_life)
@@ -506,6 +506,11 @@ class ValueModel:
 
 #: Share of the dated reads a retention advice keeps (``advise_retention``).
 KEEP_READS = 0.99
+
+
+def lag_bin(seconds: float) -> int:
+    """The reuse-lag bin of ``seconds``: bin b holds [2^b - 1, 2^(b+1) - 1), the last one the rest."""
+    return min(LAG_BINS - 1, int(math.log2(seconds + 1)))
 
 
 def lag_bin_edge(b: int) -> float:

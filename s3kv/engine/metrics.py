@@ -57,7 +57,6 @@ feeds it and the reader that parses an endpoint must agree on each name.
 from __future__ import annotations
 
 import collections
-import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -68,7 +67,7 @@ from prometheus_client import start_http_server as _prom_start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..core.errors import PARK_CAUSES
-from ..core.value import LAG_BINS, lag_bin_edge
+from ..core.value import LAG_BINS, lag_bin, lag_bin_edge
 from ..store.base import (
     Buffer,
     ByteRange,
@@ -815,11 +814,15 @@ def value_line(samples: Mapping[str, float], head_usd_per_1k: float = 0.0004) ->
     store's request counter, at ``head_usd_per_1k``) as kind ``lookup``; and the ratio."""
     kinds: dict[str, dict[str, float]] = {}
     heads = 0.0
+    lag = [0.0] * LAG_BINS  # dated reads (s3kv_value_read_lag_reads_total), summed
     for key, v in samples.items():
         name, _, rest = key.partition("{")
         labels = {a: b.strip('"') for a, _, b in (x.partition("=") for x in rest.rstrip("}").split(","))}
         if name == f"{PREFIX}_store_requests_total" and labels.get("op") == "head":
             heads += v
+        if name == f"{PREFIX}_value_read_lag_reads_total" and "lag_le_s" in labels:
+            # Back in ValueModel.lag_reads' bins: a bin's upper edge less one second lies inside it.
+            lag[lag_bin(float(labels["lag_le_s"]) - 1)] += v
         kind = labels.get("kind", "")
         if not name.startswith(f"{PREFIX}_value_") or not kind:
             continue
@@ -836,13 +839,6 @@ def value_line(samples: Mapping[str, float], head_usd_per_1k: float = 0.0004) ->
                            "objects": 0.0, "head_usd": heads * head_usd_per_1k / 1000, "heads": heads}
     gpu = sum(r["gpu_usd"] for r in kinds.values())
     s3 = sum(r["s3_usd"] for r in kinds.values())
-    # Dated reads back in ValueModel.lag_reads' bins (by each bin's upper edge: 2^(b+1) - 1 s).
-    lag = [0.0] * LAG_BINS
-    for key, v in samples.items():
-        name, _, rest = key.partition("{")
-        if name == f"{PREFIX}_value_read_lag_reads_total" and 'lag_le_s="' in rest:
-            edge = float(rest.split('lag_le_s="')[1].split('"')[0])
-            lag[min(LAG_BINS - 1, int(math.log2(edge + 1)) - 1)] += v
     return {"kinds": kinds, "gpu_usd": gpu, "s3_usd": s3, "ratio": s3 / gpu if gpu > 0 else None,
             "lag_reads": lag}
 

@@ -186,6 +186,10 @@ class WritePolicy:
         tpb = ctx.geometry.tokens_per_block
         if plan.chain_to is None or plan.chain_to >= st.prompt_len // tpb * tpb:
             self.model.count_write(CHAIN)  # its chain reaches the prompt's end: a branch may follow
+        self._publish_value()
+
+    def _publish_value(self) -> None:
+        """The value line and the dated reads, as ``LeaderStats`` carries them to the metrics."""
         self.stats.value, self.stats.value_lag_reads = self.model.snapshot(), list(self.model.lag_reads)
 
     def _keep_known(self, st: RequestState) -> None:
@@ -259,7 +263,7 @@ class WritePolicy:
         self.model.advance_to(self.clock())
         self._lookups_seen += 1
         if self._lookups_seen % _SNAPSHOT_EVERY == 0:
-            self.stats.value, self.stats.value_lag_reads = self.model.snapshot(), list(self.model.lag_reads)
+            self._publish_value()
         ctx = self.ctx
         ld = st.load
         if ctx is None or st.chain is None or ld.offered_blocks <= 0 or ld.replayed:
