@@ -384,6 +384,10 @@ class Settings:
     #: traces came within 26 minutes (docs/sizing.md). An engine refreshes an object it loads at
     #: most once per half of this (refresh_on_hit).
     retention_h: float = 1.0
+    #: ``s3kv gc --expired --index`` learns the retention from when the fleet's objects are read
+    #: (``s3kv.core.retention``), retention_h its ceiling, and publishes it in the fleet index;
+    #: engines then report their reads and refresh by it. false: gc keeps retention_h.
+    retention_auto: bool = True
     #: Bump the age of an object this engine loads (a server-side copy onto itself; one PUT-class
     #: request, at most once per retention_h / 2 per object and engine), so a hot prefix outlives
     #: the retention. Needs s3:PutObject and s3:GetObject only, and a bucket that allows CopyObject

@@ -250,6 +250,7 @@ INVALID = {
     "retention_h": ["-30", "nan", "0"],
     "range_split_mib": ["0"],
     "refresh_on_hit": ["sometimes"],
+    "retention_auto": ["maybe"],
     "gpu_usd_per_hour": ["0", "inf"],
     "gpu_peak_tflops": ["-1", "nan"],
     "prefill_mfu": ["0", "1.5"],

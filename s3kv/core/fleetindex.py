@@ -127,6 +127,10 @@ class FleetIndex:
     sections: dict[SectionId, Section] = field(default_factory=dict)
     objects: int = 0
     nbytes: int = 0
+    #: The retention gc learns and deletes by (``s3kv.core.retention``), and since when it has
+    #: learnt (POSIX s, publisher's clock); None where gc keeps ``S3KV_RETENTION_H``.
+    retention_s: float | None = None
+    auto_since: float | None = None
 
     def written_at(self, age_s: int) -> float:
         return self.listed_at - age_s
@@ -149,6 +153,7 @@ def encode(
     every_s: float,
     tag_key: TagKey | None = None,
     level: int = 6,
+    retention: tuple[float, float] | None = None,
 ) -> bytes:
     """The index object for ``sections`` (entries in any order), signed when ``tag_key``."""
     heads: list[list[Any]] = []
@@ -178,6 +183,8 @@ def encode(
         "body_bytes": len(raw),
         "sections": heads,
     }
+    if retention is not None:  # (retention s, learning since): s3kv.core.retention
+        header["retention"] = [float(retention[0]), float(retention[1])]
     hb = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     out = MAGIC + bytes([FORMAT]) + _U32.pack(len(hb)) + hb + zlib.compress(raw, level)
     if tag_key is not None:
@@ -227,6 +234,8 @@ def decode(
         every_s = float(header["every_s"])
         body_bytes = int(header["body_bytes"])
         heads = [(str(g), int(s), int(t), int(n)) for g, s, t, n in header["sections"]]
+        learnt = header.get("retention")
+        retention = (float(learnt[0]), float(learnt[1])) if learnt is not None else None
     except (KeyError, TypeError, ValueError) as e:
         raise IndexFormatError("foreign", f"fleet index header lacks a field or has a bad one: {e}") from None
     if ns != namespace:
@@ -256,7 +265,8 @@ def decode(
         raise IndexFormatError("foreign", f"fleet index body does not inflate: {e}") from None
     if len(raw) != body_bytes or z.unconsumed_tail or not z.eof:
         raise IndexFormatError("truncated", f"fleet index body inflates to {len(raw)} bytes, expected {body_bytes}")
-    out = FleetIndex(ns, listed_at, published_at, every_s, key_id, verified, objects=n_total, nbytes=len(view))
+    out = FleetIndex(ns, listed_at, published_at, every_s, key_id, verified, objects=n_total, nbytes=len(view),
+                     retention_s=retention[0] if retention else None, auto_since=retention[1] if retention else None)
     off = 0
     for gfp, shard, tp, n in heads:
         cols = []

@@ -104,6 +104,7 @@ from .cost import (
     get_requests,
     put_requests,
 )
+from .retention import lag_bin_edge
 
 CHAIN = "chain"
 CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH = "checkpoint", "prompt-end", "history-end", "branch"
@@ -511,11 +512,6 @@ KEEP_READS = 0.99
 def lag_bin(seconds: float) -> int:
     """The reuse-lag bin of ``seconds``: bin b holds [2^b - 1, 2^(b+1) - 1), the last one the rest."""
     return min(LAG_BINS - 1, int(math.log2(seconds + 1)))
-
-
-def lag_bin_edge(b: int) -> float:
-    """Upper edge, in seconds, of reuse-lag bin ``b`` (``ValueModel.lag_reads``)."""
-    return float(2 ** (b + 1) - 1)
 
 
 def fleet_retention_advice(models: Sequence[ValueModel]) -> dict[str, float | None]:

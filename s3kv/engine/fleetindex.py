@@ -42,9 +42,10 @@ from __future__ import annotations
 
 import _thread
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..core.fleetindex import (
@@ -60,6 +61,18 @@ from ..core.fleetindex import (
 from ..core.integrity import IntegrityKeys
 from ..core.keys import ParsedKey, parse_key
 from ..core.objects import ObjectFormatError, ObjectIdentity, span_from_metadata
+from ..core.retention import (
+    REPORT_EVERY_S,
+    REPORT_STALE_S,
+    REPORTS_DIR,
+    FleetReads,
+    decode_report,
+    encode_report,
+    learn_retention,
+    parse_report_key,
+    report_key,
+)
+from ..core.value import LAG_BINS
 from ..store.base import NotFound, ObjectInfo, ObjectStore, StoreError
 
 log = logging.getLogger("s3kv.fleetindex")
@@ -110,12 +123,15 @@ class Publisher:
         namespaces: Iterable[str] = (),
         sub_prefixes: bool = False,
         clock: Callable[[], float] = time.time,
+        learn: tuple[float, float] | None = None,
     ):
         """``namespaces``: prefixes (``{root}{namespace}/``) published even while they hold nothing
         yet -- an empty index answers every lookup of a new namespace "miss" for free, where without
         one engines probe until its first objects are listed. ``sub_prefixes``: also namespaces
         below sub-prefixes of ``root`` (another deployment's URL, as ``s3kv gc`` keeps out of them
-        unless told to); by default only ``{root}{namespace}/``."""
+        unless told to); by default only ``{root}{namespace}/``. ``learn``: (ceiling s, gc's margin
+        s) to learn each namespace's retention from the engines' read reports and publish it
+        (``s3kv.core.retention``); None: keep the ceiling, publish none."""
         self.store = store
         self.root = root
         self.namespaces = list(namespaces)
@@ -126,6 +142,11 @@ class Publisher:
         self._clock = clock
         self._known: dict[str, tuple[int, int | None, int]] = {}
         self._last_s = 0.0
+        self.learn = learn
+        #: Per namespace prefix: the fleet's reads, the report keys taken, and (retention s, since).
+        self.reads: dict[str, FleetReads] = {}
+        self._taken: set[str] = set()
+        self.retention: dict[str, tuple[float, float]] = {}
 
     def publish(self, now: float | None = None, namespace: str | None = None) -> PublishReport:
         """One pass: list, HEAD what is new, write each namespace's index. ``now``: the listing's
@@ -137,8 +158,15 @@ class Publisher:
         by_ns: dict[str, list[tuple[ObjectInfo, ParsedKey]]] = {
             nsp: [] for nsp in self.namespaces if not namespace or namespace in nsp
         }
+        reports: dict[str, list[tuple[ObjectInfo, str, int]]] = {}
         for info in self.store.list(self.root):
             rel = info.key[len(self.root):]
+            if self.learn is not None and REPORTS_DIR in rel:
+                ns_rel, _, name = rel.partition("/")
+                rep_of = parse_report_key(name)
+                if rep_of is not None and rel.count("/") == 2 and (not namespace or ns_rel == namespace):
+                    reports.setdefault(info.key[: len(self.root) + len(ns_rel) + 1], []).append((info, *rep_of))
+                continue
             parsed = parse_key(rel)
             if parsed is None or parsed.tp_size < 1 or not 0 <= parsed.shard < parsed.tp_size:
                 continue
@@ -148,6 +176,11 @@ class Publisher:
                 continue
             tail = f"{parsed.group_fingerprint}.{parsed.shard}of{parsed.tp_size}/{parsed.digest}"
             by_ns.setdefault(info.key[: len(info.key) - len(tail)], []).append((info, parsed))
+        if self.learn is not None:
+            for nsp in reports:  # engines that report: a live namespace, even before its first object
+                by_ns.setdefault(nsp, [])
+            for nsp in by_ns:
+                self._learn(nsp, reports.get(nsp, []), listed_at)
         known: dict[str, tuple[int, int | None, int]] = {}
         budget = self.max_heads
         for nsp, objs in by_ns.items():
@@ -172,7 +205,8 @@ class Publisher:
             # The period engines judge its age by: a pass longer than the period sets the pace.
             every = max(self.every_s, self._last_s, time.perf_counter() - t0)
             data = encode(bytes.fromhex(nsp[-33:-1]), sections, object_key=key, listed_at=listed_at,
-                          published_at=self._clock(), every_s=every, tag_key=tag)
+                          published_at=self._clock(), every_s=every, tag_key=tag,
+                          retention=self.retention.get(nsp))
             try:
                 self.store.delete_many([key])
                 if not self.store.put(key, data):
@@ -186,6 +220,61 @@ class Publisher:
         self._known = known
         rep.seconds = self._last_s = time.perf_counter() - t0
         return rep
+
+    def _learn(self, nsp: str, reports: list[tuple[ObjectInfo, str, int]], now: float) -> None:
+        """Fold a namespace's new read reports into its fleet reads and choose its retention
+        (``s3kv.core.retention``); superseded and stale reports are deleted. A report that cannot
+        be read is left for the next pass; one that is not a report is skipped for good."""
+        assert self.learn is not None
+        cap_s, margin_s = self.learn
+        reads = self.reads.setdefault(nsp, FleetReads(LAG_BINS))
+        newest: dict[str, tuple[ObjectInfo, int]] = {}
+        gone: list[str] = []
+        for info, engine, seq in reports:
+            cur = newest.get(engine)
+            if cur is None or seq > cur[1]:
+                if cur is not None:
+                    gone.append(cur[0].key)
+                newest[engine] = (info, seq)
+            else:
+                gone.append(info.key)
+        for info, _ in sorted(newest.values(), key=lambda x: x[1]):
+            stale = info.last_modified is not None and now - info.last_modified > REPORT_STALE_S
+            if stale:
+                gone.append(info.key)
+            if stale or info.key in self._taken:
+                continue
+            try:
+                lags, at = decode_report(self.store.get(info.key), LAG_BINS)
+            except StoreError:
+                continue
+            except (ValueError, KeyError, TypeError):
+                log.warning("s3kv: %s is not a read report; skipped", info.key)
+            else:
+                reads.take(info.key.rsplit("/", 1)[1].split(".", 1)[0], lags, min(at, now))
+            self._taken.add(info.key)
+        if gone:
+            try:
+                self.store.delete_many(gone)
+            except StoreError:
+                pass  # the next pass deletes them
+            self._taken.difference_update(gone)
+        since = self.retention[nsp][1] if nsp in self.retention else self._learning_since(nsp, now)
+        r = learn_retention(reads.lag_reads, margin_s=margin_s, cap_s=cap_s)
+        self.retention[nsp] = (cap_s if r is None else r, since)
+
+    def _learning_since(self, nsp: str, now: float) -> float:
+        """Since when gc has learnt this namespace's retention: as its last index says (a gc that
+        restarted goes on), else from ``now``."""
+        key = index_key(nsp)
+        try:
+            old = decode(self.store.get(key), object_key=key, namespace=bytes.fromhex(nsp[-33:-1]),
+                         keys=self.integrity, max_objects=1 << 62)
+        except (StoreError, IndexFormatError, ValueError):
+            return now
+        if self.integrity is not None and not old.verified:
+            return now
+        return old.auto_since if old.auto_since is not None and old.auto_since <= now else now
 
     def _head(self, objs: list[tuple[ObjectInfo, ParsedKey]], rep: PublishReport) -> dict[str, tuple[int, int | None, int]]:
         """What HEADs say of new objects: (size, end, count), or (size, None, 0) for one refused."""
@@ -254,6 +343,12 @@ class IndexRefresher:
         self._lock = threading.Lock()
         self._started = False
         self._said_missing = False
+        #: The engine's dated reads (``ValueModel.lag_reads``), reported while gc learns the
+        #: retention (``s3kv.core.retention``); None: this engine reports nothing.
+        self.reads: Callable[[], Sequence[float]] | None = None
+        self.engine = os.urandom(8).hex()
+        self.reports = 0
+        self._reported_at = float("-inf")
 
     # -- reading --------------------------------------------------------------------------
     def max_age_s(self, idx: FleetIndex | None = None) -> float:
@@ -278,7 +373,25 @@ class IndexRefresher:
         """One conditional GET; True if a new index replaced the one held. Never raises a store
         error (counted, logged once per streak). Its thread and a caller (a replay) may both call it."""
         with self._lock:
-            return self._refresh()
+            took = self._refresh()
+            self.report()
+            return took
+
+    def report(self, force: bool = False) -> None:
+        """Write this engine's read report when the index says gc learns the retention and the
+        last one is :data:`REPORT_EVERY_S` old, or ``force`` (a failure: the next pass tries again)."""
+        idx, now = self._index, self.clock()
+        if self.reads is None or idx is None or idx.retention_s is None:
+            return
+        if now - self._reported_at < REPORT_EVERY_S and not force:
+            return
+        key = report_key(self.key[: len(self.key) - len(INDEX_NAME)], self.engine, self.reports)
+        try:
+            self.reports += 1  # a key taken by a failed write-once PUT is not tried again
+            if self.store.put(key, encode_report(self.reads(), now)):
+                self._reported_at = now
+        except StoreError as e:
+            log.debug("s3kv: read report %s not written: %s", key, e)
 
     def _refresh(self) -> bool:
         self.fetches += 1

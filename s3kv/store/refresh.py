@@ -27,6 +27,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from .base import TOUCH_REFRESHED, Buffer, ByteRange, ObjectStore, PermissionDenied, StoreError, StoreWrapper
 
@@ -171,3 +172,13 @@ class RefreshOnHit(StoreWrapper):
             except queue.Full:
                 pass
         self.inner.close()
+
+
+def set_refresh_interval(store: Any, interval_s: float) -> None:
+    """Follow the retention gc deletes by (the leader's plan carries it): the ``RefreshOnHit``
+    in ``store``'s wrappers, if any, refreshes every ``interval_s``."""
+    while store is not None:
+        if isinstance(store, RefreshOnHit):
+            store.interval_s = interval_s
+            return
+        store = getattr(store, "inner", None)

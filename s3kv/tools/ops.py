@@ -50,6 +50,7 @@ from ..core.objects import (
     span_from_metadata,
     verify_page,
 )
+from ..core.retention import learning_slack_s
 from ..store.base import ByteRange, NotFound, ObjectInfo, ObjectStore, StoreError
 from .options import fmt_bytes
 from .storeerrors import describe
@@ -1009,19 +1010,25 @@ def gc_command(
         older_than = expiry_age_s(ctx.settings)
     if older_than is None and namespace is None:
         raise click.UsageError("gc needs a filter: --expired, --older-than AGE and/or --namespace NS")
-    publish = _index_hook(ctx, index_every, namespace, now, sub_prefixes)
+    learn = None
+    if expired and index_every is not None and ctx.settings is not None and ctx.settings.retention_auto:
+        cap = ctx.settings.retention_h * 3600.0
+        learn = (cap, older_than - cap)  # older_than: expiry_age_s, the ceiling plus gc's margin
+    publish, pub = _index_hook(ctx, index_every, namespace, now, sub_prefixes, learn)
+    if publish is not None and learn is not None:
+        publish()  # learn before the first pass, so it deletes by what the reports say
     if watch is not None:
         if watch <= 0:
             raise click.BadParameter("must be > 0", param_hint="--watch")
         while True:
             try:
                 _gc_clock(ctx, now, older_than)
-                _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, True, confirm_above, verbose)
+                _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, True, confirm_above, verbose, pub)
             except (StoreError, SystemExit, click.ClickException) as exc:  # the next pass tries again
                 click.echo(f"s3kv gc: pass failed: {exc}", err=True)
             _wait_publishing(watch, index_every, publish)
     _gc_clock(ctx, now, older_than)
-    _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, yes, confirm_above, verbose)
+    _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, yes, confirm_above, verbose, pub)
     if publish is not None:
         publish()
 
@@ -1058,9 +1065,11 @@ def _gc_pass(
     yes: bool,
     confirm_above: int,
     verbose: bool,
+    pub: Any = None,
 ) -> None:
     ns = _resolve_ns(ctx, namespace, exact=True)
     cutoff = older_than if older_than else None  # --older-than 0: everything
+    learnt = _learnt_cutoffs(ctx, pub, older_than)
 
     victims: list[Entry] = []
     # Matching objects under a sub-prefix: another deployment's (``s3://b/kv/teamB`` seen from
@@ -1071,7 +1080,7 @@ def _gc_pass(
             continue
         if cutoff is not None:
             age = _age(ctx, e.info)
-            if age is None or age < cutoff:
+            if age is None or age < learnt(e, cutoff):
                 continue
         if e.sub and not sub_prefixes:
             a = left.setdefault(e.sub, _Agg())
@@ -1143,14 +1152,36 @@ def _gc_pass(
         raise SystemExit(1)
 
 
+def _learnt_cutoffs(ctx: _Ctx, pub: Any, older_than: float | None) -> Callable[[Entry, float], float]:
+    """The age past which gc deletes an object: the learnt retention plus gc's margin where its
+    namespace's publisher learns one (``s3kv.core.retention``) and the object was written or
+    refreshed after every engine could have seen that it does (engines that saw it believe their
+    uploads only for the floor); else ``cutoff`` (the ceiling: what engines believed before)."""
+    if pub is None or not pub.retention or not older_than:
+        return lambda e, cutoff: cutoff
+    cap, margin = pub.learn
+    slack = learning_slack_s(pub.every_s, ctx.settings.fleet_index_s, EXPIRY_MARGIN_S)
+
+    def age(e: Entry, cutoff: float) -> float:
+        got = pub.retention.get(e.info.key[: e.info.key.index(e.parsed.namespace) + len(e.parsed.namespace) + 1])
+        lm = e.info.last_modified
+        if got is None or lm is None or lm < got[1] + slack:
+            return cutoff
+        return min(cutoff, got[0] + margin)
+
+    return age
+
+
 def _index_hook(
-    ctx: _Ctx, every: float | None, namespace: str | None, now: float | None, sub_prefixes: bool
-) -> Callable[[], None] | None:
+    ctx: _Ctx, every: float | None, namespace: str | None, now: float | None, sub_prefixes: bool,
+    learn: tuple[float, float] | None = None,
+) -> tuple[Callable[[], None] | None, Any]:
     """What ``--index`` runs: one fleet index publishing pass (``s3kv.engine.fleetindex``), signed
     with the integrity key of gc's settings, over the namespaces gc keeps to (its URL's own unless
-    ``--include-sub-prefixes``); a failure is one line on stderr, retried next time."""
+    ``--include-sub-prefixes``); a failure is one line on stderr, retried next time. With
+    ``learn`` (ceiling s, margin s) the publisher learns the retention too. Also the publisher."""
     if every is None:
-        return None
+        return None, None
     if every <= 0:
         raise click.BadParameter("must be > 0", param_hint="--index")
     from ..engine.fleetindex import Publisher
@@ -1158,7 +1189,7 @@ def _index_hook(
     ns = _resolve_ns(ctx, namespace, exact=True)
     pub = Publisher(ctx.store, ctx.root, integrity=ctx.settings.integrity if ctx.settings else None, every_s=every,
                     namespaces=[f"{ctx.root}{ns}/"] if ns else (),  # named: an index even while it is empty
-                    sub_prefixes=sub_prefixes)
+                    sub_prefixes=sub_prefixes, learn=learn)
 
     def publish() -> None:
         try:
@@ -1169,7 +1200,7 @@ def _index_hook(
         for where, why in rep.errors.items():
             click.echo(f"s3kv gc: fleet index of {where} not published: {why}", err=True)
 
-    return publish
+    return publish, pub
 
 
 def _wait_publishing(seconds: float, every: float | None, publish: Callable[[], None] | None) -> None:

@@ -23,12 +23,15 @@ each lookup and matches them against the keys vouched for lately.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ...config import Settings
+from ...core.fleetindex import FleetIndex
 from ...core.lookup import Ask
+from ...core.retention import RETENTION_FLOOR_S
 from ...store.base import ObjectStore
 from ..fleetindex import IndexRefresher, index_key
 from ..index import KeyIndex
@@ -55,6 +58,8 @@ class Listings:
         self.trust = TrustGate()
         self._vouched: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._quarantines_seen = index.quarantines
+        #: This engine's dated reads for its read reports (the write policy sets it: its value model's).
+        self.reads: Callable[[], Sequence[float]] | None = None
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -70,6 +75,7 @@ class Listings:
             if idx is not None:
                 cur = self._index_listing
                 if cur is None or cur.index is not idx:
+                    self._follow_retention(idx)
                     assert self.ctx is not None
                     g = self.ctx.geometry
                     cur = self._index_listing = IndexListing(
@@ -78,6 +84,21 @@ class Listings:
                 return cur
         summary = self.summary()
         return summary.start().listing() if summary is not None else None
+
+    def _follow_retention(self, idx: FleetIndex) -> None:
+        """While gc learns the retention (the index carries it), this engine's own uploads are
+        believed only for the shortest retention gc may choose (``s3kv.core.retention``): gc may
+        then move it either way without deleting what is believed. Otherwise, for the setting."""
+        if self.index.ttl_s > 0:
+            learnt = idx.retention_s is not None
+            self.index.written_ttl_s = max(self.index.ttl_s, RETENTION_FLOOR_S if learnt
+                                           else self.settings.retention_h * 3600.0)
+
+    def retention_s(self) -> float:
+        """The retention gc deletes by, as the last fleet index said (else the setting)."""
+        idx = self._fleet._index if self._fleet is not None else None
+        keep = self.settings.retention_h * 3600.0
+        return min(keep, idx.retention_s) if idx is not None and idx.retention_s is not None else keep
 
     def age_s(self, group_id: int, shard: int, digest: bytes, end: int) -> float | None:
         """Seconds since the object ending at block ``end`` of ``digest`` was written (or refreshed),
@@ -104,6 +125,7 @@ class Listings:
                 keys=self.settings.integrity, interval_s=self.settings.fleet_index_s,
                 max_objects=self.settings.fleet_index_max_objects,
             )
+            self._fleet.reads = self.reads
             # The refresher holds no reference to the listings (nor the leader holding them); it
             # stops when they go.
             weakref.finalize(self, self._fleet.stop)
@@ -140,7 +162,7 @@ class Listings:
                 return False
             if fleet.clock() - idx.listed_at > min(s.fleet_index_trust_s, s.index_ttl_s):
                 return False
-            keep = s.retention_h * 3600.0
+            keep = min(s.retention_h * 3600.0, idx.retention_s or math.inf)
             return all(w is not None and idx.listed_at - w < keep for w in written)
         trust = s.lookup_summary_trust_s
         return trust > 0 and self._summary is not None and self._summary.age_s() <= trust

@@ -70,6 +70,7 @@ class WritePolicy:
         self.model = ValueModel(prefill_for(settings, model_ref, tp_size), Bill.from_settings(settings),
                                 min_return=settings.write_min_return)
         self.set_prefill(self.model.prefill)
+        lookups.listings.reads = lambda: list(self.model.lag_reads)  # read reports (core.retention)
         #: The model's clock, in seconds (a trace replay sets its own: the trace's).
         self.clock: Callable[[], float] = time.monotonic
         self._lookups_seen = 0

@@ -46,6 +46,7 @@ from ...core.objects import ObjectIdentity
 from ...core.plan import ConnectorMetadata
 from ...core.policy import staging_warnings
 from ...store.base import ObjectStore
+from ...store.refresh import set_refresh_interval
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters
 from ...transfer.download import Downloader, LoadJob
@@ -238,6 +239,8 @@ class WorkerCore:
                 return
             if self._verdicts is not None:
                 self._verdicts.attach(metadata.verdicts)
+            if metadata.refresh_s > 0:
+                set_refresh_interval(self.store, metadata.refresh_s)
             for rid in metadata.abandoned_ids:  # before start_load_kv and the forward
                 try:
                     self._loads.abandon(rid)

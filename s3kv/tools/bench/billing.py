@@ -53,6 +53,9 @@ class BilledStore(StoreWrapper):
         self.multipart_threshold, self.part_size = multipart_threshold, part_size
         self.retention_s, self.gc_period_s = retention_s, gc_period_s
         self.expire_after_s = retention_s if expire_after_s is None else expire_after_s
+        #: gc's learnt retention (``s3kv.core.retention``): (retention s, for objects written or
+        #: refreshed from this time on), set by the replay's publisher; None: the fixed one.
+        self.learnt: tuple[float, float] | None = None
         self.checkpoint_blocks = checkpoint_blocks
         self.range_split = range_split
         self.sim_page: dict[str, int] = {}  # group fingerprint -> sim page bytes
@@ -94,12 +97,18 @@ class BilledStore(StoreWrapper):
             self.names[g.fingerprint] = "full" if g.window is None else f"sliding{g.window}"
 
     # -- retention ------------------------------------------------------------------------
+    def _expiry_age(self, o: list[Any]) -> float:
+        lt = self.learnt
+        if lt is None or o[1] < lt[1]:
+            return self.expire_after_s
+        return min(self.expire_after_s, lt[0] + self.expire_after_s - self.retention_s)
+
     def _life_end(self, o: list[Any]) -> float:
-        return o[1] + self.expire_after_s + self.gc_period_s / 2
+        return o[1] + self._expiry_age(o) + self.gc_period_s / 2
 
     def _expire(self, key: str) -> None:
         o = self._objects.get(key)
-        if o is None or self.now - o[1] <= self.expire_after_s:
+        if o is None or self.now - o[1] <= self._expiry_age(o):
             return
         self._account(o)
         del self._objects[key]
@@ -195,10 +204,13 @@ class BilledStore(StoreWrapper):
         from ...core.keys import parse_key
         from ...core.objects import header_len
 
+        pk = parse_key(key)
+        if pk is None:  # not KV (a read report): one GET, nothing to keep
+            self.real_get += 1
+            return self.inner.get_ranges(key, ranges)
         self._expire(key)
         o = self._objects.get(key)
-        pk = parse_key(key)
-        fp = pk.group_fingerprint if pk else ""
+        fp = pk.group_fingerprint
         sim, real = self.sim_page.get(fp, 1), self.real_page.get(fp, 0)
         hl = header_len(o[4] if o else 0)
         n_pages = 0
@@ -220,7 +232,9 @@ class BilledStore(StoreWrapper):
         self.kinds[o[3]]["reads"] += 1
         if o[3] != "full":
             self.read_now.append((o[6], o[3]))
-        if self.now - o[1] > self.retention_s / 2:  # refresh on hit (s3kv.store.refresh)
+        # Refresh on hit (s3kv.store.refresh), at half the retention gc deletes by.
+        lt = self.learnt
+        if self.now - o[1] > (self.retention_s if lt is None else lt[0]) / 2:
             o[1] = self.now
             self.refreshes += 1
             self.real_put += 1
@@ -256,7 +270,7 @@ class BilledStore(StoreWrapper):
             o = self._objects.get(info.key)
             if o is None:
                 yield info
-            elif self.now - o[1] > self.expire_after_s:
+            elif self.now - o[1] > self._expiry_age(o):
                 self._expire(info.key)
             else:
                 yield dataclasses.replace(info, last_modified=o[1])

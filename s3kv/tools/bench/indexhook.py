@@ -18,7 +18,10 @@ from typing import Any
 class ReplayIndex:
     """``hook(now, fleet)`` (module docstring). Picklable: a replay may run in a process of its own."""
 
-    def __init__(self, every_s: float = 10.0):
+    def __init__(self, every_s: float = 10.0, learn: tuple[float, float] | None = None):
+        """``learn``: (ceiling s, gc's margin s) -- the publisher learns the retention from the
+        engines' read reports (``s3kv.core.retention``) and the billed store deletes by it."""
+        self.learn = learn
         if every_s <= 0:
             raise ValueError(f"the fleet index's period must be > 0, got {every_s}")
         self.every_s = every_s
@@ -26,12 +29,26 @@ class ReplayIndex:
         self._last = float("-inf")
         self._publisher: Any = None
         self.passes = 0
+        #: (trace s, learnt retention s) after each pass while learning.
+        self.retention_s: list[tuple[float, float]] = []
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_publisher": None}
 
     def _clock(self) -> float:
         return self.now
+
+    def flush(self, fleet: Any) -> None:
+        """At the trace's end: every engine reports what it read, and gc learns from it once more
+        (what the fleet would do in the next minutes decides how long the last objects live)."""
+        if self._publisher is None or self.learn is None:
+            return
+        for e in fleet.engines:
+            fi = e.leader.core.fleet_index()
+            if fi is not None:
+                fi.report(force=True)
+        self._last = float("-inf")
+        self(self.now, fleet)
 
     def __call__(self, now: float, fleet: Any) -> None:
         from ...engine.fleetindex import Publisher
@@ -43,6 +60,7 @@ class ReplayIndex:
             self._publisher = Publisher(
                 fleet.store, core.key_prefix.rstrip("/") + "/", integrity=core.settings.integrity,
                 every_s=self.every_s, namespaces=[core.scheme.namespace_prefix], clock=self._clock,
+                learn=self.learn,
             )
             for c in cores:
                 fi = c.fleet_index()
@@ -53,6 +71,14 @@ class ReplayIndex:
         self._last = now
         self._publisher.publish(now)
         self.passes += 1
+        learnt = self._publisher.retention.get(cores[0].scheme.namespace_prefix)
+        if learnt is not None and self.learn is not None:
+            from ...core.cost import EXPIRY_MARGIN_S
+            from ...core.retention import learning_slack_s
+
+            slack = learning_slack_s(self.every_s, cores[0].settings.fleet_index_s, EXPIRY_MARGIN_S)
+            fleet.store.learnt = (learnt[0], learnt[1] + slack)
+            self.retention_s.append((now, learnt[0]))
         for c in cores:
             fi = c.fleet_index()
             if fi is not None:

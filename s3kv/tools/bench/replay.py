@@ -227,7 +227,9 @@ def replay(
     if cfg.index_every_s > 0:
         from .indexhook import ReplayIndex
 
-        fleet.on_clock.append(ReplayIndex(cfg.index_every_s))
+        cap = cfg.prices.retention_h * 3600
+        fleet.on_clock.append(ReplayIndex(
+            cfg.index_every_s, learn=(cap, counter.expire_after_s - cap) if settings.retention_auto else None))
     fleet.store = counter
     before = bs.store.snapshot()
     synth = TokenSynth(block_tokens, SIM_VOCAB)
@@ -332,6 +334,9 @@ def replay(
                     f"trace: {run}: {r.index + 1}/{len(reqs)} requests, {sum(device) / 1e6:.2f}M tokens from "
                     f"device caches, {sum(served) / 1e6:.2f}M served by s3kv, {time.perf_counter() - t0:.0f} s"
                 )
+        for hook in fleet.on_clock:  # what gc learns next from the last reads decides the objects' end
+            if hasattr(hook, "flush"):
+                hook.flush(fleet)
         counter.finish()
         lstats = [engine.leader.core.stats for engine in engines]
         tiers = [w.core.host_tier.stats() for engine in engines for w in engine.workers if w.core.host_tier]
@@ -357,6 +362,7 @@ def replay(
         # What each engine's value policy believes at the end (its estimates per kind, and its decisions).
         "value_model": [engine.leader.core.writes.model.snapshot() for engine in engines],
         "retention_advice": fleet_retention_advice([engine.leader.core.writes.model for engine in engines]),
+        "retention_learnt": _learnt(fleet),
         "fleet_fingerprint": fleet_fp.hexdigest(),
         **totals,
         "load_failures": sum(s.loads_failed_objects for s in wstats),
@@ -390,6 +396,19 @@ def replay(
         "lookup_stall": stall_summary(stalls, sum(served), decode_forward_s(cfg.model)),
         "wall_s": rnd(wall, 1),
     }
+
+
+def _learnt(fleet: Fleet) -> dict[str, Any] | None:
+    """What gc learnt of the retention over the replay (``s3kv.core.retention``): its last choice,
+    its range, and how often it changed; None where it did not learn."""
+    from .indexhook import ReplayIndex
+
+    hook = next((h for h in fleet.on_clock if isinstance(h, ReplayIndex) and h.learn), None)
+    if hook is None or hook.learn is None or not hook.retention_s:
+        return None
+    rs = [r for _, r in hook.retention_s]
+    return {"retention_s": rs[-1], "min_s": min(rs), "max_s": max(rs), "ceiling_s": hook.learn[0],
+            "changes": sum(a != b for a, b in zip(rs, rs[1:], strict=False))}
 
 
 def _tier_summary(tiers: Sequence[Any], gib: float) -> dict[str, Any] | None:

@@ -243,6 +243,7 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "unread_write_usd": r["unread_write_usd"],
             "value_model": r["value_model"],
             "retention_advice": r["retention_advice"],
+            "retention_learnt": r["retention_learnt"],
             "refreshes": r["refreshes"],
             "expired_objects": r["expired_objects"],
             "get_requests_by_split_mib": r["get_requests_by_split_mib"],
@@ -297,6 +298,8 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
         "hindsight": first.get("hindsight"),
         # The retention the fleet's reads say pays best (s3kv.core.value.advise_retention).
         "retention_advice": first.get("retention_advice"),
+        # The retention gc learnt from the engines' read reports and deleted by (s3kv.core.retention).
+        "retention_learnt": first.get("retention_learnt"),
         "tiers": first["tiers"]["shares"],
         "fleet": {k: first_run["fleet"][k] for k in ("clusters", "router", "device_cache_tokens", "device_sliding",
                                                       "host_cache_tokens")},

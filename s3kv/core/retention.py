@@ -1,0 +1,141 @@
+"""The retention learnt from what the fleet reads (issue 38): engines report, gc decides.
+
+A fixed ``S3KV_RETENTION_H`` is a constant fitted to one traffic: an hour kept a conversation
+trace's p99 reuse gap (26 min) and billed every object nobody read for the hour as well, while
+the public trace's reads all came within 17 minutes. So gc learns the retention from when objects
+are read, and ``S3KV_RETENTION_H`` becomes its ceiling:
+
+* **engines report** (``s3kv.engine.fleetindex``): each leader dates every S3 read it makes
+  (``ValueModel.lag_reads``: its own objects by its memo, others' by the fleet index's write
+  times) and, while the fleet index says gc learns, writes the running counts every
+  :data:`REPORT_EVERY_S` to ``{namespace}/fleet-reads/{engine}.{seq}`` -- write-once keys (the
+  bucket policy that makes KV write-once needs no exception), a few hundred bytes each;
+* **gc decides** (:func:`learn_retention`, in the index publisher of ``s3kv gc --index``): it
+  folds the reports into one histogram that forgets with a half-life of :data:`HALF_LIFE_S`
+  (traffic changes), takes the shortest retention whose cutoff leaves room for one more lag bin
+  beyond 99% of the dated reads, and publishes it in the fleet index (``retention_s``);
+* **who deletes by it**: gc, for objects written or refreshed after engines could have seen it
+  (``auto_since`` + a few index periods). An engine that saw it believes its own uploads only
+  for :data:`RETENTION_FLOOR_S` (the shortest retention gc may choose), so gc may move the
+  retention either way at any time and never delete what an engine still promises without
+  asking; the engines' refresh-on-hit follows it (the leader hands it to the workers).
+
+Why one bin of headroom rather than "keep 99% of the reads" (``value.advise_retention``, the
+advice): reads later than the cutoff are never seen, so a rule that only keeps what it saw would
+ratchet down -- each shorter retention hides the reads that would argue against the next. Reads in
+the last bin before the cutoff are seen; more than 1% there says the reuse has not died away by
+the cutoff, and the retention grows back a bin. Why no prior: with fewer than
+:data:`MIN_DATED_READS` dated reads the ceiling stands (today's behaviour).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+#: The shortest retention gc chooses; engines believe their own uploads this long once gc learns.
+RETENTION_FLOOR_S = 300.0
+#: The fleet's read histogram forgets at this half-life (a day's traffic changes within hours).
+HALF_LIFE_S = 3600.0
+#: Fewer dated reads than this (after forgetting): the ceiling stands.
+MIN_DATED_READS = 20.0
+#: Share of the dated reads allowed in the last lag bin before the cutoff and beyond.
+TAIL_SHARE = 0.01
+#: How often an engine writes its read report while gc learns.
+REPORT_EVERY_S = 60.0
+#: Where reports live under a namespace's prefix.
+REPORTS_DIR = "fleet-reads/"
+#: A report older than this is forgotten (its engine is gone) and deleted with the superseded ones.
+REPORT_STALE_S = 86400.0
+
+_REPORT_NAME = re.compile(r"^([0-9a-f]{16})\.([0-9]{1,12})$")
+
+
+def lag_bin_edge(b: int) -> float:
+    """Upper edge, in seconds, of reuse-lag bin ``b`` (bin b holds [2^b - 1, 2^(b+1) - 1) s)."""
+    return float(2 ** (b + 1) - 1)
+
+
+def learn_retention(lag_reads: Sequence[float], *, margin_s: float, cap_s: float) -> float | None:
+    """The retention (seconds, in [``RETENTION_FLOOR_S``, ``cap_s``]) the reads argue for, or None
+    with too few of them (module doc). ``lag_reads``: reads by lag bin since the object's write or
+    refresh; ``margin_s``: what gc keeps beyond the retention (``core.cost.expiry_age_s``), so a
+    retention R deletes at age R + margin."""
+    n = float(sum(lag_reads))
+    if n < MIN_DATED_READS:
+        return None
+    allowed = TAIL_SHARE * n
+    beyond = n  # reads in bin b and later
+    for b, x in enumerate(lag_reads):
+        r = lag_bin_edge(b) - margin_s
+        if r >= cap_s:
+            break
+        if r >= RETENTION_FLOOR_S and beyond <= allowed:
+            return r
+        beyond -= x
+    return cap_s
+
+
+def learning_slack_s(index_every_s: float, fleet_index_s: float, skew_s: float) -> float:
+    """How long after gc starts learning every engine has seen that it does (its next index, an
+    engine's next poll, clock skew): objects written before then are kept for the ceiling."""
+    return index_every_s + fleet_index_s + skew_s
+
+
+# ------------------------------------------------------------------------------ reports
+def report_key(namespace_prefix: str, engine: str, seq: int) -> str:
+    """An engine's ``seq``-th read report (``namespace_prefix`` ends with ``/``)."""
+    return f"{namespace_prefix}{REPORTS_DIR}{engine}.{seq}"
+
+
+def parse_report_key(rel: str) -> tuple[str, int] | None:
+    """(engine, seq) of a report's key relative to its namespace prefix, else None."""
+    if not rel.startswith(REPORTS_DIR):
+        return None
+    m = _REPORT_NAME.match(rel[len(REPORTS_DIR):])
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def encode_report(lag_reads: Sequence[float], at: float) -> bytes:
+    return json.dumps({"lag_reads": [float(x) for x in lag_reads], "at": float(at)}).encode()
+
+
+def decode_report(data: bytes, bins: int) -> tuple[list[float], float]:
+    """(lag_reads, at) of a report. Raises ValueError on anything else (a foreign object)."""
+    doc = json.loads(data)
+    lags = [float(x) for x in doc["lag_reads"]]
+    if len(lags) != bins or any(not math.isfinite(x) or x < 0 for x in lags):
+        raise ValueError(f"a read report has {len(lags)} lag bins, expected {bins} non-negative counts")
+    return lags, float(doc["at"])
+
+
+@dataclass
+class FleetReads:
+    """The fleet's read histogram: engines' running counts folded in as they grow, forgotten
+    at :data:`HALF_LIFE_S` (module doc)."""
+
+    bins: int
+    lag_reads: list[float] = field(default_factory=list)
+    at: float | None = None
+    #: engine -> its last counts taken.
+    seen: dict[str, list[float]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.lag_reads:
+            self.lag_reads = [0.0] * self.bins
+
+    def take(self, engine: str, counts: Sequence[float], now: float) -> None:
+        """One engine's running counts: what grew since its last report is new (counts that shrank:
+        the engine restarted, all of them are)."""
+        if self.at is not None and now > self.at:
+            keep = 0.5 ** ((now - self.at) / HALF_LIFE_S)
+            self.lag_reads = [x * keep for x in self.lag_reads]
+        self.at = now if self.at is None else max(self.at, now)
+        last = self.seen.get(engine)
+        restarted = last is None or any(c < p for c, p in zip(counts, last, strict=True))
+        for b, c in enumerate(counts):
+            self.lag_reads[b] += c if restarted or last is None else c - last[b]
+        self.seen[engine] = list(counts)

@@ -1,0 +1,212 @@
+"""The retention gc learns from what the fleet reads (issue 38, ``s3kv.core.retention``): engines
+report their dated reads while the fleet index says gc learns, gc folds the reports, publishes the
+retention and deletes by it -- shorter when reads come early, longer again when they come late,
+never below what an engine believes without asking.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from click.testing import CliRunner
+from test_fleet_index import TPB, _leader, _write, tokens_of
+
+from s3kv.core.fleetindex import decode
+from s3kv.core.retention import (
+    HALF_LIFE_S,
+    MIN_DATED_READS,
+    RETENTION_FLOOR_S,
+    FleetReads,
+    encode_report,
+    learn_retention,
+    parse_report_key,
+    report_key,
+)
+from s3kv.core.value import LAG_BINS, lag_bin
+from s3kv.engine.fleetindex import Publisher, index_key
+from s3kv.store.factory import open_store
+from s3kv.store.memory import MemoryStore
+from s3kv.store.refresh import RefreshOnHit, set_refresh_interval
+from s3kv.tools.ops import gc_command
+
+CAP, MARGIN = 3600.0, 660.0
+
+
+def _reads(*lags: tuple[float, int]) -> list[float]:
+    out = [0.0] * LAG_BINS
+    for lag, n in lags:
+        out[lag_bin(lag)] += n
+    return out
+
+
+# ------------------------------------------------------------------------------ the rule
+def test_the_retention_leaves_a_lag_bin_of_room_beyond_the_reads():
+    early = _reads((5, 60), (90, 40))  # every read within 2 minutes
+    assert learn_retention(early, margin_s=MARGIN, cap_s=CAP) == 1023 - MARGIN
+    # 2% of the reads in the last bin before that cutoff (511-1023 s): they may go on beyond it.
+    later = _reads((5, 60), (90, 38), (700, 2))
+    assert learn_retention(later, margin_s=MARGIN, cap_s=CAP) == 2047 - MARGIN
+    late = _reads((5, 60), (90, 30), (1500, 5), (3000, 5))
+    assert learn_retention(late, margin_s=MARGIN, cap_s=CAP) == CAP
+    # One read in a hundred there is within the rule.
+    assert learn_retention(_reads((5, 99), (700, 1)), margin_s=MARGIN, cap_s=CAP) == 1023 - MARGIN
+    # Too few dated reads: the ceiling stands (None); never below the floor.
+    assert learn_retention(_reads((5, MIN_DATED_READS - 1)), margin_s=MARGIN, cap_s=CAP) is None
+    assert learn_retention(_reads((1, 100)), margin_s=100.0, cap_s=CAP) >= RETENTION_FLOOR_S
+
+
+def test_the_fleet_reads_take_what_grew_forget_and_survive_a_restart():
+    fr = FleetReads(LAG_BINS)
+    fr.take("a", _reads((5, 10)), 0.0)
+    fr.take("b", _reads((5, 4)), 0.0)
+    fr.take("a", _reads((5, 16)), 0.0)  # six more since a's last report
+    assert sum(fr.lag_reads) == 20
+    fr.take("b", _reads((5, 1)), HALF_LIFE_S)  # counts went down: b restarted, all of them are new
+    assert sum(fr.lag_reads) == 20 / 2 + 1
+
+
+def test_report_keys_round_trip_and_foreign_names_are_not_reports():
+    key = report_key("kv/" + "ab" * 16 + "/", "0123456789abcdef", 7)
+    assert parse_report_key(key.split("/", 2)[2]) == ("0123456789abcdef", 7)
+    assert parse_report_key("fleet-reads/xyz.1") is None and parse_report_key("fleet-index") is None
+
+
+# ------------------------------------------------------------------------------ gc learns
+def _publisher(store, clock, nsp):
+    return Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp])
+
+
+def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_they_come_late():
+    store = MemoryStore()
+    core = _leader(store, fleet_index_s=5)
+    nsp = core.scheme.namespace_prefix
+    clock = [1000.0]
+    pub = _publisher(store, clock, nsp)
+    pub.publish(clock[0])
+    assert pub.retention[nsp] == (CAP, 1000.0)  # learning, nothing read yet: the ceiling
+    store.put(report_key(nsp, "00000000000000aa", 0), encode_report(_reads((30, 100)), clock[0]))
+    clock[0] += 10
+    pub.publish(clock[0])
+    assert pub.retention[nsp][0] == 1023 - MARGIN
+    key = index_key(nsp)
+    idx = decode(store.get(key), object_key=key, namespace=core.namespace, keys=None, max_objects=100)
+    assert (idx.retention_s, idx.auto_since) == (1023 - MARGIN, 1000.0)
+    # The same engine later: 10 more reads, all at 10-15 minutes -- beyond half the cutoff.
+    store.put(report_key(nsp, "00000000000000aa", 1), encode_report(_reads((30, 100), (700, 10)), clock[0]))
+    clock[0] += 10
+    pub.publish(clock[0])
+    assert pub.retention[nsp][0] == 2047 - MARGIN
+    # The superseded report is gone; the newest stays (the next gc that starts reads it).
+    names = [k for k in store.keys() if "fleet-reads/" in k]
+    assert names == [report_key(nsp, "00000000000000aa", 1)]
+    # A gc that restarts goes on learning since the same time (what it deletes early depends on it).
+    again = _publisher(store, clock, nsp)
+    again.publish(clock[0])
+    assert again.retention[nsp] == (2047 - MARGIN, 1000.0)
+
+
+def test_without_learning_gc_publishes_no_retention_and_engines_report_nothing():
+    store = MemoryStore()
+    core = _leader(store, fleet_index_s=5)
+    nsp = core.scheme.namespace_prefix
+    Publisher(store, "pfx/", every_s=10.0, clock=lambda: time.time(), namespaces=[nsp]).publish()
+    fi = core.fleet_index()
+    assert fi is not None and fi.refresh()
+    core._lookups.listings.current()
+    assert core._lookups.index.written_ttl_s == core.settings.retention_h * 3600
+    fi.report(force=True)
+    assert not [k for k in store.keys() if "fleet-reads/" in k]
+
+
+def test_an_engine_reports_while_gc_learns_and_believes_its_uploads_only_for_the_floor():
+    store = MemoryStore()
+    core = _leader(store, fleet_index_s=5)
+    core.writes.model.lag_reads[lag_bin(40)] += 3  # what its value model dated
+    nsp = core.scheme.namespace_prefix
+    Publisher(store, "pfx/", every_s=10.0, clock=lambda: time.time(), learn=(CAP, MARGIN), namespaces=[nsp]).publish()
+    fi = core.fleet_index()
+    assert fi is not None and fi.refresh()
+    listings = core._lookups.listings
+    listings.current()
+    assert core._lookups.index.written_ttl_s == max(core._lookups.index.ttl_s, RETENTION_FLOOR_S)
+    reports = [k for k in store.keys() if "fleet-reads/" in k]
+    assert len(reports) == 1 and json.loads(store.get(reports[0]))["lag_reads"][lag_bin(40)] == 3
+    fi.refresh()  # within REPORT_EVERY_S: no second report
+    assert len([k for k in store.keys() if "fleet-reads/" in k]) == 1
+    # The workers refresh what they load at half the retention gc deletes by (the plan carries it).
+    assert core.build_connector_meta([], []).refresh_s == CAP / 2
+
+
+def test_a_worker_follows_the_refresh_period_the_plan_carries():
+    inner = RefreshOnHit(MemoryStore(), 1800.0)
+    wrapped = dataclasses.make_dataclass("W", [("inner", object)])(inner)
+    set_refresh_interval(wrapped, 181.5)
+    assert inner.interval_s == 181.5
+    set_refresh_interval(MemoryStore(), 1.0)  # no refresher: nothing to follow, no error
+
+
+def _gc(url: str, now: float, env: dict[str, str]) -> dict:
+    r = CliRunner().invoke(gc_command, ["--url", url, "--expired", "--index", "10s", "--yes", "--json",
+                                        "--now", str(now)], env=env)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.output.strip().splitlines()[-1])
+
+
+def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_knew(tmp_path):
+    """Objects written after gc started learning (plus the time every engine takes to see it) go at
+    the learnt retention plus gc's margin; older ones were believed for the ceiling and stay until
+    it; with S3KV_RETENTION_AUTO=false gc keeps the ceiling for all."""
+    url = f"file://{tmp_path}/cache"
+    store = open_store(url)
+    writer = _leader(store, fleet_index_s=0)
+    writer.scheme = dataclasses.replace(writer.scheme, prefix="")  # file:// URLs carry no key prefix
+    nsp = writer.scheme.namespace_prefix
+    now = time.time()
+    aged = {}
+    for seed, age in ((1, 1100.0), (2, 100.0), (3, 1990.0)):
+        keys = _write(writer, store, tokens_of(8 * TPB + 9, seed=seed), 8)
+        for k in keys:
+            os.utime(tmp_path / "cache" / k, (now - age, now - age))
+        aged[age] = keys
+    for env, gone in (({"S3KV_RETENTION_AUTO": "false"}, []), ({}, aged[1100.0])):
+        idx = tmp_path / "cache" / index_key(nsp)
+        if idx.exists():
+            idx.unlink()
+        # gc started learning 2,000 s ago (its index says since when); an engine reported since.
+        _gc(url, now - 2000, env)
+        store.put(report_key(nsp, "00000000000000aa", 0), encode_report(_reads((30, 100)), now))
+        doc = _gc(url, now, env)
+        assert doc["deleted"]["objects"] == len(gone)
+        left = {i.key for i in store.list("")}
+        assert not left & set(gone)
+        # 100 s old: within any retention; 1,990 s: written before every engine knew gc learns.
+        assert set(aged[100.0]) | set(aged[1990.0]) <= left
+
+
+def test_a_replay_that_learns_the_retention_bills_less_storage_for_the_same_tokens(tmp_path):
+    """The whole loop on a trace's clock (tools/bench/indexhook.py): engines report, the publisher
+    learns, the billed store deletes by it -- storage falls, every token is still served, no promised
+    load fails (engines never believed their uploads past the floor)."""
+    from s3kv.tools.bench.common import bench_store
+    from s3kv.tools.bench.fleet import FleetConfig
+    from s3kv.tools.bench.gentrace import PRESETS, generate, write_trace
+    from s3kv.tools.bench.trace import TraceConfig, run_trace
+
+    p = tmp_path / "chat.jsonl"
+    write_trace(generate(PRESETS["chat"], 80, 3), p)
+    out = {}
+    for auto in (False, True):
+        cfg = TraceConfig(path=str(p), tokens_per_block=TPB, jobs=1, runs=("window",),
+                          fleet=FleetConfig(device_cache_tokens=0),  # S3 serves every repeat: reads to date
+                          settings={"write_policy": "through", "retention_auto": auto})
+        with bench_store(f"memory://test-learn-{auto}", name="trace") as bs:
+            out[auto] = run_trace(bs, cfg)
+    fixed, learnt = (out[a]["policies"]["window"] for a in (False, True))
+    assert out[True]["value"]["retention_learnt"]["retention_s"] < CAP
+    assert out[False]["value"]["retention_learnt"] is None
+    assert learnt["storage_usd"] < fixed["storage_usd"]
+    assert learnt["served_tokens"] == fixed["served_tokens"]
+    assert out[True]["load_failures"] == 0 and out[True]["kv_mismatches"] == 0
