@@ -87,7 +87,8 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     pub = _publisher(store, clock, nsp)
     pub.publish(clock[0])
     assert pub.retention[nsp] == (CAP, 1000.0)  # learning, nothing read yet: the ceiling
-    store.put(report_key(nsp, "00000000000000aa", 0), encode_report(_reads((30, 100)), clock[0]))
+    k0 = report_key(nsp, "00000000000000aa", 0)
+    store.put(k0, encode_report(_reads((30, 100)), clock[0], k0))
     clock[0] += 10
     pub.publish(clock[0])
     assert pub.retention[nsp][0] == 1023 - MARGIN
@@ -95,7 +96,8 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     idx = decode(store.get(key), object_key=key, namespace=core.namespace, keys=None, max_objects=100)
     assert (idx.retention_s, idx.auto_since) == (1023 - MARGIN, 1000.0)
     # The same engine later: 10 more reads, all at 10-15 minutes -- beyond half the cutoff.
-    store.put(report_key(nsp, "00000000000000aa", 1), encode_report(_reads((30, 100), (700, 10)), clock[0]))
+    k1 = report_key(nsp, "00000000000000aa", 1)
+    store.put(k1, encode_report(_reads((30, 100), (700, 10)), clock[0], k1))
     clock[0] += 10
     pub.publish(clock[0])
     assert pub.retention[nsp][0] == 2047 - MARGIN
@@ -106,6 +108,28 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     again = _publisher(store, clock, nsp)
     again.publish(clock[0])
     assert again.retention[nsp] == (2047 - MARGIN, 1000.0)
+
+
+def test_with_an_integrity_key_gc_learns_only_from_reports_a_key_holder_signed():
+    from test_fleet_index import KEYS, SECRET
+
+    store = MemoryStore()
+    core = _leader(store, fleet_index_s=5, integrity_key=SECRET)
+    nsp = core.scheme.namespace_prefix
+    clock = [1000.0]
+    pub = Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp],
+                    integrity=KEYS)
+    planted = report_key(nsp, "00000000000000bb", 0)
+    store.put(planted, encode_report(_reads((30, 100)), clock[0], planted))  # unsigned
+    pub.publish(clock[0])
+    assert pub.retention[nsp][0] == CAP
+    signed = report_key(nsp, "00000000000000aa", 0)
+    store.put(signed, encode_report(_reads((30, 100)), clock[0], signed, KEYS.current))
+    moved = report_key(nsp, "00000000000000cc", 0)  # a signed report copied to another key
+    store.put(moved, store.get(signed))
+    clock[0] += 10
+    pub.publish(clock[0])
+    assert pub.retention[nsp][0] == 1023 - MARGIN and sum(pub.reads[nsp].lag_reads) == 100
 
 
 def test_without_learning_gc_publishes_no_retention_and_engines_report_nothing():
@@ -177,7 +201,8 @@ def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_
             idx.unlink()
         # gc started learning 2,000 s ago (its index says since when); an engine reported since.
         _gc(url, now - 2000, env)
-        store.put(report_key(nsp, "00000000000000aa", 0), encode_report(_reads((30, 100)), now))
+        k = report_key(nsp, "00000000000000aa", 0)
+        store.put(k, encode_report(_reads((30, 100)), now, k))
         doc = _gc(url, now, env)
         assert doc["deleted"]["objects"] == len(gone)
         left = {i.key for i in store.list("")}

@@ -36,6 +36,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .integrity import IntegrityKeys, TagKey, equal
+
 #: The shortest retention gc chooses; engines believe their own uploads this long once gc learns.
 RETENTION_FLOOR_S = 300.0
 #: The fleet's read histogram forgets at this half-life (a day's traffic changes within hours).
@@ -99,13 +101,24 @@ def parse_report_key(rel: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
-def encode_report(lag_reads: Sequence[float], at: float) -> bytes:
-    return json.dumps({"lag_reads": [float(x) for x in lag_reads], "at": float(at)}).encode()
+def encode_report(lag_reads: Sequence[float], at: float, key: str, tag_key: TagKey | None = None) -> bytes:
+    """A report at ``key``: JSON, then with an integrity key a line with its tag (over the key and
+    the JSON, as the fleet index's): a report only a key holder wrote moves the retention."""
+    body = json.dumps({"lag_reads": [float(x) for x in lag_reads], "at": float(at),
+                       "key_id": tag_key.key_id.hex() if tag_key is not None else None}, sort_keys=True).encode()
+    return body if tag_key is None else body + b"\n" + tag_key.index_tag(key, body).hex().encode()
 
 
-def decode_report(data: bytes, bins: int) -> tuple[list[float], float]:
-    """(lag_reads, at) of a report. Raises ValueError on anything else (a foreign object)."""
-    doc = json.loads(data)
+def decode_report(data: bytes, bins: int, key: str, keys: IntegrityKeys | None = None) -> tuple[list[float], float]:
+    """(lag_reads, at) of the report at ``key``. Raises ValueError on anything else: a foreign
+    object, or -- where ``keys`` -- one no key of ours signed (a planted report could only move the
+    retention between floor and ceiling, but that is storage or misses it was never owed)."""
+    body, _, tag = bytes(data).partition(b"\n")
+    doc = json.loads(body)
+    if keys is not None:
+        k = keys.find(bytes.fromhex(doc.get("key_id") or ""))
+        if k is None or not equal(k.index_tag(key, body).hex().encode(), tag):
+            raise ValueError("a read report no integrity key of ours signed")
     lags = [float(x) for x in doc["lag_reads"]]
     if len(lags) != bins or any(not math.isfinite(x) or x < 0 for x in lags):
         raise ValueError(f"a read report has {len(lags)} lag bins, expected {bins} non-negative counts")

@@ -245,11 +245,11 @@ class Publisher:
             if stale or info.key in self._taken:
                 continue
             try:
-                lags, at = decode_report(self.store.get(info.key), LAG_BINS)
+                lags, at = decode_report(self.store.get(info.key), LAG_BINS, info.key, self.integrity)
             except StoreError:
                 continue
             except (ValueError, KeyError, TypeError):
-                log.warning("s3kv: %s is not a read report; skipped", info.key)
+                log.warning("s3kv: %s is not a read report (or not signed by our key); skipped", info.key)
             else:
                 reads.take(info.key.rsplit("/", 1)[1].split(".", 1)[0], lags, min(at, now))
             self._taken.add(info.key)
@@ -388,7 +388,8 @@ class IndexRefresher:
         key = report_key(self.key[: len(self.key) - len(INDEX_NAME)], self.engine, self.reports)
         try:
             self.reports += 1  # a key taken by a failed write-once PUT is not tried again
-            if self.store.put(key, encode_report(self.reads(), now)):
+            tag = self.keys.current if self.keys is not None else None
+            if self.store.put(key, encode_report(self.reads(), now, key, tag)):
                 self._reported_at = now
         except StoreError as e:
             log.debug("s3kv: read report %s not written: %s", key, e)
