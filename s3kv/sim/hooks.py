@@ -48,14 +48,9 @@ def preempt_once(after_chunks: int = 1, request_ids: Collection[int] | None = No
 
 
 def preempt_generation_once(after_tokens: int = 1, request_ids: Collection[int] | None = None) -> PreemptGenerationHook:
-    """Preempt each (selected) request once during generation, after its ``after_tokens``-th token."""
-
-    def hook(request_id: int, generated: int, attempt: int) -> bool:
-        if request_ids is not None and request_id not in request_ids:
-            return False
-        return attempt == 0 and generated == after_tokens
-
-    return hook
+    """Preempt each (selected) request once during generation, after its ``after_tokens``-th token
+    (the same rule as :func:`preempt_once`, counting tokens generated instead of chunks)."""
+    return preempt_once(after_tokens, request_ids)
 
 
 def discard_async(

@@ -9,6 +9,7 @@ and turn k+1 is admitted only after turn k finished (``after``).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -141,18 +142,7 @@ def repeat_workload(specs: Sequence[SimRequestSpec], first_id: int) -> list[SimR
     base = min(s.request_id for s in specs)
     remap = {s.request_id: first_id + s.request_id - base for s in specs}
     return [
-        SimRequestSpec(
-            request_id=remap[s.request_id],
-            prompt=s.prompt,
-            max_new_tokens=s.max_new_tokens,
-            cache_salt=s.cache_salt,
-            lora_task_id=s.lora_task_id,
-            lora_path=s.lora_path,
-            multimodal_hashes=s.multimodal_hashes,
-            multimodal_positions=s.multimodal_positions,
-            device_match_tokens=s.device_match_tokens,
-            after=tuple(remap.get(a, a) for a in s.after),
-        )
+        dataclasses.replace(s, request_id=remap[s.request_id], after=tuple(remap.get(a, a) for a in s.after))
         for s in specs
     ]
 

@@ -141,7 +141,7 @@ class RawClient:
 
     def __init__(
         self,
-        put: Callable[[str, bytes], None],
+        put: Callable[[str, bytes], object],
         get: Callable[[str], bytes],
         latency_s: float,
         kind: str,
@@ -195,13 +195,6 @@ def _boto3_raw(
         return client.get_object(Bucket=bucket, Key=key)["Body"].read()
 
     return RawClient(put, get, latency_s, "boto3 put_object/get_object")
-
-
-def _store_raw(store: ObjectStore, latency_s: float) -> RawClient:
-    def put(key: str, body: bytes) -> None:
-        store.put(key, body)
-
-    return RawClient(put, store.get, latency_s, f"{type(store).__name__}.put/get")
 
 
 # --------------------------------------------------------------------------- the store under test
@@ -337,7 +330,7 @@ def bench_store(
                         f"--s3-latency-ms needs an s3:// store (or no --url: the embedded server), got {url}"
                     )
                 raw = open_store(url)
-                raw_client = _store_raw(raw, latency_s)
+                raw_client = RawClient(raw.put, raw.get, latency_s, f"{type(raw).__name__}.put/get")
                 kind, where = scheme, redact_url(url)
                 cleanup = scheme != "memory"
         shaped = RegionLatency(raw, latency_s, concurrency) if latency_s else None

@@ -24,23 +24,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from ...core.hitrule import Span
-from ...core.layout import CacheGeometry, GroupGeometry
 from ...engine.leader.worth import weigh
 from ...store.memory import MemoryStore
 from ...transfer.hosttier import HostTier
 from ...transfer.tiers import TierSpeed, calibrate
+from ..sizing import geometry_of
 from .common import ModelSpec, rnd
 
 HIT_TOKENS = (256, 1024, 4096, 16384, 65536, 131072)
-
-
-def model_geometry(model: ModelSpec, tokens_per_block: int) -> CacheGeometry:
-    """One rank's geometry of ``model`` at TP 1 (full-attention group 0, sliding group 1)."""
-    pages = model.page_bytes(tokens_per_block)
-    groups = [GroupGeometry(0, None, model.global_layers, (pages["full"],))]
-    if model.window and model.local_layers:
-        groups.append(GroupGeometry(1, model.window, model.local_layers, (pages["sliding"],)))
-    return CacheGeometry(tokens_per_block, tuple(groups), 1, "bfloat16", f"s3kv-bench/{model.name}")
 
 
 def store_round_trip_s(store: Any, n: int = 5) -> float:
@@ -71,7 +62,7 @@ def crossover(
     model: ModelSpec, tokens_per_block: int, prefill_tokens_per_s: float, speeds: dict[str, TierSpeed],
     hits: Sequence[int] = HIT_TOKENS,
 ) -> dict[str, Any]:
-    g = model_geometry(model, tokens_per_block)
+    g = geometry_of(model, tokens_per_block, 1)  # one rank at TP 1
 
     def weighed(tokens: int, tier: str) -> Any:
         h = max(1, tokens // tokens_per_block)

@@ -22,16 +22,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .common import pct
 from .tracefile import TraceRequest, duration_hours, find_continuations, trace_reuse_tokens
 
 #: Reuse-gap percentiles reported.
 GAP_PERCENTILES = (50, 90, 99)
-
-
-def _pct(sorted_xs: Sequence[float], q: float) -> float | None:
-    if not sorted_xs:
-        return None
-    return sorted_xs[min(len(sorted_xs) - 1, int(q / 100 * len(sorted_xs)))]
 
 
 def describe(reqs: Sequence[TraceRequest], block_tokens: int) -> dict[str, Any]:
@@ -46,27 +41,26 @@ def describe(reqs: Sequence[TraceRequest], block_tokens: int) -> dict[str, Any]:
                 gaps.append((r.timestamp_ms - prev) / 1000)
             last_seen[h] = r.timestamp_ms
             holders[h] = holders.get(h, 0) + 1
-    gaps.sort()
     distinct = len(holders)
     reread = sum(1 for n in holders.values() if n > 1)
     prompt_tokens = sum(r.input_length for r in reqs)
-    inputs = sorted(r.input_length for r in reqs)
-    outputs = sorted(r.output_length for r in reqs)
+    inputs = [r.input_length for r in reqs]
+    outputs = [r.output_length for r in reqs]
     reusable = sum(trace_reuse_tokens(reqs, block_tokens))
     return {
         "requests": len(reqs),
         "duration_min": round(duration_hours(reqs) * 60, 2),
         "prompt_tokens": prompt_tokens,
         "output_tokens": sum(outputs),
-        "input_p50": _pct(inputs, 50),
-        "input_p99": _pct(inputs, 99),
-        "output_p50": _pct(outputs, 50),
+        "input_p50": pct(inputs, 0.5),
+        "input_p99": pct(inputs, 0.99),
+        "output_p50": pct(outputs, 0.5),
         "continuations": len(find_continuations(reqs, block_tokens)),
         "distinct_blocks": distinct,
         "reread_blocks": reread,
         "reread_fraction": round(reread / distinct, 4) if distinct else 0.0,
         "block_reuses": len(gaps),
-        **{f"gap_p{q}_s": None if not gaps else round(_pct(gaps, q) or 0.0, 1) for q in GAP_PERCENTILES},
+        **{f"gap_p{q}_s": None if not gaps else round(pct(gaps, q / 100), 1) for q in GAP_PERCENTILES},
         "reusable_tokens": reusable,
         "reusable_pct_of_prompt": round(100 * reusable / prompt_tokens, 2) if prompt_tokens else 0.0,
     }

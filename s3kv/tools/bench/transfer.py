@@ -279,7 +279,7 @@ class _Size:
         return timed_cpu(save)[0], timed_cpu(load)[0]
 
     def warm_clients(self, raws: dict[str, Any], stores: dict[str, Any]) -> None:
-        """Untimed: every client's connections up."""
+        """Untimed: every client's connections up, and the server's volumes allocated."""
         body = self.raw_bodies[0]
         n = max(self.cfg.upload_threads, self.cfg.download_threads)
         # Raw clients and s3kv's stores alike: put(key, body) and get(key).
@@ -288,18 +288,6 @@ class _Size:
             with ThreadPoolExecutor(n) as ex:
                 list(ex.map(lambda k, c=c: c.put(k, body), keys))
                 list(ex.map(c.get, keys))
-
-    def warm_up(self) -> None:
-        """Untimed: open connections on every path and let the server allocate its volumes."""
-        body = self.raw_bodies[0]
-        keys = [
-            f"{self.root}/warmup/{i}" for i in range(max(self.cfg.upload_threads, self.cfg.download_threads))
-        ]
-        with ThreadPoolExecutor(len(keys)) as ex:
-            list(ex.map(lambda k: self.bs.store.put(k + "-s", body), keys))
-            list(ex.map(lambda k: self.bs.raw_client.put(k + "-r", body), keys))
-            list(ex.map(lambda k: self.bs.store.get(k + "-s"), keys))
-            list(ex.map(lambda k: self.bs.raw_client.get(k + "-r"), keys))
 
     def cleanup(self) -> None:
         self.bs.delete_prefix(self.root + "/")
@@ -328,8 +316,7 @@ def run_transfer(bs: BenchStore, cfg: TransferConfig) -> dict[str, Any]:
             progress(f"transfer: {mib:g} MiB objects, preparing {cfg.total_mib} MiB of pages ...")
             sz = _Size(bs, cfg, mib)
             try:
-                sz.warm_up()
-                sz.warm_clients({c: r for c, r in raws.items() if c != "boto3"}, plain)
+                sz.warm_clients(raws, {"bench": bs.store, **plain})
                 runs: list[dict[str, float]] = []
                 best, cpu, exact = _measure(sz, cfg, raws, s3kv_on, list(totals), list(cpu_totals), runs)
                 exact_all &= exact
