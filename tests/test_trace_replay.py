@@ -365,9 +365,9 @@ def test_retention_runs_on_the_trace_clock(replayed):
     assert 0 < p["served_tokens"] < full["served_tokens"]
     assert p["storage_usd"] < full["storage_usd"]
     assert short["value"]["retention_h"] == 0.05
-    # What the hour-long run's reads advise (core.value.advise_retention): dated, no longer than an hour.
-    advice = replayed["value"]["retention_advice"]
-    assert advice["reads_dated"] > 0 and 0 < advice["retention_h"] <= 1
+    # What gc learnt from the hour-long run's reads (core.retention): within floor and ceiling.
+    learnt = replayed["value"]["retention_learnt"]
+    assert learnt["ceiling_s"] == 3600 and 300 <= learnt["min_s"] <= learnt["retention_s"] <= 3600
     assert short["kv_mismatches"] == 0 and all(short["targets_met"].values())
 
 

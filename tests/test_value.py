@@ -23,9 +23,8 @@ from s3kv.core.value import (
     Bill,
     Boundary,
     ValueModel,
-    advise_retention,
     explored,
-    fleet_retention_advice,
+    lag_bin,
 )
 
 MiB = 1 << 20
@@ -262,6 +261,7 @@ def test_the_value_line_reaches_the_metrics_and_s3kv_stats(tmp_path):
     m.advance_to(120)
     m.read(digest(1), None, 20_000, 0, TAIL, 20_000 * CHAIN_BLOCK // 64)  # own, dated: 120 s
     m.read(digest(2), None, 20_000, 0, TAIL, 0, lag_s=200)  # another engine's, dated by the index
+    m.lag_reads[lag_bin(60)] += 20  # enough dated reads for gc to learn from (core.retention)
     engines = []
     for _ in range(2):
         metrics = Metrics()
@@ -292,13 +292,13 @@ def test_the_value_line_reaches_the_metrics_and_s3kv_stats(tmp_path):
         v = json.loads(r.stdout)["value"]
         assert v["endpoints"] == 2
         assert v["gpu_usd"] == pytest.approx(2 * line["gpu_usd"]) and v["ratio"] == pytest.approx(line["ratio"])
-        # The fleet's dated reads, summed over engines, and the retention they advise.
+        # The fleet's dated reads, summed over engines, and the retention gc learns from them.
         assert line["lag_reads"] == [float(x) for x in m.lag_reads]
-        ra = v["retention_advice"]
-        assert ra["reads_dated"] == 4 and ra["retention_h"] is not None and ra["retention_h"] < 1
+        rl = v["retention_learnt"]
+        assert rl["reads_dated"] == 44 and rl["retention_s"] == 1023 - 660 and rl["ceiling_s"] == 3600
         text = CliRunner().invoke(main, [a for a in args if a != "--json"], catch_exceptions=False)
         assert "value the fleet got" in text.output and HISTORY_END in text.output
-        assert "S3KV_RETENTION_H=" in text.output
+        assert "retention: gc learns 363 s from 44 dated reads" in text.output
     finally:
         for s in servers:
             s.shutdown()
@@ -344,43 +344,6 @@ def test_the_engine_reads_its_models_flops_from_its_config(tmp_path, monkeypatch
     assert prefill_for(Settings(prefill_tokens_per_s=9000.0), "meta/llama").tokens_per_s == 9000.0
 
 
-def _lags(*pairs: tuple[float, int]) -> list[int]:
-    """Reads per lag bin, ``ValueModel.lag_reads``' binning: (lag in seconds, reads) pairs."""
-    import math
-
-    out = [0] * 22
-    for lag, n in pairs:
-        out[int(math.log2(lag + 1))] += n
-    return out
-
-
-@pytest.mark.parametrize("early", [True, False])
-def test_the_retention_advice_follows_when_the_fleet_reads(early):
-    """Reads that all come within minutes of a write: a retention well under the hour keeps them
-    all and pays less storage -- advised, with what it saves. Reads spread to the end of the hour:
-    about today's retention is kept (no read dropped), and flagged as possibly too short."""
-    kw = dict(gpu_usd=1.0, storage_usd=0.5, lifetime_s=3600 + 660 + 300, retention_s=3600)
-    lags = _lags((30, 50), (200, 50)) if early else _lags((30, 20), (1500, 40), (3000, 40))
-    a = advise_retention(lags, **kw)
-    assert a["reads_dated"] == 100
-    if early:
-        assert a["retention_h"] < 0.5 and a["reads_kept"] == 1.0 and a["net_usd_gain"] > 0.2
-        assert a["cutoff_s"] - a["retention_h"] * 3600 == pytest.approx(660)  # engines' belief stays on top
-        assert not a["longer_may_pay"]
-    else:
-        assert a["retention_h"] > 0.9 and a["reads_kept"] == 1.0 and a["longer_may_pay"]
-    assert advise_retention([0] * 22, **kw)["retention_h"] is None  # nothing dated: no advice
-
-
-def test_the_retention_advice_never_trades_reads_for_storage():
-    """A tenth of the reads come late: a short cutoff would save more storage than those reads'
-    prefill is worth on paper, but a lost read also costs the objects written again, which the
-    advice cannot price -- so it keeps (nearly) every dated read."""
-    a = advise_retention(_lags((30, 90), (3000, 10)), gpu_usd=0.1, storage_usd=1.0,
-                         lifetime_s=3600 + 660 + 300, retention_s=3600)
-    assert a["reads_kept"] >= 0.99 and a["retention_h"] > 0.9
-
-
 def test_reads_are_dated_by_the_memo_or_by_the_fleet_index():
     """Own objects are dated by the memo; another engine's by the age the fleet index gives (the
     caller's ``lag_s``) -- counted for the advice, not learnt into the policy's own lag."""
@@ -394,5 +357,3 @@ def test_reads_are_dated_by_the_memo_or_by_the_fleet_index():
     assert sum(m.lag_reads) == 2
     assert m.lag_reads[6] == 1 and m.lag_reads[10] == 1  # 100 s in [63, 127); 2000 s in [1023, 2047)
     assert [b.get(m.clock, m.half_life) for b in m._lag] == lag_before
-    a = fleet_retention_advice([m])
-    assert a["reads_dated"] == 2 and a["retention_h"] is not None

@@ -281,7 +281,7 @@ class ValueModel:
         self._own_reads = {k: _Decayed() for k in KINDS}  # reads attributed through the memo
         self._lag = [_Decayed() for _ in range(LAG_BINS)]
         #: Reads by lag bin since start (not decayed): own objects' by the memo, others' as the fleet
-        #: index dates them. What :func:`advise_retention` weighs.
+        #: index dates them. What the engine reports for gc to learn the retention from (``core.retention``).
         self.lag_reads = [0] * LAG_BINS
         #: Per kind: [epoch start, writes] bins, oldest first (for the lag-corrected write count).
         self._epochs: dict[str, deque[list[float]]] = {k: deque() for k in KINDS}
@@ -341,7 +341,7 @@ class ValueModel:
         model without sliding layers), else None -- used where the boundary is not one of this
         engine's own (the memo knows those exactly). ``*_bytes``: what the load reads. ``lag_s``:
         the object's age as the fleet index dates it (None: unknown) -- counted in ``lag_reads``
-        for the retention advice only: learnt into the policy's own lag it moved 4-engine ratios
+        for the retention gc learns only (``core.retention``): learnt into the policy's own lag it moved 4-engine ratios
         both ways (docs/trace-replay.md, "what was tried").
         Returns the kind it was attributed to (the largest share, for a split)."""
         own = self._memo.get(digest) if digest is not None else None
@@ -505,83 +505,6 @@ class ValueModel:
         return out
 
 
-#: Share of the dated reads a retention advice keeps (``advise_retention``).
-KEEP_READS = 0.99
-
-
 def lag_bin(seconds: float) -> int:
     """The reuse-lag bin of ``seconds``: bin b holds [2^b - 1, 2^(b+1) - 1), the last one the rest."""
     return min(LAG_BINS - 1, int(math.log2(seconds + 1)))
-
-
-def fleet_retention_advice(models: Sequence[ValueModel]) -> dict[str, float | None]:
-    """:func:`advise_retention` from what engines saw together: their dated reads, their value
-    lines (one engine: its own view; a replay: the fleet's)."""
-    if not models:
-        return advise_retention([], gpu_usd=0.0, storage_usd=0.0, lifetime_s=0.0, retention_s=0.0)
-    bill = models[0].bill
-    return advise_retention(
-        [sum(c) for c in zip(*(m.lag_reads for m in models), strict=True)],
-        gpu_usd=sum(t.gpu_usd for m in models for t in m.totals.values()),
-        storage_usd=sum(t.storage_usd for m in models for t in m.totals.values()),
-        lifetime_s=bill.lifetime_s, retention_s=bill.prices.retention_h * 3600,
-    )
-
-
-def advise_retention(
-    lag_reads: Sequence[float], *, gpu_usd: float, storage_usd: float, lifetime_s: float,
-    retention_s: float, gc_period_s: float = 600.0,
-) -> dict[str, float | None]:
-    """How long objects are worth keeping, learnt from when they are read: the retention (one of
-    the lag bins' upper edges, at most today's) that maximises what reads save less what storage
-    costs, and what that would change.
-
-    ``lag_reads``: reads of objects by seconds since their write, binned as ``ValueModel`` bins
-    them (own objects: their write time is known); ``gpu_usd``: what all reads saved;
-    ``storage_usd``: what the objects written cost in storage for ``lifetime_s`` (gc's cutoff:
-    ``retention_s`` + what engines may still believe, + half a gc period). A cutoff R keeps the
-    reads that came within R (their share of the lags; own objects' lags stand for every read's)
-    and pays storage for ``R + gc_period_s / 2``. ``retention_h``: the ``S3KV_RETENTION_H`` that
-    gives the best cutoff (what engines believe stays on top of it).
-
-    Why only cutoffs that keep :data:`KEEP_READS` of the dated reads: a read lost to expiry costs
-    more than the prefill it would have saved -- the objects are written again, and the policy,
-    billing a shorter life, writes more -- which this cannot price; measured, a cutoff dropping 8%
-    of the reads lost net value (``returning``, one engine, docs/trace-replay.md). So it trims
-    the time nobody reads in, and leaves the trade of reads for storage to the operator.
-
-    Why only shorter: reads later than today's retention are never seen (the object is gone), so
-    nothing says a longer one would pay; ``longer_may_pay`` flags reads in the last bin before it.
-    Why lags from the write: an object read again is refreshed and lives on, so the lag since its
-    write overstates the gap between its uses -- the advice errs long, never losing a read it
-    counted. ``None`` where no read was dated yet.
-    """
-    n = float(sum(lag_reads))
-    if n <= 0 or lifetime_s <= 0:
-        return {"retention_h": None, "cutoff_s": None, "reads_dated": n, "reads_kept": None,
-                "net_usd_gain": None, "longer_may_pay": None}
-    current = lifetime_s - gc_period_s / 2
-    per_s = storage_usd / lifetime_s  # storage of everything written, per second it is kept
-
-    def net(r: float, share: float) -> float:
-        return gpu_usd * share - per_s * (r + gc_period_s / 2)
-
-    believed = current - retention_s  # gc never cuts below what engines may still promise
-    best_r, best_share, best = current, 1.0, net(current, 1.0)
-    acc = late = 0.0
-    for b, x in enumerate(lag_reads):
-        edge = lag_bin_edge(b)
-        late += x if edge > current / 2 else 0.0
-        acc += x
-        if believed <= edge < current and acc >= KEEP_READS * n and net(edge, acc / n) > best:
-            best_r, best_share, best = edge, acc / n, net(edge, acc / n)
-    return {
-        "retention_h": max(0.0, best_r - believed) / 3600,
-        "cutoff_s": best_r,
-        "reads_dated": n,
-        "reads_kept": best_share,
-        "net_usd_gain": best - net(current, 1.0),
-        # A tenth of the reads came in the later half of today's retention: some likely came too
-        # late to be seen, and a longer one might pay (nothing here can say how much).
-        "longer_may_pay": float(late > 0.1 * n),
-    }

@@ -580,10 +580,8 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
         scraped = scrape(engines)  # each endpoint read once: the three lines agree on what it said
         doc["tiers"] = engine_tiers(scraped)
         doc["lookups"] = _lookup_costs(scraped, gpu)
-        from ..core.value import Bill
-
-        lifetime = Bill.from_settings(ctx.settings).lifetime_s if ctx.settings is not None else Bill().lifetime_s
-        doc["value"] = _value_line(scraped, prices, lifetime)
+        margin = expiry_age_s(ctx.settings) - prices.retention_h * 3600 if ctx.settings is not None else 660.0
+        doc["value"] = _value_line(scraped, prices, margin)
 
     def text() -> Iterator[str]:
         if not namespaces:
@@ -612,7 +610,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
                    f"GPU-hours of prefill a month (at ${c['gpu_usd_per_hour']:g}/GPU-h; requests on top); "
                    f"retention {c['retention_h']:g} h: s3kv gc --expired")
         if "value" in doc:
-            yield from _value_text(doc["value"], prices.retention_h)
+            yield from _value_text(doc["value"])
         if deep and inconsistent:
             yield f"objects whose metadata and size disagree (run verify): {inconsistent}"
         if other.objects:
@@ -637,12 +635,11 @@ def _dash(x: Any) -> str:
     return "-" if x is None else str(x)
 
 
-def _value_line(scraped: Mapping[str, dict[str, float] | str], prices: Any, lifetime_s: float) -> dict[str, Any]:
+def _value_line(scraped: Mapping[str, dict[str, float] | str], prices: Any, margin_s: float) -> dict[str, Any]:
     """The value line summed over the engines' metrics endpoints (``s3kv.engine.metrics.value_line``),
-    with the retention their dated reads advise (``lifetime_s``: an object's billed life at these
-    settings, as the engines' value policy bills it); an endpoint that does not answer is named,
-    not fatal."""
-    from ..core.value import advise_retention
+    with the retention gc learns from their dated reads (``s3kv.core.retention``; ``margin_s``: what
+    gc keeps beyond it); an endpoint that does not answer is named, not fatal."""
+    from ..core.retention import learn_retention
     from ..engine.metrics import value_line
 
     samples: dict[str, float] = {}
@@ -652,17 +649,16 @@ def _value_line(scraped: Mapping[str, dict[str, float] | str], prices: Any, life
             for k, v in one.items():
                 samples[k] = samples.get(k, 0.0) + v
     out = value_line(samples, prices.get_per_1k)
-    out["retention_advice"] = advise_retention(
-        out.pop("lag_reads"), gpu_usd=out["gpu_usd"],
-        storage_usd=sum(r.get("storage_usd", 0.0) for r in out["kinds"].values()),
-        lifetime_s=lifetime_s, retention_s=prices.retention_h * 3600,
-    )
+    lag = out.pop("lag_reads")
+    cap = prices.retention_h * 3600
+    out["retention_learnt"] = {"retention_s": learn_retention(lag, margin_s=margin_s, cap_s=cap),
+                               "ceiling_s": cap, "reads_dated": sum(lag)}
     out["endpoints"] = len(scraped) - len(unreachable)
     out["unreachable"] = unreachable
     return out
 
 
-def _value_text(v: Mapping[str, Any], retention_h: float) -> Iterator[str]:
+def _value_text(v: Mapping[str, Any]) -> Iterator[str]:
     from ..core.value import KINDS
 
     yield ""
@@ -678,11 +674,9 @@ def _value_text(v: Mapping[str, Any], retention_h: float) -> Iterator[str]:
     ratio = "-" if v["ratio"] is None else f"{v['ratio']:.3f}"
     yield (f"total: S3 ${v['s3_usd']:.4f} for ${v['gpu_usd']:.4f} of prefill saved: ratio {ratio} (below 1: s3kv "
            "pays; a chain object's value is in the hits of the tails it serves)")
-    ra = v.get("retention_advice") or {}
-    if ra.get("retention_h") is not None:
-        from .options import retention_line
+    from .options import retention_line
 
-        yield retention_line(ra, retention_h)
+    yield retention_line(v["retention_learnt"])
     for u in v["unreachable"]:
         yield f"unreachable: {u}"
 

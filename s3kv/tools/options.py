@@ -138,11 +138,14 @@ def token_counts(text: str, param_hint: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-def retention_line(ra: dict[str, Any], retention_h: float) -> str:
-    """``advise_retention``'s answer in a line (``bench trace``, ``s3kv stats --engine``)."""
-    more = " (a tenth of the reads came late in it: a longer one may pay)" if ra["longer_may_pay"] else ""
-    if ra["retention_h"] >= retention_h:
-        return f"retention: {retention_h:g} h pays best of what the reads show ({ra['reads_dated']:.0f} dated){more}"
-    return (f"retention: S3KV_RETENTION_H={ra['retention_h']:.2f} would keep {100 * ra['reads_kept']:.0f}% of the "
-            f"{ra['reads_dated']:.0f} dated reads and save ${ra['net_usd_gain']:.4f} net against {retention_h:g} h "
-            "(set it for gc and engines alike)")
+def retention_line(rl: dict[str, Any]) -> str:
+    """The retention gc learns from the dated reads (``s3kv.core.retention``) in a line: ``bench
+    trace``'s (what it learnt over the replay) and ``s3kv stats --engine``'s (what it learns from
+    the engines' reads summed)."""
+    if rl.get("retention_s") is None:
+        return (f"retention: the {rl['ceiling_s']:.0f} s ceiling (S3KV_RETENTION_H): {rl.get('reads_dated', 0):.0f} "
+                "dated reads, too few to learn from")
+    moved = (f"; {rl['min_s']:.0f}-{rl['max_s']:.0f} s over the trace, {rl['changes']} change(s)"
+             if "changes" in rl else f" from {rl['reads_dated']:.0f} dated reads")
+    return (f"retention: gc learns {rl['retention_s']:.0f} s{moved} (ceiling {rl['ceiling_s']:.0f} s; "
+            "S3KV_RETENTION_AUTO, docs/operations.md)")

@@ -43,7 +43,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.cost import Gpu, Prices, expiry_age_s
-from ...core.value import fleet_retention_advice
 from .. import models as _models
 from .billing import BilledStore
 from .common import GEMMA3_27B, BenchStore, ModelSpec, SharedStore, pct, progress, rnd
@@ -361,7 +360,6 @@ def replay(
         "host_tier": _tier_summary(tiers, host_cache_gb(cfg)),
         # What each engine's value policy believes at the end (its estimates per kind, and its decisions).
         "value_model": [engine.leader.core.writes.model.snapshot() for engine in engines],
-        "retention_advice": fleet_retention_advice([engine.leader.core.writes.model for engine in engines]),
         "retention_learnt": _learnt(fleet),
         "fleet_fingerprint": fleet_fp.hexdigest(),
         **totals,

@@ -242,7 +242,6 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
             "host_tier": r["host_tier"],
             "unread_write_usd": r["unread_write_usd"],
             "value_model": r["value_model"],
-            "retention_advice": r["retention_advice"],
             "retention_learnt": r["retention_learnt"],
             "refreshes": r["refreshes"],
             "expired_objects": r["expired_objects"],
@@ -296,8 +295,6 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
         "ratio_s3kv": first["ratio_s3kv"],
         # The same hits, had only the objects they read been written: no write policy does better.
         "hindsight": first.get("hindsight"),
-        # The retention the fleet's reads say pays best (s3kv.core.value.advise_retention).
-        "retention_advice": first.get("retention_advice"),
         # The retention gc learnt from the engines' read reports and deleted by (s3kv.core.retention).
         "retention_learnt": first.get("retention_learnt"),
         "tiers": first["tiers"]["shares"],

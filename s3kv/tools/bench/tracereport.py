@@ -105,9 +105,8 @@ def table(res: dict[str, Any]) -> str:
         f"inter-token latency a lookup adds to co-running requests: p50 {st['itl_added_p50_ms']:.2f} ms, "
         f"p99 {st['itl_added_p99_ms']:.2f} ms"
     )
-    ra = v.get("retention_advice") or {}
-    if ra.get("retention_h") is not None:
-        lines.append(retention_line(ra, pr["retention_h"]))
+    if v.get("retention_learnt"):
+        lines.append(retention_line(v["retention_learnt"]))
     lines.append(f"took {res['seconds']:.0f} s")
     lines.append(targets_line(res))
     return "\n".join(lines)
