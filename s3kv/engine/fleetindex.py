@@ -361,6 +361,11 @@ class IndexRefresher:
         idx = self._index
         return self.clock() - idx.listed_at if idx is not None else float("inf")
 
+    @property
+    def held(self) -> FleetIndex | None:
+        """The last index taken, fresh or not (what gc said it deletes by stays true while it is gone)."""
+        return self._index
+
     def current(self) -> FleetIndex | None:
         """The index, if fresh (module docstring); None otherwise."""
         idx = self._index

@@ -96,7 +96,7 @@ class Listings:
 
     def retention_s(self) -> float:
         """The retention gc deletes by, as the last fleet index said (else the setting)."""
-        idx = self._fleet._index if self._fleet is not None else None
+        idx = self._fleet.held if self._fleet is not None else None
         keep = self.settings.retention_h * 3600.0
         return min(keep, idx.retention_s) if idx is not None and idx.retention_s is not None else keep
 
