@@ -110,6 +110,29 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     assert again.retention[nsp] == (2047 - MARGIN, 1000.0)
 
 
+def test_a_shorter_retention_deletes_only_after_what_engines_may_still_act_on_has_passed():
+    """Engines promise an object they saw young for the index TTL without asking again: gc deletes
+    by the longest retention it published within its margin (that TTL's span), then the new one."""
+    store = MemoryStore()
+    core = _leader(store, fleet_index_s=5)
+    nsp = core.scheme.namespace_prefix
+    clock = [1000.0]
+    pub = _publisher(store, clock, nsp)
+    k0 = report_key(nsp, "00000000000000aa", 0)
+    store.put(k0, encode_report(_reads((30, 100), (700, 10)), clock[0], k0))
+    pub.publish(clock[0])
+    assert pub.retention[nsp][0] == pub.deleting_s(nsp) == 2047 - MARGIN
+    k1 = report_key(nsp, "00000000000000aa", 1)  # 10,000 more reads, all early: the late ones are 0.1%
+    store.put(k1, encode_report(_reads((30, 10_100), (700, 10)), clock[0], k1))
+    clock[0] += 10
+    pub.publish(clock[0])
+    assert pub.retention[nsp][0] == 1023 - MARGIN  # published at once (engines refresh by it)...
+    assert pub.deleting_s(nsp) == 2047 - MARGIN  # ...deleted by only after the margin
+    clock[0] += MARGIN + 1
+    pub.publish(clock[0])
+    assert pub.deleting_s(nsp) == 1023 - MARGIN
+
+
 def test_with_an_integrity_key_gc_learns_only_from_reports_a_key_holder_signed():
     from test_fleet_index import KEYS, SECRET
 

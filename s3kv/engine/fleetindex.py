@@ -147,6 +147,8 @@ class Publisher:
         self.reads: dict[str, FleetReads] = {}
         self._taken: set[str] = set()
         self.retention: dict[str, tuple[float, float]] = {}
+        #: Per namespace prefix: (time, retention) published lately, for :meth:`deleting_s`.
+        self._published: dict[str, list[tuple[float, float]]] = {}
 
     def publish(self, now: float | None = None, namespace: str | None = None) -> PublishReport:
         """One pass: list, HEAD what is new, write each namespace's index. ``now``: the listing's
@@ -262,6 +264,28 @@ class Publisher:
         since = self.retention[nsp][1] if nsp in self.retention else self._learning_since(nsp, now)
         r = learn_retention(reads.lag_reads, margin_s=margin_s, cap_s=cap_s)
         self.retention[nsp] = (cap_s if r is None else r, since)
+        hist = self._published.setdefault(nsp, [])
+        hist.append((now, self.retention[nsp][0]))
+        while len(hist) > 1 and hist[1][0] <= now - margin_s:
+            hist.pop(0)  # the first entry stays: it was in force when the window began
+
+    def deleting_s(self, nsp: str) -> float | None:
+        """The retention gc deletes a namespace's objects by: the longest it published within its
+        margin (``learn``'s), None where it learns none. Why not the latest: an engine that saw an
+        object young under a longer one may promise it for the index TTL without asking again (the
+        margin's span) -- a shorter retention may delete only what was old under every retention
+        an engine could still act on."""
+        hist = self._published.get(nsp)
+        return max(r for _, r in hist) if hist else None
+
+    def deleting_from(self, nsp: str) -> float:
+        """When :meth:`deleting_s` becomes the retention published last, if it stays (the clock's
+        time; what a replay's bill needs to end the last objects' lives)."""
+        hist = self._published.get(nsp) or []
+        assert self.learn is not None
+        last = hist[-1][1] if hist else 0.0
+        return max((hist[i + 1][0] + self.learn[1] for i in range(len(hist) - 1) if hist[i][1] > last),
+                   default=float("-inf"))
 
     def _learning_since(self, nsp: str, now: float) -> float:
         """Since when gc has learnt this namespace's retention: as its last index says (a gc that
@@ -274,6 +298,8 @@ class Publisher:
             return now
         if self.integrity is not None and not old.verified:
             return now
+        if old.retention_s is not None:  # what engines may still act on: as if published just now
+            self._published[nsp] = [(now, old.retention_s)]
         return old.auto_since if old.auto_since is not None and old.auto_since <= now else now
 
     def _head(self, objs: list[tuple[ObjectInfo, ParsedKey]], rep: PublishReport) -> dict[str, tuple[int, int | None, int]]:

@@ -1157,11 +1157,12 @@ def _learnt_cutoffs(ctx: _Ctx, pub: Any, older_than: float | None) -> Callable[[
     slack = learning_slack_s(pub.every_s, ctx.settings.fleet_index_s, EXPIRY_MARGIN_S)
 
     def age(e: Entry, cutoff: float) -> float:
-        got = pub.retention.get(e.info.key[: e.info.key.index(e.parsed.namespace) + len(e.parsed.namespace) + 1])
+        nsp = e.info.key[: e.info.key.index(e.parsed.namespace) + len(e.parsed.namespace) + 1]
+        got, deleting = pub.retention.get(nsp), pub.deleting_s(nsp)
         lm = e.info.last_modified
-        if got is None or lm is None or lm < got[1] + slack:
+        if got is None or deleting is None or lm is None or lm < got[1] + slack:
             return cutoff
-        return min(cutoff, got[0] + margin)
+        return min(cutoff, deleting + margin)
 
     return age
 

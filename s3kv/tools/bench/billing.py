@@ -53,9 +53,11 @@ class BilledStore(StoreWrapper):
         self.multipart_threshold, self.part_size = multipart_threshold, part_size
         self.retention_s, self.gc_period_s = retention_s, gc_period_s
         self.expire_after_s = retention_s if expire_after_s is None else expire_after_s
-        #: gc's learnt retention (``s3kv.core.retention``): (retention s, for objects written or
-        #: refreshed from this time on), set by the replay's publisher; None: the fixed one.
-        self.learnt: tuple[float, float] | None = None
+        #: gc's learnt retention (``s3kv.core.retention``): (retention s it deletes by now, for
+        #: objects written or refreshed from this time on, the retention last published -- engines
+        #: refresh by it, gc deletes by it from the fourth field's time on), set by the replay's
+        #: publisher; None: the fixed one.
+        self.learnt: tuple[float, float, float, float] | None = None
         self.checkpoint_blocks = checkpoint_blocks
         self.range_split = range_split
         self.sim_page: dict[str, int] = {}  # group fingerprint -> sim page bytes
@@ -104,7 +106,13 @@ class BilledStore(StoreWrapper):
         return min(self.expire_after_s, lt[0] + self.expire_after_s - self.retention_s)
 
     def _life_end(self, o: list[Any]) -> float:
-        return o[1] + self._expiry_age(o) + self.gc_period_s / 2
+        lt = self.learnt
+        if lt is None or o[1] < lt[1]:
+            return o[1] + self.expire_after_s + self.gc_period_s / 2
+        margin = self.expire_after_s - self.retention_s
+        new = o[1] + min(self.expire_after_s, lt[2] + margin)  # its end once gc deletes by the last one
+        end = new if new >= lt[3] else min(o[1] + self._expiry_age(o), lt[3])
+        return end + self.gc_period_s / 2
 
     def _expire(self, key: str) -> None:
         o = self._objects.get(key)
@@ -234,7 +242,7 @@ class BilledStore(StoreWrapper):
             self.read_now.append((o[6], o[3]))
         # Refresh on hit (s3kv.store.refresh), at half the retention gc deletes by.
         lt = self.learnt
-        if self.now - o[1] > (self.retention_s if lt is None else lt[0]) / 2:
+        if self.now - o[1] > (self.retention_s if lt is None else lt[2]) / 2:
             o[1] = self.now
             self.refreshes += 1
             self.real_put += 1

@@ -77,7 +77,9 @@ class ReplayIndex:
             from ...core.retention import learning_slack_s
 
             slack = learning_slack_s(self.every_s, cores[0].settings.fleet_index_s, EXPIRY_MARGIN_S)
-            fleet.store.learnt = (learnt[0], learnt[1] + slack)
+            nsp = cores[0].scheme.namespace_prefix
+            pub = self._publisher
+            fleet.store.learnt = (pub.deleting_s(nsp), learnt[1] + slack, learnt[0], pub.deleting_from(nsp))
             self.retention_s.append((now, learnt[0]))
         for c in cores:
             fi = c.fleet_index()
