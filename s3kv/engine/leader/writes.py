@@ -22,6 +22,7 @@ an existing key still bills a PUT and changes nothing).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -70,6 +71,7 @@ class WritePolicy:
         self.model = ValueModel(prefill_for(settings, model_ref, tp_size), Bill.from_settings(settings),
                                 min_return=settings.write_min_return)
         self.set_prefill(self.model.prefill)
+        self._ceiling_life = self.model.bill.lifetime_s
         lookups.listings.reads = lambda: list(self.model.lag_reads)  # read reports (core.retention)
         #: The model's clock, in seconds (a trace replay sets its own: the trace's).
         self.clock: Callable[[], float] = time.monotonic
@@ -183,11 +185,21 @@ class WritePolicy:
             if self.mode in ("auto", "through") and st.chain is not None:
                 self.model.count_write(CHAIN)
             return
+        self._bill_learnt_life()
         plan = st.saves.plan = self.model.plan(self.boundaries(st))
         tpb = ctx.geometry.tokens_per_block
         if plan.chain_to is None or plan.chain_to >= st.prompt_len // tpb * tpb:
             self.model.count_write(CHAIN)  # its chain reaches the prompt's end: a branch may follow
         self._publish_value()
+
+    def _bill_learnt_life(self) -> None:
+        """Bill storage for the life gc gives objects now: where it learns the retention
+        (``core.retention``), shorter than the ceiling by as much -- a policy billing the ceiling
+        would refuse objects that are worth their real, shorter keep."""
+        shorter = self.settings.retention_h * 3600.0 - self.lookups.listings.retention_s()
+        life = self._ceiling_life - max(0.0, shorter)
+        if life != self.model.bill.lifetime_s:
+            self.model.bill = dataclasses.replace(self.model.bill, lifetime_s=life)
 
     def _publish_value(self) -> None:
         """The value line and the dated reads, as ``LeaderStats`` carries them to the metrics."""
