@@ -187,6 +187,23 @@ def test_an_engine_reports_while_gc_learns_and_believes_its_uploads_only_for_the
     assert core.build_connector_meta([], []).refresh_s == CAP / 2
 
 
+def test_the_write_policy_bills_storage_for_the_life_gc_gives_objects():
+    """A policy billing the ceiling would refuse objects worth their real, shorter keep."""
+    store = MemoryStore()
+    core = _leader(store, fleet_index_s=5)
+    nsp = core.scheme.namespace_prefix
+    ceiling_life = core.writes.model.bill.lifetime_s
+    clock = [time.time()]
+    pub = _publisher(store, clock, nsp)
+    k0 = report_key(nsp, "00000000000000aa", 0)
+    store.put(k0, encode_report(_reads((30, 100)), clock[0], k0))
+    pub.publish(clock[0])
+    fi = core.fleet_index()
+    assert fi is not None and fi.refresh()
+    core.writes._bill_learnt_life()
+    assert core.writes.model.bill.lifetime_s == ceiling_life - (CAP - (1023 - MARGIN))
+
+
 def test_a_worker_follows_the_refresh_period_the_plan_carries():
     inner = RefreshOnHit(MemoryStore(), 1800.0)
     wrapped = dataclasses.make_dataclass("W", [("inner", object)])(inner)
