@@ -183,8 +183,8 @@ def test_an_engine_reports_while_gc_learns_and_believes_its_uploads_only_for_the
     assert len(reports) == 1 and json.loads(store.get(reports[0]))["lag_reads"][lag_bin(40)] == 3
     fi.refresh()  # within REPORT_EVERY_S: no second report
     assert len([k for k in store.keys() if "fleet-reads/" in k]) == 1
-    # The workers refresh what they load at half the retention gc deletes by (the plan carries it).
-    assert core.build_connector_meta([], []).refresh_s == CAP / 2
+    # The workers refresh what they load at half an object's life under it (the plan carries it).
+    assert core.build_connector_meta([], []).refresh_s == (CAP + MARGIN) / 2
 
 
 def test_the_write_policy_bills_storage_for_the_life_gc_gives_objects():

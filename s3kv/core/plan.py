@@ -126,8 +126,8 @@ class ConnectorMetadata:
     #: to another request): each worker stops their loads before this iteration's forward, and
     #: never returns their ids.
     abandoned_ids: frozenset[int] = frozenset()
-    #: Seconds between refreshes of an object a worker loads: half the retention gc deletes by
-    #: (the fleet index's, ``s3kv.core.retention``); 0: as the worker's settings say.
+    #: Seconds between refreshes of an object a worker loads (``Listings.refresh_s``: from the
+    #: retention gc deletes by, the fleet index's); 0: as the worker's settings say.
     refresh_s: float = 0.0
 
     @property

@@ -376,7 +376,7 @@ class LeaderCore:
                 failed_load_ids=broken,
                 verdicts=self._verdicts_path,
                 abandoned_ids=self._pages.take_abandoned(),
-                refresh_s=self._lookups.listings.retention_s() / 2,
+                refresh_s=self._lookups.listings.refresh_s(),
             )
 
     def _on_report(self, rd: Any, *, first: bool) -> RequestState | None:

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from ...config import Settings
+from ...core.cost import expiry_age_s
 from ...core.fleetindex import FleetIndex
 from ...core.lookup import Ask
 from ...core.retention import RETENTION_FLOOR_S
@@ -99,6 +100,17 @@ class Listings:
         idx = self._fleet.held if self._fleet is not None else None
         keep = self.settings.retention_h * 3600.0
         return min(keep, idx.retention_s) if idx is not None and idx.retention_s is not None else keep
+
+    def refresh_s(self) -> float:
+        """How often a worker refreshes an object it loads: half the retention; where gc learns it,
+        half the object's whole life (retention + gc's margin) -- a read past half its life says it
+        is in use and its life left may not cover the next read, while gc's rule keeps 99% of the
+        reads within that half (``core.retention``): a refresh at half a learnt retention copied
+        objects on most reads for life they already had."""
+        idx = self._fleet.held if self._fleet is not None else None
+        if idx is None or idx.retention_s is None:
+            return self.retention_s() / 2
+        return (self.retention_s() + expiry_age_s(self.settings) - self.settings.retention_h * 3600.0) / 2
 
     def age_s(self, group_id: int, shard: int, digest: bytes, end: int) -> float | None:
         """Seconds since the object ending at block ``end`` of ``digest`` was written (or refreshed),

@@ -242,7 +242,8 @@ class BilledStore(StoreWrapper):
             self.read_now.append((o[6], o[3]))
         # Refresh on hit (s3kv.store.refresh), at half the retention gc deletes by.
         lt = self.learnt
-        if self.now - o[1] > (self.retention_s if lt is None else lt[2]) / 2:
+        margin = self.expire_after_s - self.retention_s  # learnt: half the whole life (Listings.refresh_s)
+        if self.now - o[1] > (self.retention_s if lt is None else lt[2] + margin) / 2:
             o[1] = self.now
             self.refreshes += 1
             self.real_put += 1
