@@ -86,7 +86,8 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     clock = [1000.0]
     pub = _publisher(store, clock, nsp)
     pub.publish(clock[0])
-    assert pub.retention[nsp] == (CAP, 1000.0)  # learning, nothing read yet: the ceiling
+    assert pub.retention[nsp] == (CAP, 1000.0)  # learning, nothing read yet: the ceiling...
+    assert pub.history[nsp] == [(1000.0, RETENTION_FLOOR_S)]  # ...engines believing the floor
     k0 = report_key(nsp, "00000000000000aa", 0)
     store.put(k0, encode_report(_reads((30, 100)), clock[0], k0))
     clock[0] += 10
@@ -94,7 +95,9 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     assert pub.retention[nsp][0] == 1023 - MARGIN
     key = index_key(nsp)
     idx = decode(store.get(key), object_key=key, namespace=core.namespace, keys=None, max_objects=100)
-    assert (idx.retention_s, idx.auto_since) == (1023 - MARGIN, 1000.0)
+    assert (idx.retention_s, idx.auto_since, idx.believe_s) == (1023 - MARGIN, 1000.0, 1023 - MARGIN)
+    # What was written while gc had nothing to learn from was believed for the floor only.
+    assert pub.keep_s(nsp, 1000.0 + 3 * 10 + 60) == 1023 - MARGIN
     # The same engine later: 10 more reads, all at 10-15 minutes -- beyond half the cutoff.
     k1 = report_key(nsp, "00000000000000aa", 1)
     store.put(k1, encode_report(_reads((30, 100), (700, 10)), clock[0], k1))
@@ -110,9 +113,10 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     assert again.retention[nsp] == (2047 - MARGIN, 1000.0)
 
 
-def test_a_shorter_retention_deletes_only_after_what_engines_may_still_act_on_has_passed():
-    """Engines promise an object they saw young for the index TTL without asking again: gc deletes
-    by the longest retention it published within its margin (that TTL's span), then the new one."""
+def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_believed_for_it():
+    """An engine believes its upload for the retention of the index it holds, without asking
+    again: after a shorter one is published, what was written under the longer one (or touched
+    while a write under it is still believed) keeps the longer one; later writes the shorter."""
     store = MemoryStore()
     core = _leader(store, fleet_index_s=5)
     nsp = core.scheme.namespace_prefix
@@ -121,16 +125,18 @@ def test_a_shorter_retention_deletes_only_after_what_engines_may_still_act_on_ha
     k0 = report_key(nsp, "00000000000000aa", 0)
     store.put(k0, encode_report(_reads((30, 100), (700, 10)), clock[0], k0))
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == pub.deleting_s(nsp) == 2047 - MARGIN
+    long = 2047 - MARGIN
+    assert pub.retention[nsp][0] == long
     k1 = report_key(nsp, "00000000000000aa", 1)  # 10,000 more reads, all early: the late ones are 0.1%
     store.put(k1, encode_report(_reads((30, 10_100), (700, 10)), clock[0], k1))
-    clock[0] += 10
+    clock[0] += 1000
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == 1023 - MARGIN  # published at once (engines refresh by it)...
-    assert pub.deleting_s(nsp) == 2047 - MARGIN  # ...deleted by only after the margin
-    clock[0] += MARGIN + 1
-    pub.publish(clock[0])
-    assert pub.deleting_s(nsp) == 1023 - MARGIN
+    assert pub.retention[nsp][0] == 1023 - MARGIN  # published at once (engines believe and refresh by it)
+    lag = 3 * 10 + 60
+    assert pub.keep_s(nsp, 1000 - 1) == CAP  # written before learning began (and its lag)
+    assert pub.keep_s(nsp, 1000 + lag) == long  # under the longer one
+    assert pub.keep_s(nsp, 2000 + long + lag - 1) == long  # a write at 1999 may still be believed
+    assert pub.keep_s(nsp, 2000 + long + lag + 1) == 1023 - MARGIN
 
 
 def test_with_an_integrity_key_gc_learns_only_from_reports_a_key_holder_signed():
@@ -168,23 +174,47 @@ def test_without_learning_gc_publishes_no_retention_and_engines_report_nothing()
     assert not [k for k in store.keys() if "fleet-reads/" in k]
 
 
-def test_an_engine_reports_while_gc_learns_and_believes_its_uploads_only_for_the_floor():
+def test_an_engine_reports_while_gc_learns_and_believes_its_uploads_for_the_retention_gc_says():
+    from s3kv.core.objects import ObjectSpan
+
     store = MemoryStore()
     core = _leader(store, fleet_index_s=5)
+    idx, listings = core._lookups.index, core._lookups.listings
+    idx.ttl_s = 100.0  # shorter than any belief below, so each shows
     core.writes.model.lag_reads[lag_bin(40)] += 3  # what its value model dated
     nsp = core.scheme.namespace_prefix
-    Publisher(store, "pfx/", every_s=10.0, clock=lambda: time.time(), learn=(CAP, MARGIN), namespaces=[nsp]).publish()
+    Publisher(store, "pfx/", every_s=10.0, clock=lambda: time.time(), namespaces=[nsp]).publish()
     fi = core.fleet_index()
     assert fi is not None and fi.refresh()
-    listings = core._lookups.listings
     listings.current()
-    assert core._lookups.index.written_ttl_s == max(core._lookups.index.ttl_s, RETENTION_FLOOR_S)
+    assert idx.written_ttl_s == CAP  # gc keeps the setting: so does the engine
+    idx.put_written("before", ObjectSpan(0, 4))
+    clock = [time.time() + 1]
+    pub = _publisher(store, clock, nsp)
+    pub.publish(clock[0])
+    assert fi.refresh()
+    listings.current()
+    assert idx.written_ttl_s == RETENTION_FLOOR_S  # learning, nothing dated yet: gc keeps the ceiling,
+    # engines believe the floor (or every object written meanwhile would keep the ceiling)
+    # What was believed for the setting is cut to the floor's life (gc keeps objects written
+    # before for the setting, but not once refreshed).
+    assert idx._written["before"][0] <= idx.now() + RETENTION_FLOOR_S + idx.ttl_s
     reports = [k for k in store.keys() if "fleet-reads/" in k]
     assert len(reports) == 1 and json.loads(store.get(reports[0]))["lag_reads"][lag_bin(40)] == 3
     fi.refresh()  # within REPORT_EVERY_S: no second report
     assert len([k for k in store.keys() if "fleet-reads/" in k]) == 1
+    k = report_key(nsp, "00000000000000aa", 0)
+    store.put(k, encode_report(_reads((30, 100)), clock[0], k))
+    clock[0] += 10
+    pub.publish(clock[0])
+    assert fi.refresh()
+    listings.current()
+    assert idx.written_ttl_s == 1023 - MARGIN  # what the fresh index says
     # The workers refresh what they load at half an object's life under it (the plan carries it).
-    assert core.build_connector_meta([], []).refresh_s == (CAP + MARGIN) / 2
+    assert core.build_connector_meta([], []).refresh_s == (1023 - MARGIN + MARGIN) / 2
+    fi.clock = lambda: time.time() + 3600  # the publisher stopped: the index goes stale
+    listings.current()
+    assert idx.written_ttl_s == RETENTION_FLOOR_S + idx.ttl_s
 
 
 def test_the_write_policy_bills_storage_for_the_life_gc_gives_objects():
@@ -220,9 +250,9 @@ def _gc(url: str, now: float, env: dict[str, str]) -> dict:
 
 
 def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_knew(tmp_path):
-    """Objects written after gc started learning (plus the time every engine takes to see it) go at
-    the learnt retention plus gc's margin; older ones were believed for the ceiling and stay until
-    it; with S3KV_RETENTION_AUTO=false gc keeps the ceiling for all."""
+    """Objects written after gc learnt a retention (plus the time every engine takes to see it) go
+    at it plus gc's margin; older ones were believed for the ceiling and stay until it; with
+    S3KV_RETENTION_AUTO=false gc keeps the ceiling for all."""
     url = f"file://{tmp_path}/cache"
     store = open_store(url)
     writer = _leader(store, fleet_index_s=0)
@@ -239,10 +269,10 @@ def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_
         idx = tmp_path / "cache" / index_key(nsp)
         if idx.exists():
             idx.unlink()
-        # gc started learning 2,000 s ago (its index says since when); an engine reported since.
-        _gc(url, now - 2000, env)
+        # gc learnt 2,000 s ago from an engine's reads (its index says since when and what).
         k = report_key(nsp, "00000000000000aa", 0)
-        store.put(k, encode_report(_reads((30, 100)), now, k))
+        store.put(k, encode_report(_reads((30, 100)), now - 2000, k))
+        _gc(url, now - 2000, env)
         doc = _gc(url, now, env)
         assert doc["deleted"]["objects"] == len(gone)
         left = {i.key for i in store.list("")}

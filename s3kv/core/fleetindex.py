@@ -44,7 +44,7 @@ import struct
 import sys
 import zlib
 from array import array
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +54,9 @@ FORMAT = 1
 MAGIC = b"S3KVFIX"
 #: The index's name under its namespace's prefix.
 INDEX_NAME = "fleet-index"
+#: An index is fresh for this many of its publish periods (a reader past that knows the publisher
+#: stopped, and what it said of the retention may be old: ``s3kv.core.retention``).
+FRESH_PERIODS = 3
 DIGEST_BYTES = 8
 #: Bytes per entry in the inflated body: digest key, end block, page count, age.
 ENTRY_BYTES = 8 + 4 + 2 + 4
@@ -131,6 +134,10 @@ class FleetIndex:
     #: learnt (POSIX s, publisher's clock); None where gc keeps ``S3KV_RETENTION_H``.
     retention_s: float | None = None
     auto_since: float | None = None
+    #: How long engines believe their own uploads (``core.retention.believe_s``), and (time
+    #: published, belief) since gc learns, oldest first: what gc keeps each object for.
+    believe_s: float | None = None
+    retention_history: tuple[tuple[float, float], ...] = ()
 
     def written_at(self, age_s: int) -> float:
         return self.listed_at - age_s
@@ -154,6 +161,7 @@ def encode(
     tag_key: TagKey | None = None,
     level: int = 6,
     retention: tuple[float, float] | None = None,
+    retention_history: Sequence[tuple[float, float]] = (),
 ) -> bytes:
     """The index object for ``sections`` (entries in any order), signed when ``tag_key``."""
     heads: list[list[Any]] = []
@@ -185,6 +193,8 @@ def encode(
     }
     if retention is not None:  # (retention s, learning since): s3kv.core.retention
         header["retention"] = [float(retention[0]), float(retention[1])]
+        header["retention_history"] = [[float(t), float(r)] for t, r in retention_history]
+        header["believe_s"] = float(retention_history[-1][1]) if retention_history else float(retention[0])
     hb = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     out = MAGIC + bytes([FORMAT]) + _U32.pack(len(hb)) + hb + zlib.compress(raw, level)
     if tag_key is not None:
@@ -236,6 +246,8 @@ def decode(
         heads = [(str(g), int(s), int(t), int(n)) for g, s, t, n in header["sections"]]
         learnt = header.get("retention")
         retention = (float(learnt[0]), float(learnt[1])) if learnt is not None else None
+        history = tuple((float(t), float(r)) for t, r in header.get("retention_history", ()))
+        believe = float(header["believe_s"]) if "believe_s" in header else None
     except (KeyError, TypeError, ValueError) as e:
         raise IndexFormatError("foreign", f"fleet index header lacks a field or has a bad one: {e}") from None
     if ns != namespace:
@@ -266,7 +278,8 @@ def decode(
     if len(raw) != body_bytes or z.unconsumed_tail or not z.eof:
         raise IndexFormatError("truncated", f"fleet index body inflates to {len(raw)} bytes, expected {body_bytes}")
     out = FleetIndex(ns, listed_at, published_at, every_s, key_id, verified, objects=n_total, nbytes=len(view),
-                     retention_s=retention[0] if retention else None, auto_since=retention[1] if retention else None)
+                     retention_s=retention[0] if retention else None, auto_since=retention[1] if retention else None,
+                     believe_s=believe, retention_history=history)
     off = 0
     for gfp, shard, tp, n in heads:
         cols = []

@@ -14,11 +14,13 @@ are read, and ``S3KV_RETENTION_H`` becomes its ceiling:
   folds the reports into one histogram that forgets with a half-life of :data:`HALF_LIFE_S`
   (traffic changes), takes the shortest retention whose cutoff leaves room for one more lag bin
   beyond 99% of the dated reads, and publishes it in the fleet index (``retention_s``);
-* **who deletes by it**: gc, for objects written or refreshed after engines could have seen it
-  (``auto_since`` + a few index periods). An engine that saw it believes its own uploads only
-  for :data:`RETENTION_FLOOR_S` (the shortest retention gc may choose), so gc may move the
-  retention either way at any time and never delete what an engine still promises without
-  asking; the engines' refresh-on-hit follows it (the leader hands it to the workers).
+* **who deletes by it**: gc, each object by :func:`retention_for` its last write or refresh:
+  the learnt retention, or the longest an engine may have believed for it. An engine believes its
+  own upload for what the fresh index it holds says (``believe_s``: the learnt retention, the
+  floor while gc has too few reads; a stale index: the floor's life), so a user back after 20
+  minutes costs no verify wave, and gc may move the retention either way at any time without
+  deleting what an engine still promises without asking; the engines' refresh-on-hit follows it
+  (the leader hands it to the workers).
 
 Why one bin of headroom rather than "keep 99% of the reads" (``value.advise_retention``, the
 advice): reads later than the cutoff are never seen, so a rule that only keeps what it saw would
@@ -36,6 +38,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from .fleetindex import FRESH_PERIODS
 from .integrity import IntegrityKeys, TagKey, equal
 
 #: The shortest retention gc chooses; engines believe their own uploads this long once gc learns.
@@ -81,10 +84,40 @@ def learn_retention(lag_reads: Sequence[float], *, margin_s: float, cap_s: float
     return cap_s
 
 
-def learning_slack_s(index_every_s: float, fleet_index_s: float, skew_s: float) -> float:
-    """How long after gc starts learning every engine has seen that it does (its next index, an
-    engine's next poll, clock skew): objects written before then are kept for the ceiling."""
-    return index_every_s + fleet_index_s + skew_s
+def engine_lag_s(index_every_s: float, fleet_index_s: float, skew_s: float) -> float:
+    """How long after gc publishes a retention an engine may still act on the one before: its
+    index is fresh for ``FRESH_PERIODS`` periods (past that it believes only the floor), plus
+    clock skew."""
+    return FRESH_PERIODS * max(index_every_s, fleet_index_s) + skew_s
+
+
+def believe_s(learnt: float | None) -> float:
+    """How long gc tells engines to believe their own uploads: the learnt retention, or the floor
+    while it has too few reads to learn from (it keeps the ceiling then, but an engine's belief in
+    that would hold every object written meanwhile to the ceiling once it learns a shorter one)."""
+    return RETENTION_FLOOR_S if learnt is None else learnt
+
+
+def retention_for(
+    beliefs: Sequence[tuple[float, float]], touched_at: float, *, retention_s: float, since: float,
+    cap_s: float, lag_s: float,
+) -> float:
+    """The retention gc keeps an object for, last written or refreshed at ``touched_at``: the one
+    it learnt (``retention_s``), or longer where an engine may have believed longer for a write the
+    object could have been (module doc). ``beliefs``: (time published, belief) from ``since`` on,
+    oldest first; a write an engine still believes at ``touched_at`` came within its belief of
+    it, so every belief in force within its own span (plus the ``lag_s`` engines may act on an
+    older index) before ``touched_at`` counts. Before ``since`` plus the lag, engines believed the
+    ceiling (``cap_s``) -- and when they first see gc learn they cut that to the floor's life, so
+    a refresh after that needs no more."""
+    if touched_at < since + lag_s:
+        return cap_s
+    best = retention_s
+    for i, (t, b) in enumerate(beliefs):
+        end = beliefs[i + 1][0] if i + 1 < len(beliefs) else math.inf
+        if t <= touched_at and end >= touched_at - b - lag_s:
+            best = max(best, b)
+    return min(best, cap_s)
 
 
 # ------------------------------------------------------------------------------ reports

@@ -48,7 +48,9 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from ..core.cost import EXPIRY_MARGIN_S
 from ..core.fleetindex import (
+    FRESH_PERIODS,
     INDEX_NAME,
     FleetIndex,
     IndexEntry,
@@ -66,11 +68,14 @@ from ..core.retention import (
     REPORT_STALE_S,
     REPORTS_DIR,
     FleetReads,
+    believe_s,
     decode_report,
     encode_report,
+    engine_lag_s,
     learn_retention,
     parse_report_key,
     report_key,
+    retention_for,
 )
 from ..core.value import LAG_BINS
 from ..store.base import NotFound, ObjectInfo, ObjectStore, StoreError
@@ -79,8 +84,6 @@ log = logging.getLogger("s3kv.fleetindex")
 
 #: HEADs of one batch when the publisher asks about new objects.
 HEAD_BATCH = 256
-#: An index is fresh for this many publish periods.
-FRESH_PERIODS = 3
 #: A publisher's clock may run this far ahead of an engine's before its index is refused.
 MAX_SKEW_S = 60.0
 
@@ -124,6 +127,7 @@ class Publisher:
         sub_prefixes: bool = False,
         clock: Callable[[], float] = time.time,
         learn: tuple[float, float] | None = None,
+        engine_poll_s: float = 5.0,
     ):
         """``namespaces``: prefixes (``{root}{namespace}/``) published even while they hold nothing
         yet -- an empty index answers every lookup of a new namespace "miss" for free, where without
@@ -131,7 +135,8 @@ class Publisher:
         below sub-prefixes of ``root`` (another deployment's URL, as ``s3kv gc`` keeps out of them
         unless told to); by default only ``{root}{namespace}/``. ``learn``: (ceiling s, gc's margin
         s) to learn each namespace's retention from the engines' read reports and publish it
-        (``s3kv.core.retention``); None: keep the ceiling, publish none."""
+        (``s3kv.core.retention``); None: keep the ceiling, publish none. ``engine_poll_s``: how
+        often engines fetch the index (``S3KV_FLEET_INDEX_S``): how late they may learn of a change."""
         self.store = store
         self.root = root
         self.namespaces = list(namespaces)
@@ -143,12 +148,14 @@ class Publisher:
         self._known: dict[str, tuple[int, int | None, int]] = {}
         self._last_s = 0.0
         self.learn = learn
+        self.engine_poll_s = engine_poll_s
         #: Per namespace prefix: the fleet's reads, the report keys taken, and (retention s, since).
         self.reads: dict[str, FleetReads] = {}
         self._taken: set[str] = set()
         self.retention: dict[str, tuple[float, float]] = {}
-        #: Per namespace prefix: (time, retention) published lately, for :meth:`deleting_s`.
-        self._published: dict[str, list[tuple[float, float]]] = {}
+        #: Per namespace prefix: (time published, what engines believe) since learning began,
+        #: oldest first (``core.retention.retention_for``: what gc keeps each object for).
+        self.history: dict[str, list[tuple[float, float]]] = {}
 
     def publish(self, now: float | None = None, namespace: str | None = None) -> PublishReport:
         """One pass: list, HEAD what is new, write each namespace's index. ``now``: the listing's
@@ -208,7 +215,7 @@ class Publisher:
             every = max(self.every_s, self._last_s, time.perf_counter() - t0)
             data = encode(bytes.fromhex(nsp[-33:-1]), sections, object_key=key, listed_at=listed_at,
                           published_at=self._clock(), every_s=every, tag_key=tag,
-                          retention=self.retention.get(nsp))
+                          retention=self.retention.get(nsp), retention_history=self.history.get(nsp, ()))
             try:
                 self.store.delete_many([key])
                 if not self.store.put(key, data):
@@ -264,28 +271,23 @@ class Publisher:
         since = self.retention[nsp][1] if nsp in self.retention else self._learning_since(nsp, now)
         r = learn_retention(reads.lag_reads, margin_s=margin_s, cap_s=cap_s)
         self.retention[nsp] = (cap_s if r is None else r, since)
-        hist = self._published.setdefault(nsp, [])
-        hist.append((now, self.retention[nsp][0]))
-        while len(hist) > 1 and hist[1][0] <= now - margin_s:
-            hist.pop(0)  # the first entry stays: it was in force when the window began
+        hist = self.history.setdefault(nsp, [])
+        b = believe_s(r)
+        if not hist or hist[-1][1] != b:
+            hist.append((now, b))
+        # What no object alive can have been believed under any more: past the ceiling's span.
+        while len(hist) > 1 and hist[1][0] < now - 2 * (cap_s + margin_s):
+            hist.pop(0)
 
-    def deleting_s(self, nsp: str) -> float | None:
-        """The retention gc deletes a namespace's objects by: the longest it published within its
-        margin (``learn``'s), None where it learns none. Why not the latest: an engine that saw an
-        object young under a longer one may promise it for the index TTL without asking again (the
-        margin's span) -- a shorter retention may delete only what was old under every retention
-        an engine could still act on."""
-        hist = self._published.get(nsp)
-        return max(r for _, r in hist) if hist else None
-
-    def deleting_from(self, nsp: str) -> float:
-        """When :meth:`deleting_s` becomes the retention published last, if it stays (the clock's
-        time; what a replay's bill needs to end the last objects' lives)."""
-        hist = self._published.get(nsp) or []
-        assert self.learn is not None
-        last = hist[-1][1] if hist else 0.0
-        return max((hist[i + 1][0] + self.learn[1] for i in range(len(hist) - 1) if hist[i][1] > last),
-                   default=float("-inf"))
+    def keep_s(self, nsp: str, touched_at: float) -> float | None:
+        """The retention gc keeps a namespace's object for, last written or refreshed at
+        ``touched_at`` (``core.retention.retention_for``); None where it learns none."""
+        got = self.retention.get(nsp)
+        if self.learn is None or got is None:
+            return None
+        lag = engine_lag_s(self.every_s, self.engine_poll_s, EXPIRY_MARGIN_S)
+        return retention_for(self.history.get(nsp, ()), touched_at, retention_s=got[0], since=got[1],
+                             cap_s=self.learn[0], lag_s=lag)
 
     def _learning_since(self, nsp: str, now: float) -> float:
         """Since when gc has learnt this namespace's retention: as its last index says (a gc that
@@ -298,8 +300,7 @@ class Publisher:
             return now
         if self.integrity is not None and not old.verified:
             return now
-        if old.retention_s is not None:  # what engines may still act on: as if published just now
-            self._published[nsp] = [(now, old.retention_s)]
+        self.history[nsp] = list(old.retention_history)
         return old.auto_since if old.auto_since is not None and old.auto_since <= now else now
 
     def _head(self, objs: list[tuple[ObjectInfo, ParsedKey]], rep: PublishReport) -> dict[str, tuple[int, int | None, int]]:

@@ -130,6 +130,14 @@ class KeyIndex:
             self._sweep(now)
             self._bound()
 
+    def cap_written(self, until: float) -> None:
+        """Believe no own upload past ``until`` (the retention gc deletes by just got shorter than
+        what was believed: ``s3kv.core.retention``). Capping keeps the map in expiry order."""
+        with self._lock:
+            for k, (exp, span) in list(self._written.items()):
+                if exp > until:
+                    self._written[k] = (until, span)
+
     def put_missing(self, key: str) -> None:
         self.put_many((), [key])
 

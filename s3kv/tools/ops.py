@@ -50,7 +50,6 @@ from ..core.objects import (
     span_from_metadata,
     verify_page,
 )
-from ..core.retention import learning_slack_s
 from ..store.base import ByteRange, NotFound, ObjectInfo, ObjectStore, StoreError
 from .options import fmt_bytes
 from .storeerrors import describe
@@ -1147,22 +1146,18 @@ def _gc_pass(
 
 
 def _learnt_cutoffs(ctx: _Ctx, pub: Any, older_than: float | None) -> Callable[[Entry, float], float]:
-    """The age past which gc deletes an object: the learnt retention plus gc's margin where its
-    namespace's publisher learns one (``s3kv.core.retention``) and the object was written or
-    refreshed after every engine could have seen that it does (engines that saw it believe their
-    uploads only for the floor); else ``cutoff`` (the ceiling: what engines believed before)."""
+    """The age past which gc deletes an object: where its namespace's publisher learns the
+    retention (``s3kv.core.retention``), the one it keeps that object for (by its last write or
+    refresh: the longest an engine may have believed) plus gc's margin; else ``cutoff``."""
     if pub is None or not pub.retention or not older_than:
         return lambda e, cutoff: cutoff
-    cap, margin = pub.learn
-    slack = learning_slack_s(pub.every_s, ctx.settings.fleet_index_s, EXPIRY_MARGIN_S)
+    margin = pub.learn[1]
 
     def age(e: Entry, cutoff: float) -> float:
         nsp = e.info.key[: e.info.key.index(e.parsed.namespace) + len(e.parsed.namespace) + 1]
-        got, deleting = pub.retention.get(nsp), pub.deleting_s(nsp)
         lm = e.info.last_modified
-        if got is None or deleting is None or lm is None or lm < got[1] + slack:
-            return cutoff
-        return min(cutoff, deleting + margin)
+        keep = pub.keep_s(nsp, lm) if lm is not None else None
+        return cutoff if keep is None else min(cutoff, keep + margin)
 
     return age
 
@@ -1184,7 +1179,8 @@ def _index_hook(
     ns = _resolve_ns(ctx, namespace, exact=True)
     pub = Publisher(ctx.store, ctx.root, integrity=ctx.settings.integrity if ctx.settings else None, every_s=every,
                     namespaces=[f"{ctx.root}{ns}/"] if ns else (),  # named: an index even while it is empty
-                    sub_prefixes=sub_prefixes, learn=learn)
+                    sub_prefixes=sub_prefixes, learn=learn,
+                    engine_poll_s=ctx.settings.fleet_index_s if ctx.settings else 5.0)
 
     def publish() -> None:
         try:

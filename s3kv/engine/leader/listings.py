@@ -61,6 +61,7 @@ class Listings:
         self._quarantines_seen = index.quarantines
         #: This engine's dated reads for its read reports (the write policy sets it: its value model's).
         self.reads: Callable[[], Sequence[float]] | None = None
+        self._learning_seen = False
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -73,10 +74,10 @@ class Listings:
         fleet = self.fleet_index()
         if fleet is not None:
             idx = fleet.start().current()
+            self._follow_retention(idx, fleet.held)
             if idx is not None:
                 cur = self._index_listing
                 if cur is None or cur.index is not idx:
-                    self._follow_retention(idx)
                     assert self.ctx is not None
                     g = self.ctx.geometry
                     cur = self._index_listing = IndexListing(
@@ -86,14 +87,30 @@ class Listings:
         summary = self.summary()
         return summary.start().listing() if summary is not None else None
 
-    def _follow_retention(self, idx: FleetIndex) -> None:
-        """While gc learns the retention (the index carries it), this engine's own uploads are
-        believed only for the shortest retention gc may choose (``s3kv.core.retention``): gc may
-        then move it either way without deleting what is believed. Otherwise, for the setting."""
-        if self.index.ttl_s > 0:
-            learnt = idx.retention_s is not None
-            self.index.written_ttl_s = max(self.index.ttl_s, RETENTION_FLOOR_S if learnt
-                                           else self.settings.retention_h * 3600.0)
+    def _follow_retention(self, fresh: FleetIndex | None, held: FleetIndex | None) -> None:
+        """How long this engine believes its own uploads: where gc learns the retention (the index
+        carries it), for what the fresh index says (``believe_s``) -- gc keeps each object for the
+        longest an engine may have believed (``core.retention.retention_for``) -- and for the floor's life
+        (floor + index TTL, within gc's margin) while the index is stale; else for the setting.
+        When gc is first seen learning, what was believed for the setting is cut to the floor's
+        life: gc keeps objects written before for the setting, but not once refreshed."""
+        ttl = self.index.ttl_s
+        if ttl <= 0:
+            return
+        cap = self.settings.retention_h * 3600.0
+        if held is None or held.retention_s is None:
+            want = cap
+        elif fresh is None or fresh.retention_s is None:
+            want = RETENTION_FLOOR_S + ttl
+        else:
+            want = min(cap, fresh.believe_s if fresh.believe_s is not None else RETENTION_FLOOR_S)
+        learning = held is not None and held.retention_s is not None
+        if learning and not self._learning_seen:
+            self.index.cap_written(self.index.now() + RETENTION_FLOOR_S + ttl)
+        self._learning_seen = learning
+        want = max(ttl, want)
+        if want != self.index.written_ttl_s:
+            self.index.written_ttl_s = want
 
     def retention_s(self) -> float:
         """The retention gc deletes by, as the last fleet index said (else the setting)."""

@@ -26,7 +26,7 @@ Why a module of its own: the replay (trace.py) drives the engine; this prices wh
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from ...core.cost import DAYS_PER_MONTH, GiB, get_requests, put_requests
@@ -53,11 +53,11 @@ class BilledStore(StoreWrapper):
         self.multipart_threshold, self.part_size = multipart_threshold, part_size
         self.retention_s, self.gc_period_s = retention_s, gc_period_s
         self.expire_after_s = retention_s if expire_after_s is None else expire_after_s
-        #: gc's learnt retention (``s3kv.core.retention``): (retention s it deletes by now, for
-        #: objects written or refreshed from this time on, the retention last published -- engines
-        #: refresh by it, gc deletes by it from the fourth field's time on), set by the replay's
-        #: publisher; None: the fixed one.
-        self.learnt: tuple[float, float, float, float] | None = None
+        #: Where gc learns the retention (``s3kv.core.retention``, set by the replay's publisher):
+        #: the one it keeps an object for by its last write or refresh, and the one engines refresh
+        #: by; None: the fixed one.
+        self.keep: Callable[[float], float | None] | None = None
+        self.refresh_retention_s = retention_s
         self.checkpoint_blocks = checkpoint_blocks
         self.range_split = range_split
         self.sim_page: dict[str, int] = {}  # group fingerprint -> sim page bytes
@@ -100,19 +100,13 @@ class BilledStore(StoreWrapper):
 
     # -- retention ------------------------------------------------------------------------
     def _expiry_age(self, o: list[Any]) -> float:
-        lt = self.learnt
-        if lt is None or o[1] < lt[1]:
+        keep = self.keep(o[1]) if self.keep is not None else None
+        if keep is None:
             return self.expire_after_s
-        return min(self.expire_after_s, lt[0] + self.expire_after_s - self.retention_s)
+        return min(self.expire_after_s, keep + self.expire_after_s - self.retention_s)
 
     def _life_end(self, o: list[Any]) -> float:
-        lt = self.learnt
-        if lt is None or o[1] < lt[1]:
-            return o[1] + self.expire_after_s + self.gc_period_s / 2
-        margin = self.expire_after_s - self.retention_s
-        new = o[1] + min(self.expire_after_s, lt[2] + margin)  # its end once gc deletes by the last one
-        end = new if new >= lt[3] else min(o[1] + self._expiry_age(o), lt[3])
-        return end + self.gc_period_s / 2
+        return o[1] + self._expiry_age(o) + self.gc_period_s / 2
 
     def _expire(self, key: str) -> None:
         o = self._objects.get(key)
@@ -240,10 +234,10 @@ class BilledStore(StoreWrapper):
         self.kinds[o[3]]["reads"] += 1
         if o[3] != "full":
             self.read_now.append((o[6], o[3]))
-        # Refresh on hit (s3kv.store.refresh), at half the retention gc deletes by.
-        lt = self.learnt
-        margin = self.expire_after_s - self.retention_s  # learnt: half the whole life (Listings.refresh_s)
-        if self.now - o[1] > (self.retention_s if lt is None else lt[2] + margin) / 2:
+        # Refresh on hit (s3kv.store.refresh): half the retention; learnt, half the whole life
+        # (Listings.refresh_s).
+        margin = self.expire_after_s - self.retention_s
+        if self.now - o[1] > (self.retention_s if self.keep is None else self.refresh_retention_s + margin) / 2:
             o[1] = self.now
             self.refreshes += 1
             self.real_put += 1

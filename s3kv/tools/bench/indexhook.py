@@ -60,7 +60,7 @@ class ReplayIndex:
             self._publisher = Publisher(
                 fleet.store, core.key_prefix.rstrip("/") + "/", integrity=core.settings.integrity,
                 every_s=self.every_s, namespaces=[core.scheme.namespace_prefix], clock=self._clock,
-                learn=self.learn,
+                learn=self.learn, engine_poll_s=core.settings.fleet_index_s,
             )
             for c in cores:
                 fi = c.fleet_index()
@@ -71,15 +71,12 @@ class ReplayIndex:
         self._last = now
         self._publisher.publish(now)
         self.passes += 1
-        learnt = self._publisher.retention.get(cores[0].scheme.namespace_prefix)
+        nsp = cores[0].scheme.namespace_prefix
+        learnt = self._publisher.retention.get(nsp)
         if learnt is not None and self.learn is not None:
-            from ...core.cost import EXPIRY_MARGIN_S
-            from ...core.retention import learning_slack_s
-
-            slack = learning_slack_s(self.every_s, cores[0].settings.fleet_index_s, EXPIRY_MARGIN_S)
-            nsp = cores[0].scheme.namespace_prefix
             pub = self._publisher
-            fleet.store.learnt = (pub.deleting_s(nsp), learnt[1] + slack, learnt[0], pub.deleting_from(nsp))
+            fleet.store.keep = lambda touched_at: pub.keep_s(nsp, touched_at)
+            fleet.store.refresh_retention_s = learnt[0]
             self.retention_s.append((now, learnt[0]))
         for c in cores:
             fi = c.fleet_index()
