@@ -1,0 +1,135 @@
+"""A host tier changes nothing the store gets (issue 39's trace row).
+
+The value policy refuses some of a request's boundaries. Without a host tier a refused one is not
+staged at all; with one it is kept there ("evict") -- and that must leave every object written to
+S3 as it is without the tier: other engines read only S3. Each case serves the same requests under
+the same fixed plan on an engine with a host tier and on one without, then a fresh engine (no
+tier, the same store) serves a request that can reuse them: the store must hold the same objects
+and the fresh engine be served the same tokens. Before the fixes the whole public trace served
+fewer tokens with the tier than without (4 clusters, affinity): a refused prompt-end tail took
+the blocks of a checkpoint tail the plan wrote (the checkpoint never servable in S3), a refused
+prompt end still sent its chain's snapshot to S3 (other engines then saw the chain reach past
+every tail and placed no branch tail), and a chain only the tier held counted as stored (a later
+request kept its chain from S3 and wrote tails there with no chain below them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from s3kv.config import Settings
+from s3kv.core.value import CHECKPOINT, HISTORY_END, WRITE_ALL, Boundary, Plan
+from s3kv.sim import SimCacheConfig, SimEngine, SimRequestSpec, gemma3_like
+from s3kv.store.memory import MemoryStore
+from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
+
+TPB = 16
+WINDOW = 64  # 4 blocks
+CP_BLOCKS = 16  # checkpoint_tokens / TPB, a multiple of blocks_per_object
+VOCAB = 32000
+_ids = itertools.count(1)
+
+Planner = Callable[[Sequence[Boundary]], Plan]
+
+
+def refuse_all(bs: Sequence[Boundary]) -> Plan:
+    return Plan({}, 0)
+
+
+def checkpoint_only(bs: Sequence[Boundary]) -> Plan:
+    """The checkpoints written (and the chain up to the last), every other boundary refused."""
+    cps = [b.tokens for b in bs if b.kind == CHECKPOINT]
+    return Plan({(CHECKPOINT, t): "write" for t in cps}, max(cps, default=0))
+
+
+def history_end_only(bs: Sequence[Boundary]) -> Plan:
+    """The whole chain and the history-end tail written (a next turn is expected), the prompt end
+    refused -- what the value policy decided on the trace where the chain's snapshot leaked."""
+    return Plan({(b.kind, b.tokens): "write" for b in bs if b.kind == HISTORY_END}, None)
+
+
+def engine(store, *, tier: bool, planner: list[Planner]) -> SimEngine:
+    s = Settings(url="memory://unused", staging_mib=64, check_access=False, host_cache_gb=0.05 if tier else 0,
+                 blocks_per_object=4, checkpoint_tokens=CP_BLOCKS * TPB, lookup_timeout_s=5.0)
+    e = SimEngine(gemma3_like(WINDOW, kv_heads=2), SimCacheConfig(tokens_per_block=TPB, max_seq_len=2048),
+                  S3KvConnectorLeader, S3KvConnectorWorker,
+                  connector_kwargs=dict(settings=s, store=store, engine_key=f"tierwrites-{next(_ids)}"))
+    e.leader.core.writes.model.plan = lambda bs: planner[0](bs)  # the plan under test, not a learnt one
+    return e
+
+
+def serve(e: SimEngine, prompt: list[int], new_tokens: int = 4) -> int:
+    rep = e.run([SimRequestSpec(next(_ids), tuple(prompt), max_new_tokens=new_tokens)])
+    for w in e.workers:
+        assert w.flush(30)
+    assert rep.kv_mismatches == 0 and rep.guard_violations == 0
+    return rep.requests[0].matched_tokens
+
+
+def drop_tails(e: SimEngine) -> None:
+    """Evict the sliding-window tails from the tier, as its eviction by value does first (a tail
+    holds few tokens for its bytes), leaving the full-attention chain there."""
+    g = e.workers[0].core.geometry
+    sliding = {grp.fingerprint for grp in g.groups if grp.window is not None}
+    for w in e.workers:
+        tier = w.core.host_tier
+        for k in tier.keys():
+            if any(f"/{fp}." in k for fp in sliding):
+                tier.discard(k)
+
+
+def words(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(VOCAB) for _ in range(n)]
+
+
+def world(case: str, tier: bool) -> tuple[set[str], int]:
+    """(the objects in the store, the tokens a fresh engine without a tier was then served)."""
+    rng = random.Random(case)
+    store = MemoryStore()
+    planner: list[Planner] = [refuse_all]
+    with engine(store, tier=tier, planner=planner) as a:
+        if case == "checkpoint-and-refused-prompt-end":
+            # The prompt ends 2 blocks past a checkpoint: its refused prompt-end tail and the
+            # checkpoint's tail share blocks.
+            prompt = words(rng, (CP_BLOCKS + 2) * TPB + 5)
+            planner[0] = checkpoint_only
+            serve(a, prompt)
+            reader = prompt[: (CP_BLOCKS + 1) * TPB] + words(rng, 3 * TPB)
+        elif case == "refused-prompt-end-of-a-written-chain":
+            # 14 blocks: chain objects end at 4, 8, 12; the prompt end (14) is refused.
+            prompt = words(rng, 14 * TPB + 5)
+            planner[0] = history_end_only
+            serve(a, prompt, new_tokens=24)
+            # Another engine with the same prompt finds S3's chain ending at 12 and stores a
+            # branch tail there (the prompt-end chain snapshot in S3 hid that point) ...
+            planner[0] = lambda bs: WRITE_ALL
+            with engine(store, tier=False, planner=planner) as b:
+                serve(b, prompt)
+            # ... which a prompt that leaves this one within block 13 hits.
+            reader = prompt[: 13 * TPB + 3] + words(rng, 3 * TPB)
+        else:  # "chain-held-only-by-the-tier"
+            prompt = words(rng, 24 * TPB + 9)
+            serve(a, prompt)  # everything refused: with a tier all of it is kept there only
+            if tier:
+                drop_tails(a)
+            planner[0] = lambda bs: WRITE_ALL
+            assert serve(a, prompt) == 0  # its tails are gone: a miss, the whole prompt computed
+            reader = prompt
+    planner[0] = refuse_all
+    with engine(store, tier=False, planner=planner) as fresh:
+        served = serve(fresh, reader)
+    return {k for k in store.keys() if "/.s3kv" not in k}, served
+
+
+@pytest.mark.parametrize("case", ["checkpoint-and-refused-prompt-end", "refused-prompt-end-of-a-written-chain",
+                                  "chain-held-only-by-the-tier"])
+def test_the_store_gets_what_it_gets_without_a_tier(case):
+    keys_without, served_without = world(case, tier=False)
+    keys_with, served_with = world(case, tier=True)
+    assert served_without > 0  # the case reuses something from the store
+    assert served_with == served_without
+    assert keys_with == keys_without
