@@ -200,7 +200,7 @@ class Lookups:
 
         coverage = {
             (sg, s): {e: x for e, x in result.coverage.get((sg, s), {}).items()
-                      if (sg, s, e) not in self._host_asks or not self.host_only(sg, digests[e - 1], s)}
+                      if (sg, s, e) not in self._host_asks or not self.host_only(sg, digests[e - 1], e, s)}
             for s in range(g.tp_size)
         }
         return spine_end(g, coverage, st.load.d_blocks, result.spine_blocks)
@@ -307,16 +307,22 @@ class Lookups:
         tier = getattr(self.tiers, "host_tier", None)
         return tier is not None and self.ctx is not None and tier.holds(self.ctx.prefixes[(group, 0)] + digest.hex())
 
-    def host_only(self, group: int, digest: bytes, shard: int = 0) -> bool:
-        """Rank 0's host tier holds the object of ``group`` ending at ``digest`` and the store is not
-        known to: the tier neither wrote it through nor read it from there, and the key index has not
-        seen it (an object the write policy kept from S3, ``evict``/``never``)."""
+    def host_only(self, group: int, digest: bytes, end: int, shard: int = 0) -> bool:
+        """Rank 0's host tier holds the object of ``group`` ending at block ``end`` (chain digest
+        ``digest``) and the store is not known to: the tier neither wrote it through nor read it
+        from there, the key index has not seen it, the namespace's listing does not list it (an
+        object the write policy kept from S3, ``evict``/``never``). The tier answers a lookup
+        before the index and the listing, so they are asked here."""
         tier, ctx = getattr(self.tiers, "host_tier", None), self.ctx
         if tier is None or ctx is None:
             return False
         key0 = ctx.prefixes[(group, 0)] + digest.hex()
-        return tier.holds(key0) and not tier.stored(key0) and not isinstance(
-            self.index.get(ctx.prefixes[(group, shard)] + digest.hex()), ObjectSpan)
+        if not tier.holds(key0) or tier.stored(key0):
+            return False
+        if isinstance(self.index.get(ctx.prefixes[(group, shard)] + digest.hex()), ObjectSpan):
+            return False
+        listing = self.listings.current()
+        return listing is None or listing.find(group, shard, digest, end) is None
 
     def record(self, stall_s: float, hit_tokens: int) -> None:
         """The lookup just offered held the scheduler ``stall_s``: note it beside its budget, what

@@ -9,8 +9,9 @@ whether it is staged at all:
   checkpoints, prompt end, branch point, history end -- with their real object sizes, and the
   model picks those worth their bill and how far the chain goes; the rest are refused ("evict"
   with a host tier, not staged without). The leader feeds the model: its clock (seconds: the engine's
-  monotonic time, a replay's trace time), every hit S3 served says which boundary ended it
-  (``on_lookup``; one the host tier served is counted apart), every boundary written is
+  monotonic time, a replay's trace time), every hit of an S3 object says which boundary ended it
+  (``on_lookup``, whichever tier served it; one only the host tier could serve is counted
+  apart: ``core.value``), every boundary written is
   remembered (``on_seals``, ``on_finish``);
 * ``through``: everything now (what s3kv did before the policy);
 * ``back`` / ``local``: everything to the host tier, to S3 on eviction if read / never. Without a
@@ -271,7 +272,7 @@ class WritePolicy:
 
     # ------------------------------------------------------------------ learning
     def on_lookup(self, st: RequestState) -> None:
-        """A lookup was answered: a hit says which boundary ended it, and whether S3 served it."""
+        """A lookup was answered: a hit says which boundary ended it, and whether S3 holds it."""
         self.model.advance_to(self.clock())
         self._lookups_seen += 1
         if self._lookups_seen % _SNAPSHOT_EVERY == 0:
@@ -306,8 +307,8 @@ class WritePolicy:
         else:
             hint = None
         ender = sliding[0].group_id if sliding else g.spine_group
-        if self.host_tier and self.lookups.in_host(ender, digest):
-            self.model.host_read(hint)  # host memory served it: no reason to write S3 now
+        if self.host_tier and self.lookups.host_only(ender, digest, end):
+            self.model.host_read(hint)  # only host memory could serve it: no reason to write S3 now
             return
         self.model.read(digest, hint, h * tpb, ld.device_tokens, tail_bytes, chain_bytes,
                         lag_s=self.lookups.listings.age_s(ender, 0, digest, end))
