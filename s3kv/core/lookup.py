@@ -26,11 +26,11 @@ Probes answered by the local index cost no round trip.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
 
-from .hitrule import Span, object_ends_needed, required_range, servable
+from .hitrule import Coverage, Span, object_ends_needed, required_range, servable
 from .layout import CacheGeometry
 
 #: (group, shard, end ordinal of the object)
@@ -282,16 +282,20 @@ def find_hit(
 
 def _with_spine(result: LookupResult, geometry: CacheGeometry, d_blocks: int, hmax_blocks: int) -> LookupResult:
     """Fill ``result.spine_blocks`` from the full-attention spans the waves saw."""
-    spine = geometry.spine_group
-    if not geometry.groups[spine].is_sliding:
-        end = min(
-            _contiguous_end(result.coverage.get((spine, s), {}), d_blocks) for s in range(geometry.tp_size)
-        )
-        result.spine_blocks = max(d_blocks, min(end, hmax_blocks))
+    if not geometry.groups[geometry.spine_group].is_sliding:
+        result.spine_blocks = spine_end(geometry, result.coverage, d_blocks, hmax_blocks)
     return result
 
 
-def _contiguous_end(spans_by_end: dict[int, Span], d_blocks: int) -> int:
+def spine_end(geometry: CacheGeometry, coverage: Coverage, d_blocks: int, hmax_blocks: int) -> int:
+    """How far from ``d_blocks`` (at most ``hmax_blocks``) ``coverage`` holds the full-attention
+    spine on every shard without a gap."""
+    spine = geometry.spine_group
+    end = min(_contiguous_end(coverage.get((spine, s), {}), d_blocks) for s in range(geometry.tp_size))
+    return max(d_blocks, min(end, hmax_blocks))
+
+
+def _contiguous_end(spans_by_end: Mapping[int, Span], d_blocks: int) -> int:
     """How far from ``d_blocks`` the spans cover without a gap."""
     pos = d_blocks
     for first, end in sorted(spans_by_end.values()):

@@ -49,6 +49,11 @@ class StageOp:
     slot: int
 
 
+#: ``SealOp.to_s3``'s values, nearest the store first: a seal that goes no further than two
+#: others goes to the later of them.
+TO_S3 = ("now", "evict", "never")
+
+
 @dataclass(frozen=True)
 class SealOp:
     buffer: BufferId

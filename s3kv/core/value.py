@@ -34,8 +34,12 @@ sees -- which kind of object ended each of its hits, at what depth, on top of wh
   prompt-end tails with next turns' reads (on a 4-engine chat replay both kinds looked equally
   read, 0.37 reads per write, while next turns read history-end tails and prompt-end tails
   served ~0.5% of the tokens).
-* only reads **S3** served count: a hit this engine's host tier served is no reason to write to
-  S3 now (it is counted apart, ``host_reads``).
+* reads of objects **S3 holds** count, whichever tier served them: the host tier answers first,
+  and its hit of an object S3 holds is a read S3 serves without it. Left out, they made an engine
+  whose router sends it a prefix's repeats (served by its own tier) judge those boundaries unread
+  and stop writing them to S3, and the engine the router later sent the prefix to missed: the
+  public trace served fewer tokens with host tiers than without (issue 39). A hit only the host
+  tier could serve (an object kept from S3) is no read of S3's: counted apart (``host_reads``).
 * *marginal share*: of the history a hit reaches, the share beyond the device match -- the
   tokens S3 adds. Behind a cache-aware router or a host tier the device serves most of a repeat
   and S3's reads fall, or serve little: both lower a kind's worth, so S3 writes less there.
@@ -246,7 +250,7 @@ class KindTotals:
     tokens: int = 0
     gpu_usd: float = 0.0
     get_usd: float = 0.0
-    host_reads: int = 0  # hits the host tier served (not S3's: not counted as reads)
+    host_reads: int = 0  # hits only the host tier could serve (objects kept from S3: not reads)
     written: int = 0  # boundaries decided "write"
     explored: int = 0  # boundaries decided "explore"
     refused: int = 0  # boundaries decided "refuse"
@@ -258,9 +262,9 @@ class KindTotals:
 
 class ValueModel:
     """The estimator (module doc). Fed by the leader: :meth:`advance_to` its clock (seconds),
-    :meth:`wrote` per object written, :meth:`read` per hit S3 served (:meth:`host_read` per one
-    the host tier did); :meth:`plan` decides a request's boundaries. Not thread-safe (the leader
-    calls it under its lock)."""
+    :meth:`wrote` per object written, :meth:`read` per hit of an S3 object (:meth:`host_read`
+    per one only the host tier could serve); :meth:`plan` decides a request's boundaries. Not
+    thread-safe (the leader calls it under its lock)."""
 
     def __init__(
         self,
@@ -299,7 +303,7 @@ class ValueModel:
         self.clock = max(self.clock, float(now))
 
     def host_read(self, kind: str | None = None) -> None:
-        """A hit this engine's host tier served: no S3 read (module doc), counted apart."""
+        """A hit only this engine's host tier could serve: no S3 read (module doc), counted apart."""
         self.totals[kind or HISTORY_END].host_reads += 1
 
     def wrote(self, kind: str, sizes: Sequence[int], digest: bytes | None = None) -> None:

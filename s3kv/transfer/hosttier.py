@@ -75,6 +75,7 @@ from ..core.objects import (
     object_metadata,
     trailer_len,
 )
+from ..core.plan import TO_S3
 from ..store.base import Buffer, ByteRange, HeadBatch, IntegrityError, ObjectInfo, ObjectStore, StoreWrapper
 from .counters import Counters
 from .staging import SAVE, StagingBuffer, StagingPool, round_up
@@ -85,8 +86,7 @@ log = logging.getLogger(__name__)
 #: sits just before them).
 PAGE_ALIGN = 4096
 #: Write policies a seal may carry (``SealOp.to_s3``).
-NOW, EVICT, NEVER = "now", "evict", "never"
-WRITE_POLICIES = (NOW, EVICT, NEVER)
+NOW, EVICT, NEVER = WRITE_POLICIES = TO_S3
 
 #: ``weigh(key, nbytes) -> bytes charged against the capacity``.
 Weigher = Callable[[str, int], int]

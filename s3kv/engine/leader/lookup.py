@@ -35,7 +35,7 @@ from typing import Any
 
 from ...config import Settings
 from ...core.hitrule import Span, required_range, servable
-from ...core.lookup import Ask, LookupResult, find_hit, stall_budget_s
+from ...core.lookup import Ask, LookupResult, find_hit, spine_end, stall_budget_s
 from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
 from ..index import MISSING, KeyIndex, host_first
@@ -164,6 +164,7 @@ class Lookups:
         self._start_budget((hmax - ld.d_blocks) * tpb)
         result = self._find(st, prompt_len // tpb, hmax)
         ld.spine_blocks, ld.found_blocks = result.spine_blocks, result.h_blocks
+        ld.stored_spine_blocks = self._stored_spine(st, result)
         if first_chunk_tokens is not None and result.h_blocks - ld.d_blocks >= self.settings.min_hit_blocks:
             result = self._guard(st, result, int(first_chunk_tokens))
         self.stats.lookup_waves += result.waves
@@ -186,6 +187,23 @@ class Lookups:
             extra={"request_id": st.request_id, "hit_tokens": gain * tpb, "prompt_tokens": prompt_len},
         )
         return gain * tpb, ld.load_async
+
+    def _stored_spine(self, st: RequestState, result: LookupResult) -> int:
+        """How far ``result`` saw the full-attention chain in the store: ``spine_blocks`` less what
+        only the host tier holds (``host_only``: an object kept from S3). What a plan that writes
+        to S3 counts as written there (``WritePolicy.spine``)."""
+        tier, ctx = getattr(self.tiers, "host_tier", None), self.ctx
+        if tier is None or ctx is None or st.chain is None or not self._host_asks:
+            return result.spine_blocks
+        g, digests = ctx.geometry, st.chain.digests
+        sg = g.spine_group
+
+        coverage = {
+            (sg, s): {e: x for e, x in result.coverage.get((sg, s), {}).items()
+                      if (sg, s, e) not in self._host_asks or not self.host_only(sg, digests[e - 1], e, s)}
+            for s in range(g.tp_size)
+        }
+        return spine_end(g, coverage, st.load.d_blocks, result.spine_blocks)
 
     def _guard(self, st: RequestState, result: LookupResult, first_chunk_tokens: int) -> LookupResult:
         """``result``, or a smaller hit inside the first chunk when the offer is exposed and the
@@ -288,6 +306,23 @@ class Lookups:
         """Rank 0's host tier holds the object of ``group`` ending at ``digest`` (``LoadOp.host``)."""
         tier = getattr(self.tiers, "host_tier", None)
         return tier is not None and self.ctx is not None and tier.holds(self.ctx.prefixes[(group, 0)] + digest.hex())
+
+    def host_only(self, group: int, digest: bytes, end: int, shard: int = 0) -> bool:
+        """Rank 0's host tier holds the object of ``group`` ending at block ``end`` (chain digest
+        ``digest``) and the store is not known to: the tier neither wrote it through nor read it
+        from there, the key index has not seen it, the namespace's listing does not list it (an
+        object the write policy kept from S3, ``evict``/``never``). The tier answers a lookup
+        before the index and the listing, so they are asked here."""
+        tier, ctx = getattr(self.tiers, "host_tier", None), self.ctx
+        if tier is None or ctx is None:
+            return False
+        key0 = ctx.prefixes[(group, 0)] + digest.hex()
+        if not tier.holds(key0) or tier.stored(key0):
+            return False
+        if isinstance(self.index.get(ctx.prefixes[(group, shard)] + digest.hex()), ObjectSpan):
+            return False
+        listing = self.listings.current()
+        return listing is None or listing.find(group, shard, digest, end) is None
 
     def record(self, stall_s: float, hit_tokens: int) -> None:
         """The lookup just offered held the scheduler ``stall_s``: note it beside its budget, what

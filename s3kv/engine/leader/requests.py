@@ -53,8 +53,10 @@ class LoadState:
     offered_blocks: int = 0
     load_async: bool = False
     coverage: dict[tuple[int, int], dict[int, Span]] = field(default_factory=dict)
-    #: How far the lookup saw the full-attention chain stored (``LookupResult.spine_blocks``).
+    #: How far the lookup saw the full-attention chain stored (``LookupResult.spine_blocks``), and
+    #: how far of it the store holds (less what only the host tier does: ``Lookups._stored_spine``).
     spine_blocks: int = 0
+    stored_spine_blocks: int = 0
     #: The offer reaches the first chunk's end: the engine must grow the allocation to honour it
     #: (``pressure.py``). Known only where the engine says how it chunks the prompt.
     needs_grow: bool = False

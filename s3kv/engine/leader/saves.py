@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.hitrule import window_cut
-from ...core.plan import BufferId, SealOp, StageOp
+from ...core.plan import TO_S3, BufferId, SealOp, StageOp
 from ...core.value import BRANCH, HISTORY_END
 from .context import LeaderContext
 from .requests import Buffer, RequestState, group_lists
@@ -82,11 +82,17 @@ class SavePlanner:
         if policy.stores_everything(gid):
             to = self.writes.chain_to(st, gid, o)
             return None if to is None else (policy.chunk_end(o, gid), to)
+        # The furthest tail S3 gets, else the furthest one the host tier keeps. A tail kept from S3
+        # must not take a block from one written to S3: it cut that tail short there (a useless
+        # object in S3, the boundary never servable), where without a tier the refused tail is not
+        # staged at all -- the tier must not change what S3 gets (the tier holds S3's objects too).
+        kept = None
         for end in policy.tail_ends(gid, o, prompt_blocks):
             to = self.writes.tail_to(st, self.writes.kind_at(st, end), end)
-            if to is not None:
+            if to == TO_S3[0]:
                 return end, to
-        return None
+            kept = kept or (None if to is None else (end, to))
+        return kept
 
     def _plan(self, ctx: LeaderContext, st: RequestState, complete_blocks: int) -> None:
         g = ctx.geometry
@@ -124,7 +130,10 @@ class SavePlanner:
                     # where the write policy keeps the prompt-end boundary it serves.
                     to = self.writes.tail_to(st, self.writes.kind_at(st, prompt_blocks), prompt_blocks)
                     if to is not None and policy.stores_everything(gid):
-                        to = buf.to_s3
+                        # A chain's snapshot goes no further than its boundary's tail: in S3 alone it
+                        # serves nothing, and shows other engines a chain past every tail there
+                        # (they then place no branch tail where S3's tails end).
+                        to = max(to, buf.to_s3, key=TO_S3.index)
                     more = self._where(ctx, st, gid, o + 1, prompt_blocks) is not None
                     if to is not None:
                         sv.seal(gid, close=not more, to_s3=to)
@@ -138,7 +147,7 @@ class SavePlanner:
         g = ctx.geometry
         # A tail ends where the lookup found one even when less was served (a cut, a smaller honour).
         served = max(st.load.h_blocks, st.load.found_blocks)
-        end = ctx.policy.branch_end(st.load.spine_blocks, served, st.prompt_len // g.tokens_per_block)
+        end = ctx.policy.branch_end(self.writes.spine(st), served, st.prompt_len // g.tokens_per_block)
         if end is None:
             return
         st.branch.end = end

@@ -9,8 +9,9 @@ whether it is staged at all:
   checkpoints, prompt end, branch point, history end -- with their real object sizes, and the
   model picks those worth their bill and how far the chain goes; the rest are refused ("evict"
   with a host tier, not staged without). The leader feeds the model: its clock (seconds: the engine's
-  monotonic time, a replay's trace time), every hit S3 served says which boundary ended it
-  (``on_lookup``; one the host tier served is counted apart), every boundary written is
+  monotonic time, a replay's trace time), every hit of an S3 object says which boundary ended it
+  (``on_lookup``, whichever tier served it; one only the host tier could serve is counted
+  apart: ``core.value``), every boundary written is
   remembered (``on_seals``, ``on_finish``);
 * ``through``: everything now (what s3kv did before the policy);
 * ``back`` / ``local``: everything to the host tier, to S3 on eviction if read / never. Without a
@@ -133,11 +134,21 @@ class WritePolicy:
             return "never" if self.host_tier and self.host_only_safe else None
         return "now"
 
+    def spine(self, st: RequestState) -> int:
+        """How far ``st``'s lookup saw its chain stored where this engine's writes go: what its plan
+        counts as written (``chain_to``, ``boundaries``) and where a branch tail may end. That is
+        the store's part of it unless every write goes to the host tier first (``back``, ``local``):
+        an object only the tier holds (one the value policy kept from S3) is no chain in S3 -- counted,
+        a request skipped writing a chain its plan sends there (its tails reached S3 with no chain
+        below them) and ended branch tails where only the tier has the chain, so engines reading S3
+        missed what they hit without a tier (issue 39's trace row)."""
+        return st.load.spine_blocks if self.default_to() in ("evict", "never") else st.load.stored_spine_blocks
+
     def chain_to(self, st: RequestState, gid: int, ordinal: int) -> str | None:
         """Where full-attention block ``ordinal`` of group ``gid`` goes (None: not staged)."""
         ctx = self.ctx
         assert ctx is not None
-        spine = st.load.spine_blocks
+        spine = self.spine(st)
         if gid == ctx.geometry.spine_group and ordinal < spine and ctx.policy.chunk_end(ordinal, gid) <= spine:
             return None  # its object is stored: the lookup saw it
         plan = st.saves.plan
@@ -210,7 +221,8 @@ class WritePolicy:
         known to the index as long as a write's confirmation would have kept them: the next
         request of that prefix is then answered locally, not with HEADs."""
         ctx = self.ctx
-        if ctx is None or st.chain is None or st.load.spine_blocks <= st.saves.save_from:
+        spine = st.load.stored_spine_blocks  # the index answers for the store alone
+        if ctx is None or st.chain is None or spine <= st.saves.save_from:
             return
         g = ctx.geometry
         sg = g.spine_group
@@ -220,7 +232,7 @@ class WritePolicy:
             (ctx.scheme.object_key(fp, shard, digests[end - 1]), ObjectSpan(span.first, span.end - span.first))
             for shard in range(g.tp_size)
             for end, span in st.load.coverage.get((sg, shard), {}).items()
-            if st.saves.save_from < end <= st.load.spine_blocks and end <= len(digests)
+            if st.saves.save_from < end <= spine and end <= len(digests)
         ]
         if present:
             self.index.put_many(present, ())
@@ -250,7 +262,8 @@ class WritePolicy:
         ends.sort(key=lambda x: (x[0], x[1] == HISTORY_END))
         full = [grp for grp in g.groups if not grp.is_sliding]
         sliding = [grp for grp in g.groups if grp.is_sliding]
-        chain_from = max(start, (st.load.spine_blocks // ctx.bpo) * ctx.bpo if st.load.spine_blocks else 0)
+        spine = self.spine(st)
+        chain_from = max(start, (spine // ctx.bpo) * ctx.bpo if spine else 0)
         per_token = sum(self.page_bytes[grp.group_id] for grp in full) * g.tp_size / tpb
         out = []
         prev = chain_from
@@ -272,7 +285,7 @@ class WritePolicy:
 
     # ------------------------------------------------------------------ learning
     def on_lookup(self, st: RequestState) -> None:
-        """A lookup was answered: a hit says which boundary ended it, and whether S3 served it."""
+        """A lookup was answered: a hit says which boundary ended it, and whether S3 holds it."""
         self.model.advance_to(self.clock())
         self._lookups_seen += 1
         if self._lookups_seen % _SNAPSHOT_EVERY == 0:
@@ -307,8 +320,8 @@ class WritePolicy:
         else:
             hint = None
         ender = sliding[0].group_id if sliding else g.spine_group
-        if self.host_tier and self.lookups.in_host(ender, digest):
-            self.model.host_read(hint)  # host memory served it: no reason to write S3 now
+        if self.host_tier and self.lookups.host_only(ender, digest, end):
+            self.model.host_read(hint)  # only host memory could serve it: no reason to write S3 now
             return
         self.model.read(digest, hint, h * tpb, ld.device_tokens, tail_bytes, chain_bytes,
                         lag_s=self.lookups.listings.age_s(ender, 0, digest, end))
