@@ -2,6 +2,13 @@
 
 The format is ``s3kv.core.fleetindex``'s; this module does the I/O.
 
+Why this is one module: it is both ends of one object's protocol -- the publisher that writes the
+index and the refresher that polls it -- and what rides on those two passes: the retention gc
+learns (``s3kv.core.retention``) is read from engines' reports in the publisher's own LIST and
+published in its index, and the reports are written on the refresher's poll, timed by the index
+it just took. The rules (format, learning, what each object is kept for) live in ``s3kv.core``;
+what is left here is the I/O around them, and a split would pass each half's state to the other.
+
 **Publishing** (:class:`Publisher`): list the namespaces under a root, HEAD each object not seen
 before (its metadata gives the exact span; with an integrity key its metadata tag must verify,
 so a planted object never enters a signed index), and write one index per namespace at
