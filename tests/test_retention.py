@@ -192,7 +192,11 @@ def test_gc_watch_runs_a_pass_every_period(tmp_path, monkeypatch):
         if len(slept) == 2:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr(ops.time, "sleep", sleep)
+    # gc's own clock module, not the global time.sleep: a thread another test left behind may
+    # sleep meanwhile (a 0.001 s sleep once landed here in CI).
+    import types
+
+    monkeypatch.setattr(ops, "time", types.SimpleNamespace(time=time.time, monotonic=time.monotonic, sleep=sleep))
     r = CliRunner().invoke(cli(), ["gc", "--url", url, "--older-than", "1h", "--watch", "10m", "--json",
                                    "--now", str(time.time() + 7200)])
     passes = [json.loads(line) for line in r.stdout.splitlines()]
