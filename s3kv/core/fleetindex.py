@@ -134,10 +134,14 @@ class FleetIndex:
     #: learnt (POSIX s, publisher's clock); None where gc keeps ``S3KV_RETENTION_H``.
     retention_s: float | None = None
     auto_since: float | None = None
-    #: How long engines believe their own uploads (``core.retention.believe_s``), and (time
-    #: published, belief) since gc learns, oldest first: what gc keeps each object for.
-    believe_s: float | None = None
+    #: (time published, how long engines believe their own uploads) since gc learns, oldest
+    #: first: what gc keeps each object for (``core.retention.retention_for``).
     retention_history: tuple[tuple[float, float], ...] = ()
+
+    @property
+    def believe_s(self) -> float | None:
+        """How long engines believe their own uploads now (``core.retention.believe_s``)."""
+        return self.retention_history[-1][1] if self.retention_history else None
 
     def written_at(self, age_s: int) -> float:
         return self.listed_at - age_s
@@ -194,7 +198,6 @@ def encode(
     if retention is not None:  # (retention s, learning since): s3kv.core.retention
         header["retention"] = [float(retention[0]), float(retention[1])]
         header["retention_history"] = [[float(t), float(r)] for t, r in retention_history]
-        header["believe_s"] = float(retention_history[-1][1]) if retention_history else float(retention[0])
     hb = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     out = MAGIC + bytes([FORMAT]) + _U32.pack(len(hb)) + hb + zlib.compress(raw, level)
     if tag_key is not None:
@@ -247,7 +250,6 @@ def decode(
         learnt = header.get("retention")
         retention = (float(learnt[0]), float(learnt[1])) if learnt is not None else None
         history = tuple((float(t), float(r)) for t, r in header.get("retention_history", ()))
-        believe = float(header["believe_s"]) if "believe_s" in header else None
     except (KeyError, TypeError, ValueError) as e:
         raise IndexFormatError("foreign", f"fleet index header lacks a field or has a bad one: {e}") from None
     if ns != namespace:
@@ -279,7 +281,7 @@ def decode(
         raise IndexFormatError("truncated", f"fleet index body inflates to {len(raw)} bytes, expected {body_bytes}")
     out = FleetIndex(ns, listed_at, published_at, every_s, key_id, verified, objects=n_total, nbytes=len(view),
                      retention_s=retention[0] if retention else None, auto_since=retention[1] if retention else None,
-                     believe_s=believe, retention_history=history)
+                     retention_history=history)
     off = 0
     for gfp, shard, tp, n in heads:
         cols = []

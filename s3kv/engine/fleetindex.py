@@ -254,7 +254,7 @@ class Publisher:
                 newest[engine] = (info, seq)
             else:
                 gone.append(info.key)
-        for info, _ in sorted(newest.values(), key=lambda x: x[1]):
+        for engine, (info, _) in sorted(newest.items(), key=lambda x: x[1][1]):
             stale = info.last_modified is not None and now - info.last_modified > REPORT_STALE_S
             if stale:
                 gone.append(info.key)
@@ -267,7 +267,7 @@ class Publisher:
             except (ValueError, KeyError, TypeError):
                 log.warning("s3kv: %s is not a read report (or not signed by our key); skipped", info.key)
             else:
-                reads.take(info.key.rsplit("/", 1)[1].split(".", 1)[0], lags, min(at, now))
+                reads.take(engine, lags, min(at, now))
             self._taken.add(info.key)
         if gone:
             try:

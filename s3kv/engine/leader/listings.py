@@ -62,6 +62,7 @@ class Listings:
         #: This engine's dated reads for its read reports (the write policy sets it: its value model's).
         self.reads: Callable[[], Sequence[float]] | None = None
         self._learning_seen = False
+        self._followed: tuple[FleetIndex | None, bool | None] = (None, None)  # (held, stale) last followed
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
@@ -93,7 +94,11 @@ class Listings:
         longest an engine may have believed (``core.retention.retention_for``) -- and for the floor's life
         (floor + index TTL, within gc's margin) while the index is stale; else for the setting.
         When gc is first seen learning, what was believed for the setting is cut to the floor's
-        life: gc keeps objects written before for the setting, but not once refreshed."""
+        life: gc keeps objects written before for the setting, but not once refreshed. Called on
+        every lookup: it does its work only when the index held or its freshness changed."""
+        if held is self._followed[0] and (fresh is None) == self._followed[1]:
+            return
+        self._followed = (held, fresh is None)
         ttl = self.index.ttl_s
         if ttl <= 0:
             return
