@@ -314,12 +314,12 @@ def digest(*parts: object) -> bytes:
     return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
 
 
-def make_core(store, *, seed=0, tp_rank=0, tp_size=1, index=None, failed_load_hook=True, **kw):
+def make_core(store, *, seed=0, tp_rank=0, tp_size=1, index=None, failed_load_hook=True, host_weigh=None, **kw):
     base = dict(staging_mib=4, upload_threads=2, download_threads=4, load_timeout_s=5.0, host_cache_gb=0.001)
     base.update(kw)
     layout = make_layout(GROUPS, num_slots=32, tokens_per_block=TPB, fill_seed=seed)
     core = WorkerCore(Settings(**base), store, "kv", tp_rank, tp_size, model_id="m", kv_dtype="bf16", index=index,
-                      failed_load_hook=failed_load_hook)
+                      failed_load_hook=failed_load_hook, host_weigh=host_weigh)
     core.register_layout(layout)
     return core, layout
 
@@ -594,6 +594,44 @@ def test_a_whole_object_read_from_the_store_is_kept_for_the_next_load():
     assert [page_bytes(lb, 1, s) for s in (20, 21)] == want == [page_bytes(lb, 1, s) for s in (22, 23)]
     st = b.stats()
     assert st.host_promoted == 1 and st.host_hits == 1
+    a.close()
+    b.close()
+
+
+def test_a_tier_whose_promoted_objects_go_unread_stops_reading_whole_objects_for_it():
+    """A whole read costs GETs the load does not need: paid only while the tier's promoted objects
+    are read there again. Pages weighed as 10 MiB: a 4-page object is 3 GETs whole, its first 3
+    pages 2; room for one such object, so each promotion evicts the last one, unread."""
+    store = InstrumentedStore(MemoryStore())
+    a, la = make_core(store)
+    ids = [digest("unread", i) for i in range(4)]
+    for i, d in enumerate(ids):
+        step(a, seal_md(1 + i, 1, [3, 4, 5, 6], d))
+    assert a.flush(10)
+    sim = a.host_tier.entries()[a.object_key(1, ids[0])].identity.page_bytes
+
+    def weigh(key, nbytes):  # as the trace replay weighs a real model's pages
+        n = (nbytes - header_len(0)) // (header_len(1) - header_len(0) + sim)
+        return header_len(n) + n * (10 << 20)
+
+    b, lb = make_core(store, seed=5, host_cache_gb=50 / 1024, host_weigh=weigh)
+    part = lambda rid, d: ConnectorMetadata(  # noqa: E731 - the object's first 3 of 4 pages
+        loads=(LoadOp(rid, ObjectRef(1, d, ((0, 4),)), (0, 1, 2), (20, 21, 22)),))
+    step(b, part(10, ids[0]))
+    step(b, part(11, ids[1]))  # evicts ids[0], never read again
+    assert b.host_tier.promotion_read_share() < 0.5
+    down = store.snapshot().bytes_down
+    step(b, part(12, ids[2]))
+    st = b.stats()
+    assert (st.host_promoted, st.host_promotions_declined) == (2, 1)
+    assert store.snapshot().bytes_down - down == header_len(4) + 3 * sim  # its own pages, not the whole
+    assert [page_bytes(lb, 1, s) for s in (20, 21, 22)] == [page_bytes(la, 1, s) for s in (3, 4, 5)]
+    # Read again where it is held, the tier promotes again.
+    step(b, part(13, ids[1]))
+    step(b, part(14, ids[1]))
+    assert b.host_tier.promotion_read_share() >= 0.5
+    step(b, part(15, ids[3]))
+    assert b.stats().host_promoted == 3
     a.close()
     b.close()
 

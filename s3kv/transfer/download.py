@@ -58,6 +58,7 @@ from ..core.objects import (
     SpanMismatch,
     decode_header,
     header_len,
+    object_len,
     trailer_range,
     verify_page,
 )
@@ -136,6 +137,18 @@ class LoadJob:
         if run_start >= 0:
             ranges.append(ByteRange(hl + run_start * pb, (prev - run_start + 1) * pb))
         return idx, ranges
+
+    def read_requests(self, page_bytes: int | None = None) -> tuple[int, int]:
+        """GETs this job costs reading only its pages (as :meth:`Downloader._load` sends them:
+        the header merged into the first range where they touch, the trailer apart), and reading
+        the whole object (what a tier promotion reads). ``page_bytes``: the pages' real size
+        where it is not the identity's (a replay's tier weighs a real model's pages)."""
+        pb = page_bytes or self.identity.page_bytes
+        idx, ranges = self.page_ranges()
+        tagged = self.identity.integrity is not None
+        pages = sum(get_requests(r.length // self.identity.page_bytes * pb) for r in ranges)
+        pages += int(not idx or idx[0] != 0) + int(tagged)
+        return pages, get_requests(object_len(self.count, pb, tagged))
 
     def release_if_complete(self, done: Any) -> bool:
         """Free the staging of a placed job once ``done(event)``; True when nothing is held any more."""

@@ -72,6 +72,7 @@ from ..core.objects import (
     ObjectSpan,
     decode_header,
     header_len,
+    object_len,
     object_metadata,
     trailer_len,
 )
@@ -118,6 +119,8 @@ class TierEntry:
     hits: int = 0
     #: A load read it while cached: an ``evict`` object is then written to the store at eviction.
     read: bool = False
+    #: A load read it whole from the store to hold it here (:meth:`HostTier.promotion_read_share`).
+    promoted: bool = False
     ready: bool = False  # bytes filled and committed: lookups and loads may use it
     #: The store holds this object too (written through, or read from there).
     stored: bool = False
@@ -192,6 +195,9 @@ class HostTierStats:
     too_big: int
     #: Entries whose save or read failed after they were reserved: ghosts made.
     failed: int
+    #: Objects a load read whole into the tier, then read here again before their eviction / not.
+    promoted_read: int
+    promoted_unread: int
 
 
 class HostTier(StoreWrapper):
@@ -240,7 +246,10 @@ class HostTier(StoreWrapper):
         self._high_water = 0
         #: Event counts, each a ``HostTierStats`` field of its name.
         self._n = {"inserted": 0, "evicted": 0, "hits": 0, "write_backs": 0, "write_back_failed": 0,
-                   "no_room": 0, "not_ready": 0, "too_big": 0, "failed": 0}
+                   "no_room": 0, "not_ready": 0, "too_big": 0, "failed": 0, "promoted_read": 0,
+                   "promoted_unread": 0}
+        #: (read again, evicted unread) of promoted objects, Beta(1, 1) prior, decayed by halving.
+        self._promo = [1.0, 1.0]
         self._wb_queue: queue.SimpleQueue[TierEntry | None] = queue.SimpleQueue()
         self._wb_thread: threading.Thread | None = None
         self._wb_pending = 0
@@ -316,14 +325,22 @@ class HostTier(StoreWrapper):
                 log.exception("s3kv: the host tier's weigher failed on %s; charging the object's bytes", key)
         return round_up(max(buffer_bytes, 1))
 
+    def page_bytes(self, key: str, identity: ObjectIdentity) -> int:
+        """A page's bytes as the tier charges them: the identity's, or what the weigher makes
+        of them (a replay's real model)."""
+        if self.weigh is None:
+            return identity.page_bytes
+        return max(1, self.charge(key, 0, object_len(1, identity.page_bytes, False)) - header_len(1))
+
     # -- the plan-ordered calls (worker thread) ---------------------------------------------
     def reserve(self, key: str, identity: ObjectIdentity, first: int, count: int, *, to_s3: str = NOW,
-                ghost: bool = False) -> TierEntry | None:
+                ghost: bool = False, promoted: bool = False) -> TierEntry | None:
         """Account for the object ``key`` (``count`` pages from ordinal ``first``) and make its
         buffer, evicting what is worth least until it fits. None when the tier holds it already
         or it is larger than the whole tier. ``ghost``: account for it without bytes (the save
         was dropped on this rank; the other ranks hold theirs). The caller fills a real entry
-        (:meth:`fill_pages` + :meth:`commit`, or its own writes + :meth:`commit`) or fails it."""
+        (:meth:`fill_pages` + :meth:`commit`, or its own writes + :meth:`commit`) or fails it.
+        ``promoted``: a load reads it whole from the store (counted for its read share)."""
         if to_s3 not in WRITE_POLICIES:
             raise ValueError(f"to_s3 must be one of {WRITE_POLICIES}, got {to_s3!r}")
         base, nbytes = self.layout(identity, count)
@@ -346,7 +363,8 @@ class HostTier(StoreWrapper):
                     # still held by loads in flight): a ghost, so the accounting stays the plan's
                     # on every rank.
                     self._n["no_room" if self._ready.is_set() else "not_ready"] += 1
-            e = TierEntry(key, identity, int(first), int(count), to_s3, charged, tokens, buf, base)
+            e = TierEntry(key, identity, int(first), int(count), to_s3, charged, tokens, buf, base,
+                          promoted=promoted)
             e.priority = self._inflation + tokens / max(charged, 1)
             self._entries[key] = e
             prefix, digest = _split_key(key)
@@ -372,6 +390,8 @@ class HostTier(StoreWrapper):
             if e is None:
                 return None
             if plan:
+                if e.promoted and e.hits == 0:
+                    self._promoted(read=True)
                 e.hits += 1
                 e.read = True
                 e.priority = self._inflation + (e.hits + 1) * e.tokens / max(e.charged, 1)
@@ -380,6 +400,19 @@ class HostTier(StoreWrapper):
                 return None
             self._n["hits"] += 1
             return e, e.buf.retain()
+
+    def _promoted(self, *, read: bool) -> None:
+        """A promoted object's fate (lock held): read here again, or evicted unread."""
+        self._n["promoted_read" if read else "promoted_unread"] += 1
+        self._promo[0 if read else 1] += 1.0
+        if sum(self._promo) > 512:  # a window of the last few hundred: it follows the traffic
+            self._promo = [x / 2 for x in self._promo]
+
+    def promotion_read_share(self) -> float:
+        """The share of objects a load read whole into the tier that were read here again before
+        their eviction. Plan-ordered (hits and evictions are) -- the same on every rank."""
+        with self._lock:
+            return self._promo[0] / (self._promo[0] + self._promo[1])
 
     def discard(self, key: str) -> None:
         """Drop ``key`` now (its bytes failed a check): no write-back, no answer from it again."""
@@ -505,6 +538,8 @@ class HostTier(StoreWrapper):
             del self._entries[key]
             self._inflation = max(self._inflation, prio)
             self._n["evicted"] += 1
+            if e.promoted and e.hits == 0:
+                self._promoted(read=False)
             self._drop(e)
             return True
         return False

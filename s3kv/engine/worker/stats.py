@@ -89,6 +89,9 @@ class WorkerStats:
     host_hits: int = 0
     host_hit_bytes: int = 0
     host_promoted: int = 0
+    #: ... loads that read only their pages: the extra GETs of a whole read outweighed the tier's
+    #: read share of what it promoted (``HostTier.promotion_read_share``), ...
+    host_promotions_declined: int = 0
     host_inserted: int = 0
     host_evicted: int = 0
     #: ... seals kept in the tier only (``to_s3`` evict/never), evicted ``evict`` objects written

@@ -413,7 +413,8 @@ def _tier_summary(tiers: Sequence[Any], gib: float) -> dict[str, Any] | None:
     """The engines' host tiers together (``HostTierStats``; sizes at the real model's bytes)."""
     if not tiers:
         return None
-    names = ("inserted", "evicted", "hits", "write_backs", "write_back_failed", "too_big", "no_room", "failed")
+    names = ("inserted", "evicted", "hits", "write_backs", "write_back_failed", "too_big", "no_room", "failed",
+             "promoted_read", "promoted_unread")
     return {
         "gib_per_engine": rnd(gib, 2),
         "high_water_gib": rnd(max(t.high_water for t in tiers) / 2**30, 2),
