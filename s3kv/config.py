@@ -181,10 +181,13 @@ class Settings:
     url: str = ""
     #: Blocks per stored object; 0 = choose from page size (objects of ~target_object_mib).
     blocks_per_object: int = 0
-    #: 64: every object is one PUT-class request and the lookup HEADs one key per object, so
-    #: bigger full-attention objects bill fewer of both; on the conversation traces 64 cut PUTs
-    #: 40% and HEADs 25% against 32 for 0.2 pp fewer tokens served (docs/sizing.md).
-    target_object_mib: int = 64
+    #: Every object is one PUT-class request (up to the multipart threshold) and the lookup HEADs
+    #: one key per object, while storage is billed per byte: a PUT costs what keeping 64 MiB costs
+    #: for 2.5 hours, and gc keeps most objects minutes. So full-attention objects are as large as the
+    #: checkpoint stride lets them (an object never spans a checkpoint; on Gemma-3-27B one object
+    #: per stride, 320 MiB). Against 64 MiB: S3 $ -15% to -45% over the public trace and the
+    #: generated family in 1- and 4-engine fleets, tokens served 83-139% (docs/sizing.md).
+    target_object_mib: int = 512
     max_blocks_per_object: int = 64
     #: "async": parked request, reported from get_finished; "sync": finished inside start_load_kv.
     #: A failed sync load has no safe outcome, and no TensorRT-LLM line can fail one (the failed-load
@@ -235,8 +238,10 @@ class Settings:
     #: It is the longest queue wait (arrival to first scheduling) this covers; 0 = off (only
     #: changes after s3kv first saw the adapter refuse it).
     lora_settle_s: float = 60.0
-    #: Host staging pool for saves and loads.
-    staging_mib: int = 1024
+    #: Host staging pool for saves and loads (per engine process, pinned): a save holds a buffer
+    #: per open object and layer group until it is uploaded, so it holds a few of the largest
+    #: objects (a Gemma-3-27B sliding tail ~416 MiB, a full-attention object 320 MiB).
+    staging_mib: int = 4096
     pinned: bool = True
     #: Host tier (DRAM, per TP rank): GiB of s3kv objects kept in host memory in front of the store,
     #: so repeats on this engine load at PCIe speed with no S3 request. -1 = auto: on a GPU engine
