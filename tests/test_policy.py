@@ -93,6 +93,22 @@ def test_checkpoint_must_be_multiple_of_object_size():
     assert StoragePolicy(g, 4, 32).chunk_end(8) == 12
 
 
+def test_default_full_attention_objects_are_one_checkpoint_stride():
+    """A PUT costs what keeping 64 MiB costs for hours: at the defaults a full-attention object is
+    as large as the checkpoint stride lets it be, and the stride stays where the setting puts it
+    (Gemma-3-27B at 64 tokens a block: 5 MiB full-attention pages, 26 MiB sliding ones)."""
+    from s3kv.core.policy import object_sizes
+
+    mib, tpb = 1 << 20, 64
+    s = Settings(url="memory://t")
+    (full, sliding), cp = object_sizes([5 * mib, 26 * mib], tpb, s)
+    assert cp == s.checkpoint_tokens // tpb and full == cp
+    assert cp % sliding == 0 and sliding * 26 * mib <= s.target_object_mib * mib
+    # 64 MiB objects (the default before): 12-block objects, and checkpoints pushed to 72 blocks.
+    (full, _), cp = object_sizes([5 * mib, 26 * mib], tpb, Settings(url="memory://t", target_object_mib=64))
+    assert (full, cp) == (12, 72)
+
+
 # ---------------------------------------------------------------- through LeaderCore
 
 
