@@ -210,8 +210,18 @@ def _stall_attack(moto_s3, hook: bool, *, release_after_s: float = 6.0) -> dict:
                 watcher.start()
                 during = run_phases(engine, _repeat(base, 2000), Result("hung"), flush_s=30.0)
                 seen["run_s"] = time.monotonic() - t0
+                rung_by_end = counters.snapshot()
                 stop.set()
                 watcher.join()
+                # The run can end within one of the watcher's looks after the breaker opened or a
+                # rung was taken (a clean-clone CI run: both at 2.0 s, the run over at 2.02 s, the
+                # watcher never saw them): the breaker's own clock says when it opened, and a rung
+                # counted by the run's end was taken by then.
+                if "breaker_open_s" not in seen and breaker._opened_at > t0:
+                    seen["breaker_open_s"] = breaker._opened_at - t0
+                if "rung_s" not in seen and (rung_by_end.get("rung_engine_recompute", 0)
+                                             or rung_by_end.get("rung_parked_retry", 0)):
+                    seen["rung_s"] = seen["run_s"]
                 px.set_plan(WireFaultPlan())
         finally:
             store.close()
