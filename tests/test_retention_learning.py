@@ -11,6 +11,7 @@ import json
 import os
 import time
 
+import pytest
 from click.testing import CliRunner
 from test_fleet_index import TPB, _leader, _write, tokens_of
 
@@ -25,7 +26,7 @@ from s3kv.core.retention import (
     parse_report_key,
     report_key,
 )
-from s3kv.core.value import LAG_BINS, lag_bin
+from s3kv.core.value import GC_WATCH_S, LAG_BINS, lag_bin
 from s3kv.engine.fleetindex import Publisher, index_key
 from s3kv.store.factory import open_store
 from s3kv.store.memory import MemoryStore
@@ -231,7 +232,9 @@ def test_the_write_policy_bills_storage_for_the_life_gc_gives_objects():
     fi = core.fleet_index()
     assert fi is not None and fi.refresh()
     core.writes._bill_learnt_life()
-    assert core.writes.model.bill.lifetime_s == ceiling_life - (CAP - (1023 - MARGIN))
+    # Shorter by the learnt retention, and gone within half the index's period (10 s) rather than
+    # half gc's --watch period: the publisher deletes in each pass.
+    assert core.writes.model.bill.lifetime_s == ceiling_life - (CAP - (1023 - MARGIN)) - (GC_WATCH_S - 10.0) / 2
 
 
 def test_a_worker_follows_the_refresh_period_the_plan_carries():
@@ -305,3 +308,93 @@ def test_a_replay_that_learns_the_retention_bills_less_storage_for_the_same_toke
     assert learnt["storage_usd"] < fixed["storage_usd"]
     assert learnt["served_tokens"] == fixed["served_tokens"]
     assert out[True]["load_failures"] == 0 and out[True]["kv_mismatches"] == 0
+
+
+# ------------------------------------------------------------------------------ expiring in each index pass
+def test_the_index_pass_deletes_what_expired_by_the_store_clock_once_gc_vouched_for_it(tmp_path):
+    """The publisher deletes from its own listing what gc's rule says expired, and leaves it out of
+    the index -- only once gc checked this host's clock against the store's, and by the store's."""
+    url = f"file://{tmp_path}/cache"
+    store = open_store(url)
+    writer = _leader(store, fleet_index_s=0)
+    writer.scheme = dataclasses.replace(writer.scheme, prefix="")
+    nsp = writer.scheme.namespace_prefix
+    now = time.time()
+    clock = [now - 2000]
+    pub = Publisher(store, "", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp])
+    k = report_key(nsp, "00000000000000aa", 0)
+    store.put(k, encode_report(_reads((30, 100)), clock[0], k))
+    pub.publish(clock[0])
+    cutoff = pub.retention[nsp][0] + MARGIN
+    assert cutoff == 1023  # learnt: what was written since (and its lag) goes at 1,023 s
+    aged = {}
+    for seed, age in ((1, cutoff + 80.0), (2, 100.0)):
+        keys = _write(writer, store, tokens_of(8 * TPB + 9, seed=seed), 8)
+        for key in keys:
+            os.utime(tmp_path / "cache" / key, (now - age, now - age))
+        aged[age] = set(keys)
+    old, young = aged[cutoff + 80.0], aged[100.0]
+
+    def indexed() -> int:
+        key = index_key(nsp)
+        return decode(store.get(key), object_key=key, namespace=writer.namespace, keys=None, max_objects=100).objects
+
+    clock[0] = now
+    rep = pub.publish(now)  # gc has not checked the clock: nothing deleted
+    assert rep.expired == 0 and indexed() == len(old) + len(young)
+    pub.expire_skew_s = -200.0  # the store's clock 200 s behind this host's: the old ones are 903 s old there
+    assert pub.publish(now).expired == 0
+    pub.expire_skew_s = 0.0
+    rep = pub.publish(now)
+    left = {i.key for i in store.list("")}
+    assert rep.expired == len(old) and not left & old and young <= left
+    assert rep.expired_bytes > 0 and pub.expired_total == [rep.expired, rep.expired_bytes]
+    assert indexed() == len(young)  # what it deleted is not in the index it wrote
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_gc_watch_with_the_index_deletes_what_expires_between_its_passes(tmp_path, monkeypatch, dry_run):
+    """Between two ``--watch`` passes the fleet index's passes delete what expired and the next
+    pass says how much; a dry run deletes nothing there either."""
+    import types
+
+    from test_ops_cli import NS_A, _put, cli
+
+    import s3kv.tools.ops as ops
+    from s3kv.core.keys import KeyScheme
+    from s3kv.store.fsspec_store import FsspecStore
+
+    url = f"file://{tmp_path}/cache"
+    store = FsspecStore(url)
+    now = time.time()
+    _put(store, KeyScheme("", NS_A, tp_size=1), "e0e0e0e0e0e0e0e0", 0, 64, 0, 2)  # young: stays
+    planted: list[str] = []
+    mono = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        mono[0] += s
+        if len(slept) == 1:  # after the first pass: an object that expired long ago appears
+            before = {i.key for i in store.list("")}
+            _put(store, KeyScheme("", NS_A, tp_size=1), "d0d0d0d0d0d0d0d0", 0, 64, 0, 2)
+            planted.extend({i.key for i in store.list("")} - before)
+            for key in planted:
+                os.utime(tmp_path / "cache" / key, (now - 3 * 86400, now - 3 * 86400))
+        if len(slept) == 61:  # the second pass printed, its publishing under way
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(ops, "time", types.SimpleNamespace(time=time.time, monotonic=lambda: mono[0], sleep=sleep))
+    args = ["gc", "--url", url, "--expired", "--watch", "10m", "--index", "10s", "--json", "--now", str(now)]
+    r = CliRunner().invoke(cli(), args + (["--dry-run"] if dry_run else []))
+    passes = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(passes) == 2 and planted, r.output
+    left = {i.key for i in store.list("")}
+    assert passes[1]["deleted"]["objects"] == 0
+    if dry_run:
+        assert set(planted) <= left and "deleted_in_index_passes" not in passes[1]
+        assert passes[1]["matched"]["objects"] == len(planted)  # what gc would delete
+    else:
+        assert not left & set(planted)
+        assert passes[0]["deleted_in_index_passes"]["objects"] == 0
+        assert passes[1]["deleted_in_index_passes"]["objects"] == len(planted)

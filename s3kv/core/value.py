@@ -137,6 +137,12 @@ _PRIOR_LAG_WEIGHT = 1.0
 MEMO_ENTRIES = 200_000
 
 
+#: gc's ``--watch`` period the docs run (``s3kv gc --expired --watch 10m``): an expired object
+#: outlives its cutoff by half of it on average, unless the fleet index's publisher deletes it
+#: sooner (``engine.fleetindex``, expiring in each pass).
+GC_WATCH_S = 600.0
+
+
 @dataclass(frozen=True)
 class Bill:
     """What writing and reading an object costs, at its real size (``s3kv.core.cost``'s rules)."""
@@ -150,7 +156,7 @@ class Bill:
     range_split: int = RANGE_SPLIT
 
     @classmethod
-    def from_settings(cls, settings: Any, gc_period_s: float = 600.0) -> Bill:
+    def from_settings(cls, settings: Any, gc_period_s: float = GC_WATCH_S) -> Bill:
         return cls(
             Prices.from_settings(settings),
             expiry_age_s(settings) + gc_period_s / 2,

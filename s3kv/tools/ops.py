@@ -1015,12 +1015,15 @@ def gc_command(
             raise click.BadParameter("must be > 0", param_hint="--watch")
         while True:
             try:
+                _vouch(pub, None)
                 _gc_clock(ctx, now, older_than)
+                _vouch(pub, None if dry_run else ctx.now - (time.time() if now is None else now))
                 _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, True, confirm_above, verbose, pub)
             except (StoreError, SystemExit, click.ClickException) as exc:  # the next pass tries again
                 click.echo(f"s3kv gc: pass failed: {exc}", err=True)
             _wait_publishing(watch, index_every, publish)
     _gc_clock(ctx, now, older_than)
+    _vouch(pub, None if dry_run else ctx.now - (time.time() if now is None else now))
     _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, yes, confirm_above, verbose, pub)
     if publish is not None:
         publish()
@@ -1047,6 +1050,15 @@ def _gc_clock(ctx: _Ctx, now: float | None, older_than: float | None) -> None:
             "(NTP) and run again"
         )
     ctx.now = store_now
+
+
+def _vouch(pub: Any, skew_s: float | None) -> None:
+    """Let the fleet index's publisher delete what its own listing shows expired, by the store's
+    clock (``skew_s``: the store's minus this host's, as ``_gc_clock`` just read it), or stop it
+    (None: unchecked, a dry run). Why it deletes at all: ``s3kv.engine.fleetindex``, expiring in
+    each pass."""
+    if pub is not None:
+        pub.expire_skew_s = skew_s
 
 
 def _gc_pass(
@@ -1114,6 +1126,8 @@ def _gc_pass(
         "deleted": {"objects": deleted.objects, "bytes": deleted.bytes},
         "by_namespace": {n: {"objects": a.objects, "bytes": a.bytes} for n, a in sorted(by_ns.items())},
     }
+    if pub is not None and pub.expire_skew_s is not None:
+        doc["deleted_in_index_passes"] = {"objects": pub.expired_total[0], "bytes": pub.expired_total[1]}
     if left:
         doc["left_in_sub_prefixes"] = {s: {"objects": a.objects, "bytes": a.bytes} for s, a in sorted(left.items())}
     if failure is not None:
@@ -1133,6 +1147,9 @@ def _gc_pass(
         verb = "would delete" if dry_run else "deleted"
         shown = matched if dry_run else deleted
         yield f"{verb} {shown.objects} objects, {fmt_bytes(shown.bytes)}" + (" (dry run)" if dry_run else "")
+        if "deleted_in_index_passes" in doc:
+            n, b = pub.expired_total
+            yield f"the fleet index's passes deleted {n} expired objects, {fmt_bytes(b)}, since gc started"
         if left:
             n = sum(a.objects for a in left.values())
             yield (f"left {n} matching objects under {len(left)} sub-prefix(es) holding namespaces of their own "

@@ -37,6 +37,7 @@ from ...core.value import (
     BRANCH,
     CHAIN,
     CHECKPOINT,
+    GC_WATCH_S,
     HISTORY_END,
     PROMPT_END,
     WRITE_ALL,
@@ -205,10 +206,14 @@ class WritePolicy:
 
     def _bill_learnt_life(self) -> None:
         """Bill storage for the life gc gives objects now: where it learns the retention
-        (``core.retention``), shorter than the ceiling by as much -- a policy billing the ceiling
-        would refuse objects that are worth their real, shorter keep."""
-        shorter = self.settings.retention_h * 3600.0 - self.lookups.listings.retention_s()
-        life = self._ceiling_life - max(0.0, shorter)
+        (``core.retention``), shorter than the ceiling by as much, and ended within half the
+        index's period rather than half gc's ``--watch`` period (its publisher deletes) -- a
+        policy billing the ceiling would refuse objects that are worth their real, shorter keep."""
+        listings = self.lookups.listings
+        shorter = self.settings.retention_h * 3600.0 - listings.retention_s()
+        period = listings.gc_period_s()
+        sooner = 0.0 if period is None else max(0.0, (GC_WATCH_S - period) / 2)
+        life = self._ceiling_life - max(0.0, shorter) - sooner
         if life != self.model.bill.lifetime_s:
             self.model.bill = dataclasses.replace(self.model.bill, lifetime_s=life)
 

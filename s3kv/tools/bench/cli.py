@@ -503,7 +503,9 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
     help="Hours an object is kept after its last write or refresh (default 1; 24 x days for a lifecycle rule).",
 )
 @click.option("--gc-period-s", type=click.FloatRange(min=0), default=600.0, show_default=True,
-              help="How often gc deletes what has expired (an expired object lives on half of it on average).")
+              help="How often gc deletes what has expired (an expired object lives on half of it on average): "
+              "its --watch period. Where the fleet index learns the retention (the default) its publisher "
+              "deletes in each pass instead, every --index-every.")
 @click.option("--gpu-usd-per-hour", type=float, default=None, help="$ per GPU-hour (default 3).")
 @click.option(
     "--set", "overrides", multiple=True, metavar="NAME=VALUE",

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...core.cost import Gpu, Prices, expiry_age_s
+from ...core.value import GC_WATCH_S
 from .. import models as _models
 from .billing import BilledStore
 from .common import GEMMA3_27B, BenchStore, ModelSpec, SharedStore, pct, progress, rnd
@@ -76,8 +77,10 @@ class TraceConfig:
     checkpoint_tokens: int = 4096
     prices: Prices = field(default_factory=Prices)
     gpu: Gpu = field(default_factory=Gpu)
-    #: ``s3kv gc --watch`` period: an expired object lives on half of it on average.
-    gc_period_s: float = 600.0
+    #: ``s3kv gc --watch`` period: an expired object lives on half of it on average. Where the
+    #: fleet index learns the retention (the default), its publisher deletes in each pass instead
+    #: (``engine.fleetindex``, expiring in each pass): ``index_every_s``.
+    gc_period_s: float = GC_WATCH_S
     #: Re-verify every page when the engine frees it (catches stray writes; doubles the model's cost).
     audit: bool = False
     #: Chunked prefill: tokens per forward pass (TensorRT-LLM's max_num_tokens default).
@@ -211,6 +214,7 @@ def replay(
         index_ttl_s=600.0 if cfg.prices.retention_h * 3600 >= 600 else 1e-6,
     )
     sizing = real_page_bytes(cfg.model, tpb)
+    learns = cfg.index_every_s > 0 and settings.retention_auto
     counter = BilledStore(
         bs.store,
         settings.multipart_threshold_mib << 20,
@@ -218,7 +222,7 @@ def replay(
         retention_s=cfg.prices.retention_h * 3600,
         # gc deletes later than the retention: what an engine may still believe must outlive it.
         expire_after_s=expiry_age_s(dataclasses.replace(settings, retention_h=cfg.prices.retention_h)),
-        gc_period_s=cfg.gc_period_s,
+        gc_period_s=cfg.index_every_s if learns else cfg.gc_period_s,
         range_split=settings.range_split_mib << 20,
     )
     fleet = Fleet(cfg.fleet, cfg.model, tpb, cfg.gpu)
@@ -228,7 +232,7 @@ def replay(
 
         cap = cfg.prices.retention_h * 3600
         fleet.on_clock.append(ReplayIndex(
-            cfg.index_every_s, learn=(cap, counter.expire_after_s - cap) if settings.retention_auto else None))
+            cfg.index_every_s, learn=(cap, counter.expire_after_s - cap) if learns else None))
     fleet.store = counter
     before = bs.store.snapshot()
     synth = TokenSynth(block_tokens, SIM_VOCAB)
@@ -381,6 +385,7 @@ def replay(
         "refreshes": counter.refreshes,
         "get_requests_by_split_mib": counter.get_by_split,
         "expired_objects": counter.expired,
+        "gc_period_s": counter.gc_period_s,
         "storage_gib_hours": rnd(counter.byte_seconds / 2**30 / 3600, 1),
         "storage_usd": counter.storage_usd(cfg.prices.gb_month),
         "unread_write_usd": counter.hindsight_usd(cfg.prices.put_per_1k, cfg.prices.gb_month),

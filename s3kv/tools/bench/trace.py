@@ -303,7 +303,8 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
         "stall": {k: first["lookup_stall"][k] for k in ("hidden_ms", "lost_s", "itl_added_p50_ms", "itl_added_p99_ms")},
         "prices": dataclasses.asdict(cfg.prices),
         "retention_h": cfg.prices.retention_h,
-        "gc_period_s": cfg.gc_period_s,
+        # How often gc deleted: its --watch period, or the index's where its publisher learns.
+        "gc_period_s": first.get("gc_period_s", cfg.gc_period_s),
         "gpu": dataclasses.asdict(cfg.gpu),
         "settings": {
             k: getattr(Settings(**cfg.settings), k)
