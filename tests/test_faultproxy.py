@@ -39,8 +39,10 @@ OPTS = S3Options(
     part_size=5 * MiB,
     range_split_bytes=1 * MiB,
 )
-#: Shorter than the stall, so a held answer is a client read timeout.
-STALL_OPTS = dataclasses.replace(OPTS, read_timeout_s=0.2)
+#: Shorter than the stall (1 s), so a held answer is a client read timeout; long enough that a
+#: loaded host's moto answering late is not one (at 0.2 s a CI run under load ran a HEAD out of
+#: its 6 attempts, each a timeout).
+STALL_OPTS = dataclasses.replace(OPTS, read_timeout_s=0.5)
 
 
 class _OneRetryLoopSession(boto3.session.Session):
