@@ -22,8 +22,7 @@ are read, and ``S3KV_RETENTION_H`` becomes its ceiling:
   deleting what an engine still promises without asking; the engines' refresh-on-hit follows it
   (the leader hands it to the workers).
 
-Why one bin of headroom rather than "keep 99% of the reads" (``value.advise_retention``, the
-advice): reads later than the cutoff are never seen, so a rule that only keeps what it saw would
+Why one bin of headroom rather than "keep 99% of the reads" (the advice this replaced): reads later than the cutoff are never seen, so a rule that only keeps what it saw would
 ratchet down -- each shorter retention hides the reads that would argue against the next. Reads in
 the last bin before the cutoff are seen; more than 1% there says the reuse has not died away by
 the cutoff, and the retention grows back a bin. Why no prior: with fewer than
