@@ -107,14 +107,11 @@ def retention_for(
     oldest first; a write an engine still believes at ``touched_at`` came within its belief of
     it, so every belief in force within its own span (plus the ``lag_s`` engines may act on an
     older index) before ``touched_at`` counts. Before ``since`` plus the lag, engines believed the
-    ceiling (``cap_s``), and each cut that to the floor's life (the floor plus its index TTL, which
-    gc's margin holds) when it first saw gc learn -- by ``since`` plus the lag. So such an object
-    is kept until then plus the floor, not for the ceiling from its write: keeping the ceiling
-    billed a fresh fleet's first 90 s of writes for an hour, on a 10-minute trace nearly half its
-    storage, to honour beliefs no engine still held."""
-    best = retention_s
+    ceiling (``cap_s``) -- and when they first see gc learn they cut that to the floor's life, so
+    a refresh after that needs no more."""
     if touched_at < since + lag_s:
-        best = max(best, since + lag_s + RETENTION_FLOOR_S - touched_at)
+        return cap_s
+    best = retention_s
     for i, (t, b) in enumerate(beliefs):
         end = beliefs[i + 1][0] if i + 1 < len(beliefs) else math.inf
         if t <= touched_at and end >= touched_at - b - lag_s:
