@@ -342,9 +342,14 @@ def test_the_index_pass_deletes_what_expired_by_the_store_clock_once_gc_vouched_
     clock[0] = now
     rep = pub.publish(now)  # gc has not checked the clock: nothing deleted
     assert rep.expired == 0 and indexed() == len(old) + len(young)
-    pub.expire_skew_s = -200.0  # the store's clock 200 s behind this host's: the old ones are 903 s old there
+    pub.vouch(-200.0)  # the store's clock 200 s behind this host's: the old ones are 903 s old there
     assert pub.publish(now).expired == 0
-    pub.expire_skew_s = 0.0
+    pub.vouch(0.0)
+    wall = pub.wall
+    pub.wall = lambda: wall() + 120  # this host's clock steps 2 minutes: delete nothing until checked
+    assert pub.publish(now).expired == 0 and pub.expire_skew_s is None
+    pub.wall = wall
+    pub.vouch(0.0)
     rep = pub.publish(now)
     left = {i.key for i in store.list("")}
     assert rep.expired == len(old) and not left & old and young <= left

@@ -27,13 +27,14 @@ runs, engines see no index and fall back to what they did before (the LIST summa
 ``S3KV_LOOKUP_SUMMARY_S`` > 0, else HEAD waves).
 
 **Expiring in each pass** (where gc learns the retention, and has checked this host's clock
-against the store's: ``expire_skew_s``): the pass deletes what its own listing shows expired --
+against the store's: :meth:`Publisher.vouch`): the pass deletes what its own listing shows expired --
 each object past the retention gc keeps it for (``keep_s``) plus gc's margin, gc's own rule -- and
 leaves it out of the index. Why here and not only in gc's ``--watch`` pass: that pass runs every
 few minutes, and an expired object lives on half a period on average. At a 10-minute period
-that was 300 s, as long again as the ~6-minute retentions gc learns on conversation traffic:
-storage, a third to a half of the S3 bill on the workload family, nearly doubled. The publisher
-lists every ``every_s`` anyway, so deleting from that listing costs no request but the DELETEs.
+that was 300 s on top of the ~17 minutes gc keeps an object at the shortest retention it learns
+(363 s + its 660 s margin): up to 30% more storage, itself a third to a half of the S3 bill on
+the workload family. The publisher lists every ``every_s`` anyway, so deleting from that
+listing costs no request but the DELETEs.
 
 **Refreshing** (:class:`IndexRefresher`, one per leader): a conditional GET every
 ``S3KV_FLEET_INDEX_S`` on a daemon thread (an unchanged index is a 304, no body); a changed one
@@ -102,6 +103,9 @@ log = logging.getLogger("s3kv.fleetindex")
 HEAD_BATCH = 256
 #: A publisher's clock may run this far ahead of an engine's before its index is refused.
 MAX_SKEW_S = 60.0
+#: A wall-clock step this large since gc checked the store's clock stops the index passes'
+#: deletions (``Publisher.vouch``); well within gc's 60 s margin, well above NTP slewing.
+MAX_STEP_S = 10.0
 
 
 def index_key(namespace_prefix: str) -> str:
@@ -175,9 +179,13 @@ class Publisher:
         #: Per namespace prefix: (time published, what engines believe) since learning began,
         #: oldest first (``core.retention.retention_for``: what gc keeps each object for).
         self.history: dict[str, list[tuple[float, float]]] = {}
-        #: The store's clock minus this host's, as gc last checked it (``s3kv gc``'s clock rule);
-        #: None: unchecked, and the pass deletes nothing (module doc, expiring in each pass).
+        #: The store's clock minus this host's, as gc last checked it (``vouch``); None:
+        #: unchecked, and the pass deletes nothing (module doc, expiring in each pass).
         self.expire_skew_s: float | None = None
+        self._vouched = (0.0, 0.0)
+        #: This host's wall and monotonic clocks (a test steps the wall one).
+        self.wall: Callable[[], float] = time.time
+        self.mono: Callable[[], float] = time.monotonic
         #: What its passes deleted as expired since it started: objects, bytes.
         self.expired_total = [0, 0]
 
@@ -255,11 +263,25 @@ class Publisher:
         rep.seconds = self._last_s = time.perf_counter() - t0
         return rep
 
+    def vouch(self, skew_s: float | None) -> None:
+        """gc just read the store's clock: ``skew_s`` is it minus this host's (None: unchecked, a
+        dry run -- delete nothing). Until the next check the passes add it to this host's clock,
+        unless that clock steps meanwhile (an NTP step, a VM resumed): past :data:`MAX_STEP_S`
+        of difference from the monotonic clock they stop deleting until gc checks again."""
+        self.expire_skew_s = skew_s
+        self._vouched = (self.wall(), self.mono())
+
     def _expire(self, nsp: str, objs: list[tuple[ObjectInfo, ParsedKey]], listed_at: float,
                 rep: PublishReport) -> list[tuple[ObjectInfo, ParsedKey]]:
         """Delete the objects of ``objs`` past gc's cutoff (module doc); the ones left. An object
         whose DELETE failed stays, in the index too: the next pass (or gc's) tries again."""
         if self.expire_skew_s is None or self.learn is None or nsp not in self.retention:
+            return objs
+        step = (self.wall() - self._vouched[0]) - (self.mono() - self._vouched[1])
+        if abs(step) > MAX_STEP_S:
+            log.warning("s3kv gc: this host's clock stepped %+.0f s since gc checked it against the store's: "
+                        "index passes delete nothing until the next check", step)
+            self.expire_skew_s = None
             return objs
         now = listed_at + self.expire_skew_s
         margin = self.learn[1]

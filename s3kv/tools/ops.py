@@ -1058,7 +1058,7 @@ def _vouch(pub: Any, skew_s: float | None) -> None:
     (None: unchecked, a dry run). Why it deletes at all: ``s3kv.engine.fleetindex``, expiring in
     each pass."""
     if pub is not None:
-        pub.expire_skew_s = skew_s
+        pub.vouch(skew_s)
 
 
 def _gc_pass(

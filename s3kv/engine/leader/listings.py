@@ -124,10 +124,11 @@ class Listings:
         return min(keep, idx.retention_s) if idx is not None and idx.retention_s is not None else keep
 
     def gc_period_s(self) -> float | None:
-        """How often gc deletes what expired, where the fleet index says it learns the retention:
-        its publisher deletes in each pass (``engine.fleetindex``, expiring in each pass), so the
-        index's own period; None: gc's ``--watch`` period, which no engine can see."""
-        idx = self._fleet.held if self._fleet is not None else None
+        """How often gc deletes what expired, where a fresh fleet index says it learns the
+        retention: its publisher deletes in each pass (``engine.fleetindex``, expiring in each
+        pass), so the index's own period; None: gc's ``--watch`` period, which no engine can see
+        (a stale index: no publisher passes either)."""
+        idx = self._fleet.current() if self._fleet is not None else None
         return idx.every_s if idx is not None and idx.retention_s is not None else None
 
     def refresh_s(self) -> float:
