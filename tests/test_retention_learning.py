@@ -403,3 +403,34 @@ def test_gc_watch_with_the_index_deletes_what_expires_between_its_passes(tmp_pat
         assert not left & set(planted)
         assert passes[0]["deleted_in_index_passes"]["objects"] == 0
         assert passes[1]["deleted_in_index_passes"]["objects"] == len(planted)
+
+
+def test_a_replay_takes_gc_to_have_learnt_since_before_its_first_request():
+    """A trace is a window of a fleet's traffic: its gc publisher ran before the first request
+    (tools/bench/indexhook.py), so an object written then is kept by the learnt retention, not
+    for the ceiling an engine that had not yet seen gc learn might have believed."""
+    from types import SimpleNamespace
+
+    from s3kv.core.cost import EXPIRY_MARGIN_S
+    from s3kv.core.retention import engine_lag_s
+    from s3kv.tools.bench.billing import BilledStore
+    from s3kv.tools.bench.indexhook import ReplayIndex
+
+    mem = MemoryStore()
+    billed = BilledStore(mem, 1 << 30, 128 << 20, retention_s=CAP, expire_after_s=CAP + MARGIN)
+    engine = _leader(billed, fleet_index_s=5)
+    nsp = engine.scheme.namespace_prefix
+    fleet = SimpleNamespace(store=billed, engines=[SimpleNamespace(leader=SimpleNamespace(core=engine))])
+    k = report_key(nsp, "00000000000000aa", 0)
+    mem.put(k, encode_report(_reads((30, 100)), 0.0, k))  # reads to learn from at its first pass
+    hook = ReplayIndex(every_s=10, learn=(CAP, MARGIN))
+    try:
+        hook(1000.0, fleet)
+        pub = hook._publisher
+        since = pub.retention[nsp][1]
+        assert since <= 1000.0 - engine_lag_s(10, 5, EXPIRY_MARGIN_S)
+        assert pub.retention[nsp][0] == 1023 - MARGIN
+        assert pub.keep_s(nsp, 1000.0) == 1023 - MARGIN  # (started with the trace: the ceiling)
+        assert engine.fleet_index().current().retention_s == 1023 - MARGIN  # engines knew from the start
+    finally:
+        engine.close_lookup()

@@ -8,6 +8,15 @@ engines' namespace from what that store holds (the publisher's HEADs billed as a
 would be, objects expired on the trace's clock gone, as gc would have deleted them) and has every
 engine pick the new index up at once; the engines judge its age on the same clock. Its first
 call publishes an index even before anything is stored (an empty namespace's misses are free).
+
+Where gc learns the retention, its publisher is taken to have been running before the trace's
+first request -- a window of a fleet's ongoing traffic, which a trace is, not a namespace's
+first minute: engines see an index saying gc learns before they write anything (they believe
+their uploads for the floor's life until gc has reads to learn from), so gc keeps nothing for
+the ceiling because an engine might not have known. What gc learns is not carried in: it starts
+with no reads. Started with the trace instead, gc kept the first ~90 s of writes (the time
+engines may take to see it learn) for the ceiling: on the public trace's first 1,200 requests
+half the storage, a once-per-namespace cost a short replay magnifies.
 """
 
 from __future__ import annotations
@@ -66,6 +75,12 @@ class ReplayIndex:
                 fi = c.fleet_index()
                 if fi is not None:
                     fi.clock = self._clock
+            if self.learn is not None:  # running since before the trace (module doc)
+                from ...core.cost import EXPIRY_MARGIN_S
+                from ...core.retention import engine_lag_s
+
+                self._publisher.publish(now - engine_lag_s(self.every_s, core.settings.fleet_index_s,
+                                                           EXPIRY_MARGIN_S) - self.every_s)
         if now - self._last < self.every_s:
             return
         self._last = now
