@@ -314,7 +314,8 @@ def run_trace(bs: BenchStore, cfg: TraceConfig) -> dict[str, Any]:
         "may still believe, after the last write or refresh) / (prefill GPU $ the tokens S3 served saved past each "
         "request's device match - GPU $ the lookups' stall beyond one decode forward cost); ratio_gross leaves "
         "the stall out; ratio_s3kv credits what the host tier served too (the same without one); below 1 s3kv "
-        "pays for itself",
+        "pays for itself. Where gc learns the retention (the default), its index publisher ran before the "
+        "first request (a window of ongoing traffic), with no reads learnt yet",
     }
     res: dict[str, Any] = {
         "value": res_value,
