@@ -259,10 +259,19 @@ def test_index_does_bounded_work_per_insert():
     idx.put_present("p", ObjectSpan(0, 1))
     # One insert removed a handful of expired entries, not all 50,000 at once.
     assert 50_000 - 20 <= len(idx) <= 50_000
-    t0 = time.perf_counter()
-    for i in range(10_000):
-        idx.put_present(f"q{i}", ObjectSpan(0, 1))
-    assert time.perf_counter() - t0 < 1.0
+    # Timed without the collector: in one clean-clone CI run the loop took 1.6 s (0.1 s here),
+    # likely a full collection of the multi-GB test process landing inside it (not proven); the
+    # bound is on the index's work.
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        for i in range(10_000):
+            idx.put_present(f"q{i}", ObjectSpan(0, 1))
+        took = time.perf_counter() - t0
+    finally:
+        gc.enable()
+    assert took < 1.0
     assert len(idx) == 10_001 + max(0, 50_000 - 8 * 10_001)  # swept as fast as it filled
     assert idx.get("n1") is None and idx.get("p") == ObjectSpan(0, 1)
     # The bound drops negatives before positives.
