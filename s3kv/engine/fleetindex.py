@@ -284,12 +284,10 @@ class Publisher:
             self.expire_skew_s = None
             return objs
         now = listed_at + self.expire_skew_s
-        margin = self.learn[1]
         gone: list[ObjectInfo] = []
         for info, _ in objs:
-            lm = info.last_modified
-            keep = self.keep_s(nsp, lm) if lm is not None else None
-            if keep is not None and now - lm >= keep + margin:  # type: ignore[operator]
+            cutoff = self.cutoff_s(nsp, info.last_modified)
+            if cutoff is not None and now - info.last_modified >= cutoff:  # type: ignore[operator]
                 gone.append(info)
         if not gone:
             return objs
@@ -363,6 +361,15 @@ class Publisher:
         lag = engine_lag_s(self.every_s, self.engine_poll_s, EXPIRY_MARGIN_S)
         return retention_for(self.history.get(nsp, ()), touched_at, retention_s=got[0], since=got[1],
                              cap_s=self.learn[0], lag_s=lag)
+
+    def cutoff_s(self, nsp: str, last_modified: float | None) -> float | None:
+        """The age past which gc deletes a namespace's object last written or refreshed at
+        ``last_modified``: the retention it keeps it for (``keep_s``) plus gc's margin; None where
+        it learns none (or the store gave no date). Both gc's pass and the index passes ask here."""
+        if last_modified is None or self.learn is None:
+            return None
+        keep = self.keep_s(nsp, last_modified)
+        return None if keep is None else keep + self.learn[1]
 
     def _learning_since(self, nsp: str, now: float) -> float:
         """Since when gc has learnt this namespace's retention: as its last index says (a gc that

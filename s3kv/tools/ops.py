@@ -1015,30 +1015,35 @@ def gc_command(
             raise click.BadParameter("must be > 0", param_hint="--watch")
         while True:
             try:
-                _vouch(pub, None)
-                _gc_clock(ctx, now, older_than)
-                _vouch(pub, None if dry_run else ctx.now - (time.time() if now is None else now))
+                _gc_clock(ctx, now, older_than, None if dry_run else pub)
                 _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, True, confirm_above, verbose, pub)
             except (StoreError, SystemExit, click.ClickException) as exc:  # the next pass tries again
                 click.echo(f"s3kv gc: pass failed: {exc}", err=True)
             _wait_publishing(watch, index_every, publish)
-    _gc_clock(ctx, now, older_than)
-    _vouch(pub, None if dry_run else ctx.now - (time.time() if now is None else now))
+    _gc_clock(ctx, now, older_than, None if dry_run else pub)
     _gc_pass(ctx, older_than, namespace, sub_prefixes, dry_run, yes, confirm_above, verbose, pub)
     if publish is not None:
         publish()
 
 
-def _gc_clock(ctx: _Ctx, now: float | None, older_than: float | None) -> None:
+def _gc_clock(ctx: _Ctx, now: float | None, older_than: float | None, pub: Any = None) -> None:
     """``ctx.now`` for gc's ages: the store's own clock, read from a request's answer.
 
     Why not this host's: LastModified is the store's stamp, so an age against the host's clock is
     off by their skew -- at +4,400 s a fresh object read as over an hour old and ``--older-than 1h``
     deleted it (issue 37). The margin gc keeps for skew (``EXPIRY_MARGIN_S``, in ``--expired``) is
     also what it tolerates here: past it, the host's clock is wrong enough to be fixed first (the
-    engines on it judge their own ages by it too), so gc refuses by age, in one line."""
+    engines on it judge their own ages by it too), so gc refuses by age, in one line.
+
+    ``pub``: the fleet index's publisher, told the skew once it is checked (it deletes what its
+    own passes find expired by the store's clock, ``s3kv.engine.fleetindex``) and nothing until
+    then; None (no publisher, a dry run): nothing to tell."""
+    if pub is not None:
+        pub.vouch(None)
     if now is not None or not older_than:  # a test's clock; or no ages (by namespace alone, any age)
         ctx.now = time.time() if now is None else now
+        if pub is not None and now is not None:  # the test's clock is the store's
+            pub.vouch(0.0)
         return
     before = time.time()
     store_now = ctx.store.store_time()  # a store error: the one line every command words alike
@@ -1050,15 +1055,8 @@ def _gc_clock(ctx: _Ctx, now: float | None, older_than: float | None) -> None:
             "(NTP) and run again"
         )
     ctx.now = store_now
-
-
-def _vouch(pub: Any, skew_s: float | None) -> None:
-    """Let the fleet index's publisher delete what its own listing shows expired, by the store's
-    clock (``skew_s``: the store's minus this host's, as ``_gc_clock`` just read it), or stop it
-    (None: unchecked, a dry run). Why it deletes at all: ``s3kv.engine.fleetindex``, expiring in
-    each pass."""
     if pub is not None:
-        pub.vouch(skew_s)
+        pub.vouch(-skew)
 
 
 def _gc_pass(
@@ -1168,13 +1166,11 @@ def _learnt_cutoffs(ctx: _Ctx, pub: Any, older_than: float | None) -> Callable[[
     refresh: the longest an engine may have believed) plus gc's margin; else ``cutoff``."""
     if pub is None or not pub.retention or not older_than:
         return lambda e, cutoff: cutoff
-    margin = pub.learn[1]
 
     def age(e: Entry, cutoff: float) -> float:
         nsp = e.info.key[: e.info.key.index(e.parsed.namespace) + len(e.parsed.namespace) + 1]
-        lm = e.info.last_modified
-        keep = pub.keep_s(nsp, lm) if lm is not None else None
-        return cutoff if keep is None else min(cutoff, keep + margin)
+        learnt = pub.cutoff_s(nsp, e.info.last_modified)
+        return cutoff if learnt is None else min(cutoff, learnt)
 
     return age
 
