@@ -43,6 +43,11 @@ def test_get_requests_follow_the_range_split():
     assert get_requests(117 * MiB, split=8 * MiB) == 15
     assert get_requests(26 * MiB) == 2  # S3KV_RANGE_SPLIT_MIB's default: 16
     assert get_requests(117 * MiB, split=64 * MiB) == 2
+    # A load's share of the connections caps the parts (ByteRange.parts); 0 is no cap.
+    assert get_requests(320 * MiB, cap=4) == 4
+    assert get_requests(320 * MiB, cap=32) == 20
+    assert get_requests(320 * MiB, cap=0) == 20
+    assert get_requests(100, cap=4) == 1
 
 
 def test_cost_at_list_prices():

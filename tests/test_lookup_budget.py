@@ -22,6 +22,7 @@ from test_lookup import TPB, geo, put_prefix, tokens_of
 from s3kv.config import Settings
 from s3kv.core.lookup import stall_budget_s
 from s3kv.core.objects import ObjectSpan
+from s3kv.core.retention import RETENTION_FLOOR_S
 from s3kv.engine.index import MISSING, KeyIndex
 from s3kv.engine.leader import LeaderCore
 from s3kv.store.base import ByteRange, HeadBatch, NotFound, StoreWrapper
@@ -600,10 +601,13 @@ def test_a_store_slower_than_the_budget_costs_the_scheduler_nothing_after_a_few_
         core.close_lookup()
 
 
-def test_this_engines_own_upload_is_believed_for_the_retention_a_heads_answer_for_the_ttl():
-    """gc deletes nothing younger than the retention: an upload this engine made is known present
-    that long (its later hit needs no verify wave), a HEAD's answer only ``ttl_s`` (it says nothing
-    of the object's age). A quarantine or a "missing" asked after it still ends the belief."""
+def test_this_engines_own_upload_is_believed_for_the_floors_life_a_heads_answer_for_the_ttl():
+    """Until a fleet index says what gc keeps, an upload this engine made is known present for
+    the floor's life (the retention floor + the TTL: gc deletes nothing younger by any rule, a
+    learnt retention included), a HEAD's answer only ``ttl_s`` (it says nothing of the object's
+    age). Not the setting's hour: an engine that never sees an index cannot tell a gc keeping it
+    from one that learnt a shorter retention. A quarantine or a "missing" asked after the upload
+    still ends the belief."""
     now = [0.0]
     s = Settings(url="memory://x", index_ttl_s=600, retention_h=1.0)
     idx = KeyIndex.from_settings(s)
@@ -611,14 +615,16 @@ def test_this_engines_own_upload_is_believed_for_the_retention_a_heads_answer_fo
     for k in ("mine", "mine2", "mine3"):
         idx.put_written(k, ObjectSpan(0, 4))
     idx.put_present("headed", ObjectSpan(0, 4))
-    now[0] = 1800.0
+    now[0] = RETENTION_FLOOR_S + 600 - 1
     assert idx.get("mine") == ObjectSpan(0, 4) and idx.get("headed") is None
     idx.quarantine(["mine2"], 30)
     assert idx.get("mine2") is MISSING
     idx.put_many([], ["mine3"], asked_at=idx.now())  # asked after the upload: deleted since
     assert idx.get("mine3") is MISSING
-    now[0] = 3601.0
+    now[0] = RETENTION_FLOOR_S + 600 + 1  # gc may delete it from here on: verify before promising
     assert idx.get("mine") is None
+    short = KeyIndex.from_settings(Settings(url="memory://x", index_ttl_s=60, retention_h=0.02))
+    assert short.written_ttl_s == 0.02 * 3600 + 60  # a setting below the floor: gc keeps only that
     off = KeyIndex.from_settings(Settings(url="memory://x", index_ttl_s=0))
     off.put_written("k", ObjectSpan(0, 1))
     assert off.get("k") is None  # positives not kept at all: nor own uploads

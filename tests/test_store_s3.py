@@ -186,6 +186,12 @@ def test_split_ranges_are_parallel_sub_requests(s3case: StoreCase) -> None:
     assert all(b + 1 == a for (_, b), (a, _) in zip(spans, spans[1:], strict=False))
     sizes = [b - a + 1 for a, b in spans]
     assert max(sizes) - min(sizes) < len(sizes)
+    # A range capped at fewer parts (a load of several objects: ByteRange.parts) tiles the same
+    # bytes in that many requests; a cap above the split's count changes nothing.
+    for cap, want in ((2, 2), (1, 1), (9, 4)):
+        gets.clear()
+        assert store.get_ranges(k, [ByteRange(0, len(body), parts=cap)]) == [body]
+        assert len(gets) == want
 
 
 def test_an_object_replaced_mid_read_is_read_again_and_never_called_corrupt(s3case: StoreCase) -> None:

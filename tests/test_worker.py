@@ -197,6 +197,38 @@ def test_one_object_loaded_by_two_requests_is_read_once(store):
     b.close()
 
 
+def test_a_load_of_several_objects_shares_the_connections_among_them(store):
+    """Each object of a load may split its reads into the store's connections over the objects
+    read at once (``stream_share``): a lone object keeps every connection, several share them,
+    and the pages are the same either way."""
+    a, la = make_core(store, seed=1)
+    b, lb = make_core(store, seed=2, max_concurrency=12, download_threads=4)
+    ds = [digest("obj", i) for i in range(6)]
+    for i, d in enumerate(ds):
+        step(a, save_object(a, 1, 0, 2 * i, [2 * i + 1, 2 * i + 2], d))
+    assert a.flush(5)
+    caps: list[list[int]] = []
+
+    class Recording(StoreWrapper):
+        def get_ranges(self, key, ranges):
+            caps[-1].append(max(r.parts for r in ranges))
+            return super().get_ranges(key, ranges)
+
+    b.store = b._downloader.store = Recording(store)
+    slot = iter(range(10, 32))
+    for n, want in ((1, 12), (3, 4), (6, 3)):  # 12 connections over min(4 threads, n) objects
+        caps.append([])
+        ops = tuple(LoadOp(20 + n, ObjectRef(0, ds[i], ((2 * i, 2),)), (2 * i, 2 * i + 1), (next(slot), next(slot)))
+                    for i in range(n))
+        step(b, ConnectorMetadata(loads=ops))
+        assert caps[-1] == [want] * n
+        for op in ops:
+            for o, sl in zip(op.ordinals, op.slots, strict=True):
+                assert page_bytes(lb, 0, sl) == page_bytes(la, 0, o + 1)
+    a.close()
+    b.close()
+
+
 def test_tensor_parallel_shards_have_their_own_keys_and_bytes(store):
     r0, l0 = make_core(store, seed=10, tp_rank=0, tp_size=2)
     r1, l1 = make_core(store, seed=11, tp_rank=1, tp_size=2)

@@ -172,9 +172,12 @@ def put_requests(size: int, threshold: int = MULTIPART_THRESHOLD, part_size: int
     return 2 + -(-size // part_size)  # create + parts + complete
 
 
-def get_requests(length: int, split: int = RANGE_SPLIT) -> int:
-    """GET requests to read one range of ``length`` bytes (S3Store's split rule)."""
-    return max(1, round(length / split))
+def get_requests(length: int, split: int = RANGE_SPLIT, cap: int = 0) -> int:
+    """GET requests to read one range of ``length`` bytes: the S3 stores' split rule, written
+    here only. Parts of about ``split`` bytes, at most ``cap`` of them (``ByteRange.parts``; 0:
+    no cap)."""
+    n = max(1, round(length / split))
+    return min(n, cap) if cap > 0 else n
 
 
 @dataclass(frozen=True)

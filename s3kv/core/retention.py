@@ -97,6 +97,13 @@ def believe_s(learnt: float | None) -> float:
     return RETENTION_FLOOR_S if learnt is None else learnt
 
 
+def believe_unknown_s(cap_s: float, index_ttl_s: float) -> float:
+    """How long an engine believes its own uploads while it holds no fresh fleet index, so does
+    not know what gc keeps: the floor (or a shorter setting, ``cap_s``), which gc keeps by every
+    rule, plus the index TTL, which gc's margin covers (``core.cost.expiry_age_s``)."""
+    return min(cap_s, RETENTION_FLOOR_S) + index_ttl_s
+
+
 def retention_for(
     beliefs: Sequence[tuple[float, float]], touched_at: float, *, retention_s: float, since: float,
     cap_s: float, lag_s: float,

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..core.keys import parse_key
 from ..core.objects import ObjectSpan
+from ..core.retention import believe_unknown_s
 
 
 class _Missing:
@@ -83,11 +84,14 @@ class KeyIndex:
     @classmethod
     def from_settings(cls, settings: Any) -> KeyIndex:
         """The engine's index: its sizes and TTLs from ``settings``; its own uploads known for the
-        retention (gc deletes none younger, ``core.cost.expiry_age_s``), unless positives are
-        not kept at all (``index_ttl_s`` 0)."""
+        floor's life (``believe_unknown_s``) until a fleet index says what gc keeps
+        (``Listings._follow_retention``), unless positives are not kept at all (``index_ttl_s`` 0).
+        Why not the setting: an engine that never holds a fresh index (the index off, refused or
+        unreachable) cannot tell a gc keeping the setting from one that learnt a shorter
+        retention, and believing the setting there promised loads of objects gc had deleted."""
         ttl = settings.index_ttl_s
         return cls(settings.index_max_entries, ttl, settings.negative_ttl_s,
-                   written_ttl_s=settings.retention_h * 3600.0 if ttl > 0 else 0.0)
+                   written_ttl_s=believe_unknown_s(settings.retention_h * 3600.0, ttl) if ttl > 0 else 0.0)
 
     def _sweep(self, now: float, limit: int = _SWEEP) -> None:
         """Drop up to ``limit`` expired entries from the front of each map."""

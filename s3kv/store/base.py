@@ -139,6 +139,10 @@ class Fetched:
 class ByteRange:
     offset: int
     length: int
+    #: At most this many requests for this range (0: the store's own split, ``range_split``). A
+    #: load of several objects sets it: the store's connections are shared by the objects read at
+    #: once, so sub-ranges past their share add requests (billed) and no speed (``LoadJobs.start``).
+    parts: int = field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.length < 0:

@@ -53,6 +53,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
+from ..core.cost import get_requests
 from .base import (
     AnswerClock,
     BucketNotFound,
@@ -582,7 +583,7 @@ class ObstoreS3Store(ObjectStore):
         for i, r in enumerate(ranges):
             if r.length == 0:
                 continue
-            parts = max(1, round(r.length / split))
+            parts = get_requests(r.length, split, r.parts)
             step = max(1, -(-r.length // parts))
             jobs += [(i, off, r.offset + off, min(step, r.length - off)) for off in range(0, r.length, step)]
         return jobs

@@ -47,6 +47,7 @@ import botocore.exceptions as bexc
 from botocore.config import Config
 
 from ..config import has_userinfo, redact_url
+from ..core.cost import get_requests
 from .base import (
     TOUCH_GONE,
     TOUCH_REFRESHED,
@@ -755,7 +756,7 @@ class S3Store(ObjectStore):
         # and a fixed-size split would fetch that header's worth in a request of its own.
         jobs = []
         for i, r in enumerate(ranges):
-            parts = max(1, round(r.length / split))
+            parts = get_requests(r.length, split, r.parts)
             step = max(1, -(-r.length // parts))
             jobs += [(i, r.offset + off, min(step, r.length - off)) for off in range(0, r.length, step)]
         for _ in range(2):

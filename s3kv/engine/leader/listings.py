@@ -32,7 +32,7 @@ from ...config import Settings
 from ...core.cost import expiry_age_s
 from ...core.fleetindex import FleetIndex
 from ...core.lookup import Ask
-from ...core.retention import RETENTION_FLOOR_S
+from ...core.retention import RETENTION_FLOOR_S, believe_unknown_s
 from ...store.base import ObjectStore
 from ..fleetindex import IndexRefresher, index_key
 from ..index import KeyIndex
@@ -91,8 +91,9 @@ class Listings:
     def _follow_retention(self, fresh: FleetIndex | None, held: FleetIndex | None) -> None:
         """How long this engine believes its own uploads: where gc learns the retention (the index
         carries it), for what the fresh index says (``believe_s``) -- gc keeps each object for the
-        longest an engine may have believed (``core.retention.retention_for``) -- and for the floor's life
-        (floor + index TTL, within gc's margin) while the index is stale; else for the setting.
+        longest an engine may have believed (``core.retention.retention_for``); where the fresh
+        index says gc keeps the setting, for the setting; else (no index yet, a stale one) for the
+        floor's life (``believe_unknown_s``).
         When gc is first seen learning, what was believed for the setting is cut to the floor's
         life: gc keeps objects written before for the setting, but not once refreshed. Called on
         every lookup: it does its work only when the index held or its freshness changed."""
@@ -103,10 +104,12 @@ class Listings:
         if ttl <= 0:
             return
         cap = self.settings.retention_h * 3600.0
-        if held is None or held.retention_s is None:
-            want = cap
-        elif fresh is None or fresh.retention_s is None:
-            want = RETENTION_FLOOR_S + ttl
+        if held is None or fresh is None:
+            # No index yet, or a stale one: what gc keeps now is unknown here, so the floor's life,
+            # which gc keeps by every rule (``KeyIndex.from_settings`` says why).
+            want = believe_unknown_s(cap, ttl)
+        elif fresh.retention_s is None:
+            want = cap  # the fresh index says gc keeps the setting
         else:
             want = min(cap, fresh.believe_s if fresh.believe_s is not None else RETENTION_FLOOR_S)
         learning = held is not None and held.retention_s is not None

@@ -39,7 +39,7 @@ from ...core.errors import LoadFailed
 from ...core.plan import ConnectorMetadata
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters
-from ...transfer.download import DONE, FAILED, PENDING, PLACING, Downloader, LoadJob, build_jobs
+from ...transfer.download import DONE, FAILED, PENDING, PLACING, Downloader, LoadJob, build_jobs, stream_share
 from ...transfer.hosttier import HostTier
 from ..verdicts import Verdicts
 from .rank import RankLayout
@@ -178,6 +178,10 @@ class LoadJobs:
         )
         if self.tier is not None:
             self._from_tier(self.tier, jobs)
+        share = stream_share(self.settings.max_concurrency, self.settings.download_threads,
+                             sum(j.host is None for j in jobs))
+        for job in jobs:
+            job.streams = share
         for rid, err in errors.items():
             log.error("s3kv: request %d: load plan does not fit: %s (object %s)", rid, err[1], err[0],
                       extra={"request_id": rid})

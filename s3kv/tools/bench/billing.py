@@ -220,9 +220,9 @@ class BilledStore(StoreWrapper):
             head = min(r.length, hl) if r.offset == 0 else 0
             pages = (r.length - head) // sim
             n_pages += pages
-            self.real_get += get_requests(head + pages * real, self.range_split)
+            self.real_get += get_requests(head + pages * real, self.range_split, r.parts)
             for mib in SPLITS_MIB:
-                self.get_by_split[mib] += get_requests(head + pages * real, mib << 20)
+                self.get_by_split[mib] += get_requests(head + pages * real, mib << 20, r.parts)
         if o is None:
             raise NotFound("expired or never written", key=key)
         out = self.inner.get_ranges(key, ranges)
