@@ -14,6 +14,7 @@ import dataclasses
 import os
 import random
 import time
+from typing import Any
 
 import pytest
 from test_connector_sim import make_engine
@@ -496,6 +497,42 @@ def _one_by_one(eng, specs):
             for w in eng.workers:
                 assert w.flush(30)
     return reps
+
+
+def test_a_trusted_listing_vouches_only_for_objects_young_enough_that_no_gc_may_delete_them():
+    """``lookup_summary_trust_s``: a LIST names objects, not how long gc keeps them. One listed
+    younger than the floor (what gc keeps by every rule) is a free hit; one listed older may be
+    deleted the moment after the listing (gc had not come round to it yet), so its hit is
+    verified first -- and where gc did delete it, a miss rather than a promised load that fails."""
+    from s3kv.core.retention import RETENTION_FLOOR_S
+
+    mem = MemoryStore()
+    writer = _leader(mem, fleet_index_s=0)
+    stored = tokens_of(40 * TPB + 9, seed=6)
+    keys = _write(writer, mem, stored, 40, sign=False)
+    counted = InstrumentedStore(mem)
+
+    def lookup(rid: int, after_listing: Any = None) -> tuple[int, Any, int]:
+        core = _leader(counted, fleet_index_s=0, lookup_summary_s=3600, lookup_summary_trust_s=3600)
+        try:
+            assert core.lookup_summary().refresh()
+            if after_listing is not None:
+                after_listing()
+            before = counted.snapshot()
+            n = core.get_num_new_matched_tokens(rid, stored, len(stored), 0)[0]
+            return n, counted.snapshot() - before, core.stats.lookup_trusted_hits
+        finally:
+            core.close_lookup()
+
+    n, io, trusted = lookup(1)
+    assert n == 40 * TPB and io.requests == 0 and trusted == 1
+    for k in keys:  # the same objects, listed once older than the floor
+        body, meta, _ = mem._objects[k]
+        mem._objects[k] = (body, meta, time.time() - RETENTION_FLOOR_S - 1)
+    n, io, trusted = lookup(2)
+    assert n == 40 * TPB and io.head > 0 and trusted == 0
+    n, io, trusted = lookup(3, after_listing=lambda: mem.delete_many(keys))  # gc, just after the LIST
+    assert n == 0 and io.head > 0 and trusted == 0
 
 
 def test_trust_mode_one_failed_load_of_a_planted_listed_object_ends_the_listings_trust():

@@ -21,7 +21,8 @@ What a listed entry is worth:
   one (safe), an object deleted since fails that verify wave, which drops the candidate and falls
   back to probing. So the listing never causes a promise that the store did not just confirm;
 * unless the listing is **trusted**: a fleet index signed with the integrity key and younger than
-  ``fleet_index_trust_s``, or a LIST younger than ``lookup_summary_trust_s`` -- the same kind of
+  ``fleet_index_trust_s``, or a LIST younger than ``lookup_summary_trust_s`` for objects it listed
+  younger than gc's floor (``Listings.trusted`` says why) -- the same kind of
   evidence as a HEAD answer, which the key index trusts for ``index_ttl_s`` -- and then a cold
   hit costs no request either. An object deleted or planted behind a trusted listing is caught
   by the load (header, checksums, tags: a failed load, never a wrong byte), and
@@ -52,8 +53,8 @@ from ..store.base import ObjectStore, StoreError
 
 log = logging.getLogger("s3kv.summary")
 
-#: (group id, shard) -> {chain digest at the object's last block: page count}
-Snapshot = Mapping[tuple[int, int], Mapping[bytes, int]]
+#: (group id, shard) -> {chain digest at the object's last block: (page count, LastModified or None)}
+Snapshot = Mapping[tuple[int, int], Mapping[bytes, tuple[int, float | None]]]
 
 
 class Listing:
@@ -71,17 +72,19 @@ class Listing:
 
 
 class SummaryListing(Listing):
-    """A LIST pass's snapshot: counts from key and size, no write times."""
+    """A LIST pass's snapshot: counts from key and size; write times are the store's LastModified
+    (its clock, not this engine's), against ``listed_at`` (this host's wall clock when the pass began)."""
 
     source = "list"
 
-    def __init__(self, snap: Snapshot, generation: int):
+    def __init__(self, snap: Snapshot, generation: int, listed_at: float):
         self.snap = snap
         self.generation = generation
+        self.listed_at = listed_at
 
     def find(self, group_id: int, shard: int, digest: bytes, end: int) -> tuple[int, float | None] | None:
-        count = self.snap.get((group_id, shard), {}).get(digest)
-        return None if count is None or count > end else (count, None)
+        got = self.snap.get((group_id, shard), {}).get(digest)
+        return None if got is None or got[0] > end else got
 
 
 class IndexListing(Listing):
@@ -196,6 +199,7 @@ class NamespaceSummary:
         self._clock = clock
         self._snapshot: Snapshot | None = None
         self._taken_at = 0.0
+        self._listed_at = 0.0  # wall clock (time.time()) when the snapshot's pass began
         self._stop = threading.Event()
         self._started = False
         self.refreshes = 0
@@ -229,7 +233,7 @@ class NamespaceSummary:
             return None
         cur = self._listing
         if cur is None or cur.snap is not snap:
-            cur = self._listing = SummaryListing(snap, self.refreshes)
+            cur = self._listing = SummaryListing(snap, self.refreshes, self._listed_at)
         return cur
 
     # -- refreshing ---------------------------------------------------------------------
@@ -237,8 +241,8 @@ class NamespaceSummary:
         """One LIST pass; True if a new snapshot replaced the old one."""
         prefix = self.scheme.namespace_prefix
         tp = self.scheme.tp_size
-        taken = self._clock()
-        snap: dict[tuple[int, int], dict[bytes, int]] = {}
+        taken, listed_at = self._clock(), time.time()
+        snap: dict[tuple[int, int], dict[bytes, tuple[int, float | None]]] = {}
         n = 0
         try:
             for info in self.store.list(prefix):
@@ -271,12 +275,12 @@ class NamespaceSummary:
                     self._snapshot = None
                     self.objects = n
                     return False
-                snap.setdefault((grp.group_id, shard), {})[digest] = count
+                snap.setdefault((grp.group_id, shard), {})[digest] = (count, info.last_modified)
         except StoreError as e:
             log.warning("s3kv: lookup summary refresh of %s failed (%s); keeping the last one", prefix, e)
             return False
         self._snapshot = snap
-        self._taken_at = taken
+        self._taken_at, self._listed_at = taken, listed_at
         self.objects = n
         self.refreshes += 1
         return True

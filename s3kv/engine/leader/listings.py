@@ -36,7 +36,7 @@ from ...core.retention import RETENTION_FLOOR_S, believe_unknown_s
 from ...store.base import ObjectStore
 from ..fleetindex import IndexRefresher, index_key
 from ..index import KeyIndex
-from ..summary import IndexListing, Listing, NamespaceSummary, SummaryGroup, TrustGate
+from ..summary import IndexListing, Listing, NamespaceSummary, SummaryGroup, SummaryListing, TrustGate
 from .context import LeaderContext
 from .stats import LeaderStats
 
@@ -210,7 +210,17 @@ class Listings:
             keep = min(s.retention_h * 3600.0, idx.retention_s or math.inf)
             return all(w is not None and idx.listed_at - w < keep for w in written)
         trust = s.lookup_summary_trust_s
-        return trust > 0 and self._summary is not None and self._summary.age_s() <= trust
+        if not (trust > 0 and self._summary is not None and self._summary.age_s() <= trust):
+            return False
+        # gc's margin covers the trust only for objects not yet expired when listed: an older one
+        # (gc had not come round to it) may go the moment after the listing. Which retention gc
+        # keeps, a LIST does not say: only what every rule keeps is vouched for (the floor, or a
+        # shorter setting). ``listed_at`` is this host's clock, LastModified the store's: the
+        # 60 s of gc's margin beyond the TTL and the trust are the skew's room.
+        if not isinstance(listing, SummaryListing):
+            return False
+        keep = min(s.retention_h * 3600.0, RETENTION_FLOOR_S)
+        return all(w is not None and listing.listed_at - w < keep for w in written)
 
     def vouch(self, todo: dict[str, Ask], listing: Listing) -> None:
         """Remember which listing promised these objects (``note_failed_loads``)."""
