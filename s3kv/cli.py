@@ -13,8 +13,10 @@ from .tools.cli import main
 
 __all__ = ["main", "run"]
 
-#: Commands that only talk to the store (their work, output included, is done when they return).
-_STORE_ONLY = frozenset({"ls", "stats", "verify", "gc"})
+#: Commands whose work, output included, is done when they return, and that register no exit
+#: work: the store commands, and the demo (its clusters run in processes of their own, which
+#: leave the same way: ``demo._main``; its embedded server stops in the command's ``finally``).
+_DONE_ON_RETURN = frozenset({"ls", "stats", "verify", "gc", "demo"})
 
 
 def _command(args: list[str]) -> str | None:
@@ -29,7 +31,7 @@ def _command(args: list[str]) -> str | None:
 
 
 def run() -> None:
-    """The console script: ``main``, and for the store-only commands an exit that skips the
+    """The console script: ``main``, and for the commands done on return an exit that skips the
     interpreter's teardown. Why: with native client threads still alive (obstore's runtime, the
     HEAD loop) that teardown now and then aborts -- on this 2-core box under load, 8 of 60
     ``s3kv ls`` runs that had printed their listing ended in SIGABRT, exit 134 for a command that
@@ -37,7 +39,7 @@ def run() -> None:
     try:
         main()
     except SystemExit as exc:
-        if _command(sys.argv[1:]) not in _STORE_ONLY:
+        if _command(sys.argv[1:]) not in _DONE_ON_RETURN:
             raise
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
         if not isinstance(exc.code, (int, type(None))):
