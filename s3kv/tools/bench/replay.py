@@ -204,7 +204,9 @@ def replay(
         **{**cfg.settings, "host_cache_gb": host_cache_gb(cfg), "retention_h": cfg.prices.retention_h},
         staging_mib=64,
         upload_threads=2,
-        download_threads=2,
+        # The production default: a load's objects share the store's connections by it
+        # (``stream_share``), which decides the GETs billed.
+        download_threads=Settings().download_threads,
         # No time budget in-process: a slow moment on a busy machine must not turn a hit into a
         # miss. At --s3-latency-ms the engine's default budget: what that latency costs is the point.
         lookup_timeout_s=-1 if cfg.s3_latency_ms is not None else 0,
