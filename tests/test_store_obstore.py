@@ -435,7 +435,9 @@ def test_a_head_wave_that_never_ends_is_given_up(moto_s3: EmbeddedS3, prefix: st
         store._WAVE_SLACK_S = 0.3
         t0 = time.monotonic()
         batch = store.head_many([f"{prefix}/a", f"{prefix}/b"])
-        assert time.monotonic() - t0 < 3
+        # Given up in about a second; wedged, 60. The bound leaves a loaded CI host its room
+        # (3 s failed there once at 4.9 s, with replays running beside the suite).
+        assert time.monotonic() - t0 < 20
     assert set(batch.failed) == {f"{prefix}/a", f"{prefix}/b"}
     assert all(isinstance(e, DeadlineExceeded) for e in batch.failed.values())
 
