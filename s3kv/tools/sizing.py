@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..config import Settings
-from ..core.cost import HOURS_PER_MONTH, GiB, Gpu, get_requests
+from ..core.cost import HOURS_PER_MONTH, GiB, Gpu, get_requests, stream_share
 from ..core.hitrule import object_ends_needed, required_range
 from ..core.layout import CacheGeometry, GroupGeometry
 from ..core.objects import header_len
@@ -82,6 +82,7 @@ def prompt_cost(geometry: CacheGeometry, settings: Settings, prompt_tokens: int,
     blocks = prompt_tokens // tpb
     h = (prompt_tokens - 1) // tpb  # the engine never asks for the last prompt token
     stored = objects = loaded = gets = read_objects = 0
+    reads: list[tuple[int, int]] = []  # per group: objects a full hit reads, bytes each
     spine_objects = 0
     for g in geometry.groups:
         gid = g.group_id
@@ -98,18 +99,19 @@ def prompt_cost(geometry: CacheGeometry, settings: Settings, prompt_tokens: int,
         objects += geometry.tp_size * n_objects
         lo, hi = required_range(g, tpb, 0, h, settings.window_margin_blocks)
         loaded += geometry.tp_size * (hi - lo) * g.page_bytes
-        # A sliding tail is stored as one object ending at its boundary; others are chunks. Each
-        # object read is GETs of about S3KV_RANGE_SPLIT_MIB (one billed request each).
-        split = settings.range_split_mib << 20
+        # A sliding tail is stored as one object ending at its boundary; others are chunks.
         if not policy.stores_everything(gid) and hi > lo:
-            n_read, reads = 1, get_requests((hi - lo) * g.page_bytes, split)
+            n_read, size = 1, (hi - lo) * g.page_bytes
         else:
-            n_read = len(object_ends_needed(lo, hi, bpo[gid]))
-            reads = n_read * get_requests(bpo[gid] * g.page_bytes, split)
-        gets += geometry.tp_size * reads
+            n_read, size = len(object_ends_needed(lo, hi, bpo[gid])), bpo[gid] * g.page_bytes
+        reads.append((n_read, size))
         read_objects += geometry.tp_size * n_read  # the lookup's verify wave HEADs each one
         if gid == geometry.spine_group:
             spine_objects = min(settings.lookup_probe_budget, -(-h // bpo[gid]))
+    # Each object read is GETs of about S3KV_RANGE_SPLIT_MIB (one billed request each), at most
+    # its share of the connections among the load's objects (a rank reads its own shard's).
+    share = stream_share(settings.max_concurrency, settings.download_threads, sum(n for n, _ in reads))
+    gets = geometry.tp_size * sum(n * get_requests(size, settings.range_split_mib << 20, share) for n, size in reads)
     return PromptCost(mode, prompt_tokens, stored, objects, h * tpb, loaded, gets, spine_objects + read_objects)
 
 
@@ -219,7 +221,7 @@ def table(s: Sizing, gpu: str) -> str:
         "",
         "stored: bytes one prompt writes (pages + object headers); PUTs: objects it writes.",
         "hit read: bytes a full repeat of the prompt loads; GETs/HEADs: requests for that hit (GETs of",
-        "  ~S3KV_RANGE_SPLIT_MIB each).",
+        "  ~S3KV_RANGE_SPLIT_MIB each, fewer where the hit's objects share the connections).",
         f"prefill: time to recompute the prompt instead ({gpu}); break-even: S3 read bandwidth at which",
         "  loading the hit takes as long as recomputing it (faster reads: loading wins).",
         "window: sliding layers store only the tails a hit can use; all: every block of every layer.",

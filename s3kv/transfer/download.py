@@ -79,15 +79,6 @@ class LoadPlanError(Exception):
     """The load ops do not fit the object the plan names (a leader bug; never loaded)."""
 
 
-def stream_share(connections: int, objects_at_once: int, objects: int) -> int:
-    """GETs each object of a load of ``objects`` may split into: the store's ``connections``
-    shared by the objects read at once (``objects_at_once``, the downloader's threads). Why: a
-    long prompt's load of many ~300 MiB objects split at 16 MiB sent five times more GETs than
-    there are connections -- the same bytes over the same streams, one billed request each
-    (a third of the public trace's S3 bill). A load of one object keeps every connection."""
-    return max(1, connections // max(1, min(objects_at_once, objects)))
-
-
 @dataclass
 class LoadJob:
     key: str
@@ -125,7 +116,7 @@ class LoadJob:
     #: A tier reservation the whole object is read into from the store, or None.
     promote: TierEntry | None = None
     #: At most this many GETs per range (``ByteRange.parts``): the job's share of the store's
-    #: connections among the objects of its load (:func:`stream_share`); 0: the store's split.
+    #: connections among the objects of its load (``core.cost.stream_share``); 0: the store's split.
     streams: int = 0
 
     @property

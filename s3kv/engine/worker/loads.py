@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import Settings
+from ...core.cost import stream_share
 from ...core.errors import LoadFailed
 from ...core.plan import ConnectorMetadata
 from ...transfer.copies import Copier
 from ...transfer.counters import Counters
-from ...transfer.download import DONE, FAILED, PENDING, PLACING, Downloader, LoadJob, build_jobs, stream_share
+from ...transfer.download import DONE, FAILED, PENDING, PLACING, Downloader, LoadJob, build_jobs
 from ...transfer.hosttier import HostTier
 from ..verdicts import Verdicts
 from .rank import RankLayout
