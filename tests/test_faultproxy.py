@@ -386,7 +386,7 @@ def test_latency(moto_s3: EmbeddedS3, proxy_for, prefix: str) -> None:
     with _store(moto_s3, px) as store:
         t0 = time.monotonic()
         assert store.head(f"{prefix}/none") is None
-        assert 0.1 <= time.monotonic() - t0 < 1.0
+        assert 0.1 <= time.monotonic() - t0 < 3.0  # the injected 0.1-0.15 s, with a loaded host's room
 
 
 @pytest.mark.parametrize("mode", ["refuse", "503"])
@@ -399,7 +399,7 @@ def test_outage_fails_fast_and_recovers(moto_s3: EmbeddedS3, proxy_for, prefix: 
             t0 = time.monotonic()
             with pytest.raises(StoreError):
                 op()
-            assert time.monotonic() - t0 < 3.0  # retries exhausted quickly, no hang
+            assert time.monotonic() - t0 < 10.0  # retries exhausted quickly, no hang
         if mode == "refuse":
             with pytest.raises(ConnectionRefusedError):
                 socket.create_connection(("127.0.0.1", px.port), timeout=1).close()
@@ -433,7 +433,7 @@ def test_stop_is_prompt_with_a_held_answer(moto_s3: EmbeddedS3, prefix: str) -> 
         time.sleep(0.01)
     t0 = time.monotonic()
     px.stop()
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 10.0  # the held answer would take 60 s
     client.join(5)
     assert result and result[0][0] == b""  # the client got nothing, then the close
     assert not _proxy_threads()

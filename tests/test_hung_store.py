@@ -112,7 +112,7 @@ def test_a_sync_load_stalled_fails_in_load_stall_s():
         t0 = time.monotonic()
         step(b, load_md(7, 0, d, ((0, 3),), [0], [20]))
         assert b.take_failed_load_request_ids() == {7}
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 6  # load_stall_s 0.5; the gate holds the read 10 s
     finally:
         gated.gate.set()
         b.close()

@@ -100,7 +100,8 @@ def test_hung_store_costs_a_budget_per_lookup_bounds_the_backlog_and_opens_the_b
         t0 = time.monotonic()
         prompt = tokens_of(20 * TPB + 3, seed=100)
         assert core.get_num_new_matched_tokens(100, prompt, len(prompt), 0) == (0, False)
-        assert time.monotonic() - t0 < 0.05 and hung.calls == calls  # open: not even tried
+        assert hung.calls == calls  # open: not even tried
+        assert time.monotonic() - t0 < 1.0  # (a tried call would hang: the count above is the proof)
     finally:
         hung.release.set()
         core.close_lookup()

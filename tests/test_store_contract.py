@@ -204,7 +204,7 @@ def test_deadline_names_the_key(case: StoreCase) -> None:
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded) as info:
         store.get_ranges(k, [ByteRange(0, 1)])
-    assert time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 < 6.0  # the deadline's 0.3 s; 1,000 attempts would take 10 s or more
     assert k in str(info.value) and info.value.key == k
     assert isinstance(info.value.__cause__, TransientError)
     batch = store.head_many([k])

@@ -133,7 +133,7 @@ def test_retry_policy_deadline_bounds_time() -> None:
     t0 = time.monotonic()
     with pytest.raises(DeadlineExceeded) as info:
         policy.call(always_503, op="get", key="obj")
-    assert time.monotonic() - t0 < 0.6
+    assert time.monotonic() - t0 < 3.0  # the deadline's 0.3 s; 10,000 attempts would take minutes
     assert calls[0] > 1 and "obj" in str(info.value) and "SlowDown" in str(info.value)
     with pytest.raises(DeadlineExceeded, match="1 attempt"):
         RetryPolicy(max_attempts=1).call(always_503, op="get", key="obj")
