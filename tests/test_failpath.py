@@ -113,6 +113,25 @@ def test_a_load_resumes_a_pass_after_every_rank_finished_it():
     assert path.poll(workers, sched, [], []).resumed_loads == {7}
 
 
+def test_failed_ids_that_are_not_exact_ints_are_dropped_as_the_fork_drops_them():
+    """The fork keeps only ``int`` ids: one that is a bool or an int subclass never aborts its
+    request there -- so the simulator drops it too, and a worker returning such ids is caught."""
+
+    class Id(int):
+        pass
+
+    workers, sched, path = [_Worker()], _Scheduler(), _path(1)
+    path.poll(workers, sched, [], [42])
+    workers[0].failed = {Id(42)}
+    for _ in range(3):
+        r = path.poll(workers, sched, [], [])
+        assert r.failed_loads == () and workers[0].aborted == [] and sched.aborted == []
+    workers[0].failed = {42}
+    for _ in range(3):
+        r = path.poll(workers, sched, [], [])
+    assert sched.aborted == [(42, TRANSFER_FAILED)] and r.failed_loads == (42,)
+
+
 def test_failed_ids_of_untracked_requests_are_dropped():
     """A sync load is no async load the manager tracks: its failure is ignored (hence sync is never used)."""
     workers, sched, path = [_Worker()], _Scheduler(), _path(1)

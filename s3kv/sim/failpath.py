@@ -27,7 +27,8 @@ So a failed load ends its request three passes after the first report (intent ->
 release on every rank + scheduler abort; finalize), and its pages are freed only after every
 worker said no copy of its can still land. A successful async load resumes one pass later than
 on the line without this path. What the executor then does with a failed request was not in the
-stored sources (the ``py_executor.py`` of the same line is not stored); the line before it
+stored sources at the time (the fork's ``py_executor.py``, cheese-head/TensorRT-LLM, is stored
+and was not read again); the line before it
 (``handle_load_errors``) rewound a failed request to its device match and recomputed it, and
 failed the request ("KV cache load failure") where it could not. The simulator offers both
 (``SimEngine(failed_load_outcome=...)``): either way the request ends.
@@ -147,7 +148,9 @@ class FailedLoadPath:
             failed: set[int] = set()
             fn = getattr(w, "take_failed_load_request_ids", None)
             if callable(fn):
-                failed = {int(x) for x in (self._call("take_failed_load_request_ids", fn) or ())}
+                # Exact ints only, as the fork's manager keeps them: an id of another type (a
+                # numpy integer, a bool) is dropped there without a word, and its request never ends.
+                failed = {x for x in (self._call("take_failed_load_request_ids", fn) or ()) if type(x) is int}
             tracked = m.tracked()
             for rid in failed & tracked:
                 m.coord.setdefault(rid, _Coordination()).abort(TRANSFER_FAILED)
