@@ -159,7 +159,8 @@ class S3KvConnectorWorker(ConnectorSide, KvCacheConnectorWorker):
         """Parked requests whose promised load failed (after the store's retries), once each; the
         manager aborts them on every rank and ends them."""
         try:
-            return self.core.take_failed_load_request_ids()
+            # Plain ints: the manager keeps only ids whose type is exactly int (sim/failpath.py).
+            return {int(r) for r in self.core.take_failed_load_request_ids()}
         except Exception as e:  # noqa: BLE001
             self._contain("take_failed_load_request_ids", e)
             return set()
