@@ -16,6 +16,7 @@ from s3kv.core.cost import (
     cost,
     get_requests,
     put_requests,
+    stream_share,
     summary,
     usage_from_stats,
     usd_per_million_tokens_served,
@@ -48,6 +49,16 @@ def test_get_requests_follow_the_range_split():
     assert get_requests(320 * MiB, cap=32) == 20
     assert get_requests(320 * MiB, cap=0) == 20
     assert get_requests(100, cap=4) == 1
+
+
+def test_a_loads_objects_share_the_connections_wave_by_wave():
+    """32 connections, 8 objects read at once: a lone object keeps all of them; a load of 9 reads
+    8 with 4 each, then the ninth with all 32 (not alone on 4)."""
+    assert stream_share(32, 8, 1) == 32
+    assert [stream_share(32, 8, 3, i) for i in range(3)] == [10, 10, 10]
+    assert [stream_share(32, 8, 9, i) for i in range(9)] == [4] * 8 + [32]
+    assert [stream_share(32, 8, 12, i) for i in range(12)] == [4] * 8 + [8] * 4
+    assert stream_share(4, 8, 16, 3) == 1  # never below one request
 
 
 def test_cost_at_list_prices():

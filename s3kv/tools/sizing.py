@@ -110,8 +110,11 @@ def prompt_cost(geometry: CacheGeometry, settings: Settings, prompt_tokens: int,
             spine_objects = min(settings.lookup_probe_budget, -(-h // bpo[gid]))
     # Each object read is GETs of about S3KV_RANGE_SPLIT_MIB (one billed request each), at most
     # its share of the connections among the load's objects (a rank reads its own shard's).
-    share = stream_share(settings.max_concurrency, settings.download_threads, sum(n for n, _ in reads))
-    gets = geometry.tp_size * sum(n * get_requests(size, settings.range_split_mib << 20, share) for n, size in reads)
+    sizes = [size for n, size in reads for _ in range(n)]
+    gets = geometry.tp_size * sum(
+        get_requests(size, settings.range_split_mib << 20,
+                     stream_share(settings.max_concurrency, settings.download_threads, len(sizes), i))
+        for i, size in enumerate(sizes))
     return PromptCost(mode, prompt_tokens, stored, objects, h * tpb, loaded, gets, spine_objects + read_objects)
 
 

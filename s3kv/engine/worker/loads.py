@@ -179,10 +179,10 @@ class LoadJobs:
         )
         if self.tier is not None:
             self._from_tier(self.tier, jobs)
-        share = stream_share(self.settings.max_concurrency, self.settings.download_threads,
-                             sum(j.host is None for j in jobs))
-        for job in jobs:
-            job.streams = share
+        from_store = [j for j in jobs if j.host is None]  # in the order they are submitted below
+        for i, job in enumerate(from_store):
+            job.streams = stream_share(self.settings.max_concurrency, self.settings.download_threads,
+                                       len(from_store), i)
         for rid, err in errors.items():
             log.error("s3kv: request %d: load plan does not fit: %s (object %s)", rid, err[1], err[0],
                       extra={"request_id": rid})
