@@ -150,9 +150,9 @@ class LoadJob:
         pb = page_bytes or self.identity.page_bytes
         idx, ranges = self.page_ranges()
         tagged = self.identity.integrity is not None
-        pages = sum(get_requests(r.length // self.identity.page_bytes * pb, cap=self.streams) for r in ranges)
+        pages = sum(get_requests(r.length // self.identity.page_bytes * pb) for r in ranges)
         pages += int(not idx or idx[0] != 0) + int(tagged)
-        return pages, get_requests(object_len(self.count, pb, tagged), cap=self.streams)
+        return pages, get_requests(object_len(self.count, pb, tagged))
 
     def release_if_complete(self, done: Any) -> bool:
         """Free the staging of a placed job once ``done(event)``; True when nothing is held any more."""
