@@ -716,10 +716,16 @@ def test_a_fresh_engine_keeps_what_it_read_from_the_store(tp):
 def test_a_host_only_object_is_never_promised_once_evicted(tp):
     """``never``: nothing reaches the store. A repeat is served from the tier; once the tier has
     evicted the first conversations (others filled it), their repeat is a miss -- never a failed
-    or wrong load."""
+    or wrong load.
+
+    At TP 2 the engine has the failed-load hook (sync loads), as production requires for host-only
+    objects there (``WritePolicy.host_only_safe``): rank 1's tier can evict a shard rank 0 still
+    holds (their admissions race their own upload threads), and only the hook lets that request be
+    recomputed. Forcing ``never`` without it once left such a request parked for good (a hung run)."""
     store = InstrumentedStore(MemoryStore())
     PolicyLeader.TO_S3 = NEVER
-    with engine(store, tp=tp, leader=PolicyLeader, gb=0.0006) as e:  # SPECS need ~0.4 MB
+    mode = "sync" if tp > 1 else "async"
+    with engine(store, tp=tp, leader=PolicyLeader, gb=0.0006, load_mode=mode) as e:  # SPECS need ~0.4 MB
         first = e.run(SPECS)
         flushed(e)
         warm = e.run(repeat_workload(SPECS, 10_000))
@@ -732,13 +738,19 @@ def test_a_host_only_object_is_never_promised_once_evicted(tp):
         late = e.run(repeat_workload(SPECS, 30_000))
         stats = [w.core.stats() for w in e.workers]
         leader = e.leader.core.stats
-    assert store.snapshot().put == 0 and store.snapshot().get == 0
+    snap = store.snapshot()
+    # Nothing written; a read only by a rank whose tier diverged (it tries the store first, which
+    # never had the object).
+    assert snap.put == 0 and snap.bytes_down == 0 and (snap.get == 0 or any(st.host_divergence for st in stats))
     assert first.kv_mismatches == 0 and warm.kv_mismatches == 0 and late.kv_mismatches == 0
     assert late.hit_rate < warm.hit_rate
     assert leader.promises_broken == 0
     for st in stats:
-        assert st.host_evicted > 0 and st.loads_failed_objects == 0 and st.requests_failed == 0
-        assert st.host_high_water <= st.host_capacity
+        assert st.host_evicted > 0 and st.host_high_water <= st.host_capacity
+        # A failed load only where this rank's tier diverged from rank 0's (never at TP 1): what
+        # rank 0 evicted is never promised.
+        assert st.loads_failed_objects <= st.host_divergence and st.requests_failed <= st.host_divergence
+    assert sum(st.host_divergence for st in stats[:1]) == 0
 
 
 def test_a_rank_whose_tier_lost_an_object_reads_it_from_the_store():
