@@ -105,6 +105,45 @@ def test_exploration_keeps_learning_a_refused_kind():
     assert written(back[-300:]) == 1.0
 
 
+def test_a_kind_read_only_at_shallow_depth_stops_being_written_deep():
+    """Reads per write are learnt per depth bin too: checkpoints read half the time at 4k tokens
+    and never at 32k are written shallow and refused deep -- where a kind-wide rate (a quarter)
+    times a deep read's larger worth wrote both. Another engine's read is binned by the depth the
+    reader sees, as its writer binned it."""
+    m = model(half_life=600)
+    pending: list[tuple[int, Boundary]] = []
+    decisions: dict[int, list[str]] = {4096: [], 32_768: []}
+    for i in range(2000):
+        m.tick()
+        tokens = 4096 if i % 2 else 32_768
+        b = boundary(i, CHECKPOINT, tokens=tokens)
+        d = m.plan([b]).decisions[(CHECKPOINT, tokens)]
+        decisions[tokens].append(d)
+        if d != "refuse":
+            m.wrote(CHECKPOINT, [TAIL], b.digest, tokens)
+            if tokens == 4096 and i % 4 == 1:
+                pending.append((i + 5, b))
+        for due, pb in [p for p in pending if p[0] == i]:
+            pending.remove((due, pb))
+            m.read(pb.digest, None, pb.tokens, 0, TAIL, 0)
+    assert m.reads_per_write(CHECKPOINT, 32_768) < 0.05 < 0.3 < m.reads_per_write(CHECKPOINT, 4096)
+    assert written(decisions[4096][-200:]) == 1.0
+    # Deep ones only as often as keeps their bin's evidence from decaying back to the kind's rate
+    # (a deep read is worth ~100 writes of its tail): with the kind's rate alone, every one.
+    assert written(decisions[32_768][-200:]) < 0.4
+    # The kind as a whole still looks worth writing at 32k: only its depth says otherwise.
+    deep = boundary(5000, CHECKPOINT, tokens=32_768)
+    r = m.reads_per_write(CHECKPOINT)
+    assert r > 0.1 and r * m.prefill.usd(0, 32_768) > m.bill.write_usd(deep.tail)
+    # Another engine's read (no memo) of a 32k checkpoint counts in the 32k bin, not the 4k one.
+    before = (m.reads_per_write(CHECKPOINT, 32_768), m.reads_per_write(CHECKPOINT, 4096))
+    for j in range(5):
+        m.read(digest(10_000 + j), CHECKPOINT, 32_768, 0, TAIL, 0, end_tokens=32_768)
+    deep_rise = m.reads_per_write(CHECKPOINT, 32_768) - before[0]
+    shallow_rise = m.reads_per_write(CHECKPOINT, 4096) - before[1]  # only through the kind's rate
+    assert deep_rise > 0.01 and deep_rise > 50 * abs(shallow_rise)
+
+
 def test_engines_fed_the_same_traffic_decide_the_same():
     """Decisions are a function of what was seen and of digests: two engines (or the leader a TP
     group shares) that saw the same make the same plan, exploration included."""

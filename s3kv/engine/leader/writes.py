@@ -329,7 +329,7 @@ class WritePolicy:
             self.model.host_read(hint)  # only host memory could serve it: no reason to write S3 now
             return
         self.model.read(digest, hint, h * tpb, ld.device_tokens, tail_bytes, chain_bytes,
-                        lag_s=self.lookups.listings.age_s(ender, 0, digest, end))
+                        lag_s=self.lookups.listings.age_s(ender, 0, digest, end), end_tokens=end * tpb)
 
     def on_seals(self, st: RequestState, seals: Sequence[SealOp], *, finish: bool = False) -> None:
         """Seals just emitted for ``st`` (``finish``: its finish plan's, run as it ended): the objects
@@ -359,4 +359,4 @@ class WritePolicy:
                 bounds.setdefault(end, [])  # a full-attention model's boundary is its chain object
         for end, sizes in bounds.items():
             digest = st.chain.digests[end - 1] if st.chain is not None and end <= len(st.chain.digests) else None
-            self.model.wrote(self.kind_at(st, end), sizes, digest)
+            self.model.wrote(self.kind_at(st, end), sizes, digest, end * self.ctx_tpb)
