@@ -62,15 +62,21 @@ def host_memoryview(t: torch.Tensor) -> memoryview:
 def pinned_arena(nbytes: int) -> torch.Tensor:
     """``nbytes`` of page-locked host memory, exactly.
 
-    PyTorch's pinned allocator rounds every allocation up to a power of two (a 40 GiB host tier
-    would pin 64 GiB), so any other size is plain host memory registered with CUDA instead
-    (``cudaHostRegister``), unregistered when the arena is collected; where registering fails or
-    does not read back as pinned, the rounded allocation it is.
+    Plain host memory, its pages faulted in, then registered with CUDA (``cudaHostRegister``),
+    unregistered when the arena is collected; where registering fails or does not read back as
+    pinned, PyTorch's pinned allocator, which rounds every allocation up to a power of two (a
+    40 GiB host tier would pin 64 GiB).
+
+    Why fault the pages in first: registering untouched memory faults every page in while it
+    holds the driver, and every CUDA call of the process waits -- 8 GiB stalled a 4 KiB copy on
+    another thread 3.3-3.5 s on an H100 host; touched first, 0.42-0.48 s (the touch itself,
+    0.4 s, holds nothing). Why not register in chunks, which bounds each stall too: a copy whose
+    source spans two registrations fails ("invalid argument"), and staged objects span any
+    boundary (docs/benchmarks.md, "Host tier").
     """
-    if nbytes & (nbytes - 1) == 0:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     cudart = torch.cuda.cudart()
     arena = torch.empty(nbytes, dtype=torch.uint8)
+    arena.zero_()
     ptr = arena.data_ptr()
     try:
         err = cudart.cudaHostRegister(ptr, nbytes, 0)

@@ -172,3 +172,21 @@ def test_a_pinned_tier_is_registered_in_the_background_then_serves_from_pinned_m
     assert torch.equal(dev.cpu(), pages)
     held.release()
     tier.close()
+
+
+@pytest.mark.parametrize("nbytes", [1 << 24, (1 << 24) + 4096 * 3 + 512])
+def test_a_pinned_arena_is_exactly_its_size_pinned_and_copies_bit_exact(nbytes):
+    """Registered after its pages were faulted in (``pinned_arena``), whatever the size: exactly
+    ``nbytes`` (PyTorch's own pinned allocator rounds up to a power of two), zeroed, and an async
+    host->device copy from anywhere in it is bit-exact."""
+    from s3kv.transfer.staging import pinned_arena
+
+    arena = pinned_arena(nbytes)
+    assert arena.numel() == nbytes and arena.is_pinned() and arena[nbytes - 4096 :].is_pinned()
+    assert int(arena.count_nonzero()) == 0
+    pattern = torch.randint(0, 256, (nbytes - 100,), dtype=torch.uint8)
+    arena[100:] = pattern
+    out = torch.empty(nbytes - 100, dtype=torch.uint8, device=DEV)
+    out.copy_(arena[100:], non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), pattern)
