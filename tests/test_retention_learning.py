@@ -50,12 +50,12 @@ def _reads(*lags: tuple[float, int]) -> list[float]:
 def test_the_retention_leaves_a_lag_bin_of_room_beyond_the_reads():
     early = _reads((5, 60), (90, 40))  # every read within 2 minutes
     assert learn_retention(early, margin_s=MARGIN, cap_s=CAP) == 1023 - MARGIN
-    # 2% of the reads in the octave before that cutoff (511-1023 s): they may go on beyond it.
-    # Late in it (800 s), the next cutoff with a quiet octave below it is 2,047 s; early in it
-    # (600 s), half an octave up: 1,447 s (the cutoff moves by half octaves, its room is an octave).
+    # 2% of the reads in the last bin before that cutoff (723-1023 s): they may go on beyond it --
+    # half an octave more, not a whole one (bins are half-octaves: the headroom is one bin wide).
     later = _reads((5, 60), (90, 38), (800, 2))
-    assert learn_retention(later, margin_s=MARGIN, cap_s=CAP) == 2047 - MARGIN
-    assert learn_retention(_reads((5, 60), (90, 38), (600, 2)), margin_s=MARGIN, cap_s=CAP) == NEXT - MARGIN
+    assert learn_retention(later, margin_s=MARGIN, cap_s=CAP) == NEXT - MARGIN
+    # Reads of the bin below the last one (511-723 s) need no more room.
+    assert learn_retention(_reads((5, 60), (90, 38), (600, 2)), margin_s=MARGIN, cap_s=CAP) == 1023 - MARGIN
     late = _reads((5, 60), (90, 30), (1500, 5), (3000, 5))
     assert learn_retention(late, margin_s=MARGIN, cap_s=CAP) == CAP
     # One read in a hundred there is within the rule.
@@ -119,19 +119,19 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     assert (idx.retention_s, idx.auto_since, idx.believe_s) == (1023 - MARGIN, 1000.0, 1023 - MARGIN)
     # What was written while gc had nothing to learn from was believed for the floor only.
     assert pub.keep_s(nsp, 1000.0 + 3 * 10 + 60) == 1023 - MARGIN
-    # The same engine later: 10 more reads, all at 13 minutes -- in the octave before the cutoff.
+    # The same engine later: 10 more reads, all at 13 minutes -- in the last bin before the cutoff.
     k1 = report_key(nsp, "00000000000000aa", 1)
     store.put(k1, encode_report(_reads((30, 100), (800, 10)), clock[0], k1))
     clock[0] += 10
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == 2047 - MARGIN
+    assert pub.retention[nsp][0] == NEXT - MARGIN
     # The superseded report is gone; the newest stays (the next gc that starts reads it).
     names = [k for k in store.keys() if "fleet-reads/" in k]
     assert names == [report_key(nsp, "00000000000000aa", 1)]
     # A gc that restarts goes on learning since the same time (what it deletes early depends on it).
     again = _publisher(store, clock, nsp)
     again.publish(clock[0])
-    assert again.retention[nsp] == (2047 - MARGIN, 1000.0)
+    assert again.retention[nsp] == (NEXT - MARGIN, 1000.0)
 
 
 def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_believed_for_it():
@@ -146,7 +146,7 @@ def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_belie
     k0 = report_key(nsp, "00000000000000aa", 0)
     store.put(k0, encode_report(_reads((30, 100), (800, 10)), clock[0], k0))
     pub.publish(clock[0])
-    long = 2047 - MARGIN
+    long = NEXT - MARGIN
     assert pub.retention[nsp][0] == long
     k1 = report_key(nsp, "00000000000000aa", 1)  # 10,000 more reads, all early: the late ones are 0.1%
     store.put(k1, encode_report(_reads((30, 10_100), (800, 10)), clock[0], k1))
