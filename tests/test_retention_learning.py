@@ -21,7 +21,6 @@ from s3kv.core.retention import (
     MIN_DATED_READS,
     RETENTION_FLOOR_S,
     FleetReads,
-    decode_report,
     encode_report,
     learn_retention,
     parse_report_key,
@@ -35,8 +34,6 @@ from s3kv.store.refresh import RefreshOnHit, set_refresh_interval
 from s3kv.tools.ops import gc_command
 
 CAP, MARGIN = 3600.0, 660.0
-#: The lag-bin edge above 1,023 s: bins are half-octaves (core.retention).
-NEXT = 2 ** 10.5 - 1
 
 
 def _reads(*lags: tuple[float, int]) -> list[float]:
@@ -50,16 +47,13 @@ def _reads(*lags: tuple[float, int]) -> list[float]:
 def test_the_retention_leaves_a_lag_bin_of_room_beyond_the_reads():
     early = _reads((5, 60), (90, 40))  # every read within 2 minutes
     assert learn_retention(early, margin_s=MARGIN, cap_s=CAP) == 1023 - MARGIN
-    # 2% of the reads in the last bin before that cutoff (723-1023 s): they may go on beyond it --
-    # half an octave more, not a whole one (bins are half-octaves: the headroom is one bin wide).
-    later = _reads((5, 60), (90, 38), (800, 2))
-    assert learn_retention(later, margin_s=MARGIN, cap_s=CAP) == NEXT - MARGIN
-    # Reads of the bin below the last one (511-723 s) need no more room.
-    assert learn_retention(_reads((5, 60), (90, 38), (600, 2)), margin_s=MARGIN, cap_s=CAP) == 1023 - MARGIN
+    # 2% of the reads in the last bin before that cutoff (511-1023 s): they may go on beyond it.
+    later = _reads((5, 60), (90, 38), (700, 2))
+    assert learn_retention(later, margin_s=MARGIN, cap_s=CAP) == 2047 - MARGIN
     late = _reads((5, 60), (90, 30), (1500, 5), (3000, 5))
     assert learn_retention(late, margin_s=MARGIN, cap_s=CAP) == CAP
     # One read in a hundred there is within the rule.
-    assert learn_retention(_reads((5, 99), (800, 1)), margin_s=MARGIN, cap_s=CAP) == 1023 - MARGIN
+    assert learn_retention(_reads((5, 99), (700, 1)), margin_s=MARGIN, cap_s=CAP) == 1023 - MARGIN
     # Too few dated reads: the ceiling stands (None); never below the floor.
     assert learn_retention(_reads((5, MIN_DATED_READS - 1)), margin_s=MARGIN, cap_s=CAP) is None
     assert learn_retention(_reads((1, 100)), margin_s=100.0, cap_s=CAP) >= RETENTION_FLOOR_S
@@ -86,20 +80,6 @@ def _publisher(store, clock, nsp):
     return Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp])
 
 
-def test_a_report_from_an_engine_with_octave_bins_is_read_half_and_half():
-    """Engines from before half-octave bins report 22 octaves: each octave's reads count half in
-    each of its two bins (a rolling upgrade keeps learning from every engine), and any other
-    length is refused."""
-    key = "ns/fleet-reads/00000000000000aa.0"
-    octaves = [0.0] * (LAG_BINS // 2)
-    octaves[9] = 8.0  # [511, 1023) s
-    lags, _ = decode_report(encode_report(octaves, 5.0, key), LAG_BINS, key)
-    assert len(lags) == LAG_BINS and sum(lags) == 8.0
-    assert lags[lag_bin(600)] == lags[lag_bin(900)] == 4.0 and lag_bin(600) != lag_bin(900)
-    with pytest.raises(ValueError):
-        decode_report(encode_report([1.0] * 7, 5.0, key), LAG_BINS, key)
-
-
 def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_they_come_late():
     store = MemoryStore()
     core = _leader(store, fleet_index_s=5)
@@ -119,19 +99,19 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     assert (idx.retention_s, idx.auto_since, idx.believe_s) == (1023 - MARGIN, 1000.0, 1023 - MARGIN)
     # What was written while gc had nothing to learn from was believed for the floor only.
     assert pub.keep_s(nsp, 1000.0 + 3 * 10 + 60) == 1023 - MARGIN
-    # The same engine later: 10 more reads, all at 13 minutes -- in the last bin before the cutoff.
+    # The same engine later: 10 more reads, all at 10-15 minutes -- beyond half the cutoff.
     k1 = report_key(nsp, "00000000000000aa", 1)
-    store.put(k1, encode_report(_reads((30, 100), (800, 10)), clock[0], k1))
+    store.put(k1, encode_report(_reads((30, 100), (700, 10)), clock[0], k1))
     clock[0] += 10
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == NEXT - MARGIN
+    assert pub.retention[nsp][0] == 2047 - MARGIN
     # The superseded report is gone; the newest stays (the next gc that starts reads it).
     names = [k for k in store.keys() if "fleet-reads/" in k]
     assert names == [report_key(nsp, "00000000000000aa", 1)]
     # A gc that restarts goes on learning since the same time (what it deletes early depends on it).
     again = _publisher(store, clock, nsp)
     again.publish(clock[0])
-    assert again.retention[nsp] == (NEXT - MARGIN, 1000.0)
+    assert again.retention[nsp] == (2047 - MARGIN, 1000.0)
 
 
 def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_believed_for_it():
@@ -144,12 +124,12 @@ def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_belie
     clock = [1000.0]
     pub = _publisher(store, clock, nsp)
     k0 = report_key(nsp, "00000000000000aa", 0)
-    store.put(k0, encode_report(_reads((30, 100), (800, 10)), clock[0], k0))
+    store.put(k0, encode_report(_reads((30, 100), (700, 10)), clock[0], k0))
     pub.publish(clock[0])
-    long = NEXT - MARGIN
+    long = 2047 - MARGIN
     assert pub.retention[nsp][0] == long
     k1 = report_key(nsp, "00000000000000aa", 1)  # 10,000 more reads, all early: the late ones are 0.1%
-    store.put(k1, encode_report(_reads((30, 10_100), (800, 10)), clock[0], k1))
+    store.put(k1, encode_report(_reads((30, 10_100), (700, 10)), clock[0], k1))
     clock[0] += 1000
     pub.publish(clock[0])
     assert pub.retention[nsp][0] == 1023 - MARGIN  # published at once (engines believe and refresh by it)

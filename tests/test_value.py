@@ -394,5 +394,5 @@ def test_reads_are_dated_by_the_memo_or_by_the_fleet_index():
     m.read(digest(2), None, 8192, 0, TAIL, 0, lag_s=2000)  # another engine's, dated by the index
     m.read(digest(3), None, 8192, 0, TAIL, 0)  # undated: not counted
     assert sum(m.lag_reads) == 2
-    assert m.lag_reads[13] == 1 and m.lag_reads[21] == 1  # 100 s in [90, 127); 2000 s in [1447, 2047)
+    assert m.lag_reads[6] == 1 and m.lag_reads[10] == 1  # 100 s in [63, 127); 2000 s in [1023, 2047)
     assert [b.get(m.clock, m.half_life) for b in m._lag] == lag_before

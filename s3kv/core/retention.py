@@ -25,11 +25,7 @@ are read, and ``S3KV_RETENTION_H`` becomes its ceiling:
 Why one bin of headroom rather than "keep 99% of the reads" (the advice this replaced): reads later than the cutoff are never seen, so a rule that only keeps what it saw would
 ratchet down -- each shorter retention hides the reads that would argue against the next. Reads in
 the last bin before the cutoff are seen; more than 1% there says the reuse has not died away by
-the cutoff, and the retention grows back a bin. Why bins of half an octave (lags in
-[2^(b/2) - 1, 2^((b+1)/2) - 1) s): the headroom is a bin wide, so with octaves every cutoff sat at
-twice the last lag that mattered -- a conversation trace read 99.8% of its objects within 1,023 s,
-7.8% of them past 511 s, and gc kept every object 2,047 s; half-octave bins keep it 1,447 s, and
-every unread object's storage is billed for that much less. Why no prior: with fewer than
+the cutoff, and the retention grows back a bin. Why no prior: with fewer than
 :data:`MIN_DATED_READS` dated reads the ceiling stands (today's behaviour).
 """
 
@@ -62,23 +58,9 @@ REPORT_STALE_S = 86400.0
 _REPORT_NAME = re.compile(r"^([0-9a-f]{16})\.([0-9]{1,12})$")
 
 
-#: Reuse-lag bins (``lag_bin``): half an octave each (module doc), the last one the rest (a day+).
-LAG_BINS = 44
-
-
-def lag_bin(seconds: float) -> int:
-    """The reuse-lag bin of ``seconds``: bin b holds [2^(b/2) - 1, 2^((b+1)/2) - 1)."""
-    return min(LAG_BINS - 1, max(0, int(2 * math.log2(max(0.0, seconds) + 1))))
-
-
 def lag_bin_edge(b: int) -> float:
-    """Upper edge, in seconds, of reuse-lag bin ``b``."""
-    return 2 ** ((b + 1) / 2) - 1
-
-
-def lag_bin_of_edge(edge: float) -> int:
-    """The bin whose upper edge is ``edge`` (as a label rounded it: ``s3kv_value_read_lag_reads_total``)."""
-    return min(range(LAG_BINS), key=lambda b: abs(lag_bin_edge(b) - edge))
+    """Upper edge, in seconds, of reuse-lag bin ``b`` (bin b holds [2^b - 1, 2^(b+1) - 1) s)."""
+    return float(2 ** (b + 1) - 1)
 
 
 def learn_retention(lag_reads: Sequence[float], *, margin_s: float, cap_s: float) -> float | None:
@@ -177,9 +159,6 @@ def decode_report(data: bytes, bins: int, key: str, keys: IntegrityKeys | None =
         if k is None or not equal(k.index_tag(key, body).hex().encode(), tag):
             raise ValueError("a read report no integrity key of ours signed")
     lags = [float(x) for x in doc["lag_reads"]]
-    if len(lags) * 2 == bins:
-        # An engine from before half-octave bins: each octave's reads split evenly between its halves.
-        lags = [x / 2 for x in lags for _ in (0, 1)]
     if len(lags) != bins or any(not math.isfinite(x) or x < 0 for x in lags):
         raise ValueError(f"a read report has {len(lags)} lag bins, expected {bins} non-negative counts")
     return lags, float(doc["at"])

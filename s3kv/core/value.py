@@ -104,6 +104,7 @@ would restate it.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -121,7 +122,7 @@ from .cost import (
     get_requests,
     put_requests,
 )
-from .retention import LAG_BINS, lag_bin, lag_bin_edge
+from .retention import lag_bin_edge
 
 CHAIN = "chain"
 CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH = "checkpoint", "prompt-end", "history-end", "branch"
@@ -142,7 +143,9 @@ PRIOR_WRITES = 4.0
 PRIOR_MARGINAL_TOKENS = 2 * 8192.0
 #: Writes are binned by this many seconds for the lag correction (recomputed once per bin).
 _EPOCH = 16
-_PRIOR_LAG_BINS = range(2, 22)  # 1 s - 34 min (reuse-lag bins: ``core.retention.lag_bin``)
+#: Reuse-lag histogram: bin b holds lags in [2^b - 1, 2^(b+1) - 1) seconds.
+LAG_BINS = 22
+_PRIOR_LAG_BINS = range(1, 11)  # 1 s - 34 min
 _PRIOR_LAG_WEIGHT = 1.0
 #: Own boundaries remembered (digest -> kind, write time, depth bin), for exact attribution of their reads.
 MEMO_ENTRIES = 200_000
@@ -561,3 +564,6 @@ def depth_bin(tokens: int) -> int:
     return min(DEPTH_BINS - 1, max(0, (int(tokens) // DEPTH_BASE).bit_length() - 1))
 
 
+def lag_bin(seconds: float) -> int:
+    """The reuse-lag bin of ``seconds``: bin b holds [2^b - 1, 2^(b+1) - 1), the last one the rest."""
+    return min(LAG_BINS - 1, int(math.log2(seconds + 1)))

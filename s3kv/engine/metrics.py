@@ -67,7 +67,7 @@ from prometheus_client import start_http_server as _prom_start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from ..core.errors import PARK_CAUSES
-from ..core.retention import LAG_BINS, lag_bin_edge, lag_bin_of_edge
+from ..core.value import LAG_BINS, lag_bin, lag_bin_edge
 from ..store.base import (
     Buffer,
     ByteRange,
@@ -821,8 +821,8 @@ def value_line(samples: Mapping[str, float], head_usd_per_1k: float = 0.0004) ->
         if name == f"{PREFIX}_store_requests_total" and labels.get("op") == "head":
             heads += v
         if name == f"{PREFIX}_value_read_lag_reads_total" and "lag_le_s" in labels:
-            # Back in ValueModel.lag_reads' bins: the label is a bin's upper edge, rounded.
-            lag[lag_bin_of_edge(float(labels["lag_le_s"]))] += v
+            # Back in ValueModel.lag_reads' bins: a bin's upper edge less one second lies inside it.
+            lag[lag_bin(float(labels["lag_le_s"]) - 1)] += v
         kind = labels.get("kind", "")
         if not name.startswith(f"{PREFIX}_value_") or not kind:
             continue
