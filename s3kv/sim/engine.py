@@ -167,6 +167,10 @@ class _Req:
     load_ranks: set[int] = field(default_factory=set)  # ranks yet to return the async load
     save_ranks: set[int] = field(default_factory=set)  # ranks yet to return the held (saving) id
     cancelled: bool = False
+    #: Overlap loop, V2: cancelled (and freed) while in the batch just queued; the next pass's
+    #: ``_send_kv_async`` still finds it finished in ``previous_batch`` and calls
+    #: ``request_finished_by_layer_group`` with one empty list per group (its cache is gone).
+    finish_after_release: bool = False
     recomputed_failed_load: bool = False  # rewound after the manager reported its load failed
     failed: str = ""  # ended with this error (the executor's _handle_errors), no connector call
     t_admit: float = 0.0
@@ -231,9 +235,13 @@ class SimEngine:
     ``silent_cancel`` (default True, @0004396): a cancelled request is freed with no connector
     call, parked or not -- ``_handle_canceled_requests`` marks it finished after
     ``_send_kv_async`` ran, ``_handle_responses`` -> ``_terminate_request`` frees its pages at once
-    (they go to the next allocation, LIFO), and by the next ``_send_kv_async`` it is gone (overlap
-    loop: it is in the previous batch there, its pages already freed; the simulator drops it, not
-    verified against V1's C++ ``get_cache_block_ids`` for a freed sequence). ``False`` calls
+    (they go to the next allocation, LIFO), and by the next ``_send_kv_async`` it is gone -- except
+    on the overlap loop, where it is still in the previous batch there, finished, its pages
+    already freed: on the KVCacheManagerV2 line ``get_page_indices_by_layer_group`` has no entry
+    for it and the manager calls ``request_finished_by_layer_group`` with one empty list per group
+    (connectors/kv_cache_connector.py @035ab91, ``request_finished``; PR 18762's review), which the
+    simulator does; on the flat line it drops the request (V1's C++ ``get_cache_block_ids`` for a
+    freed sequence not verified). ``False`` calls
     ``request_finished`` for a cancel as for a finish -- no stored upstream source does; kept as a
     stricter check that the connector also survives being told.
     ``overlap`` runs ``_executor_loop_overlap`` (TensorRT-LLM's default) instead of the
@@ -632,16 +640,23 @@ class SimEngine:
         finished: list[_Req] = []
         for st, _, _, _ in prev:
             progressed = True
+            if st.finish_after_release:
+                finished.append(st)
+                continue
             if st.pending is None:
                 continue
             st.tokens.append(st.pending)
             st.pending = None
             if st.phase is _Phase.RUNNING and st.generated >= st.spec.output_limit:
                 finished.append(st)
-        # _send_kv_async(previous batch): request_finished.
+        # _send_kv_async(previous batch): request_finished -- also for a request cancelled after
+        # this batch was queued (freed already: V2 reports one empty list per group).
         finished_gen: list[int] = []
         for st in finished:
-            self._finish(st, it, finished_gen)
+            if st.finish_after_release:
+                self._finish_released(st, finished_gen)
+            else:
+                self._finish(st, it, finished_gen)
         # V2's pause for recompute, once the host holds the request's tokens.
         for st, _, _, _ in prev:
             if st.pause_pending:
@@ -665,8 +680,13 @@ class SimEngine:
         cancelled: list[_Req] = []
         if had_batch:
             self._cancel_due(it, cancelled)
+        in_batch = {id(x[0]) for x in current}
         for st in cancelled:
             self._finish(st, it, finished_gen, tell=not self.silent_cancel)
+            # Still in the batch just queued (the next previous_batch), finished: the next pass's
+            # _send_kv_async calls request_finished for it (KVCacheManagerV2 line; the flat line's
+            # get_cache_indices on a freed request is not modelled).
+            st.finish_after_release = self.silent_cancel and not self.flat and id(st) in in_batch
             progressed = True
         for st, _, is_ctx, history in prev:
             if not is_ctx and st.phase in (_Phase.RUNNING, _Phase.SAVING):
@@ -684,7 +704,9 @@ class SimEngine:
                 and self.preempt_generation_hook(st.rid, st.generated, st.attempt)
             ):
                 st.pause_pending = True
-        self._prev = [x for x in current if x[0].phase in (_Phase.RUNNING, _Phase.SAVING)]
+        self._prev = [
+            x for x in current if x[0].phase in (_Phase.RUNNING, _Phase.SAVING) or x[0].finish_after_release
+        ]
 
         return self._get_finished(finished_gen, started_loading) or progressed
 
@@ -1255,6 +1277,23 @@ class SimEngine:
         else:
             self._release(st)
             st.phase = _Phase.DONE
+
+    def _finish_released(self, st: _Req, finished_gen: list[int]) -> None:
+        """``_send_kv_async`` for a finished request whose cache was already freed (V2 line:
+        ``get_page_indices_by_layer_group`` has no entry; the manager passes one empty list per
+        group). True parks its id for ``get_finished`` as for any save; it holds no page."""
+        st.finish_after_release = False
+        keep = self._call(
+            "request_finished_by_layer_group",
+            self.leader.request_finished_by_layer_group,
+            st.req,
+            [[] for _ in self.groups],
+        )
+        if keep:
+            st.phase = _Phase.SAVING
+            st.save_ranks = set(range(self.tp_size))
+            self._held.append(st)
+            finished_gen.append(st.rid)
 
     # ------------------------------------------------------------------ reporting
 
