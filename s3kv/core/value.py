@@ -52,13 +52,13 @@ sees -- which kind of object ended each of its hits, at what depth, on top of wh
 in powers of two of :data:`DEPTH_BASE` tokens), each bin's estimate shrunk towards its kind's by
 as many pseudo-reads as the kind's own prior has (two), at the kind's rate: a bin with no evidence
 says what its kind says, and falls below it as fast as a kind falls below its prior -- one of a
-rarely read kind at once, one of a kind read at 20% only after some tens of unread writes. A
+rarely read kind at once, one of a kind read at 20% only after about ten unread writes. A
 weaker pull (one pseudo-write) refused bins of conversations' history-end tails on their first
 unlucky writes, before their readers came: 8% of a trace's tokens lost. Why: a
 read's worth grows with its depth, so a kind read at 1% whose reads all come at shallow depths
 (shared system prompts and documents are short; deep prefixes are one conversation's own) looked
 worth writing at every deep boundary: on a 3,000-request conversation trace 1,328 checkpoint tails
-at 16k+ tokens were written for 3 reads, 35% of the bill's unread bytes. The depth is what writer
+at 16k+ tokens were written for 3 reads (~0.6 TB, 12% of the bytes it stored). The depth is what writer
 and reader both know exactly (the boundary's end), so another engine's object is binned as
 precisely as one's own.
 
