@@ -458,21 +458,31 @@ class ValueModel:
         epoch = self.clock - self.clock % _EPOCH
         if self._matured_at != epoch:
             cdf = self._lag_cdf()
+            # Epochs start on the same grid for every kind and depth bin: each one's share of reads
+            # come and its decay are computed once, not once per key (45 keys of up to 900 epochs:
+            # ~43 ms every epoch on the scheduler's thread when each was computed per key).
+            shares: dict[float, tuple[float, float]] = {}
             self._matured = {}
             for k, ep in self._epochs.items():
                 s = 0.0
                 for start, n in ep:
-                    age = epoch - start
-                    if age <= 0:
-                        continue
-                    b = lag_bin(age)
-                    lo, hi = (lag_bin_edge(b - 1) if b else 0.0), lag_bin_edge(b)
-                    below = cdf[b - 1] if b else 0.0
-                    f = below + (cdf[b] - below) * min(1.0, (age - lo) / (hi - lo))
-                    s += n * f * 0.5 ** (age / self.half_life)
+                    got = shares.get(start)
+                    if got is None:
+                        got = shares[start] = self._matured_share(epoch - start, cdf)
+                    f, decay = got
+                    s += n * f * decay  # (0, 0) for an epoch not aged yet: adds nothing
                 self._matured[k] = s
             self._matured_at = epoch
         return self._matured.get(kind, 0.0)
+
+    def _matured_share(self, age: float, cdf: list[float]) -> tuple[float, float]:
+        """(share of its reads come, decay) of a write ``age`` seconds old; (0, 0) not yet aged."""
+        if age <= 0:
+            return 0.0, 0.0
+        b = lag_bin(age)
+        lo, hi = (lag_bin_edge(b - 1) if b else 0.0), lag_bin_edge(b)
+        below = cdf[b - 1] if b else 0.0
+        return below + (cdf[b] - below) * min(1.0, (age - lo) / (hi - lo)), 0.5 ** (age / self.half_life)
 
     def judged(self, kind: str) -> bool:
         """Has ``kind`` been written enough, long enough ago to have been read, to be weighed? Until
@@ -482,14 +492,14 @@ class ValueModel:
     def reads_per_write(self, kind: str, tokens: int | None = None) -> float:
         """Reads per write of ``kind``; of its boundaries ``tokens`` deep, where given (module doc,
         "by depth": the depth bin's own count, shrunk towards the kind's)."""
+        prior_reads = PRIOR_READS_PER_WRITE * PRIOR_WRITES
         r = self._reads[kind].get(self.clock, self.half_life)
-        whole = (r + PRIOR_READS_PER_WRITE * PRIOR_WRITES) / (self._matured_writes(kind) + PRIOR_WRITES)
+        whole = (r + prior_reads) / (self._matured_writes(kind) + PRIOR_WRITES)
         if tokens is None:
             return whole
         key = (kind, depth_bin(tokens))
         got = self._reads_at.get(key)
         rb = got.get(self.clock, self.half_life) if got is not None else 0.0
-        prior_reads = PRIOR_READS_PER_WRITE * PRIOR_WRITES
         return (rb + prior_reads) / (self._matured_writes(key) + prior_reads / whole)
 
     def marginal_share(self, kind: str) -> float:
@@ -500,6 +510,8 @@ class ValueModel:
     def worth(self, b: Boundary) -> float:
         """Expected value of a read-weighted boundary less its tail's cost (the chain apart), in $,
         with its costs scaled by the required return."""
+        # A chain boundary's reads are branch reads of a shared part, not of this prompt's depth:
+        # its kind's rate (no write of it is binned).
         r = self.reads_per_write(b.kind, None if b.kind == CHAIN else b.tokens)
         if b.kind == CHAIN:  # a branch read serves the shared part: its own length, not this prompt's
             n = self._reads[CHAIN].get(self.clock, self.half_life)

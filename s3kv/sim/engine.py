@@ -1270,13 +1270,17 @@ class SimEngine:
                 "request_finished_by_layer_group", self.leader.request_finished_by_layer_group, st.req, lists
             )
         if keep:
-            st.phase = _Phase.SAVING
-            st.save_ranks = set(range(self.tp_size))
-            self._held.append(st)
-            finished_gen.append(st.rid)
+            self._hold(st, finished_gen)
         else:
             self._release(st)
             st.phase = _Phase.DONE
+
+    def _hold(self, st: _Req, finished_gen: list[int]) -> None:
+        """``request_finished`` said True: the id waits for every rank's ``get_finished``."""
+        st.phase = _Phase.SAVING
+        st.save_ranks = set(range(self.tp_size))
+        self._held.append(st)
+        finished_gen.append(st.rid)
 
     def _finish_released(self, st: _Req, finished_gen: list[int]) -> None:
         """``_send_kv_async`` for a finished request whose cache was already freed (V2 line:
@@ -1290,10 +1294,7 @@ class SimEngine:
             [[] for _ in self.groups],
         )
         if keep:
-            st.phase = _Phase.SAVING
-            st.save_ranks = set(range(self.tp_size))
-            self._held.append(st)
-            finished_gen.append(st.rid)
+            self._hold(st, finished_gen)
 
     # ------------------------------------------------------------------ reporting
 
