@@ -188,7 +188,11 @@ class Settings:
     #: per stride, 320 MiB). Against 64 MiB: S3 $ -15% to -45% over the public trace and the
     #: generated family in 1- and 4-engine fleets, tokens served 83-139% (docs/sizing.md).
     target_object_mib: int = 512
-    max_blocks_per_object: int = 64
+    #: A bound on pages per object, not the size: the size is ``target_object_mib``'s. Why so high:
+    #: at 64 it was the size wherever pages are small -- TensorRT-LLM's 32 tokens a block gave
+    #: Gemma-3-27B full-attention objects of 160 MiB, half a stride, and twice the PUTs the trace
+    #: replay (64 tokens a block) billed (docs/trace-replay.md, "Objects sized in bytes").
+    max_blocks_per_object: int = 1024
     #: "async": parked request, reported from get_finished; "sync": finished inside start_load_kv.
     #: A failed sync load has no safe outcome, and no TensorRT-LLM line can fail one (the failed-load
     #: path covers async loads only), so the adapter loads async (with a start-up warning); "sync"
@@ -240,7 +244,7 @@ class Settings:
     lora_settle_s: float = 60.0
     #: Host staging pool for saves and loads (per engine process, pinned): a save holds a buffer
     #: per open object and layer group until it is uploaded, so it holds a few of the largest
-    #: objects (a Gemma-3-27B sliding tail ~416 MiB, a full-attention object 320 MiB).
+    #: objects (a Gemma-3-27B sliding tail ~416-442 MiB, a full-attention object 320 MiB).
     staging_mib: int = 4096
     pinned: bool = True
     #: Host tier (DRAM, per TP rank): GiB of s3kv objects kept in host memory in front of the store,

@@ -99,13 +99,18 @@ def test_default_full_attention_objects_are_one_checkpoint_stride():
     (Gemma-3-27B at 64 tokens a block: 5 MiB full-attention pages, 26 MiB sliding ones)."""
     from s3kv.core.policy import object_sizes
 
-    mib, tpb = 1 << 20, 64
+    mib = 1 << 20
     s = Settings(url="memory://t")
-    (full, sliding), cp = object_sizes([5 * mib, 26 * mib], tpb, s)
-    assert cp == s.checkpoint_tokens // tpb and full == cp
-    assert cp % sliding == 0 and sliding * 26 * mib <= s.target_object_mib * mib
-    # 64 MiB objects (the default before): 12-block objects, and checkpoints pushed to 72 blocks.
-    (full, _), cp = object_sizes([5 * mib, 26 * mib], tpb, Settings(url="memory://t", target_object_mib=64))
+    # TensorRT-LLM's 32 tokens a block halves the pages and doubles the blocks: the object is
+    # still one stride (a cap of pages per object made it half a stride at 32 once).
+    for tpb, page in ((64, 5 * mib), (32, 5 * mib // 2)):
+        (full, sliding), cp = object_sizes([page, 26 * mib * tpb // 64], tpb, s)
+        assert cp == s.checkpoint_tokens // tpb and full == cp, tpb
+        assert full * page <= s.target_object_mib * mib
+        assert cp % sliding == 0 and sliding * 26 * mib * tpb // 64 <= s.target_object_mib * mib
+    # 64 MiB objects at a 4,096-token stride: 12-block objects, and checkpoints pushed to 72 blocks.
+    (full, _), cp = object_sizes([5 * mib, 26 * mib], 64,
+                                 Settings(url="memory://t", target_object_mib=64, checkpoint_tokens=4096))
     assert (full, cp) == (12, 72)
 
 

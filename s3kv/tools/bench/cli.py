@@ -494,7 +494,7 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--limit", type=int, default=None, help="Only the first N requests.")
 @click.option("--tokens-per-block", type=int, default=64, show_default=True, help="Simulator block size.")
 @click.option("--full-outputs", is_flag=True, help="Generate every answer in full (slow; default: the ones re-read).")
-@click.option("--checkpoint-tokens", type=int, default=4096, show_default=True)
+@click.option("--checkpoint-tokens", type=int, default=None, help="Sliding-group checkpoint spacing (default: S3KV_CHECKPOINT_TOKENS's, 8192).")
 @click.option("--put-per-1k", type=float, default=None, help="$ per 1,000 PUT-class requests (default 0.005).")
 @click.option("--get-per-1k", type=float, default=None, help="$ per 1,000 GET/HEAD requests (default 0.0004).")
 @click.option("--gb-month", type=float, default=None, help="$ per GB-month stored (default 0.023).")
@@ -556,7 +556,7 @@ def trace_command(
     limit: int | None,
     tokens_per_block: int,
     full_outputs: bool,
-    checkpoint_tokens: int,
+    checkpoint_tokens: int | None,
     put_per_1k: float | None,
     get_per_1k: float | None,
     gb_month: float | None,
@@ -626,7 +626,7 @@ def trace_command(
         limit=limit,
         tokens_per_block=tokens_per_block,
         full_outputs=full_outputs,
-        checkpoint_tokens=checkpoint_tokens,
+        **_given(checkpoint_tokens=checkpoint_tokens),
         prices=prices,
         audit=audit,
         jobs=max(1, jobs if jobs is not None else min(2, os.cpu_count() or 1)),

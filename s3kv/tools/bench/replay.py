@@ -42,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...config import Settings
 from ...core.cost import Gpu, Prices, expiry_age_s
 from ...core.value import GC_WATCH_S
 from .. import models as _models
@@ -74,7 +75,8 @@ class TraceConfig:
     limit: int | None = None
     tokens_per_block: int = 64
     full_outputs: bool = False
-    checkpoint_tokens: int = 4096
+    #: The connector's own default (``Settings.checkpoint_tokens``): the replay bills what it ships.
+    checkpoint_tokens: int = Settings().checkpoint_tokens
     prices: Prices = field(default_factory=Prices)
     gpu: Gpu = field(default_factory=Gpu)
     #: ``s3kv gc --watch`` period: an expired object lives on half of it on average. Where the
@@ -185,7 +187,6 @@ def replay(
     oracle: Oracle | None = None,
 ) -> dict[str, Any]:
     """One policy over the whole trace, from an empty prefix; per-request served tokens and totals."""
-    from ...config import Settings
     from ...sim import SimCacheConfig, SimEngine
     from ...trtllm import S3KvConnectorWorker
 
