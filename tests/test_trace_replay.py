@@ -160,9 +160,14 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
             save_from = h // FULL_BPO * FULL_BPO
             ends = {e for e in range(save_from + 1, E + 1) if e % FULL_BPO == 0} | {P, E}
             spine[run].update(d[e - 1] for e in ends if e > save_from)
-            for e in ends:
+            for e in sorted(ends):
                 if e > save_from:  # write once: the first object of a name stays
-                    full_objects[run].setdefault(d[e - 1], (max(save_from, (e - 1) // FULL_BPO * FULL_BPO), e))
+                    # An object begins at its chunk's start, or later: where the stored chain ends
+                    # (S: the lookup saw it whole from its chunk's start), or at the prompt's end,
+                    # where the prompt-end snapshot ended the object before it.
+                    cs = (e - 1) // FULL_BPO * FULL_BPO
+                    first = max(save_from, cs, S if S < e else cs, P if P % FULL_BPO and cs < P < e else cs)
+                    full_objects[run].setdefault(d[e - 1], (first, e))
             if run == "all":
                 for e in range(save_from + 1, E + 1):
                     store(run, d, e - 1, e)

@@ -1,7 +1,7 @@
 """Finding the largest servable prefix in few round trips. Pure logic over a probe callback.
 
-Objects hold aligned runs of ``bpo`` blocks ("chunks"), named by the chain digest
-of their last block, so "does an object end at ordinal e" is one HEAD. A
+Objects hold runs of blocks inside aligned runs of ``bpo`` ("chunks"), named by the
+chain digest of their last block, so "does an object end at ordinal e" is one HEAD. A
 full-attention group stores every block, so its objects alone say how long the
 stored prefix is; that group is the *spine*. Three waves of parallel HEADs:
 
@@ -22,6 +22,13 @@ prompt stored whole one, since the probe wave also carries its verify asks when 
 A hole found by the verify wave (an object deleted from the middle) costs one
 more wave for the candidates below the hole; otherwise the answer is final.
 Probes answered by the local index cost no round trip.
+
+**Objects that start inside a chunk** (``Span.first`` not a chunk start): a writer that found the
+chain stored up to a point inside a chunk writes only what follows it (a prompt-end snapshot, then
+the rest of its chunk; a next turn, after the history it loaded) rather than the chunk again from
+its start. Such an object names where the one below it ends, so a wave that finds it asks for that
+end next (``_MAX_HOPS`` waves at most; the fleet index answers them with no request), and the verify
+wave asks every shard and full-attention group for the same ends as the spine's.
 """
 
 from __future__ import annotations
@@ -74,6 +81,10 @@ class LookupResult:
 #: asking that many more HEADs of every lookup, hit or miss, would cost more than the round trip
 #: a cold miss saves. The same bound lets the fill-in wave carry the verify wave's asks.
 _EARLY_GAP = 16
+
+
+#: Waves spent following objects that start inside a chunk down to the one below (module doc).
+_MAX_HOPS = 4
 
 
 #: At most this many verify asks ride in the first wave (see ``find_hit``): about the sliding
@@ -150,6 +161,23 @@ def find_hit(
     def found(end: int, shard: int = 0, group: int = spine) -> bool:
         return known.get((group, shard, end)) is not None
 
+    def follow() -> None:
+        """Ask for the object below each spine object found that starts inside a chunk (module doc)."""
+        if geometry.groups[spine].is_sliding:
+            return
+        for _ in range(_MAX_HOPS):
+            below = {(spine, 0, sp.first) for sp in result.coverage.get((spine, 0), {}).values()
+                     if sp.first > d_blocks and sp.first % bpo and (spine, 0, sp.first) not in known}
+            if not below:
+                return
+            run(below)
+
+    def inside_ends(lo: int, hi: int) -> list[int]:
+        """Where the spine's objects found within ``(lo, hi)`` start inside a chunk: the ends of
+        the objects below them, on every shard and full-attention group alike (each writer splits
+        all of them at the same blocks)."""
+        return [sp.first for sp in result.coverage.get((spine, 0), {}).values() if lo < sp.first < hi and sp.first % bpo]
+
     # Objects may end anywhere up to the prompt's last full block. For a
     # block-aligned prompt that is hmax + 1: its own prompt-end object is the
     # only one covering the last servable blocks, so it must be probed too.
@@ -173,6 +201,8 @@ def find_hit(
             lo, hi = required_range(g, geometry.tokens_per_block, d_blocks, h, params.margin)
             gb = params.bpo(g.group_id)
             ends = object_ends_needed(lo, hi, gb)
+            if g.window is None and ends:
+                ends += inside_ends(lo, hi)
             if ends and hi < top:
                 # An object ending a little past h covers it too: the prompt-end
                 # snapshot, or the chunk that h falls inside.
@@ -204,6 +234,7 @@ def find_hit(
         else:
             wave1 |= spec
     run(wave1)
+    follow()
 
     # The highest probe below which every probe was found (the spine stores
     # every block, so presence is a prefix until proven otherwise).
@@ -229,6 +260,7 @@ def find_hit(
                 for h in candidates(min(end, hmax_blocks)):
                     filling |= needed(h)
         run(filling)
+        follow()
 
     spine_ends = sorted(e for (g, s, e), v in known.items() if g == spine and s == 0 and v is not None)
     if geometry.groups[spine].is_sliding:
@@ -257,7 +289,7 @@ def find_hit(
                 return _with_spine(result, geometry, d_blocks, hmax_blocks)
         # A hole: fall back to what is contiguous on every shard of the spine.
         hole_best = min(
-            _contiguous_end(result.coverage.get((spine, s), {}), d_blocks) for s in range(geometry.tp_size)
+            contiguous_end(result.coverage.get((spine, s), {}), d_blocks) for s in range(geometry.tp_size)
         )
         hole_best = min(hole_best, hmax_blocks)
         if hole_best >= best or hole_best <= d_blocks:
@@ -291,11 +323,11 @@ def spine_end(geometry: CacheGeometry, coverage: Coverage, d_blocks: int, hmax_b
     """How far from ``d_blocks`` (at most ``hmax_blocks``) ``coverage`` holds the full-attention
     spine on every shard without a gap."""
     spine = geometry.spine_group
-    end = min(_contiguous_end(coverage.get((spine, s), {}), d_blocks) for s in range(geometry.tp_size))
+    end = min(contiguous_end(coverage.get((spine, s), {}), d_blocks) for s in range(geometry.tp_size))
     return max(d_blocks, min(end, hmax_blocks))
 
 
-def _contiguous_end(spans_by_end: Mapping[int, Span], d_blocks: int) -> int:
+def contiguous_end(spans_by_end: Mapping[int, Span], d_blocks: int) -> int:
     """How far from ``d_blocks`` the spans cover without a gap."""
     pos = d_blocks
     for first, end in sorted(spans_by_end.values()):

@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from itertools import repeat
@@ -35,7 +35,7 @@ from typing import Any
 
 from ...config import Settings
 from ...core.hitrule import Span, required_range, servable
-from ...core.lookup import Ask, LookupResult, find_hit, spine_end, stall_budget_s
+from ...core.lookup import Ask, LookupResult, contiguous_end, find_hit, spine_end, stall_budget_s
 from ...core.objects import ObjectFormatError, ObjectSpan, span_from_metadata
 from ...store.base import HeadBatch, ObjectStore, SpanExpect, StoreError
 from ..index import MISSING, KeyIndex, host_first
@@ -164,7 +164,7 @@ class Lookups:
         self._start_budget((hmax - ld.d_blocks) * tpb)
         result = self._find(st, prompt_len // tpb, hmax)
         ld.spine_blocks, ld.found_blocks = result.spine_blocks, result.h_blocks
-        ld.stored_spine_blocks = self._stored_spine(st, result)
+        ld.stored_spine_blocks, ld.chain_stored_to = self._stored_spine(st, result)
         if first_chunk_tokens is not None and result.h_blocks - ld.d_blocks >= self.settings.min_hit_blocks:
             result = self._guard(st, result, int(first_chunk_tokens))
         self.stats.lookup_waves += result.waves
@@ -188,22 +188,42 @@ class Lookups:
         )
         return gain * tpb, ld.load_async
 
-    def _stored_spine(self, st: RequestState, result: LookupResult) -> int:
+    def _stored_spine(self, st: RequestState, result: LookupResult) -> tuple[int, int]:
         """How far ``result`` saw the full-attention chain in the store: ``spine_blocks`` less what
         only the host tier holds (``host_only``: an object kept from S3). What a plan that writes
-        to S3 counts as written there (``WritePolicy.spine``)."""
+        to S3 counts as written there (``WritePolicy.spine``). And how far the store holds it from
+        the start of the chunk that ends in (``LoadState.chain_stored_to``)."""
         tier, ctx = getattr(self.tiers, "host_tier", None), self.ctx
-        if tier is None or ctx is None or st.chain is None or not self._host_asks:
-            return result.spine_blocks
-        g, digests = ctx.geometry, st.chain.digests
+        if ctx is None:
+            return result.spine_blocks, 0
+        g = ctx.geometry
         sg = g.spine_group
-
+        if tier is None or st.chain is None or not self._host_asks:
+            return result.spine_blocks, self._whole_chunk(result.coverage, result.spine_blocks)
+        digests = st.chain.digests
         coverage = {
             (sg, s): {e: x for e, x in result.coverage.get((sg, s), {}).items()
                       if (sg, s, e) not in self._host_asks or not self.host_only(sg, digests[e - 1], e, s)}
             for s in range(g.tp_size)
         }
-        return spine_end(g, coverage, st.load.d_blocks, result.spine_blocks)
+        end = spine_end(g, coverage, st.load.d_blocks, result.spine_blocks)
+        return end, self._whole_chunk(coverage, end)
+
+    def _whole_chunk(self, coverage: Mapping[tuple[int, int], Mapping[int, Span]], end: int) -> int:
+        """How far ``coverage`` holds the spine on every shard without a gap from the start of the
+        chunk ``end`` falls in (not capped at what may be served), or 0 where that is not past the
+        chunk's start. A writer may begin there, inside the chunk (``core.lookup``, objects that
+        start inside a chunk); where the lookup did not see the chunk whole -- the part below the
+        device match is not asked, only the host tier holds it -- it writes the chunk from its start."""
+        ctx = self.ctx
+        assert ctx is not None
+        g = ctx.geometry
+        sg = g.spine_group
+        if g.groups[sg].is_sliding:
+            return 0
+        start = end // ctx.policy.bpo(sg) * ctx.policy.bpo(sg)
+        got = min(contiguous_end(coverage.get((sg, s), {}), start) for s in range(g.tp_size))
+        return got if got > start else 0
 
     def _guard(self, st: RequestState, result: LookupResult, first_chunk_tokens: int) -> LookupResult:
         """``result``, or a smaller hit inside the first chunk when the offer is exposed and the

@@ -57,6 +57,10 @@ class LoadState:
     #: how far of it the store holds (less what only the host tier does: ``Lookups._stored_spine``).
     spine_blocks: int = 0
     stored_spine_blocks: int = 0
+    #: How far the store holds that chain without a gap from the start of the chunk it ends in, on
+    #: every shard, not capped at what may be served (0: not seen whole from a chunk's start): where
+    #: this request's chain objects may begin, inside a chunk (``core.lookup``).
+    chain_stored_to: int = 0
     #: The offer reaches the first chunk's end: the engine must grow the allocation to honour it
     #: (``pressure.py``). Known only where the engine says how it chunks the prompt.
     needs_grow: bool = False

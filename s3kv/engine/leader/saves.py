@@ -135,8 +135,12 @@ class SavePlanner:
                         # (they then place no branch tail where S3's tails end).
                         to = max(to, buf.to_s3, key=TO_S3.index)
                     more = self._where(ctx, st, gid, o + 1, prompt_blocks) is not None
+                    # A full-attention snapshot that goes where the rest of its chunk goes ends the
+                    # object: the rest starts at the prompt's end (``core.lookup``, objects that
+                    # start inside a chunk) instead of storing the snapshot's pages twice.
+                    split = not grp.is_sliding and to == buf.to_s3
                     if to is not None:
-                        sv.seal(gid, close=not more, to_s3=to)
+                        sv.seal(gid, close=not more or split, to_s3=to)
                     elif not more:
                         sv.close(gid)
         sv.completed = complete_blocks

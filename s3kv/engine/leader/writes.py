@@ -145,12 +145,25 @@ class WritePolicy:
         missed what they hit without a tier (issue 39's trace row)."""
         return st.load.spine_blocks if self.default_to() in ("evict", "never") else st.load.stored_spine_blocks
 
+    def chain_from(self, st: RequestState) -> int:
+        """The first block of the spine this request writes: where the stored chain ends, even
+        inside a chunk when the store holds that chunk from its start (``LoadState.chain_stored_to``);
+        else that chunk's start, the whole chunk written again. Why not always the chunk: each
+        turn of a conversation ends inside one, and rewriting it from its start stored the same
+        pages again at every turn (a third to two thirds of the full-attention bytes of the
+        generated conversation traces)."""
+        ctx = self.ctx
+        assert ctx is not None
+        spine = self.spine(st)
+        if st.load.chain_stored_to >= spine and spine == st.load.stored_spine_blocks:
+            return st.load.chain_stored_to
+        return spine // ctx.bpo * ctx.bpo
+
     def chain_to(self, st: RequestState, gid: int, ordinal: int) -> str | None:
         """Where full-attention block ``ordinal`` of group ``gid`` goes (None: not staged)."""
         ctx = self.ctx
         assert ctx is not None
-        spine = self.spine(st)
-        if gid == ctx.geometry.spine_group and ordinal < spine and ctx.policy.chunk_end(ordinal, gid) <= spine:
+        if gid == ctx.geometry.spine_group and ordinal < self.chain_from(st):
             return None  # its object is stored: the lookup saw it
         plan = st.saves.plan
         if self.mode != "auto" or plan is None:
@@ -267,8 +280,7 @@ class WritePolicy:
         ends.sort(key=lambda x: (x[0], x[1] == HISTORY_END))
         full = [grp for grp in g.groups if not grp.is_sliding]
         sliding = [grp for grp in g.groups if grp.is_sliding]
-        spine = self.spine(st)
-        chain_from = max(start, (spine // ctx.bpo) * ctx.bpo if spine else 0)
+        chain_from = max(start, self.chain_from(st))
         per_token = sum(self.page_bytes[grp.group_id] for grp in full) * g.tp_size / tpb
         out = []
         prev = chain_from
