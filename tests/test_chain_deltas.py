@@ -19,14 +19,13 @@ import itertools
 from collections import Counter
 
 import pytest
+from test_connector_sim import make_engine
 
-from s3kv.config import Settings
 from s3kv.core.hitrule import Span
 from s3kv.core.layout import CacheGeometry, GroupGeometry
 from s3kv.core.lookup import LookupParams, find_hit
-from s3kv.sim import SimCacheConfig, SimEngine, SimRequestSpec, gemma3_like, multi_turn_workload
+from s3kv.sim import SimRequestSpec, gemma3_like, multi_turn_workload
 from s3kv.store.memory import MemoryStore
-from s3kv.trtllm import S3KvConnectorLeader, S3KvConnectorWorker
 
 TPB = 32
 WINDOW = 128
@@ -36,16 +35,8 @@ _ids = itertools.count(1000)
 
 def engine(store, *, tp=1, chunk=None):
     # No lookup time budget: a busy machine must not turn a hit into a miss here.
-    s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=BPO,
-                 lookup_timeout_s=0)
-    return SimEngine(
-        gemma3_like(WINDOW, kv_heads=2, tp_size=tp),
-        SimCacheConfig(tokens_per_block=TPB, max_seq_len=4096),
-        S3KvConnectorLeader,
-        S3KvConnectorWorker,
-        chunk_size=chunk,
-        connector_kwargs=dict(settings=s, store=store, engine_key=f"delta-{next(_ids)}"),
-    )
+    return make_engine(store, gemma3_like(WINDOW, kv_heads=2, tp_size=tp), tp=tp, chunk=chunk, tpb=TPB,
+                       max_seq_len=4096, blocks_per_object=BPO, lookup_timeout_s=0)
 
 
 def full_pages(store: MemoryStore) -> Counter:
