@@ -40,8 +40,7 @@ def engine(store, *, tp=1, chunk=None):
 
 
 def full_pages(store: MemoryStore) -> Counter:
-    """Pages the full-attention objects hold, by (shard, first page's ordinal .. end): each stored
-    ordinal counted once per object that holds it, per shard and full-attention group."""
+    """How many full-attention objects hold each (group, shard, ordinal)."""
     held: Counter = Counter()
     for info in store.list(""):
         md = info.metadata

@@ -161,22 +161,21 @@ def find_hit(
     def found(end: int, shard: int = 0, group: int = spine) -> bool:
         return known.get((group, shard, end)) is not None
 
+    def inside_ends(lo: int, hi: int) -> list[int]:
+        """Where the spine's objects found start inside a chunk within ``(lo, hi)``: the ends of
+        the objects below them, on every shard and full-attention group alike (each writer splits
+        all of them at the same blocks)."""
+        return [sp.first for sp in result.coverage.get((spine, 0), {}).values() if lo < sp.first < hi and sp.first % bpo]
+
     def follow() -> None:
         """Ask for the object below each spine object found that starts inside a chunk (module doc)."""
         if geometry.groups[spine].is_sliding:
             return
         for _ in range(_MAX_HOPS):
-            below = {(spine, 0, sp.first) for sp in result.coverage.get((spine, 0), {}).values()
-                     if sp.first > d_blocks and sp.first % bpo and (spine, 0, sp.first) not in known}
+            below = {(spine, 0, e) for e in inside_ends(d_blocks, top + 1)} - known.keys()
             if not below:
                 return
             run(below)
-
-    def inside_ends(lo: int, hi: int) -> list[int]:
-        """Where the spine's objects found within ``(lo, hi)`` start inside a chunk: the ends of
-        the objects below them, on every shard and full-attention group alike (each writer splits
-        all of them at the same blocks)."""
-        return [sp.first for sp in result.coverage.get((spine, 0), {}).values() if lo < sp.first < hi and sp.first % bpo]
 
     # Objects may end anywhere up to the prompt's last full block. For a
     # block-aligned prompt that is hmax + 1: its own prompt-end object is the

@@ -494,7 +494,7 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--limit", type=int, default=None, help="Only the first N requests.")
 @click.option("--tokens-per-block", type=int, default=64, show_default=True, help="Simulator block size.")
 @click.option("--full-outputs", is_flag=True, help="Generate every answer in full (slow; default: the ones re-read).")
-@click.option("--checkpoint-tokens", type=int, default=None, help="Sliding-group checkpoint spacing (default: S3KV_CHECKPOINT_TOKENS's, 8192).")
+@click.option("--checkpoint-tokens", type=int, default=None, help="Sliding-group checkpoint spacing (default: S3KV_CHECKPOINT_TOKENS's default).")
 @click.option("--put-per-1k", type=float, default=None, help="$ per 1,000 PUT-class requests (default 0.005).")
 @click.option("--get-per-1k", type=float, default=None, help="$ per 1,000 GET/HEAD requests (default 0.0004).")
 @click.option("--gb-month", type=float, default=None, help="$ per GB-month stored (default 0.023).")
