@@ -22,6 +22,7 @@ from s3kv.core.retention import (
     RETENTION_FLOOR_S,
     FleetReads,
     encode_report,
+    lag_bin_edge,
     learn_retention,
     parse_report_key,
     report_key,
@@ -43,20 +44,36 @@ def _reads(*lags: tuple[float, int]) -> list[float]:
     return out
 
 
+#: Reads to learn from: all within a minute of their objects' writes (the floor); all 20-34 minutes
+#: after; and those with 10 more an hour late.
+SHORT_READS = _reads((30, 100))
+EARLY_READS = _reads((1200, 100))
+LATE_READS = _reads((1200, 100), (3000, 10))
+EARLY = learn_retention(EARLY_READS, margin_s=MARGIN, cap_s=CAP)
+LATE = learn_retention(LATE_READS, margin_s=MARGIN, cap_s=CAP)
+
+
 # ------------------------------------------------------------------------------ the rule
-def test_the_retention_leaves_a_lag_bin_of_room_beyond_the_reads():
-    early = _reads((5, 60), (90, 40))  # every read within 2 minutes
-    assert learn_retention(early, margin_s=MARGIN, cap_s=CAP) == 1023 - MARGIN
-    # 2% of the reads in the last bin before that cutoff (511-1023 s): they may go on beyond it.
-    later = _reads((5, 60), (90, 38), (700, 2))
-    assert learn_retention(later, margin_s=MARGIN, cap_s=CAP) == 2047 - MARGIN
-    late = _reads((5, 60), (90, 30), (1500, 5), (3000, 5))
-    assert learn_retention(late, margin_s=MARGIN, cap_s=CAP) == CAP
-    # One read in a hundred there is within the rule.
-    assert learn_retention(_reads((5, 99), (700, 1)), margin_s=MARGIN, cap_s=CAP) == 1023 - MARGIN
+def test_the_retention_keeps_99_percent_of_the_reads_and_grows_with_the_late_ones():
+    # Every read within 2 minutes: the floor (gc's margin alone outlives them).
+    assert learn_retention(_reads((5, 60), (90, 40)), margin_s=MARGIN, cap_s=CAP) == RETENTION_FLOOR_S
+    # Reads 1,023-2,047 s old: objects go inside that bin -- not a whole bin later (the rule this
+    # replaced kept them to 4,095 s) -- and late enough for 99% of the reads.
+    assert EARLY is not None and lag_bin_edge(9) < EARLY + MARGIN < lag_bin_edge(10)
+    # Late reads past 1% of them (what ghost reads of deleted objects report): longer, up to the
+    # ceiling; 1% is within the rule. Never shorter for more late reads.
+    got = [learn_retention(_reads((1200, 100), (3000, n)), margin_s=MARGIN, cap_s=CAP) for n in (0, 1, 2, 5, 50)]
+    assert got == sorted(got) and got[1] + MARGIN <= lag_bin_edge(10) < got[2] + MARGIN and got[-1] < CAP
+    assert EARLY < LATE < CAP
+    assert learn_retention(_reads((1200, 100), (5000, 5)), margin_s=MARGIN, cap_s=CAP) == CAP
+    # Reads later than gc has watched cannot have been seen: nothing younger than that goes, up to
+    # the ceiling; once it watched longer, the reads decide.
+    assert learn_retention(SHORT_READS, margin_s=MARGIN, cap_s=CAP, watched_s=2000) == 2000 - MARGIN
+    assert learn_retention(SHORT_READS, margin_s=MARGIN, cap_s=CAP, watched_s=CAP + MARGIN - 1) == CAP - 1
+    assert learn_retention(SHORT_READS, margin_s=MARGIN, cap_s=CAP, watched_s=CAP + MARGIN) == RETENTION_FLOOR_S
     # Too few dated reads: the ceiling stands (None); never below the floor.
     assert learn_retention(_reads((5, MIN_DATED_READS - 1)), margin_s=MARGIN, cap_s=CAP) is None
-    assert learn_retention(_reads((1, 100)), margin_s=100.0, cap_s=CAP) >= RETENTION_FLOOR_S
+    assert learn_retention(_reads((1, 100)), margin_s=100.0, cap_s=CAP) == RETENTION_FLOOR_S
 
 
 def test_the_fleet_reads_take_what_grew_forget_and_survive_a_restart():
@@ -90,28 +107,70 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     assert pub.retention[nsp] == (CAP, 1000.0)  # learning, nothing read yet: the ceiling...
     assert pub.history[nsp] == [(1000.0, RETENTION_FLOOR_S)]  # ...engines believing the floor
     k0 = report_key(nsp, "00000000000000aa", 0)
-    store.put(k0, encode_report(_reads((30, 100)), clock[0], k0))
+    store.put(k0, encode_report(EARLY_READS, clock[0], k0))
     clock[0] += 10
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == 1023 - MARGIN
+    assert pub.retention[nsp][0] == EARLY
     key = index_key(nsp)
     idx = decode(store.get(key), object_key=key, namespace=core.namespace, keys=None, max_objects=100)
-    assert (idx.retention_s, idx.auto_since, idx.believe_s) == (1023 - MARGIN, 1000.0, 1023 - MARGIN)
+    assert (idx.retention_s, idx.auto_since, idx.believe_s) == (EARLY, 1000.0, EARLY)
     # What was written while gc had nothing to learn from was believed for the floor only.
-    assert pub.keep_s(nsp, 1000.0 + 3 * 10 + 60) == 1023 - MARGIN
-    # The same engine later: 10 more reads, all at 10-15 minutes -- beyond half the cutoff.
+    assert pub.keep_s(nsp, 1000.0 + 3 * 10 + 60) == EARLY
+    # The same engine later: 10 more reads, an hour late (ghosts of what the cutoff deleted, say).
     k1 = report_key(nsp, "00000000000000aa", 1)
-    store.put(k1, encode_report(_reads((30, 100), (700, 10)), clock[0], k1))
+    store.put(k1, encode_report(LATE_READS, clock[0], k1))
     clock[0] += 10
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == 2047 - MARGIN
+    assert pub.retention[nsp][0] == pytest.approx(LATE, abs=1)  # (the first report's reads decayed a little)
     # The superseded report is gone; the newest stays (the next gc that starts reads it).
     names = [k for k in store.keys() if "fleet-reads/" in k]
     assert names == [report_key(nsp, "00000000000000aa", 1)]
     # A gc that restarts goes on learning since the same time (what it deletes early depends on it).
     again = _publisher(store, clock, nsp)
     again.publish(clock[0])
-    assert again.retention[nsp] == (2047 - MARGIN, 1000.0)
+    assert again.retention[nsp] == (pytest.approx(LATE, abs=1), 1000.0)
+
+
+def test_a_lookup_past_an_object_gc_deleted_reports_a_ghost_read():
+    """The read a deleted object would have served reaches gc (core.retention, ghost reads): the
+    engine remembers what successive fleet indexes stopped listing, and a lookup that would have
+    gone on past its hit to such an object, gone at an age gc deletes at, counts a read at that
+    age in what it reports -- whichever engine wrote it."""
+    store = MemoryStore()
+    writer, core = _leader(store, fleet_index_s=5), _leader(store, fleet_index_s=5)
+    try:
+        nsp = core.scheme.namespace_prefix
+        tokens = tokens_of(40 * TPB + 9, seed=3)
+        keys = _write(writer, store, tokens, 20)  # another engine's upload
+        clock = [time.time()]
+        pub = Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], namespaces=[nsp])
+        pub.publish(clock[0])
+        fi = core.fleet_index()
+        assert fi is not None
+        fi.clock = lambda: clock[0]
+        assert fi.refresh()
+        other = tokens_of(8 * TPB + 1, seed=4)
+        assert core.get_num_new_matched_tokens(1, other, len(other), 0) == (0, False)  # (lookups track)
+        store.delete_many(keys)  # gone while young (not by age)
+        clock[0] += 100
+        pub.publish(clock[0])
+        assert fi.refresh()
+        assert core.get_num_new_matched_tokens(2, tokens, len(tokens), 0) == (0, False)
+        assert core.writes.model.ghosts == 0
+        gone_after = core._lookups.listings.gone_after_s()
+        clock[0] += gone_after  # as old as gc deletes at: the read it would have served is a ghost
+        pub.publish(clock[0])
+        assert fi.refresh()
+        assert core.get_num_new_matched_tokens(3, tokens, len(tokens), 0) == (0, False)
+        assert core.writes.model.ghosts == 1
+        assert core._lookups.listings.reads()[lag_bin(100 + gone_after)] == 1  # in the next read report
+        # A prompt that stops short of every object goes nowhere near them: no ghost.
+        short = tokens[: 3 * TPB + 3]
+        assert core.get_num_new_matched_tokens(4, short, len(short), 0) == (0, False)
+        assert core.writes.model.ghosts == 1
+    finally:
+        writer.close_lookup()
+        core.close_lookup()
 
 
 def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_believed_for_it():
@@ -124,20 +183,23 @@ def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_belie
     clock = [1000.0]
     pub = _publisher(store, clock, nsp)
     k0 = report_key(nsp, "00000000000000aa", 0)
-    store.put(k0, encode_report(_reads((30, 100), (700, 10)), clock[0], k0))
+    store.put(k0, encode_report(LATE_READS, clock[0], k0))
     pub.publish(clock[0])
-    long = 2047 - MARGIN
+    long = LATE
     assert pub.retention[nsp][0] == long
     k1 = report_key(nsp, "00000000000000aa", 1)  # 10,000 more reads, all early: the late ones are 0.1%
-    store.put(k1, encode_report(_reads((30, 10_100), (700, 10)), clock[0], k1))
+    more = _reads((1200, 10_100), (3000, 10))
+    store.put(k1, encode_report(more, clock[0], k1))
     clock[0] += 1000
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == 1023 - MARGIN  # published at once (engines believe and refresh by it)
+    short = learn_retention(more, margin_s=MARGIN, cap_s=CAP)
+    assert short is not None and short < long
+    assert pub.retention[nsp][0] == short  # published at once (engines believe and refresh by it)
     lag = 3 * 10 + 60
     assert pub.keep_s(nsp, 1000 - 1) == CAP  # written before learning began (and its lag)
     assert pub.keep_s(nsp, 1000 + lag) == long  # under the longer one
     assert pub.keep_s(nsp, 2000 + long + lag - 1) == long  # a write at 1999 may still be believed
-    assert pub.keep_s(nsp, 2000 + long + lag + 1) == 1023 - MARGIN
+    assert pub.keep_s(nsp, 2000 + long + lag + 1) == short
 
 
 def test_with_an_integrity_key_gc_learns_only_from_reports_a_key_holder_signed():
@@ -150,16 +212,16 @@ def test_with_an_integrity_key_gc_learns_only_from_reports_a_key_holder_signed()
     pub = Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp],
                     integrity=KEYS)
     planted = report_key(nsp, "00000000000000bb", 0)
-    store.put(planted, encode_report(_reads((30, 100)), clock[0], planted))  # unsigned
+    store.put(planted, encode_report(EARLY_READS, clock[0], planted))  # unsigned
     pub.publish(clock[0])
     assert pub.retention[nsp][0] == CAP
     signed = report_key(nsp, "00000000000000aa", 0)
-    store.put(signed, encode_report(_reads((30, 100)), clock[0], signed, KEYS.current))
+    store.put(signed, encode_report(EARLY_READS, clock[0], signed, KEYS.current))
     moved = report_key(nsp, "00000000000000cc", 0)  # a signed report copied to another key
     store.put(moved, store.get(signed))
     clock[0] += 10
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == 1023 - MARGIN and sum(pub.reads[nsp].lag_reads) == 100
+    assert pub.retention[nsp][0] == EARLY and sum(pub.reads[nsp].lag_reads) == 100
 
 
 def test_without_learning_gc_publishes_no_retention_and_engines_report_nothing():
@@ -205,14 +267,14 @@ def test_an_engine_reports_while_gc_learns_and_believes_its_uploads_for_the_rete
     fi.refresh()  # within REPORT_EVERY_S: no second report
     assert len([k for k in store.keys() if "fleet-reads/" in k]) == 1
     k = report_key(nsp, "00000000000000aa", 0)
-    store.put(k, encode_report(_reads((30, 100)), clock[0], k))
+    store.put(k, encode_report(EARLY_READS, clock[0], k))
     clock[0] += 10
     pub.publish(clock[0])
     assert fi.refresh()
     listings.current()
-    assert idx.written_ttl_s == 1023 - MARGIN  # what the fresh index says
+    assert idx.written_ttl_s == pytest.approx(EARLY, abs=1)  # what the fresh index says (its own 3 reads too)
     # The workers refresh what they load at half an object's life under it (the plan carries it).
-    assert core.build_connector_meta([], []).refresh_s == (1023 - MARGIN + MARGIN) / 2
+    assert core.build_connector_meta([], []).refresh_s == pytest.approx((idx.written_ttl_s + MARGIN) / 2)
     fi.clock = lambda: time.time() + 3600  # the publisher stopped: the index goes stale
     listings.current()
     assert idx.written_ttl_s == RETENTION_FLOOR_S + idx.ttl_s
@@ -227,14 +289,14 @@ def test_the_write_policy_bills_storage_for_the_life_gc_gives_objects():
     clock = [time.time()]
     pub = _publisher(store, clock, nsp)
     k0 = report_key(nsp, "00000000000000aa", 0)
-    store.put(k0, encode_report(_reads((30, 100)), clock[0], k0))
+    store.put(k0, encode_report(EARLY_READS, clock[0], k0))
     pub.publish(clock[0])
     fi = core.fleet_index()
     assert fi is not None and fi.refresh()
     core.writes._bill_learnt_life()
     # Shorter by the learnt retention, and gone within half the index's period (10 s) rather than
     # half gc's --watch period: the publisher deletes in each pass.
-    assert core.writes.model.bill.lifetime_s == ceiling_life - (CAP - (1023 - MARGIN)) - (GC_WATCH_S - 10.0) / 2
+    assert core.writes.model.bill.lifetime_s == ceiling_life - (CAP - (EARLY)) - (GC_WATCH_S - 10.0) / 2
 
 
 def test_a_worker_follows_the_refresh_period_the_plan_carries():
@@ -254,8 +316,10 @@ def _gc(url: str, now: float, env: dict[str, str]) -> dict:
 
 def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_knew(tmp_path):
     """Objects written after gc learnt a retention (plus the time every engine takes to see it) go
-    at it plus gc's margin; older ones were believed for the ceiling and stay until it; with
-    S3KV_RETENTION_AUTO=false gc keeps the ceiling for all."""
+    at it plus gc's margin -- once gc has watched reads for longer than the ceiling (reads later than
+    it has watched cannot have been seen: until then nothing written since goes); older ones were
+    believed for the ceiling and stay until it; with S3KV_RETENTION_AUTO=false gc keeps the ceiling
+    for all."""
     url = f"file://{tmp_path}/cache"
     store = open_store(url)
     writer = _leader(store, fleet_index_s=0)
@@ -268,20 +332,22 @@ def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_
         for k in keys:
             os.utime(tmp_path / "cache" / k, (now - age, now - age))
         aged[age] = keys
-    for env, gone in (({"S3KV_RETENTION_AUTO": "false"}, []), ({}, aged[1100.0])):
+    for env, learnt_ago, gone in (({"S3KV_RETENTION_AUTO": "false"}, 2000, []), ({}, 2000, []),
+                                  ({}, 4500, aged[1100.0] + aged[1990.0])):
         idx = tmp_path / "cache" / index_key(nsp)
         if idx.exists():
             idx.unlink()
-        # gc learnt 2,000 s ago from an engine's reads (its index says since when and what).
+        # gc learnt ``learnt_ago`` s ago from an engine's reads (its index says since when and what).
         k = report_key(nsp, "00000000000000aa", 0)
-        store.put(k, encode_report(_reads((30, 100)), now - 2000, k))
-        _gc(url, now - 2000, env)
+        store.put(k, encode_report(SHORT_READS, now - learnt_ago, k))
+        _gc(url, now - learnt_ago, env)
         doc = _gc(url, now, env)
         assert doc["deleted"]["objects"] == len(gone)
         left = {i.key for i in store.list("")}
         assert not left & set(gone)
-        # 100 s old: within any retention; 1,990 s: written before every engine knew gc learns.
-        assert set(aged[100.0]) | set(aged[1990.0]) <= left
+        # 100 s old: within any retention; 1,990 s, with gc learning for 2,000 s: written before
+        # every engine knew gc learns.
+        assert set(aged[100.0]) <= left and (learnt_ago > 2000 or set(aged[1990.0]) <= left)
 
 
 def test_a_replay_that_learns_the_retention_bills_less_storage_for_the_same_tokens(tmp_path):
@@ -320,13 +386,13 @@ def test_the_index_pass_deletes_what_expired_by_the_store_clock_once_gc_vouched_
     writer.scheme = dataclasses.replace(writer.scheme, prefix="")
     nsp = writer.scheme.namespace_prefix
     now = time.time()
-    clock = [now - 2000]
+    clock = [now - 5000]  # gc has learnt for longer than the ceiling (and its margin): it deletes by the reads
     pub = Publisher(store, "", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp])
     k = report_key(nsp, "00000000000000aa", 0)
-    store.put(k, encode_report(_reads((30, 100)), clock[0], k))
+    store.put(k, encode_report(SHORT_READS, clock[0], k))
     pub.publish(clock[0])
     cutoff = pub.retention[nsp][0] + MARGIN
-    assert cutoff == 1023  # learnt: what was written since (and its lag) goes at 1,023 s
+    assert cutoff == RETENTION_FLOOR_S + MARGIN  # learnt: what was written since (and its lag) goes at 960 s
     aged = {}
     for seed, age in ((1, cutoff + 80.0), (2, 100.0)):
         keys = _write(writer, store, tokens_of(8 * TPB + 9, seed=seed), 8)
@@ -422,15 +488,15 @@ def test_a_replay_takes_gc_to_have_learnt_since_before_its_first_request():
     nsp = engine.scheme.namespace_prefix
     fleet = SimpleNamespace(store=billed, engines=[SimpleNamespace(leader=SimpleNamespace(core=engine))])
     k = report_key(nsp, "00000000000000aa", 0)
-    mem.put(k, encode_report(_reads((30, 100)), 0.0, k))  # reads to learn from at its first pass
+    mem.put(k, encode_report(EARLY_READS, 0.0, k))  # reads to learn from at its first pass
     hook = ReplayIndex(every_s=10, learn=(CAP, MARGIN))
     try:
         hook(1000.0, fleet)
         pub = hook._publisher
         since = pub.retention[nsp][1]
         assert since <= 1000.0 - engine_lag_s(10, 5, EXPIRY_MARGIN_S)
-        assert pub.retention[nsp][0] == 1023 - MARGIN
-        assert pub.keep_s(nsp, 1000.0) == 1023 - MARGIN  # (started with the trace: the ceiling)
-        assert engine.fleet_index().current().retention_s == 1023 - MARGIN  # engines knew from the start
+        assert pub.retention[nsp][0] == EARLY
+        assert pub.keep_s(nsp, 1000.0) == EARLY  # (started with the trace: the ceiling)
+        assert engine.fleet_index().current().retention_s == EARLY  # engines knew from the start
     finally:
         engine.close_lookup()

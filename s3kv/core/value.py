@@ -309,8 +309,11 @@ class ValueModel:
         self._own_reads = {k: _Decayed() for k in KINDS}  # reads attributed through the memo
         self._lag = [_Decayed() for _ in range(LAG_BINS)]
         #: Reads by lag bin since start (not decayed): own objects' by the memo, others' as the fleet
-        #: index dates them. What the engine reports for gc to learn the retention from (``core.retention``).
-        self.lag_reads = [0] * LAG_BINS
+        #: index dates them, and ghost reads (:meth:`ghost`). What the engine reports for gc to
+        #: learn the retention from (``core.retention``).
+        self.lag_reads = [0.0] * LAG_BINS
+        #: Ghost reads counted (:meth:`ghost`).
+        self.ghosts = 0
         #: Per kind: [epoch start, writes] bins, oldest first (for the lag-corrected write count).
         #: Per kind, and per (kind, depth bin) where the write's depth is known.
         self._epochs: dict[str | tuple[str, int], deque[list[float]]] = {k: deque() for k in KINDS}
@@ -424,6 +427,13 @@ class ValueModel:
         t.tokens += marginal
         self.totals[CHAIN].get_usd += self.bill.get_usd(chain_bytes)
         return best
+
+    def ghost(self, age_s: float) -> None:
+        """A *ghost read*: a lookup went past where its hit ended to an object gc had deleted
+        (``engine.fleetindex``, ``IndexRefresher.gone``), ``age_s`` after its write -- a read the
+        retention cut off. Counted in ``lag_reads`` for gc (``core.retention`` says why)."""
+        self.ghosts += 1
+        self.lag_reads[lag_bin(age_s)] += 1
 
     def _split(self) -> dict[str, float]:
         """How to attribute a read of another engine's tail that is neither a checkpoint nor an exact

@@ -62,6 +62,7 @@ import logging
 import os
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -93,6 +94,7 @@ from ..core.retention import (
     parse_report_key,
     report_key,
     retention_for,
+    watched_floor,
 )
 from ..core.value import LAG_BINS
 from ..store.base import NotFound, ObjectInfo, ObjectStore, StoreError
@@ -103,6 +105,8 @@ log = logging.getLogger("s3kv.fleetindex")
 HEAD_BATCH = 256
 #: A publisher's clock may run this far ahead of an engine's before its index is refused.
 MAX_SKEW_S = 60.0
+#: Deleted objects an engine remembers (``IndexRefresher.gone``): ~50 bytes each.
+GONE_ENTRIES = 200_000
 #: A wall-clock step this large since gc checked the store's clock stops the index passes'
 #: deletions (``Publisher.vouch``); well within gc's 60 s margin, well above NTP slewing.
 MAX_STEP_S = 10.0
@@ -342,7 +346,7 @@ class Publisher:
                 pass  # the next pass deletes them
             self._taken.difference_update(gone)
         since = self.retention[nsp][1] if nsp in self.retention else self._learning_since(nsp, now)
-        r = learn_retention(reads.lag_reads, margin_s=margin_s, cap_s=cap_s)
+        r = learn_retention(reads.lag_reads, margin_s=margin_s, cap_s=cap_s, watched_s=now - since)
         self.retention[nsp] = (cap_s if r is None else r, since)
         hist = self.history.setdefault(nsp, [])
         b = believe_s(r)
@@ -358,9 +362,13 @@ class Publisher:
         got = self.retention.get(nsp)
         if self.learn is None or got is None:
             return None
+        cap_s, margin_s = self.learn
         lag = engine_lag_s(self.every_s, self.engine_poll_s, EXPIRY_MARGIN_S)
-        return retention_for(self.history.get(nsp, ()), touched_at, retention_s=got[0], since=got[1],
-                             cap_s=self.learn[0], lag_s=lag)
+        # Nothing younger than gc has watched goes, now (``learn_retention``'s ``watched_s``): the
+        # retention learnt at the last pass is as old as that pass.
+        learnt = max(got[0], watched_floor(self._clock() - got[1], margin_s=margin_s, cap_s=cap_s))
+        return retention_for(self.history.get(nsp, ()), touched_at, retention_s=learnt, since=got[1],
+                             cap_s=cap_s, lag_s=lag)
 
     def cutoff_s(self, nsp: str, last_modified: float | None) -> float | None:
         """The age past which gc deletes a namespace's object last written or refreshed at
@@ -458,6 +466,11 @@ class IndexRefresher:
         self.engine = os.urandom(8).hex()
         self.reports = 0
         self._reported_at = float("-inf")
+        #: Objects gc deleted, as successive indexes show: digest key -> write time, of the sections
+        #: whose fingerprint is in ``track`` (shard 0), the newest :data:`GONE_ENTRIES` kept. Where a
+        #: lookup would have gone on past its hit, a ghost read (``core.value``, ``ValueModel.ghost``).
+        self.gone: OrderedDict[int, float] = OrderedDict()
+        self.track: frozenset[str] = frozenset()
 
     # -- reading --------------------------------------------------------------------------
     def max_age_s(self, idx: FleetIndex | None = None) -> float:
@@ -548,9 +561,28 @@ class IndexRefresher:
         held = self.current()
         if held is not None and idx.listed_at < held.listed_at:
             return self._refuse("older", "listed before the index held")
+        if self._index is not None and self.track:
+            self._note_gone(self._index, idx)
         self._index = idx
         self.generation += 1
         return True
+
+    def _note_gone(self, old: FleetIndex, new: FleetIndex) -> None:
+        """What ``old`` listed and ``new`` does not: deleted since (by gc, mostly: the caller checks
+        the age). Why from the indexes: a reader cannot tell a deleted object from one never
+        written, and the object it wanted was most often another engine's -- its own it reads from
+        its device."""
+        for sid, sec in old.sections.items():
+            if sid[0] not in self.track or sid[1] != 0:
+                continue
+            got = new.sections.get(sid)
+            kept = set(got.keys) if got is not None else set()
+            for k, age in zip(sec.keys, sec.ages, strict=True):
+                if k not in kept:
+                    self.gone[k] = old.written_at(age)
+                    self.gone.move_to_end(k)
+        while len(self.gone) > GONE_ENTRIES:
+            self.gone.popitem(last=False)
 
     def _refuse(self, reason: str, why: str) -> bool:
         self.refused[reason] = self.refused.get(reason, 0) + 1

@@ -145,7 +145,8 @@ def retention_line(rl: dict[str, Any]) -> str:
     if rl.get("retention_s") is None:
         return (f"retention: the {rl['ceiling_s']:.0f} s ceiling (S3KV_RETENTION_H): {rl.get('reads_dated', 0):.0f} "
                 "dated reads, too few to learn from")
-    moved = (f"; {rl['min_s']:.0f}-{rl['max_s']:.0f} s over the trace, {rl['changes']} change(s)"
+    moved = (f"; {rl['min_s']:.0f}-{rl['max_s']:.0f} s over the trace, {rl['changes']} change(s), "
+             f"{rl.get('ghost_reads', 0)} ghost read(s)"
              if "changes" in rl else f" from {rl['reads_dated']:.0f} dated reads")
     return (f"retention: gc learns {rl['retention_s']:.0f} s{moved} (ceiling {rl['ceiling_s']:.0f} s; "
             "S3KV_RETENTION_AUTO, docs/operations.md)")

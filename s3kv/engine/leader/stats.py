@@ -132,8 +132,8 @@ class LeaderStats:
     #: The value policy's view per kind of object (``ValueModel.snapshot``: its estimates and the
     #: value line), refreshed every few lookups.
     value: dict[str, dict[str, float]] = field(default_factory=dict)
-    #: Reads by reuse-lag bin (``ValueModel.lag_reads``): what the retention advice weighs.
-    value_lag_reads: list[int] = field(default_factory=list)
+    #: Reads by reuse-lag bin (``ValueModel.lag_reads``, ghost reads included): what the retention advice weighs.
+    value_lag_reads: list[float] = field(default_factory=list)
 
     def record_lookup(self, stall_s: float, budget_s: float, saveable_tokens: int, hit_tokens: int,
                       decision: str, hidden_s: float = 0.0, corunning: int = 0) -> None:

@@ -309,12 +309,21 @@ class WritePolicy:
             self._publish_value()
         ctx = self.ctx
         ld = st.load
-        if ctx is None or st.chain is None or ld.offered_blocks <= 0 or ld.replayed:
+        if ctx is None or st.chain is None or ld.replayed:
             return
         g = ctx.geometry
         tpb = g.tokens_per_block
         h = ld.d_blocks + ld.offered_blocks
         sliding = [grp for grp in g.groups if grp.is_sliding]
+        ender = sliding[0].group_id if sliding else g.spine_group
+        # An object past the hit that gc deleted: a read the retention cut off, which gc must see
+        # to keep objects longer (core.retention, ghost reads).
+        age = self.lookups.listings.deleted_age_s(g.groups[ender].fingerprint, st.chain.digests, h,
+                                                  st.prompt_len // tpb)
+        if age is not None:
+            self.model.ghost(age)
+        if ld.offered_blocks <= 0:
+            return
         end = h
         tail_bytes = 0
         if sliding:
@@ -336,7 +345,6 @@ class WritePolicy:
             hint = PROMPT_END
         else:
             hint = None
-        ender = sliding[0].group_id if sliding else g.spine_group
         if self.host_tier and self.lookups.host_only(ender, digest, end):
             self.model.host_read(hint)  # only host memory could serve it: no reason to write S3 now
             return

@@ -367,7 +367,7 @@ def replay(
         "host_tier": _tier_summary(tiers, host_cache_gb(cfg)),
         # What each engine's value policy believes at the end (its estimates per kind, and its decisions).
         "value_model": [engine.leader.core.writes.model.snapshot() for engine in engines],
-        "retention_learnt": _learnt(fleet),
+        "retention_learnt": _learnt(fleet, [engine.leader.core.writes.model for engine in engines]),
         "fleet_fingerprint": fleet_fp.hexdigest(),
         **totals,
         "load_failures": sum(s.loads_failed_objects for s in wstats),
@@ -404,9 +404,10 @@ def replay(
     }
 
 
-def _learnt(fleet: Fleet) -> dict[str, Any] | None:
+def _learnt(fleet: Fleet, models: Sequence[Any]) -> dict[str, Any] | None:
     """What gc learnt of the retention over the replay (``s3kv.core.retention``): its last choice,
-    its range, and how often it changed; None where it did not learn."""
+    its range, how often it changed, and the ghost reads the engines reported (lookups that missed
+    an own object gc had deleted); None where it did not learn."""
     from .indexhook import ReplayIndex
 
     hook = next((h for h in fleet.on_clock if isinstance(h, ReplayIndex) and h.learn), None)
@@ -414,7 +415,8 @@ def _learnt(fleet: Fleet) -> dict[str, Any] | None:
         return None
     rs = [r for _, r in hook.retention_s]
     return {"retention_s": rs[-1], "min_s": min(rs), "max_s": max(rs), "ceiling_s": hook.learn[0],
-            "changes": sum(a != b for a, b in zip(rs, rs[1:], strict=False))}
+            "changes": sum(a != b for a, b in zip(rs, rs[1:], strict=False)),
+            "ghost_reads": sum(m.ghosts for m in models)}
 
 
 def _tier_summary(tiers: Sequence[Any], gib: float) -> dict[str, Any] | None:
