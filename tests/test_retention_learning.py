@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 
@@ -26,6 +27,7 @@ from s3kv.core.retention import (
     learn_retention,
     parse_report_key,
     report_key,
+    settled,
 )
 from s3kv.core.value import GC_WATCH_S, LAG_BINS, lag_bin
 from s3kv.engine.fleetindex import Publisher, index_key
@@ -44,8 +46,10 @@ def _reads(*lags: tuple[float, int]) -> list[float]:
     return out
 
 
-#: Reads to learn from: all within a minute of their objects' writes (the floor); all 20-34 minutes
-#: after; and those with 10 more an hour late.
+#: A gc that has learnt for less than the ceiling (a fleet just started), and one long running.
+NEW, SETTLED = 0.0, math.inf
+#: Reads to learn from, for a settled gc: all within a minute of their objects' writes (the floor);
+#: all 20-34 minutes after; and those with 10 more an hour late.
 SHORT_READS = _reads((30, 100))
 EARLY_READS = _reads((1200, 100))
 LATE_READS = _reads((1200, 100), (3000, 10))
@@ -54,7 +58,26 @@ LATE = learn_retention(LATE_READS, margin_s=MARGIN, cap_s=CAP)
 
 
 # ------------------------------------------------------------------------------ the rule
-def test_the_retention_keeps_99_percent_of_the_reads_and_grows_with_the_late_ones():
+def test_a_new_gc_leaves_a_lag_bin_of_room_beyond_the_reads():
+    """Learning for less than the ceiling (and gc's margin), gc cannot have seen reads later than it
+    has watched, nor their ghosts: a whole lag bin of room stands in for them."""
+    early = _reads((5, 60), (90, 40))  # every read within 2 minutes
+    assert learn_retention(early, margin_s=MARGIN, cap_s=CAP, watched_s=NEW) == 1023 - MARGIN
+    # 2% of the reads in the last bin before that cutoff (511-1023 s): they may go on beyond it.
+    later = _reads((5, 60), (90, 38), (700, 2))
+    assert learn_retention(later, margin_s=MARGIN, cap_s=CAP, watched_s=NEW) == 2047 - MARGIN
+    late = _reads((5, 60), (90, 30), (1500, 5), (3000, 5))
+    assert learn_retention(late, margin_s=MARGIN, cap_s=CAP, watched_s=NEW) == CAP
+    # One read in a hundred there is within the rule.
+    assert learn_retention(_reads((5, 99), (700, 1)), margin_s=MARGIN, cap_s=CAP, watched_s=NEW) == 1023 - MARGIN
+    # Too few dated reads: the ceiling stands (None); never below the floor.
+    assert learn_retention(_reads((5, MIN_DATED_READS - 1)), margin_s=MARGIN, cap_s=CAP, watched_s=NEW) is None
+    assert learn_retention(_reads((1, 100)), margin_s=100.0, cap_s=CAP, watched_s=NEW) >= RETENTION_FLOOR_S
+
+
+def test_a_settled_gc_keeps_99_percent_of_the_reads_and_grows_with_the_late_ones():
+    """Learning for longer than the ceiling, gc cuts at the lag 99% of the reads come within --
+    ghost reads (below) telling it of the reads past its cutoff."""
     # Every read within 2 minutes: the floor (gc's margin alone outlives them).
     assert learn_retention(_reads((5, 60), (90, 40)), margin_s=MARGIN, cap_s=CAP) == RETENTION_FLOOR_S
     # Reads 1,023-2,047 s old: objects go inside that bin -- not a whole bin later (the rule this
@@ -66,11 +89,9 @@ def test_the_retention_keeps_99_percent_of_the_reads_and_grows_with_the_late_one
     assert got == sorted(got) and got[1] + MARGIN <= lag_bin_edge(10) < got[2] + MARGIN and got[-1] < CAP
     assert EARLY < LATE < CAP
     assert learn_retention(_reads((1200, 100), (5000, 5)), margin_s=MARGIN, cap_s=CAP) == CAP
-    # Reads later than gc has watched cannot have been seen: nothing younger than that goes, up to
-    # the ceiling; once it watched longer, the reads decide.
-    assert learn_retention(SHORT_READS, margin_s=MARGIN, cap_s=CAP, watched_s=2000) == 2000 - MARGIN
-    assert learn_retention(SHORT_READS, margin_s=MARGIN, cap_s=CAP, watched_s=CAP + MARGIN - 1) == CAP - 1
-    assert learn_retention(SHORT_READS, margin_s=MARGIN, cap_s=CAP, watched_s=CAP + MARGIN) == RETENTION_FLOOR_S
+    # Only once gc has watched the ceiling and its margin (before, the room above).
+    assert not settled(CAP + MARGIN - 1, margin_s=MARGIN, cap_s=CAP) and settled(CAP + MARGIN, margin_s=MARGIN, cap_s=CAP)
+    assert learn_retention(EARLY_READS, margin_s=MARGIN, cap_s=CAP, watched_s=CAP + MARGIN - 1) > EARLY
     # Too few dated reads: the ceiling stands (None); never below the floor.
     assert learn_retention(_reads((5, MIN_DATED_READS - 1)), margin_s=MARGIN, cap_s=CAP) is None
     assert learn_retention(_reads((1, 100)), margin_s=100.0, cap_s=CAP) == RETENTION_FLOOR_S
@@ -107,28 +128,28 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     assert pub.retention[nsp] == (CAP, 1000.0)  # learning, nothing read yet: the ceiling...
     assert pub.history[nsp] == [(1000.0, RETENTION_FLOOR_S)]  # ...engines believing the floor
     k0 = report_key(nsp, "00000000000000aa", 0)
-    store.put(k0, encode_report(EARLY_READS, clock[0], k0))
+    store.put(k0, encode_report(_reads((30, 100)), clock[0], k0))
     clock[0] += 10
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == EARLY
+    assert pub.retention[nsp][0] == 1023 - MARGIN
     key = index_key(nsp)
     idx = decode(store.get(key), object_key=key, namespace=core.namespace, keys=None, max_objects=100)
-    assert (idx.retention_s, idx.auto_since, idx.believe_s) == (EARLY, 1000.0, EARLY)
+    assert (idx.retention_s, idx.auto_since, idx.believe_s) == (1023 - MARGIN, 1000.0, 1023 - MARGIN)
     # What was written while gc had nothing to learn from was believed for the floor only.
-    assert pub.keep_s(nsp, 1000.0 + 3 * 10 + 60) == EARLY
-    # The same engine later: 10 more reads, an hour late (ghosts of what the cutoff deleted, say).
+    assert pub.keep_s(nsp, 1000.0 + 3 * 10 + 60) == 1023 - MARGIN
+    # The same engine later: 10 more reads, all at 10-15 minutes -- beyond half the cutoff.
     k1 = report_key(nsp, "00000000000000aa", 1)
-    store.put(k1, encode_report(LATE_READS, clock[0], k1))
+    store.put(k1, encode_report(_reads((30, 100), (700, 10)), clock[0], k1))
     clock[0] += 10
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == pytest.approx(LATE, abs=1)  # (the first report's reads decayed a little)
+    assert pub.retention[nsp][0] == 2047 - MARGIN
     # The superseded report is gone; the newest stays (the next gc that starts reads it).
     names = [k for k in store.keys() if "fleet-reads/" in k]
     assert names == [report_key(nsp, "00000000000000aa", 1)]
     # A gc that restarts goes on learning since the same time (what it deletes early depends on it).
     again = _publisher(store, clock, nsp)
     again.publish(clock[0])
-    assert again.retention[nsp] == (pytest.approx(LATE, abs=1), 1000.0)
+    assert again.retention[nsp] == (2047 - MARGIN, 1000.0)
 
 
 def test_a_lookup_past_an_object_gc_deleted_reports_a_ghost_read():
@@ -183,23 +204,20 @@ def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_belie
     clock = [1000.0]
     pub = _publisher(store, clock, nsp)
     k0 = report_key(nsp, "00000000000000aa", 0)
-    store.put(k0, encode_report(LATE_READS, clock[0], k0))
+    store.put(k0, encode_report(_reads((30, 100), (700, 10)), clock[0], k0))
     pub.publish(clock[0])
-    long = LATE
+    long = 2047 - MARGIN
     assert pub.retention[nsp][0] == long
     k1 = report_key(nsp, "00000000000000aa", 1)  # 10,000 more reads, all early: the late ones are 0.1%
-    more = _reads((1200, 10_100), (3000, 10))
-    store.put(k1, encode_report(more, clock[0], k1))
+    store.put(k1, encode_report(_reads((30, 10_100), (700, 10)), clock[0], k1))
     clock[0] += 1000
     pub.publish(clock[0])
-    short = learn_retention(more, margin_s=MARGIN, cap_s=CAP)
-    assert short is not None and short < long
-    assert pub.retention[nsp][0] == short  # published at once (engines believe and refresh by it)
+    assert pub.retention[nsp][0] == 1023 - MARGIN  # published at once (engines believe and refresh by it)
     lag = 3 * 10 + 60
     assert pub.keep_s(nsp, 1000 - 1) == CAP  # written before learning began (and its lag)
     assert pub.keep_s(nsp, 1000 + lag) == long  # under the longer one
     assert pub.keep_s(nsp, 2000 + long + lag - 1) == long  # a write at 1999 may still be believed
-    assert pub.keep_s(nsp, 2000 + long + lag + 1) == short
+    assert pub.keep_s(nsp, 2000 + long + lag + 1) == 1023 - MARGIN
 
 
 def test_with_an_integrity_key_gc_learns_only_from_reports_a_key_holder_signed():
@@ -212,16 +230,16 @@ def test_with_an_integrity_key_gc_learns_only_from_reports_a_key_holder_signed()
     pub = Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp],
                     integrity=KEYS)
     planted = report_key(nsp, "00000000000000bb", 0)
-    store.put(planted, encode_report(EARLY_READS, clock[0], planted))  # unsigned
+    store.put(planted, encode_report(_reads((30, 100)), clock[0], planted))  # unsigned
     pub.publish(clock[0])
     assert pub.retention[nsp][0] == CAP
     signed = report_key(nsp, "00000000000000aa", 0)
-    store.put(signed, encode_report(EARLY_READS, clock[0], signed, KEYS.current))
+    store.put(signed, encode_report(_reads((30, 100)), clock[0], signed, KEYS.current))
     moved = report_key(nsp, "00000000000000cc", 0)  # a signed report copied to another key
     store.put(moved, store.get(signed))
     clock[0] += 10
     pub.publish(clock[0])
-    assert pub.retention[nsp][0] == EARLY and sum(pub.reads[nsp].lag_reads) == 100
+    assert pub.retention[nsp][0] == 1023 - MARGIN and sum(pub.reads[nsp].lag_reads) == 100
 
 
 def test_without_learning_gc_publishes_no_retention_and_engines_report_nothing():
@@ -267,14 +285,14 @@ def test_an_engine_reports_while_gc_learns_and_believes_its_uploads_for_the_rete
     fi.refresh()  # within REPORT_EVERY_S: no second report
     assert len([k for k in store.keys() if "fleet-reads/" in k]) == 1
     k = report_key(nsp, "00000000000000aa", 0)
-    store.put(k, encode_report(EARLY_READS, clock[0], k))
+    store.put(k, encode_report(_reads((30, 100)), clock[0], k))
     clock[0] += 10
     pub.publish(clock[0])
     assert fi.refresh()
     listings.current()
-    assert idx.written_ttl_s == pytest.approx(EARLY, abs=1)  # what the fresh index says (its own 3 reads too)
+    assert idx.written_ttl_s == 1023 - MARGIN  # what the fresh index says
     # The workers refresh what they load at half an object's life under it (the plan carries it).
-    assert core.build_connector_meta([], []).refresh_s == pytest.approx((idx.written_ttl_s + MARGIN) / 2)
+    assert core.build_connector_meta([], []).refresh_s == (1023 - MARGIN + MARGIN) / 2
     fi.clock = lambda: time.time() + 3600  # the publisher stopped: the index goes stale
     listings.current()
     assert idx.written_ttl_s == RETENTION_FLOOR_S + idx.ttl_s
@@ -289,14 +307,14 @@ def test_the_write_policy_bills_storage_for_the_life_gc_gives_objects():
     clock = [time.time()]
     pub = _publisher(store, clock, nsp)
     k0 = report_key(nsp, "00000000000000aa", 0)
-    store.put(k0, encode_report(EARLY_READS, clock[0], k0))
+    store.put(k0, encode_report(_reads((30, 100)), clock[0], k0))
     pub.publish(clock[0])
     fi = core.fleet_index()
     assert fi is not None and fi.refresh()
     core.writes._bill_learnt_life()
     # Shorter by the learnt retention, and gone within half the index's period (10 s) rather than
     # half gc's --watch period: the publisher deletes in each pass.
-    assert core.writes.model.bill.lifetime_s == ceiling_life - (CAP - (EARLY)) - (GC_WATCH_S - 10.0) / 2
+    assert core.writes.model.bill.lifetime_s == ceiling_life - (CAP - (1023 - MARGIN)) - (GC_WATCH_S - 10.0) / 2
 
 
 def test_a_worker_follows_the_refresh_period_the_plan_carries():
@@ -316,10 +334,8 @@ def _gc(url: str, now: float, env: dict[str, str]) -> dict:
 
 def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_knew(tmp_path):
     """Objects written after gc learnt a retention (plus the time every engine takes to see it) go
-    at it plus gc's margin -- once gc has watched reads for longer than the ceiling (reads later than
-    it has watched cannot have been seen: until then nothing written since goes); older ones were
-    believed for the ceiling and stay until it; with S3KV_RETENTION_AUTO=false gc keeps the ceiling
-    for all."""
+    at it plus gc's margin; older ones were believed for the ceiling and stay until it; with
+    S3KV_RETENTION_AUTO=false gc keeps the ceiling for all."""
     url = f"file://{tmp_path}/cache"
     store = open_store(url)
     writer = _leader(store, fleet_index_s=0)
@@ -332,8 +348,10 @@ def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_
         for k in keys:
             os.utime(tmp_path / "cache" / k, (now - age, now - age))
         aged[age] = keys
-    for env, learnt_ago, gone in (({"S3KV_RETENTION_AUTO": "false"}, 2000, []), ({}, 2000, []),
-                                  ({}, 4500, aged[1100.0] + aged[1990.0])):
+    # Learnt for 5,000 s (past the ceiling and its margin): the reads alone decide -- all within a
+    # minute, the floor -- and what was written since goes at 960 s (the 1,100 s ones went before).
+    for env, learnt_ago, gone in (({"S3KV_RETENTION_AUTO": "false"}, 2000, []), ({}, 2000, aged[1100.0]),
+                                  ({}, 5000, aged[1990.0])):
         idx = tmp_path / "cache" / index_key(nsp)
         if idx.exists():
             idx.unlink()
@@ -345,8 +363,8 @@ def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_
         assert doc["deleted"]["objects"] == len(gone)
         left = {i.key for i in store.list("")}
         assert not left & set(gone)
-        # 100 s old: within any retention; 1,990 s, with gc learning for 2,000 s: written before
-        # every engine knew gc learns.
+        # 100 s old: within any retention; 1,990 s, with gc learning for 2,000 s: written before every
+        # engine knew gc learns.
         assert set(aged[100.0]) <= left and (learnt_ago > 2000 or set(aged[1990.0]) <= left)
 
 
@@ -362,18 +380,22 @@ def test_a_replay_that_learns_the_retention_bills_less_storage_for_the_same_toke
     p = tmp_path / "chat.jsonl"
     write_trace(generate(PRESETS["chat"], 80, 3), p)
     out = {}
-    for auto in (False, True):
+    for auto, before in ((False, 0.0), (True, 0.0), ("settled", CAP + MARGIN)):
         cfg = TraceConfig(path=str(p), tokens_per_block=TPB, jobs=1, runs=("window",),
                           fleet=FleetConfig(device_cache_tokens=0),  # S3 serves every repeat: reads to date
-                          settings={"write_policy": "through", "retention_auto": auto})
+                          settings={"write_policy": "through", "retention_auto": bool(auto)}, gc_learnt_s=before)
         with bench_store(f"memory://test-learn-{auto}", name="trace") as bs:
             out[auto] = run_trace(bs, cfg)
-    fixed, learnt = (out[a]["policies"]["window"] for a in (False, True))
+    fixed, learnt, settled_ = (out[a]["policies"]["window"] for a in (False, True, "settled"))
     assert out[True]["value"]["retention_learnt"]["retention_s"] < CAP
     assert out[False]["value"]["retention_learnt"] is None
     assert learnt["storage_usd"] < fixed["storage_usd"]
     assert learnt["served_tokens"] == fixed["served_tokens"]
     assert out[True]["load_failures"] == 0 and out[True]["kv_mismatches"] == 0
+    # A gc long running (``--gc-learnt``) cuts without the lag bin of room: shorter, less storage.
+    assert out["settled"]["value"]["retention_learnt"]["retention_s"] < out[True]["value"]["retention_learnt"]["retention_s"]
+    assert settled_["storage_usd"] < learnt["storage_usd"]
+    assert out["settled"]["load_failures"] == 0 and out["settled"]["kv_mismatches"] == 0
 
 
 # ------------------------------------------------------------------------------ expiring in each index pass
@@ -386,13 +408,13 @@ def test_the_index_pass_deletes_what_expired_by_the_store_clock_once_gc_vouched_
     writer.scheme = dataclasses.replace(writer.scheme, prefix="")
     nsp = writer.scheme.namespace_prefix
     now = time.time()
-    clock = [now - 5000]  # gc has learnt for longer than the ceiling (and its margin): it deletes by the reads
+    clock = [now - 2000]
     pub = Publisher(store, "", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp])
     k = report_key(nsp, "00000000000000aa", 0)
-    store.put(k, encode_report(SHORT_READS, clock[0], k))
+    store.put(k, encode_report(_reads((30, 100)), clock[0], k))
     pub.publish(clock[0])
     cutoff = pub.retention[nsp][0] + MARGIN
-    assert cutoff == RETENTION_FLOOR_S + MARGIN  # learnt: what was written since (and its lag) goes at 960 s
+    assert cutoff == 1023  # learnt: what was written since (and its lag) goes at 1,023 s
     aged = {}
     for seed, age in ((1, cutoff + 80.0), (2, 100.0)):
         keys = _write(writer, store, tokens_of(8 * TPB + 9, seed=seed), 8)
@@ -488,15 +510,15 @@ def test_a_replay_takes_gc_to_have_learnt_since_before_its_first_request():
     nsp = engine.scheme.namespace_prefix
     fleet = SimpleNamespace(store=billed, engines=[SimpleNamespace(leader=SimpleNamespace(core=engine))])
     k = report_key(nsp, "00000000000000aa", 0)
-    mem.put(k, encode_report(EARLY_READS, 0.0, k))  # reads to learn from at its first pass
+    mem.put(k, encode_report(_reads((30, 100)), 0.0, k))  # reads to learn from at its first pass
     hook = ReplayIndex(every_s=10, learn=(CAP, MARGIN))
     try:
         hook(1000.0, fleet)
         pub = hook._publisher
         since = pub.retention[nsp][1]
         assert since <= 1000.0 - engine_lag_s(10, 5, EXPIRY_MARGIN_S)
-        assert pub.retention[nsp][0] == EARLY
-        assert pub.keep_s(nsp, 1000.0) == EARLY  # (started with the trace: the ceiling)
-        assert engine.fleet_index().current().retention_s == EARLY  # engines knew from the start
+        assert pub.retention[nsp][0] == 1023 - MARGIN
+        assert pub.keep_s(nsp, 1000.0) == 1023 - MARGIN  # (started with the trace: the ceiling)
+        assert engine.fleet_index().current().retention_s == 1023 - MARGIN  # engines knew from the start
     finally:
         engine.close_lookup()

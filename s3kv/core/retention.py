@@ -13,7 +13,8 @@ are read, and ``S3KV_RETENTION_H`` becomes its ceiling:
 * **gc decides** (:func:`learn_retention`, in the index publisher of ``s3kv gc --index``): it
   folds the reports into one histogram that forgets with a half-life of :data:`HALF_LIFE_S`
   (traffic changes), takes the retention whose cutoff keeps 99% of the reads, ghost reads
-  included, and publishes it in the fleet index (``retention_s``);
+  included (with a lag bin of room while it has learnt for less than the ceiling), and publishes
+  it in the fleet index (``retention_s``);
 * **who deletes by it**: gc, each object by :func:`retention_for` its last write or refresh:
   the learnt retention, or the longest an engine may have believed for it. An engine believes its
   own upload for what the fresh index it holds says (``believe_s``: the learnt retention, the
@@ -22,15 +23,22 @@ are read, and ``S3KV_RETENTION_H`` becomes its ceiling:
   deleting what an engine still promises without asking; the engines' refresh-on-hit follows it
   (the leader hands it to the workers).
 
-Why ghost reads (``ValueModel.ghost_read``): reads later than the cutoff are never seen, so a rule
+Why ghost reads (``ValueModel.ghost``): reads later than the cutoff are never seen, so a rule
 that only keeps what it saw would ratchet down -- each shorter retention hides the reads that would
-argue against the next. An engine's lookup that misses a boundary of its own that gc deleted (its
-memo dates the write) counts the read it would have made at that age, scaled to the fleet, and
-reports it beside the dated reads: more than 1% of the reads past the cutoff, and it grows back.
-This replaced a lag bin of room beyond 99% of the reads (an octave: objects kept up to four times
-the lag that mattered). What ghosts cannot see: reads that come later than gc has watched (a
-fleet just started, a late mode not reached yet): so gc deletes nothing younger than it has
-watched, up to the ceiling -- a fleet's first hour keeps what its first late reads want.
+argue against the next. Engines remember what the fleet index stopped listing (``IndexRefresher.gone``,
+with write times); a lookup that would have gone on past its hit to such an object, gone at an
+age gc deletes at, counts the read it would have made at that age, and reports it beside the
+dated reads: more than 1% of the reads past the cutoff, and it grows back. Why from the index and
+not from the engine's own uploads: behind a router that spreads requests, the object a late
+reader misses is most often another engine's, and one's own repeats the device serves (a batch
+re-run after 20 minutes showed no own ghost at all).
+
+Why the cut differs with how long gc has learnt (:func:`settled`): ghosts cannot tell of reads
+later than gc has watched. A gc that has learnt for less than the ceiling (a fleet just started,
+or a replay's window) keeps a whole lag bin of room beyond 99% of the reads -- reads crowding the
+last bin before the cutoff are seen and grow it, before objects go; one that has learnt longer
+cuts at the lag 99% of the reads (ghosts included) come within, read inside the octave-wide bin:
+the room kept objects up to four times as long as the reads that mattered.
 Why no prior: with fewer than :data:`MIN_DATED_READS` dated reads the ceiling stands.
 """
 
@@ -73,34 +81,38 @@ def learn_retention(lag_reads: Sequence[float], *, margin_s: float, cap_s: float
     """The retention (seconds, in [``RETENTION_FLOOR_S``, ``cap_s``]) the reads argue for, or None
     with too few of them (module doc). ``lag_reads``: reads by lag bin since the object's write or
     refresh, ghost reads included; ``margin_s``: what gc keeps beyond the retention
-    (``core.cost.expiry_age_s``), so a retention R deletes at age R + margin. The cutoff is the lag
-    all but :data:`TAIL_SHARE` of the reads come within, read inside its bin as if its reads were
-    spread evenly over log(1 + lag) (the bins are an octave wide: a cutoff on their edges kept
-    objects up to twice as long as the reads asked). ``watched_s``: how long gc has learnt; no
-    object goes younger than that (up to the ceiling), since reads later than it cannot have been
-    seen yet -- ghosts tell of them only once objects were deleted and a fleet's first late reads
-    would be lost (a batch re-run after 20 minutes served 71% of its tokens without this)."""
+    (``core.cost.expiry_age_s``), so a retention R deletes at age R + margin; ``watched_s``: how
+    long gc has learnt (:func:`settled`)."""
     n = float(sum(lag_reads))
     if n < MIN_DATED_READS:
         return None
     allowed = TAIL_SHARE * n
     beyond = n  # reads in bin b and later
+    tight = settled(watched_s, margin_s=margin_s, cap_s=cap_s)
     for b, x in enumerate(lag_reads):
-        if beyond - x <= allowed:  # the cutoff lies in bin b: keep this share of its reads
+        if tight and beyond - x <= allowed:
+            # The cutoff lies in bin b: keep this share of its reads, read inside the bin as if they
+            # were spread evenly over log(1 + lag) (an octave wide: its edges would keep objects up
+            # to twice as long as the reads asked).
             lo = lag_bin_edge(b - 1) if b else 0.0
             q = (lo + 1) * ((lag_bin_edge(b) + 1) / (lo + 1)) ** ((beyond - allowed) / x) - 1
-            return min(cap_s, max(RETENTION_FLOOR_S, q - margin_s, watched_floor(watched_s, margin_s=margin_s,
-                                                                                  cap_s=cap_s)))
+            return min(cap_s, max(RETENTION_FLOOR_S, q - margin_s))
+        r = lag_bin_edge(b) - margin_s
+        if not tight and r >= cap_s:
+            break
+        if not tight and r >= RETENTION_FLOOR_S and beyond <= allowed:
+            return r  # the whole of bin b is room beyond 99% of the reads
         beyond -= x
     return cap_s
 
 
-def watched_floor(watched_s: float, *, margin_s: float, cap_s: float) -> float:
-    """The shortest retention gc may keep after learning for ``watched_s``: what keeps every
-    object as long as that, while that is shorter than the ceiling; none after (ghost reads then
-    tell of the reads past the cutoff, ``learn_retention``)."""
-    r = watched_s - margin_s
-    return r if r < cap_s else 0.0
+def settled(watched_s: float, *, margin_s: float, cap_s: float) -> bool:
+    """Has gc learnt long enough (``watched_s``) to cut at the lag 99% of the reads come within,
+    ghost reads telling it of those past the cutoff (module doc)? Not before it watched the
+    ceiling and its margin: reads later than gc has watched cannot have been seen, nor their
+    ghosts, and a rule with no room deletes what a fleet's first late reads want (a batch re-run
+    20 minutes on served 71% of its tokens). Until then a lag bin of room stands in for them."""
+    return watched_s >= cap_s + margin_s
 
 
 def engine_lag_s(index_every_s: float, fleet_index_s: float, skew_s: float) -> float:

@@ -94,7 +94,6 @@ from ..core.retention import (
     parse_report_key,
     report_key,
     retention_for,
-    watched_floor,
 )
 from ..core.value import LAG_BINS
 from ..store.base import NotFound, ObjectInfo, ObjectStore, StoreError
@@ -105,8 +104,9 @@ log = logging.getLogger("s3kv.fleetindex")
 HEAD_BATCH = 256
 #: A publisher's clock may run this far ahead of an engine's before its index is refused.
 MAX_SKEW_S = 60.0
-#: Deleted objects an engine remembers (``IndexRefresher.gone``): ~50 bytes each.
-GONE_ENTRIES = 200_000
+#: Deleted objects an engine remembers (``IndexRefresher.gone``, ~150 bytes each: ~15 MB): a busy
+#: fleet's tails of an hour or more (the 3,000-request replays delete a few thousand).
+GONE_ENTRIES = 100_000
 #: A wall-clock step this large since gc checked the store's clock stops the index passes'
 #: deletions (``Publisher.vouch``); well within gc's 60 s margin, well above NTP slewing.
 MAX_STEP_S = 10.0
@@ -362,13 +362,9 @@ class Publisher:
         got = self.retention.get(nsp)
         if self.learn is None or got is None:
             return None
-        cap_s, margin_s = self.learn
         lag = engine_lag_s(self.every_s, self.engine_poll_s, EXPIRY_MARGIN_S)
-        # Nothing younger than gc has watched goes, now (``learn_retention``'s ``watched_s``): the
-        # retention learnt at the last pass is as old as that pass.
-        learnt = max(got[0], watched_floor(self._clock() - got[1], margin_s=margin_s, cap_s=cap_s))
-        return retention_for(self.history.get(nsp, ()), touched_at, retention_s=learnt, since=got[1],
-                             cap_s=cap_s, lag_s=lag)
+        return retention_for(self.history.get(nsp, ()), touched_at, retention_s=got[0], since=got[1],
+                             cap_s=self.learn[0], lag_s=lag)
 
     def cutoff_s(self, nsp: str, last_modified: float | None) -> float | None:
         """The age past which gc deletes a namespace's object last written or refreshed at

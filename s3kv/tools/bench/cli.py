@@ -530,6 +530,11 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
     "--index-every", type=click.FloatRange(min=0), default=10.0, show_default=True,
     help="Publish the fleet index (s3kv gc --index) every this many seconds of the trace's clock; 0: no publisher.",
 )
+@click.option("--gc-learnt", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Seconds gc had learnt the retention before the trace's first request (of other traffic: no "
+              "reads kept). 0: a fleet that starts with the trace, gc keeping a lag bin of room beyond 99% of the "
+              "reads; 4260 or more (the ceiling and gc's margin): a fleet long running, gc cutting at the lag 99% "
+              "come within, ghost reads telling of later ones (docs/operations.md).")
 @click.option("--clusters", type=click.IntRange(min=1), default=1, show_default=True,
               help="Engines (one per cluster) sharing the store, each with its own device prefix cache.")
 @click.option("--router", type=click.Choice(["random", "affinity"]), default="random", show_default=True,
@@ -571,6 +576,7 @@ def trace_command(
     url: str | None,
     s3_latency_ms: float | None,
     index_every: float,
+    gc_learnt: float,
     clusters: int,
     router: str,
     device_cache_tokens: int | None,
@@ -633,6 +639,7 @@ def trace_command(
         url=url,
         s3_latency_ms=s3_latency_ms,
         index_every_s=index_every,
+        gc_learnt_s=gc_learnt,
     )
     from .fleet import FleetConfig
 

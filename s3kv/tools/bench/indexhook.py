@@ -27,10 +27,12 @@ from typing import Any
 class ReplayIndex:
     """``hook(now, fleet)`` (module docstring). Picklable: a replay may run in a process of its own."""
 
-    def __init__(self, every_s: float = 10.0, learn: tuple[float, float] | None = None):
+    def __init__(self, every_s: float = 10.0, learn: tuple[float, float] | None = None, learnt_s: float = 0.0):
         """``learn``: (ceiling s, gc's margin s) -- the publisher learns the retention from the
-        engines' read reports (``s3kv.core.retention``) and the billed store deletes by it."""
+        engines' read reports (``s3kv.core.retention``) and the billed store deletes by it;
+        ``learnt_s``: how long it had learnt before the trace (of other traffic: no reads kept)."""
         self.learn = learn
+        self.learnt_s = learnt_s
         if every_s <= 0:
             raise ValueError(f"the fleet index's period must be > 0, got {every_s}")
         self.every_s = every_s
@@ -80,7 +82,7 @@ class ReplayIndex:
                 from ...core.retention import engine_lag_s
 
                 self._publisher.publish(now - engine_lag_s(self.every_s, core.settings.fleet_index_s,
-                                                           EXPIRY_MARGIN_S) - self.every_s)
+                                                           EXPIRY_MARGIN_S) - self.every_s - self.learnt_s)
         if now - self._last < self.every_s:
             return
         self._last = now

@@ -106,6 +106,9 @@ class TraceConfig:
     #: The fleet index's publisher (``s3kv gc --index``) every this many seconds of the trace's clock,
     #: the engines picking each index up at once (``indexhook.ReplayIndex``); 0: no publisher.
     index_every_s: float = 10.0
+    #: Seconds gc had learnt the retention before the trace's first request, with no reads of this
+    #: traffic (``core.retention.settled``): 0, a fleet that starts with the window.
+    gc_learnt_s: float = 0.0
 
     def replace(self, **kw: Any) -> TraceConfig:
         return dataclasses.replace(self, **kw)
@@ -235,7 +238,8 @@ def replay(
 
         cap = cfg.prices.retention_h * 3600
         fleet.on_clock.append(ReplayIndex(
-            cfg.index_every_s, learn=(cap, counter.expire_after_s - cap) if learns else None))
+            cfg.index_every_s, learn=(cap, counter.expire_after_s - cap) if learns else None,
+            learnt_s=cfg.gc_learnt_s))
     fleet.store = counter
     before = bs.store.snapshot()
     synth = TokenSynth(block_tokens, SIM_VOCAB)
