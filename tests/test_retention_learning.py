@@ -154,15 +154,15 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
 
 def test_a_lookup_past_an_object_gc_deleted_reports_a_ghost_read():
     """The read a deleted object would have served reaches gc (core.retention, ghost reads): the
-    engine remembers what successive fleet indexes stopped listing, and a lookup that would have
-    gone on past its hit to such an object, gone at an age gc deletes at, counts a read at that
-    age in what it reports -- whichever engine wrote it."""
+    engine remembers what successive fleet indexes stopped listing, old enough for gc to have
+    deleted it by age, and a lookup that would have gone on past its hit to such an object counts
+    a read at its age in what it reports -- whichever engine wrote it."""
     store = MemoryStore()
     writer, core = _leader(store, fleet_index_s=5), _leader(store, fleet_index_s=5)
     try:
         nsp = core.scheme.namespace_prefix
-        tokens = tokens_of(40 * TPB + 9, seed=3)
-        keys = _write(writer, store, tokens, 20)  # another engine's upload
+        young, old = tokens_of(40 * TPB + 9, seed=3), tokens_of(40 * TPB + 9, seed=5)
+        keys = {"young": _write(writer, store, young, 20), "old": _write(writer, store, old, 20)}  # another engine's
         clock = [time.time()]
         pub = Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], namespaces=[nsp])
         pub.publish(clock[0])
@@ -172,21 +172,22 @@ def test_a_lookup_past_an_object_gc_deleted_reports_a_ghost_read():
         assert fi.refresh()
         other = tokens_of(8 * TPB + 1, seed=4)
         assert core.get_num_new_matched_tokens(1, other, len(other), 0) == (0, False)  # (lookups track)
-        store.delete_many(keys)  # gone while young (not by age)
+        store.delete_many(keys["young"])  # gone younger than gc deletes anything by age: another cause
         clock[0] += 100
         pub.publish(clock[0])
         assert fi.refresh()
-        assert core.get_num_new_matched_tokens(2, tokens, len(tokens), 0) == (0, False)
-        assert core.writes.model.ghosts == 0
-        gone_after = core._lookups.listings.gone_after_s()
-        clock[0] += gone_after  # as old as gc deletes at: the read it would have served is a ghost
+        store.delete_many(keys["old"])  # gone at 1,000 s: what gc's retention cut off
+        clock[0] += 900
         pub.publish(clock[0])
         assert fi.refresh()
-        assert core.get_num_new_matched_tokens(3, tokens, len(tokens), 0) == (0, False)
+        assert core.get_num_new_matched_tokens(2, young, len(young), 0) == (0, False)
+        assert core.writes.model.ghosts == 0
+        clock[0] += 500  # asked 1,500 s after the write
+        assert core.get_num_new_matched_tokens(3, old, len(old), 0) == (0, False)
         assert core.writes.model.ghosts == 1
-        assert core._lookups.listings.reads()[lag_bin(100 + gone_after)] == 1  # in the next read report
+        assert core._lookups.listings.reads()[lag_bin(1500)] == 1  # in the next read report
         # A prompt that stops short of every object goes nowhere near them: no ghost.
-        short = tokens[: 3 * TPB + 3]
+        short = old[: 3 * TPB + 3]
         assert core.get_num_new_matched_tokens(4, short, len(short), 0) == (0, False)
         assert core.writes.model.ghosts == 1
     finally:

@@ -59,6 +59,8 @@ TERMS: dict[str, str] = {
     "TTFT": "time to first token of a request.",
     "retention, gc": "how long an object is kept after its last write or refresh (S3KV_RETENTION_H); "
     "s3kv gc deletes what is older.",
+    "ghost read": "a hit gc's retention cut off: a lookup would have gone on to an object gc had deleted; "
+    "engines report it at the object's age, so gc keeps objects longer where reads come later than it keeps.",
 }
 
 

@@ -24,13 +24,14 @@ each lookup and matches them against the keys vouched for lately.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from ...config import Settings
 from ...core.cost import expiry_age_s
-from ...core.fleetindex import FleetIndex, digest_key
+from ...core.fleetindex import DIGEST_BYTES, FleetIndex
 from ...core.lookup import Ask
 from ...core.retention import RETENTION_FLOOR_S, believe_unknown_s
 from ...store.base import ObjectStore
@@ -43,6 +44,9 @@ from .stats import LeaderStats
 #: Keys a trusted listing vouched for lately (a failed load of one takes the listing's trust).
 VOUCHED_MAX = 4096
 
+
+#: A digest's index key, as bytes (``IndexRefresher.gone``).
+_KEY_BYTES = operator.itemgetter(slice(0, DIGEST_BYTES))
 
 class Listings:
     def __init__(self, settings: Settings, store: ObjectStore, index: KeyIndex, stats: LeaderStats):
@@ -126,30 +130,22 @@ class Listings:
         keep = self.settings.retention_h * 3600.0
         return min(keep, idx.retention_s) if idx is not None and idx.retention_s is not None else keep
 
-    def gone_after_s(self) -> float:
-        """The age past which gc has deleted an object not refreshed since its write, as the last
-        fleet index says: the retention plus gc's margin (``core.cost.expiry_age_s``)."""
-        return self.retention_s() + expiry_age_s(self.settings) - self.settings.retention_h * 3600.0
-
     def deleted_age_s(self, fingerprint: str, digests: Sequence[bytes], lo: int, hi: int) -> float | None:
         """Where the deepest object of group ``fingerprint`` (shard 0) ending past block ``lo`` and
-        up to ``hi`` of a chain (``digests``) that the fleet index ever listed is gone, and gc had
-        deleted it by its age: that age in seconds (a ghost read, ``core.value``); else None. The
-        first call starts the tracking of that group."""
+        up to ``hi`` of a chain (``digests``) that the fleet index listed is gone, deleted by gc for
+        its age: its age now in seconds (a ghost read, ``core.retention``); else None. The first
+        call starts the tracking of that group."""
         fleet = self._fleet
         if fleet is None:
             return None
         if fingerprint not in fleet.track:
             fleet.track = fleet.track | {fingerprint}
         gone = fleet.gone
-        if not gone:
+        if not gone or hi <= lo:
             return None
-        for end in range(min(hi, len(digests)), lo, -1):
-            written = gone.get(digest_key(digests[end - 1]))
-            if written is not None:
-                age = fleet.clock() - written
-                return age if age > self.gone_after_s() else None
-        return None
+        # The deepest first: the index keys digests by their first 8 bytes.
+        got = next(filter(None, map(gone.get, map(_KEY_BYTES, reversed(digests[lo:hi])))), None)
+        return None if got is None else fleet.clock() - got[0]
 
     def gc_period_s(self) -> float | None:
         """How often gc deletes what expired, where a fresh fleet index says it learns the
