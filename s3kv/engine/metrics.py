@@ -209,8 +209,8 @@ class Metrics:
         self.value_objects = Counter(f"{p}_value_objects", "Objects written to S3, by kind.", ["kind"], registry=r)
         self.value_read_lag = Counter(
             f"{p}_value_read_lag_reads", "S3 reads dated by the age of the object they read (own objects by "
-            "their write, others' by the fleet index; ghost reads -- lookups that missed an own object gc had "
-            "deleted -- at its age, scaled to the fleet), by the upper edge of its age bin in seconds: what "
+            "their write, others' by the fleet index; ghost reads -- lookups that would have gone on to an "
+            "object gc had deleted -- at its age), by the upper edge of its age bin in seconds: what "
             "the retention advice (s3kv stats --engine) weighs.", ["lag_le_s"], registry=r,
         )
         self.value_decisions = Counter(

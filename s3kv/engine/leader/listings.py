@@ -48,6 +48,7 @@ VOUCHED_MAX = 4096
 #: A digest's index key, as bytes (``IndexRefresher.gone``).
 _KEY_BYTES = operator.itemgetter(slice(0, DIGEST_BYTES))
 
+
 class Listings:
     def __init__(self, settings: Settings, store: ObjectStore, index: KeyIndex, stats: LeaderStats):
         self.settings = settings
