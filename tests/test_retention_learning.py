@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 
@@ -46,8 +45,8 @@ def _reads(*lags: tuple[float, int]) -> list[float]:
     return out
 
 
-#: A gc that has learnt for less than the ceiling (a fleet just started), and one long running.
-NEW, SETTLED = 0.0, math.inf
+#: A gc that has learnt for less than the ceiling (a fleet just started).
+NEW = 0.0
 #: Reads to learn from, for a settled gc: all within a minute of their objects' writes (the floor);
 #: all 20-34 minutes after; and those with 10 more an hour late.
 SHORT_READS = _reads((30, 100))

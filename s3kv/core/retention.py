@@ -88,19 +88,22 @@ def learn_retention(lag_reads: Sequence[float], *, margin_s: float, cap_s: float
         return None
     allowed = TAIL_SHARE * n
     beyond = n  # reads in bin b and later
-    tight = settled(watched_s, margin_s=margin_s, cap_s=cap_s)
+    if settled(watched_s, margin_s=margin_s, cap_s=cap_s):
+        for b, x in enumerate(lag_reads):
+            if beyond - x <= allowed:
+                # The cutoff lies in bin b: keep this share of its reads, read inside the bin as if
+                # they were spread evenly over log(1 + lag) (an octave wide: its edges would keep
+                # objects up to twice as long as the reads asked).
+                lo = lag_bin_edge(b - 1) if b else 0.0
+                q = (lo + 1) * ((lag_bin_edge(b) + 1) / (lo + 1)) ** ((beyond - allowed) / x) - 1
+                return min(cap_s, max(RETENTION_FLOOR_S, q - margin_s))
+            beyond -= x
+        return cap_s
     for b, x in enumerate(lag_reads):
-        if tight and beyond - x <= allowed:
-            # The cutoff lies in bin b: keep this share of its reads, read inside the bin as if they
-            # were spread evenly over log(1 + lag) (an octave wide: its edges would keep objects up
-            # to twice as long as the reads asked).
-            lo = lag_bin_edge(b - 1) if b else 0.0
-            q = (lo + 1) * ((lag_bin_edge(b) + 1) / (lo + 1)) ** ((beyond - allowed) / x) - 1
-            return min(cap_s, max(RETENTION_FLOOR_S, q - margin_s))
         r = lag_bin_edge(b) - margin_s
-        if not tight and r >= cap_s:
+        if r >= cap_s:
             break
-        if not tight and r >= RETENTION_FLOOR_S and beyond <= allowed:
+        if r >= RETENTION_FLOOR_S and beyond <= allowed:
             return r  # the whole of bin b is room beyond 99% of the reads
         beyond -= x
     return cap_s
