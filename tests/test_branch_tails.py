@@ -28,9 +28,9 @@ VOCAB = 32000
 _ids = itertools.count(1)
 
 
-def engine(store, *, tp=1, chunk=None, **settings):
+def engine(store, *, tp=1, chunk=None, bpo=4, **settings):
     s = Settings(
-        url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=4, **settings
+        url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=bpo, **settings
     )
     return SimEngine(
         gemma3_like(WINDOW, kv_heads=2, tp_size=tp),
@@ -103,4 +103,33 @@ def test_store_everything_needs_no_branch_tails():
     eng = engine(store, storage_policy="all")
     reps = serve_one_by_one(eng, prompts())
     assert [r.requests[0].matched_tokens for r in reps] == [0, PREFIX, PREFIX]
+    assert eng.leader.core.stats.branch_tails == 0
+
+
+def test_a_branch_no_object_ends_at_is_found_from_the_engines_own_prompts():
+    """Objects of 64 blocks (2,048 tokens) hold the whole shared prefix: the first prompt's chain
+    object ends at its own prompt end, so the second prompt's lookup finds no object ending on its
+    chain and S3 shows it no branch point. Its engine remembers the first prompt: the second request
+    ends a chain object at the point where the two part and stores the tails there, and a third
+    request on a fresh engine (another memo, another index) hits the whole prefix."""
+    store = MemoryStore()
+    first = engine(store, bpo=64)
+    reps = serve_one_by_one(first, prompts(2))
+    assert [r.requests[0].matched_tokens for r in reps] == [0, 0]
+    lstats = first.leader.core.stats
+    sliding = sum(1 for g in first.workers[0].core.geometry.groups if g.window is not None)
+    assert lstats.branch_tails == sliding and lstats.branch_tails_abandoned == 0
+    reps = serve_one_by_one(engine(store, bpo=64), prompts(3)[2:])
+    assert reps[0].requests[0].matched_tokens == PREFIX and reps[0].kv_mismatches == 0
+    assert sum(r.pages_checked for r in reps) > 0
+
+
+def test_a_next_turn_or_a_repeat_is_no_branch():
+    """A prompt that goes on where an earlier one ended (a conversation's next turn) or repeats it
+    parts from nothing: no branch tail is stored."""
+    rng = random.Random(9)
+    base = tuple(rng.randrange(VOCAB) for _ in range(PREFIX))
+    turn2 = base + tuple(rng.randrange(VOCAB) for _ in range(200))
+    eng = engine(MemoryStore(), bpo=64)
+    serve_one_by_one(eng, [base, turn2, turn2])
     assert eng.leader.core.stats.branch_tails == 0

@@ -155,6 +155,30 @@ def test_the_memo_keeps_within_its_token_bound():
     assert memo._tokens == sum(t for _, t in memo._lru.values()) <= 10 * TPB
 
 
+def test_the_memo_finds_where_a_prompt_parts_from_any_recent_one():
+    """The branch point is the longest prefix shared with any recent prompt that went on past it:
+    found though many prompts with the same first blocks came between (more than the chains the memo
+    compares), not where the earlier prompt ended (a next turn), and none for a repeat."""
+    import random
+
+    rng = random.Random(4)
+    r = root()
+    memo = ChainMemo(per_key=2)
+    system = [rng.randrange(1 << 20) for _ in range(3 * TPB)]
+    doc = [rng.randrange(1 << 20) for _ in range(5 * TPB + 7)]
+    first = memo.chain(r, TPB, system + doc + [1] * (2 * TPB))
+    assert first.branch == 0  # nothing recent
+    for _ in range(6):
+        other = memo.chain(r, TPB, system + [rng.randrange(1 << 20) for _ in range(4 * TPB)])
+        assert other.branch == 3
+    second = memo.chain(r, TPB, system + doc + [2] * (2 * TPB))
+    assert second.branch == len(system + doc) // TPB
+    turn = system + doc + [2] * (2 * TPB) + [5] * (3 * TPB)
+    assert memo.chain(r, TPB, turn).branch == 0  # the second prompt ended where this one goes on
+    assert memo.chain(r, TPB, turn).branch == 0  # a repeat
+    assert memo.chain(root(cache_salt="b"), TPB, system + doc + [3] * TPB).branch == 0  # another root
+
+
 def test_chain_rejects_a_token_that_is_not_an_int64():
     with pytest.raises((OverflowError, TypeError, ValueError)):
         chain_digests(root(), [2**63] * TPB, TPB)

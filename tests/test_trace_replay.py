@@ -140,10 +140,16 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
             spans[run].setdefault(d[end - 1], end - first)
             sliding[run].update(d[first:end])
 
+    # The leader's memo of recent prompts: block digest -> length of the latest prompt holding it.
+    reach: dict[bytes, int] = {}
     for prompt, answer in streams:
         plen = len(prompt)
         P, hmax, E = plen // TPB, (plen - 1) // TPB, (plen + len(answer) - 1) // TPB
         d = chain(prompt + answer, E)
+        # Where this prompt parts from a recent one that went on past it (0: none).
+        common = next((k for k in range(P) if d[k] not in reach), P)
+        parts = common if 0 < common < P and reach[d[common - 1]] > common else 0
+        reach.update(dict.fromkeys(d[:P], P))
         k = 0
         while k < hmax and d[k] in kv:
             k += 1
@@ -159,6 +165,15 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
             served[run].append(h * TPB)
             save_from = h // FULL_BPO * FULL_BPO
             ends = {e for e in range(save_from + 1, E + 1) if e % FULL_BPO == 0} | {P, E}
+            # A branch S3 shows (its chain stored past what was served) takes its tail; else one the
+            # engine's own prompts show, past the stored chain, with no tail there yet: its chain
+            # object ends there too.
+            branch = own = 0
+            if run == "window" and S > h and S % CP and S < P:
+                branch = S
+            elif run == "window" and parts > S and parts % CP and d[parts - 1] not in objects[run]:
+                branch = own = parts
+                ends.add(own)
             spine[run].update(d[e - 1] for e in ends if e > save_from)
             for e in sorted(ends):
                 if e > save_from:  # write once: the first object of a name stays
@@ -166,7 +181,8 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
                     # (S: the lookup saw it whole from its chunk's start), or at the prompt's end,
                     # where the prompt-end snapshot ended the object before it.
                     cs = (e - 1) // FULL_BPO * FULL_BPO
-                    first = max(save_from, cs, S if S < e else cs, P if P % FULL_BPO and cs < P < e else cs)
+                    first = max(save_from, cs, S if S < e else cs, P if P % FULL_BPO and cs < P < e else cs,
+                                own if cs < own < e else cs)
                     full_objects[run].setdefault(d[e - 1], (first, e))
             if run == "all":
                 for e in range(save_from + 1, E + 1):
@@ -177,8 +193,8 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
                 if b > save_from:
                     store(run, d, max(lo(b - 1), save_from, prev), b)
                 prev = b
-            if run == "window" and S > h and S % CP and S < P:
-                store(run, d, lo(S - 1), S)
+            if branch:
+                store(run, d, lo(branch - 1), branch)
         kv.update(d)
     return {
         "ideal": ideal,

@@ -123,15 +123,17 @@ class Chain:
     """Incremental chained digests over full blocks of a growing token list.
 
     ``raw`` keeps the bytes digested so far (8 per token): what :class:`ChainMemo` compares a
-    later prompt with, to reuse digests instead of hashing again."""
+    later prompt with, to reuse digests instead of hashing again. ``branch``: where this prompt
+    left the recent prompt it shares most with, inside both (blocks; 0: none, or not known)."""
 
-    __slots__ = ("root", "tokens_per_block", "digests", "raw")
+    __slots__ = ("root", "tokens_per_block", "digests", "raw", "branch")
 
     def __init__(self, root: bytes, tokens_per_block: int):
         self.root = root
         self.tokens_per_block = tokens_per_block
         self.digests: list[bytes] = []
         self.raw = bytearray()
+        self.branch = 0
 
     def extend_to(self, tokens: Sequence[int]) -> list[bytes]:
         """Digest every full block of ``tokens`` not digested yet; returns the whole list."""
@@ -191,6 +193,10 @@ class ChainMemo:
     def __init__(self, max_tokens: int = MEMO_TOKENS, per_key: int = 8):
         self.max_tokens = max_tokens
         self.per_key = per_key
+        #: Recent prompt blocks: digest -> the length of the latest prompt that held it (``_branch``).
+        self._reach: dict[bytes, int] = {}
+        self._reach_old: dict[bytes, int] = {}
+        self.max_blocks = max(2, max_tokens // 64)
         self._by_first: dict[tuple[bytes, bytes], list[Chain]] = {}
         self._lru: OrderedDict[Chain, tuple[tuple[bytes, bytes], int]] = OrderedDict()
         self._tokens = 0
@@ -220,7 +226,39 @@ class ChainMemo:
         chain._digest(memoryview(data)[best * step :])
         self.reused += best
         self._remember(key, chain, full * tokens_per_block)
+        self._branch(chain, full)
         return chain
+
+    def _branch(self, chain: Chain, full: int) -> None:
+        """Set ``chain.branch`` from the recent prompts' blocks, then remember this prompt's.
+
+        Why not from the chains compared above: those are the few latest with the same first block,
+        and prompts that share a system prompt are many -- the one that shares a document with this
+        prompt is rarely among them. The reach maps each recent prompt block's digest to the length
+        (blocks) of the latest prompt that held it. A digest names its whole prefix, so the longest
+        common prefix with any recent prompt is the deepest block found (a binary search: the blocks
+        found are a prefix, except where one was forgotten, which makes it shorter), and it is a
+        branch where that prompt went on past it -- not where it ended (a next turn, a repeat).
+        Two generations, the older dropped whole when the younger fills: one bulk update per prompt
+        (0.5 ms for 4,096 blocks), where a per-block LRU cost 2.7 ms on the scheduler's thread."""
+        young, old, digests = self._reach, self._reach_old, chain.digests
+
+        def held(i: int) -> int:
+            d = digests[i]
+            return young.get(d) or old.get(d, 0)
+
+        lo, hi = 0, full  # digests[:lo] held; none from hi on (as far as the search can tell)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if held(mid - 1):
+                lo = mid
+            else:
+                hi = mid - 1
+        if 0 < lo < full and held(lo - 1) > lo:
+            chain.branch = lo
+        young.update(dict.fromkeys(digests[:full], full))
+        if len(young) > self.max_blocks // 2:
+            self._reach_old, self._reach = young, {}
 
     def _remember(self, key: tuple[bytes, bytes], chain: Chain, tokens: int) -> None:
         same = self._by_first.setdefault(key, [])

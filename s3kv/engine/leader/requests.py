@@ -141,9 +141,12 @@ class SaveState:
 @dataclass
 class BranchTail:
     """Branch-point tail: its end ordinal (0: none) and, per sliding group, its buffer while open
-    and the next ordinal to stage."""
+    and the next ordinal to stage. ``chain``: the request writes the full-attention chain up to
+    the branch point too, its object ending there (a branch its own recent prompts show, where S3
+    holds no chain ending at it: ``saves.py``)."""
 
     end: int = 0
+    chain: bool = False
     open: dict[int, Buffer] = field(default_factory=dict)
     next: dict[int, int] = field(default_factory=dict)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.hitrule import window_cut
+from ...core.objects import ObjectSpan
 from ...core.plan import TO_S3, BufferId, SealOp, StageOp
 from ...core.value import BRANCH, HISTORY_END
 from .context import LeaderContext
@@ -51,8 +52,11 @@ class SavePlanner:
             if not st.branch.end:
                 self._open_branch(ctx, st)
             self.writes.decide(st)
-            if st.branch.next and self.writes.tail_to(st, BRANCH, st.branch.end) is None:
+            to = self.writes.tail_to(st, BRANCH, st.branch.end) if st.branch.end else None
+            if st.branch.next and to is None:
                 st.branch.next.clear()  # refused: nothing staged for it
+            # The chain ends an object at the branch point only for a tail stored with it.
+            st.branch.chain = st.branch.chain and to is not None
         else:
             st.tokens.extend(rd.new_tokens)
             for gi, delta in enumerate(by_group):
@@ -124,6 +128,10 @@ class SavePlanner:
                     continue
                 if o + 1 == buf.bid.first + buf.bid.capacity:
                     sv.seal(gid, close=True)
+                elif o + 1 == st.branch.end and st.branch.chain and policy.stores_everything(gid):
+                    # The chain's object ends at the branch point (``_own_branch``); the rest of the
+                    # chunk starts there, as after a prompt-end snapshot.
+                    sv.seal(gid, close=True)
                 elif o + 1 == prompt_blocks:
                     # Prompt-end snapshot: exact repeats hit here even though the object keeps
                     # filling (a chunk with generated blocks, a tail up to the next checkpoint) --
@@ -151,13 +159,50 @@ class SavePlanner:
         g = ctx.geometry
         # A tail ends where the lookup found one even when less was served (a cut, a smaller honour).
         served = max(st.load.h_blocks, st.load.found_blocks)
-        end = ctx.policy.branch_end(self.writes.spine(st), served, st.prompt_len // g.tokens_per_block)
+        prompt_blocks = st.prompt_len // g.tokens_per_block
+        end = ctx.policy.branch_end(self.writes.spine(st), served, prompt_blocks)
         if end is None:
-            return
+            end = self._own_branch(ctx, st, prompt_blocks)
+            if end is None:
+                return
+            st.branch.chain = True
         st.branch.end = end
         for grp in g.groups:
             if grp.is_sliding:
                 st.branch.next[grp.group_id] = ctx.policy.tail(grp.group_id, end)[0]
+
+    def _own_branch(self, ctx: LeaderContext, st: RequestState, prompt_blocks: int) -> int | None:
+        """A branch point S3's chain cannot show: where this prompt left a recent prompt of this
+        engine that went on past it too (``ChainMemo``, ``Chain.branch``), when S3 holds no tail
+        ending there. Why: the chain objects of a shared document or system prompt end at the first
+        prompt's end or at a chunk end, so a second prompt's lookup finds no object ending where the
+        two part, and no later request of that prefix hits past the checkpoint below it (with
+        checkpoints 8,192 tokens apart, none of a 4-8k document). This request has the prefix's
+        pages (loaded, on the device or computed), so it writes the chain to the branch point as an
+        object ending there, and the tail -- when the write policy finds them worth it (kind
+        ``branch``). Only inside what this request writes anyway (from ``save_from``)."""
+        assert st.chain is not None
+        b = st.chain.branch
+        if not b or b <= st.saves.save_from or b <= self.writes.chain_from(st):
+            return None
+        if ctx.policy.branch_end(b, 0, prompt_blocks) != b:
+            return None  # a checkpoint, the prompt's end, no sliding group, or branch tails off
+        g = ctx.geometry
+        digest = st.chain.digests[b - 1]
+        for grp in g.groups:
+            if grp.is_sliding and not self._stored_at(ctx, grp.group_id, digest, b):
+                return b
+        return None
+
+    def _stored_at(self, ctx: LeaderContext, gid: int, digest: bytes, end: int) -> bool:
+        """The store holds group ``gid``'s object ending at ``end`` (shard 0), as this engine's index
+        or the namespace's listing knows it."""
+        lookups = self.writes.lookups
+        fp = ctx.geometry.groups[gid].fingerprint
+        if isinstance(lookups.index.get(ctx.scheme.object_key(fp, 0, digest)), ObjectSpan):
+            return True
+        cur = lookups.listings.current()
+        return cur is not None and cur.find(gid, 0, digest, end) is not None
 
     def _plan_branch(self, ctx: LeaderContext, st: RequestState, complete_blocks: int) -> None:
         """Stage the branch-point tail's pages as they complete, into one object per sliding group

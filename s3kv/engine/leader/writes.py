@@ -270,9 +270,12 @@ class WritePolicy:
         ends += [(e, CHECKPOINT) for e in range(cp, prompt_blocks + 1, cp) if e > have]
         if prompt_blocks % cp and prompt_blocks > have:
             ends.append((prompt_blocks, PROMPT_END))
-        if st.branch.end and st.branch.end > have:
+        # A branch the request's own chain ends (``saves.SavePlanner._own_branch``) may lie inside
+        # what the device matched: S3 holds nothing ending there, whatever was served.
+        own = st.branch.chain and st.branch.end
+        if st.branch.end and (st.branch.end > have or own):
             ends.append((st.branch.end, BRANCH))
-        ends = [(e, k) for e, k in ends if e != found]
+        ends = [(e, k) for e, k in ends if e != found or (own and k == BRANCH)]
         if prompt_blocks > have and prompt_blocks > 0:
             ends.append((prompt_blocks, CHAIN))  # the prompt's chain, for later requests' branch tails
         if self.settings.save_decode and prompt_blocks > 0:
