@@ -106,16 +106,24 @@ def test_store_everything_needs_no_branch_tails():
     assert eng.leader.core.stats.branch_tails == 0
 
 
-def test_a_branch_no_object_ends_at_is_found_from_the_engines_own_prompts():
+@pytest.mark.parametrize("device_match", [0, PREFIX])
+def test_a_branch_no_object_ends_at_is_found_from_the_engines_own_prompts(device_match):
     """Objects of 64 blocks (2,048 tokens) hold the whole shared prefix: the first prompt's chain
     object ends at its own prompt end, so the second prompt's lookup finds no object ending on its
     chain and S3 shows it no branch point. Its engine remembers the first prompt: the second request
     ends a chain object at the point where the two part and stores the tails there, and a third
-    request on a fresh engine (another memo, another index) hits the whole prefix."""
+    request on a fresh engine (another memo, another index) hits the whole prefix. Also where the
+    second request's device matched the shared prefix (the engine then gives no sliding page below
+    the window there: the tail holds what a hit at the branch point needs)."""
     store = MemoryStore()
     first = engine(store, bpo=64)
-    reps = serve_one_by_one(first, prompts(2))
-    assert [r.requests[0].matched_tokens for r in reps] == [0, 0]
+    reps = []
+    with first:
+        for p, d in zip(prompts(2), (0, device_match), strict=True):
+            reps.append(first.run([SimRequestSpec(next(_ids), p, max_new_tokens=8, device_match_tokens=d)]))
+            for w in first.workers:
+                assert w.flush(30)
+    assert [r.requests[0].matched_tokens for r in reps] == [0, 0]  # S3 adds nothing to either
     lstats = first.leader.core.stats
     sliding = sum(1 for g in first.workers[0].core.geometry.groups if g.window is not None)
     assert lstats.branch_tails == sliding and lstats.branch_tails_abandoned == 0

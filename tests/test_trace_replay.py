@@ -194,7 +194,11 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
                     store(run, d, max(lo(b - 1), save_from, prev), b)
                 prev = b
             if branch:
-                store(run, d, lo(branch - 1), branch)
+                # The engine gives no sliding page below its window at h: the block below a hit at the
+                # branch point is left out where it has none, and a tail missing more is dropped.
+                first = lo(branch - 1) if lo(h) <= lo(branch - 1) else lo(branch)
+                if lo(h) <= first:
+                    store(run, d, first, branch)
         kv.update(d)
     return {
         "ideal": ideal,

@@ -138,6 +138,12 @@ class StoragePolicy:
         lo_at, _ = required_range(g, tpb, 0, boundary, self.margin)
         return min(lo_below, lo_at), boundary
 
+    def hit_lo(self, group: int, boundary: int) -> int:
+        """First ordinal a sliding group needs for a hit at ``boundary`` itself (``tail`` less the
+        block below)."""
+        g = self.geometry.groups[group]
+        return required_range(g, self.geometry.tokens_per_block, 0, boundary, self.margin)[0]
+
     def stores_everything(self, group: int) -> bool:
         return self.mode == "all" or not self.geometry.groups[group].is_sliding
 

@@ -211,16 +211,23 @@ class SavePlanner:
         Its own buffer, beside the policy's regular ones: the pages below the served point were
         loaded, not computed, so the regular plan (which starts at ``save_from``) never sees them,
         and a regular tail that overlaps this one must stay whole for its own hits. A page with no
-        slot (already freed) makes the tail useless: it is dropped and counted.
+        slot (already freed) makes the tail useless: it is dropped and counted -- except the block
+        below what a hit at the branch point needs. That block serves only a prompt of exactly the
+        branch's blocks (served one block short); where the request's history began at the branch
+        point (its device match ended there, the usual own branch), the window there starts above
+        it and the engine gives it no page: the tail starts at the first block a hit there needs.
         """
         br, sv = st.branch, st.saves
         end = br.end
         for gid, nxt in list(br.next.items()):
             slots = st.slots[gid] if gid < len(st.slots) else []
-            lo = ctx.policy.tail(gid, end)[0]
+            lo_at = ctx.policy.hit_lo(gid, end)
             o = nxt
             while o < min(end, complete_blocks):
                 slot = slots[o] if o < len(slots) else -1
+                if slot < 0 and o < lo_at and gid not in br.open:
+                    o = lo_at
+                    continue
                 if slot < 0:
                     old = br.open.pop(gid, None)
                     if old is not None:
@@ -231,7 +238,7 @@ class SavePlanner:
                 buf = br.open.get(gid)
                 if buf is None:
                     to = self.writes.tail_to(st, BRANCH, end) or "now"
-                    buf = br.open[gid] = Buffer(BufferId(st.request_id, gid, lo, end - lo), to_s3=to)
+                    buf = br.open[gid] = Buffer(BufferId(st.request_id, gid, o, end - o), to_s3=to)
                 sv.stages.append(StageOp(buf.bid, o, slot))
                 buf.count += 1
                 o += 1
