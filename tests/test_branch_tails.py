@@ -141,3 +141,24 @@ def test_a_next_turn_or_a_repeat_is_no_branch():
     eng = engine(MemoryStore(), bpo=64)
     serve_one_by_one(eng, [base, turn2, turn2])
     assert eng.leader.core.stats.branch_tails == 0
+
+
+def test_a_request_whose_device_matched_a_stored_prefix_writes_only_what_follows():
+    """Once the chain object ending at the branch point is stored, a request whose device matched the
+    shared prefix (its lookup asks only past it, so it never sees that object) writes its chain from
+    there, not the prefix's pages again from the chunk's start into an object of its own."""
+    store = MemoryStore()
+    eng = engine(store, bpo=64)
+    firsts: list[list[int]] = []  # per request: where each full-attention object it wrote begins
+    with eng:
+        for p, d in zip(prompts(3), (0, PREFIX, PREFIX), strict=True):
+            before = set(store.keys())
+            eng.run([SimRequestSpec(next(_ids), p, max_new_tokens=8, device_match_tokens=d)])
+            for w in eng.workers:
+                assert w.flush(30)
+            fp = next(g.fingerprint for g in eng.leader.core.geometry.groups if g.window is None)
+            firsts.append(sorted(int(store._objects[k][1]["s3kv-first"]) for k in set(store.keys()) - before
+                                 if k.split("/")[-2].startswith(fp)))
+    assert eng.leader.core.stats.branch_tails >= 1
+    assert firsts[1][0] == 0 and PREFIX // TPB in firsts[1]  # the branch: an object ends there
+    assert firsts[2] and min(firsts[2]) == PREFIX // TPB  # the third: from the branch point on

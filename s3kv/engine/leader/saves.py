@@ -49,6 +49,7 @@ class SavePlanner:
             st.saves.completed = max(st.saves.completed, st.saves.save_from)
             st.reported = True
             st.load.parked = False
+            self.writes.note_chain_below_device(st)
             if not st.branch.end:
                 self._open_branch(ctx, st)
             self.writes.decide(st)

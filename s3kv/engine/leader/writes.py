@@ -159,6 +159,30 @@ class WritePolicy:
             return st.load.chain_stored_to
         return spine // ctx.bpo * ctx.bpo
 
+    def note_chain_below_device(self, st: RequestState) -> None:
+        """At the request's first report: where its device match ends inside a chunk and the store
+        holds the full-attention object ending there (every shard: this engine's index or the
+        namespace's listing), its chain objects begin there (``chain_from``), not at the chunk's
+        start. Why: the lookup asks only past the device match, so it never sees that object, and
+        each request whose device matched a shared prefix (a few-shot template, then its own input)
+        wrote the prefix's pages again into its own object -- with 8,192-token chunks, a
+        ``fewshot-batch`` replay behind 4 random engines stored twice the full-attention bytes."""
+        ctx, ld = self.ctx, st.load
+        d = ld.d_blocks
+        if (ctx is None or st.chain is None or not d or d % ctx.bpo == 0 or ld.chain_stored_to >= d
+                or ld.stored_spine_blocks != d or self.spine(st) != d or d > len(st.chain.digests)):
+            return
+        g = ctx.geometry
+        sg = g.spine_group
+        fp, digest = g.groups[sg].fingerprint, st.chain.digests[d - 1]
+        cur = self.lookups.listings.current()
+        for shard in range(g.tp_size):
+            if isinstance(self.index.get(ctx.scheme.object_key(fp, shard, digest)), ObjectSpan):
+                continue
+            if cur is None or cur.find(sg, shard, digest, d) is None:
+                return
+        ld.chain_stored_to = d
+
     def chain_to(self, st: RequestState, gid: int, ordinal: int) -> str | None:
         """Where full-attention block ``ordinal`` of group ``gid`` goes (None: not staged)."""
         ctx = self.ctx
