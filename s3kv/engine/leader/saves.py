@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 from ...core.hitrule import window_cut
-from ...core.objects import ObjectSpan
 from ...core.plan import TO_S3, BufferId, SealOp, StageOp
 from ...core.value import BRANCH, HISTORY_END
 from .context import LeaderContext
@@ -190,20 +189,8 @@ class SavePlanner:
             return None  # a checkpoint, the prompt's end, no sliding group, or branch tails off
         g = ctx.geometry
         digest = st.chain.digests[b - 1]
-        for grp in g.groups:
-            if grp.is_sliding and not self._stored_at(ctx, grp.group_id, digest, b):
-                return b
-        return None
-
-    def _stored_at(self, ctx: LeaderContext, gid: int, digest: bytes, end: int) -> bool:
-        """The store holds group ``gid``'s object ending at ``end`` (shard 0), as this engine's index
-        or the namespace's listing knows it."""
-        lookups = self.writes.lookups
-        fp = ctx.geometry.groups[gid].fingerprint
-        if isinstance(lookups.index.get(ctx.scheme.object_key(fp, 0, digest)), ObjectSpan):
-            return True
-        cur = lookups.listings.current()
-        return cur is not None and cur.find(gid, 0, digest, end) is not None
+        stored = all(self.writes.stored(grp.group_id, digest, b) for grp in g.groups if grp.is_sliding)
+        return None if stored else b
 
     def _plan_branch(self, ctx: LeaderContext, st: RequestState, complete_blocks: int) -> None:
         """Stage the branch-point tail's pages as they complete, into one object per sliding group

@@ -172,16 +172,21 @@ class WritePolicy:
         if (ctx is None or st.chain is None or not d or d % ctx.bpo == 0 or ld.chain_stored_to >= d
                 or ld.stored_spine_blocks != d or self.spine(st) != d or d > len(st.chain.digests)):
             return
-        g = ctx.geometry
-        sg = g.spine_group
-        fp, digest = g.groups[sg].fingerprint, st.chain.digests[d - 1]
+        if self.stored(ctx.geometry.spine_group, st.chain.digests[d - 1], d, range(ctx.geometry.tp_size)):
+            ld.chain_stored_to = d
+
+    def stored(self, gid: int, digest: bytes, end: int, shards: Sequence[int] = (0,)) -> bool:
+        """The store holds group ``gid``'s object ending at block ``end`` of ``digest`` on each of
+        ``shards``, as this engine's index or the namespace's listing knows it (no request)."""
+        ctx = self.ctx
+        assert ctx is not None
+        fp = ctx.geometry.groups[gid].fingerprint
         cur = self.lookups.listings.current()
-        for shard in range(g.tp_size):
-            if isinstance(self.index.get(ctx.scheme.object_key(fp, shard, digest)), ObjectSpan):
-                continue
-            if cur is None or cur.find(sg, shard, digest, d) is None:
-                return
-        ld.chain_stored_to = d
+        return all(
+            isinstance(self.index.get(ctx.scheme.object_key(fp, shard, digest)), ObjectSpan)
+            or (cur is not None and cur.find(gid, shard, digest, end) is not None)
+            for shard in shards
+        )
 
     def chain_to(self, st: RequestState, gid: int, ordinal: int) -> str | None:
         """Where full-attention block ``ordinal`` of group ``gid`` goes (None: not staged)."""
