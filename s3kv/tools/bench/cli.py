@@ -390,7 +390,7 @@ def staging_command(
     "--checkpoint-tokens",
     type=int,
     default=None,
-    help="Sliding-group checkpoint spacing (default: the demo's 512; s3kv's own default is 4096).",
+    help="Sliding-group checkpoint spacing (default: the demo's 512; s3kv's own default is 8192).",
 )
 def e2e_command(
     as_json: bool,
