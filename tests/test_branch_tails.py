@@ -162,3 +162,22 @@ def test_a_request_whose_device_matched_a_stored_prefix_writes_only_what_follows
     assert eng.leader.core.stats.branch_tails >= 1
     assert firsts[1][0] == 0 and PREFIX // TPB in firsts[1]  # the branch: an object ends there
     assert firsts[2] and min(firsts[2]) == PREFIX // TPB  # the third: from the branch point on
+
+
+def test_requests_side_by_side_store_one_branch_between_them():
+    """Two requests that part from the first at the same point run in one batch: both see the branch
+    before either upload is known, and one of them stores it."""
+    store = MemoryStore()
+    eng = engine(store, bpo=64)
+    a, b, c = prompts(3)
+    with eng:
+        eng.run([SimRequestSpec(next(_ids), a, max_new_tokens=8)])
+        for w in eng.workers:
+            assert w.flush(30)
+        rep = eng.run([SimRequestSpec(next(_ids), p, max_new_tokens=8) for p in (b, c)])
+        for w in eng.workers:
+            assert w.flush(30)
+    sliding = sum(1 for g in eng.workers[0].core.geometry.groups if g.window is not None)
+    assert eng.leader.core.stats.branch_tails == sliding and rep.kv_mismatches == 0
+    reps = serve_one_by_one(engine(store, bpo=64), prompts(4)[3:])
+    assert reps[0].requests[0].matched_tokens == PREFIX

@@ -13,6 +13,7 @@ its plan is made at the request's first report, when its served point and stored
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from ...core.hitrule import window_cut
@@ -23,6 +24,11 @@ from .requests import Buffer, RequestState, group_lists
 from .stats import LeaderStats
 from .writes import WritePolicy
 
+#: An own branch point another request of this engine set out to store is left to it this long
+#: (seconds: its upload is known to the index by then), and at most this many are remembered.
+_BRANCH_PENDING_S = 60.0
+_BRANCH_PENDING_MAX = 4096
+
 
 class SavePlanner:
     def __init__(self, stats: LeaderStats, writes: WritePolicy, inflight: int = 0):
@@ -30,6 +36,8 @@ class SavePlanner:
         self.writes = writes
         #: Tokens a forward may have written beyond what its report says (1 on the overlap loop).
         self.inflight = inflight
+        #: Own branch points this engine set out to store lately: digest -> when (``_own_branch``).
+        self._branching: OrderedDict[bytes, float] = OrderedDict()
 
     def on_report(self, ctx: LeaderContext, st: RequestState, rd: Any, *, first: bool) -> None:
         """Fold one RequestData into the request's state and plan this pass's saves."""
@@ -57,6 +65,8 @@ class SavePlanner:
                 st.branch.next.clear()  # refused: nothing staged for it
             # The chain ends an object at the branch point only for a tail stored with it.
             st.branch.chain = st.branch.chain and to is not None
+            if st.branch.chain:
+                self._note_branching(st)
         else:
             st.tokens.extend(rd.new_tokens)
             for gi, delta in enumerate(by_group):
@@ -189,8 +199,21 @@ class SavePlanner:
             return None  # a checkpoint, the prompt's end, no sliding group, or branch tails off
         g = ctx.geometry
         digest = st.chain.digests[b - 1]
-        stored = all(self.writes.stored(grp.group_id, digest, b) for grp in g.groups if grp.is_sliding)
-        return None if stored else b
+        if all(self.writes.stored(grp.group_id, digest, b) for grp in g.groups if grp.is_sliding):
+            return None
+        # Requests running side by side (a burst over one template) see the same branch before the
+        # first one's upload is known: one of them stores it. Another may after a while, in case
+        # that upload never landed.
+        since = self._branching.get(digest)
+        return b if since is None or self.writes.clock() - since >= _BRANCH_PENDING_S else None
+
+    def _note_branching(self, st: RequestState) -> None:
+        """``st`` stores its own branch point (the plan kept its tail): others leave it to it."""
+        assert st.chain is not None
+        self._branching[st.chain.digests[st.branch.end - 1]] = self.writes.clock()
+        self._branching.move_to_end(st.chain.digests[st.branch.end - 1])
+        while len(self._branching) > _BRANCH_PENDING_MAX:
+            self._branching.popitem(last=False)
 
     def _plan_branch(self, ctx: LeaderContext, st: RequestState, complete_blocks: int) -> None:
         """Stage the branch-point tail's pages as they complete, into one object per sliding group
