@@ -38,6 +38,7 @@ import pytest
 from click.testing import CliRunner
 
 from s3kv.cli import main
+from s3kv.config import Settings
 from s3kv.sim import generate_tokens, request_root
 from s3kv.tools.bench.common import GEMMA3_27B, bench_store
 from s3kv.tools.bench.fleet import FleetConfig
@@ -71,8 +72,8 @@ def page_bytes(layers: int) -> int:
 
 FULL_BPO = object_blocks(page_bytes(len(GEMMA3_27B.global_layers)))
 SLIDING_BPO = object_blocks(page_bytes(len(GEMMA3_27B.local_layers)))
-# Checkpoints every 4096 tokens, rounded up to whole objects of the largest count.
-CP = -(-(4096 // TPB) // max(FULL_BPO, SLIDING_BPO)) * max(FULL_BPO, SLIDING_BPO)
+# Checkpoints every S3KV_CHECKPOINT_TOKENS (the default), rounded up to whole objects of the largest count.
+CP = -(-(Settings().checkpoint_tokens // TPB) // max(FULL_BPO, SLIDING_BPO)) * max(FULL_BPO, SLIDING_BPO)
 
 
 def chain(tokens: Sequence[int], n: int) -> list[bytes]:
@@ -225,8 +226,9 @@ def replayed() -> dict:
 
 
 def test_object_sizes_the_count_assumes():
-    # Gemma-3-27B at 64 tokens per block: 5 MiB full-attention pages, 26 MiB sliding ones; 64 MiB objects.
-    assert (FULL_BPO, SLIDING_BPO, CP) == (12, 2, 72)
+    # Gemma-3-27B at 64 tokens per block: 5 MiB full-attention pages, 26 MiB sliding ones; 64 MiB
+    # objects; checkpoints every 8,192 tokens (128 blocks) rounded up to whole 12-block objects.
+    assert (FULL_BPO, SLIDING_BPO, CP) == (12, 2, 132)
 
 
 def test_replay_matches_the_independent_count(replayed):
