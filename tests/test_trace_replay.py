@@ -438,3 +438,17 @@ def test_cli_replays_on_s3_and_through_the_latency_proxy(moto_s3):
     stall = slow["policies"]["window"]["lookup_stall"]
     assert stall["lookups"] == 8 and stall["p99_ms"] >= stall["p50_ms"] > 0
     assert slow["policies"]["window"]["kv_mismatches"] == 0
+
+
+def test_the_replay_bills_the_engines_head_belief():
+    """``--set index_ttl_s`` reaches the engines and gc's margin alike: a shorter belief keeps every
+    object a shorter time past its retention (it once failed with "got multiple values")."""
+    def storage(ttl: float | None) -> float:
+        cfg = TraceConfig(path=str(FIXTURE), tokens_per_block=TPB, jobs=1, fleet=NO_DEVICE,
+                          settings={"target_object_mib": TARGET_MIB, **({} if ttl is None else {"index_ttl_s": ttl})})
+        with bench_store(f"memory://test-trace-ttl-{ttl}", name="trace") as bs:
+            out = run_trace(bs, cfg)
+        assert out["policies"]["window"]["kv_mismatches"] == 0
+        return out["value"]["storage_usd"]
+
+    assert 0 < storage(30.0) < storage(None)

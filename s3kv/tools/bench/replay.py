@@ -198,6 +198,10 @@ def replay(
     continued = set(conts.values())
     max_len = max(r.input_length + answer_tokens(cfg, r, r.index in continued) for r in reqs)
     max_len = -(-(max_len + 1) // tpb) * tpb
+    # How long a HEAD's answer is believed: the engines' setting (the default, or ``--set``), unless
+    # the retention is shorter -- positives the index remembers would outlive an expiry on the
+    # trace's clock.
+    ttl = float(cfg.settings.get("index_ttl_s", Settings().index_ttl_s))
     settings = Settings(
         check_access=False,
         storage_policy=policy,
@@ -205,7 +209,8 @@ def replay(
         checkpoint_tokens=cfg.checkpoint_tokens,
         # The engines believe their own uploads for the retention (``KeyIndex.from_settings``): the
         # retention gc expires by on the trace's clock, as one S3KV_RETENTION_H serves both in production.
-        **{**cfg.settings, "host_cache_gb": host_cache_gb(cfg), "retention_h": cfg.prices.retention_h},
+        **{**cfg.settings, "host_cache_gb": host_cache_gb(cfg), "retention_h": cfg.prices.retention_h,
+           "index_ttl_s": ttl if cfg.prices.retention_h * 3600 >= ttl else 1e-6},
         staging_mib=64,
         upload_threads=2,
         # The production default: a load's objects share the store's connections by it
@@ -216,8 +221,6 @@ def replay(
         lookup_timeout_s=-1 if cfg.s3_latency_ms is not None else 0,
         # Refresh on hit runs on the trace's clock in BilledStore (the engine's runs on wall time).
         refresh_on_hit=False,
-        # Positives the index remembers would outlive an expiry on the trace's clock.
-        index_ttl_s=600.0 if cfg.prices.retention_h * 3600 >= 600 else 1e-6,
     )
     sizing = real_page_bytes(cfg.model, tpb)
     learns = cfg.index_every_s > 0 and settings.retention_auto
