@@ -26,6 +26,9 @@ TERMS: dict[str, str] = {
     "VSWA": "variable sliding-window attention: a model whose layers have different windows.",
     "tail, checkpoint": "the in-window KV a sliding-window layer needs to continue a prompt; s3kv stores "
     "tails where prompts end and every S3KV_CHECKPOINT_TOKENS tokens (the checkpoints).",
+    "branch point, branch tail": "where two prompts that share a prefix (a system prompt, a document) part; "
+    "s3kv stores a tail there (a branch tail) once S3's chain or an engine's recent prompts show it, and "
+    "later prompts with that prefix are served up to it.",
     "object": "one stored S3 object: a run of consecutive blocks of one layer group and TP shard.",
     "namespace": "the part of every key that names the model, KV dtype, block size and TP size: "
     "different geometries never share a key.",
