@@ -213,7 +213,13 @@ def baseline(moto_s3: EmbeddedS3) -> Cell:
     ("fault", "rate"), [("503", 0.3), ("reset", 0.3), ("latency", 0.3), ("truncate", 0.05)]
 )
 def test_fault_matrix_reduced(moto_s3: EmbeddedS3, baseline: Cell, fault: str, rate: float) -> None:
-    cell = run_cell(moto_s3, fault, rate, SMALL)
+    # A truncation takes effect only on an answer with a body (a GET): at 5% the few GETs of this
+    # small cell (~30 of ~250 requests) may draw none. Another seed then, each cell checked alike.
+    for seed in range(1, 5):
+        cell = run_cell(moto_s3, fault, rate, SMALL, seed=seed)
+        if cell.wire_faults > 0 or fault != "truncate":
+            break
+        assert cell.kv_mismatches == 0 and cell.escaped == [] and cell.hangs == 0
     assert cell.wire_faults > 0, "the proxy injected nothing"
     assert cell.kv_mismatches == 0
     assert cell.escaped == [] and cell.hangs == 0  # no engine crash, no hung engine

@@ -33,6 +33,7 @@ from ...config import Settings
 from ...core.cost import expiry_age_s
 from ...core.fleetindex import DIGEST_BYTES, FleetIndex
 from ...core.lookup import Ask
+from ...core.objects import ObjectSpan
 from ...core.retention import RETENTION_FLOOR_S, believe_unknown_s
 from ...store.base import ObjectStore
 from ..fleetindex import IndexRefresher, index_key
@@ -71,6 +72,19 @@ class Listings:
 
     def bind(self, ctx: LeaderContext) -> None:
         self.ctx = ctx
+
+    def holds(self, gid: int, digest: bytes, end: int, shards: Sequence[int] = (0,)) -> bool:
+        """The store holds group ``gid``'s object ending at block ``end`` of ``digest`` on each of
+        ``shards``, as this engine's key index or the current listing knows it (no request)."""
+        ctx = self.ctx
+        assert ctx is not None
+        fp = ctx.geometry.groups[gid].fingerprint
+        cur = self.current()
+        return all(
+            isinstance(self.index.get(ctx.scheme.object_key(fp, shard, digest)), ObjectSpan)
+            or (cur is not None and cur.find(gid, shard, digest, end) is not None)
+            for shard in shards
+        )
 
     def current(self) -> Listing | None:
         """The freshest listing: the fleet index, else the LIST summary; None when neither is

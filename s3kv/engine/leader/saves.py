@@ -199,7 +199,7 @@ class SavePlanner:
             return None  # a checkpoint, the prompt's end, no sliding group, or branch tails off
         g = ctx.geometry
         digest = st.chain.digests[b - 1]
-        if all(self.writes.stored(grp.group_id, digest, b) for grp in g.groups if grp.is_sliding):
+        if all(self.writes.lookups.listings.holds(grp.group_id, digest, b) for grp in g.groups if grp.is_sliding):
             return None
         # Requests running side by side (a burst over one template) see the same branch before the
         # first one's upload is known: one of them stores it. Another may after a while, in case

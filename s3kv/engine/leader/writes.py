@@ -160,33 +160,19 @@ class WritePolicy:
         return spine // ctx.bpo * ctx.bpo
 
     def note_chain_below_device(self, st: RequestState) -> None:
-        """At the request's first report: where its device match ends inside a chunk and the store
-        holds the full-attention object ending there (every shard: this engine's index or the
-        namespace's listing), its chain objects begin there (``chain_from``), not at the chunk's
-        start. Why: the lookup asks only past the device match, so it never sees that object, and
-        each request whose device matched a shared prefix (a few-shot template, then its own input)
-        wrote the prefix's pages again into its own object -- with 8,192-token chunks, a
-        ``fewshot-batch`` replay behind 4 random engines stored twice the full-attention bytes."""
+        """At the first report: where the device match ends inside a chunk and the store holds the
+        full-attention object ending there (every shard, as the index or listing knows it), the
+        request's chain objects begin there (``chain_from``), not at the chunk's start. Why: the
+        lookup asks only past the device match and never sees that object, and each request whose
+        device matched a few-shot template stored it again (twice the full-attention bytes)."""
         ctx, ld = self.ctx, st.load
         d = ld.d_blocks
         if (ctx is None or st.chain is None or not d or d % ctx.bpo == 0 or ld.chain_stored_to >= d
                 or ld.stored_spine_blocks != d or self.spine(st) != d or d > len(st.chain.digests)):
             return
-        if self.stored(ctx.geometry.spine_group, st.chain.digests[d - 1], d, range(ctx.geometry.tp_size)):
+        if self.lookups.listings.holds(ctx.geometry.spine_group, st.chain.digests[d - 1], d,
+                                       range(ctx.geometry.tp_size)):
             ld.chain_stored_to = d
-
-    def stored(self, gid: int, digest: bytes, end: int, shards: Sequence[int] = (0,)) -> bool:
-        """The store holds group ``gid``'s object ending at block ``end`` of ``digest`` on each of
-        ``shards``, as this engine's index or the namespace's listing knows it (no request)."""
-        ctx = self.ctx
-        assert ctx is not None
-        fp = ctx.geometry.groups[gid].fingerprint
-        cur = self.lookups.listings.current()
-        return all(
-            isinstance(self.index.get(ctx.scheme.object_key(fp, shard, digest)), ObjectSpan)
-            or (cur is not None and cur.find(gid, shard, digest, end) is not None)
-            for shard in shards
-        )
 
     def chain_to(self, st: RequestState, gid: int, ordinal: int) -> str | None:
         """Where full-attention block ``ordinal`` of group ``gid`` goes (None: not staged)."""
