@@ -13,7 +13,7 @@ are read, and ``S3KV_RETENTION_H`` becomes its ceiling:
 * **gc decides** (:func:`learn_retention`, in the index publisher of ``s3kv gc --index``): it
   folds the reports into one histogram that forgets with a half-life of :data:`HALF_LIFE_S`
   (traffic changes), takes the retention whose cutoff keeps 99% of the reads, ghost reads
-  included (with a lag bin of room while it has learnt for less than the ceiling), and publishes
+  included (with an octave of room while it has learnt for less than the ceiling), and publishes
   it in the fleet index (``retention_s``);
 * **who deletes by it**: gc, each object by :func:`retention_for` its last write or refresh:
   the learnt retention, or the longest an engine may have believed for it. An engine believes its
@@ -34,11 +34,13 @@ reader misses is most often another engine's, and one's own repeats the device s
 re-run after 20 minutes showed no own ghost at all).
 
 Why the cut differs with how long gc has learnt (:func:`settled`): ghosts cannot tell of reads
-later than gc has watched. A gc that has learnt for less than the ceiling (a fleet just started,
-or a replay's window) keeps a whole lag bin of room beyond 99% of the reads -- reads crowding the
-last bin before the cutoff are seen and grow it, before objects go; one that has learnt longer
-cuts at the lag 99% of the reads (ghosts included) come within, read inside the octave-wide bin:
-the room kept objects up to four times as long as the reads that mattered.
+later than gc has watched. Both cut at the lag 99% of the reads (ghosts included) come within,
+read inside its octave-wide lag bin. A gc that has learnt for less than the ceiling (a fleet just
+started, or a replay's window) keeps an octave of room beyond it -- reads crowding the room are
+seen and grow it, before objects go; one that has learnt longer keeps none. (The room was once
+the whole lag bin above the one holding that lag: one to two octaves, depending on where in its
+bin the lag fell: a 3,000-request conversation's objects were kept 2,047 s where 99% of its reads
+came within ~970 s, and the room is now to 1,940 s.)
 Why no prior: with fewer than :data:`MIN_DATED_READS` dated reads the ceiling stands.
 """
 
@@ -59,7 +61,7 @@ RETENTION_FLOOR_S = 300.0
 HALF_LIFE_S = 3600.0
 #: Fewer dated reads than this (after forgetting): the ceiling stands.
 MIN_DATED_READS = 20.0
-#: Share of the dated reads allowed in the last lag bin before the cutoff and beyond.
+#: Share of the dated reads allowed past the lag the cut is taken at.
 TAIL_SHARE = 0.01
 #: How often an engine writes its read report while gc learns.
 REPORT_EVERY_S = 60.0
@@ -86,27 +88,23 @@ def learn_retention(lag_reads: Sequence[float], *, margin_s: float, cap_s: float
     n = float(sum(lag_reads))
     if n < MIN_DATED_READS:
         return None
-    allowed = TAIL_SHARE * n
-    beyond = n  # reads in bin b and later
-    if settled(watched_s, margin_s=margin_s, cap_s=cap_s):
-        for b, x in enumerate(lag_reads):
-            if beyond - x <= allowed:
-                # The cutoff lies in bin b: keep this share of its reads, read inside the bin as if
-                # they were spread evenly over log(1 + lag) (an octave wide: its edges would keep
-                # objects up to twice as long as the reads asked).
-                lo = lag_bin_edge(b - 1) if b else 0.0
-                q = (lo + 1) * ((lag_bin_edge(b) + 1) / (lo + 1)) ** ((beyond - allowed) / x) - 1
-                return min(cap_s, max(RETENTION_FLOOR_S, q - margin_s))
-            beyond -= x
-        return cap_s
+    q = _lag_within(lag_reads, TAIL_SHARE * n)
+    if not settled(watched_s, margin_s=margin_s, cap_s=cap_s):
+        q = 2 * q + 1  # an octave of room: (1 + lag) doubled
+    return min(cap_s, max(RETENTION_FLOOR_S, q - margin_s))
+
+
+def _lag_within(lag_reads: Sequence[float], allowed: float) -> float:
+    """The lag all but ``allowed`` of the reads come within, read inside its lag bin as if the bin's
+    reads were spread evenly over log(1 + lag): the bins are an octave wide, and their edges would
+    keep objects up to twice as long as the reads asked."""
+    beyond = float(sum(lag_reads))  # reads in bin b and later
     for b, x in enumerate(lag_reads):
-        r = lag_bin_edge(b) - margin_s
-        if r >= cap_s:
-            break
-        if r >= RETENTION_FLOOR_S and beyond <= allowed:
-            return r  # the whole of bin b is room beyond 99% of the reads
+        if x > 0 and beyond - x <= allowed:
+            lo = lag_bin_edge(b - 1) if b else 0.0
+            return (lo + 1) * ((lag_bin_edge(b) + 1) / (lo + 1)) ** ((beyond - allowed) / x) - 1
         beyond -= x
-    return cap_s
+    return 0.0
 
 
 def settled(watched_s: float, *, margin_s: float, cap_s: float) -> bool:
@@ -114,7 +112,7 @@ def settled(watched_s: float, *, margin_s: float, cap_s: float) -> bool:
     ghost reads telling it of those past the cutoff (module doc)? Not before it watched the
     ceiling and its margin: reads later than gc has watched cannot have been seen, nor their
     ghosts, and a rule with no room deletes what a fleet's first late reads want (a batch re-run
-    20 minutes on served 71% of its tokens). Until then a lag bin of room stands in for them."""
+    20 minutes on served 71% of its tokens). Until then an octave of room stands in for them."""
     return watched_s >= cap_s + margin_s
 
 
