@@ -8,6 +8,7 @@ reads came on top of, and the bill of the chain below it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import pytest
@@ -398,3 +399,31 @@ def test_reads_are_dated_by_the_memo_or_by_the_fleet_index():
     assert m.lag_reads[6] == 1 and m.lag_reads[10] == 1  # 100 s in [63, 127); 2000 s in [1023, 2047)
     assert [b.get(m.clock, m.half_life) for b in m._lag] == lag_before
 
+
+
+def test_a_boundary_below_the_chains_end_pays_for_the_object_it_splits_off():
+    """A prompt-end tail under a history-end one ends a chain object that would otherwise run on
+    (``Boundary.splits``): that PUT is its cost. One whose tail alone just pays is refused where it
+    splits the chain and written where its end is an object end anyway; the history-end boundary
+    above is written either way, its chain no dearer for the split it no longer has."""
+    found = None
+    for writes in range(100, 2000, 20):  # a read rate at which the tail alone pays, but not with the split
+        m = model()
+        m.tick(10_000)
+        for i in range(writes):
+            m.wrote(PROMPT_END, [TAIL], digest(i))
+        for i in range(writes // 50):  # 2% of them read
+            m.read(digest(i), None, 16_384, 0, TAIL, 0)
+        m.tick(3000)
+        pe = Boundary(PROMPT_END, 16_384, digest(1), (TAIL,), (12 * CHAIN_BLOCK,), CHAIN_BLOCK / 64, 1)
+        if 0 < m.worth(pe) < m.bill.puts_usd(1):
+            found = m, pe
+            break
+    assert found is not None, "no read rate puts the tail between its own bill and the split's"
+    m, pe = found
+    he = Boundary(HISTORY_END, 16_384 + 640, digest(2), (TAIL,), (CHAIN_BLOCK,) * 2, CHAIN_BLOCK / 64)
+    split = m.plan([pe, he])
+    assert split.decisions[(PROMPT_END, 16_384)] in ("refuse", "explore")
+    assert split.decisions[(HISTORY_END, 16_384 + 640)] == "write" and split.chain_to is None
+    aligned = m.plan([dataclasses.replace(pe, splits=0), he])
+    assert aligned.decisions[(PROMPT_END, 16_384)] == "write"

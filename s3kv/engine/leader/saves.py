@@ -210,8 +210,9 @@ class SavePlanner:
     def _note_branching(self, st: RequestState) -> None:
         """``st`` stores its own branch point (the plan kept its tail): others leave it to it."""
         assert st.chain is not None
-        self._branching[st.chain.digests[st.branch.end - 1]] = self.writes.clock()
-        self._branching.move_to_end(st.chain.digests[st.branch.end - 1])
+        digest = st.chain.digests[st.branch.end - 1]
+        self._branching[digest] = self.writes.clock()
+        self._branching.move_to_end(digest)
         while len(self._branching) > _BRANCH_PENDING_MAX:
             self._branching.popitem(last=False)
 

@@ -315,7 +315,12 @@ class WritePolicy:
                     objs = math.ceil(n / ctx.policy.bpo(grp.group_id))
                     chain += [n * self.page_bytes[grp.group_id] // objs] * (objs * g.tp_size)
                 prev = end
-            out.append(Boundary(kind, end * tpb, st.chain.digests[end - 1], tuple(tail), tuple(chain), per_token))
+            # The chain's object ends at a prompt-end or branch tail written below the chain's end
+            # (``saves.SavePlanner._plan``); at a checkpoint or a chain boundary it runs on.
+            splits = sum(g.tp_size for grp in full if end % ctx.policy.bpo(grp.group_id)) if kind in (
+                PROMPT_END, BRANCH) else 0
+            out.append(Boundary(kind, end * tpb, st.chain.digests[end - 1], tuple(tail), tuple(chain), per_token,
+                                splits))
         return out
 
     # ------------------------------------------------------------------ learning
