@@ -219,8 +219,10 @@ def independent_count(streams: list[tuple[list[int], list[int]]]) -> dict:
 
 @pytest.fixture(scope="module")
 def replayed() -> dict:
+    # Every boundary written (``through``): the count is of the replay's mechanics, not of what the
+    # value policy learns (tests/test_value*.py).
     cfg = TraceConfig(path=str(FIXTURE), tokens_per_block=TPB, per_request=True, jobs=1, fleet=NO_DEVICE,
-                      settings={"target_object_mib": TARGET_MIB})
+                      settings={"target_object_mib": TARGET_MIB, "write_policy": "through"})
     with bench_store("memory://test-trace-replay", name="trace") as bs:
         return run_trace(bs, cfg)
 

@@ -427,3 +427,25 @@ def test_a_boundary_below_the_chains_end_pays_for_the_object_it_splits_off():
     assert split.decisions[(HISTORY_END, 16_384 + 640)] == "write" and split.chain_to is None
     aligned = m.plan([dataclasses.replace(pe, splits=0), he])
     assert aligned.decisions[(PROMPT_END, 16_384)] == "write"
+
+
+def test_a_read_adds_only_what_is_above_the_tail_the_store_holds_below():
+    """Where the lookup found a stored tail on this prompt (a conversation's last turn), a later
+    reader going past it hits there without a new boundary above it: a read of that boundary adds
+    the prefill between the two, not the whole history -- and a boundary below the stored one is
+    judged as before (its readers part below the stored tail)."""
+    m = model()
+    m.tick(10_000)
+    for i in range(100):
+        m.wrote(PROMPT_END, [TAIL], digest(i))
+        if i % 4 == 0:
+            m.read(digest(i), None, 32_768, 0, TAIL, 0)
+    m.tick(3000)
+    pe = Boundary(PROMPT_END, 32_768, digest(1), (TAIL,), (), CHAIN_BLOCK / 64)
+    above = dataclasses.replace(pe, stored_below=30_720)
+    assert m.worth(above) < 0 < m.worth(pe)
+    assert m.plan([above]).decisions[(PROMPT_END, 32_768)] != "write"
+    assert m.plan([pe]).decisions[(PROMPT_END, 32_768)] == "write"
+    assert m.worth(dataclasses.replace(pe, stored_below=32_768)) == m.worth(pe)  # not below it
+    worths = [m.worth(dataclasses.replace(pe, stored_below=t)) for t in (0, 2048, 16_384, 30_720)]
+    assert worths == sorted(worths, reverse=True) and worths[0] - worths[-1] > 0.9 * worths[0]

@@ -8,7 +8,11 @@ below it. So what is decided is a request's set of boundaries, each of a *kind* 
 (every ``checkpoint_tokens``), ``prompt-end``, ``history-end`` (past the prompt: a conversation's
 next turn), ``branch`` (a shared prefix) -- and the chain up to the furthest one: a tail is useless
 without its chain, and chain objects already stored (or paid for by a lower boundary) cost nothing
-more. A chain object may also serve many tails of *later* requests: where a prompt shares a
+more; nor does a read of a boundary add what the store already serves: where the lookup found a
+tail on this prompt (a conversation's last turn), a later reader going past it hits there anyway,
+and a read of a higher boundary adds only the prefill above it -- credited with all of ``[d, h)``,
+4 engines behind a random router wrote a next turn's prompt-end and checkpoint tails as if each
+read of them saved the whole history. A chain object may also serve many tails of *later* requests: where a prompt shares a
 prefix with this one, the next such request finds the chain stored and writes a branch tail that
 the ones after it read. That option is a ``chain`` boundary at the prompt's end, with no tail of
 its own, read when a branch tail is: a prompt's chain is written when the branch reads it enables
@@ -224,6 +228,9 @@ class Boundary:
     #: group and shard where the end is no object end of its own (``chain`` counts them as if
     #: every boundary were written; :meth:`ValueModel.plan` charges each to its boundary).
     splits: int = 0
+    #: Tokens of the deepest boundary the store already holds on this prompt below this one (the
+    #: lookup found a tail there): a later reader that goes past it hits there without this one.
+    stored_below: int = 0
 
 
 @dataclass(frozen=True)
@@ -537,7 +544,10 @@ class ValueModel:
                          / (n + PRIOR_MARGINAL_TOKENS / 8192))
         else:
             served = b.tokens * self.marginal_share(b.kind)
-        per_read = self.prefill.usd(int(b.tokens - served), b.tokens)
+        # A read adds the prefill above what its reader would hit without this boundary: the stored
+        # one below it, at least (a reader that parts below that one never reads this one either).
+        below = b.stored_below if b.stored_below < b.tokens else 0
+        per_read = self.prefill.usd(max(int(b.tokens - served), below), b.tokens)
         reads_cost = self.bill.get_usd(sum(b.tail)) + self.bill.get_usd(served * b.chain_bytes_per_token)
         return r * (per_read - self.min_return * reads_cost) - self.min_return * self.bill.write_usd(b.tail)
 

@@ -299,6 +299,7 @@ class WritePolicy:
         full = [grp for grp in g.groups if not grp.is_sliding]
         sliding = [grp for grp in g.groups if grp.is_sliding]
         chain_from = max(start, self.chain_from(st))
+        stored_below = found * tpb if found > st.load.d_blocks else 0
         per_token = sum(self.page_bytes[grp.group_id] for grp in full) * g.tp_size / tpb
         out = []
         prev = chain_from
@@ -320,7 +321,7 @@ class WritePolicy:
             splits = sum(g.tp_size for grp in full if end % ctx.policy.bpo(grp.group_id)) if kind in (
                 PROMPT_END, BRANCH) else 0
             out.append(Boundary(kind, end * tpb, st.chain.digests[end - 1], tuple(tail), tuple(chain), per_token,
-                                splits))
+                                splits, stored_below))
         return out
 
     # ------------------------------------------------------------------ learning
