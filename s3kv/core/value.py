@@ -10,10 +10,11 @@ next turn), ``branch`` (a shared prefix) -- and the chain up to the furthest one
 without its chain, and chain objects already stored (or paid for by a lower boundary) cost nothing
 more; nor does a read of a boundary add what the store already serves: where the lookup found a
 tail on this prompt (a conversation's last turn), a later reader going past it hits there anyway,
-and a read of a higher boundary adds only the prefill above it -- credited with all of ``[d, h)``,
-4 engines behind a random router wrote a next turn's prompt-end and checkpoint tails as if each
-read of them saved the whole history. A chain object may also serve many tails of *later* requests: where a prompt shares a
-prefix with this one, the next such request finds the chain stored and writes a branch tail that
+and a read of a higher boundary adds only the prefill above it. (Credited with all of ``[d, h)``,
+every next turn wrote its tails however few tokens it added: on a 3,000-request conversation
+trace, one engine, 2,713 history-end tails; 2,327 with this rule, at 99.5% of the tokens.) A
+chain object may also serve many tails of *later* requests: where a prompt shares a prefix with
+this one, the next such request finds the chain stored and writes a branch tail that
 the ones after it read. That option is a ``chain`` boundary at the prompt's end, with no tail of
 its own, read when a branch tail is: a prompt's chain is written when the branch reads it enables
 pay for it, even where its own tails do not. Each boundary is expected to earn ``reads per write (kind) x prefill $ of the marginal
