@@ -65,10 +65,7 @@ class WritePolicy:
 
     def __init__(self, settings: Any, stats: LeaderStats, lookups: Lookups, model_ref: Any = None,
                  tp_size: int = 1, failed_load_hook: bool = False):
-        self.settings = settings
-        self.stats = stats
-        self.lookups = lookups
-        self.index = lookups.index
+        self.settings, self.stats, self.lookups, self.index = settings, stats, lookups, lookups.index
         self.mode = getattr(settings, "write_policy", "auto")
         self.model = ValueModel(prefill_for(settings, model_ref, tp_size), Bill.from_settings(settings),
                                 min_return=settings.write_min_return)
@@ -296,13 +293,10 @@ class WritePolicy:
         if self.settings.save_decode and prompt_blocks > 0:
             ends.append((prompt_blocks, HISTORY_END))  # its end is past the prompt: unknown yet
         ends.sort(key=lambda x: (x[0], x[1] == HISTORY_END))
-        full = [grp for grp in g.groups if not grp.is_sliding]
-        sliding = [grp for grp in g.groups if grp.is_sliding]
-        chain_from = max(start, self.chain_from(st))
+        full, sliding = [x for x in g.groups if not x.is_sliding], [x for x in g.groups if x.is_sliding]
         stored_below = found * tpb if found > st.load.d_blocks else 0
         per_token = sum(self.page_bytes[grp.group_id] for grp in full) * g.tp_size / tpb
-        out = []
-        prev = chain_from
+        out, prev = [], max(start, self.chain_from(st))
         for end, kind in ends:
             tail: list[int] = []
             for grp in sliding:
@@ -316,10 +310,9 @@ class WritePolicy:
                     objs = math.ceil(n / ctx.policy.bpo(grp.group_id))
                     chain += [n * self.page_bytes[grp.group_id] // objs] * (objs * g.tp_size)
                 prev = end
-            # The chain's object ends at a prompt-end or branch tail written below the chain's end
-            # (``saves.SavePlanner._plan``); at a checkpoint or a chain boundary it runs on.
-            splits = sum(g.tp_size for grp in full if end % ctx.policy.bpo(grp.group_id)) if kind in (
-                PROMPT_END, BRANCH) else 0
+            # A prompt-end or branch tail below the chain's end ends its object (``SavePlanner._plan``).
+            cuts = kind in (PROMPT_END, BRANCH)
+            splits = sum(g.tp_size for grp in full if cuts and end % ctx.policy.bpo(grp.group_id))
             out.append(Boundary(kind, end * tpb, st.chain.digests[end - 1], tuple(tail), tuple(chain), per_token,
                                 splits, stored_below))
         return out
