@@ -311,9 +311,16 @@ def test_store_down_mid_load_takes_the_rung_then_recovers(
         assert during_s < 60
         outage["timer"].join()  # the store is back
         time.sleep(0.6)  # the breaker's reset period
-        after = _run(engine, _repeat(base, 3000))
-    _clean(after)
-    assert after.failed_loads == 0 and after.hit_requests == 2
+        # Served again with no restart. Within a few tries: what the failed load quarantined, and the
+        # breaker's probe, clear on their own clocks (a loaded CI host once saw no hit at the first).
+        for attempt in range(6):
+            after = _run(engine, _repeat(base, 3000 + 1000 * attempt))
+            _clean(after)
+            assert after.failed_loads == 0
+            if after.hit_requests == 2:
+                break
+            time.sleep(1.0)
+    assert after.hit_requests == 2, f"not served from S3 again {attempt + 1} tries after the outage"
 
 
 def test_open_breaker_with_a_warm_index_gives_misses_not_failures(
