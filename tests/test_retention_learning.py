@@ -336,7 +336,7 @@ def test_the_write_policy_bills_storage_for_the_life_gc_gives_objects():
     pub.publish(clock[0])
     fi = core.fleet_index()
     assert fi is not None and fi.refresh()
-    core.writes._bill_learnt_life()
+    core.writes._follow_fleet()
     learnt = young(MID_READS)
     assert learnt is not None
     # Shorter by the learnt retention, and gone within half the index's period (10 s) rather than
@@ -555,3 +555,67 @@ def test_a_replay_takes_gc_to_have_learnt_since_before_its_first_request():
         assert engine.fleet_index().current().retention_s == learnt  # engines knew from the start
     finally:
         engine.close_lookup()
+
+
+def test_gc_pools_the_engines_evidence_and_each_engine_adds_the_others():
+    """The write policy's reads per write are a fleet-wide rate (``s3kv.core.value``, pooled over
+    the fleet): engines report their evidence beside their reads, gc sums each engine's newest
+    report into the index, and an engine adds that sum less its own report."""
+    from s3kv.core.retention import decode_report
+    from s3kv.core.value import CHECKPOINT
+    from s3kv.core.value import HALF_LIFE_S as VALUE_HL
+
+    store = MemoryStore()
+    core = _leader(store, fleet_index_s=5)
+    nsp = core.scheme.namespace_prefix
+    clock = [time.time()]
+    pub = _publisher(store, clock, nsp)
+    pub.publish(clock[0])
+    fi = core.fleet_index()
+    assert fi is not None
+    fi.clock = lambda: clock[0]
+    mine = {CHECKPOINT: [1.0, 40.0], f"{CHECKPOINT}@3": [1.0, 30.0]}
+    fi.evidence = lambda: {k: list(v) for k, v in mine.items()}
+    assert fi.refresh()  # takes the index, writes report 0 with its evidence
+    assert fi.others() is None  # no engine's evidence in the index yet: nothing to add
+    other_at = clock[0] - 30
+    k = report_key(nsp, "00000000000000bb", 4)
+    store.put(k, encode_report(_reads((30, 5)), other_at, k, evidence={CHECKPOINT: [0.0, 120.0]}))
+    clock[0] += 10
+    pub.publish(clock[0])
+    assert fi.refresh()
+    key = index_key(nsp)
+    idx = decode(store.get(key), object_key=key, namespace=core.namespace, keys=None, max_objects=100)
+    assert idx.evidence_of == {fi.engine: 0, "00000000000000bb": 4}
+    # The sum, as of the listing: this engine's 40 ten seconds old, the other's 120 forty.
+    want = 40 * 0.5 ** (10 / VALUE_HL) + 120 * 0.5 ** (40 / VALUE_HL)
+    assert idx.evidence[CHECKPOINT][1] == pytest.approx(want)
+    clock[0] += 5
+    others = fi.others()
+    assert others is not None
+    assert others[CHECKPOINT] == pytest.approx((0.0, 120 * 0.5 ** (45 / VALUE_HL)))  # its own taken back out
+    assert others[f"{CHECKPOINT}@3"] == pytest.approx((0.0, 0.0), abs=1e-9)
+    # The leader pools them before it plans: the others' unread checkpoints lower its estimate.
+    m = core.writes.model
+    alone = m.reads_per_write(CHECKPOINT)
+    core.writes._follow_fleet()
+    assert m.reads_per_write(CHECKPOINT) < alone / 10
+    # A report whose evidence is not two non-negative counts is no report: gc skips it.
+    bad = report_key(nsp, "00000000000000cc", 0)
+    with pytest.raises(ValueError):
+        decode_report(encode_report(_reads(), 0.0, bad, evidence={CHECKPOINT: [-1.0, 2.0]}), LAG_BINS, bad)
+    # One engine alone adds nothing: the sum holds only its own report.
+    store2 = MemoryStore()
+    solo = _leader(store2, fleet_index_s=5)
+    pub2 = _publisher(store2, clock, solo.scheme.namespace_prefix)
+    pub2.publish(clock[0])
+    fi2 = solo.fleet_index()
+    assert fi2 is not None
+    fi2.clock, fi2.evidence = (lambda: clock[0]), (lambda: {k: list(v) for k, v in mine.items()})
+    fi2.refresh()
+    clock[0] += 10
+    pub2.publish(clock[0])
+    assert fi2.refresh()
+    got = fi2.others()
+    assert got is not None and all(r == pytest.approx(0, abs=1e-9) and w == pytest.approx(0, abs=1e-9)
+                                   for r, w in got.values())

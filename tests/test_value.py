@@ -449,3 +449,72 @@ def test_a_read_adds_only_what_is_above_the_tail_the_store_holds_below():
     assert m.worth(dataclasses.replace(pe, stored_below=32_768)) == m.worth(pe)  # not below it
     worths = [m.worth(dataclasses.replace(pe, stored_below=t)) for t in (0, 2048, 16_384, 30_720)]
     assert worths == sorted(worths, reverse=True) and worths[0] - worths[-1] > 0.9 * worths[0]
+
+
+def _fleet_serve(engines: list[ValueModel], n: int, read_share: float, pooled: bool) -> list[list[str]]:
+    """``serve`` behind a random router: request ``i`` (a second apart) goes to engine ``i % len``,
+    and a share ``read_share`` of what is written is read 5 requests later -- by the engine that
+    request went to. ``pooled``: before each request, its engine adds what the others counted
+    (what the fleet index carries, ``IndexRefresher.others``)."""
+    out: list[list[str]] = [[] for _ in engines]
+    pending: dict[int, Boundary] = {}
+    for i in range(n):
+        m = engines[i % len(engines)]
+        for e in engines:
+            e.tick()
+        if pooled:
+            others: dict[str, tuple[float, float]] = {}
+            for o in engines:
+                for k, (r, w) in o.evidence().items() if o is not m else ():
+                    r0, w0 = others.get(k, (0.0, 0.0))
+                    others[k] = (r0 + r, w0 + w)
+            m.pool(others)
+        if i in pending:
+            pb = pending.pop(i)
+            m.read(pb.digest, HISTORY_END, pb.tokens, 0, TAIL, 0, end_tokens=pb.tokens)
+        b = boundary(i, tokens=4096)
+        d = m.plan([b]).decisions[(HISTORY_END, b.tokens)]
+        out[i % len(engines)].append(d)
+        if d != "refuse":
+            m.wrote(HISTORY_END, [TAIL], b.digest, b.tokens)
+            if int.from_bytes(digest(i)[:4], "big") < read_share * 2**32:
+                pending[i + 5] = b
+    return out
+
+
+def test_a_fleet_that_pools_its_evidence_learns_as_fast_as_one_engine_that_sees_it_all():
+    """Reads per write are a fleet-wide rate (module doc, "pooled over the fleet"): four engines
+    that each count only their own writes make four times the unread writes before they refuse a
+    kind nobody reads; pooled, the fleet makes about as many as one engine seeing all the traffic."""
+    def unread_writes(n_engines: int, pooled: bool) -> int:
+        engines = [model(half_life=200) for _ in range(n_engines)]
+        out = _fleet_serve(engines, 600, 0.0, pooled)
+        return sum(d.count("write") for d in out)  # (exploration aside)
+
+    alone, lone_fleet, pooled_fleet = unread_writes(1, False), unread_writes(4, False), unread_writes(4, True)
+    assert lone_fleet > 2.5 * alone  # each engine paid the prior's price on its own
+    assert pooled_fleet < 1.2 * alone  # the fleet paid it once
+    # Pooling is the same estimator with more evidence: where the fleet reads, it writes.
+    busy = _fleet_serve([model(half_life=200) for _ in range(4)], 600, 0.8, pooled=True)
+    assert all(written(d[50:]) == 1.0 for d in busy)
+
+
+def test_an_engine_takes_up_a_kind_the_rest_of_the_fleet_reads():
+    """What the other engines counted moves one engine's decision both ways: their reads bring
+    back a kind its own unread writes refused, their unread writes refuse one it would write."""
+    m = model(half_life=200)
+    serve(m, 400, 0.0, 0)
+    b = boundary(10_000, tokens=4096)
+    assert m.plan([b]).decisions[(HISTORY_END, 4096)] != "write"
+    m.pool({HISTORY_END: (300.0, 400.0), f"{HISTORY_END}@2": (300.0, 400.0)})  # the others read theirs
+    assert m.plan([b]).decisions[(HISTORY_END, 4096)] == "write"
+    m.pool(None)  # a stale index: this engine learns alone again
+    assert m.plan([b]).decisions[(HISTORY_END, 4096)] != "write"
+    fresh = model(half_life=200)
+    assert fresh.plan([b]).decisions[(HISTORY_END, 4096)] == "write"  # unjudged: written
+    fresh.pool({HISTORY_END: (0.0, 400.0), f"{HISTORY_END}@2": (0.0, 400.0)})  # the fleet's went unread
+    assert fresh.plan([b]).decisions[(HISTORY_END, 4096)] != "write"
+    # The others' counts decay as the engine's own do.
+    got = fresh._counts(HISTORY_END)[1]
+    fresh.tick(200)
+    assert fresh._counts(HISTORY_END)[1] == pytest.approx(got / 2)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 import struct
 import sys
 import zlib
@@ -61,6 +62,8 @@ DIGEST_BYTES = 8
 #: Bytes per entry in the inflated body: digest key, end block, page count, age.
 ENTRY_BYTES = 8 + 4 + 2 + 4
 MAX_HEADER_BYTES = 1 << 20
+#: The most write-policy evidence names a report or the index carries (kinds x depth bins is 45).
+MAX_EVIDENCE_KEYS = 256
 MAX_SECTIONS = 4096
 _U32 = struct.Struct("<I")
 _LITTLE = sys.byteorder == "little"
@@ -137,6 +140,11 @@ class FleetIndex:
     #: (time published, how long engines believe their own uploads) since gc learns, oldest
     #: first: what gc keeps each object for (``core.retention.retention_for``).
     retention_history: tuple[tuple[float, float], ...] = ()
+    #: The fleet's write-policy evidence (``s3kv.core.value``, "pooled over the fleet"), as of
+    #: ``listed_at``: the sum of each reporting engine's newest report, and which report of each
+    #: engine it holds; None where gc pools none.
+    evidence: dict[str, tuple[float, float]] | None = None
+    evidence_of: dict[str, int] = field(default_factory=dict)
 
     @property
     def believe_s(self) -> float | None:
@@ -145,6 +153,20 @@ class FleetIndex:
 
     def written_at(self, age_s: int) -> float:
         return self.listed_at - age_s
+
+
+def check_evidence(ev: Any) -> dict[str, tuple[float, float]]:
+    """Write-policy evidence as a report or the fleet index carries it: at most
+    :data:`MAX_EVIDENCE_KEYS` names, each [reads, writes] finite and non-negative. Raises ValueError."""
+    if not isinstance(ev, dict) or len(ev) > MAX_EVIDENCE_KEYS:
+        raise ValueError(f"write-policy evidence is not a mapping of at most {MAX_EVIDENCE_KEYS} names")
+    out = {}
+    for k, v in ev.items():
+        r, w = (float(x) for x in v)
+        if not (isinstance(k, str) and len(k) <= 32 and all(math.isfinite(x) and x >= 0 for x in (r, w))):
+            raise ValueError(f"write-policy evidence {k!r}: {v!r} is not two non-negative counts")
+        out[k] = (r, w)
+    return out
 
 
 def max_index_bytes(max_objects: int) -> int:
@@ -166,6 +188,7 @@ def encode(
     level: int = 6,
     retention: tuple[float, float] | None = None,
     retention_history: Sequence[tuple[float, float]] = (),
+    evidence: tuple[Mapping[str, tuple[float, float]], Mapping[str, int]] | None = None,
 ) -> bytes:
     """The index object for ``sections`` (entries in any order), signed when ``tag_key``."""
     heads: list[list[Any]] = []
@@ -198,6 +221,9 @@ def encode(
     if retention is not None:  # (retention s, learning since): s3kv.core.retention
         header["retention"] = [float(retention[0]), float(retention[1])]
         header["retention_history"] = [[float(t), float(r)] for t, r in retention_history]
+    if evidence is not None:  # (fleet sum, engine -> report number): s3kv.core.value, pooled
+        header["evidence"] = {k: [float(r), float(w)] for k, (r, w) in evidence[0].items()}
+        header["evidence_of"] = {e: int(n) for e, n in evidence[1].items()}
     hb = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     out = MAGIC + bytes([FORMAT]) + _U32.pack(len(hb)) + hb + zlib.compress(raw, level)
     if tag_key is not None:
@@ -250,6 +276,8 @@ def decode(
         learnt = header.get("retention")
         retention = (float(learnt[0]), float(learnt[1])) if learnt is not None else None
         history = tuple((float(t), float(r)) for t, r in header.get("retention_history", ()))
+        pooled = check_evidence(header["evidence"]) if "evidence" in header else None
+        pooled_of = {str(e): int(n) for e, n in dict(header.get("evidence_of", {})).items()}
     except (KeyError, TypeError, ValueError) as e:
         raise IndexFormatError("foreign", f"fleet index header lacks a field or has a bad one: {e}") from None
     if ns != namespace:
@@ -281,7 +309,7 @@ def decode(
         raise IndexFormatError("truncated", f"fleet index body inflates to {len(raw)} bytes, expected {body_bytes}")
     out = FleetIndex(ns, listed_at, published_at, every_s, key_id, verified, objects=n_total, nbytes=len(view),
                      retention_s=retention[0] if retention else None, auto_since=retention[1] if retention else None,
-                     retention_history=history)
+                     retention_history=history, evidence=pooled, evidence_of=pooled_of)
     off = 0
     for gfp, shard, tp, n in heads:
         cols = []

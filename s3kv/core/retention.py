@@ -9,7 +9,9 @@ are read, and ``S3KV_RETENTION_H`` becomes its ceiling:
   (``ValueModel.lag_reads``: its own objects by its memo, others' by the fleet index's write
   times) and, while the fleet index says gc learns, writes the running counts every
   :data:`REPORT_EVERY_S` to ``{namespace}/fleet-reads/{engine}.{seq}`` -- write-once keys (the
-  bucket policy that makes KV write-once needs no exception), a few hundred bytes each;
+  bucket policy that makes KV write-once needs no exception), a few KB each, with the engine's
+  write-policy evidence beside them, which gc sums into the index (``s3kv.core.value``, pooled
+  over the fleet);
 * **gc decides** (:func:`learn_retention`, in the index publisher of ``s3kv gc --index``): it
   folds the reports into one histogram that forgets with a half-life of :data:`HALF_LIFE_S`
   (traffic changes), takes the retention whose cutoff keeps 99% of the reads, ghost reads
@@ -49,10 +51,11 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from .fleetindex import FRESH_PERIODS
+from .fleetindex import FRESH_PERIODS, check_evidence
 from .integrity import IntegrityKeys, TagKey, equal
 
 #: The shortest retention gc chooses; engines believe their own uploads this long once gc learns.
@@ -173,18 +176,24 @@ def parse_report_key(rel: str) -> tuple[str, int] | None:
     return (m.group(1), int(m.group(2))) if m else None
 
 
-def encode_report(lag_reads: Sequence[float], at: float, key: str, tag_key: TagKey | None = None) -> bytes:
+def encode_report(lag_reads: Sequence[float], at: float, key: str, tag_key: TagKey | None = None,
+                  evidence: Mapping[str, Sequence[float]] | None = None) -> bytes:
     """A report at ``key``: JSON, then with an integrity key a line with its tag (over the key and
-    the JSON, as the fleet index's): a report only a key holder wrote moves the retention."""
-    body = json.dumps({"lag_reads": [float(x) for x in lag_reads], "at": float(at),
-                       "key_id": tag_key.key_id.hex() if tag_key is not None else None}, sort_keys=True).encode()
+    the JSON, as the fleet index's): a report only a key holder wrote moves the retention.
+    ``evidence``: the engine's write-policy evidence (``ValueModel.evidence``), which gc pools."""
+    doc: dict[str, Any] = {"lag_reads": [float(x) for x in lag_reads], "at": float(at),
+                           "key_id": tag_key.key_id.hex() if tag_key is not None else None}
+    if evidence is not None:
+        doc["evidence"] = {k: [float(x) for x in v] for k, v in evidence.items()}
+    body = json.dumps(doc, sort_keys=True).encode()
     return body if tag_key is None else body + b"\n" + tag_key.index_tag(key, body).hex().encode()
 
 
-def decode_report(data: bytes, bins: int, key: str, keys: IntegrityKeys | None = None) -> tuple[list[float], float]:
-    """(lag_reads, at) of the report at ``key``. Raises ValueError on anything else: a foreign
-    object, or -- where ``keys`` -- one no key of ours signed (a planted report could only move the
-    retention between floor and ceiling, but that is storage or misses it was never owed)."""
+def decode_report(data: bytes, bins: int, key: str, keys: IntegrityKeys | None = None) -> Report:
+    """The report at ``key``. Raises ValueError on anything else: a foreign object, or -- where
+    ``keys`` -- one no key of ours signed (a planted report could only move the retention between
+    floor and ceiling, or the write policy's reads per write, but that is storage or misses it was
+    never owed)."""
     body, _, tag = bytes(data).partition(b"\n")
     doc = json.loads(body)
     if keys is not None:
@@ -194,7 +203,16 @@ def decode_report(data: bytes, bins: int, key: str, keys: IntegrityKeys | None =
     lags = [float(x) for x in doc["lag_reads"]]
     if len(lags) != bins or any(not math.isfinite(x) or x < 0 for x in lags):
         raise ValueError(f"a read report has {len(lags)} lag bins, expected {bins} non-negative counts")
-    return lags, float(doc["at"])
+    return Report(lags, float(doc["at"]), check_evidence(doc.get("evidence") or {}))
+
+
+@dataclass(frozen=True)
+class Report:
+    """One engine's read report: its dated reads, when, and its write-policy evidence."""
+
+    lag_reads: list[float]
+    at: float
+    evidence: dict[str, tuple[float, float]]
 
 
 @dataclass
@@ -207,6 +225,8 @@ class FleetReads:
     at: float | None = None
     #: engine -> its last counts taken.
     seen: dict[str, list[float]] = field(default_factory=dict)
+    #: engine -> (report time, report number, its write-policy evidence), the newest taken.
+    evidence: dict[str, tuple[float, int, dict[str, tuple[float, float]]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.lag_reads:
@@ -224,3 +244,25 @@ class FleetReads:
         for b, c in enumerate(counts):
             self.lag_reads[b] += c if restarted or last is None else c - last[b]
         self.seen[engine] = list(counts)
+
+    def take_evidence(self, engine: str, seq: int, at: float, evidence: dict[str, tuple[float, float]]) -> None:
+        cur = self.evidence.get(engine)
+        if evidence and (cur is None or seq >= cur[1]):
+            self.evidence[engine] = (at, seq, evidence)
+
+    def pooled(self, now: float, half_life: float) -> tuple[dict[str, tuple[float, float]], dict[str, int]]:
+        """The fleet's write-policy evidence at ``now``: the newest report of each engine, decayed
+        at ``half_life`` from its time (an engine silent for :data:`REPORT_STALE_S` is dropped),
+        summed; and which report of each engine the sum holds (an engine takes its own back out)."""
+        total: dict[str, tuple[float, float]] = {}
+        held: dict[str, int] = {}
+        for engine, (at, seq, ev) in list(self.evidence.items()):
+            if now - at > REPORT_STALE_S:
+                del self.evidence[engine]
+                continue
+            keep = 0.5 ** (max(0.0, now - at) / half_life)
+            held[engine] = seq
+            for k, (r, w) in ev.items():
+                r0, w0 = total.get(k, (0.0, 0.0))
+                total[k] = (r0 + r * keep, w0 + w * keep)
+        return total, held

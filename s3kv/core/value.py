@@ -96,6 +96,16 @@ tokens lost; exploring a refused kind by its chance of paying (its Gamma posteri
 little evidence it has, won back part of them at a higher bill. Dating other engines' reads by
 the fleet index's write times (a learnt fleet lag) moved ratios by -8% to +33%, either way.
 
+**Pooled over the fleet** (:meth:`ValueModel.evidence`, :meth:`ValueModel.pool`). Reads per write
+are one fleet-wide rate, so each engine adds what the others learnt to its own counts: engines
+report their evidence (decayed reads and matured writes per kind and depth bin) beside their dated
+reads, gc sums the newest report of each engine into the fleet index, and each engine adds that
+sum less its own report. Why: the prior's two pseudo-reads are outweighed after a number of unread
+writes that every engine had to make on its own -- behind a random router, four engines each wrote
+~80 checkpoint tails nobody read before any refused them (a 600-request replay's 335, for 0 reads);
+pooled, the fleet makes that number of writes once. One engine alone learns as before (its own
+report is all the sum holds), and without a fleet index that learns, nothing is pooled.
+
 **Exploration.** A refused kind is never read, so nothing would tell the policy it became worth
 writing. A deterministic :data:`EXPLORE_SHARE` of the boundaries it refuses is written anyway,
 chosen by the boundary's chain digest: every rank and every engine picks the same ones (the fleet
@@ -338,6 +348,9 @@ class ValueModel:
         #: Reads per (kind, depth bin) -- the binned half of ``_reads``.
         self._reads_at: dict[tuple[str, int], _Decayed] = {}
         self._memo: OrderedDict[bytes, tuple[str, float, int | None]] = OrderedDict()
+        #: The other engines' evidence (:meth:`pool`): key -> (reads, matured writes), as of ``_others_at``.
+        self._others: dict[str, tuple[float, float]] = {}
+        self._others_at = 0.0
 
     # ------------------------------------------------------------------ feeding
     def tick(self, n: float = 1) -> None:
@@ -513,20 +526,44 @@ class ValueModel:
     def judged(self, kind: str) -> bool:
         """Has ``kind`` been written enough, long enough ago to have been read, to be weighed? Until
         then it is written (what s3kv did before the policy): only evidence refuses a kind."""
-        return self._matured_writes(kind) >= PRIOR_WRITES
+        return self._counts(kind)[1] >= PRIOR_WRITES
 
     def reads_per_write(self, kind: str, tokens: int | None = None) -> float:
         """Reads per write of ``kind``; of its boundaries ``tokens`` deep, where given (module doc,
         "by depth": the depth bin's own count, shrunk towards the kind's)."""
         prior_reads = PRIOR_READS_PER_WRITE * PRIOR_WRITES
-        r = self._reads[kind].get(self.clock, self.half_life)
-        whole = (r + prior_reads) / (self._matured_writes(kind) + PRIOR_WRITES)
+        r, w = self._counts(kind)
+        whole = (r + prior_reads) / (w + PRIOR_WRITES)
         if tokens is None:
             return whole
-        key = (kind, depth_bin(tokens))
-        got = self._reads_at.get(key)
-        rb = got.get(self.clock, self.half_life) if got is not None else 0.0
-        return (rb + prior_reads) / (self._matured_writes(key) + prior_reads / whole)
+        rb, wb = self._counts((kind, depth_bin(tokens)))
+        return (rb + prior_reads) / (wb + prior_reads / whole)
+
+    def _counts(self, key: str | tuple[str, int]) -> tuple[float, float]:
+        """(reads, matured writes) of a kind or (kind, depth bin): this engine's, plus what the
+        other engines reported (module doc, "pooled over the fleet")."""
+        r, w = self._own(key)
+        other = self._others.get(evidence_key(key))
+        if other is not None:
+            keep = 0.5 ** ((self.clock - self._others_at) / self.half_life)
+            r, w = r + other[0] * keep, w + other[1] * keep
+        return r, w
+
+    def _own(self, key: str | tuple[str, int]) -> tuple[float, float]:
+        got = self._reads[key] if isinstance(key, str) else self._reads_at.get(key)
+        return (got.get(self.clock, self.half_life) if got is not None else 0.0), self._matured_writes(key)
+
+    def evidence(self) -> dict[str, list[float]]:
+        """This engine's own evidence now, for the fleet to pool (module doc): per kind and per
+        (kind, depth bin) it counted, [decayed reads, matured writes]."""
+        keys = {*KINDS, *self._epochs, *self._reads_at}
+        return {evidence_key(k): list(self._own(k)) for k in keys}
+
+    def pool(self, others: dict[str, tuple[float, float]] | None) -> None:
+        """What the other engines of the fleet counted, as of now (``evidence_key`` -> (reads,
+        matured writes)); None or empty: nothing (this engine learns alone)."""
+        self._others = dict(others or {})
+        self._others_at = self.clock
 
     def marginal_share(self, kind: str) -> float:
         m = self._marginal[kind].get(self.clock, self.half_life)
@@ -608,6 +645,12 @@ class ValueModel:
             out[k]["reads_per_write"] = self.reads_per_write(k)
             out[k]["marginal_share"] = self.marginal_share(k)
         return out
+
+
+def evidence_key(key: str | tuple[str, int]) -> str:
+    """How a kind (``"checkpoint"``) or a (kind, depth bin) (``"checkpoint@3"``) is named in reports
+    and the fleet index."""
+    return key if isinstance(key, str) else f"{key[0]}@{key[1]}"
 
 
 def depth_bin(tokens: int) -> int:

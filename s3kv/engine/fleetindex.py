@@ -97,6 +97,7 @@ from ..core.retention import (
     report_key,
     retention_for,
 )
+from ..core.value import HALF_LIFE_S as VALUE_HALF_LIFE_S
 from ..core.value import LAG_BINS
 from ..store.base import NotFound, ObjectInfo, ObjectStore, StoreError
 
@@ -109,6 +110,8 @@ MAX_SKEW_S = 60.0
 #: Deleted objects an engine remembers (``IndexRefresher.gone``, ~150 bytes each: ~15 MB): a busy
 #: fleet's tails of an hour or more (the 3,000-request replays delete a few thousand).
 GONE_ENTRIES = 100_000
+#: Copies of its own last reports an engine keeps (the index may hold any of the last few).
+SENT_KEPT = 16
 #: A wall-clock step this large since gc checked the store's clock stops the index passes'
 #: deletions (``Publisher.vouch``); well within gc's 60 s margin, well above NTP slewing.
 MAX_STEP_S = 10.0
@@ -254,7 +257,8 @@ class Publisher:
             every = max(self.every_s, self._last_s, time.perf_counter() - t0)
             data = encode(bytes.fromhex(nsp[-33:-1]), sections, object_key=key, listed_at=listed_at,
                           published_at=self._clock(), every_s=every, tag_key=tag,
-                          retention=self.retention.get(nsp), retention_history=self.history.get(nsp, ()))
+                          retention=self.retention.get(nsp), retention_history=self.history.get(nsp, ()),
+                          evidence=self._pooled(nsp, listed_at))
             try:
                 self.store.delete_many([key])
                 if not self.store.put(key, data):
@@ -326,20 +330,21 @@ class Publisher:
                 newest[engine] = (info, seq)
             else:
                 gone.append(info.key)
-        for engine, (info, _) in sorted(newest.items(), key=lambda x: x[1][1]):
+        for engine, (info, seq) in sorted(newest.items(), key=lambda x: x[1][1]):
             stale = info.last_modified is not None and now - info.last_modified > REPORT_STALE_S
             if stale:
                 gone.append(info.key)
             if stale or info.key in self._taken:
                 continue
             try:
-                lags, at = decode_report(self.store.get(info.key), LAG_BINS, info.key, self.integrity)
+                got = decode_report(self.store.get(info.key), LAG_BINS, info.key, self.integrity)
             except StoreError:
                 continue
             except (ValueError, KeyError, TypeError):
                 log.warning("s3kv: %s is not a read report (or not signed by our key); skipped", info.key)
             else:
-                reads.take(engine, lags, min(at, now))
+                reads.take(engine, got.lag_reads, min(got.at, now))
+                reads.take_evidence(engine, seq, min(got.at, now), got.evidence)
             self._taken.add(info.key)
         if gone:
             try:
@@ -357,6 +362,14 @@ class Publisher:
         # What no object alive can have been believed under any more: past the ceiling's span.
         while len(hist) > 1 and hist[1][0] < now - 2 * (cap_s + margin_s):
             hist.pop(0)
+
+    def _pooled(self, nsp: str, now: float) -> tuple[dict[str, tuple[float, float]], dict[str, int]] | None:
+        """The fleet's write-policy evidence the index carries (``s3kv.core.value``, pooled over the
+        fleet); None where no engine reported any."""
+        reads = self.reads.get(nsp)
+        if reads is None or not reads.evidence:
+            return None
+        return reads.pooled(now, VALUE_HALF_LIFE_S)
 
     def keep_s(self, nsp: str, touched_at: float) -> float | None:
         """The retention gc keeps a namespace's object for, last written or refreshed at
@@ -461,6 +474,11 @@ class IndexRefresher:
         #: The engine's dated reads (``ValueModel.lag_reads``), reported while gc learns the
         #: retention (``s3kv.core.retention``); None: this engine reports nothing.
         self.reads: Callable[[], Sequence[float]] | None = None
+        #: The engine's write-policy evidence (``ValueModel.evidence``), reported beside its reads
+        #: for gc to pool; None: none. The last reports' copies (number -> (time, evidence)) are
+        #: kept: an index's sum holds one of them, which :meth:`others` takes back out.
+        self.evidence: Callable[[], dict[str, list[float]]] | None = None
+        self._sent: OrderedDict[int, tuple[float, dict[str, list[float]]]] = OrderedDict()
         self.engine = os.urandom(8).hex()
         self.reports = 0
         self._reported_at = float("-inf")
@@ -516,10 +534,35 @@ class IndexRefresher:
         try:
             self.reports += 1  # a key taken by a failed write-once PUT is not tried again
             tag = self.keys.current if self.keys is not None else None
-            if self.store.put(key, encode_report(self.reads(), now, key, tag)):
+            ev = self.evidence() if self.evidence is not None else None
+            if self.store.put(key, encode_report(self.reads(), now, key, tag, ev)):
                 self._reported_at = now
+                if ev is not None:
+                    self._sent[self.reports - 1] = (now, ev)
+                    while len(self._sent) > SENT_KEPT:
+                        self._sent.popitem(last=False)
         except StoreError as e:
             log.debug("s3kv: read report %s not written: %s", key, e)
+
+    def others(self) -> dict[str, tuple[float, float]] | None:
+        """The other engines' write-policy evidence now (``s3kv.core.value``, pooled over the
+        fleet): the fresh index's fleet sum less this engine's own report in it, both decayed to
+        now; None without a fresh index that carries one. An own report the index holds but this
+        engine no longer has a copy of (a restart) stays in: its counts are the fleet's traffic too."""
+        idx = self.current()
+        if idx is None or idx.evidence is None:
+            return None
+        now = self.clock()
+        keep = 0.5 ** (max(0.0, now - idx.listed_at) / VALUE_HALF_LIFE_S)
+        out = {k: (r * keep, w * keep) for k, (r, w) in idx.evidence.items()}
+        mine = self._sent.get(idx.evidence_of.get(self.engine, -1))
+        if mine is not None:
+            at, ev = mine
+            own = 0.5 ** (max(0.0, now - at) / VALUE_HALF_LIFE_S)
+            for k, (r, w) in ev.items():
+                r0, w0 = out.get(k, (0.0, 0.0))
+                out[k] = (max(0.0, r0 - r * own), max(0.0, w0 - w * own))
+        return out
 
     def _refresh(self) -> bool:
         self.fetches += 1

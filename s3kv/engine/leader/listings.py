@@ -67,6 +67,8 @@ class Listings:
         self._quarantines_seen = index.quarantines
         #: This engine's dated reads for its read reports (the write policy sets it: its value model's).
         self.reads: Callable[[], Sequence[float]] | None = None
+        #: Its write-policy evidence for the same reports (``ValueModel.evidence``), pooled by gc.
+        self.evidence: Callable[[], dict[str, list[float]]] | None = None
         self._learning_seen = False
         self._followed: tuple[FleetIndex | None, bool | None] = (None, None)  # (held, stale) last followed
 
@@ -139,6 +141,10 @@ class Listings:
         if want != self.index.written_ttl_s:
             self.index.written_ttl_s = want
 
+    def fleet_evidence(self) -> dict[str, tuple[float, float]] | None:
+        """The other engines' write-policy evidence now (``IndexRefresher.others``)."""
+        return self._fleet.others() if self._fleet is not None else None
+
     def retention_s(self) -> float:
         """The retention gc deletes by, as the last fleet index said (else the setting)."""
         idx = self._fleet.held if self._fleet is not None else None
@@ -206,7 +212,7 @@ class Listings:
                 keys=self.settings.integrity, interval_s=self.settings.fleet_index_s,
                 max_objects=self.settings.fleet_index_max_objects,
             )
-            self._fleet.reads = self.reads
+            self._fleet.reads, self._fleet.evidence = self.reads, self.evidence
             # The refresher holds no reference to the listings (nor the leader holding them); it
             # stops when they go.
             weakref.finalize(self, self._fleet.stop)

@@ -72,12 +72,12 @@ class WritePolicy:
         self.set_prefill(self.model.prefill)
         self._ceiling_life = self.model.bill.lifetime_s
         lookups.listings.reads = lambda: list(self.model.lag_reads)  # read reports (core.retention)
+        lookups.listings.evidence = self.model.evidence  # and what gc pools of them (core.value)
         #: The model's clock, in seconds (a trace replay sets its own: the trace's).
         self.clock: Callable[[], float] = time.monotonic
         self._lookups_seen = 0
         self.ctx: LeaderContext | None = None
-        #: Real bytes of one page of each group on one shard (the sizing pages where a benchmark
-        #: models a real model with tiny ones).
+        #: Real bytes of one page of each group on one shard (a benchmark's sizing pages: a real model's).
         self.page_bytes: list[int] = []
         # Why host-only objects need one rank or the hook: the lookup promises what rank 0's tier
         # holds, and each rank's tier holds its own shard. Another rank's copy can be missing (not
@@ -222,19 +222,20 @@ class WritePolicy:
             if self.mode in ("auto", "through") and st.chain is not None:
                 self.model.count_write(CHAIN)
             return
-        self._bill_learnt_life()
+        self._follow_fleet()
         plan = st.saves.plan = self.model.plan(self.boundaries(st))
         tpb = ctx.geometry.tokens_per_block
         if plan.chain_to is None or plan.chain_to >= st.prompt_len // tpb * tpb:
             self.model.count_write(CHAIN)  # its chain reaches the prompt's end: a branch may follow
         self._publish_value()
 
-    def _bill_learnt_life(self) -> None:
-        """Bill storage for the life gc gives objects now: where it learns the retention
-        (``core.retention``), shorter than the ceiling by as much, and ended within half the
-        index's period rather than half gc's ``--watch`` period (its publisher deletes) -- a
-        policy billing the ceiling would refuse objects that are worth their real, shorter keep."""
+    def _follow_fleet(self) -> None:
+        """Pool the other engines' evidence (``core.value``); bill storage for the life gc gives objects
+        now: where it learns the retention (``core.retention``), shorter than the ceiling by as much,
+        ended within half the index's period, not half gc's ``--watch`` (its publisher deletes) -- a
+        policy billing the ceiling would refuse objects worth their real, shorter keep."""
         listings = self.lookups.listings
+        self.model.pool(listings.fleet_evidence())
         shorter = self.settings.retention_h * 3600.0 - listings.retention_s()
         period = listings.gc_period_s()
         sooner = 0.0 if period is None else max(0.0, (GC_WATCH_S - period) / 2)
