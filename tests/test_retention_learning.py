@@ -600,6 +600,7 @@ def test_gc_pools_the_engines_evidence_and_each_engine_adds_the_others():
     alone = m.reads_per_write(CHECKPOINT)
     core.writes._follow_fleet()
     assert m.reads_per_write(CHECKPOINT) < alone / 10
+    assert m.snapshot()[CHECKPOINT]["fleet_writes"] == pytest.approx(others[CHECKPOINT][1])  # what the metrics show
     # A report whose evidence is not two non-negative counts is no report: gc skips it.
     bad = report_key(nsp, "00000000000000cc", 0)
     with pytest.raises(ValueError):

@@ -635,7 +635,8 @@ class ValueModel:
 
     # ------------------------------------------------------------------ export
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """Per kind: the estimates (reads per write, marginal share) and the value line."""
+        """Per kind: the estimates (reads per write, marginal share, the other engines' matured
+        writes pooled in) and the value line."""
         fields = ("objects", "bytes", "put_usd", "storage_usd", "get_usd", "reads", "tokens", "gpu_usd",
                   "host_reads", "written", "explored", "refused")
         out = {}
@@ -644,6 +645,7 @@ class ValueModel:
             out[k] = {f: float(getattr(t, f)) for f in fields}
             out[k]["reads_per_write"] = self.reads_per_write(k)
             out[k]["marginal_share"] = self.marginal_share(k)
+            out[k]["fleet_writes"] = self._counts(k)[1] - self._own(k)[1]  # the other engines' (pooled)
         return out
 
 

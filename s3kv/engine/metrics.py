@@ -46,7 +46,7 @@ Metric names (all prefixed ``s3kv_``)::
     divergence, bad, host_only_save)
     value_gpu_usd_total{kind}, value_s3_usd_total{kind,part}, value_tokens_total{kind},
     value_reads_total{kind}, value_objects_total{kind}, value_decisions_total{kind,decision},
-    value_reads_per_write{kind}, value_marginal_share{kind}, prefill_tokens_per_second
+    value_reads_per_write{kind}, value_marginal_share{kind}, value_fleet_writes{kind}, prefill_tokens_per_second
       (the value line: what each kind of object saved and cost, s3kv.core.value; kind is chain,
       checkpoint, prompt-end, history-end or branch; value_line() adds the lookups' HEADs)
 
@@ -224,6 +224,11 @@ class Metrics:
         self.value_marginal_share = Gauge(
             f"{p}_value_marginal_share",
             "The write policy's estimate of the share of a hit's history past the device match, by kind.",
+            ["kind"], registry=r,
+        )
+        self.value_fleet_writes = Gauge(
+            f"{p}_value_fleet_writes",
+            "Boundaries of the kind the other engines wrote, as the fleet index pools them (decayed, matured).",
             ["kind"], registry=r,
         )
         self.prefill_tokens_per_second = Gauge(
@@ -612,7 +617,8 @@ class Metrics:
             for decision, name in (("write", "written"), ("explore", "explored"), ("refuse", "refused")):
                 feed(self.value_decisions.labels(k, decision), name)
             for gauge, name in ((self.value_reads_per_write, "reads_per_write"),
-                                (self.value_marginal_share, "marginal_share")):
+                                (self.value_marginal_share, "marginal_share"),
+                                (self.value_fleet_writes, "fleet_writes")):
                 v = _number(d.get(name))
                 if v is not None:
                     gauge.labels(k).set(v)
