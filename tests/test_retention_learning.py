@@ -601,6 +601,10 @@ def test_gc_pools_the_engines_evidence_and_each_engine_adds_the_others():
     core.writes._follow_fleet()
     assert m.reads_per_write(CHECKPOINT) < alone / 10
     assert m.snapshot()[CHECKPOINT]["fleet_writes"] == pytest.approx(others[CHECKPOINT][1])  # what the metrics show
+    # What its reports carry is the leader's own snapshot, taken under its lock as it plans: the
+    # report thread never computes on the model itself.
+    assert m.shared is not None and core._lookups.listings.evidence() is m.shared
+    assert m.shared[CHECKPOINT] == list(m._own(CHECKPOINT))
     # A report whose evidence is not two non-negative counts is no report: gc skips it.
     bad = report_key(nsp, "00000000000000cc", 0)
     with pytest.raises(ValueError):

@@ -150,6 +150,9 @@ _AMBIGUOUS = (HISTORY_END, BRANCH)
 #: lag of most reads (think times of minutes), short enough to follow a change of traffic within
 #: an hour (the retention: what no read outlives).
 HALF_LIFE_S = 1800.0
+#: How often an engine renews the evidence it shares with the fleet (:meth:`ValueModel.pool`);
+#: its read reports go every minute.
+SHARE_EVERY_S = 10.0
 #: Share of refused boundaries written anyway (module doc, exploration).
 EXPLORE_SHARE = 1 / 32
 #: Prior strength (module doc, priors).
@@ -351,6 +354,9 @@ class ValueModel:
         #: The other engines' evidence (:meth:`pool`): key -> (reads, matured writes), as of ``_others_at``.
         self._others: dict[str, tuple[float, float]] = {}
         self._others_at = 0.0
+        #: This engine's evidence as the fleet's read reports take it (:meth:`pool`); None: none yet.
+        self.shared: dict[str, list[float]] | None = None
+        self._shared_at = 0.0
 
     # ------------------------------------------------------------------ feeding
     def tick(self, n: float = 1) -> None:
@@ -561,9 +567,15 @@ class ValueModel:
 
     def pool(self, others: dict[str, tuple[float, float]] | None) -> None:
         """What the other engines of the fleet counted, as of now (``evidence_key`` -> (reads,
-        matured writes)); None or empty: nothing (this engine learns alone)."""
+        matured writes)); None or empty: nothing (this engine learns alone). And what this engine
+        shares in turn: :attr:`shared`, its :meth:`evidence` at most every :data:`SHARE_EVERY_S`
+        -- a new dict each time, never changed after, so the thread that writes the read reports
+        takes it as it is (calling :meth:`evidence` there would race the leader's own use of
+        this model's caches)."""
         self._others = dict(others or {})
         self._others_at = self.clock
+        if self.shared is None or self.clock - self._shared_at >= SHARE_EVERY_S:
+            self.shared, self._shared_at = self.evidence(), self.clock
 
     def marginal_share(self, kind: str) -> float:
         m = self._marginal[kind].get(self.clock, self.half_life)

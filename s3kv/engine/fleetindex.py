@@ -477,7 +477,7 @@ class IndexRefresher:
         #: The engine's write-policy evidence (``ValueModel.evidence``), reported beside its reads
         #: for gc to pool; None: none. The last reports' copies (number -> (time, evidence)) are
         #: kept: an index's sum holds one of them, which :meth:`others` takes back out.
-        self.evidence: Callable[[], dict[str, list[float]]] | None = None
+        self.evidence: Callable[[], dict[str, list[float]] | None] | None = None
         self._sent: OrderedDict[int, tuple[float, dict[str, list[float]]]] = OrderedDict()
         self.engine = os.urandom(8).hex()
         self.reports = 0

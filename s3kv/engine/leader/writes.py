@@ -72,7 +72,7 @@ class WritePolicy:
         self.set_prefill(self.model.prefill)
         self._ceiling_life = self.model.bill.lifetime_s
         lookups.listings.reads = lambda: list(self.model.lag_reads)  # read reports (core.retention)
-        lookups.listings.evidence = self.model.evidence  # and what gc pools of them (core.value)
+        lookups.listings.evidence = lambda: self.model.shared  # and what gc pools (core.value)
         #: The model's clock, in seconds (a trace replay sets its own: the trace's).
         self.clock: Callable[[], float] = time.monotonic
         self._lookups_seen = 0
