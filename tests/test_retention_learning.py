@@ -624,3 +624,18 @@ def test_gc_pools_the_engines_evidence_and_each_engine_adds_the_others():
     got = fi2.others()
     assert got is not None and all(r == pytest.approx(0, abs=1e-9) and w == pytest.approx(0, abs=1e-9)
                                    for r, w in got.values())
+
+
+def test_the_fleets_evidence_sums_each_engines_newest_report_and_forgets_silent_engines():
+    hl = 1800.0
+    fr = FleetReads(LAG_BINS)
+    fr.take_evidence("a", 3, 0.0, {"checkpoint": (1.0, 10.0)})
+    fr.take_evidence("a", 2, 0.0, {"checkpoint": (9.0, 90.0)})  # an older report, taken late: not newer
+    fr.take_evidence("b", 0, hl, {"checkpoint": (0.0, 4.0), "prompt-end": (1.0, 2.0)})
+    total, held = fr.pooled(hl, hl)
+    assert held == {"a": 3, "b": 0}
+    assert total["checkpoint"] == pytest.approx((0.5, 5.0 + 4.0)) and total["prompt-end"] == (1.0, 2.0)
+    # Eight half-lives after a's last report it is dropped; b, still reporting, stays.
+    fr.take_evidence("b", 1, 9 * hl, {"checkpoint": (0.0, 6.0)})
+    total, held = fr.pooled(9 * hl, hl)
+    assert held == {"b": 1} and total == {"checkpoint": (0.0, 6.0)}

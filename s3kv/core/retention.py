@@ -252,12 +252,14 @@ class FleetReads:
 
     def pooled(self, now: float, half_life: float) -> tuple[dict[str, tuple[float, float]], dict[str, int]]:
         """The fleet's write-policy evidence at ``now``: the newest report of each engine, decayed
-        at ``half_life`` from its time (an engine silent for :data:`REPORT_STALE_S` is dropped),
-        summed; and which report of each engine the sum holds (an engine takes its own back out)."""
+        at ``half_life`` from its time, summed; and which report of each engine the sum holds (an
+        engine takes its own back out). An engine silent for eight half-lives is dropped: what it
+        counted has decayed to under 0.4%, and a fleet whose engines come and go would otherwise
+        carry a day of them in every index."""
         total: dict[str, tuple[float, float]] = {}
         held: dict[str, int] = {}
         for engine, (at, seq, ev) in list(self.evidence.items()):
-            if now - at > REPORT_STALE_S:
+            if now - at > min(REPORT_STALE_S, 8 * half_life):
                 del self.evidence[engine]
                 continue
             keep = 0.5 ** (max(0.0, now - at) / half_life)

@@ -67,7 +67,7 @@ class Listings:
         self._quarantines_seen = index.quarantines
         #: This engine's dated reads for its read reports (the write policy sets it: its value model's).
         self.reads: Callable[[], Sequence[float]] | None = None
-        #: Its write-policy evidence for the same reports (``ValueModel.evidence``), pooled by gc.
+        #: Its write-policy evidence for the same reports (``ValueModel.shared``), pooled by gc.
         self.evidence: Callable[[], dict[str, list[float]] | None] | None = None
         self._learning_seen = False
         self._followed: tuple[FleetIndex | None, bool | None] = (None, None)  # (held, stale) last followed
