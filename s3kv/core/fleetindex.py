@@ -169,6 +169,14 @@ def check_evidence(ev: Any) -> dict[str, tuple[float, float]]:
     return out
 
 
+def add_evidence(into: dict[str, tuple[float, float]], ev: Mapping[str, Sequence[float]], weight: float) -> None:
+    """Add ``weight`` times each (reads, writes) of ``ev`` to ``into`` (a negative weight takes
+    a report back out of a sum)."""
+    for k, (r, w) in ev.items():
+        r0, w0 = into.get(k, (0.0, 0.0))
+        into[k] = (r0 + r * weight, w0 + w * weight)
+
+
 def max_index_bytes(max_objects: int) -> int:
     """The largest index a reader bounded at ``max_objects`` may fetch (zlib never grows the body
     by more than a few bytes per 16 KiB)."""

@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fleetindex import FRESH_PERIODS, check_evidence
+from .fleetindex import FRESH_PERIODS, add_evidence, check_evidence
 from .integrity import IntegrityKeys, TagKey, equal
 
 #: The shortest retention gc chooses; engines believe their own uploads this long once gc learns.
@@ -262,9 +262,6 @@ class FleetReads:
             if now - at > min(REPORT_STALE_S, 8 * half_life):
                 del self.evidence[engine]
                 continue
-            keep = 0.5 ** (max(0.0, now - at) / half_life)
             held[engine] = seq
-            for k, (r, w) in ev.items():
-                r0, w0 = total.get(k, (0.0, 0.0))
-                total[k] = (r0 + r * keep, w0 + w * keep)
+            add_evidence(total, ev, 0.5 ** (max(0.0, now - at) / half_life))
         return total, held

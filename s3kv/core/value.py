@@ -548,12 +548,16 @@ class ValueModel:
     def _counts(self, key: str | tuple[str, int]) -> tuple[float, float]:
         """(reads, matured writes) of a kind or (kind, depth bin): this engine's, plus what the
         other engines reported (module doc, "pooled over the fleet")."""
-        r, w = self._own(key)
+        (r, w), (ro, wo) = self._own(key), self._pooled(key)
+        return r + ro, w + wo
+
+    def _pooled(self, key: str | tuple[str, int]) -> tuple[float, float]:
+        """What the other engines reported of ``key``, decayed to now."""
         other = self._others.get(evidence_key(key))
-        if other is not None:
-            keep = 0.5 ** ((self.clock - self._others_at) / self.half_life)
-            r, w = r + other[0] * keep, w + other[1] * keep
-        return r, w
+        if other is None:
+            return 0.0, 0.0
+        keep = 0.5 ** ((self.clock - self._others_at) / self.half_life)
+        return other[0] * keep, other[1] * keep
 
     def _own(self, key: str | tuple[str, int]) -> tuple[float, float]:
         got = self._reads[key] if isinstance(key, str) else self._reads_at.get(key)
@@ -565,15 +569,16 @@ class ValueModel:
         keys = {*KINDS, *self._epochs, *self._reads_at}
         return {evidence_key(k): list(self._own(k)) for k in keys}
 
-    def pool(self, others: dict[str, tuple[float, float]] | None) -> None:
-        """What the other engines of the fleet counted, as of now (``evidence_key`` -> (reads,
-        matured writes)); None or empty: nothing (this engine learns alone). And what this engine
+    def pool(self, others: dict[str, tuple[float, float]] | None, age_s: float = 0.0) -> None:
+        """What the other engines of the fleet counted, as of ``age_s`` ago (``evidence_key`` ->
+        (reads, matured writes); kept as given: the caller never changes it); None or empty:
+        nothing (this engine learns alone). And what this engine
         shares in turn: :attr:`shared`, its :meth:`evidence` at most every :data:`SHARE_EVERY_S`
         -- a new dict each time, never changed after, so the thread that writes the read reports
         takes it as it is (calling :meth:`evidence` there would race the leader's own use of
         this model's caches)."""
-        self._others = dict(others or {})
-        self._others_at = self.clock
+        self._others = others or {}
+        self._others_at = self.clock - age_s
         if self.shared is None or self.clock - self._shared_at >= SHARE_EVERY_S:
             self.shared, self._shared_at = self.evidence(), self.clock
 
@@ -657,7 +662,7 @@ class ValueModel:
             out[k] = {f: float(getattr(t, f)) for f in fields}
             out[k]["reads_per_write"] = self.reads_per_write(k)
             out[k]["marginal_share"] = self.marginal_share(k)
-            out[k]["fleet_writes"] = self._counts(k)[1] - self._own(k)[1]  # the other engines' (pooled)
+            out[k]["fleet_writes"] = self._pooled(k)[1]
         return out
 
 

@@ -75,6 +75,7 @@ from ..core.fleetindex import (
     IndexEntry,
     IndexFormatError,
     SectionId,
+    add_evidence,
     decode,
     encode,
     max_index_bytes,
@@ -479,6 +480,7 @@ class IndexRefresher:
         #: kept: an index's sum holds one of them, which :meth:`others` takes back out.
         self.evidence: Callable[[], dict[str, list[float]] | None] | None = None
         self._sent: OrderedDict[int, tuple[float, dict[str, list[float]]]] = OrderedDict()
+        self._others: tuple[FleetIndex | None, dict[str, tuple[float, float]]] = (None, {})
         self.engine = os.urandom(8).hex()
         self.reports = 0
         self._reported_at = float("-inf")
@@ -546,23 +548,32 @@ class IndexRefresher:
 
     def others(self) -> dict[str, tuple[float, float]] | None:
         """The other engines' write-policy evidence now (``s3kv.core.value``, pooled over the
-        fleet): the fresh index's fleet sum less this engine's own report in it, both decayed to
-        now; None without a fresh index that carries one. An own report the index holds but this
-        engine no longer has a copy of (a restart) stays in: its counts are the fleet's traffic too."""
+        fleet): :meth:`others_listed` decayed to now."""
+        got = self.others_listed()
+        if got is None:
+            return None
+        keep = 0.5 ** (got[1] / VALUE_HALF_LIFE_S)
+        return {k: (r * keep, w * keep) for k, (r, w) in got[0].items()}
+
+    def others_listed(self) -> tuple[dict[str, tuple[float, float]], float] | None:
+        """(the other engines' evidence as of the fresh index's listing, seconds since): its fleet
+        sum less this engine's own report in it; None without a fresh index that carries one. An
+        own report the index holds but this engine no longer has a copy of (a restart) stays in:
+        its counts are the fleet's traffic too. Worked out once per index (the write policy asks
+        on every request's plan); the caller decays it (a new dict each time, never changed)."""
         idx = self.current()
         if idx is None or idx.evidence is None:
             return None
-        now = self.clock()
-        keep = 0.5 ** (max(0.0, now - idx.listed_at) / VALUE_HALF_LIFE_S)
-        out = {k: (r * keep, w * keep) for k, (r, w) in idx.evidence.items()}
+        age = max(0.0, self.clock() - idx.listed_at)
+        if self._others[0] is idx:
+            return self._others[1], age
+        out = dict(idx.evidence)
         mine = self._sent.get(idx.evidence_of.get(self.engine, -1))
         if mine is not None:
-            at, ev = mine
-            own = 0.5 ** (max(0.0, now - at) / VALUE_HALF_LIFE_S)
-            for k, (r, w) in ev.items():
-                r0, w0 = out.get(k, (0.0, 0.0))
-                out[k] = (max(0.0, r0 - r * own), max(0.0, w0 - w * own))
-        return out
+            add_evidence(out, mine[1], -(0.5 ** (max(0.0, idx.listed_at - mine[0]) / VALUE_HALF_LIFE_S)))
+            out = {k: (max(0.0, r), max(0.0, w)) for k, (r, w) in out.items()}
+        self._others = (idx, out)
+        return out, age
 
     def _refresh(self) -> bool:
         self.fetches += 1

@@ -141,9 +141,10 @@ class Listings:
         if want != self.index.written_ttl_s:
             self.index.written_ttl_s = want
 
-    def fleet_evidence(self) -> dict[str, tuple[float, float]] | None:
-        """The other engines' write-policy evidence now (``IndexRefresher.others``)."""
-        return self._fleet.others() if self._fleet is not None else None
+    def fleet_evidence(self) -> tuple[dict[str, tuple[float, float]] | None, float]:
+        """(the other engines' write-policy evidence, its age in seconds): ``IndexRefresher.others_listed``."""
+        got = self._fleet.others_listed() if self._fleet is not None else None
+        return got if got is not None else (None, 0.0)
 
     def retention_s(self) -> float:
         """The retention gc deletes by, as the last fleet index said (else the setting)."""

@@ -235,7 +235,7 @@ class WritePolicy:
         ended within half the index's period, not half gc's ``--watch`` (its publisher deletes) -- a
         policy billing the ceiling would refuse objects worth their real, shorter keep."""
         listings = self.lookups.listings
-        self.model.pool(listings.fleet_evidence())
+        self.model.pool(*listings.fleet_evidence())
         shorter = self.settings.retention_h * 3600.0 - listings.retention_s()
         period = listings.gc_period_s()
         sooner = 0.0 if period is None else max(0.0, (GC_WATCH_S - period) / 2)
