@@ -341,7 +341,13 @@ class Settings:
     index_max_entries: int = 200_000
     #: How long a HEAD's "present" is believed, seconds (0: never). This engine's own uploads are
     #: believed for retention_h (gc deletes nothing younger): their later hits send no request.
-    index_ttl_s: float = 600.0
+    #: Why 2 minutes: gc keeps *every* object this long past its retention (an engine may promise
+    #: a load on a HEAD this old), so each second is storage on everything written, while asking
+    #: again costs one HEAD of an object read again. Replayed (27 traces x fleets), 600 s billed
+    #: 3-46% more storage where gc keeps the floor or the ceiling, and saved no HEADs to speak of:
+    #: the fleet index and this engine's own uploads answer most lookups (docs/trace-replay.md).
+    #: Set it alike on gc and engines (gc's margin: ``core.cost.expiry_age_s``).
+    index_ttl_s: float = 120.0
     negative_ttl_s: float = 2.0
     connect_timeout_s: float = 3.0
     read_timeout_s: float = 10.0

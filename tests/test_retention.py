@@ -11,6 +11,8 @@ import pytest
 from click.testing import CliRunner
 from test_ops_cli import NS_A, _put, cli
 
+from s3kv.config import Settings
+from s3kv.core.cost import expiry_age_s
 from s3kv.core.keys import KeyScheme
 from s3kv.store.embedded import EmbeddedS3
 from s3kv.store.memory import MemoryStore
@@ -44,14 +46,16 @@ def test_gc_drops_what_expired_and_keeps_a_prefix_refreshed_on_hit(server):
     # The copy kept the bytes and the metadata (the integrity of the object is unchanged).
     assert store.get(hot.key) == body and dict(after.metadata) == dict(before.metadata)
 
-    # An hour (plus the 600 s an engine trusts a HEAD and a 60 s margin) later by gc's clock,
+    # An hour (plus the index_ttl_s an engine trusts a HEAD and a 60 s margin) later by gc's clock,
     # minus what separates the two: the cold object is that + ~1 s old, the refreshed one - 0.5 s.
-    now = after.last_modified + 4260 - 0.5
+    age = expiry_age_s(Settings(retention_h=1.0))
+    assert age == 3600 + Settings().index_ttl_s + 60
+    now = after.last_modified + age - 0.5
     env = {**server.env(PREFIX), "S3KV_RETENTION_H": "1"}
     r = CliRunner().invoke(cli(), ["gc", "--expired", "--now", str(now), "--yes", "--json"], env=env)
     assert r.exit_code == 0, r.output
     doc = json.loads(r.stdout)
-    assert doc["deleted"]["objects"] == 1 and doc["older_than_s"] == 4260
+    assert doc["deleted"]["objects"] == 1 and doc["older_than_s"] == age
     assert store.head(cold.key) is None
     assert store.head(hot.key) is not None
     store.close()

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 from test_fleet_index import TPB, _leader, _write, tokens_of
 
+from s3kv.core.cost import expiry_age_s
 from s3kv.core.fleetindex import decode
 from s3kv.core.retention import (
     HALF_LIFE_S,
@@ -317,7 +318,8 @@ def test_an_engine_reports_while_gc_learns_and_believes_its_uploads_for_the_rete
     # What the fresh index says (the reads forgot a little in the 10 s since the report).
     assert idx.written_ttl_s == pytest.approx(learnt, rel=1e-3)
     # The workers refresh what they load at half an object's life under it (the plan carries it).
-    assert core.build_connector_meta([], []).refresh_s == pytest.approx((idx.written_ttl_s + MARGIN) / 2)
+    margin = expiry_age_s(core.settings) - core.settings.retention_h * 3600  # the engine's, from its settings
+    assert core.build_connector_meta([], []).refresh_s == pytest.approx((idx.written_ttl_s + margin) / 2)
     fi.clock = lambda: time.time() + 3600  # the publisher stopped: the index goes stale
     listings.current()
     assert idx.written_ttl_s == RETENTION_FLOOR_S + idx.ttl_s

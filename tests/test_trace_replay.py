@@ -323,9 +323,9 @@ def test_requests_bytes_and_dollars_are_those_of_the_count(replayed):
         usd_req = rq["put"] * 0.005 / 1000 + (rq["get"] + rq["head"]) * 0.0004 / 1000
         assert p["requests_usd"] == pytest.approx(usd_req, rel=1e-3, abs=2e-6)
         if run != "all":
-            # Each object lives until gc's cutoff -- 1 h of retention, plus the 600 s an engine's
-            # index may still believe it, plus gc's 60 s margin -- and half the index's 10 s period.
-            hours = 1 + (600 + 60 + 5) / 3600
+            # Each object lives until gc's cutoff -- 1 h of retention, plus the index_ttl_s an
+            # engine's index may still believe it, plus gc's 60 s margin -- and half the index's 10 s period.
+            hours = 1 + (Settings().index_ttl_s + 60 + 5) / 3600
             usd_storage = p["stored_bytes_incl_unreplayed_answers"] / 2**30 * 0.023 * hours / (24 * 365.25 / 12)
             assert p["storage_usd"] == pytest.approx(usd_storage, rel=1e-3, abs=2e-6)
         # GPU dollars saved: 2 x matmul weights x tokens + attention, at 989.4 TFLOP/s x 0.65, $3 / h.
