@@ -15,13 +15,16 @@ import pytest
 from click.testing import CliRunner
 from test_fleet_index import TPB, _leader, _write, tokens_of
 
-from s3kv.core.cost import expiry_age_s
+from s3kv.core.cost import EXPIRY_MARGIN_S, expiry_age_s
 from s3kv.core.fleetindex import decode
 from s3kv.core.retention import (
+    BELIEF_FORGET_S,
     HALF_LIFE_S,
+    LEGACY_BELIEF_S,
     MIN_DATED_READS,
     RETENTION_FLOOR_S,
     FleetReads,
+    decode_report,
     encode_report,
     lag_bin_edge,
     learn_retention,
@@ -133,6 +136,51 @@ def test_report_keys_round_trip_and_foreign_names_are_not_reports():
 # ------------------------------------------------------------------------------ gc learns
 def _publisher(store, clock, nsp):
     return Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp])
+
+
+def test_gc_keeps_objects_past_the_longest_belief_an_engine_reports():
+    """gc's margin covers how long the reporting engines promise loads on an answer they got, not
+    only its own settings: in a rolling upgrade from the 600 s default, a gc told 120 s (a 180 s
+    margin) keeps objects 660 s past their retention while an engine that does not say reports;
+    180 s once every engine says 120 s; an engine silent for BELIEF_FORGET_S counts no more."""
+    store = MemoryStore()
+    nsp = _leader(store, fleet_index_s=5).scheme.namespace_prefix
+    t0 = time.time()
+    clock = [t0]
+    own_margin = 120.0 + EXPIRY_MARGIN_S
+    pub = Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], learn=(CAP, own_margin),
+                    namespaces=[nsp])
+    seqs: dict[str, int] = {}
+
+    def report(engine: str, belief: float | None) -> None:
+        seq = seqs[engine] = seqs.get(engine, -1) + 1
+        k = report_key(nsp, engine, seq)
+        store.put(k, encode_report(MID_READS, clock[0], k, belief_s=belief))
+
+    def margin_after_a_pass() -> float:
+        clock[0] += 10
+        pub.publish(clock[0])
+        m = pub.margin_s(nsp)
+        assert pub.cutoff_s(nsp, clock[0]) == pub.keep_s(nsp, clock[0]) + m
+        return m
+
+    report("00000000000000aa", None)  # an engine of the version before: its report names no belief
+    report("00000000000000bb", 120.0)
+    assert margin_after_a_pass() == LEGACY_BELIEF_S + EXPIRY_MARGIN_S == 660.0
+    report("00000000000000aa", 120.0)  # upgraded: its newer report says 120 s
+    assert margin_after_a_pass() == own_margin
+    report("00000000000000cc", 900.0)  # one told to believe longer widens it...
+    assert margin_after_a_pass() == 900.0 + EXPIRY_MARGIN_S
+    clock[0] += BELIEF_FORGET_S  # ...until it has been silent for BELIEF_FORGET_S
+    report("00000000000000aa", 120.0)
+    assert margin_after_a_pass() == own_margin
+    # A belief that is no number of seconds is no report.
+    k = report_key(nsp, "00000000000000dd", 0)
+    for bad in (-1.0, float("inf"), float("nan")):
+        body = json.loads(encode_report(MID_READS, clock[0], k))
+        body["belief_s"] = bad
+        with pytest.raises(ValueError, match="belief_s"):
+            decode_report(json.dumps(body).encode(), LAG_BINS, k)
 
 
 def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_they_come_late():
@@ -305,6 +353,9 @@ def test_an_engine_reports_while_gc_learns_and_believes_its_uploads_for_the_rete
     assert idx._written["before"][0] <= idx.now() + RETENTION_FLOOR_S + idx.ttl_s
     reports = [k for k in store.keys() if "fleet-reads/" in k]
     assert len(reports) == 1 and json.loads(store.get(reports[0]))["lag_reads"][lag_bin(40)] == 3
+    # ...and how long it promises loads on a HEAD's answer or a listing, for gc's margin.
+    st = core.settings
+    assert json.loads(store.get(reports[0]))["belief_s"] == st.index_ttl_s + st.lookup_summary_trust_s
     fi.refresh()  # within REPORT_EVERY_S: no second report
     assert len([k for k in store.keys() if "fleet-reads/" in k]) == 1
     k = report_key(nsp, "00000000000000aa", 0)
@@ -532,7 +583,6 @@ def test_a_replay_takes_gc_to_have_learnt_since_before_its_first_request():
     for the ceiling an engine that had not yet seen gc learn might have believed."""
     from types import SimpleNamespace
 
-    from s3kv.core.cost import EXPIRY_MARGIN_S
     from s3kv.core.retention import engine_lag_s
     from s3kv.tools.bench.billing import BilledStore
     from s3kv.tools.bench.indexhook import ReplayIndex

@@ -17,6 +17,10 @@ are read, and ``S3KV_RETENTION_H`` becomes its ceiling:
   (traffic changes), takes the retention whose cutoff keeps 99% of the reads, ghost reads
   included (with an octave of room while it has learnt for less than the ceiling), and publishes
   it in the fleet index (``retention_s``);
+* **and past it, by what engines say**: each report also says how long its engine promises loads
+  on a HEAD's answer (``belief_s``); gc's margin past the retention covers the longest reported
+  (:meth:`FleetReads.longest_belief`), not only its own settings' -- engines in a rolling upgrade
+  still believe the old default, and a report that does not say is taken for it;
 * **who deletes by it**: gc, each object by :func:`retention_for` its last write or refresh:
   the learnt retention, or the longest an engine may have believed for it. An engine believes its
   own upload for what the fresh index it holds says (``believe_s``: the learnt retention, the
@@ -72,6 +76,13 @@ REPORT_EVERY_S = 60.0
 REPORTS_DIR = "fleet-reads/"
 #: A report older than this is forgotten (its engine is gone) and deleted with the superseded ones.
 REPORT_STALE_S = 86400.0
+
+#: What an engine whose report names no belief promised loads on (a HEAD's answer, a listing):
+#: ``index_ttl_s`` before its default went from 600 s to 120 s (2026-12-07), when reports did not
+#: say. gc's margin covers it while such an engine reports (:meth:`FleetReads.longest_belief`).
+LEGACY_BELIEF_S = 600.0
+#: An engine silent this long is gone: its beliefs no longer widen gc's margin.
+BELIEF_FORGET_S = 4 * 3600.0
 
 _REPORT_NAME = re.compile(r"^([0-9a-f]{16})\.([0-9]{1,12})$")
 
@@ -177,12 +188,16 @@ def parse_report_key(rel: str) -> tuple[str, int] | None:
 
 
 def encode_report(lag_reads: Sequence[float], at: float, key: str, tag_key: TagKey | None = None,
-                  evidence: Mapping[str, Sequence[float]] | None = None) -> bytes:
+                  evidence: Mapping[str, Sequence[float]] | None = None, belief_s: float | None = None) -> bytes:
     """A report at ``key``: JSON, then with an integrity key a line with its tag (over the key and
     the JSON, as the fleet index's): a report only a key holder wrote moves the retention.
-    ``evidence``: the engine's write-policy evidence (``ValueModel.evidence``), which gc pools."""
+    ``evidence``: the engine's write-policy evidence (``ValueModel.evidence``), which gc pools.
+    ``belief_s``: how long the engine promises loads on an answer it got (``index_ttl_s`` plus
+    ``lookup_summary_trust_s``), which gc's margin covers."""
     doc: dict[str, Any] = {"lag_reads": [float(x) for x in lag_reads], "at": float(at),
                            "key_id": tag_key.key_id.hex() if tag_key is not None else None}
+    if belief_s is not None:
+        doc["belief_s"] = float(belief_s)
     if evidence is not None:
         doc["evidence"] = {k: [float(x) for x in v] for k, v in evidence.items()}
     body = json.dumps(doc, sort_keys=True).encode()
@@ -203,7 +218,10 @@ def decode_report(data: bytes, bins: int, key: str, keys: IntegrityKeys | None =
     lags = [float(x) for x in doc["lag_reads"]]
     if len(lags) != bins or any(not math.isfinite(x) or x < 0 for x in lags):
         raise ValueError(f"a read report has {len(lags)} lag bins, expected {bins} non-negative counts")
-    return Report(lags, float(doc["at"]), check_evidence(doc.get("evidence") or {}))
+    belief = float(doc.get("belief_s", LEGACY_BELIEF_S))
+    if not math.isfinite(belief) or belief < 0:
+        raise ValueError(f"a read report's belief_s {belief!r} is not a finite number >= 0")
+    return Report(lags, float(doc["at"]), check_evidence(doc.get("evidence") or {}), belief)
 
 
 @dataclass(frozen=True)
@@ -213,6 +231,8 @@ class Report:
     lag_reads: list[float]
     at: float
     evidence: dict[str, tuple[float, float]]
+    #: How long it promises loads on an answer it got (:data:`LEGACY_BELIEF_S` where it did not say).
+    belief_s: float = LEGACY_BELIEF_S
 
 
 @dataclass
@@ -228,9 +248,27 @@ class FleetReads:
     #: engine -> (report time, report number, its write-policy evidence), the newest taken.
     evidence: dict[str, tuple[float, int, dict[str, tuple[float, float]]]] = field(default_factory=dict)
 
+    #: engine -> (report time, how long it promises loads on an answer it got), the newest taken.
+    beliefs: dict[str, tuple[float, float]] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
         if not self.lag_reads:
             self.lag_reads = [0.0] * self.bins
+
+    def take_belief(self, engine: str, at: float, belief_s: float) -> None:
+        cur = self.beliefs.get(engine)
+        if cur is None or at >= cur[0]:
+            self.beliefs[engine] = (at, belief_s)
+
+    def longest_belief(self, now: float) -> float:
+        """The longest any engine heard from within :data:`BELIEF_FORGET_S` promises loads on an
+        answer it got (0: none). Why gc asks: it must keep every object that long past its
+        retention, and engines need not run its settings -- in a rolling upgrade they still
+        believe the old default (:data:`LEGACY_BELIEF_S`)."""
+        for engine, (at, _) in list(self.beliefs.items()):
+            if now - at > BELIEF_FORGET_S:
+                del self.beliefs[engine]
+        return max((b for _, b in self.beliefs.values()), default=0.0)
 
     def take(self, engine: str, counts: Sequence[float], now: float) -> None:
         """One engine's running counts: what grew since its last report is new (counts that shrank:

@@ -186,6 +186,9 @@ class Publisher:
         self.reads: dict[str, FleetReads] = {}
         self._taken: set[str] = set()
         self.retention: dict[str, tuple[float, float]] = {}
+        #: Per namespace prefix: gc's margin past the retention as the last pass set it
+        #: (:meth:`margin_s`).
+        self._margin: dict[str, float] = {}
         #: Per namespace prefix: (time published, what engines believe) since learning began,
         #: oldest first (``core.retention.retention_for``: what gc keeps each object for).
         self.history: dict[str, list[tuple[float, float]]] = {}
@@ -319,7 +322,7 @@ class Publisher:
         (``s3kv.core.retention``); superseded and stale reports are deleted. A report that cannot
         be read is left for the next pass; one that is not a report is skipped for good."""
         assert self.learn is not None
-        cap_s, margin_s = self.learn
+        cap_s = self.learn[0]
         reads = self.reads.setdefault(nsp, FleetReads(LAG_BINS))
         newest: dict[str, tuple[ObjectInfo, int]] = {}
         gone: list[str] = []
@@ -346,6 +349,7 @@ class Publisher:
             else:
                 reads.take(engine, got.lag_reads, min(got.at, now))
                 reads.take_evidence(engine, seq, min(got.at, now), got.evidence)
+                reads.take_belief(engine, min(got.at, now), got.belief_s)
             self._taken.add(info.key)
         if gone:
             try:
@@ -353,6 +357,10 @@ class Publisher:
             except StoreError:
                 pass  # the next pass deletes them
             self._taken.difference_update(gone)
+        # The margin covers the longest an engine reporting here promises loads on an answer it got:
+        # one that runs other settings than gc (a rolling upgrade from the old 600 s TTL) is kept
+        # safe by what it says, not by what gc was told.
+        margin_s = self._margin[nsp] = max(self.learn[1], reads.longest_belief(now) + EXPIRY_MARGIN_S)
         since = self.retention[nsp][1] if nsp in self.retention else self._learning_since(nsp, now)
         r = learn_retention(reads.lag_reads, margin_s=margin_s, cap_s=cap_s, watched_s=now - since)
         self.retention[nsp] = (cap_s if r is None else r, since)
@@ -389,7 +397,13 @@ class Publisher:
         if last_modified is None or self.learn is None:
             return None
         keep = self.keep_s(nsp, last_modified)
-        return None if keep is None else keep + self.learn[1]
+        return None if keep is None else keep + self.margin_s(nsp)
+
+    def margin_s(self, nsp: str) -> float:
+        """gc's margin past the retention in a namespace: its own settings' (``learn``), or longer
+        where an engine reporting there promises loads on older answers (``_learn``)."""
+        assert self.learn is not None
+        return self._margin.get(nsp, self.learn[1])
 
     def _learning_since(self, nsp: str, now: float) -> float:
         """Since when gc has learnt this namespace's retention: as its last index says (a gc that
@@ -472,6 +486,9 @@ class IndexRefresher:
         self._lock = threading.Lock()
         self._started = False
         self._said_missing = False
+        #: How long this engine promises loads on an answer it got (a HEAD, a listing), reported for
+        #: gc's margin (``FleetReads.longest_belief``); None: not said (gc assumes the old default).
+        self.belief_s: float | None = None
         #: The engine's dated reads (``ValueModel.lag_reads``), reported while gc learns the
         #: retention (``s3kv.core.retention``); None: this engine reports nothing.
         self.reads: Callable[[], Sequence[float]] | None = None
@@ -537,7 +554,7 @@ class IndexRefresher:
             self.reports += 1  # a key taken by a failed write-once PUT is not tried again
             tag = self.keys.current if self.keys is not None else None
             ev = self.evidence() if self.evidence is not None else None
-            if self.store.put(key, encode_report(self.reads(), now, key, tag, ev)):
+            if self.store.put(key, encode_report(self.reads(), now, key, tag, ev, self.belief_s)):
                 self._reported_at = now
                 if ev is not None:
                     self._sent[self.reports - 1] = (now, ev)

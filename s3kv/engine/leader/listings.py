@@ -214,6 +214,7 @@ class Listings:
                 max_objects=self.settings.fleet_index_max_objects,
             )
             self._fleet.reads, self._fleet.evidence = self.reads, self.evidence
+            self._fleet.belief_s = self.settings.index_ttl_s + self.settings.lookup_summary_trust_s
             # The refresher holds no reference to the listings (nor the leader holding them); it
             # stops when they go.
             weakref.finalize(self, self._fleet.stop)
