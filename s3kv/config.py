@@ -340,7 +340,7 @@ class Settings:
     #: Local key index bound (~300 bytes an entry).
     index_max_entries: int = 200_000
     #: How long a HEAD's "present" is believed, seconds (0: never). This engine's own uploads are
-    #: believed for retention_h (gc deletes nothing younger): their later hits send no request.
+    #: believed for what gc keeps (``Listings._follow_retention``): their later hits send no request.
     #: Why 2 minutes: gc keeps *every* object this long past its retention (an engine may promise
     #: a load on a HEAD this old), so each second is storage on everything written, while asking
     #: again costs one HEAD of an object read again. Replayed (27 traces x fleets), 600 s billed

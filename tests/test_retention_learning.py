@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 from test_fleet_index import TPB, _leader, _write, tokens_of
 
+from s3kv.config import Settings
 from s3kv.core.cost import EXPIRY_MARGIN_S, expiry_age_s
 from s3kv.core.fleetindex import decode
 from s3kv.core.retention import (
@@ -446,6 +447,29 @@ def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_
         # 100 s old: within any retention; 1,990 s, with gc learning for 2,000 s: written before every
         # engine knew gc learns.
         assert set(aged[100.0]) <= left and (learnt_ago > 2000 or set(aged[1990.0]) <= left)
+
+
+def test_gc_expired_keeps_what_an_engine_of_the_version_before_may_still_believe(tmp_path):
+    """``gc --expired --index`` deletes by the margin the engines report, not only by its own
+    settings': an object 3,900 s old (past the ceiling plus gc's own 180 s) stays while an engine
+    whose report names no belief (one of the version before: 600 s) reports, and goes once that
+    engine's newer report says 120 s."""
+    url = f"file://{tmp_path}/cache"
+    store = open_store(url)
+    writer = _leader(store, fleet_index_s=0)
+    writer.scheme = dataclasses.replace(writer.scheme, prefix="")  # file:// URLs carry no key prefix
+    nsp = writer.scheme.namespace_prefix
+    now = time.time()
+    keys = _write(writer, store, tokens_of(8 * TPB + 9, seed=5), 8)
+    for k in keys:
+        os.utime(tmp_path / "cache" / k, (now - 3900.0, now - 3900.0))
+    assert CAP + Settings().index_ttl_s + EXPIRY_MARGIN_S < 3900.0 < CAP + LEGACY_BELIEF_S + EXPIRY_MARGIN_S
+    for seq, belief, kept in ((0, None, True), (1, 120.0, False)):
+        k = report_key(nsp, "00000000000000aa", seq)
+        store.put(k, encode_report(SHORT_READS, now - 5, k, belief_s=belief))
+        doc = _gc(url, now, {})
+        left = {i.key for i in store.list("")}
+        assert (set(keys) <= left) is kept and (not set(keys) & left) is (not kept), (seq, doc["deleted"])
 
 
 def test_a_replay_that_learns_the_retention_bills_less_storage_for_the_same_tokens(tmp_path):

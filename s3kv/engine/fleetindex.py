@@ -31,8 +31,8 @@ against the store's: :meth:`Publisher.vouch`): the pass deletes what its own lis
 each object past the retention gc keeps it for (``keep_s``) plus gc's margin, gc's own rule -- and
 leaves it out of the index. Why here and not only in gc's ``--watch`` pass: that pass runs every
 few minutes, and an expired object lives on half a period on average. At a 10-minute period
-that was 300 s on top of the ~17 minutes gc keeps an object at the shortest retention it learns
-(363 s + its 660 s margin): up to 30% more storage, itself a third to a half of the S3 bill on
+that was 300 s on top of the ~17 minutes gc then kept an object at the shortest retention it learns
+(363 s + its 660 s margin of the time): up to 30% more storage, itself a third to a half of the S3 bill on
 the workload family. The publisher lists every ``every_s`` anyway, so deleting from that
 listing costs no request but the DELETEs.
 

@@ -1164,14 +1164,16 @@ def _gc_pass(
 def _learnt_cutoffs(ctx: _Ctx, pub: Any, older_than: float | None) -> Callable[[Entry, float], float]:
     """The age past which gc deletes an object: where its namespace's publisher learns the
     retention (``s3kv.core.retention``), the one it keeps that object for (by its last write or
-    refresh: the longest an engine may have believed) plus gc's margin; else ``cutoff``."""
+    refresh: the longest an engine may have believed) plus gc's margin there -- which may exceed
+    ``cutoff``, gc's own settings' (an engine reporting a longer belief: ``Publisher.margin_s``);
+    else ``cutoff``."""
     if pub is None or not pub.retention or not older_than:
         return lambda e, cutoff: cutoff
 
     def age(e: Entry, cutoff: float) -> float:
         nsp = e.info.key[: e.info.key.index(e.parsed.namespace) + len(e.parsed.namespace) + 1]
         learnt = pub.cutoff_s(nsp, e.info.last_modified)
-        return cutoff if learnt is None else min(cutoff, learnt)
+        return cutoff if learnt is None else learnt
 
     return age
 

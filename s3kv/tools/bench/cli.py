@@ -533,7 +533,7 @@ def _settings_overrides(pairs: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--gc-learnt", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Seconds gc had learnt the retention before the trace's first request (of other traffic: no "
               "reads kept). 0: a fleet that starts with the trace, gc keeping an octave of room beyond 99% of the "
-              "reads; 4260 or more (the ceiling and gc's margin): a fleet long running, gc cutting at the lag 99% "
+              "reads; 3780 or more (the ceiling and gc's margin at the defaults): a fleet long running, gc cutting at the lag 99% "
               "come within, ghost reads telling of later ones (docs/operations.md).")
 @click.option("--clusters", type=click.IntRange(min=1), default=1, show_default=True,
               help="Engines (one per cluster) sharing the store, each with its own device prefix cache.")
