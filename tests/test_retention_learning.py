@@ -413,22 +413,30 @@ def _gc(url: str, now: float, env: dict[str, str]) -> dict:
     return json.loads(r.output.strip().splitlines()[-1])
 
 
-def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_knew(tmp_path):
-    """Objects written after gc learnt a retention (plus the time every engine takes to see it) go
-    at it plus gc's margin; older ones were believed for the ceiling and stay until it; with
-    S3KV_RETENTION_AUTO=false gc keeps the ceiling for all."""
+def _file_writer(tmp_path):
+    """(url, store, a leader that writes there, its namespace prefix) on a file:// cache."""
     url = f"file://{tmp_path}/cache"
     store = open_store(url)
     writer = _leader(store, fleet_index_s=0)
     writer.scheme = dataclasses.replace(writer.scheme, prefix="")  # file:// URLs carry no key prefix
-    nsp = writer.scheme.namespace_prefix
+    return url, store, writer, writer.scheme.namespace_prefix
+
+
+def _aged(tmp_path, writer, store, seed: int, age: float, now: float) -> list[str]:
+    """An object chain written ``age`` seconds before ``now`` (its files' times set back)."""
+    keys = _write(writer, store, tokens_of(8 * TPB + 9, seed=seed), 8)
+    for k in keys:
+        os.utime(tmp_path / "cache" / k, (now - age, now - age))
+    return keys
+
+
+def test_gc_deletes_by_the_learnt_retention_only_what_was_written_after_engines_knew(tmp_path):
+    """Objects written after gc learnt a retention (plus the time every engine takes to see it) go
+    at it plus gc's margin; older ones were believed for the ceiling and stay until it; with
+    S3KV_RETENTION_AUTO=false gc keeps the ceiling for all."""
+    url, store, writer, nsp = _file_writer(tmp_path)
     now = time.time()
-    aged = {}
-    for seed, age in ((1, 1100.0), (2, 100.0), (3, 1990.0)):
-        keys = _write(writer, store, tokens_of(8 * TPB + 9, seed=seed), 8)
-        for k in keys:
-            os.utime(tmp_path / "cache" / k, (now - age, now - age))
-        aged[age] = keys
+    aged = {age: _aged(tmp_path, writer, store, seed, age, now) for seed, age in ((1, 1100.0), (2, 100.0), (3, 1990.0))}
     # Learnt for 5,000 s (past the ceiling and its margin): the reads alone decide -- all within a
     # minute, the floor -- and what was written since goes at 960 s (the 1,100 s ones went before).
     for env, learnt_ago, gone in (({"S3KV_RETENTION_AUTO": "false"}, 2000, []), ({}, 2000, aged[1100.0]),
@@ -454,15 +462,9 @@ def test_gc_expired_keeps_what_an_engine_of_the_version_before_may_still_believe
     settings': an object 3,900 s old (past the ceiling plus gc's own 180 s) stays while an engine
     whose report names no belief (one of the version before: 600 s) reports, and goes once that
     engine's newer report says 120 s."""
-    url = f"file://{tmp_path}/cache"
-    store = open_store(url)
-    writer = _leader(store, fleet_index_s=0)
-    writer.scheme = dataclasses.replace(writer.scheme, prefix="")  # file:// URLs carry no key prefix
-    nsp = writer.scheme.namespace_prefix
+    url, store, writer, nsp = _file_writer(tmp_path)
     now = time.time()
-    keys = _write(writer, store, tokens_of(8 * TPB + 9, seed=5), 8)
-    for k in keys:
-        os.utime(tmp_path / "cache" / k, (now - 3900.0, now - 3900.0))
+    keys = _aged(tmp_path, writer, store, 5, 3900.0, now)
     assert CAP + Settings().index_ttl_s + EXPIRY_MARGIN_S < 3900.0 < CAP + LEGACY_BELIEF_S + EXPIRY_MARGIN_S
     for seq, belief, kept in ((0, None, True), (1, 120.0, False)):
         k = report_key(nsp, "00000000000000aa", seq)
