@@ -100,6 +100,37 @@ def test_partial_block_device_match_is_a_counted_miss():
     assert core.stats.partial_block_misses == 1
 
 
+def test_a_request_finished_after_its_pages_were_freed_saves_nothing_more(caplog):
+    """KVCacheManagerV2's request_finished with one empty list per group: the engine freed the
+    request's pages first (its forward raised and _handle_errors failed it, or the overlap loop
+    finishes a request cancelled in flight). Those pages may be another request's, and the last
+    forward may never have written them: the standing finish plan, which copies them, must not run.
+    False keeps the id from get_finished; the next metadata has the workers drop its plan and open
+    objects -- before this, True sent the plan to run and only a log said the pages were gone."""
+    from test_leader_plan import decode
+
+    g = geometry()
+    core = make_core(g, storage_policy="window", checkpoint_tokens=64 * TPB)
+    P = 20 * TPB + 3
+    tokens = toks(P)
+    core.get_num_new_matched_tokens(1, tokens, P, 0)
+    src = Slots(g)
+    slots = src.alloc(21)
+    run_prefill(core, 1, tokens, slots)
+    decode(core, 1, tokens, slots, src, 4 * TPB)
+    plan = core._requests[1].finish_sent
+    assert plan is not None and plan.stages  # it would copy live pages at finish
+    with caplog.at_level(logging.WARNING):
+        assert core.request_finished(1, [[], []]) is False
+    assert core.stats.finished_after_release == 1 and core.stats.finish_plan_mismatches == 0
+    assert "freed its pages" in caplog.text
+    assert core.active_requests() == 0
+    md = core.build_connector_meta([], [])
+    assert 1 in md.discard_ids and not md.stages and not md.seals
+    # A request that never held a page is told with empty lists as always: nothing to drop.
+    assert core.request_finished(2, [[], []]) is False and core.stats.finished_after_release == 1
+
+
 def test_finish_plan_pages_the_engine_no_longer_holds_are_reported(caplog):
     g = geometry()
     core = make_core(g, storage_policy="window", checkpoint_tokens=64 * TPB)

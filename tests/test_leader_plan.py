@@ -393,8 +393,9 @@ def test_request_finished_false_when_nothing_pending_and_state_released():
     P = 8 * TPB + 2  # 8 full blocks: two whole chunks, nothing left open
     tokens = toks(P)
     core.get_num_new_matched_tokens(1, tokens, P, 0)
-    run_prefill(core, 1, tokens, Slots(g).alloc(9))
-    assert core.request_finished(1, [[], []]) is False
+    slots = Slots(g).alloc(9)
+    run_prefill(core, 1, tokens, slots)
+    assert core.request_finished(1, slots) is False  # the pages it holds (empty lists: freed first)
     assert core.active_requests() == 0
     assert core.build_connector_meta([], []).empty
 

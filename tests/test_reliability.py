@@ -915,6 +915,45 @@ def test_a_running_request_freed_without_a_word_leaves_nothing_staged() -> None:
     assert left == [0] * len(left), f"staging still held for the cancelled request: {left} bytes"
 
 
+def test_a_forward_that_raises_never_has_the_failed_requests_pages_saved() -> None:
+    """The model's forward raises mid-decode (not a connector call): the non-overlap loop fails
+    every active request and frees its pages, then still sends the batch to ``_send_kv_async`` --
+    on the KVCacheManagerV2 line ``request_finished_by_layer_group`` with one empty list per group.
+    The pages the forward was writing hold garbage, and freed pages go to the next request: the
+    connector must save nothing more of the failed request (its standing finish plan copies those
+    pages), drop what it staged for it, survive, and serve what it saved before."""
+    mem, settings = _memory_cold(SMALL)
+    victim = tuple(range(3000, 3000 + 200))  # a miss: computes, stages and saves its pages
+    box: dict[str, Any] = {}
+
+    def fails(it: int) -> bool:
+        if "seals" in box:
+            return False
+        live = [st for st in box["engine"]._live if st.rid == 7000]
+        if not live or live[0].computed < len(victim) + 3 * SMALL.tokens_per_block:
+            return False
+        box["seals"] = [w.core.stats().seals_submitted for w in box["engine"].workers]
+        box["plan"] = box["engine"].leader.core._requests[7000].finish_sent
+        return True
+
+    engine = box["engine"] = _engine(SMALL, settings, mem, "p", forward_fails=fails)
+    with engine:
+        failed = _run(engine, [[SimRequestSpec(7000, victim, 96)]])
+        assert "seals" in box, "the forward never failed: the test shows nothing"
+        assert box["plan"] is not None and box["plan"].stages, "no finish plan copied pages: the test shows nothing"
+        after = [w.core.stats().seals_submitted for w in engine.workers]
+        told = engine.leader.core.stats.finished_after_release
+        again = _run(engine, [[SimRequestSpec(7001, victim, 8)]])  # what was saved before the failure
+        staged = [w.core.stats().staging_in_use for w in engine.workers]
+        live = engine.leader.core.active_requests()
+    assert after == box["seals"], f"saves of the failed request after its forward raised: {box['seals']} -> {after}"
+    for r in (failed, again):
+        _clean(r)
+    assert told == 1 and live == 0
+    assert again.matched_tokens > 0
+    assert staged == [0] * len(staged), f"staging still held for the failed request: {staged} bytes"
+
+
 # --------------------------------------------------------------------------- bugs outside this file
 
 

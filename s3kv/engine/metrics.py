@@ -321,6 +321,12 @@ class Metrics:
             "Requests the engine freed with no connector call (a page of theirs went to another request).",
             registry=r,
         )
+        self.finished_after_release = Counter(
+            f"{p}_requests_finished_after_release",
+            "Requests told finished after the engine freed their pages (a failed forward, a cancel in "
+            "flight): nothing more of them is saved.",
+            registry=r,
+        )
         self.branch_tails = Counter(
             f"{p}_branch_tails", "Sliding-window tails stored at a branch point a lookup found.", registry=r
         )
@@ -578,6 +584,7 @@ class Metrics:
             (self.offers_cut, "offers_cut"),
             (self.tokens_cut, "tokens_cut"),
             (self.requests_freed_silently, "requests_freed_silently"),
+            (self.finished_after_release, "finished_after_release"),
             (self.lookup_unhidden_stall, "lookup_unhidden_stall_s"),
             (self.lookup_added_latency, "lookup_added_latency_s"),
             (self.lookup_trusted_hits, "lookup_trusted_hits"),

@@ -302,7 +302,10 @@ class SimEngine:
         attention_dp: tuple[int, int] | None = None,
         first_chunk: Callable[[int], int | None] | None = None,
         grow_fails: Callable[[int], bool] | None = None,
+        forward_fails: Callable[[int], bool] | None = None,
     ):
+        if forward_fails is not None and overlap:
+            raise ValueError("forward_fails models the non-overlap loop (the overlap loop dies on one)")
         if tp_size is None:
             tp_size = model.tp_size
         elif model.tp_size != 1 and tp_size != model.tp_size:
@@ -325,6 +328,7 @@ class SimEngine:
         self.honour = honour or (lambda offer: offer)
         self.first_chunk = first_chunk
         self.grow_fails = grow_fails
+        self.forward_fails = forward_fails
         self.preempt_hook = preempt_hook
         self.discard_hook = discard_hook
         self.extra_retained_blocks = extra_retained_blocks
@@ -587,6 +591,8 @@ class SimEngine:
         if self.overlap:
             return self._iteration_overlap(it)
         progressed, started_loading, scheduled, stream = self._schedule_and_start(it)
+        if scheduled and self.forward_fails is not None and self.forward_fails(it):
+            return self._forward_failed(it, scheduled, started_loading)
 
         # 3. The forward, only if something is left to compute; wait_for_save at its end.
         progressed |= self._run_forward(scheduled, stream)
@@ -771,6 +777,43 @@ class SimEngine:
         self._forward(scheduled, stream)
         for w in self.workers:
             self._call("wait_for_save", w.wait_for_save, stream)
+        return True
+
+    def _forward_failed(self, it: int, scheduled: list[tuple[_Req, int, bool]], started_loading: list[int]) -> bool:
+        """The forward raised -- the model's error, not a connector's (py_executor ``_forward_step``
+        catches it). It stopped part-way: the pages it was writing hold no request's KV, and no
+        ``wait_for_save`` runs. ``_handle_errors`` fails every active request (parked ones are left
+        out here: whether they are active then was not verified) and frees its pages with no
+        connector call. The same pass goes on: ``_send_kv_async(scheduled_batch.all_requests())``
+        finds the batch's requests finished, their cache gone -- on the KVCacheManagerV2 line the
+        manager calls ``request_finished_by_layer_group`` with one empty list per group (on the
+        flat line V1's ``get_cache_indices`` raises for a freed request and it is skipped: not
+        verified) -- and ``get_finished`` runs as in every pass."""
+        tpb = self.tpb
+        for st, n, _ in scheduled:  # what a forward stopped part-way leaves: not this request's KV
+            for b in range(st.computed // tpb, (st.computed + n - 1) // tpb + 1):
+                for gi, g in enumerate(self.groups):
+                    slot = st.blocks[gi][b]
+                    if slot < 0:
+                        continue
+                    for rank, pool in enumerate(self.pools):
+                        self.checker.forget(rank, gi, slot)
+                        for layer in g.layer_ids:
+                            for k in range(pool.region_count(gi)):
+                                pool.layer_segment(gi, k, slot, layer).fill_(-7)
+        batch = {st.rid for st, _, _ in scheduled}
+        finished_gen: list[int] = []
+        for st in [s for s in self._live if s.phase is _Phase.RUNNING]:
+            st.failed = "forward failed"
+            st.t_done, st.it_done = time.perf_counter(), it
+            st.t_first_token = st.t_first_token or st.t_done
+            self._done_ids.add(st.rid)
+            self._live.remove(st)
+            self._release(st)
+            st.phase = _Phase.DONE
+            if st.rid in batch and not self.flat:
+                self._finish_released(st, finished_gen)
+        self._get_finished(finished_gen, started_loading)
         return True
 
     def _cancel_due(self, it: int, finished: list[_Req]) -> None:

@@ -405,7 +405,29 @@ class LeaderCore:
             st = self._requests.pop(request_id, None)
             if st is None or st.root is None:
                 return False
+            if any(st.slots) and not any(block_ids_by_group):
+                return self._finished_after_release(st)
             return self._finish.finished(self._ctx, st, block_ids_by_group)
+
+    def _finished_after_release(self, st: RequestState) -> bool:
+        """``request_finished`` with one empty list per group for a request that held pages: the
+        engine freed them first. On the KVCacheManagerV2 line that is a request failed by
+        ``_handle_errors`` after its forward raised (the non-overlap loop still sends the batch to
+        ``_send_kv_async``), or one cancelled while the overlap loop held it in its previous batch.
+        Its pages may be another request's by now, and the last forward may not have written
+        them: the standing finish plan must not run (its stages copy those pages -- into objects
+        every engine would load). So False keeps its id from ``get_finished``, the workers drop its
+        plan and open objects with the next metadata (uploading nothing), and a parked load of
+        it is stopped before the next forward."""
+        rid = st.request_id
+        self._discards.add(rid)
+        if st.load.parked:
+            self._pages.abandoned.add(rid)
+            self.stats.loads_abandoned += 1
+        self.stats.finished_after_release += 1
+        log.warning("s3kv: request %s finished after the engine freed its pages (it failed, or was cancelled "
+                    "in flight); nothing more of it is saved", rid, extra={"request_id": rid})
+        return False
 
     # ------------------------------------------------------------------ introspection
     def active_requests(self) -> int:

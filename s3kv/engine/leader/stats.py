@@ -101,6 +101,9 @@ class LeaderStats:
     #: request, ``pages.py``): parked ones (their loads stopped) and running ones.
     loads_abandoned: int = 0
     requests_freed_silently: int = 0
+    #: Requests told finished after the engine had freed their pages (one empty list per group:
+    #: ``LeaderCore.request_finished``): nothing more of them is saved.
+    finished_after_release: int = 0
     #: Requests the engine aborted through its failed-load path (``try_abort_request``).
     loads_aborted: int = 0
     honoured_less: int = 0

@@ -82,9 +82,12 @@ class SaveJobs:
 
     # -- per iteration ----------------------------------------------------
     def bind(self, md: ConnectorMetadata) -> None:
-        """Take the metadata's finish plans (a discarded request's plan goes first)."""
+        """Take the metadata's finish plans; drop what discarded requests staged (plan first). Here,
+        not in ``wait_for_save``: a pass whose requests were all parked runs no forward, and its
+        discards would be lost -- a failed request's buffers then stayed for good."""
         for rid in md.discard_ids:
             self.finish_plans.pop(rid, None)
+            self.discard(rid)
         for plan in md.finish_plans:
             if plan.empty:
                 self.finish_plans.pop(plan.request_id, None)
@@ -101,7 +104,7 @@ class SaveJobs:
             self.counters.add("saves_dropped_other", len(md.seals))
             return
         try:
-            for rid in set(md.discard_ids) | failed:
+            for rid in failed:
                 self.discard(rid)
             self._stage([op for op in md.stages if op.buffer.request_id not in failed], stream)
             for seal in md.seals:
