@@ -954,6 +954,40 @@ def test_a_forward_that_raises_never_has_the_failed_requests_pages_saved() -> No
     assert staged == [0] * len(staged), f"staging still held for the failed request: {staged} bytes"
 
 
+def test_a_request_cancelled_in_flight_on_the_overlap_loop_has_nothing_more_saved() -> None:
+    """The overlap loop on the KVCacheManagerV2 line frees a request cancelled while in the batch
+    just queued, and the next pass's ``_send_kv_async`` still tells the connector it finished, with
+    one empty list per group -- after that pass's forward may have written another request's KV
+    into its pages. Its standing finish plan (which copies them) ran, with a "please report" error;
+    now nothing more of it is saved and what it staged is dropped."""
+    mem, settings = _memory_cold(SMALL)
+    victim = tuple(range(5000, 5000 + 200))
+    engine = _engine(SMALL, settings, mem, "p", overlap=True, silent_cancel=True)
+    with engine:
+        busy = SimRequestSpec(7102, tuple(range(7000, 7000 + 64)), 64)  # keeps the loop running after the cancel
+        rep = engine.run([SimRequestSpec(7100, victim, 96, cancel_after_iterations=40), busy])
+        out = next(r for r in rep.requests if r.request_id == 7100)
+        stats = engine.leader.core.stats
+        told, mismatched = stats.finished_after_release, stats.finish_plan_mismatches
+        for w in engine.workers:
+            w.flush(30.0)
+        _clean(_run(engine, [[SimRequestSpec(7103, tuple(range(9500, 9500 + 200)), 8)]]))  # its next metadata
+        staged = [w.core.stats().staging_in_use for w in engine.workers]
+    # The user sends the conversation on, to another engine (this one quarantined what it found
+    # wrong; the fleet did not): a hit on anything the cancelled request saved is checked.
+    cont = victim + out.output_tokens + tuple(range(12000, 12000 + 40))
+    other = _engine(SMALL, settings, mem, "p")
+    with other:
+        nxt = _run(other, [[SimRequestSpec(7101, cont, 8)]])
+    assert out.cancelled and len(out.output_tokens) >= 2 * SMALL.tokens_per_block
+    assert rep.kv_mismatches == 0
+    _clean(nxt)
+    assert nxt.matched_tokens > 0
+    assert mismatched == 0, "the finish plan of a request whose pages were freed ran"
+    assert told == 1
+    assert staged == [0] * len(staged), f"staging still held for the cancelled request: {staged} bytes"
+
+
 # --------------------------------------------------------------------------- bugs outside this file
 
 
