@@ -127,8 +127,14 @@ def test_a_request_finished_after_its_pages_were_freed_saves_nothing_more(caplog
     assert core.active_requests() == 0
     md = core.build_connector_meta([], [])
     assert 1 in md.discard_ids and not md.stages and not md.seals
-    # A request that never held a page is told with empty lists as always: nothing to drop.
+    # A request looked up but never given a page is told with empty lists as always: nothing to drop.
+    core.get_num_new_matched_tokens(2, toks(3 * TPB), 3 * TPB, 0)
+    assert core.active_requests() == 1
     assert core.request_finished(2, [[], []]) is False and core.stats.finished_after_release == 1
+    # One V2 branch passes the lists as a dict keyed by group id: the same rule.
+    core.get_num_new_matched_tokens(3, tokens, P, 0)
+    run_prefill(core, 3, tokens, Slots(g).alloc(21))
+    assert core.request_finished(3, {0: [], 1: []}) is False and core.stats.finished_after_release == 2
 
 
 def test_finish_plan_pages_the_engine_no_longer_holds_are_reported(caplog):

@@ -37,7 +37,7 @@ from .finish import FinishPlanner
 from .loads import LoadPlanner
 from .lookup import Lookups
 from .pages import PageOwners
-from .requests import RequestState
+from .requests import RequestState, group_lists
 from .saves import SavePlanner
 from .stats import LeaderStats
 from .writes import WritePolicy
@@ -405,7 +405,7 @@ class LeaderCore:
             st = self._requests.pop(request_id, None)
             if st is None or st.root is None:
                 return False
-            if any(st.slots) and not any(block_ids_by_group):
+            if any(st.slots) and not any(group_lists(block_ids_by_group, len(st.slots))):
                 return self._finished_after_release(st)
             return self._finish.finished(self._ctx, st, block_ids_by_group)
 
@@ -416,14 +416,11 @@ class LeaderCore:
         ``_send_kv_async``), or one cancelled while the overlap loop held it in its previous batch.
         Its pages may be another request's by now, and the last forward may not have written
         them: the standing finish plan must not run (its stages copy those pages -- into objects
-        every engine would load). So False keeps its id from ``get_finished``, the workers drop its
-        plan and open objects with the next metadata (uploading nothing), and a parked load of
-        it is stopped before the next forward."""
+        every engine would load). So False keeps its id from ``get_finished``, and the workers drop
+        its plan and open objects with the next metadata, uploading nothing. (A parked request
+        has no pages reported yet: it never comes here, and its load stops at ``get_finished``.)"""
         rid = st.request_id
         self._discards.add(rid)
-        if st.load.parked:
-            self._pages.abandoned.add(rid)
-            self.stats.loads_abandoned += 1
         self.stats.finished_after_release += 1
         log.warning("s3kv: request %s finished after the engine freed its pages (it failed, or was cancelled "
                     "in flight); nothing more of it is saved", rid, extra={"request_id": rid})

@@ -87,7 +87,10 @@ class SaveJobs:
         discards would be lost -- a failed request's buffers then stayed for good."""
         for rid in md.discard_ids:
             self.finish_plans.pop(rid, None)
-            self.discard(rid)
+            try:
+                self.discard(rid)
+            except Exception:  # noqa: BLE001 - the plans below must still be taken
+                log.exception("s3kv: dropping what request %s staged failed", rid)
         for plan in md.finish_plans:
             if plan.empty:
                 self.finish_plans.pop(plan.request_id, None)
@@ -325,6 +328,10 @@ class SaveJobs:
         self.discard(rid)
 
     def discard(self, request_id: int) -> None:
+        """Drop what ``request_id`` staged, uploading nothing. Its stage copies are waited for
+        first (done by now, in every path traced): a buffer back in the pool may go to a download
+        at once, and a copy still landing would overwrite what that download placed."""
         for bid in [b for b in self.buffers if b.request_id == request_id]:
+            Copier.synchronize(self.buffers[bid].ready)
             self._close_buffer(bid)
         self.dropped = {b for b in self.dropped if b.request_id != request_id}
