@@ -100,6 +100,23 @@ def test_partial_block_device_match_is_a_counted_miss():
     assert core.stats.partial_block_misses == 1
 
 
+def _decoding_past_its_prompt(rid: int = 1):
+    """A leader whose request ``rid`` prefilled 20 blocks and decoded 4 more: its standing finish
+    plan stages live pages. -> (core, geometry, tokens, page lists, metadata so far)."""
+    from test_leader_plan import decode
+
+    g = geometry()
+    core = make_core(g, storage_policy="window", checkpoint_tokens=64 * TPB)
+    P = 20 * TPB + 3
+    tokens = toks(P)
+    core.get_num_new_matched_tokens(rid, tokens, P, 0)
+    src = Slots(g)
+    slots = src.alloc(21)
+    metas = run_prefill(core, rid, tokens, slots)
+    metas += decode(core, rid, tokens, slots, src, 4 * TPB)
+    return core, g, tokens, slots, metas
+
+
 def test_a_request_finished_after_its_pages_were_freed_saves_nothing_more(caplog):
     """KVCacheManagerV2's request_finished with one empty list per group: the engine freed the
     request's pages first (its forward raised and _handle_errors failed it, or the overlap loop
@@ -107,17 +124,7 @@ def test_a_request_finished_after_its_pages_were_freed_saves_nothing_more(caplog
     forward may never have written them: the standing finish plan, which copies them, must not run.
     False keeps the id from get_finished; the next metadata has the workers drop its plan and open
     objects -- before this, True sent the plan to run and only a log said the pages were gone."""
-    from test_leader_plan import decode
-
-    g = geometry()
-    core = make_core(g, storage_policy="window", checkpoint_tokens=64 * TPB)
-    P = 20 * TPB + 3
-    tokens = toks(P)
-    core.get_num_new_matched_tokens(1, tokens, P, 0)
-    src = Slots(g)
-    slots = src.alloc(21)
-    run_prefill(core, 1, tokens, slots)
-    decode(core, 1, tokens, slots, src, 4 * TPB)
+    core, g, tokens, _, _ = _decoding_past_its_prompt()
     plan = core._requests[1].finish_sent
     assert plan is not None and plan.stages  # it would copy live pages at finish
     with caplog.at_level(logging.WARNING):
@@ -132,23 +139,13 @@ def test_a_request_finished_after_its_pages_were_freed_saves_nothing_more(caplog
     assert core.active_requests() == 1
     assert core.request_finished(2, [[], []]) is False and core.stats.finished_after_release == 1
     # One V2 branch passes the lists as a dict keyed by group id: the same rule.
-    core.get_num_new_matched_tokens(3, tokens, P, 0)
+    core.get_num_new_matched_tokens(3, tokens, len(tokens), 0)
     run_prefill(core, 3, tokens, Slots(g).alloc(21))
     assert core.request_finished(3, {0: [], 1: []}) is False and core.stats.finished_after_release == 2
 
 
 def test_finish_plan_pages_the_engine_no_longer_holds_are_reported(caplog):
-    g = geometry()
-    core = make_core(g, storage_policy="window", checkpoint_tokens=64 * TPB)
-    P = 20 * TPB + 3
-    tokens = toks(P)
-    core.get_num_new_matched_tokens(1, tokens, P, 0)
-    src = Slots(g)
-    slots = src.alloc(21)
-    metas = run_prefill(core, 1, tokens, slots)
-    from test_leader_plan import decode
-
-    metas += decode(core, 1, tokens, slots, src, 4 * TPB)
+    core, g, tokens, slots, metas = _decoding_past_its_prompt()
     # The engine claims it freed every sliding page (it does not follow the page rule s3kv assumes).
     live = [[-1] * len(slots[0]), slots[1]]
     with caplog.at_level(logging.ERROR):
