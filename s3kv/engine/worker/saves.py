@@ -88,7 +88,7 @@ class SaveJobs:
         for rid in md.discard_ids:
             self.finish_plans.pop(rid, None)
             try:
-                self.discard(rid)
+                self.discard(rid, wait=True)
             except Exception:  # noqa: BLE001 - the plans below must still be taken
                 log.exception("s3kv: dropping what request %s staged failed", rid)
         for plan in md.finish_plans:
@@ -327,11 +327,13 @@ class SaveJobs:
         self.finish_plans.pop(rid, None)
         self.discard(rid)
 
-    def discard(self, request_id: int) -> None:
-        """Drop what ``request_id`` staged, uploading nothing. Its stage copies are waited for
-        first (done by now, in every path traced): a buffer back in the pool may go to a download
-        at once, and a copy still landing would overwrite what that download placed."""
+    def discard(self, request_id: int, *, wait: bool = False) -> None:
+        """Drop what ``request_id`` staged, uploading nothing. ``wait``: its stage copies are
+        waited for first (a discard the metadata brings: done by now in every path traced, and a
+        buffer back in the pool may go to a download at once, which a copy still landing would
+        overwrite). Not at a finish: ``get_finished`` must not block on the copies it just issued."""
         for bid in [b for b in self.buffers if b.request_id == request_id]:
-            Copier.synchronize(self.buffers[bid].ready)
+            if wait:
+                Copier.synchronize(self.buffers[bid].ready)
             self._close_buffer(bid)
         self.dropped = {b for b in self.dropped if b.request_id != request_id}
