@@ -442,12 +442,12 @@ def test_a_read_adds_only_what_is_above_the_tail_the_store_holds_below():
             m.read(digest(i), None, 32_768, 0, TAIL, 0)
     m.tick(3000)
     pe = Boundary(PROMPT_END, 32_768, digest(1), (TAIL,), (), CHAIN_BLOCK / 64)
-    above = dataclasses.replace(pe, stored_below=30_720)
+    above = dataclasses.replace(pe, stored_below=31_744)  # a read of it adds 1,024 tokens of prefill
     assert m.worth(above) < 0 < m.worth(pe)
     assert m.plan([above]).decisions[(PROMPT_END, 32_768)] != "write"
     assert m.plan([pe]).decisions[(PROMPT_END, 32_768)] == "write"
     assert m.worth(dataclasses.replace(pe, stored_below=32_768)) == m.worth(pe)  # not below it
-    worths = [m.worth(dataclasses.replace(pe, stored_below=t)) for t in (0, 2048, 16_384, 30_720)]
+    worths = [m.worth(dataclasses.replace(pe, stored_below=t)) for t in (0, 2048, 16_384, 31_744)]
     assert worths == sorted(worths, reverse=True) and worths[0] - worths[-1] > 0.9 * worths[0]
 
 
