@@ -289,4 +289,11 @@ def expiry_age_s(settings: Any) -> float:
     must outlive that belief, or the promised load finds nothing (a failed load, where refresh
     could not keep it young: a bucket refusing the copy, an engine that only looked it up).
     Settings are the ones gc runs with: engines with longer ones need them here too."""
-    return settings.retention_h * 3600.0 + settings.index_ttl_s + settings.lookup_summary_trust_s + EXPIRY_MARGIN_S
+    return settings.retention_h * 3600.0 + promise_s(settings) + EXPIRY_MARGIN_S
+
+
+def promise_s(settings: Any) -> float:
+    """How long an engine promises loads on an answer it got without asking again: a HEAD's
+    (``index_ttl_s``) or a listing's (``lookup_summary_trust_s``). gc's margin covers it
+    (:func:`expiry_age_s`), and engines report it for gc (``core.retention``, ``belief_s``)."""
+    return settings.index_ttl_s + settings.lookup_summary_trust_s

@@ -55,6 +55,7 @@ top to bottom.
 from __future__ import annotations
 
 import enum
+import itertools
 import pickle
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -790,17 +791,8 @@ class SimEngine:
         flat line V1's ``get_cache_indices`` raises for a freed request and it is skipped: not
         verified) -- and ``get_finished`` runs as in every pass."""
         tpb = self.tpb
-        for st, n, _ in scheduled:  # what a forward stopped part-way leaves: not this request's KV
-            for b in range(st.computed // tpb, (st.computed + n - 1) // tpb + 1):
-                for gi, g in enumerate(self.groups):
-                    slot = st.blocks[gi][b]
-                    if slot < 0:
-                        continue
-                    for rank, pool in enumerate(self.pools):
-                        self.checker.forget(rank, gi, slot)
-                        for layer in g.layer_ids:
-                            for k in range(pool.region_count(gi)):
-                                pool.layer_segment(gi, k, slot, layer).fill_(-7)
+        for st, n, _ in scheduled:
+            self._spoil(st, range(st.computed // tpb, (st.computed + n - 1) // tpb + 1))
         batch = {st.rid for st, _, _ in scheduled}
         finished_gen: list[int] = []
         for st in [s for s in self._live if s.phase is _Phase.RUNNING]:
@@ -815,6 +807,17 @@ class SimEngine:
                 self._finish_released(st, finished_gen)
         self._get_finished(finished_gen, started_loading)
         return True
+
+    def _spoil(self, st: _Req, ordinals: range) -> None:
+        """What a forward stopped part-way leaves in the pages it was writing: no request's KV
+        (and nothing the checker expects of them)."""
+        for b, (gi, g), (rank, pool) in itertools.product(ordinals, enumerate(self.groups), enumerate(self.pools)):
+            slot = st.blocks[gi][b]
+            if slot < 0:
+                continue
+            self.checker.forget(rank, gi, slot)
+            for layer, k in itertools.product(g.layer_ids, range(pool.region_count(gi))):
+                pool.layer_segment(gi, k, slot, layer).fill_(-7)
 
     def _cancel_due(self, it: int, finished: list[_Req]) -> None:
         """Requests whose client gave up (``cancel_after_iterations``) join ``finished``."""

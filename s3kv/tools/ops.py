@@ -35,7 +35,7 @@ import click
 import xxhash
 
 from ..config import ConfigError, Settings, load_settings, redact_url
-from ..core.cost import EXPIRY_MARGIN_S, expiry_age_s
+from ..core.cost import EXPIRY_MARGIN_S, expiry_age_s, promise_s
 from ..core.keys import DIGEST_SIZE, ParsedKey, parse_key
 from ..core.objects import (
     ChecksumMismatch,
@@ -579,8 +579,7 @@ def stats_command(ctx: _Ctx, namespace: str | None, deep: bool, engines: tuple[s
         scraped = scrape(engines)  # each endpoint read once: the three lines agree on what it said
         doc["tiers"] = engine_tiers(scraped)
         doc["lookups"] = _lookup_costs(scraped, gpu)
-        st = ctx.settings if ctx.settings is not None else Settings()  # gc's margin past the retention
-        margin = expiry_age_s(st) - st.retention_h * 3600
+        margin = promise_s(ctx.settings or Settings()) + EXPIRY_MARGIN_S  # gc's margin past the retention
         doc["value"] = _value_line(scraped, prices, margin)
 
     def text() -> Iterator[str]:

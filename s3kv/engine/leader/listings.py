@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from ...config import Settings
-from ...core.cost import expiry_age_s
+from ...core.cost import expiry_age_s, promise_s
 from ...core.fleetindex import DIGEST_BYTES, FleetIndex
 from ...core.lookup import Ask
 from ...core.objects import ObjectSpan
@@ -214,7 +214,7 @@ class Listings:
                 max_objects=self.settings.fleet_index_max_objects,
             )
             self._fleet.reads, self._fleet.evidence = self.reads, self.evidence
-            self._fleet.belief_s = self.settings.index_ttl_s + self.settings.lookup_summary_trust_s
+            self._fleet.belief_s = promise_s(self.settings)
             # The refresher holds no reference to the listings (nor the leader holding them); it
             # stops when they go.
             weakref.finalize(self, self._fleet.stop)
