@@ -7,7 +7,6 @@ import logging
 from test_leader_plan import (
     Slots,
     engine_slots,
-    finish,
     geometry,
     make_core,
     run_prefill,
@@ -144,11 +143,23 @@ def test_a_request_finished_after_its_pages_were_freed_saves_nothing_more(caplog
     assert core.request_finished(3, {0: [], 1: []}) is False and core.stats.finished_after_release == 2
 
 
-def test_finish_plan_pages_the_engine_no_longer_holds_are_reported(caplog):
+def test_a_finish_plan_whose_pages_the_engine_no_longer_holds_never_runs(caplog):
+    """An engine that frees sliding pages earlier than the page rule s3kv assumes lists fewer pages
+    at request_finished than the standing plan copies. Those pages may be another request's: the
+    plan must not run (before, it ran and uploaded them, and only a log and a local quarantine
+    followed). False keeps the id from get_finished; the next metadata discards the plan."""
     core, g, tokens, slots, metas = _decoding_past_its_prompt()
-    # The engine claims it freed every sliding page (it does not follow the page rule s3kv assumes).
-    live = [[-1] * len(slots[0]), slots[1]]
+    plan = core._requests[1].finish_sent
+    assert plan is not None and plan.stages and any(op.buffer.group == 0 for op in plan.stages)
+    live = [[-1] * len(slots[0]), slots[1]]  # every sliding page gone, the full-attention ones listed
     with caplog.at_level(logging.ERROR):
-        busy, _ = finish(core, 1, live, metas)
-    assert busy and core.stats.finish_plan_mismatches == 1 and "please report" in caplog.text
+        assert core.request_finished(1, live) is False
+    assert core.stats.finish_plan_mismatches == 1 and "please report" in caplog.text
+    assert core.stats.finished_after_release == 0  # not every list was empty
+    md = core.build_connector_meta([], [])
+    assert 1 in md.discard_ids and not md.stages and not md.seals
+    # The same request with its pages listed as the rule says: the plan runs (True) and nothing is dropped.
+    core2, _, _, slots2, _ = _decoding_past_its_prompt()
+    assert core2.request_finished(1, slots2) is True and core2.stats.finish_plan_mismatches == 0
+    assert 1 not in core2.build_connector_meta([], []).discard_ids
 

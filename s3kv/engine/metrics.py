@@ -327,6 +327,12 @@ class Metrics:
             "flight): nothing more of them is saved.",
             registry=r,
         )
+        self.finish_plans_dropped = Counter(
+            f"{p}_finish_plans_dropped",
+            "Finish plans dropped, never run: the engine listed fewer pages at request_finished than the "
+            "plan copies (its sliding-window page rule differs from s3kv's).",
+            registry=r,
+        )
         self.branch_tails = Counter(
             f"{p}_branch_tails", "Sliding-window tails stored at a branch point a lookup found.", registry=r
         )
@@ -585,6 +591,7 @@ class Metrics:
             (self.tokens_cut, "tokens_cut"),
             (self.requests_freed_silently, "requests_freed_silently"),
             (self.finished_after_release, "finished_after_release"),
+            (self.finish_plans_dropped, "finish_plan_mismatches"),
             (self.lookup_unhidden_stall, "lookup_unhidden_stall_s"),
             (self.lookup_added_latency, "lookup_added_latency_s"),
             (self.lookup_trusted_hits, "lookup_trusted_hits"),

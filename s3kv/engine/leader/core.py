@@ -94,7 +94,7 @@ class LeaderCore:
         self.writes = WritePolicy(settings, self.stats, self._lookups, model_ref, tp_size,
                                   failed_load_hook if recompute_hook is None else recompute_hook)
         self._saves = SavePlanner(self.stats, self.writes, inflight)
-        self._finish = FinishPlanner(self.stats, self.index, self.writes, inflight)
+        self._finish = FinishPlanner(self.stats, self.writes, inflight)
         self._pages = PageOwners()  # requests freed with no connector call
         self._chains = ChainMemo()  # recent prompts' chains: a repeated prefix is not hashed again
         # Where ranks past 0 (processes of their own) say which objects they found bad.
@@ -405,9 +405,20 @@ class LeaderCore:
             st = self._requests.pop(request_id, None)
             if st is None or st.root is None:
                 return False
-            if any(st.slots) and not any(group_lists(block_ids_by_group, len(st.slots))):
+            lists = group_lists(block_ids_by_group, len(st.slots))
+            if any(st.slots) and not any(lists):
                 return self._finished_after_release(st)
-            return self._finish.finished(self._ctx, st, block_ids_by_group)
+            if not self._finish.plan_pages_held(st, lists):
+                return self._drop_finish(st)
+            return self._finish.finished(st)
+
+    def _drop_finish(self, st: RequestState) -> bool:
+        """The request ended and its finish plan must not run (its pages may be another request's):
+        False keeps its id from ``get_finished``, and the next metadata's ``discard_ids`` have the
+        workers drop its plan and open objects, uploading nothing more of it. (Only a request that
+        computed comes here, so none whose async load may still be landing in its pages.)"""
+        self._discards.add(st.request_id)
+        return False
 
     def _finished_after_release(self, st: RequestState) -> bool:
         """``request_finished`` with one empty list per group for a request that held pages: the
@@ -420,11 +431,10 @@ class LeaderCore:
         its plan and open objects with the next metadata, uploading nothing. (A parked request
         has no pages reported yet: it never comes here, and its load stops at ``get_finished``.)"""
         rid = st.request_id
-        self._discards.add(rid)
         self.stats.finished_after_release += 1
         log.warning("s3kv: request %s finished after the engine freed its pages (it failed, or was cancelled "
                     "in flight); nothing more of it is saved", rid, extra={"request_id": rid})
-        return False
+        return self._drop_finish(st)
 
     # ------------------------------------------------------------------ introspection
     def active_requests(self) -> int:

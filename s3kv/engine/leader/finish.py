@@ -5,19 +5,19 @@ them, and the engine frees a finished request's pages as soon as every rank retu
 So every pass sends each computing request's **standing finish plan** (re-sent only when it
 changes): close every open object and, for each sliding group whose history ran past the
 prompt, stage the live tail a continuation of the conversation needs. The workers run it when
-the id reaches ``get_finished``. At the end, :meth:`FinishPlanner.finished` checks that the
-pages the plan copies are still the request's, and says whether workers still hold work for it.
+the id reaches ``get_finished``. At the end, :meth:`FinishPlanner.plan_pages_held` checks that the
+pages the plan copies are still the request's (else the plan is dropped, never run), and
+:meth:`FinishPlanner.finished` says whether workers still hold work for it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 from ...core.hitrule import window_cut
 from ...core.plan import FinishPlan
-from ..index import KeyIndex
 from .context import LeaderContext
 from .requests import RequestState, SaveState
 from .stats import LeaderStats
@@ -27,9 +27,8 @@ log = logging.getLogger("s3kv.leader")
 
 
 class FinishPlanner:
-    def __init__(self, stats: LeaderStats, index: KeyIndex, writes: WritePolicy, inflight: int = 0):
+    def __init__(self, stats: LeaderStats, writes: WritePolicy, inflight: int = 0):
         self.stats = stats
-        self.index = index
         self.writes = writes
         #: Tokens the engine advances a request past its last report before its finish plan runs:
         #: 1 on the overlap loop, whose request_finished comes a pass after the last forward
@@ -48,8 +47,9 @@ class FinishPlanner:
                 st.finish_sent = plan
         return plans
 
-    def finished(self, ctx: LeaderContext | None, st: RequestState, lists: Sequence[Sequence[int]]) -> bool:
-        """``st`` ended (finished or cancelled): True while workers still hold work for it.
+    def finished(self, st: RequestState) -> bool:
+        """``st`` ended (finished or cancelled) still holding every page its plan copies (see
+        :meth:`plan_pages_held`): True while workers still hold work for it.
 
         Nothing is planned here: the workers already hold the request's standing finish plan
         and run it when the id reaches ``get_finished`` in this same iteration. True keeps the
@@ -58,8 +58,6 @@ class FinishPlanner:
         (a request cancelled while parked).
         """
         sent = st.finish_sent
-        if sent is not None and sent.stages:
-            self._check_live(ctx, st, sent, lists)
         if sent is not None:
             self.writes.on_seals(st, sent.seals, finish=True)
         return bool(
@@ -67,37 +65,29 @@ class FinishPlanner:
             or st.load.parked
         )
 
-    def _check_live(
-        self, ctx: LeaderContext | None, st: RequestState, plan: FinishPlan, lists: Sequence[Sequence[int]]
-    ) -> None:
-        """The finish plan copies pages it expects the engine to still hold; say so loudly if not.
+    def plan_pages_held(self, st: RequestState, lists: list[list[int]]) -> bool:
+        """Whether every page the standing finish plan copies is still listed as the request's.
 
-        The plan was made from the page rule (sliding pages below ``(h+1-W)//tpb`` are
-        freed); an engine that frees earlier would make it copy a page that is no
-        longer the request's. Nothing can be done about it now (no metadata reaches
-        the workers before get_finished), so count it, log it, and forget the keys
-        locally so this engine never serves them.
-        """
+        The plan was made from the page rule (sliding pages below ``(h+1-W)//tpb`` are freed);
+        an engine that frees earlier would have it copy a page that may be another request's by
+        now -- into an object every engine loads. No metadata reaches the workers before
+        ``get_finished``, so the only safe answer is not to run the plan at all (the caller
+        discards it); count it and log it, since it means s3kv's page rule is wrong."""
+        plan = st.finish_sent
         bad = [
-            op for op in plan.stages
+            op for op in (plan.stages if plan is not None else ())
             if op.buffer.group >= len(lists) or op.ordinal >= len(lists[op.buffer.group])
             or lists[op.buffer.group][op.ordinal] != op.slot
         ]
         if not bad:
-            return
+            return True
         self.stats.finish_plan_mismatches += 1
         log.error(
-            "s3kv: request %s finished without page(s) its finish plan copies (group %d ordinal %d); "
-            "the engine's sliding-window page rule differs from the one s3kv assumes -- please report",
-            st.request_id, bad[0].buffer.group, bad[0].ordinal, extra={"request_id": st.request_id},
+            "s3kv: request %s finished without page(s) its finish plan copies (group %d ordinal %d); nothing more "
+            "of it is saved. The engine's sliding-window page rule differs from the one s3kv assumes -- please "
+            "report", st.request_id, bad[0].buffer.group, bad[0].ordinal, extra={"request_id": st.request_id},
         )
-        if st.chain is not None and ctx is not None:
-            g = ctx.geometry
-            keys = [
-                ctx.scheme.object_key(g.groups[seal.buffer.group].fingerprint, s, seal.last_digest)
-                for seal in plan.seals for s in range(g.tp_size)
-            ]
-            self.index.quarantine(keys, ctx.settings.index_ttl_s)
+        return False
 
     def _plan(self, ctx: LeaderContext, st: RequestState) -> FinishPlan:
         """``_make``, recomputed only when what it reads changed.

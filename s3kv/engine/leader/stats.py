@@ -90,7 +90,8 @@ class LeaderStats:
     not_cacheable: int = 0
     #: Of those: LoRA requests whose adapter identity could not be established (s3kv.trtllm.lora).
     lora_unidentified: int = 0
-    #: Finished requests whose finish plan copied pages the engine no longer listed (see _check_live).
+    #: Finished requests whose finish plan would copy pages the engine no longer listed: dropped, never run
+    #: (see FinishPlanner.plan_pages_held).
     finish_plan_mismatches: int = 0
     #: Requests reported without a lookup (no full identity): never saved.
     unkeyed_not_saved: int = 0
