@@ -375,15 +375,18 @@ def run_cell(
     shape: Shape = Shape(),
     *,
     seed: int = 1,
+    **overrides: Any,
 ) -> Cell:
     """One cell: a fresh prefix, a proxy with ``fault`` at ``rate`` in front of ``server``, cluster
-    A (cold) then cluster B (warm), both through the proxy."""
+    A (cold) then cluster B (warm), both through the proxy. ``overrides``: settings over
+    those of :func:`fault_settings`."""
     prefix = f"fm/{fault}-{int(rate * 1000)}-{uuid.uuid4().hex[:8]}"
     settings = fault_settings(
         f"s3://{server.bucket}/{prefix}",
         blocks_per_object=shape.blocks_per_object,
         checkpoint_tokens=shape.checkpoint_tokens,
         load_mode=shape.load_mode,
+        **overrides,
     )
     t0 = time.perf_counter()
     with FaultProxy.for_url(server.endpoint_url, _plan(fault, rate), seed=seed) as px:
