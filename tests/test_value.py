@@ -16,6 +16,7 @@ import pytest
 from s3kv.config import Settings
 from s3kv.core.cost import Prefill
 from s3kv.core.value import (
+    AT_PROMPT_END,
     BRANCH,
     CHECKPOINT,
     EXPLORE_SHARE,
@@ -170,21 +171,35 @@ def test_a_new_kind_is_written_until_its_writes_had_time_to_be_read():
 
 
 def test_reads_of_other_engines_boundaries_are_attributed_by_what_the_reader_sees():
-    """Behind a random router most reads are of other engines' objects (not in the memo). An exact
-    repeat (the hint: the hit reached the reader's prompt end) credits prompt-end tails alone; a
-    read the reader went on past is split between history-end and branch, never prompt-end --
-    which a split over every kind credited with next turns' reads. A hit the host tier served
-    is no S3 read at all."""
+    """Behind a random router most reads are of other engines' objects (not in the memo). A read
+    the reader went on past is split between history-end and branch, never prompt-end -- which a
+    split over every kind credited with next turns' reads. A hit that reached the reader's own
+    prompt end may be an exact repeat (a prompt-end tail) or a next turn whose new tokens stayed in
+    the block its history ended in (a history-end tail): split over both (and branch) as this
+    engine's own reads are -- crediting prompt-end alone, a 4-engine rag replay counted 17 reads of
+    prompt-end tails where 3 were. A hit the host tier served is no S3 read at all."""
     m = model()
     for i in range(8):
         m.wrote(HISTORY_END, [TAIL], digest(i))
         m.wrote(PROMPT_END, [TAIL], digest(100 + i))
-    m.read(digest(0), None, 8192, 0, TAIL, 0)  # own reads: attributed exactly, one of each kind
+    m.read(digest(0), None, 8192, 0, TAIL, 0)  # own reads: attributed exactly, 3 history-end, 1 prompt-end
+    m.read(digest(1), None, 8192, 0, TAIL, 0)
+    m.read(digest(2), None, 8192, 0, TAIL, 0)
     m.read(digest(100), None, 8192, 0, TAIL, 0)
     assert m.read(digest(999), None, 8192, 0, TAIL, 0) == HISTORY_END  # another engine's, went on
     assert m._reads[PROMPT_END].get(m.clock, m.half_life) == 1
-    assert m.read(digest(998), PROMPT_END, 8192, 0, TAIL, 0) == PROMPT_END  # an exact repeat
-    assert m._reads[PROMPT_END].get(m.clock, m.half_life) == 2
+    assert m.read(digest(998), AT_PROMPT_END, 8192, 0, TAIL, 0) == HISTORY_END  # mostly next turns here
+    assert m._reads[PROMPT_END].get(m.clock, m.half_life) == pytest.approx(1.25)
+    assert m._reads[HISTORY_END].get(m.clock, m.half_life) == pytest.approx(3 + 1 + 0.75)
+    # Where this engine's own reads at prompt end were exact repeats, they are credited so.
+    rep = model()
+    for i in range(8):
+        rep.wrote(PROMPT_END, [TAIL], digest(100 + i))
+        rep.wrote(HISTORY_END, [TAIL], digest(i))
+    rep.read(digest(100), None, 8192, 0, TAIL, 0)
+    assert rep.read(digest(998), AT_PROMPT_END, 8192, 0, TAIL, 0) == PROMPT_END
+    assert rep._reads[PROMPT_END].get(rep.clock, rep.half_life) == 2
+    assert rep._reads[HISTORY_END].get(rep.clock, rep.half_life) == 0
     before = {k: m.totals[k].reads for k in m.totals}
     m.host_read(PROMPT_END)
     assert {k: m.totals[k].reads for k in m.totals} == before

@@ -31,10 +31,12 @@ sees -- which kind of object ended each of its hits, at what depth, on top of wh
   (its share of the fleet's reads) and writes its share of the objects. A hit on an object this
   engine wrote is attributed exactly (a bounded memo of its own boundaries). One on another
   engine's object is attributed by what the reader sees of it: a checkpoint by its end; a hit
-  that reaches the reader's own prompt end (an exact repeat) by a prompt-end tail -- the only
-  kind whose unique use that is; any other (the reader goes on past it: a next turn, a shared
-  prefix) is split between history-end and branch in the proportions of this engine's own
-  attributed reads. Behind a random router most reads are of other engines' objects, so this
+  that reaches the reader's own prompt end is an exact repeat (a prompt-end tail) or a next turn
+  whose new tokens stayed in the block its history ended in (a history-end tail), so it is split
+  over prompt-end, history-end and branch; any other (the reader goes on past it: a next turn, a
+  shared prefix) is split between history-end and branch -- each split in the proportions of
+  this engine's own attributed reads. (Crediting prompt-end alone at the prompt end, a 4-engine
+  rag replay counted 17 prompt-end reads where 3 were, and wrote prompt-end tails at 2% reads.) Behind a random router most reads are of other engines' objects, so this
   rule, not the memo, decides what the fleet learns: a split over every kind wrongly credited
   prompt-end tails with next turns' reads (on a 4-engine chat replay both kinds looked equally
   read, 0.37 reads per write, while next turns read history-end tails and prompt-end tails
@@ -145,6 +147,12 @@ CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH = "checkpoint", "prompt-end", "histo
 KINDS = (CHAIN, CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH)
 #: Tails a reader that goes on past them cannot tell apart when another engine wrote them.
 _AMBIGUOUS = (HISTORY_END, BRANCH)
+#: The hint for a hit of another engine's tail that reached the reader's own prompt end (in its last
+#: block): an exact repeat reads a prompt-end tail there, but so does a next turn whose new tokens
+#: stay inside the block the previous history ended in (a history-end tail), or a prompt that
+#: ends just past a shared part (a branch tail). The key does not tell which.
+AT_PROMPT_END = "at-prompt-end"
+_AT_PROMPT_END_KINDS = (PROMPT_END, HISTORY_END, BRANCH)
 
 #: Half-life of everything learnt, in seconds of the model's clock. Long enough to hold the reuse
 #: lag of most reads (think times of minutes), short enough to follow a change of traffic within
@@ -369,7 +377,7 @@ class ValueModel:
 
     def host_read(self, kind: str | None = None) -> None:
         """A hit only this engine's host tier could serve: no S3 read (module doc), counted apart."""
-        self.totals[kind or HISTORY_END].host_reads += 1
+        self.totals[kind if kind in self.totals else HISTORY_END].host_reads += 1
 
     def wrote(self, kind: str, sizes: Sequence[int], digest: bytes | None = None, tokens: int | None = None) -> None:
         """Objects of ``kind`` went to S3 (``sizes``: each one's real bytes). ``digest``: the
@@ -436,7 +444,10 @@ class ValueModel:
         else:
             if lag_s is not None:
                 self.lag_reads[lag_bin(lag_s)] += 1
-            shares = {kind_hint: 1.0} if kind_hint is not None else self._split()
+            if kind_hint is None or kind_hint == AT_PROMPT_END:
+                shares = self._split(_AMBIGUOUS if kind_hint is None else _AT_PROMPT_END_KINDS)
+            else:
+                shares = {kind_hint: 1.0}
             depth = None if end_tokens is None else depth_bin(end_tokens)
         marginal = max(0, tokens - device_tokens)
         gpu = self.prefill.usd(device_tokens, tokens)
@@ -470,17 +481,17 @@ class ValueModel:
         self.ghosts += 1
         self.lag_reads[lag_bin(age_s)] += 1
 
-    def _split(self) -> dict[str, float]:
-        """How to attribute a read of another engine's tail that is neither a checkpoint nor an exact
-        repeat (module doc): as this engine's own reads of those kinds are attributed (else as its
-        writes of them, else evenly)."""
+    def _split(self, kinds: Sequence[str]) -> dict[str, float]:
+        """How to attribute a read of another engine's tail that is no checkpoint (module doc) among
+        the ``kinds`` it may be: as this engine's own reads of those kinds are attributed (else as
+        its writes of them, else evenly)."""
         now, hl = self.clock, self.half_life
-        w = {k: self._own_reads[k].get(now, hl) for k in _AMBIGUOUS}
+        w = {k: self._own_reads[k].get(now, hl) for k in kinds}
         if sum(w.values()) <= 0:
-            w = {k: float(self.totals[k].objects) for k in _AMBIGUOUS}
+            w = {k: float(self.totals[k].objects) for k in kinds}
         total = sum(w.values())
         if total <= 0:
-            return {k: 1 / len(_AMBIGUOUS) for k in _AMBIGUOUS}
+            return {k: 1 / len(kinds) for k in kinds}
         return {k: v / total for k, v in w.items() if v > 0}
 
     # ------------------------------------------------------------------ estimates

@@ -34,6 +34,7 @@ from ...core.cost import Prefill
 from ...core.objects import ObjectSpan
 from ...core.plan import SealOp
 from ...core.value import (
+    AT_PROMPT_END,
     BRANCH,
     CHAIN,
     CHECKPOINT,
@@ -360,7 +361,7 @@ class WritePolicy:
         if end % ctx.checkpoint_blocks == 0:
             hint: str | None = CHECKPOINT
         elif end >= (st.prompt_len - 1) // tpb:
-            hint = PROMPT_END
+            hint = AT_PROMPT_END
         else:
             hint = None
         if self.host_tier and self.lookups.host_only(ender, digest, end):
