@@ -177,7 +177,7 @@ def test_gc_keeps_objects_past_the_longest_belief_an_engine_reports():
     assert margin_after_a_pass() == own_margin
     # A belief that is no number of seconds is no report.
     k = report_key(nsp, "00000000000000dd", 0)
-    for bad in (-1.0, float("inf"), float("nan")):
+    for bad in (-1.0, float("inf"), float("nan"), True, "600", None):
         body = json.loads(encode_report(MID_READS, clock[0], k))
         body["belief_s"] = bad
         with pytest.raises(ValueError, match="belief_s"):

@@ -218,7 +218,11 @@ def decode_report(data: bytes, bins: int, key: str, keys: IntegrityKeys | None =
     lags = [float(x) for x in doc["lag_reads"]]
     if len(lags) != bins or any(not math.isfinite(x) or x < 0 for x in lags):
         raise ValueError(f"a read report has {len(lags)} lag bins, expected {bins} non-negative counts")
-    belief = float(doc.get("belief_s", LEGACY_BELIEF_S))
+    raw = doc.get("belief_s", LEGACY_BELIEF_S)
+    # bool is an int to Python: ``true`` would pass as 1 s and shrink gc's margin to a second.
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)):
+        raise ValueError(f"a read report's belief_s {raw!r} is not a number")
+    belief = float(raw)
     if not math.isfinite(belief) or belief < 0:
         raise ValueError(f"a read report's belief_s {belief!r} is not a finite number >= 0")
     return Report(lags, float(doc["at"]), check_evidence(doc.get("evidence") or {}), belief)
