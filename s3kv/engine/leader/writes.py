@@ -357,13 +357,10 @@ class WritePolicy:
             self.page_bytes[grp.group_id] for grp in g.groups if not grp.is_sliding)
         digest = st.chain.digests[end - 1]
         # What the reader can tell of another engine's boundary (core.value, "reads per write"): a
-        # checkpoint by its end; a hit that reached this prompt's own end is an exact repeat.
-        if end % ctx.checkpoint_blocks == 0:
-            hint: str | None = CHECKPOINT
-        elif end >= (st.prompt_len - 1) // tpb:
+        # checkpoint by its end; a hit that reached this prompt's own end (a repeat, or a next turn).
+        hint: str | None = CHECKPOINT if end % ctx.checkpoint_blocks == 0 else None
+        if hint is None and end >= (st.prompt_len - 1) // tpb:
             hint = AT_PROMPT_END
-        else:
-            hint = None
         if self.host_tier and self.lookups.host_only(ender, digest, end):
             self.model.host_read(hint)  # only host memory could serve it: no reason to write S3 now
             return
