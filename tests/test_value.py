@@ -191,7 +191,7 @@ def test_reads_of_other_engines_boundaries_are_attributed_by_what_the_reader_see
     assert m.read(digest(998), AT_PROMPT_END, 8192, 0, TAIL, 0) == HISTORY_END  # mostly next turns here
     assert m._reads[PROMPT_END].get(m.clock, m.half_life) == pytest.approx(1.25)
     assert m._reads[HISTORY_END].get(m.clock, m.half_life) == pytest.approx(3 + 1 + 0.75)
-    # Where this engine's own reads at prompt end were exact repeats, they are credited so.
+    # Where this engine's own reads were of prompt-end tails, such a read is credited to them.
     rep = model()
     for i in range(8):
         rep.wrote(PROMPT_END, [TAIL], digest(100 + i))

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from s3kv.config import Settings
-from s3kv.core.value import HISTORY_END
+from s3kv.core.value import AT_PROMPT_END, HISTORY_END, PROMPT_END
 from s3kv.sim import SimCacheConfig, SimEngine, SimRequestSpec, gemma3_like
 from s3kv.sim.model import generate_tokens, request_root
 from s3kv.store.memory import MemoryStore
@@ -142,3 +142,30 @@ def test_tensor_parallel_ranks_store_the_same_objects():
         by_shard[shard].add(f"{group}/{digest}")
     assert by_shard["0of2"] and by_shard["0of2"] == by_shard["1of2"]
     assert eng.leader.core.stats.value[HISTORY_END]["refused"] > 0
+
+
+def test_a_next_turn_ending_in_the_block_its_history_ended_in_is_no_exact_repeat():
+    """Engine B serves the next turn of a conversation engine A served, with a message of a few
+    tokens: B's hit, on A's history-end tail, reaches B's own prompt end -- what an exact repeat of
+    a prompt-end tail also does. B cannot tell the two apart (the key names no kind), so the read
+    is split over the kinds it may be; credited to prompt-end whole, such reads kept prompt-end
+    tails looking read where next turns read history-end tails (core/value.py)."""
+    rng = random.Random(5)
+    store = MemoryStore()
+    first = [rng.randrange(VOCAB) for _ in range(PROMPT)]
+    history = first + list(generate_tokens(request_root(), tuple(first), ANSWER, VOCAB))
+    nxt = history + [rng.randrange(VOCAB) for _ in range(4)]
+    assert (len(nxt) - 1) // TPB == len(history) // TPB  # the new message stays in the last block
+    a, b = engine(store), engine(store)
+    with a:
+        assert serve(a, [first])[0][0] == 1  # A wrote its history-end tail
+    hints = []
+    with b:
+        model = b.leader.core.writes.model
+        read = model.read
+        model.read = lambda digest, hint, *args, **kw: hints.append(hint) or read(digest, hint, *args, **kw)
+        (_, served), = serve(b, [nxt])
+        credit = {k: model._reads[k].get(model.clock, model.half_life) for k in (PROMPT_END, HISTORY_END)}
+    assert served == len(history) // TPB * TPB  # the whole history, from A's tail
+    assert hints == [AT_PROMPT_END]
+    assert credit[PROMPT_END] < 1 and credit[HISTORY_END] > 0  # not a whole read of a prompt-end tail

@@ -36,7 +36,8 @@ sees -- which kind of object ended each of its hits, at what depth, on top of wh
   over prompt-end, history-end and branch; any other (the reader goes on past it: a next turn, a
   shared prefix) is split between history-end and branch -- each split in the proportions of
   this engine's own attributed reads. (Crediting prompt-end alone at the prompt end, a 4-engine
-  rag replay counted 17 prompt-end reads where 3 were, and wrote prompt-end tails at 2% reads.) Behind a random router most reads are of other engines' objects, so this
+  rag replay counted 17 prompt-end reads where 3 were, and wrote prompt-end tails at 2% reads.)
+  Behind a random router most reads are of other engines' objects, so this
   rule, not the memo, decides what the fleet learns: a split over every kind wrongly credited
   prompt-end tails with next turns' reads (on a 4-engine chat replay both kinds looked equally
   read, 0.37 reads per write, while next turns read history-end tails and prompt-end tails
