@@ -42,8 +42,11 @@ class SizedLeader(S3KvConnectorLeader):
 
 
 def engine(store, *, tp=1, **settings):
+    # The policy under test, not the wall clock: a CI host starved for seconds once turned every
+    # lookup of a test's last phase into a miss (a lookup budget or the breaker's stall rule).
     s = Settings(url="memory://unused", staging_mib=64, check_access=False, blocks_per_object=32,
-                 checkpoint_tokens=1 << 16, write_min_return=1.0, **settings)
+                 checkpoint_tokens=1 << 16, write_min_return=1.0, lookup_timeout_s=30.0, breaker_stall_s=0.0,
+                 **settings)
     eng = SimEngine(
         gemma3_like(WINDOW, kv_heads=2, tp_size=tp),
         SimCacheConfig(tokens_per_block=TPB, max_seq_len=4 * PROMPT),
