@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 
@@ -29,11 +30,12 @@ from s3kv.core.retention import (
     encode_report,
     lag_bin_edge,
     learn_retention,
+    paid_cutoff,
     parse_report_key,
     report_key,
     settled,
 )
-from s3kv.core.value import GC_WATCH_S, LAG_BINS, lag_bin
+from s3kv.core.value import GC_WATCH_S, KEEP, LAG_BINS, lag_bin
 from s3kv.engine.fleetindex import Publisher, index_key
 from s3kv.store.factory import open_store
 from s3kv.store.memory import MemoryStore
@@ -717,3 +719,104 @@ def test_the_fleets_evidence_sums_each_engines_newest_report_and_forgets_silent_
     fr.take_evidence("b", 1, 9 * hl, {"checkpoint": (0.0, 6.0)})
     total, held = fr.pooled(9 * hl, hl)
     assert held == {"b": 1} and total == {"checkpoint": (0.0, 6.0)}
+
+
+# ------------------------------------------------------------------------------ what the reads pay for
+def _gain_on_a_grid(reads: list[float], paid_s: float, t: float) -> float:
+    """``paid_s x F(t) - t``, F read from the bins independently of the module: each bin's reads
+    spread evenly over log(1 + lag) between its edges."""
+    n, got = sum(reads), 0.0
+    for b, x in enumerate(reads):
+        lo, hi = (2.0**b - 1), (2.0 ** (b + 1) - 1)
+        if t >= hi:
+            got += x
+        elif t > lo:
+            got += x * math.log((t + 1) / (lo + 1)) / math.log(2)
+    return paid_s * got / n - t
+
+
+@pytest.mark.parametrize("paid_s", [30.0, 600.0, 5_000.0, 40_000.0, 1e6])
+@pytest.mark.parametrize("reads", [_reads((30, 90), (1500, 10)), _reads((5, 40), (200, 40), (3000, 20)), EARLY_READS])
+def test_the_cut_the_reads_pay_for_is_the_best_on_a_fine_grid(reads, paid_s):
+    """Keeping everything written to age t costs t seconds of it; the reads within t save ``paid_s``
+    x their share: the cut is where that gain is largest (checked against a grid of ages)."""
+    t = paid_cutoff(reads, paid_s)
+    grid = max(_gain_on_a_grid(reads, paid_s, x) for x in [i * 0.5 for i in range(0, 2 * 8192)])
+    assert _gain_on_a_grid(reads, paid_s, t) >= grid - 1e-6 * max(1.0, paid_s)
+    assert _gain_on_a_grid(reads, paid_s, t) >= 0  # never worse than keeping nothing
+
+
+def test_gc_keeps_objects_no_longer_than_the_reads_pay_for():
+    """99% of the reads is a share, not a price: where the reads pay for little storage, a tail of
+    late ones no longer keeps everything written for them; where they pay for much, the 99% rule
+    stands. More paid never shortens it; unknown (None) is the 99% rule alone."""
+    reads = _reads((30, 90), (1500, 10))  # a tenth of the reads 25 minutes late
+    rule = learn_retention(reads, margin_s=MARGIN, cap_s=CAP)
+    assert rule is not None and rule > 1000
+    got = [learn_retention(reads, margin_s=MARGIN, cap_s=CAP, paid_s=p) for p in (100.0, 15_000.0, 40_000.0, 1e7)]
+    assert got == sorted(got)
+    # The late tenth pays for a tenth of 100 s (or of 15,000 s): not the 25-34 minutes of keeping
+    # everything it needs -- the floor.
+    assert got[0] == got[1] == RETENTION_FLOOR_S
+    # Paid for 40,000 s, it brings 4,000 s of them for at most 2,047 s kept: kept, as the rule says.
+    assert got[2] == pytest.approx(rule) and got[3] == pytest.approx(rule)
+    assert learn_retention(reads, margin_s=MARGIN, cap_s=CAP, paid_s=None) == rule
+    # Nothing read yet that pays: the cut is at once (the floor stands under it).
+    assert paid_cutoff(reads, 0.0) == 0.0 and paid_cutoff(_reads(), 1e6) == 0.0
+
+
+def test_gc_cuts_where_the_fleets_reads_stop_paying_for_what_it_stores():
+    """Engines report what their S3 reads saved and the bytes they wrote (``core.value.KEEP``, with
+    the write-policy evidence); gc sums them and keeps objects no longer than that pays for."""
+    reads = _reads((30, 90), (1500, 10))
+
+    def learnt(keep: list[float] | None) -> float:
+        store = MemoryStore()
+        core = _leader(store, fleet_index_s=5)
+        nsp = core.scheme.namespace_prefix
+        clock = [1000.0]
+        pub = _publisher(store, clock, nsp)
+        pub.publish(clock[0])
+        k = report_key(nsp, "00000000000000aa", 0)
+        store.put(k, encode_report(reads, clock[0], k, evidence=None if keep is None else {KEEP: keep}))
+        clock[0] += 10
+        pub.publish(clock[0])
+        return pub.retention[nsp][0]
+
+    alone = learnt(None)
+    assert alone == pytest.approx(young(reads), rel=1e-3) and alone > 1000
+    # Reads that pay for 100 s of all it stores: the early reads' cut (31 s), with a new gc's octave
+    # of room -- both cuts are blind past what gc watched -- under the floor.
+    assert learnt([100.0 * 1e12, 1e12]) == RETENTION_FLOOR_S
+    assert learnt([1e7 * 1e12, 1e12]) == pytest.approx(alone, rel=1e-3)  # for months: the rule stands
+    assert learnt([5.0, 0.0]) == pytest.approx(alone, rel=1e-3)  # nothing stored said: unknown
+
+
+def test_an_engine_reports_what_its_reads_saved_against_the_bytes_it_wrote():
+    """``KEEP``: the prefill $ its S3 reads saved, in byte-seconds at the bucket's price, and the bytes
+    it wrote -- chain objects too (a hit reads them) -- both decayed as the rest of its evidence."""
+    from s3kv.core.cost import Prefill, Prices
+    from s3kv.core.value import HALF_LIFE_S as VALUE_HL
+    from s3kv.core.value import HISTORY_END, Bill, ValueModel
+
+    m = ValueModel(Prefill.from_settings(Settings()), Bill(Prices(), lifetime_s=3600.0))
+    m.advance_to(0.0)
+    m.wrote("chain", [1000, 3000])
+    m.wrote(HISTORY_END, [500], b"d" * 16, 4096)
+    m.read(None, None, 2000, 1000, 10, 10)
+    saved = m.prefill.usd(1000, 2000)
+    assert saved > 0
+    # Not before it watched an object's whole life: its reads so far cannot say what later ones pay.
+    m.advance_to(3599.0)
+    assert KEEP not in m.evidence()
+    # Then: what its reads saved, and the bytes, decayed alike (every read had time to come: past
+    # the lag prior's 34 minutes).
+    m.advance_to(2 * VALUE_HL)
+    assert m.evidence()[KEEP] == pytest.approx([saved / m.bill.usd_per_byte_s / 4, 4500.0 / 4])
+    # Bytes just written count nothing yet: none of their reads had time to come.
+    m.wrote("chain", [8000])
+    assert m.evidence()[KEEP][1] == pytest.approx(4500.0 / 4)
+    m.advance_to(2 * VALUE_HL + 60)
+    assert 4500.0 / 4 < m.evidence()[KEEP][1] < 4500.0 / 4 + 8000.0 * 0.9  # a share of them
+    # Free storage: nothing to weigh the retention against, so nothing is said.
+    assert KEEP not in ValueModel(m.prefill, Bill(Prices(gb_month=0.0))).evidence()

@@ -15,8 +15,9 @@ are read, and ``S3KV_RETENTION_H`` becomes its ceiling:
 * **gc decides** (:func:`learn_retention`, in the index publisher of ``s3kv gc --index``): it
   folds the reports into one histogram that forgets with a half-life of :data:`HALF_LIFE_S`
   (traffic changes), takes the retention whose cutoff keeps 99% of the reads, ghost reads
-  included (with an octave of room while it has learnt for less than the ceiling), and publishes
-  it in the fleet index (``retention_s``);
+  included -- or less where the reads do not pay for keeping everything that long (below) --
+  with an octave of room while it has learnt for less than the ceiling, and publishes it in the
+  fleet index (``retention_s``);
 * **and past it, by what engines say**: each report also says how long its engine promises loads
   on a HEAD's answer (``belief_s``); gc's margin past the retention covers the longest reported
   (:meth:`FleetReads.longest_belief`), not only its own settings' -- engines in a rolling upgrade
@@ -47,6 +48,17 @@ seen and grow it, before objects go; one that has learnt longer keeps none. (The
 the whole lag bin above the one holding that lag: one to two octaves, depending on where in its
 bin the lag fell: a 3,000-request conversation's objects were kept 2,047 s where 99% of its reads
 came within ~970 s, and the room is now to 1,940 s.)
+**And no longer than the reads pay for** (:func:`paid_cutoff`). 99% of the reads is a share, not
+a price: where a few reads come late, it keeps everything written as long as they need -- a
+2,400-request RAG trace behind 4 engines kept every object the whole hour for a 1% tail of
+reads past 23 minutes, storage 61% of its bill. Engines also report what their S3 reads saved
+(prefill $, in byte-seconds of storage at the bucket's price) and the bytes they wrote
+(``core.value.KEEP``, with the write-policy evidence, decayed alike); summed over the fleet, the
+ratio is how many seconds of keeping everything written the reads pay for. gc cuts where a
+second more of keeping everything costs more than the reads that second brings save -- never
+later than the 99% rule. A cut too early is seen as before: the reads it cuts off come back as
+ghost reads at their lag, and the cut grows back once they pay.
+
 Why no prior: with fewer than :data:`MIN_DATED_READS` dated reads the ceiling stands.
 """
 
@@ -93,19 +105,46 @@ def lag_bin_edge(b: int) -> float:
 
 
 def learn_retention(lag_reads: Sequence[float], *, margin_s: float, cap_s: float,
-                    watched_s: float = math.inf) -> float | None:
+                    watched_s: float = math.inf, paid_s: float | None = None) -> float | None:
     """The retention (seconds, in [``RETENTION_FLOOR_S``, ``cap_s``]) the reads argue for, or None
     with too few of them (module doc). ``lag_reads``: reads by lag bin since the object's write or
     refresh, ghost reads included; ``margin_s``: what gc keeps beyond the retention
     (``core.cost.expiry_age_s``), so a retention R deletes at age R + margin; ``watched_s``: how
-    long gc has learnt (:func:`settled`)."""
+    long gc has learnt (:func:`settled`); ``paid_s``: how many seconds of keeping all that is
+    written the reads pay for (:func:`paid_cutoff`; None: unknown, the 99% rule alone)."""
     n = float(sum(lag_reads))
     if n < MIN_DATED_READS:
         return None
     q = _lag_within(lag_reads, TAIL_SHARE * n)
+    if paid_s is not None:  # no later than the reads pay for (module doc)
+        q = min(q, paid_cutoff(lag_reads, paid_s))
     if not settled(watched_s, margin_s=margin_s, cap_s=cap_s):
-        q = 2 * q + 1  # an octave of room: (1 + lag) doubled
+        q = 2 * q + 1  # an octave of room: (1 + lag) doubled -- for either cut, both blind past what gc watched
     return min(cap_s, max(RETENTION_FLOOR_S, q - margin_s))
+
+
+def paid_cutoff(lag_reads: Sequence[float], paid_s: float) -> float:
+    """The age to delete at that the reads pay for (module doc, what the reads pay for): the ``t``
+    maximising ``paid_s x F(t) - t``, ``F(t)`` the share of reads within lag ``t`` (each bin's
+    spread evenly over log(1 + lag), as :func:`_lag_within` reads it). Keeping every object
+    written a second longer costs one second of all the bytes written; the reads that second
+    brings save ``paid_s x`` their share of it. Within a bin the gain falls as the lag grows
+    (concave), so each bin's best is where its reads' density stops paying, clamped to the bin."""
+    n = float(sum(lag_reads))
+    if n <= 0 or paid_s <= 0:
+        return 0.0
+    best_t, best, below = 0.0, 0.0, 0.0
+    for b, x in enumerate(lag_reads):
+        lo, hi = (lag_bin_edge(b - 1) if b else 0.0), lag_bin_edge(b)
+        if x > 0:
+            span = math.log((hi + 1) / (lo + 1))
+            f = x / n
+            t = min(hi, max(lo, paid_s * f / span - 1))  # d/dt [paid_s x F(t)] = 1 there
+            gain = paid_s * (below + f * math.log((t + 1) / (lo + 1)) / span) - t
+            if gain > best:
+                best_t, best = t, gain
+        below += x / n
+    return best_t
 
 
 def _lag_within(lag_reads: Sequence[float], allowed: float) -> float:

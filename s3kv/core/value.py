@@ -146,6 +146,12 @@ CHAIN = "chain"
 CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH = "checkpoint", "prompt-end", "history-end", "branch"
 #: Every kind, in the order ``bench trace`` and ``s3kv stats`` list them.
 KINDS = (CHAIN, CHECKPOINT, PROMPT_END, HISTORY_END, BRANCH)
+#: The evidence name of what reads paid against what was stored (:meth:`ValueModel.evidence`): [prefill
+#: $ the engine's S3 reads saved, in byte-seconds of storage it buys; bytes it wrote, each counted
+#: as the share of its reads that had time to come], both decayed.
+#: Summed over the fleet, their ratio is how many seconds keeping everything written is paid for
+#: by the reads, which gc weighs the retention against (``core.retention``, what the reads pay for).
+KEEP = "keep"
 #: Tails a reader that goes on past them cannot tell apart when another engine wrote them.
 _AMBIGUOUS = (HISTORY_END, BRANCH)
 #: The hint for a hit of another engine's tail that reached the reader's own prompt end (in its last
@@ -222,6 +228,11 @@ class Bill:
 
     def write_usd(self, sizes: Iterable[int]) -> float:
         return sum(self.put_usd(n) + self.storage_usd(n) for n in sizes)
+
+    @property
+    def usd_per_byte_s(self) -> float:
+        """What a byte stored costs a second."""
+        return self.prices.gb_month / GiB / (DAYS_PER_MONTH * 86400)
 
     def get_usd(self, nbytes: float) -> float:
         if nbytes <= 0:
@@ -346,6 +357,8 @@ class ValueModel:
         self._marginal = {k: _Decayed() for k in KINDS}  # of those, beyond the device match
         self._own_reads = {k: _Decayed() for k in KINDS}  # reads attributed through the memo
         self._lag = [_Decayed() for _ in range(LAG_BINS)]
+        self._paid = _Decayed()  # prefill $ this engine's S3 reads saved (KEEP)
+        self._since: float | None = None  # the clock's first reading
         #: Reads by lag bin since start (not decayed): own objects' by the memo, others' as the fleet
         #: index dates them, and ghost reads (:meth:`ghost`). What the engine reports for gc to
         #: learn the retention from (``core.retention``).
@@ -375,6 +388,8 @@ class ValueModel:
     def advance_to(self, now: float) -> None:
         """The clock reads ``now`` (seconds; it never goes back)."""
         self.clock = max(self.clock, float(now))
+        if self._since is None:
+            self._since = self.clock
 
     def host_read(self, kind: str | None = None) -> None:
         """A hit only this engine's host tier could serve: no S3 read (module doc), counted apart."""
@@ -390,6 +405,7 @@ class ValueModel:
         t.bytes += sum(sizes)
         t.put_usd += sum(self.bill.put_usd(n) for n in sizes)
         t.storage_usd += sum(self.bill.storage_usd(n) for n in sizes)
+        self._count(KEEP, sum(sizes))  # bytes, as old as their reads could be (KEEP)
         if digest is None:
             return
         self.count_write(kind, tokens)
@@ -405,13 +421,13 @@ class ValueModel:
         if tokens is not None:
             self._count((kind, depth_bin(tokens)))
 
-    def _count(self, key: str | tuple[str, int]) -> None:
+    def _count(self, key: str | tuple[str, int], n: float = 1.0) -> None:
         ep = self._epochs.setdefault(key, deque())
         start = self.clock - self.clock % _EPOCH
         if ep and ep[-1][0] == start:
-            ep[-1][1] += 1
+            ep[-1][1] += n
         else:
-            ep.append([start, 1.0])
+            ep.append([start, n])
             while ep and self.clock - ep[0][0] > 8 * self.half_life:
                 ep.popleft()
         # (No need to recompute the lag-weighted count now: a write this young counts for nothing yet.)
@@ -452,6 +468,7 @@ class ValueModel:
             depth = None if end_tokens is None else depth_bin(end_tokens)
         marginal = max(0, tokens - device_tokens)
         gpu = self.prefill.usd(device_tokens, tokens)
+        self._paid.add(gpu, now, hl)
         for kind, w in shares.items():
             self._reads[kind].add(w, now, hl)
             if depth is not None:
@@ -577,9 +594,20 @@ class ValueModel:
 
     def evidence(self) -> dict[str, list[float]]:
         """This engine's own evidence now, for the fleet to pool (module doc): per kind and per
-        (kind, depth bin) it counted, [decayed reads, matured writes]."""
-        keys = {*KINDS, *self._epochs, *self._reads_at}
-        return {evidence_key(k): list(self._own(k)) for k in keys}
+        (kind, depth bin) it counted, [decayed reads, matured writes]; and :data:`KEEP`, for gc."""
+        keys = {*KINDS, *self._epochs, *self._reads_at} - {KEEP}
+        out = {evidence_key(k): list(self._own(k)) for k in keys}
+        # Said once this engine has watched an object's whole life, and with each byte as its reads
+        # had time to come (the lag correction, as writes): before, it weighs its reads so far
+        # against bytes whose reads are still to come -- with the bytes counted when written, a
+        # replay of returning users (back after 10-60 minutes) behind a gc that had learnt for an
+        # hour lost 9% of its tokens to a cut its first minutes argued for. Free storage: nothing
+        # to weigh the retention against.
+        watched = self._since is not None and self.clock - self._since >= self.bill.lifetime_s
+        if watched and self.bill.usd_per_byte_s > 0:
+            paid = self._paid.get(self.clock, self.half_life) / self.bill.usd_per_byte_s
+            out[KEEP] = [paid, self._matured_writes(KEEP)]
+        return out
 
     def pool(self, others: dict[str, tuple[float, float]] | None, age_s: float = 0.0) -> None:
         """What the other engines of the fleet counted, as of ``age_s`` ago (``evidence_key`` ->

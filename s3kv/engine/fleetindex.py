@@ -99,7 +99,7 @@ from ..core.retention import (
     retention_for,
 )
 from ..core.value import HALF_LIFE_S as VALUE_HALF_LIFE_S
-from ..core.value import LAG_BINS
+from ..core.value import KEEP, LAG_BINS
 from ..store.base import NotFound, ObjectInfo, ObjectStore, StoreError
 
 log = logging.getLogger("s3kv.fleetindex")
@@ -362,7 +362,8 @@ class Publisher:
         # safe by what it says, not by what gc was told.
         margin_s = self._margin[nsp] = max(self.learn[1], reads.longest_belief(now) + EXPIRY_MARGIN_S)
         since = self.retention[nsp][1] if nsp in self.retention else self._learning_since(nsp, now)
-        r = learn_retention(reads.lag_reads, margin_s=margin_s, cap_s=cap_s, watched_s=now - since)
+        r = learn_retention(reads.lag_reads, margin_s=margin_s, cap_s=cap_s, watched_s=now - since,
+                            paid_s=self._paid_s(nsp, now))
         self.retention[nsp] = (cap_s if r is None else r, since)
         hist = self.history.setdefault(nsp, [])
         b = believe_s(r)
@@ -371,6 +372,13 @@ class Publisher:
         # What no object alive can have been believed under any more: past the ceiling's span.
         while len(hist) > 1 and hist[1][0] < now - 2 * (cap_s + margin_s):
             hist.pop(0)
+
+    def _paid_s(self, nsp: str, now: float) -> float | None:
+        """How many seconds of keeping everything the fleet writes its S3 reads pay for
+        (``core.value.KEEP``, summed over the engines' reports); None where none said."""
+        pooled = self._pooled(nsp, now)
+        paid, stored = pooled[0].get(KEEP, (0.0, 0.0)) if pooled is not None else (0.0, 0.0)
+        return paid / stored if stored > 0 else None
 
     def _pooled(self, nsp: str, now: float) -> tuple[dict[str, tuple[float, float]], dict[str, int]] | None:
         """The fleet's write-policy evidence the index carries (``s3kv.core.value``, pooled over the
