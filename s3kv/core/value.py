@@ -359,6 +359,7 @@ class ValueModel:
         self._lag = [_Decayed() for _ in range(LAG_BINS)]
         self._paid = _Decayed()  # prefill $ this engine's S3 reads saved (KEEP)
         self._since: float | None = None  # the clock's first reading
+        self._watch_s = bill.lifetime_s  # the longest life an object may have: the ceiling's (KEEP)
         #: Reads by lag bin since start (not decayed): own objects' by the memo, others' as the fleet
         #: index dates them, and ghost reads (:meth:`ghost`). What the engine reports for gc to
         #: learn the retention from (``core.retention``).
@@ -597,13 +598,15 @@ class ValueModel:
         (kind, depth bin) it counted, [decayed reads, matured writes]; and :data:`KEEP`, for gc."""
         keys = {*KINDS, *self._epochs, *self._reads_at} - {KEEP}
         out = {evidence_key(k): list(self._own(k)) for k in keys}
-        # Said once this engine has watched an object's whole life, and with each byte as its reads
-        # had time to come (the lag correction, as writes): before, it weighs its reads so far
-        # against bytes whose reads are still to come -- with the bytes counted when written, a
-        # replay of returning users (back after 10-60 minutes) behind a gc that had learnt for an
-        # hour lost 9% of its tokens to a cut its first minutes argued for. Free storage: nothing
-        # to weigh the retention against.
-        watched = self._since is not None and self.clock - self._since >= self.bill.lifetime_s
+        # Said once this engine has watched the longest life an object may have (the ceiling's, not
+        # the shorter one gc may have learnt: reads past that are cut off), and with each byte as
+        # its reads had time to come (the lag correction, as writes): before, it weighs its reads
+        # so far against bytes whose reads are still to come -- a replay of returning users (back
+        # after 10-60 minutes) behind a gc that had learnt for an hour lost 9% of its tokens to a
+        # cut its first minutes argued for. A fleet's gc goes on cutting by the reports of the
+        # engines before a restart meanwhile (kept, decayed, for eight half-lives). Free storage:
+        # nothing to weigh the retention against.
+        watched = self._since is not None and self.clock - self._since >= self._watch_s
         if watched and self.bill.usd_per_byte_s > 0:
             paid = self._paid.get(self.clock, self.half_life) / self.bill.usd_per_byte_s
             out[KEEP] = [paid, self._matured_writes(KEEP)]
