@@ -52,11 +52,12 @@ came within ~970 s, and the room is now to 1,940 s.)
 **And no longer than the reads pay for** (:func:`paid_cutoff`). 99% of the reads is a share, not
 a price: where a few reads come late, it keeps everything written as long as they need -- a
 2,400-request trace of unique prompts behind 4 engines kept every object ~57 minutes for its
-tail of late reads, storage 64% of its bill (0.867 -> 0.557 with this cut, at the same tokens).
+tail of late reads, storage 64% of its bill (docs/trace-replay.md has what this cut does).
 Engines also report what their S3 reads saved (prefill $, in byte-seconds of storage at the
 bucket's price) and the bytes they wrote (``core.value.KEEP``, beside the write-policy
 evidence, decayed alike; each byte counted as its reads had time to come, and only once the
-engine watched an object's whole life: its first minutes cannot say what late reads pay).
+engine watched the longest life an object may have: its first hour cannot say what later reads
+pay).
 Summed over the fleet, the ratio is how many seconds of keeping everything written the reads
 pay for. gc cuts where a second more of keeping everything costs more than the reads that
 second brings save -- never later than the 99% rule, with the same octave of room while young.
