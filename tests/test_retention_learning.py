@@ -141,6 +141,16 @@ def _publisher(store, clock, nsp):
     return Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp])
 
 
+def _fresh_gc(store):
+    """An engine's leader on ``store`` and a gc that starts learning at 1,000 s, one pass done."""
+    core = _leader(store, fleet_index_s=5)
+    nsp = core.scheme.namespace_prefix
+    clock = [1000.0]
+    pub = _publisher(store, clock, nsp)
+    pub.publish(clock[0])
+    return core, nsp, clock, pub
+
+
 def test_gc_keeps_objects_past_the_longest_belief_an_engine_reports():
     """gc's margin covers how long the reporting engines promise loads on an answer they got, not
     only its own settings: in a rolling upgrade from the 600 s default, a gc told 120 s (a 180 s
@@ -188,11 +198,7 @@ def test_gc_keeps_objects_past_the_longest_belief_an_engine_reports():
 
 def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_they_come_late():
     store = MemoryStore()
-    core = _leader(store, fleet_index_s=5)
-    nsp = core.scheme.namespace_prefix
-    clock = [1000.0]
-    pub = _publisher(store, clock, nsp)
-    pub.publish(clock[0])
+    core, nsp, clock, pub = _fresh_gc(store)
     assert pub.retention[nsp] == (CAP, 1000.0)  # learning, nothing read yet: the ceiling...
     assert pub.history[nsp] == [(1000.0, RETENTION_FLOOR_S)]  # ...engines believing the floor
     k0 = report_key(nsp, "00000000000000aa", 0)
@@ -772,11 +778,7 @@ def test_gc_cuts_where_the_fleets_reads_stop_paying_for_what_it_stores():
 
     def learnt(keep: list[float] | None) -> float:
         store = MemoryStore()
-        core = _leader(store, fleet_index_s=5)
-        nsp = core.scheme.namespace_prefix
-        clock = [1000.0]
-        pub = _publisher(store, clock, nsp)
-        pub.publish(clock[0])
+        _, nsp, clock, pub = _fresh_gc(store)
         k = report_key(nsp, "00000000000000aa", 0)
         store.put(k, encode_report(reads, clock[0], k, evidence=None if keep is None else {KEEP: keep}))
         clock[0] += 10
