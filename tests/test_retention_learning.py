@@ -816,7 +816,7 @@ def test_an_engine_reports_what_its_reads_saved_against_the_bytes_it_wrote():
     # Then: what its reads saved, and the bytes, decayed alike (every read had time to come: past
     # the lag prior's 34 minutes).
     m.advance_to(2 * VALUE_HL)
-    assert m.evidence()[KEEP] == pytest.approx([saved / m.bill.usd_per_byte_s / 4, 4500.0 / 4])
+    assert m.evidence()[KEEP] == pytest.approx([saved / m.bill.prices.usd_per_byte_s / 4, 4500.0 / 4])
     # Bytes just written count nothing yet: none of their reads had time to come.
     m.wrote("chain", [8000])
     assert m.evidence()[KEEP][1] == pytest.approx(4500.0 / 4)

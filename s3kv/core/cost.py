@@ -74,6 +74,11 @@ class Prices:
             settings.retention_h,
         )
 
+    @property
+    def usd_per_byte_s(self) -> float:
+        """What a byte stored costs a second."""
+        return self.gb_month / GiB / (DAYS_PER_MONTH * 86400)
+
 
 @dataclass(frozen=True)
 class Gpu:

@@ -129,11 +129,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cost import (
-    DAYS_PER_MONTH,
     MULTIPART_THRESHOLD,
     PART_SIZE,
     RANGE_SPLIT,
-    GiB,
     Prefill,
     Prices,
     expiry_age_s,
@@ -224,15 +222,10 @@ class Bill:
         return n * self.prices.put_per_1k / 1000
 
     def storage_usd(self, nbytes: int) -> float:
-        return nbytes / GiB * self.prices.gb_month * self.lifetime_s / (DAYS_PER_MONTH * 86400)
+        return nbytes * self.prices.usd_per_byte_s * self.lifetime_s
 
     def write_usd(self, sizes: Iterable[int]) -> float:
         return sum(self.put_usd(n) + self.storage_usd(n) for n in sizes)
-
-    @property
-    def usd_per_byte_s(self) -> float:
-        """What a byte stored costs a second."""
-        return self.prices.gb_month / GiB / (DAYS_PER_MONTH * 86400)
 
     def get_usd(self, nbytes: float) -> float:
         if nbytes <= 0:
@@ -607,8 +600,8 @@ class ValueModel:
         # engines before a restart meanwhile (kept, decayed, for eight half-lives). Free storage:
         # nothing to weigh the retention against.
         watched = self._since is not None and self.clock - self._since >= self._watch_s
-        if watched and self.bill.usd_per_byte_s > 0:
-            paid = self._paid.get(self.clock, self.half_life) / self.bill.usd_per_byte_s
+        if watched and self.bill.prices.usd_per_byte_s > 0:
+            paid = self._paid.get(self.clock, self.half_life) / self.bill.prices.usd_per_byte_s
             out[KEEP] = [paid, self._matured_writes(KEEP)]
         return out
 

@@ -184,6 +184,8 @@ class Publisher:
         self.engine_poll_s = engine_poll_s
         #: Per namespace prefix: the fleet's reads, the report keys taken, and (retention s, since).
         self.reads: dict[str, FleetReads] = {}
+        #: Per namespace: the fleet's write-policy evidence as this pass summed it (``_learn``).
+        self._evidence: dict[str, tuple[dict[str, tuple[float, float]], dict[str, int]] | None] = {}
         self._taken: set[str] = set()
         self.retention: dict[str, tuple[float, float]] = {}
         #: Per namespace prefix: gc's margin past the retention as the last pass set it
@@ -262,7 +264,7 @@ class Publisher:
             data = encode(bytes.fromhex(nsp[-33:-1]), sections, object_key=key, listed_at=listed_at,
                           published_at=self._clock(), every_s=every, tag_key=tag,
                           retention=self.retention.get(nsp), retention_history=self.history.get(nsp, ()),
-                          evidence=self._pooled(nsp, listed_at))
+                          evidence=self._evidence.get(nsp))
             try:
                 self.store.delete_many([key])
                 if not self.store.put(key, data):
@@ -362,8 +364,11 @@ class Publisher:
         # safe by what it says, not by what gc was told.
         margin_s = self._margin[nsp] = max(self.learn[1], reads.longest_belief(now) + EXPIRY_MARGIN_S)
         since = self.retention[nsp][1] if nsp in self.retention else self._learning_since(nsp, now)
+        # The evidence the index will carry, summed once: it also says what the reads pay for.
+        pooled = self._evidence[nsp] = self._pooled(nsp, now)
+        paid, stored = pooled[0].get(KEEP, (0.0, 0.0)) if pooled is not None else (0.0, 0.0)
         r = learn_retention(reads.lag_reads, margin_s=margin_s, cap_s=cap_s, watched_s=now - since,
-                            paid_s=self._paid_s(nsp, now))
+                            paid_s=paid / stored if stored > 0 else None)  # (core.value.KEEP)
         self.retention[nsp] = (cap_s if r is None else r, since)
         hist = self.history.setdefault(nsp, [])
         b = believe_s(r)
@@ -372,13 +377,6 @@ class Publisher:
         # What no object alive can have been believed under any more: past the ceiling's span.
         while len(hist) > 1 and hist[1][0] < now - 2 * (cap_s + margin_s):
             hist.pop(0)
-
-    def _paid_s(self, nsp: str, now: float) -> float | None:
-        """How many seconds of keeping everything the fleet writes its S3 reads pay for
-        (``core.value.KEEP``, summed over the engines' reports); None where none said."""
-        pooled = self._pooled(nsp, now)
-        paid, stored = pooled[0].get(KEEP, (0.0, 0.0)) if pooled is not None else (0.0, 0.0)
-        return paid / stored if stored > 0 else None
 
     def _pooled(self, nsp: str, now: float) -> tuple[dict[str, tuple[float, float]], dict[str, int]] | None:
         """The fleet's write-policy evidence the index carries (``s3kv.core.value``, pooled over the
