@@ -278,6 +278,42 @@ def test_an_object_gc_deleted_behind_an_unsigned_index_is_never_promised():
         core.close_lookup()
 
 
+def test_a_head_is_believed_only_while_gc_must_keep_the_object():
+    """A HEAD says an object is there, not for how long: gc deletes what was last written or
+    refreshed more than the retention and the promise (``index_ttl_s`` + ``lookup_summary_trust_s``)
+    ago, a clock margin later, and the key index believes an answer for ``index_ttl_s``. An object
+    past that age when asked may be gone before the load promised on the answer runs: a miss, and
+    nothing remembered. One with less life left than the TTL is served, and remembered only that
+    long (``test_lookup_budget.py::test_the_index_keeps_an_answer_no_longer...``)."""
+    from s3kv.core.cost import promise_s
+
+    mem = MemoryStore()
+    writer = _leader(mem, fleet_index_s=0)
+    stored = tokens_of(40 * TPB + 9, seed=9)
+    keys = _write(writer, mem, stored, 40, sign=False)
+    digests = chain_digests(chain_root(writer.namespace), stored, TPB)
+    old = [k for k in keys if any(k.endswith(digests[end - 1].hex()) for end in range(24, 41, 4))]
+
+    def lookup(rid: int, age_s: float) -> tuple[int, LeaderCore]:
+        """Blocks 24..40's objects last written ``age_s`` ago; what a fresh engine serves."""
+        for k in old:
+            body, meta, _ = mem._objects[k]
+            mem._objects[k] = (body, meta, time.time() - age_s)
+        core = _leader(mem, fleet_index_s=0)
+        try:
+            return core.get_num_new_matched_tokens(rid, stored, len(stored), 0)[0], core
+        finally:
+            core.close_lookup()
+
+    settings = writer.settings
+    gone = settings.retention_h * 3600.0 + promise_s(settings)
+    n, core = lookup(1, gone + 1)
+    assert n == 20 * TPB and core.stats.old_objects > 0
+    assert all(core.index.get(k) is None for k in old)
+    n, core = lookup(2, gone - core.index.ttl_s / 2)  # half the TTL of life left
+    assert n == 40 * TPB and core.stats.old_objects == 0
+
+
 # ------------------------------------------------------------------------------ planted indexes
 def test_a_planted_or_unsigned_index_never_makes_a_hit_free():
     mem = MemoryStore()

@@ -498,6 +498,29 @@ def test_index_put_many_does_what_single_puts_do():
     assert len(many) == 40  # bounded like single puts
 
 
+def test_the_index_keeps_an_answer_no_longer_than_its_object_may_be_believed():
+    """``keep`` renews what a lookup found through the index itself, so it must not outlast what the
+    HEAD that learnt it said: each renewal from memory alone kept chain objects found but never
+    loaded (so never refreshed) known past gc's cutoff, and the load promised on them failed."""
+    now = [0.0]
+    idx = KeyIndex(max_entries=100, ttl_s=10, negative_ttl_s=2, clock=lambda: now[0])
+    idx.put_many([("short", ObjectSpan(0, 1)), ("long", ObjectSpan(0, 1)), ("undated", ObjectSpan(0, 1))], (),
+                 believable={"short": 6.0, "long": 100.0})
+    now[0] = 5.0
+    assert all(idx.get(k) is not None for k in ("short", "long", "undated"))
+    idx.keep(["short", "long", "undated", "never-asked"])
+    now[0] = 6.5  # "short": its object's life as the HEAD dated it is over
+    assert idx.get("short") is None and idx.get("long") is not None and idx.get("never-asked") is None
+    now[0] = 12.0  # "undated": its TTL, never renewed; "long": renewed at 5 s
+    assert idx.get("undated") is None and idx.get("long") is not None
+    for t in range(14, 101, 8):  # renewed as long as lookups find it, never past its 100 s
+        now[0] = float(t)
+        idx.keep(["long"])
+        assert idx.get("long") is not None
+    now[0] = 100.5
+    assert idx.get("long") is None
+
+
 def test_a_missing_answer_never_hides_what_was_learnt_present_after_it_was_asked():
     """A wave's "missing" answers were true when it was asked; an object this engine uploaded (or
     a later HEAD found) after that is newer evidence. Same clock reading counts as after: a replay's

@@ -141,6 +141,11 @@ def _publisher(store, clock, nsp):
     return Publisher(store, "pfx/", every_s=10.0, clock=lambda: clock[0], learn=(CAP, MARGIN), namespaces=[nsp])
 
 
+#: How long after it keeps a shorter retention gc deletes by it, for ``_publisher``'s gc: engines'
+#: lag (3 index periods and the clock margin) and what they promise on an answer (its margin).
+_SHRINK_AFTER = 3 * 10 + EXPIRY_MARGIN_S + MARGIN
+
+
 def _fresh_gc(store):
     """An engine's leader on ``store`` and a gc that starts learning at 1,000 s, one pass done."""
     core = _leader(store, fleet_index_s=5)
@@ -209,8 +214,10 @@ def test_gc_shortens_the_retention_when_reads_come_early_and_grows_it_back_when_
     key = index_key(nsp)
     idx = decode(store.get(key), object_key=key, namespace=core.namespace, keys=None, max_objects=100)
     assert (idx.retention_s, idx.auto_since, idx.believe_s) == (RETENTION_FLOOR_S, 1000.0, RETENTION_FLOOR_S)
-    # What was written while gc had nothing to learn from was believed for the floor only.
-    assert pub.keep_s(nsp, 1000.0 + 3 * 10 + 60) == RETENTION_FLOOR_S
+    # What was written while gc had nothing to learn from was believed for the floor only -- but
+    # gc kept it for the ceiling, and deletes by the floor only once no engine acts on an answer
+    # given before (``test_gc_deletes_by_a_shorter_retention_only_once...``).
+    assert pub.keep_s(nsp, 1000.0 + 3 * 10 + 60) == CAP
     # The same engine later: 10 more reads, all at 10-15 minutes -- beyond half the cutoff.
     k1 = report_key(nsp, "00000000000000aa", 1)
     store.put(k1, encode_report(_reads((30, 100), (700, 10)), clock[0], k1))
@@ -272,6 +279,47 @@ def test_a_lookup_past_an_object_gc_deleted_reports_a_ghost_read():
         core.close_lookup()
 
 
+def test_gc_deletes_by_a_shorter_retention_only_once_engines_stopped_acting_on_the_longer():
+    """A HEAD or a listing tells an engine an object is there, and it promises loads on that answer
+    for a while (``index_ttl_s``, a listing's trust), its index telling it the retention up to its
+    lag late: an object gc kept under a longer retention must outlive those answers. (A replay of
+    batch jobs over shared templates, one engine and S3 only: gc learnt 300 s after keeping the
+    ceiling, deleted in its next pass chain objects 11 minutes old that a lookup had just found,
+    and the load promised on them failed -- the request parked for good.) A gc that restarts
+    keeps what the last index said for as long."""
+    store = MemoryStore()
+    core, nsp, clock, pub = _fresh_gc(store)
+    touched = 1000.0 + 3 * 10 + 60  # after learning began (and its lag): no belief of the ceiling
+    assert pub.retention[nsp][0] == CAP and pub.keep_s(nsp, touched) == CAP
+    k0 = report_key(nsp, "00000000000000aa", 0)
+    store.put(k0, encode_report(SHORT_READS, clock[0], k0))
+    clock[0] += 10
+    pub.publish(clock[0])
+    shrunk_at = clock[0]
+    assert pub.retention[nsp][0] == RETENTION_FLOOR_S  # told at once...
+    while clock[0] < shrunk_at + _SHRINK_AFTER - 10:
+        clock[0] += 10
+        pub.publish(clock[0])
+        assert pub.keep_s(nsp, touched) == CAP, clock[0] - shrunk_at  # ...applied only after
+    clock[0] += 20
+    pub.publish(clock[0])
+    assert pub.keep_s(nsp, touched) == RETENTION_FLOOR_S
+    assert pub.cutoff_s(nsp, touched) == RETENTION_FLOOR_S + pub.margin_s(nsp)
+    # A gc restarted under an index that says the ceiling, learning the floor at its first pass.
+    store2 = MemoryStore()
+    _, nsp2, clock2, first = _fresh_gc(store2)
+    assert first.retention[nsp2][0] == CAP
+    k = report_key(nsp2, "00000000000000aa", 0)
+    store2.put(k, encode_report(SHORT_READS, clock2[0], k))
+    clock2[0] += 10
+    again = _publisher(store2, clock2, nsp2)
+    again.publish(clock2[0])
+    assert again.retention[nsp2][0] == RETENTION_FLOOR_S and again.keep_s(nsp2, touched) == CAP
+    clock2[0] += _SHRINK_AFTER
+    again.publish(clock2[0])
+    assert again.keep_s(nsp2, touched) == RETENTION_FLOOR_S
+
+
 def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_believed_for_it():
     """An engine believes its upload for the retention of the index it holds, without asking
     again: after a shorter one is published, what was written under the longer one (or touched
@@ -293,6 +341,8 @@ def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_belie
     short = young(_reads((30, 10_100), (700, 10)))
     assert short is not None and short < long
     assert pub.retention[nsp][0] == short  # published at once (engines believe and refresh by it)
+    clock[0] += _SHRINK_AFTER  # (applied once engines act on no answer given under the longer one)
+    pub.publish(clock[0])
     lag = 3 * 10 + 60
     assert pub.keep_s(nsp, 1000 - 1) == CAP  # written before learning began (and its lag)
     assert pub.keep_s(nsp, 1000 + lag) == long  # under the longer one
@@ -509,10 +559,35 @@ def test_a_replay_that_learns_the_retention_bills_less_storage_for_the_same_toke
     assert learnt["storage_usd"] < fixed["storage_usd"]
     assert learnt["served_tokens"] == fixed["served_tokens"]
     assert out[True]["load_failures"] == 0 and out[True]["kv_mismatches"] == 0
-    # A gc long running (``--gc-learnt``) cuts without the octave of room: shorter, less storage.
+    # A gc long running (``--gc-learnt``) cuts without the octave of room: shorter, no more storage
+    # (on a trace of minutes, no less either: each gc deletes by the ceiling it kept until the
+    # trace's reads came for as long as engines may act on answers given under it).
     assert out["settled"]["value"]["retention_learnt"]["retention_s"] < out[True]["value"]["retention_learnt"]["retention_s"]
-    assert settled_["storage_usd"] < learnt["storage_usd"]
+    assert settled_["storage_usd"] <= learnt["storage_usd"]
     assert out["settled"]["load_failures"] == 0 and out["settled"]["kv_mismatches"] == 0
+
+
+def test_a_replay_keeps_every_load_it_promised_while_gc_learns_a_shorter_retention(tmp_path):
+    """Batch jobs over shared templates, one engine, S3 only: gc keeps the ceiling until reads come,
+    then learns a few minutes, while lookups keep finding the templates' chain objects (HEADs, the
+    key index's memory) past where their hits end, so nothing loads -- nor refreshes -- them.
+    Every load promised on those answers must find its objects: before, gc deleted them in the
+    pass after it learnt, the load failed and the request stayed parked for good (the replay never
+    finished)."""
+    from s3kv.tools.bench.common import bench_store
+    from s3kv.tools.bench.fleet import FleetConfig
+    from s3kv.tools.bench.gentrace import PRESETS, generate, write_trace
+    from s3kv.tools.bench.trace import TraceConfig, run_trace
+
+    p = tmp_path / "fewshot.jsonl"
+    write_trace(generate(PRESETS["fewshot-batch"], 600, 7), p)
+    cfg = TraceConfig(path=str(p), jobs=1, runs=("window",), limit=130, fleet=FleetConfig(device_cache_tokens=0))
+    with bench_store("memory://test-promises", name="trace") as bs:
+        out = run_trace(bs, cfg)
+    w = out["policies"]["window"]
+    assert out["load_failures"] == 0 and out["kv_mismatches"] == 0
+    assert w["retention_learnt"]["changes"] > 0 and w["retention_learnt"]["min_s"] < CAP  # gc did learn shorter
+    assert w["served_tokens"] > 0
 
 
 # ------------------------------------------------------------------------------ expiring in each index pass

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import _thread
 import logging
+import math
 import os
 import threading
 import time
@@ -191,6 +192,14 @@ class Publisher:
         #: Per namespace prefix: gc's margin past the retention as the last pass set it
         #: (:meth:`margin_s`).
         self._margin: dict[str, float] = {}
+        #: Per namespace prefix: (time set, retention kept) of the retentions gc kept within the
+        #: last :meth:`_shrink_after_s`, oldest first -- the first one in force at the window's start
+        #: (:meth:`keep_s`: a shorter retention deletes only once no engine may act on an answer
+        #: given under a longer one).
+        self._kept: dict[str, list[tuple[float, float]]] = {}
+        #: Per namespace prefix: until when a retention longer than the one learnt last applies (past
+        #: or to come): :meth:`held_until`.
+        self._held: dict[str, float] = {}
         #: Per namespace prefix: (time published, what engines believe) since learning began,
         #: oldest first (``core.retention.retention_for``: what gc keeps each object for).
         self.history: dict[str, list[tuple[float, float]]] = {}
@@ -370,6 +379,14 @@ class Publisher:
         r = learn_retention(reads.lag_reads, margin_s=margin_s, cap_s=cap_s, watched_s=now - since,
                             paid_s=paid / stored if stored > 0 else None)  # (core.value.KEEP)
         self.retention[nsp] = (cap_s if r is None else r, since)
+        kept = self._kept.setdefault(nsp, [])
+        if not kept or kept[-1][1] != self.retention[nsp][0]:
+            kept.append((now, self.retention[nsp][0]))
+        after = self._shrink_after_s(margin_s)
+        longer = [kept[i + 1][0] + after for i in range(len(kept) - 1) if kept[i][1] > kept[-1][1]]
+        self._held[nsp] = max([self._held.get(nsp, -math.inf), *longer])
+        while len(kept) > 1 and kept[1][0] <= now - after:
+            kept.pop(0)
         hist = self.history.setdefault(nsp, [])
         b = believe_s(r)
         if not hist or hist[-1][1] != b:
@@ -386,15 +403,34 @@ class Publisher:
             return None
         return reads.pooled(now, VALUE_HALF_LIFE_S)
 
-    def keep_s(self, nsp: str, touched_at: float) -> float | None:
+    def keep_s(self, nsp: str, touched_at: float, *, settled: bool = False) -> float | None:
         """The retention gc keeps a namespace's object for, last written or refreshed at
-        ``touched_at`` (``core.retention.retention_for``); None where it learns none."""
+        ``touched_at`` (``core.retention.retention_for``); None where it learns none. ``settled``:
+        once the longer retentions it kept lately no longer apply (:meth:`held_until`)."""
         got = self.retention.get(nsp)
         if self.learn is None or got is None:
             return None
         lag = engine_lag_s(self.every_s, self.engine_poll_s, EXPIRY_MARGIN_S)
-        return retention_for(self.history.get(nsp, ()), touched_at, retention_s=got[0], since=got[1],
+        # The longest retention kept lately, not the one just learnt: an engine told an object is
+        # there (a HEAD, a listing) while gc kept it promises loads of it on that answer for a
+        # while, and a shorter retention would delete it under the promise. In a replay of batch
+        # jobs over shared templates (one engine, S3 only), gc learnt 300 s after keeping the
+        # ceiling: chain objects 11 minutes old that a lookup had just found present were deleted
+        # in the next pass, and the load promised on them failed (the request parked for good).
+        kept = got[0] if settled else max((r for _, r in self._kept.get(nsp, ())), default=got[0])
+        return retention_for(self.history.get(nsp, ()), touched_at, retention_s=max(got[0], kept), since=got[1],
                              cap_s=self.learn[0], lag_s=lag)
+
+    def held_until(self, nsp: str) -> float:
+        """Until when gc deletes a namespace's objects by a retention longer than the one it learnt
+        last (:meth:`keep_s`), that time past or to come; -inf where never."""
+        return self._held.get(nsp, -math.inf)
+
+    def _shrink_after_s(self, margin_s: float) -> float:
+        """How long after gc keeps a shorter retention it deletes by it: engines may act on an index
+        of the longer one for their lag, and on an answer they got under it (a HEAD, a listing) for
+        their promise -- what gc's margin covers."""
+        return engine_lag_s(self.every_s, self.engine_poll_s, EXPIRY_MARGIN_S) + margin_s
 
     def cutoff_s(self, nsp: str, last_modified: float | None) -> float | None:
         """The age past which gc deletes a namespace's object last written or refreshed at
@@ -423,6 +459,8 @@ class Publisher:
         if self.integrity is not None and not old.verified:
             return now
         self.history[nsp] = list(old.retention_history)
+        if old.retention_s is not None:  # kept until now, by the gc before this one
+            self._kept[nsp] = [(now, old.retention_s)]
         return old.auto_since if old.auto_since is not None and old.auto_since <= now else now
 
     def _head(self, objs: list[tuple[ObjectInfo, ParsedKey]], rep: PublishReport) -> dict[str, tuple[int, int | None, int]]:

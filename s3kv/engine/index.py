@@ -68,8 +68,8 @@ class KeyIndex:
         self.negative_ttl_s = negative_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
-        # key -> (expires_at, span); key -> expires_at. Both in expiry order.
-        self._present: OrderedDict[str, tuple[float, ObjectSpan]] = OrderedDict()
+        # key -> (expires_at, span, believable until: ``keep``); key -> expires_at. Both in expiry order.
+        self._present: OrderedDict[str, tuple[float, ObjectSpan, float]] = OrderedDict()
         self._missing: OrderedDict[str, float] = OrderedDict()
         # Objects that failed a load (gone, corrupt, foreign): missing for a long while. Its own map,
         # so each map stays in expiry order (one TTL per map).
@@ -150,14 +150,17 @@ class KeyIndex:
         return self._clock()
 
     def put_many(
-        self, present: Iterable[tuple[str, ObjectSpan]], missing: Iterable[str], *, asked_at: float | None = None
+        self, present: Iterable[tuple[str, ObjectSpan]], missing: Iterable[str], *, asked_at: float | None = None,
+        believable: Mapping[str, float] | None = None,
     ) -> None:
         """A HEAD wave's answers under one lock and one clock reading (hundreds per long prompt,
         on the engine's scheduling path). ``asked_at`` (:meth:`now` when the wave was sent): a
         "missing" answer does not replace what was learnt present since -- the wave was asked
         before, and this engine's own upload (or a later HEAD) confirmed the object after. Late
         waves, waves finished in the background and probes past a listing race the requests'
-        own uploads this way; without it their answers hid objects just written."""
+        own uploads this way; without it their answers hid objects just written. ``believable``:
+        seconds from now an answer may be believed at most, where its object's age says (:meth:`keep`);
+        one not named is believed for the TTL and never longer."""
         keep_present = self.max_entries > 0 and self.ttl_s > 0
         keep_missing = self.max_entries > 0 and self.negative_ttl_s > 0
         with self._lock:
@@ -171,7 +174,8 @@ class KeyIndex:
                         continue  # a late answer (HEAD wave, upload) must not lift a quarantine
                     self._missing.pop(key, None)
                     self._present.pop(key, None)
-                    self._present[key] = (until, span)
+                    cap = now + believable[key] if believable is not None and key in believable else until
+                    self._present[key] = (min(until, cap), span, cap)
                     n += 1
             if keep_missing:
                 until = now + self.negative_ttl_s
@@ -191,6 +195,24 @@ class KeyIndex:
             if n:
                 self._sweep(now, _SWEEP * n)  # as much as n single inserts would sweep
                 self._bound()
+
+    def keep(self, keys: Iterable[str]) -> None:
+        """What is known present of ``keys`` stays known another TTL, never past what its answer
+        said it may be believed for (``put_many``'s ``believable``: gc's cutoff for the object's age,
+        less the clock margin). Why the bound: each lookup that finds a key through this index would
+        otherwise renew its own memory forever, while the object ages past gc's cutoff -- an object
+        found but never loaded is never refreshed either (chain objects past where hits end), and a
+        load promised on the renewed memory found it gone."""
+        if self.max_entries <= 0 or self.ttl_s <= 0:
+            return
+        with self._lock:
+            now = self._clock()
+            for k in keys:
+                entry = self._present.get(k)
+                if entry is None or entry[0] < now or entry[2] <= entry[0]:
+                    continue
+                del self._present[k]  # re-inserted at the end: expiry order, as near as a cap allows
+                self._present[k] = (min(now + self.ttl_s, entry[2]), entry[1], entry[2])
 
     def quarantine(self, keys: Iterable[str], ttl: float) -> None:
         """Remember ``keys`` as missing for ``ttl`` seconds: objects that failed verification or

@@ -257,7 +257,7 @@ def _encode(outcome: Outcome, same: dict[str, str] | None = None, expect: SpanEx
             # again and report why.
             with contextlib.suppress(ObjectFormatError):
                 span = span_from_metadata(expect[0], outcome.metadata, outcome.size, outcome.key, end=expect[1])
-                return (outcome.size, span.first, span.count)
+                return (outcome.size, span.first, span.count, outcome.last_modified)
         if same is None:
             return (outcome.size, dict(outcome.metadata), outcome.last_modified)
         one = same.setdefault
@@ -275,9 +275,10 @@ def _decode(key: str, wire: Any) -> Outcome:
         Exception.__init__(exc, wire.message)  # the message already names the object
         exc.key = wire.key
         return exc
+    if len(wire) == 4:  # checked in the helper: (size, first, count, last modified)
+        size, first, count, last_modified = wire
+        return ObjectInfo(key, size, {}, last_modified, span=ObjectSpan(first, count))
     size, metadata, last_modified = wire
-    if isinstance(metadata, int):  # checked in the helper: (size, first, count)
-        return ObjectInfo(key, size, {}, None, span=ObjectSpan(metadata, last_modified))
     return ObjectInfo(key, size, metadata, last_modified)
 
 

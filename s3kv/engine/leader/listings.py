@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import operator
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -70,6 +71,9 @@ class Listings:
         #: Its write-policy evidence for the same reports (``ValueModel.shared``), pooled by gc.
         self.evidence: Callable[[], dict[str, list[float]] | None] | None = None
         self._learning_seen = False
+        #: POSIX time, the clock the store dates objects by (:meth:`oldest_servable`); None: the fleet
+        #: index's (a replay runs it on the trace's), else this host's.
+        self.wall: Callable[[], float] | None = None
         self._followed: tuple[FleetIndex | None, bool | None] = (None, None)  # (held, stale) last followed
 
     def bind(self, ctx: LeaderContext) -> None:
@@ -145,6 +149,17 @@ class Listings:
         """(the other engines' write-policy evidence, its age in seconds): ``IndexRefresher.others_listed``."""
         got = self._fleet.others_listed() if self._fleet is not None else None
         return got if got is not None else (None, 0.0)
+
+    def oldest_servable(self) -> float:
+        """The oldest last write or refresh (POSIX time) of an object a HEAD may promise loads of:
+        one the retention and what an engine promises on an answer (``promise_s``) ago. gc
+        deletes an object that old a clock margin later (``core.cost.expiry_age_s``), and by a
+        shorter retention it learns only once engines stopped acting on answers given under the
+        longer one (``Publisher.keep_s``): past it, the load promised on the answer -- or on the
+        key index's memory of it, trusted ``index_ttl_s`` -- may find the object gone. The
+        lookup believes an answer only as long as it is younger than this."""
+        wall = self.wall or (self._fleet.clock if self._fleet is not None else time.time)
+        return wall() - self.retention_s() - promise_s(self.settings)
 
     def retention_s(self) -> float:
         """The retention gc deletes by, as the last fleet index said (else the setting)."""

@@ -868,8 +868,18 @@ class Lookups:
         out: dict[Ask, Span | None] = {}
         present: list[tuple[str, ObjectSpan]] = []
         missing: list[str] = []
+        oldest = self.listings.oldest_servable()
+        believable: dict[str, float] = {}
         for key, a in todo.items():
             info = batch.found.get(key)
+            left = math.inf if info is None or info.last_modified is None else info.last_modified - oldest
+            if left <= 0:
+                # There now, but maybe not when a load promised on this answer runs
+                # (``Listings.oldest_servable``): a miss, and nothing remembered of it.
+                if count:
+                    self.stats.old_objects += 1
+                out[a] = None
+                continue
             if info is not None:
                 try:
                     # The key names the object ending at block a[2]: its span must end there. A
@@ -885,6 +895,8 @@ class Lookups:
                     out[a] = None
                     continue
                 present.append((key, span))
+                if left < math.inf:
+                    believable[key] = left
                 out[a] = Span(span.first, span.end)
             elif key in batch.failed:
                 if count:
@@ -893,5 +905,5 @@ class Lookups:
             else:
                 missing.append(key)
                 out[a] = None
-        self.index.put_many(present, missing, asked_at=asked)
+        self.index.put_many(present, missing, asked_at=asked, believable=believable)
         return out

@@ -31,7 +31,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...core.cost import Prefill
-from ...core.objects import ObjectSpan
 from ...core.plan import SealOp
 from ...core.value import (
     AT_PROMPT_END,
@@ -250,24 +249,22 @@ class WritePolicy:
 
     def _keep_known(self, st: RequestState) -> None:
         """The chain objects this request does not write again (its lookup saw them stored) stay
-        known to the index as long as a write's confirmation would have kept them: the next
-        request of that prefix is then answered locally, not with HEADs."""
+        known to the index another TTL, as far as their HEAD answers allow (``KeyIndex.keep``):
+        the next request of that prefix is then answered locally, not with HEADs (without it
+        the lookups of a prefix asked 20% more HEADs on the chat trace)."""
         ctx = self.ctx
         spine = st.load.stored_spine_blocks  # the index answers for the store alone
         if ctx is None or st.chain is None or spine <= st.saves.save_from:
             return
         g = ctx.geometry
-        sg = g.spine_group
-        fp = g.groups[sg].fingerprint
+        fp = g.groups[g.spine_group].fingerprint
         digests = st.chain.digests
-        present = [
-            (ctx.scheme.object_key(fp, shard, digests[end - 1]), ObjectSpan(span.first, span.end - span.first))
+        self.index.keep(
+            ctx.scheme.object_key(fp, shard, digests[end - 1])
             for shard in range(g.tp_size)
-            for end, span in st.load.coverage.get((sg, shard), {}).items()
+            for end in st.load.coverage.get((g.spine_group, shard), {})
             if st.saves.save_from < end <= spine and end <= len(digests)
-        ]
-        if present:
-            self.index.put_many(present, ())
+        )
 
     def boundaries(self, st: RequestState) -> list[Boundary]:
         """The points ``st`` could make servable, above what is already stored or served."""

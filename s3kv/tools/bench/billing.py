@@ -57,6 +57,9 @@ class BilledStore(StoreWrapper):
         #: the one it keeps an object for by its last write or refresh, and the one engines refresh
         #: by; None: the fixed one.
         self.keep: Callable[[float], float | None] | None = None
+        #: And (the retention it keeps that object for once the longer ones it kept lately no longer
+        #: apply, until when they apply): ``Publisher.keep_s(settled=True)``, ``Publisher.held_until``.
+        self.keep_later: Callable[[float], tuple[float | None, float]] | None = None
         self.refresh_retention_s = retention_s
         self.checkpoint_blocks = checkpoint_blocks
         self.range_split = range_split
@@ -100,13 +103,24 @@ class BilledStore(StoreWrapper):
 
     # -- retention ------------------------------------------------------------------------
     def _expiry_age(self, o: list[Any]) -> float:
-        keep = self.keep(o[1]) if self.keep is not None else None
+        return self._expiry_for(self.keep(o[1]) if self.keep is not None else None)
+
+    def _expiry_for(self, keep: float | None) -> float:
         if keep is None:
             return self.expire_after_s
         return min(self.expire_after_s, keep + self.expire_after_s - self.retention_s)
 
-    def _life_end(self, o: list[Any]) -> float:
-        return o[1] + self._expiry_age(o) + self.gc_period_s / 2
+    def _life_end(self, o: list[Any], final: bool = False) -> float:
+        """When gc deletes ``o``: its cutoff now; where a longer retention gc kept lately held it
+        past that (``Publisher.keep_s``), when that stopped -- or, for one alive at the end
+        (``final``), will stop."""
+        end = o[1] + self._expiry_age(o)
+        if self.keep_later is not None:
+            keep, held = self.keep_later(o[1])
+            if keep is not None:
+                later = o[1] + self._expiry_for(keep)
+                end = max(later, min(end, held)) if final else max(end, min(self.now, held))
+        return end + self.gc_period_s / 2
 
     def _expire(self, key: str) -> None:
         o = self._objects.get(key)
@@ -120,12 +134,12 @@ class BilledStore(StoreWrapper):
     def finish(self) -> None:
         """Objects still alive at the end of the trace live on until their retention runs out."""
         for o in self._objects.values():
-            self._account(o)
+            self._account(o, final=True)
         self._objects.clear()
 
-    def _account(self, o: list[Any]) -> None:
+    def _account(self, o: list[Any], final: bool = False) -> None:
         """An object's storage, from its write until gc deletes it (and, if it was read, the floor's)."""
-        bs = o[2] * (self._life_end(o) - o[0])
+        bs = o[2] * (self._life_end(o, final) - o[0])
         self.byte_seconds += bs
         if o[5]:
             self.read_byte_seconds += bs
@@ -146,7 +160,12 @@ class BilledStore(StoreWrapper):
         self.heads += len(keys)
         for k in keys:
             self._expire(k)
-        return self.inner.head_many(keys)
+        batch = self.inner.head_many(keys)
+        # Dated on the trace's clock, as ``list`` dates them: what the engine's lookup judges an
+        # answer's age by.
+        found = {k: dataclasses.replace(i, last_modified=self._objects[k][1]) if k in self._objects else i
+                 for k, i in batch.found.items()}
+        return dataclasses.replace(batch, found=found)
 
     def get_if_changed(self, key: str, etag: str | None = None) -> Fetched | None:
         self.real_get += 1  # the fleet index's poll: one GET, a 304 or the (small) object

@@ -93,6 +93,7 @@ class ReplayIndex:
         if learnt is not None and self.learn is not None:
             pub = self._publisher
             fleet.store.keep = lambda touched_at: pub.keep_s(nsp, touched_at)
+            fleet.store.keep_later = lambda touched_at: (pub.keep_s(nsp, touched_at, settled=True), pub.held_until(nsp))
             fleet.store.refresh_retention_s = learnt[0]
             self.retention_s.append((now, learnt[0]))
         for c in cores:

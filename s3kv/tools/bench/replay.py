@@ -286,6 +286,7 @@ def replay(
             # the trace's clock, as gc's cutoff assumes (expiry_age_s) -- on the wall clock a replay
             # that runs hours of traffic in a minute would promise objects the billed store expired.
             engine.leader.core.index._clock = lambda: counter.now
+            engine.leader.core._lookups.listings.wall = lambda: counter.now  # what HEADs' dates are read against
             engine.leader.core.writes.clock = lambda: counter.now  # the value policy's lags and half-life
         counter.bind(engines[0].workers[0].core.geometry, sizing)
         counter.checkpoint_blocks = engines[0].leader.core.policy.checkpoint_blocks
