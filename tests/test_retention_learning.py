@@ -279,6 +279,39 @@ def test_a_lookup_past_an_object_gc_deleted_reports_a_ghost_read():
         core.close_lookup()
 
 
+def test_an_engine_judges_a_heads_answer_by_what_gc_keeps_that_object_for():
+    """A lookup believes a HEAD's "present" while the object is younger than gc keeps it plus what
+    it promises on an answer (``Listings.believable_s``). What gc keeps it for depends on when it
+    was written (an object written under a longer belief keeps it), and the index carries what
+    gc decides by: the engine's reckoning is gc's own, never longer -- judged by the retention
+    alone, templates written under an hour's belief looked too old once gc learnt five minutes,
+    and a replay of batch jobs (2,400 requests, 4 engines) lost 10% of its tokens."""
+    from test_fleet_index import _Clock, _refreshed
+
+    store = MemoryStore()
+    core = _leader(store, fleet_index_s=5)
+    nsp = core.scheme.namespace_prefix
+    clock = [1000.0]
+    pub = _publisher(store, clock, nsp)
+    k0 = report_key(nsp, "00000000000000aa", 0)
+    store.put(k0, encode_report(_reads((30, 100), (700, 10)), clock[0], k0))
+    pub.publish(clock[0])
+    k1 = report_key(nsp, "00000000000000aa", 1)
+    store.put(k1, encode_report(_reads((30, 10_100), (700, 10)), clock[0], k1))
+    clock[0] += 1000
+    pub.publish(clock[0])
+    long, short = young(_reads((30, 100), (700, 10))), pub.retention[nsp][0]
+    assert long is not None and short < long
+    try:
+        _refreshed(core, _Clock(clock[0]))
+        listings = core._lookups.listings
+        for touched in (900.0, 1000.0 + 90, 1500.0, 2000.0 + long + 90 - 1, 2000.0 + long + 91, 5000.0):
+            assert listings.kept_s(touched) == pub.keep_s(nsp, touched, settled=True), touched
+        assert listings.kept_s(1500.0) == long and listings.kept_s(5000.0) == short
+    finally:
+        core.close_lookup()
+
+
 def test_gc_deletes_by_a_shorter_retention_only_once_engines_stopped_acting_on_the_longer():
     """A HEAD or a listing tells an engine an object is there, and it promises loads on that answer
     for a while (``index_ttl_s``, a listing's trust), its index telling it the retention up to its

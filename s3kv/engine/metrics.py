@@ -31,7 +31,8 @@ Metric names (all prefixed ``s3kv_``)::
     lookup_decisions_total{decision}  (hit, miss, ran_out, busy, error, skipped, not_worth), warm_up_seconds
     lookup_unhidden_stall_seconds_total, lookup_added_latency_seconds_total,
     lookup_added_itl_seconds (histogram: the inter-token latency one lookup added to each co-running request),
-    lookup_listed_total{source} (index, list), lookup_trusted_hits_total, listing_trust_lost_total
+    lookup_listed_total{source} (index, list), lookup_trusted_hits_total, listing_trust_lost_total,
+    lookup_old_objects_total
     store_requests_total{op}, store_bytes_total{op,direction}, store_request_seconds{op},
     store_retries_total{op}, store_errors_total{op,type}
     breaker_state (0 closed, 1 half-open, 2 open), breaker_transitions_total{from_state,to_state}
@@ -264,6 +265,10 @@ class Metrics:
         )
         self.lookup_trusted_hits = Counter(
             f"{p}_lookup_trusted_hits", "Hits a trusted listing vouched for (no request).", registry=r
+        )
+        self.lookup_old_objects = Counter(
+            f"{p}_lookup_old_objects",
+            "Objects a HEAD found older than gc must keep them (a miss, never a promised load).", registry=r
         )
         self.listing_trust_lost = Counter(
             f"{p}_listing_trust_lost",
@@ -595,6 +600,7 @@ class Metrics:
             (self.lookup_unhidden_stall, "lookup_unhidden_stall_s"),
             (self.lookup_added_latency, "lookup_added_latency_s"),
             (self.lookup_trusted_hits, "lookup_trusted_hits"),
+            (self.lookup_old_objects, "old_objects"),
             (self.listing_trust_lost, "listing_trust_lost"),
         ):
             self._feed(metric, source, name, _num(stats, name))

@@ -31,11 +31,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from ...config import Settings
-from ...core.cost import expiry_age_s, promise_s
+from ...core.cost import EXPIRY_MARGIN_S, expiry_age_s, promise_s
 from ...core.fleetindex import DIGEST_BYTES, FleetIndex
 from ...core.lookup import Ask
 from ...core.objects import ObjectSpan
-from ...core.retention import RETENTION_FLOOR_S, believe_unknown_s
+from ...core.retention import RETENTION_FLOOR_S, believe_unknown_s, engine_lag_s, retention_for
 from ...store.base import ObjectStore
 from ..fleetindex import IndexRefresher, index_key
 from ..index import KeyIndex
@@ -71,7 +71,7 @@ class Listings:
         #: Its write-policy evidence for the same reports (``ValueModel.shared``), pooled by gc.
         self.evidence: Callable[[], dict[str, list[float]] | None] | None = None
         self._learning_seen = False
-        #: POSIX time, the clock the store dates objects by (:meth:`oldest_servable`); None: the fleet
+        #: POSIX time, the clock the store dates objects by (:meth:`believable_s`); None: the fleet
         #: index's (a replay runs it on the trace's), else this host's.
         self.wall: Callable[[], float] | None = None
         self._followed: tuple[FleetIndex | None, bool | None] = (None, None)  # (held, stale) last followed
@@ -150,16 +150,31 @@ class Listings:
         got = self._fleet.others_listed() if self._fleet is not None else None
         return got if got is not None else (None, 0.0)
 
-    def oldest_servable(self) -> float:
-        """The oldest last write or refresh (POSIX time) of an object a HEAD may promise loads of:
-        one the retention and what an engine promises on an answer (``promise_s``) ago. gc
-        deletes an object that old a clock margin later (``core.cost.expiry_age_s``), and by a
-        shorter retention it learns only once engines stopped acting on answers given under the
-        longer one (``Publisher.keep_s``): past it, the load promised on the answer -- or on the
-        key index's memory of it, trusted ``index_ttl_s`` -- may find the object gone. The
-        lookup believes an answer only as long as it is younger than this."""
+    def believable_s(self, last_modified: float) -> float:
+        """For how many seconds more a HEAD's "present" of an object last written or refreshed at
+        ``last_modified`` (POSIX time) may be believed: until it is as old as gc keeps it
+        (:meth:`kept_s`) plus what an engine promises on an answer (``promise_s``). gc deletes it a
+        clock margin later (``core.cost.expiry_age_s``), and by a shorter retention only once
+        engines stopped acting on answers given under the longer one (``Publisher.keep_s``): past
+        this, the load promised on the answer -- or on the key index's memory of it, trusted
+        ``index_ttl_s`` -- may find the object gone. 0 or less: not at all."""
         wall = self.wall or (self._fleet.clock if self._fleet is not None else time.time)
-        return wall() - self.retention_s() - promise_s(self.settings)
+        return last_modified + self.kept_s(last_modified) + promise_s(self.settings) - wall()
+
+    def kept_s(self, touched_at: float) -> float:
+        """The retention gc keeps an object last written or refreshed at ``touched_at`` for, as
+        far as the fleet index says: where gc learns, by gc's own rule (``retention_for``) over the
+        retention and the beliefs the index carries -- an object written under a longer belief
+        keeps it -- else the retention it says (else the setting)."""
+        keep = self.settings.retention_h * 3600.0
+        idx = self._fleet.held if self._fleet is not None else None
+        if idx is None or idx.retention_s is None:
+            return keep
+        if idx.auto_since is None:
+            return min(keep, idx.retention_s)
+        lag = engine_lag_s(idx.every_s, self.settings.fleet_index_s, EXPIRY_MARGIN_S)
+        return retention_for(idx.retention_history, touched_at, retention_s=min(keep, idx.retention_s),
+                             since=idx.auto_since, cap_s=keep, lag_s=lag)
 
     def retention_s(self) -> float:
         """The retention gc deletes by, as the last fleet index said (else the setting)."""

@@ -868,14 +868,13 @@ class Lookups:
         out: dict[Ask, Span | None] = {}
         present: list[tuple[str, ObjectSpan]] = []
         missing: list[str] = []
-        oldest = self.listings.oldest_servable()
         believable: dict[str, float] = {}
         for key, a in todo.items():
             info = batch.found.get(key)
-            left = math.inf if info is None or info.last_modified is None else info.last_modified - oldest
+            left = math.inf if info is None or info.last_modified is None else self.listings.believable_s(info.last_modified)
             if left <= 0:
                 # There now, but maybe not when a load promised on this answer runs
-                # (``Listings.oldest_servable``): a miss, and nothing remembered of it.
+                # (``Listings.believable_s``): a miss, and nothing remembered of it.
                 if count:
                     self.stats.old_objects += 1
                 out[a] = None
