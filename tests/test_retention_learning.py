@@ -146,6 +146,29 @@ def _publisher(store, clock, nsp):
 _SHRINK_AFTER = 3 * 10 + EXPIRY_MARGIN_S + MARGIN
 
 
+def _gc_that_shortened(store):
+    """An engine's leader on ``store`` and a gc that learnt a retention at 1,000 s (reads up to 12
+    minutes late) and a shorter one at 2,000 s (10,000 more, all early): (core, nsp, clock, gc,
+    long, short)."""
+    core = _leader(store, fleet_index_s=5)
+    nsp = core.scheme.namespace_prefix
+    clock = [1000.0]
+    pub = _publisher(store, clock, nsp)
+    k0 = report_key(nsp, "00000000000000aa", 0)
+    store.put(k0, encode_report(_reads((30, 100), (700, 10)), clock[0], k0))
+    pub.publish(clock[0])
+    long = young(_reads((30, 100), (700, 10)))
+    assert long is not None and pub.retention[nsp][0] == long
+    k1 = report_key(nsp, "00000000000000aa", 1)  # 10,000 more reads, all early: the late ones are 0.1%
+    store.put(k1, encode_report(_reads((30, 10_100), (700, 10)), clock[0], k1))
+    clock[0] += 1000
+    pub.publish(clock[0])
+    short = young(_reads((30, 10_100), (700, 10)))
+    assert short is not None and short < long
+    assert pub.retention[nsp][0] == short  # published at once (engines believe and refresh by it)
+    return core, nsp, clock, pub, long, short
+
+
 def _fresh_gc(store):
     """An engine's leader on ``store`` and a gc that starts learning at 1,000 s, one pass done."""
     core = _leader(store, fleet_index_s=5)
@@ -288,20 +311,7 @@ def test_an_engine_judges_a_heads_answer_by_what_gc_keeps_that_object_for():
     and a replay of batch jobs (2,400 requests, 4 engines) lost 10% of its tokens."""
     from test_fleet_index import _Clock, _refreshed
 
-    store = MemoryStore()
-    core = _leader(store, fleet_index_s=5)
-    nsp = core.scheme.namespace_prefix
-    clock = [1000.0]
-    pub = _publisher(store, clock, nsp)
-    k0 = report_key(nsp, "00000000000000aa", 0)
-    store.put(k0, encode_report(_reads((30, 100), (700, 10)), clock[0], k0))
-    pub.publish(clock[0])
-    k1 = report_key(nsp, "00000000000000aa", 1)
-    store.put(k1, encode_report(_reads((30, 10_100), (700, 10)), clock[0], k1))
-    clock[0] += 1000
-    pub.publish(clock[0])
-    long, short = young(_reads((30, 100), (700, 10))), pub.retention[nsp][0]
-    assert long is not None and short < long
+    core, nsp, clock, pub, long, short = _gc_that_shortened(MemoryStore())
     try:
         _refreshed(core, _Clock(clock[0]))
         listings = core._lookups.listings
@@ -357,23 +367,7 @@ def test_gc_keeps_each_object_for_the_longest_retention_an_engine_may_have_belie
     """An engine believes its upload for the retention of the index it holds, without asking
     again: after a shorter one is published, what was written under the longer one (or touched
     while a write under it is still believed) keeps the longer one; later writes the shorter."""
-    store = MemoryStore()
-    core = _leader(store, fleet_index_s=5)
-    nsp = core.scheme.namespace_prefix
-    clock = [1000.0]
-    pub = _publisher(store, clock, nsp)
-    k0 = report_key(nsp, "00000000000000aa", 0)
-    store.put(k0, encode_report(_reads((30, 100), (700, 10)), clock[0], k0))
-    pub.publish(clock[0])
-    long = young(_reads((30, 100), (700, 10)))
-    assert long is not None and pub.retention[nsp][0] == long
-    k1 = report_key(nsp, "00000000000000aa", 1)  # 10,000 more reads, all early: the late ones are 0.1%
-    store.put(k1, encode_report(_reads((30, 10_100), (700, 10)), clock[0], k1))
-    clock[0] += 1000
-    pub.publish(clock[0])
-    short = young(_reads((30, 10_100), (700, 10)))
-    assert short is not None and short < long
-    assert pub.retention[nsp][0] == short  # published at once (engines believe and refresh by it)
+    core, nsp, clock, pub, long, short = _gc_that_shortened(MemoryStore())
     clock[0] += _SHRINK_AFTER  # (applied once engines act on no answer given under the longer one)
     pub.publish(clock[0])
     lag = 3 * 10 + 60
