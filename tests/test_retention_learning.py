@@ -304,7 +304,7 @@ def test_a_lookup_past_an_object_gc_deleted_reports_a_ghost_read():
 
 def test_an_engine_judges_a_heads_answer_by_what_gc_keeps_that_object_for():
     """A lookup believes a HEAD's "present" while the object is younger than gc keeps it plus what
-    it promises on an answer (``Listings.believable_s``). What gc keeps it for depends on when it
+    it promises on an answer (``Listings.believable``). What gc keeps it for depends on when it
     was written (an object written under a longer belief keeps it), and the index carries what
     gc decides by: the engine's reckoning is gc's own, never longer -- judged by the retention
     alone, templates written under an hour's belief looked too old once gc learnt five minutes,

@@ -276,10 +276,10 @@ class KeyIndex:
             if entry[0] >= now:
                 return entry[1]
             del self._present[key]
-        entry = self._written.get(key)
-        if entry is not None:
-            if entry[0] >= now:
-                return entry[1]
+        mine = self._written.get(key)
+        if mine is not None:
+            if mine[0] >= now:
+                return mine[1]
             del self._written[key]
         exp = self._quarantined.get(key)
         if exp is not None:

@@ -28,7 +28,7 @@ import operator
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ...config import Settings
 from ...core.cost import EXPIRY_MARGIN_S, expiry_age_s, promise_s
@@ -71,7 +71,7 @@ class Listings:
         #: Its write-policy evidence for the same reports (``ValueModel.shared``), pooled by gc.
         self.evidence: Callable[[], dict[str, list[float]] | None] | None = None
         self._learning_seen = False
-        #: POSIX time, the clock the store dates objects by (:meth:`believable_s`); None: the fleet
+        #: POSIX time, the clock the store dates objects by (:meth:`believable`); None: the fleet
         #: index's (a replay runs it on the trace's), else this host's.
         self.wall: Callable[[], float] | None = None
         self._followed: tuple[FleetIndex | None, bool | None] = (None, None)  # (held, stale) last followed
@@ -150,16 +150,23 @@ class Listings:
         got = self._fleet.others_listed() if self._fleet is not None else None
         return got if got is not None else (None, 0.0)
 
-    def believable_s(self, last_modified: float) -> float:
-        """For how many seconds more a HEAD's "present" of an object last written or refreshed at
-        ``last_modified`` (POSIX time) may be believed: until it is as old as gc keeps it
+    def believable(self, dates: Mapping[str, float]) -> dict[str, float]:
+        """For how many seconds more a HEAD's "present" of each object, last written or refreshed
+        at ``dates[key]`` (POSIX time), may be believed: until it is as old as gc keeps it
         (:meth:`kept_s`) plus what an engine promises on an answer (``promise_s``). gc deletes it a
         clock margin later (``core.cost.expiry_age_s``), and by a shorter retention only once
         engines stopped acting on answers given under the longer one (``Publisher.keep_s``): past
         this, the load promised on the answer -- or on the key index's memory of it, trusted
-        ``index_ttl_s`` -- may find the object gone. 0 or less: not at all."""
-        wall = self.wall or (self._fleet.clock if self._fleet is not None else time.time)
-        return last_modified + self.kept_s(last_modified) + promise_s(self.settings) - wall()
+        ``index_ttl_s`` -- may find the object gone. 0 or less: not at all. (gc keeps every object
+        the retention at least: gc's own rule is reckoned only for those that leaves under a TTL --
+        a wave answers hundreds of objects on the scheduler's path.)"""
+        now = (self.wall or (self._fleet.clock if self._fleet is not None else time.time))()
+        promise, least, ttl = promise_s(self.settings), self.retention_s(), self.index.ttl_s
+        out = {}
+        for key, lm in dates.items():
+            left = lm + least + promise - now
+            out[key] = left if left >= ttl else lm + self.kept_s(lm) + promise - now
+        return out
 
     def kept_s(self, touched_at: float) -> float:
         """The retention gc keeps an object last written or refreshed at ``touched_at`` for, as

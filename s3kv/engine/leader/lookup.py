@@ -868,13 +868,15 @@ class Lookups:
         out: dict[Ask, Span | None] = {}
         present: list[tuple[str, ObjectSpan]] = []
         missing: list[str] = []
-        believable: dict[str, float] = {}
+        believable = self.listings.believable(
+            {k: i.last_modified for k, i in batch.found.items() if i.last_modified is not None}
+        )
         for key, a in todo.items():
             info = batch.found.get(key)
-            left = math.inf if info is None or info.last_modified is None else self.listings.believable_s(info.last_modified)
+            left = believable.get(key, math.inf)
             if left <= 0:
                 # There now, but maybe not when a load promised on this answer runs
-                # (``Listings.believable_s``): a miss, and nothing remembered of it.
+                # (``Listings.believable``): a miss, and nothing remembered of it.
                 if count:
                     self.stats.old_objects += 1
                 out[a] = None
@@ -894,8 +896,6 @@ class Lookups:
                     out[a] = None
                     continue
                 present.append((key, span))
-                if left < math.inf:
-                    believable[key] = left
                 out[a] = Span(span.first, span.end)
             elif key in batch.failed:
                 if count:
