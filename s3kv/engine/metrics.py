@@ -268,7 +268,7 @@ class Metrics:
         )
         self.lookup_old_objects = Counter(
             f"{p}_lookup_old_objects",
-            "Objects a HEAD found older than gc must keep them (a miss, never a promised load).", registry=r
+            "Objects a HEAD found older than gc must keep them (served to the lookup that asked, not remembered).", registry=r
         )
         self.listing_trust_lost = Counter(
             f"{p}_listing_trust_lost",

@@ -874,13 +874,6 @@ class Lookups:
         for key, a in todo.items():
             info = batch.found.get(key)
             left = believable.get(key, math.inf)
-            if left <= 0:
-                # There now, but maybe not when a load promised on this answer runs
-                # (``Listings.believable``): a miss, and nothing remembered of it.
-                if count:
-                    self.stats.old_objects += 1
-                out[a] = None
-                continue
             if info is not None:
                 try:
                     # The key names the object ending at block a[2]: its span must end there. A
@@ -895,7 +888,14 @@ class Lookups:
                     log.warning("s3kv: ignoring object: %s", e)
                     out[a] = None
                     continue
-                present.append((key, span))
+                if left > 0:
+                    present.append((key, span))
+                elif count:
+                    # Good for this lookup (its load follows at once), but gc may delete it any
+                    # moment (``Listings.believable``): nothing remembered -- a later lookup asks
+                    # again rather than promise a load on a memory the object may not outlive. (Not
+                    # a miss: without gc, or before its next pass, the load finds it and refreshes it.)
+                    self.stats.old_objects += 1
                 out[a] = Span(span.first, span.end)
             elif key in batch.failed:
                 if count:

@@ -85,7 +85,7 @@ class LeaderStats:
     lookup_unhidden_stall_s: float = 0.0
     lookup_added_latency_s: float = 0.0
     foreign_objects: int = 0
-    #: Objects a HEAD found older than gc must keep them (``Listings.believable``): missed, not promised.
+    #: Objects a HEAD found older than gc must keep them (``Listings.believable``): not remembered.
     old_objects: int = 0
     #: Objects refused on HEAD, by reason (foreign, untrusted, span, ...); their sum is foreign_objects.
     rejected: dict[str, int] = field(default_factory=dict)
