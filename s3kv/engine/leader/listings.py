@@ -173,15 +173,13 @@ class Listings:
         far as the fleet index says: where gc learns, by gc's own rule (``retention_for``) over the
         retention and the beliefs the index carries -- an object written under a longer belief
         keeps it -- else the retention it says (else the setting)."""
-        keep = self.settings.retention_h * 3600.0
+        said = self.retention_s()
         idx = self._fleet.held if self._fleet is not None else None
-        if idx is None or idx.retention_s is None:
-            return keep
-        if idx.auto_since is None:
-            return min(keep, idx.retention_s)
+        if idx is None or idx.retention_s is None or idx.auto_since is None:
+            return said
         lag = engine_lag_s(idx.every_s, self.settings.fleet_index_s, EXPIRY_MARGIN_S)
-        return retention_for(idx.retention_history, touched_at, retention_s=min(keep, idx.retention_s),
-                             since=idx.auto_since, cap_s=keep, lag_s=lag)
+        return retention_for(idx.retention_history, touched_at, retention_s=said, since=idx.auto_since,
+                             cap_s=self.settings.retention_h * 3600.0, lag_s=lag)
 
     def retention_s(self) -> float:
         """The retention gc deletes by, as the last fleet index said (else the setting)."""
