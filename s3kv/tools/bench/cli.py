@@ -665,10 +665,13 @@ def trace_command(
 )
 @click.option("--requests", "n_requests", type=click.IntRange(min=1), default=1200, show_default=True)
 @click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--load", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+              help="Sessions (or batch jobs) arrive this many times as often as the preset says: the same "
+              "traffic, denser against each engine's device cache.")
 @click.option("-o", "--output", "output", type=click.Path(dir_okay=False, writable=True), required=True,
               help="Write the trace here (Mooncake format, one JSON object a line).")
 @click.option("--json", "as_json", is_flag=True, help="Print its description as ONE JSON object.")
-def gen_trace_command(workload: str, n_requests: int, seed: int, output: str, as_json: bool) -> None:
+def gen_trace_command(workload: str, n_requests: int, seed: int, load: float, output: str, as_json: bool) -> None:
     """Write a request trace of a named workload in the Mooncake format, deterministic from --seed, and
     print what its reuse looks like (the figures `describe-trace` prints for any trace)."""
     import json
@@ -679,9 +682,10 @@ def gen_trace_command(workload: str, n_requests: int, seed: int, output: str, as
     w = PRESETS.get(workload)
     if w is None:
         raise click.BadParameter(f"unknown workload {workload!r}; known: {', '.join(PRESETS)}", param_hint="--workload")
-    reqs = generate(w, n_requests, seed)
+    reqs = generate(w.at_load(load), n_requests, seed)
     write_trace(reqs, output)
-    d = {"workload": w.name, "seed": seed, "held_out": w.held_out, "path": output, **describe(reqs, 512)}
+    d = {"workload": w.name, "seed": seed, "load": load, "held_out": w.held_out, "path": output,
+         **describe(reqs, 512)}
     if as_json:
         click.echo(json.dumps(d))
     else:
