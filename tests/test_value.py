@@ -51,10 +51,12 @@ def boundary(i: int, kind: str = HISTORY_END, tokens: int = 16_384, new_blocks: 
     return Boundary(kind, tokens, digest(i), (TAIL,), chain, CHAIN_BLOCK / 64)
 
 
-def serve(m: ValueModel, n: int, read_share: float, start: int, kind: str = HISTORY_END, lag: int = 5) -> list[str]:
+def serve(m: ValueModel, n: int, read_share: float, start: int, kind: str = HISTORY_END, lag: int = 5,
+          device_share: float = 0.0) -> list[str]:
     """``n`` requests: each plans one 4k-token boundary of ``kind``, writes it if decided, and a
-    share ``read_share`` of the written ones is read ``lag`` requests later (a next turn). Returns
-    each request's decision."""
+    share ``read_share`` of the written ones is reused ``lag`` requests later (a next turn): a
+    share ``device_share`` of those reuses from the engine's device cache, the rest read from S3.
+    Returns each request's decision."""
     out, pending = [], []
     for i in range(start, start + n):
         m.tick()
@@ -68,7 +70,10 @@ def serve(m: ValueModel, n: int, read_share: float, start: int, kind: str = HIST
                 pending.append((i + lag, b))
         for due, pb in [p for p in pending if p[0] == i]:
             pending.remove((due, pb))
-            m.read(pb.digest, None, pb.tokens, 0, TAIL, 0)
+            if int.from_bytes(digest(due)[4:8], "big") < device_share * 2**32:
+                assert m.device_read(pb.digest) == kind
+            else:
+                m.read(pb.digest, None, pb.tokens, 0, TAIL, 0)
     return out
 
 
@@ -86,6 +91,26 @@ def test_writes_less_when_reads_fall_and_more_when_they_rise():
     back = serve(m, 800, 0.8, 1200)  # and then they do again
     assert written(back[-300:]) == 1.0
     assert m.reads_per_write(HISTORY_END) > 0.5
+
+
+def test_reuses_the_device_serves_stop_the_writes_sooner_than_no_reuse_at_all():
+    """Where the engine's own device cache serves a kind's reuses (one engine, or a cache-aware
+    router), S3 adds nothing: the policy learns that from the reuses themselves, so it stops
+    writing sooner than where nothing is reused (whose evidence is only unread writes against the
+    prior), and where S3 serves the same reuses it goes on writing."""
+    device, unread, s3 = model(half_life=200), model(half_life=200), model(half_life=200)
+    by_device = serve(device, 400, 0.9, 0, device_share=1.0)
+    by_nothing = serve(unread, 400, 0.0, 0)
+    by_s3 = serve(s3, 400, 0.9, 0)
+    assert device.s3_share(HISTORY_END) < 0.5 and s3.s3_share(HISTORY_END) == 1.0
+    assert written(by_device) < 0.8 * written(by_nothing)
+    assert written(by_device[-200:]) < 3 * EXPLORE_SHARE
+    assert written(by_s3[-200:]) == 1.0
+    # Half of the reuses from S3: still worth writing (what S3 serves pays for the object).
+    half = model(half_life=200)
+    assert written(serve(half, 400, 0.9, 0, device_share=0.5)[-200:]) == 1.0
+    # A reuse of a boundary this engine never wrote says nothing.
+    assert device.device_read(digest(10_000)) is None
 
 
 def test_exploration_keeps_learning_a_refused_kind():

@@ -79,15 +79,16 @@ def sessions(rng: random.Random, n: int, turns: int) -> list[list[int]]:
     return out
 
 
-def serve(eng, prompts) -> list[tuple[int, int]]:
+def serve(eng, prompts, device: list[int] | None = None) -> list[tuple[int, int]]:
     """Each prompt after the previous one finished (uploads landed): (history-end tails written to
-    S3 for it, tokens served) per request."""
+    S3 for it, tokens served) per request. ``device``: each one's device match (tokens)."""
     out = []
     totals = eng.leader.core.writes.model.totals[HISTORY_END]
-    for p in prompts:
+    for i, p in enumerate(prompts):
         eng.clock[0] += 10.0
         before = totals.objects
-        rep = eng.run([SimRequestSpec(next(_ids), tuple(p), max_new_tokens=ANSWER)])
+        d = device[i] if device else 0
+        rep = eng.run([SimRequestSpec(next(_ids), tuple(p), max_new_tokens=ANSWER, device_match_tokens=d)])
         for w in eng.workers:
             assert w.flush(30)
         assert rep.kv_mismatches == 0
@@ -126,6 +127,27 @@ def test_history_end_tails_follow_the_next_turns_that_read_them(policy):
     assert sum(t for _, t in back[-45:]) > 0.5 * sum(t for _, t in talk[-45:])
     d = eng.leader.core.stats.value[HISTORY_END]
     assert d["refused"] > 0 and d["explored"] > 0 and d["written"] > 0
+
+
+def test_next_turns_the_device_serves_stop_history_end_tails_going_to_s3():
+    """One engine whose own device cache holds each conversation's history when its next turn
+    comes (TensorRT-LLM asks the connector only past that match): S3 serves none of those next
+    turns, and the leader counts each as a reuse the device served (``ValueModel.device_reuse``),
+    so history-end tails stop going to S3 -- where the same next turns are read from S3 they all
+    go on."""
+    turns = 3
+    prompts = sessions(random.Random(6), 40, turns)
+    device = [0 if i % turns == 0 else (len(prompts[i - 1]) + ANSWER) // TPB * TPB for i in range(len(prompts))]
+    rows = {}
+    for name, match in (("device", device), ("s3", None)):
+        eng = engine(MemoryStore())
+        with eng:
+            rows[name] = serve(eng, prompts, match)
+        rows[name + " reuses"] = eng.leader.core.stats.value[HISTORY_END]["device_reads"]
+    assert rows["device reuses"] > 0 and rows["s3 reuses"] == 0
+    assert sum(t for _, t in rows["device"]) == 0 < sum(t for _, t in rows["s3"])
+    assert share_written(read_turns(rows["s3"][-45:], turns)) == 1.0
+    assert share_written(read_turns(rows["device"][-45:], turns)) < 0.5
 
 
 def test_tensor_parallel_ranks_store_the_same_objects():

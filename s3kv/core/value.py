@@ -51,6 +51,20 @@ sees -- which kind of object ended each of its hits, at what depth, on top of wh
 * *marginal share*: of the history a hit reaches, the share beyond the device match -- the
   tokens S3 adds. Behind a cache-aware router or a host tier the device serves most of a repeat
   and S3's reads fall, or serve little: both lower a kind's worth, so S3 writes less there.
+* *S3's share of reuse*: a later request of this engine whose **device** matched past one of its
+  own boundaries (and S3 served nothing beyond) reused that boundary without S3 (TensorRT-LLM asks
+  a connector only past its device match). Of a kind's reuses, S3 served ``(S3 reads + 4) /
+  (S3 reads + device reuses + 4)`` over the fleet, and of a depth bin's likewise: four reads of
+  prior, the weight of the reads-per-write prior's. A device reuse is counted as its boundary's
+  write is (by the write's age, the lag correction: the device reuses a boundary seconds after its
+  write, S3 reads it minutes later). The prior's pseudo-reads count as S3 reads in that share
+  only; the reads S3 served stay what they are. Why: the prior is what kept a kind nobody reads
+  from S3 written until its unread writes outweighed it -- on one engine with a device cache (the
+  default ``bench trace`` fleet) the 600-request agentic and few-shot traces spent $0.010-0.014
+  for no token S3 served -- while the device's reuses say within a few requests that S3 would
+  not serve them. One read of prior (or a bin's share shrunk towards its kind's) cut the prior of
+  deep checkpoints a few device reuses had seen, and the public trace behind 4 affinity engines
+  lost 11% of what S3 saved (docs/trace-replay.md, "Reuses the device served").
 * *reuse lag*: requests between a write and the hit that reads it (own objects). Reads of a write
   come later, so writes too young to have been read yet are counted as the share of their reads
   that had time to come (the lag's distribution): a fresh engine, or a kind just admitted, is not
@@ -172,6 +186,10 @@ EXPLORE_SHARE = 1 / 32
 PRIOR_READS_PER_WRITE = 0.5
 PRIOR_WRITES = 4.0
 PRIOR_MARGINAL_TOKENS = 2 * 8192.0
+#: S3 reads of prior in S3's share of a kind's reuses (module doc, "S3's share of reuse").
+PRIOR_S3_READS = PRIOR_WRITES
+#: The evidence name of a kind's reuses the device served (``DEVICE + kind``: [0, matured reuses]).
+DEVICE = "device:"
 #: Writes are binned by this many seconds for the lag correction (recomputed once per bin).
 _EPOCH = 16
 #: Reuse-lag histogram: bin b holds lags in [2^b - 1, 2^(b+1) - 1) seconds.
@@ -317,6 +335,7 @@ class KindTotals:
     gpu_usd: float = 0.0
     get_usd: float = 0.0
     host_reads: int = 0  # hits only the host tier could serve (objects kept from S3: not reads)
+    device_reads: int = 0  # own boundaries a later request reused from the device (``device_read``)
     written: int = 0  # boundaries decided "write"
     explored: int = 0  # boundaries decided "explore"
     refused: int = 0  # boundaries decided "refuse"
@@ -415,11 +434,21 @@ class ValueModel:
         if tokens is not None:
             self._count((kind, depth_bin(tokens)))
 
-    def _count(self, key: str | tuple[str, int], n: float = 1.0) -> None:
+    def _count(self, key: str | tuple[str, int], n: float = 1.0, at: float | None = None) -> None:
+        """``n`` more of ``key`` in the epoch of ``at`` (None: now), matured as writes are."""
         ep = self._epochs.setdefault(key, deque())
-        start = self.clock - self.clock % _EPOCH
+        t = self.clock if at is None else min(self.clock, at)
+        start = t - t % _EPOCH
         if ep and ep[-1][0] == start:
             ep[-1][1] += n
+        elif ep and ep[-1][0] > start:  # an earlier epoch (dated by a write): kept in order
+            i = len(ep) - 1
+            while i >= 0 and ep[i][0] > start:
+                i -= 1
+            if i >= 0 and ep[i][0] == start:
+                ep[i][1] += n
+            elif self.clock - start <= 8 * self.half_life:
+                ep.insert(i + 1, [start, n])
         else:
             ep.append([start, n])
             while ep and self.clock - ep[0][0] > 8 * self.half_life:
@@ -493,6 +522,37 @@ class ValueModel:
         self.ghosts += 1
         self.lag_reads[lag_bin(age_s)] += 1
 
+    def device_reuse(self, digests: Sequence[bytes], device_blocks: int) -> str | None:
+        """A request's device cache matched its first ``device_blocks`` blocks (chain ``digests``)
+        and S3 served nothing past them: the deepest of this engine's own boundaries within the
+        match is a reuse the device served (:meth:`device_read`). Not with an S3 hit: a reader
+        without this device would have hit there, past this boundary, and not needed it."""
+        for end in range(min(device_blocks, len(digests)), 0, -1):
+            kind = self.device_read(digests[end - 1])
+            if kind is not None:
+                return kind
+        return None
+
+    def device_read(self, digest: bytes) -> str | None:
+        """A later request of this engine reused the boundary named ``digest`` from its device cache
+        (no S3 read: TensorRT-LLM asks a connector only past its device match). Counted where this
+        engine wrote that boundary (the memo) as a reuse S3 did not serve (module doc, "S3's share of
+        reuse"). Returns its kind, or None where it is none of this engine's."""
+        own = self._memo.get(digest)
+        if own is None:
+            return None
+        kind, written, depth = own
+        # Dated by the boundary's write, and counted as its writes are (the lag correction): the
+        # device's reuse comes seconds after a write, an S3 read of it may come many minutes later
+        # (another engine, or this one once the device evicted it): counted when they happen, they
+        # would weigh against a write before its S3 reads had time to come.
+        for k in (kind, CHAIN) if kind == BRANCH else (kind,):
+            self._count(DEVICE + k, at=written)
+        if depth is not None:
+            self._count((DEVICE + kind, depth), at=written)
+        self.totals[kind].device_reads += 1
+        return kind
+
     def _split(self, kinds: Sequence[str]) -> dict[str, float]:
         """How to attribute a read of another engine's tail that is no checkpoint (module doc) among
         the ``kinds`` it may be: as this engine's own reads of those kinds are attributed (else as
@@ -560,13 +620,28 @@ class ValueModel:
     def reads_per_write(self, kind: str, tokens: int | None = None) -> float:
         """Reads per write of ``kind``; of its boundaries ``tokens`` deep, where given (module doc,
         "by depth": the depth bin's own count, shrunk towards the kind's)."""
-        prior_reads = PRIOR_READS_PER_WRITE * PRIOR_WRITES
+        prior_reads = PRIOR_READS_PER_WRITE * PRIOR_WRITES * self.s3_share(kind)
         r, w = self._counts(kind)
         whole = (r + prior_reads) / (w + PRIOR_WRITES)
         if tokens is None:
             return whole
+        prior_reads = PRIOR_READS_PER_WRITE * PRIOR_WRITES * self.s3_share(kind, tokens)
         rb, wb = self._counts((kind, depth_bin(tokens)))
         return (rb + prior_reads) / (wb + prior_reads / whole)
+
+    def s3_share(self, kind: str, tokens: int | None = None) -> float:
+        """Of the reuses of ``kind``'s boundaries, the share S3 served (the rest the device did),
+        over the fleet, with :data:`PRIOR_S3_READS` S3 reads of prior; of its boundaries ``tokens``
+        deep, where given: the depth bin's own (module doc, "S3's share of reuse")."""
+        key: str | tuple[str, int] = kind if tokens is None else (kind, depth_bin(tokens))
+        s3, device = self._counts(key)[0], self._device_reads(key)
+        return (s3 + PRIOR_S3_READS) / (s3 + device + PRIOR_S3_READS)
+
+    def _device_reads(self, key: str | tuple[str, int]) -> float:
+        """Reuses of ``key`` the device served, matured by their writes' age (``device_read``): this
+        engine's and what the others reported."""
+        dkey = DEVICE + key if isinstance(key, str) else (DEVICE + key[0], key[1])
+        return self._counts(dkey)[1]
 
     def _counts(self, key: str | tuple[str, int]) -> tuple[float, float]:
         """(reads, matured writes) of a kind or (kind, depth bin): this engine's, plus what the
@@ -583,7 +658,7 @@ class ValueModel:
         return other[0] * keep, other[1] * keep
 
     def _own(self, key: str | tuple[str, int]) -> tuple[float, float]:
-        got = self._reads[key] if isinstance(key, str) else self._reads_at.get(key)
+        got = self._reads.get(key) if isinstance(key, str) else self._reads_at.get(key)
         return (got.get(self.clock, self.half_life) if got is not None else 0.0), self._matured_writes(key)
 
     def evidence(self) -> dict[str, list[float]]:
@@ -691,13 +766,14 @@ class ValueModel:
         """Per kind: the estimates (reads per write, marginal share, the other engines' matured
         writes pooled in) and the value line."""
         fields = ("objects", "bytes", "put_usd", "storage_usd", "get_usd", "reads", "tokens", "gpu_usd",
-                  "host_reads", "written", "explored", "refused")
+                  "host_reads", "device_reads", "written", "explored", "refused")
         out = {}
         for k in KINDS:
             t = self.totals[k]
             out[k] = {f: float(getattr(t, f)) for f in fields}
             out[k]["reads_per_write"] = self.reads_per_write(k)
             out[k]["marginal_share"] = self.marginal_share(k)
+            out[k]["s3_share"] = self.s3_share(k)
             out[k]["fleet_writes"] = self._pooled(k)[1]
         return out
 

@@ -47,7 +47,7 @@ Metric names (all prefixed ``s3kv_``)::
     divergence, bad, host_only_save)
     value_gpu_usd_total{kind}, value_s3_usd_total{kind,part}, value_tokens_total{kind},
     value_reads_total{kind}, value_objects_total{kind}, value_decisions_total{kind,decision},
-    value_reads_per_write{kind}, value_marginal_share{kind}, value_fleet_writes{kind}, prefill_tokens_per_second
+    value_reads_per_write{kind}, value_marginal_share{kind}, value_s3_share{kind}, value_fleet_writes{kind}, prefill_tokens_per_second
       (the value line: what each kind of object saved and cost, s3kv.core.value; kind is chain,
       checkpoint, prompt-end, history-end or branch; value_line() adds the lookups' HEADs)
 
@@ -207,6 +207,11 @@ class Metrics:
             ["kind"], registry=r,
         )
         self.value_reads = Counter(f"{p}_value_reads", "Hits, by kind of object that ended them.", ["kind"], registry=r)
+        self.value_device_reuses = Counter(
+            f"{p}_value_device_reuses",
+            "Reuses of this engine's own boundaries its device cache served (no S3 read), by kind.", ["kind"],
+            registry=r,
+        )
         self.value_objects = Counter(f"{p}_value_objects", "Objects written to S3, by kind.", ["kind"], registry=r)
         self.value_read_lag = Counter(
             f"{p}_value_read_lag_reads", "S3 reads dated by the age of the object they read (own objects by "
@@ -225,6 +230,11 @@ class Metrics:
         self.value_marginal_share = Gauge(
             f"{p}_value_marginal_share",
             "The write policy's estimate of the share of a hit's history past the device match, by kind.",
+            ["kind"], registry=r,
+        )
+        self.value_s3_share = Gauge(
+            f"{p}_value_s3_share",
+            "The write policy's estimate of the share of a kind's reuses S3 served (the rest the device did).",
             ["kind"], registry=r,
         )
         self.value_fleet_writes = Gauge(
@@ -633,11 +643,13 @@ class Metrics:
                 feed(self.value_s3_usd.labels(k, part), f"{part}_usd")
             feed(self.value_tokens.labels(k), "tokens")
             feed(self.value_reads.labels(k), "reads")
+            feed(self.value_device_reuses.labels(k), "device_reads")
             feed(self.value_objects.labels(k), "objects")
             for decision, name in (("write", "written"), ("explore", "explored"), ("refuse", "refused")):
                 feed(self.value_decisions.labels(k, decision), name)
             for gauge, name in ((self.value_reads_per_write, "reads_per_write"),
                                 (self.value_marginal_share, "marginal_share"),
+                                (self.value_s3_share, "s3_share"),
                                 (self.value_fleet_writes, "fleet_writes")):
                 v = _number(d.get(name))
                 if v is not None:

@@ -338,7 +338,8 @@ class WritePolicy:
                                                   st.prompt_len // tpb)
         if age is not None:
             self.model.ghost(age)
-        if ld.offered_blocks <= 0:
+        if ld.offered_blocks <= 0:  # (with an S3 hit, a reader without this device hit there, past it)
+            self.model.device_reuse(st.chain.digests, ld.d_blocks)
             return
         end = h
         tail_bytes = 0
