@@ -23,6 +23,24 @@ def test_same_seed_same_trace_other_seed_other_trace(tmp_path):
     assert generate(PRESETS["chat"], 200, 8) != generate(PRESETS["chat"], 200, 7)
 
 
+@pytest.mark.parametrize("name", ["chat", "fewshot-batch"])
+def test_a_higher_load_is_the_same_traffic_on_a_denser_clock(name):
+    """``--load``: sessions (or batch jobs) arrive that many times as often; what each one asks is
+    drawn the same, so only arrival times change, and the trace spans about that much less."""
+    w = PRESETS[name]
+    assert w.at_load(1) is w
+    base, dense = generate(w, 300, 5), generate(w.at_load(4), 300, 5)
+    span = lambda reqs: max(r.timestamp_ms for r in reqs) - min(r.timestamp_ms for r in reqs)  # noqa: E731
+    assert 2.5 < span(base) / span(dense) < 6
+    # A turn both traces hold asks the same (the denser one ends sooner: it holds fewer late turns).
+    a, b = ({sess: (r.input_length, r.hash_ids) for r, sess in gen} for gen in
+            (generate_sessions(w, 300, 5), generate_sessions(w.at_load(4), 300, 5)))
+    both = a.keys() & b.keys()
+    assert len(both) > 100 and all(a[k] == b[k] for k in both)
+    r = CliRunner().invoke(main, ["bench", "gen-trace", "--workload", name, "--load", "0", "-o", "/dev/null"])
+    assert r.exit_code != 0 and "--load" in r.output
+
+
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_every_preset_writes_a_trace_the_replay_reads(tmp_path, name):
     reqs = generate(PRESETS[name], 150, 3)
