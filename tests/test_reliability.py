@@ -67,6 +67,10 @@ def _settings(server: EmbeddedS3, prefix: str, shape: Shape = SMALL, **overrides
     # breaker's stall rule has its own tests (test_hung_store.py) -- so a pause of the host must not
     # read as a failed load.
     overrides.setdefault("breaker_stall_s", 15.0)
+    # Likewise fault_settings' 1 s read timeout: a CI host paused moto past it twice in one lookup,
+    # the HEAD gave up and a warm-index test's first request missed before any damage was done. The
+    # outages here refuse connections (answered at once), so no test waits on this timeout.
+    overrides.setdefault("read_timeout_s", 5.0)
     return fault_settings(
         f"s3://{server.bucket}/{prefix}",
         blocks_per_object=shape.blocks_per_object,

@@ -307,10 +307,13 @@ def test_a_wedged_helper_is_replaced(moto_s3: EmbeddedS3, prefix: str) -> None:
             assert helpers.wait_ready(30)
             stuck = helpers.pids()[0]
             os.kill(stuck, signal.SIGSTOP)
-            out = helpers.head_many(stored, 1.0)  # ends before the ping could find it out
+            out = helpers.head_many(stored, 1.5)  # ends before the ping (2 s) could find it out
             assert out is not None
             late = [o for o in out if isinstance(o, DeadlineExceeded)]
-            assert len(late) == MIN_SHARE and all(o is not None and not isinstance(o, StoreError) for o in out if o not in late)
+            # The stopped helper's share is late; a loaded host can make the other's late too (24 of
+            # 24 seen once), but no answer is a store error: the store is fine, the helper is not.
+            assert len(late) >= MIN_SHARE
+            assert all(o is not None and not isinstance(o, StoreError) for o in out if o not in late)
             assert _wait(lambda: not _alive(stuck), 10), "the wedged helper was not killed"
             assert _wait(lambda: helpers.ready_count() == 2, 15) and stuck not in helpers.pids()
             out = helpers.head_many(stored, 10.0)
