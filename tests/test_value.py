@@ -52,15 +52,15 @@ def boundary(i: int, kind: str = HISTORY_END, tokens: int = 16_384, new_blocks: 
 
 
 def serve(m: ValueModel, n: int, read_share: float, start: int, kind: str = HISTORY_END, lag: int = 5,
-          device_share: float = 0.0) -> list[str]:
-    """``n`` requests: each plans one 4k-token boundary of ``kind``, writes it if decided, and a
+          device_share: float = 0.0, tokens: int = 4096) -> list[str]:
+    """``n`` requests: each plans one ``tokens``-deep boundary of ``kind``, writes it if decided, and a
     share ``read_share`` of the written ones is reused ``lag`` requests later (a next turn): a
     share ``device_share`` of those reuses from the engine's device cache, the rest read from S3.
     Returns each request's decision."""
     out, pending = [], []
     for i in range(start, start + n):
         m.tick()
-        b = boundary(i, kind, tokens=4096)
+        b = boundary(i, kind, tokens=tokens)
         d = m.plan([b]).decisions[(kind, b.tokens)]
         out.append(d)
         if d != "refuse":
@@ -111,6 +111,37 @@ def test_reuses_the_device_serves_stop_the_writes_sooner_than_no_reuse_at_all():
     assert written(serve(half, 400, 0.9, 0, device_share=0.5)[-200:]) == 1.0
     # A reuse of a boundary this engine never wrote says nothing.
     assert device.device_read(digest(10_000)) is None
+
+
+def test_an_engine_that_has_watched_an_objects_life_stops_writing_a_kind_nobody_reads_sooner():
+    """A fresh engine carries a kind through its first unread writes on the coin-flip prior; once
+    it has watched as long as an object lives, zero reads in n writes says the rate is below about
+    1/n (the scale-free prior), so a deep boundary whose one read pays ~100x its bill stops at a few
+    dozen unread writes, not the ~200 the coin flip needs. A kind read at 1 in 25 -- worth writing
+    at that depth -- is written all the same, its rate learnt as what it is."""
+    deep = boundary(0, CHECKPOINT, tokens=32_768)
+    fresh, watched = model(), model()
+    pays = fresh.prefill.usd(0, deep.tokens) / fresh.bill.write_usd(deep.tail)
+    assert 50 < pays < 200  # (the premise: one read in ~100 pays)
+    watched.advance_to(0)
+    watched.advance_to(watched.bill.lifetime_s)
+    never_fresh = serve(fresh, 1500, 0.0, 0, CHECKPOINT, tokens=deep.tokens)
+    never_watched = serve(watched, 1500, 0.0, 0, CHECKPOINT, tokens=deep.tokens)
+    assert "refuse" in never_watched
+    assert never_watched.count("write") < 0.6 * never_fresh.count("write")
+    assert never_watched.index("refuse") < never_fresh.index("refuse")
+    # Half as far watched, half as far moved: the two priors are blended by the watched time.
+    half = model()
+    half.advance_to(0)
+    half.advance_to(half.bill.lifetime_s / 2)
+    never_half = serve(half, 1500, 0.0, 0, CHECKPOINT, tokens=deep.tokens)
+    assert never_watched.count("write") < never_half.count("write") < never_fresh.count("write")
+    for share in (0.04, 0.1):
+        m = model()
+        m.advance_to(0)
+        m.advance_to(m.bill.lifetime_s)
+        assert written(serve(m, 1500, share, 0, CHECKPOINT, tokens=deep.tokens)[-500:]) == 1.0
+        assert 0.6 * share < m.reads_per_write(CHECKPOINT) < 1.5 * share
 
 
 def test_exploration_keeps_learning_a_refused_kind():

@@ -113,6 +113,19 @@ tokens lost; exploring a refused kind by its chance of paying (its Gamma posteri
 little evidence it has, won back part of them at a higher bill. Dating other engines' reads by
 the fleet index's write times (a learnt fleet lag) moved ratios by -8% to +33%, either way.
 
+**Once the engine has watched an object's life, a scale-free prior.** The coin-flip prior is an
+exploration bonus while an engine is young: a kind read at 2-4% whose reads come minutes after its
+writes is carried through its first unread writes (a scale-free prior from the first request lost
+6-45% of the public trace's S3 tokens: docs/trace-replay.md, "A scale-free prior on reads per
+write"). Later it is a leak: a never-read kind goes on being written at ~2 x (value / bill)
+matured writes a half-life. So as the engine's watched time grows to the longest life an object
+may have (the ceiling's, ``Bill.lifetime_s``), a kind's rate moves, in proportion, to the smaller
+of the coin flip's and the posterior mean under a prior of density 1/rate on
+[:data:`RATE_FLOOR`, inf): the rate unknown within orders of magnitude. Then r reads in n matured
+writes say about r/n, and none about 1/(n ln(1000/n)) -- 0.012 after 25, 0.005 after 100, where
+the coin flip says 0.069 and 0.019 -- so a kind nobody reads whose read pays ~100x its bill stops
+at a few dozen unread writes, not ~200. Depth bins shrink towards the kind's rate as before.
+
 **Pooled over the fleet** (:meth:`ValueModel.evidence`, :meth:`ValueModel.pool`). Reads per write
 are one fleet-wide rate, so each engine adds what the others learnt to its own counts: engines
 report their evidence (decayed reads and matured writes per kind and depth bin) beside their dated
@@ -135,6 +148,7 @@ would restate it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections import OrderedDict, deque
@@ -623,6 +637,9 @@ class ValueModel:
         prior_reads = PRIOR_READS_PER_WRITE * PRIOR_WRITES * self.s3_share(kind)
         r, w = self._counts(kind)
         whole = (r + prior_reads) / (w + PRIOR_WRITES)
+        if self._since is not None and self.clock > self._since:  # module doc, "once ... watched"
+            watched = min(1.0, (self.clock - self._since) / self._watch_s)
+            whole -= watched * max(0.0, whole - scale_free_rate(r, w))
         if tokens is None:
             return whole
         prior_reads = PRIOR_READS_PER_WRITE * PRIOR_WRITES * self.s3_share(kind, tokens)
@@ -776,6 +793,32 @@ class ValueModel:
             out[k]["s3_share"] = self.s3_share(k)
             out[k]["fleet_writes"] = self._pooled(k)[1]
         return out
+
+
+#: The lowest reads per write the scale-free prior admits (module doc, "once the engine has
+#: watched"): below it no boundary pays -- the deepest prompts' boundaries pay back at about one
+#: read in a few hundred -- so the prior needs no weight there.
+RATE_FLOOR = 1e-3
+
+
+def scale_free_rate(reads: float, writes: float) -> float:
+    """Posterior mean of a reads-per-write rate under the prior 1/rate on [RATE_FLOOR, inf), after
+    ``reads`` in ``writes`` (Poisson; at least one write). Counts are rounded to three digits: a
+    cache hit for the decayed counts of one kind between two plans."""
+    return _scale_free_rate(float(f"{reads:.3g}"), float(f"{max(writes, 1.0):.3g}"))
+
+
+@functools.lru_cache(maxsize=8192)
+def _scale_free_rate(r: float, n: float) -> float:
+    # In u = ln(rate) the posterior's density is rate^r e^(-n rate) (the 1/rate prior times d rate
+    # = rate du); its mean is the ratio of that times rate to it. The trapezoid rule on 256 points,
+    # up to where e^(-n rate) has left nothing (60 past the mode): accurate to well under 1%.
+    lo, hi = math.log(RATE_FLOOR), math.log(max(2 * RATE_FLOOR, (r + 60.0) / n))
+    us = [lo + (hi - lo) * i / 255 for i in range(256)]
+    logs = [r * u - n * math.exp(u) for u in us]
+    top = max(logs)
+    dens = [math.exp(x - top) * (0.5 if i in (0, 255) else 1.0) for i, x in enumerate(logs)]
+    return sum(d * math.exp(u) for d, u in zip(dens, us, strict=True)) / sum(dens)
 
 
 def evidence_key(key: str | tuple[str, int]) -> str:
