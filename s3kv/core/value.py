@@ -148,6 +148,7 @@ would restate it.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import hashlib
 import math
@@ -456,13 +457,11 @@ class ValueModel:
         if ep and ep[-1][0] == start:
             ep[-1][1] += n
         elif ep and ep[-1][0] > start:  # an earlier epoch (dated by a write): kept in order
-            i = len(ep) - 1
-            while i >= 0 and ep[i][0] > start:
-                i -= 1
-            if i >= 0 and ep[i][0] == start:
+            i = bisect.bisect_left(ep, start, key=lambda e: e[0])
+            if ep[i][0] == start:
                 ep[i][1] += n
             elif self.clock - start <= 8 * self.half_life:
-                ep.insert(i + 1, [start, n])
+                ep.insert(i, [start, n])
         else:
             ep.append([start, n])
             while ep and self.clock - ep[0][0] > 8 * self.half_life:
